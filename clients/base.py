@@ -1,0 +1,110 @@
+"""The client side of every method: receive -> build the described model -> train -> reply.
+
+Clients are told, not configured: the message carries the model spec (architecture, level,
+per-layer ranks), the arrays, the training hyperparameters and the data spec. The node itself
+only knows where its data is and what it can afford (its node config):
+
+* ``partition-id`` / ``num-partitions``: which partition of the data spec is this node's
+  (set by the simulation engine; set them in ``--node-config`` on a real SuperNode);
+* ``data-dir``: the folder holding the node's local copy of the dataset (optional);
+* ``capability-level`` or ``capability-params`` / ``capability-macs`` / ``capability-memory``:
+  what the node declares it can train (optional).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+from fedhm_flwr.data import client_dataset
+from fedhm_flwr.models import build_model
+from fedhm_flwr.train import TrainOptions, evaluate, pick_device, train_local
+
+ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
+
+
+def node_partition(context: Context, data_spec: dict[str, Any]) -> tuple[int, str | None, dict[str, Any]]:
+    """(partition id, local data folder, data spec with the node's partition count)."""
+    node = context.node_config
+    if "partition-id" not in node:
+        raise ValueError("node config lacks 'partition-id' (set it with --node-config on a SuperNode)")
+    spec = dict(data_spec)
+    if "num-partitions" in node:
+        spec["num_partitions"] = int(node["num-partitions"])
+    data_dir = node.get("data-dir") or None
+    return int(node["partition-id"]), (str(data_dir) if data_dir else None), spec
+
+
+def received_model(msg: Message, device: torch.device) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Build the model the message describes and load its arrays (strictly: same keys, shapes)."""
+    config = msg.content[CONFIG]
+    spec = json.loads(str(config["model-spec"]))
+    model = build_model(spec, spectral_init=False)
+    model.load_state_dict(msg.content[ARRAYS].to_torch_state_dict(), strict=True)
+    return model.to(device), spec
+
+
+def handle_train(msg: Message, context: Context) -> Message:
+    """Train the received model on the node's partition and reply with arrays and metrics."""
+    config = msg.content[CONFIG]
+    options = TrainOptions.from_dict(json.loads(str(config["train"])))
+    torch.set_num_threads(max(1, int(options.threads)))
+    torch.manual_seed(int(config["seed"]))
+    device = pick_device()
+    model, spec = received_model(msg, device)
+    pid, data_dir, data_spec = node_partition(context, json.loads(str(config["data-spec"])))
+    dataset = client_dataset(data_spec, pid, data_dir)
+    counts = dataset.class_counts()
+    present = torch.as_tensor(counts > 0)
+    stats = train_local(model, dataset, options, device, present_classes=present, seed=int(config["seed"]))
+    metrics = MetricRecord({
+        "num-examples": int(stats["num-examples"]),
+        "train-loss": float(stats["train-loss"]),
+        "train-accuracy": float(stats["train-accuracy"]),
+        "seconds": float(stats["seconds"]),
+        "level": float(config["level"]),
+        "class-counts": [int(c) for c in counts],
+    })
+    arrays = ArrayRecord.from_torch_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    return Message(RecordDict({ARRAYS: arrays, METRICS: metrics}), reply_to=msg)
+
+
+def handle_evaluate(msg: Message, context: Context) -> Message:
+    """Evaluate the received model on the node's local partition (federated evaluation)."""
+    config = msg.content[CONFIG]
+    device = pick_device()
+    model, _ = received_model(msg, device)
+    pid, data_dir, data_spec = node_partition(context, json.loads(str(config["data-spec"])))
+    dataset = client_dataset({**data_spec, "augment": False}, pid, data_dir)
+    stats = evaluate(model, dataset, int(config.get("batch-size", 256)), device)
+    metrics = MetricRecord({"num-examples": int(stats["num-examples"]), "eval-loss": float(stats["loss"]),
+                            "eval-accuracy": float(stats["accuracy"])})
+    return Message(RecordDict({METRICS: metrics}), reply_to=msg)
+
+
+def node_info(context: Context) -> ConfigRecord:
+    """The node config the server may know: partition and declared capability."""
+    node = context.node_config
+    out: dict[str, Any] = {}
+    for key in ("partition-id", "num-partitions"):
+        if key in node:
+            out[key] = int(node[key])
+    for key, value in node.items():
+        if key.startswith("capability-"):
+            out[key] = float(value)
+    return ConfigRecord(out)
+
+
+QUERIES = {"node-info": lambda msg, context: RecordDict({CONFIG: node_info(context)})}
+
+
+def handle_query(msg: Message, context: Context) -> Message:
+    """Answer the server's questions about this node (``config['query']`` names which)."""
+    what = str(msg.content[CONFIG]["query"])
+    if what not in QUERIES:
+        raise ValueError(f"unknown query {what!r}; known: {sorted(QUERIES)}")
+    return Message(QUERIES[what](msg, context), reply_to=msg)
+

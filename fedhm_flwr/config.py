@@ -1,0 +1,256 @@
+"""Compose the Hydra tree in ``conf/``, apply overrides and validate with clear errors.
+
+Every entry point (the ServerApp, ``launch``, ``sweep``, ``inspect``) goes through
+:func:`load_config`, so a bad value is refused the same way everywhere: one
+:class:`ConfigError` naming the field and the allowed values, before any expensive work (Ray,
+data loading, training) starts. No Flower import here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+CONF_DIR = Path(os.environ.get("FEDHM_CONF_DIR", Path(__file__).resolve().parent.parent / "conf"))
+
+PARTITION_SCHEMES = ("iid", "dirichlet", "pathological")
+ASSIGNMENTS = ("fixed", "dynamic")
+LR_SCHEDULES = ("constant", "cosine", "step")
+BN_STATS = ("test_batch",)
+
+
+class ConfigError(ValueError):
+    """A configuration value is not allowed; the message names the field and what is allowed."""
+
+    def __init__(self, field: str, value: Any, allowed: str) -> None:
+        self.field, self.value, self.allowed = field, value, allowed
+        super().__init__(f"invalid config: {field}={value!r}; allowed: {allowed}")
+
+
+def split_overrides(overrides: str | Sequence[str] | None) -> list[str]:
+    """Accept overrides as one shell-like string (run-config) or as a list (command line)."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, str):
+        return shlex.split(overrides)
+    return [o for item in overrides for o in shlex.split(item)]
+
+
+def compose_config(overrides: str | Sequence[str] | None = None) -> DictConfig:
+    """Compose ``conf/config.yaml`` with Hydra overrides (no validation)."""
+    override_list = split_overrides(overrides)
+    if not CONF_DIR.is_dir():
+        raise FileNotFoundError(f"Hydra config tree not found at {CONF_DIR} (set FEDHM_CONF_DIR)")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        try:
+            cfg = compose(config_name="config", overrides=override_list)
+        except (HydraException, OmegaConfBaseException) as err:
+            raise _override_error(err, override_list) from None
+    return cfg
+
+
+def _override_error(err: Exception, overrides: list[str]) -> ConfigError:
+    """Turn Hydra's override errors into a ConfigError naming the offending key."""
+    text = str(err).splitlines()[0]
+    for item in overrides:
+        key = item.lstrip("+~").split("=", 1)[0]
+        if key and key in str(err):
+            group = key.split(".")[0]
+            options = _group_options(group)
+            allowed = f"one of {options}" if options else "an existing key of conf/config.yaml"
+            return ConfigError(key, item.split("=", 1)[-1], f"{allowed} ({text})")
+    return ConfigError("overrides", " ".join(overrides), f"valid Hydra overrides ({text})")
+
+
+def _group_options(group: str) -> list[str]:
+    folder = CONF_DIR / group
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def load_config(overrides: str | Sequence[str] | None = None) -> DictConfig:
+    """Compose and validate: the one way every entry point obtains its configuration."""
+    cfg = compose_config(overrides)
+    validate(cfg)
+    return cfg
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(field, value, allowed)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _choice(cfg: DictConfig, field: str, allowed: Iterable[str]) -> None:
+    value = OmegaConf.select(cfg, field)
+    allowed = tuple(allowed)
+    _require(value in allowed, field, value, f"one of {list(allowed)}")
+
+
+def _int_at_least(cfg: DictConfig, field: str, low: int) -> None:
+    value = OmegaConf.select(cfg, field)
+    _require(_is_int(value) and value >= low, field, value, f"an integer >= {low}")
+
+
+def _num_in(cfg: DictConfig, field: str, low: float, high: float, low_open: bool = False,
+            high_open: bool = False) -> None:
+    value = OmegaConf.select(cfg, field)
+    ok = _is_num(value) and not math.isnan(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
+    _require(ok, field, value, f"a number in {lo}{low}, {high}{hi}")
+
+
+def _validate_levels(cfg: DictConfig) -> None:
+    ratios = OmegaConf.select(cfg, "levels.ratios")
+    ratios = list(ratios) if OmegaConf.is_list(ratios) else ratios
+    _require(isinstance(ratios, list) and len(ratios) > 0, "levels.ratios", ratios,
+             "a non-empty list of numbers in (0, 1], largest first")
+    for r in ratios:
+        _require(_is_num(r) and 0 < r <= 1, "levels.ratios", ratios,
+                 "a non-empty list of numbers in (0, 1], largest first")
+    _require(all(a > b for a, b in zip(ratios, ratios[1:])), "levels.ratios", ratios,
+             "distinct levels listed largest first, e.g. [1, 0.5, 0.25, 0.125]")
+    props = OmegaConf.select(cfg, "levels.proportions")
+    props = list(props) if OmegaConf.is_list(props) else props
+    _require(isinstance(props, list) and len(props) == len(ratios)
+             and all(_is_num(p) and p >= 0 for p in props) and sum(props) > 0,
+             "levels.proportions", props,
+             f"{len(ratios)} non-negative numbers (one per level) with a positive sum")
+    _choice(cfg, "levels.assignment", ASSIGNMENTS)
+    default = OmegaConf.select(cfg, "levels.default")
+    _require(default is None or default in ratios, "levels.default", default,
+             f"null or one of levels.ratios {ratios}")
+
+
+def _validate_fedhm(cfg: DictConfig) -> None:
+    tau = OmegaConf.select(cfg, "method.tau")
+    _require(_is_num(tau) and tau > 0, "method.tau", tau, "a number > 0 (.inf for uniform weights)")
+    rho = OmegaConf.select(cfg, "method.rho")
+    _require(rho is None or (_is_int(rho) and rho >= 0), "method.rho", rho,
+             "null (the model's default) or an integer >= 0")
+    for flag in ("method.weight_by_samples", "method.frobenius_decay"):
+        value = OmegaConf.select(cfg, flag)
+        _require(isinstance(value, bool), flag, value, "true or false")
+
+
+#: method name -> validator of the ``method`` group (every method adds itself here).
+METHOD_VALIDATORS: dict[str, Callable[[DictConfig], None]] = {"fedhm": _validate_fedhm}
+
+
+def validate(cfg: DictConfig) -> None:
+    """Refuse the first invalid value with a :class:`ConfigError` naming the field."""
+    from fedhm_flwr.data import DATASETS  # local imports keep `import config` light
+    from fedhm_flwr.models import ARCHS
+
+    _choice(cfg, "method.name", METHOD_VALIDATORS)
+    METHOD_VALIDATORS[cfg.method.name](cfg)
+    _choice(cfg, "model.arch", ARCHS)
+    width = OmegaConf.select(cfg, "model.width")
+    _require(width is None or (_is_int(width) and width >= 1), "model.width", width,
+             "null (the architecture's default) or an integer >= 1")
+    _choice(cfg, "dataset.name", DATASETS)
+    for field in ("dataset.max_train_examples", "dataset.max_test_examples"):
+        _int_at_least(cfg, field, 0)
+    _int_at_least(cfg, "seed", 0)
+    _int_at_least(cfg, "rounds", 1)
+    _int_at_least(cfg, "num_clients", 1)
+    _num_in(cfg, "fraction_train", 0.0, 1.0, low_open=True)
+    _int_at_least(cfg, "min_train_nodes", 1)
+    _num_in(cfg, "timeout", 0.0, math.inf, low_open=True)
+    _validate_levels(cfg)
+    _choice(cfg, "partition.scheme", PARTITION_SCHEMES)
+    _num_in(cfg, "partition.alpha", 0.0, math.inf, low_open=True, high_open=True)
+    _int_at_least(cfg, "partition.classes_per_partition", 1)
+    _int_at_least(cfg, "train.local_epochs", 1)
+    _int_at_least(cfg, "train.batch_size", 1)
+    _num_in(cfg, "train.lr", 0.0, math.inf, low_open=True, high_open=True)
+    _choice(cfg, "train.lr_schedule", LR_SCHEDULES)
+    _num_in(cfg, "train.lr_gamma", 0.0, 1.0, low_open=True)
+    steps = OmegaConf.select(cfg, "train.lr_step_rounds")
+    _require(OmegaConf.is_list(steps) and all(_is_num(s) and 0 < s < 1 for s in steps),
+             "train.lr_step_rounds", steps, "a list of fractions of the run in (0, 1)")
+    _num_in(cfg, "train.momentum", 0.0, 1.0, high_open=True)
+    _num_in(cfg, "train.weight_decay", 0.0, math.inf, high_open=True)
+    _num_in(cfg, "train.grad_clip", 0.0, math.inf, high_open=True)
+    masked = OmegaConf.select(cfg, "train.masked_ce")
+    _require(isinstance(masked, bool), "train.masked_ce", masked, "true or false")
+    _int_at_least(cfg, "evaluation.every", 1)
+    _int_at_least(cfg, "evaluation.batch_size", 1)
+    _choice(cfg, "evaluation.bn_stats", BN_STATS)
+    _num_in(cfg, "simulation.num_cpus", 0.0, math.inf, low_open=True, high_open=True)
+    _num_in(cfg, "simulation.num_gpus", 0.0, math.inf, high_open=True)
+    _int_at_least(cfg, "checkpoint.every", 0)
+    out = OmegaConf.select(cfg, "output_dir")
+    _require(out is None or (isinstance(out, str) and Path(out).is_absolute()), "output_dir", out,
+             "null or an absolute path")
+
+
+# --------------------------------------------------------------------------- derived specs
+
+
+def model_spec(cfg: DictConfig) -> dict[str, Any]:
+    """The full (global) model's spec: what ``models.build_model`` needs, as plain JSON types."""
+    from fedhm_flwr.data import dataset_info
+
+    info = dataset_info(cfg.dataset.name)
+    spec = {
+        "arch": cfg.model.arch,
+        "num_classes": int(info["num_classes"]),
+        "in_channels": int(info["in_channels"]),
+        "image_size": int(info["image_size"]),
+    }
+    if cfg.model.get("width") is not None:
+        spec["width"] = int(cfg.model.width)
+    return spec
+
+
+def data_spec(cfg: DictConfig, num_partitions: int | None = None) -> dict[str, Any]:
+    """What a client needs to find its partition (its data location comes from its node)."""
+    return {
+        "name": cfg.dataset.name,
+        "scheme": cfg.partition.scheme,
+        "num_partitions": int(num_partitions if num_partitions is not None else cfg.num_clients),
+        "alpha": float(cfg.partition.alpha),
+        "classes_per_partition": int(cfg.partition.classes_per_partition),
+        "seed": int(cfg.seed),
+        "max_train_examples": int(cfg.dataset.max_train_examples),
+        "max_test_examples": int(cfg.dataset.max_test_examples),
+        "augment": bool(cfg.dataset.augment),
+        "download": bool(cfg.dataset.download),
+    }
+
+
+def learning_rate(cfg: DictConfig, server_round: int) -> float:
+    """The round's learning rate under the configured schedule (rounds start at 1)."""
+    base, total = float(cfg.train.lr), int(cfg.rounds)
+    schedule = cfg.train.lr_schedule
+    if schedule == "cosine":
+        return 0.5 * base * (1 + math.cos(math.pi * (server_round - 1) / max(1, total)))
+    if schedule == "step":
+        passed = sum(server_round > f * total for f in cfg.train.lr_step_rounds)
+        return base * float(cfg.train.lr_gamma) ** passed
+    return base
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)

@@ -1,0 +1,176 @@
+"""Per-run outputs: resolved config, per-round metrics (JSONL + CSV), summary, checkpoint, plot.
+
+Everything is written atomically (a temporary file in the same folder, then ``os.replace``), so
+an interrupted run never leaves a partial checkpoint or a truncated table behind.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+CONFIG_FILE = "config.yaml"
+METRICS_JSONL = "metrics.jsonl"
+METRICS_CSV = "metrics.csv"
+SUMMARY_FILE = "summary.json"
+PLOT_FILE = "accuracy.png"
+CHECKPOINT_DIR = "checkpoint"
+MODEL_FILE = "global_model.safetensors"
+STATE_FILE = "strategy_state.json"
+
+
+def atomic_write(path: Path, data: bytes | str) -> None:
+    """Write ``data`` to ``path`` via a temporary file and an atomic rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode() if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value)}")
+
+
+def _clean(value: Any) -> Any:
+    """NaN/Inf are not JSON: write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class RunRecorder:
+    """Writes one run's outputs into ``out_dir`` (absolute)."""
+
+    def __init__(self, out_dir: str | Path) -> None:
+        self.out_dir = Path(out_dir).expanduser().resolve()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.rows: list[dict[str, Any]] = []
+
+    # -- config and metrics
+
+    def write_config(self, yaml_text: str) -> None:
+        atomic_write(self.out_dir / CONFIG_FILE, yaml_text)
+
+    def load_rows(self, rows: list[dict[str, Any]]) -> None:
+        """Start from earlier rows (a resumed run) and rewrite the tables to match them."""
+        self.rows = [dict(r) for r in rows]
+        self._write_tables()
+
+    def log_round(self, row: Mapping[str, Any]) -> None:
+        self.rows.append({k: _clean(v) for k, v in row.items()})
+        self._write_tables()
+
+    def _write_tables(self) -> None:
+        jsonl = "".join(json.dumps(r, default=_json_default) + "\n" for r in self.rows)
+        atomic_write(self.out_dir / METRICS_JSONL, jsonl)
+        columns: list[str] = []
+        for r in self.rows:
+            columns += [k for k in r if k not in columns]
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=columns, restval="")
+        writer.writeheader()
+        writer.writerows(self.rows)
+        atomic_write(self.out_dir / METRICS_CSV, buf.getvalue())
+
+    # -- checkpoint
+
+    def save_checkpoint(self, state: Mapping[str, torch.Tensor], strategy_state: Mapping[str, Any]) -> None:
+        folder = self.out_dir / CHECKPOINT_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{MODEL_FILE}.")
+        os.close(fd)
+        try:
+            save_file(tensors, tmp)
+            os.replace(tmp, folder / MODEL_FILE)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        # the state names the round of the model it belongs to; written second, so a crash
+        # between the two leaves a model that is at least as new as the state says
+        atomic_write(folder / STATE_FILE, json.dumps(strategy_state, default=_json_default, indent=1))
+
+    # -- summary and plot
+
+    def write_summary(self, summary: Mapping[str, Any]) -> None:
+        atomic_write(self.out_dir / SUMMARY_FILE, json.dumps(summary, default=_json_default, indent=2))
+
+    def plot(self, title: str = "") -> Path | None:
+        """Accuracy of the global model and of each level against round (PNG)."""
+        rows = [r for r in self.rows if r.get("acc/global") is not None]
+        if not rows:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        keys = ["acc/global"] + sorted({k for r in rows for k in r if k.startswith("acc/level_")},
+                                       key=lambda k: -float(k.split("_", 1)[1]))
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for key in keys:
+            pts = [(r["round"], r[key]) for r in rows if r.get(key) is not None]
+            label = "global model" if key == "acc/global" else f"level {key.split('_', 1)[1]}"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
+                    lw=2.2 if key == "acc/global" else 1.2, label=label)
+        ax.set_xlabel("round")
+        ax.set_ylabel("test accuracy (top-1)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110)
+        plt.close(fig)
+        atomic_write(self.out_dir / PLOT_FILE, buf.getvalue())
+        return self.out_dir / PLOT_FILE
+
+
+def load_checkpoint(run_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(global model state, strategy state) of a run directory's checkpoint."""
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    model, state = folder / MODEL_FILE, folder / STATE_FILE
+    if not model.is_file() or not state.is_file():
+        raise FileNotFoundError(f"no checkpoint in {folder} (expected {MODEL_FILE} and {STATE_FILE})")
+    return load_file(str(model)), json.loads(state.read_text())
+
+
+def summarize(rows: list[dict[str, Any]], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """Final and best accuracy of the global model and each level, bytes moved, failures."""
+    out: dict[str, Any] = dict(extra)
+    acc_keys = sorted({k for r in rows for k in r if k.startswith("acc/")})
+    for key in acc_keys:
+        series = [r[key] for r in rows if r.get(key) is not None]
+        if series:
+            name = key.split("/", 1)[1]
+            out[f"final_acc/{name}"] = series[-1]
+            out[f"best_acc/{name}"] = max(series)
+    out["rounds_completed"] = len(rows)
+    out["bytes_sent"] = int(sum(r.get("bytes_sent", 0) for r in rows))
+    out["bytes_received"] = int(sum(r.get("bytes_received", 0) for r in rows))
+    out["bytes_total"] = out["bytes_sent"] + out["bytes_received"]
+    out["failures"] = int(sum(r.get("failures", 0) for r in rows))
+    out["rejected"] = int(sum(r.get("rejected", 0) for r in rows))
+    out["seconds_rounds"] = float(sum(r.get("seconds", 0.0) for r in rows))
+    return out

@@ -1,0 +1,106 @@
+"""ServerApp: compose and validate the config, build model, evaluator and strategy, run, write outputs.
+
+Run-config keys (``pyproject.toml`` ``[tool.flwr.app.config]``): ``overrides`` (Hydra overrides,
+one string), ``output-dir`` (absolute run directory) and ``resume`` (a run directory whose
+checkpoint the run continues from).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import time
+from logging import INFO
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, Context
+from flwr.serverapp import Grid, ServerApp
+from flwr.supercore import log
+from omegaconf import DictConfig, OmegaConf
+
+from fedhm_flwr.config import data_spec, load_config, model_spec, to_yaml
+from fedhm_flwr.data import test_dataset
+from fedhm_flwr.models import build_model
+from fedhm_flwr.results import RunRecorder, load_checkpoint, summarize
+from fedhm_flwr.train import evaluate, pick_device
+from strategies import STRATEGIES
+
+app = ServerApp()
+
+
+def default_output_dir(cfg: DictConfig) -> Path:
+    """``$FEDHM_OUTPUT_ROOT`` (else ``~/fedhm-outputs``) / date / time-method."""
+    root = Path(os.environ.get("FEDHM_OUTPUT_ROOT", Path.home() / "fedhm-outputs")).expanduser()
+    now = dt.datetime.now()
+    return (root / now.strftime("%Y-%m-%d") / f"{now.strftime('%H-%M-%S-%f')}-{cfg.method.name}").resolve()
+
+
+def make_evaluator(cfg: DictConfig, device: torch.device):
+    """Server-side evaluation on the test set: (model spec, state) -> {accuracy, loss}."""
+    test = test_dataset(data_spec(cfg), data_dir=cfg.dataset.data_dir)
+    batch = int(cfg.evaluation.batch_size)
+
+    def evaluate_fn(spec: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, float]:
+        model = build_model(spec, spectral_init=False)
+        model.load_state_dict(state, strict=True)
+        return evaluate(model, test, batch, device)
+
+    return evaluate_fn
+
+
+def initial_state(cfg: DictConfig, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The seeded initial global model."""
+    torch.manual_seed(int(cfg.seed))
+    return {k: v.detach().clone() for k, v in build_model(spec).state_dict().items()}
+
+
+def run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None = None) -> dict[str, Any]:
+    """One whole run on a grid; returns the summary (also written to ``out_dir``)."""
+    t0 = time.perf_counter()
+    recorder = RunRecorder(out_dir)
+    recorder.write_config(to_yaml(cfg))
+    spec = model_spec(cfg)
+    device = pick_device()
+    strategy = STRATEGIES[cfg.method.name](cfg, spec, make_evaluator(cfg, device), recorder)
+    state = initial_state(cfg, spec)
+    if resume is not None:
+        state, saved = load_checkpoint(resume)
+        strategy.restore(saved)
+        recorder.load_rows(saved.get("history", []))
+        log(INFO, "resuming %s after round %d", resume, strategy.start_round - 1)
+    log(INFO, "fedhm-flwr: %s on %s/%s, %d rounds, outputs in %s", cfg.method.name, cfg.model.arch,
+        cfg.dataset.name, cfg.rounds, recorder.out_dir)
+    strategy.start(grid, ArrayRecord.from_torch_state_dict(state), num_rounds=int(cfg.rounds),
+                            timeout=float(cfg.timeout))
+    costs = {f"{level:g}": strategy.level_cost(i) for i, level in enumerate(strategy.levels)}
+    summary = summarize(recorder.rows, {
+        "method": cfg.method.name,
+        "model": cfg.model.arch,
+        "dataset": cfg.dataset.name,
+        "levels": strategy.levels,
+        "level_costs": costs,
+        "bn_stats": cfg.evaluation.bn_stats,
+        "wall_seconds": time.perf_counter() - t0,
+        "output_dir": str(recorder.out_dir),
+    })
+    recorder.write_summary(summary)
+    recorder.plot(title=f"{cfg.method.name} · {cfg.model.arch} · {cfg.dataset.name}")
+    log(INFO, "fedhm-flwr: done; final global accuracy %s; outputs in %s",
+        summary.get("final_acc/global"), recorder.out_dir)
+    return summary
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Entry point of ``flwr run``."""
+    run_config = context.run_config
+    cfg = load_config(str(run_config.get("overrides", "") or ""))
+    out = str(run_config.get("output-dir", "") or "") or cfg.output_dir
+    resume = str(run_config.get("resume", "") or "") or None
+    if resume:
+        out = out or resume
+    out_dir = Path(out).expanduser().resolve() if out else default_output_dir(cfg)
+    OmegaConf.update(cfg, "output_dir", str(out_dir))
+    run(grid, cfg, out_dir, Path(resume).expanduser().resolve() if resume else None)

@@ -1,0 +1,147 @@
+"""Local training and evaluation loops and their losses. No Flower import.
+
+* Frobenius decay ``lambda/2 * ||A B||_F^2`` on each factorized pair *instead of* weight decay
+  (ordinary weight decay stays on the full-rank parameters), ``lambda`` = the weight decay.
+* Masked cross-entropy: logits of classes absent from the client's local data are set to 0
+  before the loss (training only).
+* Static batch norm: the models' norms keep no running statistics, so training normalises with
+  batch statistics and nothing about the client's data distribution leaks into the weights sent.
+* SGD with momentum, re-created every round at the round's learning rate.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+@dataclass
+class TrainOptions:
+    """Everything a client's local training needs; it arrives in the message."""
+
+    lr: float = 0.05
+    local_epochs: int = 1
+    batch_size: int = 32
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    frobenius_decay: bool = False
+    masked_ce: bool = True
+    grad_clip: float = 0.0
+    threads: int = 1
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> TrainOptions:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def pick_device() -> torch.device:
+    """CUDA when present (the GPU share Ray gave this client), CPU otherwise."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def factorized_modules(model: nn.Module) -> list[nn.Module]:
+    """Modules that carry a low-rank pair (they expose ``frobenius_sq``)."""
+    return [m for m in model.modules() if hasattr(m, "frobenius_sq")]
+
+
+def parameter_groups(model: nn.Module, weight_decay: float, frobenius_decay: bool) -> list[dict[str, Any]]:
+    """Weight decay on full-rank parameters; none on factorized pairs when Frobenius decay is on."""
+    low_rank: set[int] = set()
+    if frobenius_decay:
+        low_rank = {id(p) for m in factorized_modules(model) for p in m.parameters()}
+    decayed = [p for p in model.parameters() if p.requires_grad and id(p) not in low_rank]
+    pairs = [p for p in model.parameters() if p.requires_grad and id(p) in low_rank]
+    groups = [{"params": decayed, "weight_decay": weight_decay}]
+    if pairs:
+        groups.append({"params": pairs, "weight_decay": 0.0})
+    return groups
+
+
+def frobenius_penalty(model: nn.Module, weight_decay: float) -> torch.Tensor | float:
+    """``lambda/2 * sum ||A B||_F^2`` over the factorized pairs."""
+    mods = factorized_modules(model)
+    if not mods or weight_decay == 0:
+        return 0.0
+    return 0.5 * weight_decay * sum(m.frobenius_sq() for m in mods)
+
+
+def mask_absent_classes(logits: torch.Tensor, present: torch.Tensor | None) -> torch.Tensor:
+    """Set the logits of classes absent from the local data to 0 (masked cross-entropy)."""
+    if present is None:
+        return logits
+    return logits.masked_fill(~present.to(logits.device), 0.0)
+
+
+def train_local(
+    model: nn.Module,
+    dataset: Dataset,
+    options: TrainOptions,
+    device: torch.device,
+    present_classes: torch.Tensor | None = None,
+    seed: int = 0,
+    loss_extra: Any = None,
+) -> dict[str, float]:
+    """Train ``model`` in place; returns num-examples, mean loss and accuracy, seconds.
+
+    ``present_classes`` is a boolean mask over classes (the client's label set) for masked
+    cross-entropy; ``loss_extra(model, x, logits) -> tensor`` adds a method-specific term.
+    """
+    t0 = time.perf_counter()
+    generator = torch.Generator().manual_seed(int(seed))
+    loader = DataLoader(dataset, batch_size=options.batch_size, shuffle=True, generator=generator, drop_last=False)
+    model.to(device).train()
+    optimizer = torch.optim.SGD(
+        parameter_groups(model, options.weight_decay, options.frobenius_decay),
+        lr=options.lr, momentum=options.momentum,
+    )
+    mask = present_classes if options.masked_ce else None
+    total_loss, correct, seen = 0.0, 0, 0
+    for _ in range(options.local_epochs):
+        for x, y in loader:
+            if len(y) < 2:  # batch norm needs two samples
+                continue
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            logits = model(x)
+            loss = F.cross_entropy(mask_absent_classes(logits, mask), y)
+            objective = loss
+            if options.frobenius_decay:
+                objective = objective + frobenius_penalty(model, options.weight_decay)
+            if loss_extra is not None:
+                objective = objective + loss_extra(model, x, logits)
+            optimizer.zero_grad(set_to_none=True)
+            objective.backward()
+            if options.grad_clip > 0:
+                nn.utils.clip_grad_norm_(model.parameters(), options.grad_clip)
+            optimizer.step()
+            total_loss += float(loss.detach()) * len(y)
+            correct += int((logits.detach().argmax(1) == y).sum())
+            seen += len(y)
+    return {
+        "num-examples": len(dataset),
+        "train-loss": total_loss / max(1, seen),
+        "train-accuracy": correct / max(1, seen),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset: Dataset, batch_size: int, device: torch.device) -> dict[str, float]:
+    """Top-1 accuracy and mean cross-entropy (no masking) on ``dataset``."""
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
+    model.to(device).eval()
+    total_loss, correct, seen = 0.0, 0, 0
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        total_loss += float(F.cross_entropy(logits, y, reduction="sum"))
+        correct += int((logits.argmax(1) == y).sum())
+        seen += len(y)
+    return {"loss": total_loss / max(1, seen), "accuracy": correct / max(1, seen), "num-examples": seen}

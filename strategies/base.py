@@ -1,0 +1,482 @@
+"""The shared heterogeneous round on Flower's Message API.
+
+One round, one path, for every method: sample nodes, give each node its level, ask the method
+for each level's payload, send one fresh message per node, validate the replies, ask the method
+to merge them, evaluate the global model and each level's deployable model, record, checkpoint.
+A method (``strategies/<name>.py``) only says how a client's model is cut out of the global
+model (:meth:`HeteroStrategy.level_payload`) and how replies are folded back in
+(:meth:`HeteroStrategy.merge`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from abc import abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+from flwr.supercore import log
+from omegaconf import DictConfig
+
+from fedhm_flwr import levels as lv
+from fedhm_flwr.config import data_spec, learning_rate
+
+State = dict[str, torch.Tensor]
+
+ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
+
+
+@dataclass
+class NodeInfo:
+    """What the server learnt of a node by querying its node config."""
+
+    node_id: int
+    partition_id: int | None = None
+    num_partitions: int | None = None
+    capability: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Payload:
+    """One level's model for this round: its spec and its arrays (shared by its nodes)."""
+
+    spec: dict[str, Any]
+    arrays: dict[str, Any]  # name -> flwr Array (immutable, shared between fresh records)
+    shapes: dict[str, tuple[int, ...]]
+    train: dict[str, Any] = field(default_factory=dict)  # method-specific client options
+
+
+@dataclass
+class Reply:
+    """A validated training reply."""
+
+    node_id: int
+    level_index: int
+    level: float
+    state: State
+    num_examples: int
+    class_counts: np.ndarray
+    metrics: dict[str, float]
+
+
+@dataclass
+class RoundLog:
+    """Bookkeeping of one round (what becomes the round's output line)."""
+
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    sampled: int = 0
+    failures: list[tuple[int, str]] = field(default_factory=list)
+    rejected: list[tuple[int, str]] = field(default_factory=list)
+    level_counts: dict[str, int] = field(default_factory=dict)
+    server_seconds: float = 0.0
+
+
+def state_to_arrays(state: State) -> dict[str, Any]:
+    """A state dict as flwr Arrays (serialised once; records built from them share the bytes)."""
+    record = ArrayRecord.from_torch_state_dict({k: v.detach().float().contiguous() for k, v in state.items()})
+    return dict(record.items())
+
+
+class HeteroStrategy(Strategy):
+    """Base of every method: the round; subclasses provide payloads and merging."""
+
+    #: method name, as in ``method.name``
+    name = "base"
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        model_spec: dict[str, Any],
+        evaluate_fn: Callable[[dict[str, Any], State], dict[str, float]] | None = None,
+        recorder: Any | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.spec = dict(model_spec)
+        self.levels: list[float] = [float(x) for x in cfg.levels.ratios]
+        self.evaluate_fn = evaluate_fn
+        self.recorder = recorder
+        self.nodes: dict[int, NodeInfo] = {}
+        self.fixed: dict[int, int] = {}  # node id -> level index (fixed assignment / declared)
+        self.declared: dict[int, int] = {}  # node id -> level index the node itself declared
+        self.global_state: State | None = None
+        self.sent: dict[int, tuple[int, Payload]] = {}  # node id -> (level index, payload) this round
+        self.round_log = RoundLog()
+        self.history: list[dict[str, Any]] = []
+        self.start_round = 1
+
+    # ------------------------------------------------------------------ method hooks
+
+    def begin_round(self, server_round: int, global_state: State) -> None:
+        """Work done once per round before any payload (FedHM: one SVD per layer)."""
+
+    @abstractmethod
+    def level_payload(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State, dict[str, Any]]:
+        """(model spec, arrays, method train options) of one level's client model."""
+
+    @abstractmethod
+    def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
+        """Fold the validated replies back into a new global state."""
+
+    def deployable(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State]:
+        """The model a client of this level would deploy (evaluated every round)."""
+        spec, state, _ = self.level_payload(level_index, global_state)
+        return spec, state
+
+    def level_cost(self, level_index: int) -> dict[str, float]:
+        """Costs of a level's model (parameters, MACs, ...), for budget-declared capabilities."""
+        return {}
+
+    def strategy_state(self) -> dict[str, Any]:
+        """Method state beyond the global model that a checkpoint must keep."""
+        return {}
+
+    def load_strategy_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`strategy_state`."""
+
+    # ------------------------------------------------------------------ Flower's Strategy API
+
+    def summary(self) -> None:
+        log(INFO, "\t├──> Method: %s, levels %s, proportions %s, %s assignment", self.name,
+            self.levels, list(self.cfg.levels.proportions), self.cfg.levels.assignment)
+        log(INFO, "\t└──> Sampling: fraction %.2f (min %d), seed %d", self.cfg.fraction_train,
+            self.cfg.min_train_nodes, self.cfg.seed)
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        t0 = time.perf_counter()
+        self.round_log = RoundLog()
+        self.global_state = arrays.to_torch_state_dict()
+        self._discover(grid)
+        node_ids = self._sample(server_round, list(self.nodes))
+        assignment = self._assign(server_round, node_ids)
+        self.begin_round(server_round, self.global_state)
+        payloads: dict[int, Payload] = {}
+        self.sent = {}
+        messages = []
+        for node_id in node_ids:
+            index = assignment[node_id]
+            if index not in payloads:
+                spec, state, options = self.level_payload(index, self.global_state)
+                payloads[index] = Payload(spec, state_to_arrays(state),
+                                          {k: tuple(v.shape) for k, v in state.items()}, options)
+            payload = payloads[index]
+            record = ArrayRecord.from_array_dict(payload.arrays)  # fresh record, shared bytes
+            content = RecordDict({ARRAYS: record, CONFIG: self._train_config(server_round, node_id, index, payload)})
+            self.round_log.sent_bytes += record.count_bytes()
+            self.sent[node_id] = (index, payload)
+            messages.append(Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN))
+        self.round_log.sampled = len(messages)
+        self.round_log.level_counts = lv.describe_assignment({n: assignment[n] for n in node_ids}, self.levels)
+        self.round_log.server_seconds += time.perf_counter() - t0
+        return messages
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        t0 = time.perf_counter()
+        valid: list[Reply] = []
+        for msg in replies:
+            node_id = msg.metadata.src_node_id
+            if msg.has_error():
+                self.round_log.failures.append((node_id, f"client error: {msg.error.reason}"))
+                log(WARNING, "round %d: node %d failed: %s", server_round, node_id, msg.error.reason)
+                continue
+            reply, reason = self._validate(node_id, msg)
+            if reply is None:
+                self.round_log.rejected.append((node_id, reason))
+                log(WARNING, "round %d: reply of node %d rejected: %s", server_round, node_id, reason)
+                continue
+            self.round_log.received_bytes += msg.content[ARRAYS].count_bytes()
+            valid.append(reply)
+        missing = set(self.sent) - {r.node_id for r in valid} - {n for n, _ in self.round_log.failures} - {
+            n for n, _ in self.round_log.rejected}
+        for node_id in sorted(missing):
+            self.round_log.failures.append((node_id, "no reply before the round timeout"))
+            log(WARNING, "round %d: node %d sent no reply (timeout)", server_round, node_id)
+        metrics = self._train_metrics(valid)
+        if not valid:
+            log(WARNING, "round %d: no valid reply; the global model stays as it was", server_round)
+            self.round_log.server_seconds += time.perf_counter() - t0
+            return None, MetricRecord(metrics)
+        assert self.global_state is not None
+        new_state = self.merge(server_round, self.global_state, valid)
+        self.global_state = new_state
+        self.round_log.server_seconds += time.perf_counter() - t0
+        return ArrayRecord.from_torch_state_dict(new_state), MetricRecord(metrics)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        return []  # evaluation is server-side, on the server's test set (SPEC section 1)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """The run: the same round for every method, with server-side evaluation per level."""
+        self.summary()
+        result = Result()
+        arrays = initial_arrays
+        result.arrays = arrays
+        for server_round in range(self.start_round, num_rounds + 1):
+            t_round = time.perf_counter()
+            messages = list(self.configure_train(server_round, arrays, train_config or ConfigRecord(), grid))
+            replies = grid.send_and_receive(messages, timeout=timeout) if messages else []
+            new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+            if new_arrays is not None:
+                arrays = new_arrays
+                result.arrays = arrays
+            if train_metrics is not None:
+                result.train_metrics_clientapp[server_round] = train_metrics
+            row = self._round_row(server_round, train_metrics)
+            if self._evaluation_due(server_round, num_rounds):
+                t_eval = time.perf_counter()
+                row.update(self.evaluate_levels(arrays.to_torch_state_dict()))
+                row["eval_seconds"] = time.perf_counter() - t_eval
+                result.evaluate_metrics_serverapp[server_round] = MetricRecord(
+                    {k: float(v) for k, v in row.items() if k.startswith(("acc", "loss"))})
+            row["seconds"] = time.perf_counter() - t_round
+            self.history.append(row)
+            log(INFO, "%s", progress_line(row, num_rounds, self.levels))
+            if self.recorder is not None:
+                self.recorder.log_round(row)
+                if self._checkpoint_due(server_round, num_rounds):
+                    self.recorder.save_checkpoint(arrays.to_torch_state_dict(), self.checkpoint_state(server_round))
+        return result
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate_levels(self, global_state: State) -> dict[str, float]:
+        """Accuracy and loss of the global model and of each level's deployable model."""
+        if self.evaluate_fn is None:
+            return {}
+        out: dict[str, float] = {}
+        metrics = self.evaluate_fn(self.spec, global_state)
+        out["acc/global"], out["loss/global"] = metrics["accuracy"], metrics["loss"]
+        if self.cfg.evaluation.levels:
+            for index, level in enumerate(self.levels):
+                spec, state = self.deployable(index, global_state)
+                same = spec == self.spec and all(torch.equal(state[k], global_state[k]) for k in state)
+                m = metrics if same else self.evaluate_fn(spec, state)
+                out[f"acc/level_{level:g}"], out[f"loss/level_{level:g}"] = m["accuracy"], m["loss"]
+        return out
+
+    def _evaluation_due(self, server_round: int, num_rounds: int) -> bool:
+        return server_round == num_rounds or server_round % int(self.cfg.evaluation.every) == 0
+
+    def _checkpoint_due(self, server_round: int, num_rounds: int) -> bool:
+        every = int(self.cfg.checkpoint.every)
+        return server_round == num_rounds or (every > 0 and server_round % every == 0)
+
+    def checkpoint_state(self, server_round: int) -> dict[str, Any]:
+        return {"round": server_round, "history": self.history, "method": self.strategy_state(),
+                "method_name": self.name}
+
+    def restore(self, checkpoint: dict[str, Any]) -> None:
+        """Continue after the checkpoint's round (draws are derived from seed and round)."""
+        self.start_round = int(checkpoint["round"]) + 1
+        self.history = list(checkpoint.get("history", []))
+        self.load_strategy_state(checkpoint.get("method", {}))
+
+    # ------------------------------------------------------------------ nodes and levels
+
+    def _discover(self, grid: Grid) -> None:
+        """Query the node config of nodes not seen before (partition, declared capability)."""
+        node_ids = sorted(grid.get_node_ids())
+        new = [n for n in node_ids if n not in self.nodes]
+        for n in set(self.nodes) - set(node_ids):  # gone
+            del self.nodes[n]
+        if not new:
+            return
+        query = [Message(content=RecordDict({CONFIG: ConfigRecord({"query": "node-info"})}), dst_node_id=n,
+                         message_type=MessageType.QUERY) for n in new]
+        answers = {m.metadata.src_node_id: m for m in grid.send_and_receive(query, timeout=float(self.cfg.timeout))}
+        for n in new:
+            info = NodeInfo(n)
+            msg = answers.get(n)
+            if msg is not None and not msg.has_error() and CONFIG in msg.content:
+                rec = msg.content[CONFIG]
+                info.partition_id = int(rec["partition-id"]) if "partition-id" in rec else None
+                info.num_partitions = int(rec["num-partitions"]) if "num-partitions" in rec else None
+                info.capability = {k[len("capability-"):]: float(v) for k, v in rec.items()
+                                   if k.startswith("capability-")}
+            self.nodes[n] = info
+        self._assign_fixed()
+
+    def _partition_key(self, node_id: int) -> int:
+        """The node's stable key: its partition id, else its rank among unknown nodes."""
+        info = self.nodes[node_id]
+        if info.partition_id is not None:
+            return info.partition_id
+        unknown = sorted(n for n, i in self.nodes.items() if i.partition_id is None)
+        return 1_000_000 + unknown.index(node_id)
+
+    def _assign_fixed(self) -> None:
+        keys = {self._partition_key(n): n for n in self.nodes}
+        by_key = lv.fixed_levels(list(keys), list(self.cfg.levels.proportions), int(self.cfg.seed))
+        self.fixed = {keys[k]: index for k, index in by_key.items()}
+        self.declared = {}
+        default = self.cfg.levels.default
+        for n, info in self.nodes.items():
+            index = self._declared_level(info)
+            if index is not None:
+                self.declared[n] = index
+            elif default is not None:
+                self.declared[n] = lv.level_index_of(float(default), self.levels)
+        if self.declared:
+            log(INFO, "declared capabilities -> levels: %s", {
+                n: self.levels[i] for n, i in sorted(self.declared.items())})
+
+    def _declared_level(self, info: NodeInfo) -> int | None:
+        cap = info.capability
+        if "level" in cap:
+            index = lv.level_index_of(cap["level"], self.levels)
+            if index is None:
+                log(WARNING, "node %d declares level %s, not among %s; ignored", info.node_id, cap["level"], self.levels)
+            return index
+        for budget in ("params", "macs", "memory"):
+            if budget in cap:
+                costs = [self.level_cost(i).get(budget, math.inf) for i in range(len(self.levels))]
+                index = lv.level_for_budget(cap[budget], costs)
+                if index is None:
+                    index = len(self.levels) - 1
+                    log(WARNING, "node %d: %s budget %g fits no level; it gets the smallest", info.node_id, budget, cap[budget])
+                log(INFO, "node %d: %s budget %g -> level %g", info.node_id, budget, cap[budget], self.levels[index])
+                return index
+        return None
+
+    def _sample(self, server_round: int, node_ids: list[int]) -> list[int]:
+        keys = {self._partition_key(n): n for n in node_ids}
+        rng = lv.round_rng(int(self.cfg.seed), server_round, stream=0)
+        picked = lv.sample_clients(list(keys), float(self.cfg.fraction_train), int(self.cfg.min_train_nodes), rng)
+        return [keys[k] for k in picked]
+
+    def _assign(self, server_round: int, node_ids: list[int]) -> dict[int, int]:
+        if self.cfg.levels.assignment == "fixed":
+            out = {n: self.fixed[n] for n in node_ids}
+        else:
+            rng = lv.round_rng(int(self.cfg.seed), server_round, stream=1)
+            drawn = lv.dynamic_levels(len(node_ids), list(self.cfg.levels.proportions), rng)
+            out = dict(zip(node_ids, drawn))
+        out.update({n: self.declared[n] for n in node_ids if n in self.declared})
+        return out
+
+    # ------------------------------------------------------------------ messages
+
+    def _train_config(self, server_round: int, node_id: int, index: int, payload: Payload) -> ConfigRecord:
+        cfg = self.cfg
+        info = self.nodes[node_id]
+        train = {
+            "lr": learning_rate(cfg, server_round),
+            "local_epochs": int(cfg.train.local_epochs),
+            "batch_size": int(cfg.train.batch_size),
+            "momentum": float(cfg.train.momentum),
+            "weight_decay": float(cfg.train.weight_decay),
+            "masked_ce": bool(cfg.train.masked_ce),
+            "grad_clip": float(cfg.train.grad_clip),
+            "threads": max(1, int(math.floor(float(cfg.simulation.num_cpus)))),
+            **payload.train,
+        }
+        return ConfigRecord({
+            "server-round": server_round,
+            "method": self.name,
+            "level": self.levels[index],
+            "level-index": index,
+            "model-spec": json.dumps(payload.spec),
+            "train": json.dumps(train),
+            "data-spec": json.dumps(data_spec(cfg, info.num_partitions)),
+            "seed": int(cfg.seed) * 1_000_003 + server_round * 1009 + self._partition_key(node_id),
+        })
+
+    def _validate(self, node_id: int, msg: Message) -> tuple[Reply | None, str]:
+        """Check a reply against what was sent to that node; (None, reason) when malformed."""
+        if node_id not in self.sent:
+            return None, "reply from a node that was not sent a task this round"
+        index, payload = self.sent[node_id]
+        content = msg.content
+        if ARRAYS not in content or METRICS not in content:
+            return None, f"reply lacks '{ARRAYS}' or '{METRICS}'"
+        record = content[ARRAYS]
+        expected, got = set(payload.shapes), set(record.keys())
+        if expected != got:
+            missing, extra = sorted(expected - got), sorted(got - expected)
+            return None, f"keys do not match level {self.levels[index]:g}: missing {missing[:3]}, unexpected {extra[:3]}"
+        state = record.to_torch_state_dict()
+        for key, tensor in state.items():
+            if tuple(tensor.shape) != payload.shapes[key]:
+                return None, f"{key} has shape {tuple(tensor.shape)}, level {self.levels[index]:g} needs {payload.shapes[key]}"
+            if not torch.isfinite(tensor).all():
+                return None, f"{key} holds NaN or Inf"
+        metrics = content[METRICS]
+        n = metrics.get("num-examples")
+        if not isinstance(n, (int, float)) or isinstance(n, bool) or not n > 0:
+            return None, f"num-examples missing or not positive ({n!r})"
+        counts = np.asarray(metrics.get("class-counts", []), dtype=np.int64)
+        num_classes = int(self.spec["num_classes"])
+        if counts.shape != (num_classes,) or np.any(counts < 0):
+            return None, f"class-counts must hold {num_classes} non-negative counts"
+        scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        return Reply(node_id, index, self.levels[index], state, int(n), counts, scalars), ""
+
+    def _train_metrics(self, valid: list[Reply]) -> dict[str, float]:
+        out: dict[str, float] = {"replies": float(len(valid))}
+        if valid:
+            n = np.array([r.num_examples for r in valid], dtype=np.float64)
+            for key in ("train-loss", "train-accuracy"):
+                vals = [r.metrics.get(key, math.nan) for r in valid]
+                out[key] = float(np.dot(n, vals) / n.sum())
+            out["client-seconds-max"] = max(r.metrics.get("seconds", 0.0) for r in valid)
+        return out
+
+    def _round_row(self, server_round: int, train_metrics: MetricRecord | None) -> dict[str, Any]:
+        log_ = self.round_log
+        row: dict[str, Any] = {
+            "round": server_round,
+            "lr": learning_rate(self.cfg, server_round),
+            "sampled": log_.sampled,
+            "replies": int(train_metrics["replies"]) if train_metrics is not None else 0,
+            "failures": len(log_.failures),
+            "rejected": len(log_.rejected),
+            "bytes_sent": log_.sent_bytes,
+            "bytes_received": log_.received_bytes,
+            "server_seconds": log_.server_seconds,
+        }
+        if train_metrics is not None:
+            for key in ("train-loss", "train-accuracy", "client-seconds-max"):
+                if key in train_metrics:
+                    row[key.replace("-", "_")] = float(train_metrics[key])
+        for level, count in log_.level_counts.items():
+            row[f"clients/level_{level}"] = count
+        return row
+
+
+def progress_line(row: dict[str, Any], num_rounds: int, levels: list[float]) -> str:
+    """The one console line of a round."""
+    parts = [f"[round {row['round']}/{num_rounds}]"]
+    if "acc/global" in row:
+        parts.append(f"global acc {row['acc/global']:.4f} loss {row['loss/global']:.4f}")
+        per_level = [f"{lvl:g}:{row[f'acc/level_{lvl:g}']:.3f}" for lvl in levels if f"acc/level_{lvl:g}" in row]
+        if per_level:
+            parts.append("levels " + " ".join(per_level))
+    if "train_loss" in row:
+        parts.append(f"train loss {row['train_loss']:.4f}")
+    parts.append(f"replies {row['replies']}/{row['sampled']}")
+    if row["failures"] or row["rejected"]:
+        parts.append(f"failures {row['failures']} rejected {row['rejected']}")
+    parts.append(f"sent {row['bytes_sent'] / 1e6:.2f}MB recv {row['bytes_received'] / 1e6:.2f}MB")
+    parts.append(f"{row.get('seconds', 0.0):.1f}s")
+    return " | ".join(parts)

@@ -1,0 +1,79 @@
+"""FedHM (SPEC section 1): hybrid low-rank client models cut by SVD, recovered and averaged.
+
+Per round, one SVD per factorizable layer of the global model; every level's client model is a
+truncation of that one decomposition. Replies are recovered to full rank and averaged with
+``softmax(gamma / tau)`` weights, classifier rows per class.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fedhm_flwr.aggregation import average_states, level_weights
+from fedhm_flwr.lowrank import SVD, compute_svds, factorize_state, plan_ranks, recover_state
+from fedhm_flwr.models import build_model, input_shape
+from fedhm_flwr.models.costs import count_macs, count_parameters
+
+from .base import HeteroStrategy, Reply, State
+
+
+def classifier_keys(model: Any) -> list[str]:
+    """State keys whose first dimension indexes classes (aggregated per class)."""
+    name = getattr(model, "classifier_name", "fc")
+    return [k for k in model.state_dict() if k.startswith(f"{name}.")]
+
+
+class FedHMStrategy(HeteroStrategy):
+    """Levels are rank ratios gamma; level 1 is the full model."""
+
+    name = "fedhm"
+
+    def __init__(self, cfg, model_spec, evaluate_fn=None, recorder=None) -> None:
+        super().__init__(cfg, model_spec, evaluate_fn, recorder)
+        model = build_model(self.spec)
+        rho = cfg.method.rho
+        self.ranks: list[dict[str, int]] = [plan_ranks(model, g, rho) for g in self.levels]
+        self.factorized = sorted({name for ranks in self.ranks for name in ranks})
+        self.classifier_keys = classifier_keys(model)
+        self.tau = float(cfg.method.tau)
+        self._svd_cache: tuple[int, State, dict[str, SVD]] | None = None
+        self._costs: dict[int, dict[str, float]] = {}
+
+    def level_spec(self, level_index: int) -> dict[str, Any]:
+        ranks = self.ranks[level_index]
+        return {**self.spec, "ranks": ranks} if ranks else dict(self.spec)
+
+    def _svds(self, global_state: State) -> dict[str, SVD]:
+        """One SVD per factorizable layer of this global state (cached for all levels)."""
+        cache = self._svd_cache
+        if cache is None or cache[1] is not global_state:
+            self._svd_cache = cache = (id(global_state), global_state, compute_svds(global_state, self.factorized))
+        return cache[2]
+
+    def begin_round(self, server_round: int, global_state: State) -> None:
+        self._svds(global_state)
+
+    def level_payload(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State, dict[str, Any]]:
+        ranks = self.ranks[level_index]
+        state = factorize_state(global_state, ranks, self._svds(global_state)) if ranks else dict(global_state)
+        return self.level_spec(level_index), state, {"frobenius_decay": bool(self.cfg.method.frobenius_decay)}
+
+    def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
+        full = [recover_state(r.state, self.ranks[r.level_index]) for r in replies]
+        counts = [r.num_examples for r in replies] if self.cfg.method.weight_by_samples else None
+        weights = level_weights([r.level for r in replies], self.tau, counts)
+        holds = np.stack([r.class_counts > 0 for r in replies])
+        return average_states(global_state, full, weights, holds, self.classifier_keys)
+
+    def level_cost(self, level_index: int) -> dict[str, float]:
+        if level_index not in self._costs:
+            model = build_model(self.level_spec(level_index))
+            params = count_parameters(model)
+            self._costs[level_index] = {
+                "params": float(params),
+                "macs": float(count_macs(model, input_shape(self.spec))),
+                "bytes": float(4 * params),
+            }
+        return self._costs[level_index]
