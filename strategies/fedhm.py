@@ -69,7 +69,7 @@ class FedHMStrategy(HeteroStrategy):
 
     def level_cost(self, level_index: int) -> dict[str, float]:
         if level_index not in self._costs:
-            model = build_model(self.level_spec(level_index))
+            model = build_model(self.level_spec(level_index), spectral_init=False)
             params = count_parameters(model)
             self._costs[level_index] = {
                 "params": float(params),

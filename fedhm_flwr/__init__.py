@@ -1,0 +1,1 @@
+"""FedHM on Flower: heterogeneous federated learning by low-rank factorization."""

@@ -1,0 +1,512 @@
+"""Low-rank factorization of conv and linear layers (FedHM, SPEC §1).
+
+Everything here is plain PyTorch and free of Flower, so that the server, the clients and the
+tests share one implementation.
+
+Conventions
+-----------
+* A conv weight ``W`` has layout ``(n, m, k, k)`` = (out channels, in channels, kernel, kernel).
+  It is *unrolled* into the matrix ``M`` of shape ``(n·k, m·k)`` whose rows index
+  (out channel ``o``, kernel row ``i``) and whose columns index (in channel ``c``, kernel
+  column ``j``): ``M[o*k + i, c*k + j] = W[o, c, i, j]``. A linear weight ``(out, in)`` is its
+  own matrix.
+* A rank-``r`` factorization is ``M ≈ A B`` with ``A`` (rows × r) and ``B`` (r × cols), from the
+  truncated SVD with the singular values split evenly (spectral initialisation):
+  ``A = U_r √S_r``, ``B = √S_r Vh_r``.
+* A factorized conv is a ``1×k`` conv with ``r`` filters built from ``B`` followed by a ``k×1``
+  conv with ``n`` filters built from ``A``; nothing in between. A factorized linear layer is
+  ``Linear(in, r)`` (from ``B``) followed by ``Linear(r, out)`` (from ``A``).
+* Hybrid state keys (the wire format): a factorized layer ``L`` with original keys ``L.weight``
+  (and maybe ``L.bias``) is sent as ``L.b.weight``, ``L.a.weight`` (and ``L.a.bias``). Every
+  other key is unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "SVD",
+    "FactorizedConv2d",
+    "FactorizedLinear",
+    "compute_svds",
+    "conv_to_matrix",
+    "factorize_modules",
+    "factorize_state",
+    "factorized_modules",
+    "full_rank",
+    "layer_matrix",
+    "layer_svd",
+    "matrix_to_conv",
+    "plan_ranks",
+    "rank_for",
+    "recover_state",
+    "split_factors",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Unrolling
+# --------------------------------------------------------------------------------------------
+
+
+def conv_to_matrix(weight: Tensor) -> Tensor:
+    """Unroll a conv weight ``(n, m, k, k)`` into the matrix ``(n·k, m·k)``.
+
+    ``M[o*k + i, c*k + j] = W[o, c, i, j]``.
+    """
+    if weight.ndim != 4 or weight.shape[2] != weight.shape[3]:
+        raise ValueError(f"expected a square-kernel conv weight (n, m, k, k), got {tuple(weight.shape)}")
+    n, m, k, _ = weight.shape
+    return weight.permute(0, 2, 1, 3).reshape(n * k, m * k)
+
+
+def matrix_to_conv(matrix: Tensor, n: int, m: int, k: int) -> Tensor:
+    """Fold a matrix ``(n·k, m·k)`` back into a conv weight ``(n, m, k, k)``.
+
+    Exact inverse of :func:`conv_to_matrix`.
+    """
+    if tuple(matrix.shape) != (n * k, m * k):
+        raise ValueError(f"expected a ({n * k}, {m * k}) matrix, got {tuple(matrix.shape)}")
+    return matrix.reshape(n, k, m, k).permute(0, 2, 1, 3).contiguous()
+
+
+def layer_matrix(weight: Tensor) -> Tensor:
+    """The 2-D matrix of a layer weight: unrolled conv (4-D) or the linear weight itself (2-D)."""
+    if weight.ndim == 4:
+        return conv_to_matrix(weight)
+    if weight.ndim == 2:
+        return weight
+    raise ValueError(f"cannot factorize a weight of shape {tuple(weight.shape)}")
+
+
+def _fold(matrix: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Bring a layer matrix back to the layer's weight ``shape`` (inverse of :func:`layer_matrix`)."""
+    if len(shape) == 4:
+        n, m, k, _ = shape
+        return matrix_to_conv(matrix, n, m, k)
+    return matrix.reshape(shape)
+
+
+def full_rank(shape: tuple[int, ...] | torch.Size) -> int:
+    """Largest possible rank of the layer matrix: ``k·min(m, n)`` (conv) or ``min(out, in)``."""
+    shape = tuple(shape)
+    if len(shape) == 4:
+        n, m, k, _ = shape
+        return k * min(n, m)
+    if len(shape) == 2:
+        return min(shape)
+    raise ValueError(f"cannot factorize a weight of shape {shape}")
+
+
+# --------------------------------------------------------------------------------------------
+# Rank rule and hybrid plan
+# --------------------------------------------------------------------------------------------
+
+
+def _check_gamma(gamma: float) -> float:
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)):
+        raise ValueError(f"gamma must be a number in (0, 1], got {gamma!r}")
+    gamma = float(gamma)
+    if not (0.0 < gamma <= 1.0):  # also refuses NaN
+        raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+    return gamma
+
+
+def _round_half_up(x: float) -> int:
+    """``floor(x + 0.5)``: halves round up (Python's ``round`` would round 2.5 to 2).
+
+    A tolerance of 1e-9 absorbs float noise in ratios such as 0.35 so that a product meant to be
+    exactly ``k + 0.5`` still rounds up.
+    """
+    return math.floor(x + 0.5 + 1e-9)
+
+
+def rank_for(shape: tuple[int, ...] | torch.Size, gamma: float) -> int:
+    """Rank of a factorized layer of weight ``shape`` at rank ratio ``gamma`` (SPEC §1).
+
+    Conv ``(n, m, k, k)``: ``max(1, round(gamma·n))``; linear ``(out, in)``:
+    ``max(1, round(gamma·min(out, in)))``; ``round`` is round-half-up; the result is capped at
+    :func:`full_rank`. ``gamma`` must lie in ``(0, 1]``.
+    """
+    gamma = _check_gamma(gamma)
+    shape = tuple(shape)
+    if len(shape) == 4:
+        base = shape[0]
+    elif len(shape) == 2:
+        base = min(shape)
+    else:
+        raise ValueError(f"cannot factorize a weight of shape {shape}")
+    return min(full_rank(shape), max(1, _round_half_up(gamma * base)))
+
+
+def _weight_shape(module: nn.Module) -> tuple[int, ...]:
+    """Full weight shape of a plain or already factorized layer."""
+    if isinstance(module, (FactorizedConv2d, FactorizedLinear)):
+        return module.full_shape
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, Tensor):
+        raise ValueError(f"{type(module).__name__} has no weight to factorize")
+    return tuple(weight.shape)
+
+
+def plan_ranks(model: nn.Module, gamma: float, rho: int | None = None) -> dict[str, int]:
+    """Ranks of the hybrid ``[rho, L, gamma]`` network: ``{layer name: rank}``.
+
+    The model must expose ``factorizable_layers()`` (forward order) and ``default_rho``. The
+    first ``rho`` factorizable layers stay full rank, the rest get :func:`rank_for`.
+    ``gamma == 1`` means "send the model full rank": the plan is empty.
+    """
+    gamma = _check_gamma(gamma)
+    if rho is None:
+        rho = int(model.default_rho)
+    if isinstance(rho, bool) or not isinstance(rho, int) or rho < 0:
+        raise ValueError(f"rho must be an int >= 0, got {rho!r}")
+    if gamma == 1.0:
+        return {}
+    names = list(model.factorizable_layers())[rho:]
+    return {name: rank_for(_weight_shape(model.get_submodule(name)), gamma) for name in names}
+
+
+# --------------------------------------------------------------------------------------------
+# SVD and factors
+# --------------------------------------------------------------------------------------------
+
+
+class SVD(NamedTuple):
+    """Thin SVD ``M = U diag(S) Vh`` of a layer matrix (float64)."""
+
+    U: Tensor
+    S: Tensor
+    Vh: Tensor
+
+
+def layer_svd(weight: Tensor) -> SVD:
+    """Thin SVD of the layer matrix of ``weight``.
+
+    Computed and kept in float64: the float32 weights are represented exactly, the factors are
+    orthogonal to ~1e-15, and the truncations for every level (all taken from this one SVD) are
+    then exact to float32 precision once cast. The cost is a slower SVD, paid once per layer per
+    round on the server.
+    """
+    matrix = layer_matrix(weight.detach()).to(torch.float64)
+    U, S, Vh = torch.linalg.svd(matrix, full_matrices=False)
+    return SVD(U, S, Vh)
+
+
+def compute_svds(full_state: Mapping[str, Tensor], names: Iterable[str]) -> dict[str, SVD]:
+    """One :func:`layer_svd` per layer name (``name.weight`` in ``full_state``)."""
+    return {name: layer_svd(full_state[f"{name}.weight"]) for name in names}
+
+
+def split_factors(svd: SVD, rank: int) -> tuple[Tensor, Tensor]:
+    """Rank-``rank`` spectral factors ``A = U_r √S_r`` (rows × r), ``B = √S_r Vh_r`` (r × cols)."""
+    if not (1 <= rank <= svd.S.numel()):
+        raise ValueError(f"rank must be in [1, {svd.S.numel()}], got {rank}")
+    root = svd.S[:rank].sqrt()
+    A = svd.U[:, :rank] * root.unsqueeze(0)
+    B = root.unsqueeze(1) * svd.Vh[:rank]
+    return A, B
+
+
+def _frobenius_sq(A: Tensor, B: Tensor) -> Tensor:
+    """``‖A B‖_F²`` as ``sum((AᵀA) ⊙ (B Bᵀ))``: only r×r products, differentiable."""
+    return ((A.t() @ A) * (B @ B.t())).sum()
+
+
+# --------------------------------------------------------------------------------------------
+# Factorized layers
+# --------------------------------------------------------------------------------------------
+
+
+def _pair(value: int | tuple[int, ...], what: str) -> int:
+    """A square int parameter (``3`` or ``(3, 3)``) as one int."""
+    if isinstance(value, int):
+        return value
+    if len(value) == 2 and value[0] == value[1]:
+        return int(value[0])
+    raise ValueError(f"only square {what} is supported, got {value}")
+
+
+def _conv_b_weight(B: Tensor, m: int, k: int) -> Tensor:
+    """``B (r, m·k)`` as the ``1×k`` conv weight ``(r, m, 1, k)``: ``B[t, c*k+j] -> w[t, c, 0, j]``."""
+    return B.reshape(B.shape[0], m, 1, k)
+
+
+def _conv_a_weight(A: Tensor, n: int, k: int) -> Tensor:
+    """``A (n·k, r)`` as the ``k×1`` conv weight ``(n, r, k, 1)``: ``A[o*k+i, t] -> w[o, t, i, 0]``."""
+    return A.reshape(n, k, A.shape[1]).permute(0, 2, 1).unsqueeze(-1)
+
+
+class FactorizedConv2d(nn.Module):
+    """Rank-``r`` factorized square-kernel conv: ``b`` (1×k, r filters) then ``a`` (k×1, n filters).
+
+    Replaces ``nn.Conv2d(m, n, k, stride=s, padding=p, bias=...)`` (groups 1, dilation 1). The
+    bias, if any, lives on ``a``.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int,
+        rank: int,
+        stride: int = 1,
+        padding: int = 0,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        k = kernel_size
+        if not (1 <= rank <= k * min(in_channels, out_channels)):
+            raise ValueError(f"rank must be in [1, {k * min(in_channels, out_channels)}], got {rank}")
+        self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, k
+        self.rank = rank
+        # Registration order b, a makes state_dict keys L.b.weight, L.a.weight, L.a.bias.
+        self.b = nn.Conv2d(in_channels, rank, (1, k), stride=(1, stride), padding=(0, padding), bias=False)
+        self.a = nn.Conv2d(rank, out_channels, (k, 1), stride=(stride, 1), padding=(padding, 0), bias=bias)
+
+    @classmethod
+    def from_conv(
+        cls, conv: nn.Conv2d, rank: int, svd: SVD | None = None, spectral_init: bool = True
+    ) -> FactorizedConv2d:
+        """Factorize ``conv`` at ``rank``, spectrally initialised from its weight (or ``svd``)."""
+        if conv.groups != 1 or _pair(conv.dilation, "dilation") != 1:
+            raise ValueError("only convs with groups=1 and dilation=1 can be factorized")
+        if not isinstance(conv.padding, tuple) or conv.padding_mode != "zeros":
+            raise ValueError(
+                f"only explicit zero padding is supported, got {conv.padding!r} ({conv.padding_mode})"
+            )
+        layer = cls(
+            conv.in_channels,
+            conv.out_channels,
+            _pair(conv.kernel_size, "kernel"),
+            rank,
+            stride=_pair(conv.stride, "stride"),
+            padding=_pair(conv.padding, "padding"),
+            bias=conv.bias is not None,
+        )
+        layer.to(device=conv.weight.device, dtype=conv.weight.dtype)
+        if spectral_init:
+            layer.load_factors(*split_factors(svd if svd is not None else layer_svd(conv.weight), rank))
+        if conv.bias is not None:
+            with torch.no_grad():
+                layer.a.bias.copy_(conv.bias)
+        return layer
+
+    @property
+    def full_shape(self) -> tuple[int, int, int, int]:
+        """Shape of the recovered weight ``(n, m, k, k)``."""
+        return (self.out_channels, self.in_channels, self.kernel_size, self.kernel_size)
+
+    def load_factors(self, A: Tensor, B: Tensor) -> None:
+        """Set the weights from ``A (n·k, r)`` and ``B (r, m·k)``."""
+        with torch.no_grad():
+            self.b.weight.copy_(_conv_b_weight(B, self.in_channels, self.kernel_size))
+            self.a.weight.copy_(_conv_a_weight(A, self.out_channels, self.kernel_size))
+
+    def factors(self) -> tuple[Tensor, Tensor]:
+        """``(A, B)`` as matrices (differentiable views of the weights)."""
+        n, k, r = self.out_channels, self.kernel_size, self.rank
+        A = self.a.weight.squeeze(-1).permute(0, 2, 1).reshape(n * k, r)
+        B = self.b.weight.reshape(r, self.in_channels * k)
+        return A, B
+
+    def product(self) -> Tensor:
+        """The recovered full weight ``A B`` folded to ``(n, m, k, k)`` (differentiable)."""
+        A, B = self.factors()
+        return matrix_to_conv(A @ B, self.out_channels, self.in_channels, self.kernel_size)
+
+    def frobenius_sq(self) -> Tensor:
+        """``‖A B‖_F²`` (for Frobenius decay), computed on r×r matrices."""
+        return _frobenius_sq(*self.factors())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.a(self.b(x))
+
+
+class FactorizedLinear(nn.Module):
+    """Rank-``r`` factorized linear layer: ``b = Linear(in, r)`` then ``a = Linear(r, out)``."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = True) -> None:
+        super().__init__()
+        if not (1 <= rank <= min(in_features, out_features)):
+            raise ValueError(f"rank must be in [1, {min(in_features, out_features)}], got {rank}")
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.b = nn.Linear(in_features, rank, bias=False)
+        self.a = nn.Linear(rank, out_features, bias=bias)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, rank: int, svd: SVD | None = None, spectral_init: bool = True
+    ) -> FactorizedLinear:
+        """Factorize ``linear`` at ``rank``, spectrally initialised from its weight (or ``svd``)."""
+        layer = cls(linear.in_features, linear.out_features, rank, bias=linear.bias is not None)
+        layer.to(device=linear.weight.device, dtype=linear.weight.dtype)
+        if spectral_init:
+            layer.load_factors(*split_factors(svd if svd is not None else layer_svd(linear.weight), rank))
+        if linear.bias is not None:
+            with torch.no_grad():
+                layer.a.bias.copy_(linear.bias)
+        return layer
+
+    @property
+    def full_shape(self) -> tuple[int, int]:
+        """Shape of the recovered weight ``(out, in)``."""
+        return (self.out_features, self.in_features)
+
+    def load_factors(self, A: Tensor, B: Tensor) -> None:
+        """Set the weights from ``A (out, r)`` and ``B (r, in)``."""
+        with torch.no_grad():
+            self.b.weight.copy_(B)
+            self.a.weight.copy_(A)
+
+    def factors(self) -> tuple[Tensor, Tensor]:
+        """``(A, B)`` (the weights themselves)."""
+        return self.a.weight, self.b.weight
+
+    def product(self) -> Tensor:
+        """The recovered full weight ``A B`` of shape ``(out, in)`` (differentiable)."""
+        return self.a.weight @ self.b.weight
+
+    def frobenius_sq(self) -> Tensor:
+        """``‖A B‖_F²`` (for Frobenius decay), computed on r×r matrices."""
+        return _frobenius_sq(*self.factors())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.a(self.b(x))
+
+
+def factorized_modules(model: nn.Module) -> Iterator[tuple[str, FactorizedConv2d | FactorizedLinear]]:
+    """The ``(name, module)`` pairs of every factorized layer in ``model`` (e.g. for Frobenius decay)."""
+    for name, module in model.named_modules():
+        if isinstance(module, (FactorizedConv2d, FactorizedLinear)):
+            yield name, module
+
+
+def factorize_modules(
+    model: nn.Module,
+    ranks: Mapping[str, int],
+    svds: Mapping[str, SVD] | None = None,
+    spectral_init: bool = True,
+) -> nn.Module:
+    """Replace the named layers of ``model`` in place by factorized layers of the given ranks.
+
+    Factors are spectrally initialised from each layer's current weight (or from ``svds``).
+    ``spectral_init=False`` skips the SVDs and leaves PyTorch's default initialisation on the
+    factors: use it when a (hybrid) state dict is loaded right afterwards. Returns ``model``.
+    """
+    for name, rank in ranks.items():
+        module = model.get_submodule(name)
+        svd = svds.get(name) if svds is not None else None
+        if isinstance(module, nn.Conv2d):
+            new = FactorizedConv2d.from_conv(module, int(rank), svd, spectral_init)
+        elif isinstance(module, nn.Linear):
+            new = FactorizedLinear.from_linear(module, int(rank), svd, spectral_init)
+        else:
+            raise ValueError(
+                f"layer {name!r} is a {type(module).__name__}; only Conv2d and Linear can be factorized"
+            )
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# State dicts (the server side: no model needed)
+# --------------------------------------------------------------------------------------------
+
+
+def _as_wire(t: Tensor) -> Tensor:
+    """Detached, contiguous; floating tensors as float32."""
+    t = t.detach()
+    if t.is_floating_point():
+        t = t.to(torch.float32)
+    return t.contiguous()
+
+
+def factorize_state(
+    full_state: Mapping[str, Tensor],
+    ranks: Mapping[str, int],
+    svds: Mapping[str, SVD] | None = None,
+) -> dict[str, Tensor]:
+    """Hybrid state dict of a full state dict: layer ``L`` in ``ranks`` becomes ``L.b.weight``,
+    ``L.a.weight`` (and ``L.a.bias``), spectral factors at rank ``ranks[L]``.
+
+    Pass ``svds`` (from :func:`compute_svds`) to share one SVD per layer across levels. Key order
+    follows ``full_state`` and matches ``state_dict()`` of the hybrid model. Floating tensors come
+    out float32 and contiguous.
+    """
+    missing = [f"{name}.weight" for name in ranks if f"{name}.weight" not in full_state]
+    if missing:
+        raise KeyError(f"full state lacks {missing}")
+    out: dict[str, Tensor] = {}
+    for key, value in full_state.items():
+        layer, _, leaf = key.rpartition(".")
+        if layer not in ranks:
+            out[key] = _as_wire(value)
+        elif leaf == "weight":
+            rank = int(ranks[layer])
+            svd = svds[layer] if svds is not None and layer in svds else layer_svd(value)
+            A, B = split_factors(svd, rank)
+            if value.ndim == 4:
+                n, m, k, _ = value.shape
+                out[f"{layer}.b.weight"] = _as_wire(_conv_b_weight(B, m, k))
+                out[f"{layer}.a.weight"] = _as_wire(_conv_a_weight(A, n, k))
+            else:
+                out[f"{layer}.b.weight"] = _as_wire(B)
+                out[f"{layer}.a.weight"] = _as_wire(A)
+        elif leaf == "bias":
+            out[f"{layer}.a.bias"] = _as_wire(value)
+        else:
+            raise ValueError(f"unexpected key {key!r} in a layer to factorize")
+    return out
+
+
+def _factor_matrices(a_weight: Tensor, b_weight: Tensor) -> tuple[Tensor, Tensor, tuple[int, ...]]:
+    """``(A, B, full weight shape)`` from the wire tensors of one factorized layer."""
+    if a_weight.ndim == 4:
+        n, r, k, _ = a_weight.shape
+        m = b_weight.shape[1]
+        A = a_weight.squeeze(-1).permute(0, 2, 1).reshape(n * k, r)
+        B = b_weight.reshape(b_weight.shape[0], m * k)
+        return A, B, (n, m, k, k)
+    return a_weight, b_weight, (a_weight.shape[0], b_weight.shape[1])
+
+
+def recover_state(hybrid_state: Mapping[str, Tensor], ranks: Mapping[str, int]) -> dict[str, Tensor]:
+    """Full-shape state dict of a hybrid one (model shape alignment, journal eq. 1).
+
+    ``L.weight = A B`` folded back (product taken in float64, returned in the factors' dtype),
+    ``L.a.bias -> L.bias``; other keys as they are. Key order follows ``hybrid_state``.
+    """
+    out: dict[str, Tensor] = {}
+    for key, value in hybrid_state.items():
+        layer, _, leaf = key.rpartition(".")
+        owner = layer.rpartition(".")[0]
+        if owner in ranks and layer.endswith((".a", ".b")) and leaf in ("weight", "bias"):
+            if key == f"{owner}.b.weight":
+                a_weight = hybrid_state.get(f"{owner}.a.weight")
+                if a_weight is None:
+                    raise KeyError(f"hybrid state lacks {owner}.a.weight")
+                A, B, shape = _factor_matrices(a_weight, value)
+                if A.shape[1] != int(ranks[owner]) or B.shape[0] != int(ranks[owner]):
+                    raise ValueError(
+                        f"layer {owner!r}: factors have rank {A.shape[1]}, expected {ranks[owner]}"
+                    )
+                product = A.to(torch.float64) @ B.to(torch.float64)
+                out[f"{owner}.weight"] = _fold(product, shape).to(a_weight.dtype).contiguous()
+            elif key == f"{owner}.a.bias":
+                out[f"{owner}.bias"] = value
+            elif key != f"{owner}.a.weight":
+                raise ValueError(f"unexpected key {key!r} in a factorized layer")
+        else:
+            out[key] = value
+    missing = [name for name in ranks if f"{name}.weight" not in out]
+    if missing:
+        raise KeyError(f"hybrid state lacks the factors of {missing}")
+    return out

@@ -1,0 +1,53 @@
+"""HeteroFL's conv net for (Fashion-)MNIST-sized images, with static batch norm."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import Tensor, nn
+
+
+def sbn(channels: int) -> nn.BatchNorm2d:
+    """Static batch norm (sBN): affine, no running statistics (batch statistics always)."""
+    return nn.BatchNorm2d(channels, track_running_stats=False)
+
+
+class CNN(nn.Module):
+    """``conv{i} -> bn{i} -> ReLU (-> MaxPool2d(2) for i < 4)`` for i = 1..4, global average
+    pooling, ``fc``. Hidden sizes ``[w, 2w, 4w, 8w]`` (HeteroFL: ``w = 64``).
+
+    ``conv1`` is the stem and is never factorized; of ``conv2..conv4`` the first
+    ``default_rho = 1`` (``conv2``) stays full rank by default.
+    """
+
+    default_rho: int = 1
+
+    def __init__(self, num_classes: int, in_channels: int = 1, width: int = 64) -> None:
+        super().__init__()
+        hidden = [width, 2 * width, 4 * width, 8 * width]
+        self.hidden = hidden
+        prev = in_channels
+        for i, h in enumerate(hidden, start=1):
+            setattr(self, f"conv{i}", nn.Conv2d(prev, h, 3, 1, 1, bias=False))
+            setattr(self, f"bn{i}", sbn(h))
+            prev = h
+        self.relu = nn.ReLU(inplace=True)
+        self.pool = nn.MaxPool2d(2)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(hidden[-1], num_classes)
+
+    def factorizable_layers(self) -> list[str]:
+        """Layers that may be factorized, in forward order (stem and classifier excluded)."""
+        return [f"conv{i}" for i in range(2, len(self.hidden) + 1)]
+
+    def forward(self, x: Tensor) -> Tensor:
+        for i in range(1, len(self.hidden) + 1):
+            x = self.relu(getattr(self, f"bn{i}")(getattr(self, f"conv{i}")(x)))
+            if i < len(self.hidden):
+                x = self.pool(x)
+        return self.fc(self.avgpool(x).flatten(1))
+
+
+def build_cnn(spec: Mapping) -> CNN:
+    """Registry builder: ``num_classes``, ``in_channels``, optional ``width`` (64)."""
+    return CNN(int(spec["num_classes"]), int(spec["in_channels"]), int(spec.get("width", 64)))

@@ -1,0 +1,123 @@
+"""Models and costs: shapes, the paper's Table 2 parameter counts, MACs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fedhm_flwr.lowrank import FactorizedConv2d, plan_ranks
+from fedhm_flwr.models import ARCHS, build_model, count_macs, count_parameters, input_shape
+
+R18 = {"arch": "resnet18", "num_classes": 10, "in_channels": 3, "image_size": 32}
+R34 = {"arch": "resnet34", "num_classes": 100, "in_channels": 3, "image_size": 32}
+
+
+def _level_params(spec, gamma):
+    """Parameters of the hybrid model of level ``gamma`` (default rho), built from its spec.
+
+    Built on the meta device: shapes only, no memory or initialisation cost.
+    """
+    with torch.device("meta"):
+        ranks = plan_ranks(build_model(spec), gamma)
+        return count_parameters(build_model({**spec, "ranks": ranks}, spectral_init=False))
+
+
+def test_resnet18_cifar_is_the_standard_one():
+    with torch.device("meta"):  # shapes only
+        model = build_model(R18)
+    assert count_parameters(model) == 11_173_962
+    assert not any("running" in key or "num_batches" in key for key in model.state_dict())
+    assert model.default_rho == 2 and len(model.factorizable_layers()) == 16
+
+
+@pytest.mark.parametrize(
+    "spec,gamma,millions",
+    [
+        (R18, 1, 11.17),
+        (R18, 1 / 2, 4.16),
+        (R18, 1 / 4, 2.21),
+        (R18, 1 / 8, 1.24),
+        (R34, 1, 21.33),
+        (R34, 1 / 2, 8.40),
+        (R34, 1 / 4, 4.99),
+        (R34, 1 / 8, 3.28),  # SPEC; the paper's Table 2 prints 3.27 (3,277,220 truncated)
+        (R34, 1 / 12, 2.71),
+    ],
+)
+def test_table2_parameter_counts(spec, gamma, millions):
+    assert round(_level_params(spec, gamma) / 1e6, 2) == millions
+
+
+def test_resnet34_keeps_layer1_and_layer2_full():
+    with torch.device("meta"):  # shapes only
+        model = build_model(R34)
+    plan = plan_ranks(model, 1 / 2)
+    assert model.default_rho == 14
+    assert min(plan, key=list(model.factorizable_layers()).index) == "layer3.0.conv1"
+    assert not any(name.startswith(("layer1", "layer2")) for name in plan)
+
+
+def test_factorized_macs_below_full_and_decreasing():
+    spec = {**R18, "width": 8}
+    full = build_model(spec)
+    macs = [count_macs(full, input_shape(spec))]
+    for gamma in (1 / 2, 1 / 4, 1 / 8):
+        hybrid = build_model({**spec, "ranks": plan_ranks(full, gamma)}, spectral_init=False)
+        macs.append(count_macs(hybrid, input_shape(spec)))
+    assert macs == sorted(macs, reverse=True) and len(set(macs)) == 4
+
+
+def test_count_macs_closed_forms_and_restores_mode():
+    conv = nn.Conv2d(3, 8, 3, stride=2, padding=1)  # 16x16 -> 8x8
+    assert count_macs(conv, (3, 16, 16)) == 8 * 8 * 8 * (3 * 3 * 3)
+    lin = nn.Linear(20, 7)
+    assert count_macs(lin, (20,)) == 20 * 7
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4, track_running_stats=False),
+        nn.Flatten(),
+        nn.Linear(4 * 5 * 5, 2),
+    )
+    model.train()
+    model[1].eval()
+    assert count_macs(model, (3, 5, 5)) == 4 * 25 * 27 + 100 * 2
+    assert model.training and model[0].training and not model[1].training
+    assert not model._forward_hooks and not model[0]._forward_hooks and not model[3]._forward_hooks
+    # A factorized conv costs r*k*(m+n)*HW (Table 1) at stride 1.
+    fact = FactorizedConv2d(16, 32, 3, rank=4, padding=1)
+    assert count_macs(fact, (16, 10, 10)) == 4 * 3 * (16 + 32) * 100
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28, "width": 8},
+        {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28},
+        {"arch": "resnet18", "num_classes": 10, "in_channels": 3, "image_size": 32, "width": 8},
+        {"arch": "resnet34", "num_classes": 100, "in_channels": 3, "image_size": 32, "width": 8},
+    ],
+)
+def test_output_shapes(spec):
+    full = build_model(spec)
+    x = torch.randn(2, *input_shape(spec))
+    assert full(x).shape == (2, spec["num_classes"])
+    # Spectral init (SVDs of the random weights) only on the small models, to keep the test fast.
+    small = spec.get("width", 64) <= 8 and spec["arch"] != "resnet34"
+    hybrid = build_model({**spec, "ranks": plan_ranks(full, 1 / 4)}, spectral_init=small)
+    assert hybrid(x).shape == (2, spec["num_classes"])
+
+
+def test_cnn_layout():
+    model = build_model({"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28})
+    assert [model.get_submodule(f"conv{i}").out_channels for i in range(1, 5)] == [64, 128, 256, 512]
+    assert model.factorizable_layers() == ["conv2", "conv3", "conv4"]
+    assert model.default_rho == 1
+    assert list(plan_ranks(model, 1 / 2)) == ["conv3", "conv4"]
+    assert all(model.get_submodule(f"conv{i}").bias is None for i in range(1, 5))
+
+
+def test_unknown_arch_refused():
+    assert {"cnn", "resnet18", "resnet34"} <= set(ARCHS)
+    with pytest.raises(ValueError, match="arch"):
+        build_model({"arch": "vgg", "num_classes": 10, "in_channels": 3, "image_size": 32})
