@@ -78,6 +78,7 @@ class RoundLog:
     failures: list[tuple[int, str]] = field(default_factory=list)
     rejected: list[tuple[int, str]] = field(default_factory=list)
     level_counts: dict[str, int] = field(default_factory=dict)
+    assignments: dict[str, float] = field(default_factory=dict)  # node (partition) -> level
     server_seconds: float = 0.0
 
 
@@ -176,6 +177,7 @@ class HeteroStrategy(Strategy):
             messages.append(Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN))
         self.round_log.sampled = len(messages)
         self.round_log.level_counts = lv.describe_assignment({n: assignment[n] for n in node_ids}, self.levels)
+        self.round_log.assignments = {self.node_label(n): self.levels[assignment[n]] for n in node_ids}
         self.round_log.server_seconds += time.perf_counter() - t0
         return messages
 
@@ -316,6 +318,11 @@ class HeteroStrategy(Strategy):
                                    if k.startswith("capability-")}
             self.nodes[n] = info
         self._assign_fixed()
+
+    def node_label(self, node_id: int) -> str:
+        """How outputs name a node: ``p<partition id>`` when known, else ``n<node id>``."""
+        pid = self.nodes[node_id].partition_id if node_id in self.nodes else None
+        return f"p{pid}" if pid is not None else f"n{node_id}"
 
     def _partition_key(self, node_id: int) -> int:
         """The node's stable key: its partition id, else its rank among unknown nodes."""
@@ -461,6 +468,10 @@ class HeteroStrategy(Strategy):
                     row[key.replace("-", "_")] = float(train_metrics[key])
         for level, count in log_.level_counts.items():
             row[f"clients/level_{level}"] = count
+        row["assignments"] = json.dumps(log_.assignments, sort_keys=True)
+        if log_.failures or log_.rejected:
+            row["failure_reasons"] = json.dumps(
+                [[self.node_label(n), why] for n, why in log_.failures + log_.rejected])
         return row
 
 
