@@ -144,7 +144,7 @@ def _validate_levels(cfg: DictConfig) -> None:
 
 def _validate_fedhm(cfg: DictConfig) -> None:
     tau = OmegaConf.select(cfg, "method.tau")
-    _require(_is_num(tau) and tau > 0, "method.tau", tau, "a number > 0 (.inf for uniform weights)")
+    _require(_is_num(tau) and tau > 0, "method.tau", tau, "a number > 0 (inf for uniform weights)")
     rho = OmegaConf.select(cfg, "method.rho")
     _require(rho is None or (_is_int(rho) and rho >= 0), "method.rho", rho,
              "null (the model's default) or an integer >= 0")
