@@ -14,6 +14,7 @@ only knows where its data is and what it can afford (its node config):
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import torch
@@ -47,9 +48,23 @@ def received_model(msg: Message, device: torch.device) -> tuple[torch.nn.Module,
     return model.to(device), spec
 
 
+class InjectedFailure(RuntimeError):
+    """A failure the server asked for (``failures.*`` in the config), to test robustness."""
+
+
+def obey_injection(config: ConfigRecord) -> None:
+    """Crash or stall when the server's failure injection says so."""
+    what = str(config.get("inject", ""))
+    if what == "crash":
+        raise InjectedFailure("injected client crash")
+    if what == "slow":
+        time.sleep(float(config.get("inject-seconds", 0.0)))
+
+
 def handle_train(msg: Message, context: Context) -> Message:
     """Train the received model on the node's partition and reply with arrays and metrics."""
     config = msg.content[CONFIG]
+    obey_injection(config)
     options = TrainOptions.from_dict(json.loads(str(config["train"])))
     torch.set_num_threads(max(1, int(options.threads)))
     torch.manual_seed(int(config["seed"]))

@@ -83,6 +83,24 @@ def load_config(overrides: str | Sequence[str] | None = None) -> DictConfig:
     return cfg
 
 
+def resume_config(run_dir: str | Path, overrides: str | Sequence[str] | None = None) -> DictConfig:
+    """The configuration saved in ``run_dir`` (a run being resumed), with plain ``key=value``
+    overrides on top (e.g. ``rounds=20`` to extend it), validated."""
+    saved = Path(run_dir) / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError("resume", str(run_dir), "a run directory holding config.yaml and checkpoint/")
+    cfg = OmegaConf.load(saved)
+    items = split_overrides(overrides)
+    if items:
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(items))
+        except OmegaConfBaseException as err:
+            raise ConfigError("overrides", " ".join(items), f"key=value pairs of existing keys ({err})") from None
+    assert isinstance(cfg, DictConfig)
+    validate(cfg)
+    return cfg
+
+
 # --------------------------------------------------------------------------- validation
 
 
@@ -144,7 +162,11 @@ def _validate_levels(cfg: DictConfig) -> None:
 
 def _validate_fedhm(cfg: DictConfig) -> None:
     tau = OmegaConf.select(cfg, "method.tau")
-    _require(_is_num(tau) and tau > 0, "method.tau", tau, "a number > 0 (inf for uniform weights)")
+    if isinstance(tau, str) and tau.strip().lower() in (".inf", "+.inf"):
+        # YAML's spelling of infinity; Hydra's override grammar reads `method.tau=.inf` as a string
+        tau = math.inf
+        OmegaConf.update(cfg, "method.tau", tau)
+    _require(_is_num(tau) and tau > 0, "method.tau", tau, "a number > 0 (inf or .inf for uniform weights)")
     rho = OmegaConf.select(cfg, "method.rho")
     _require(rho is None or (_is_int(rho) and rho >= 0), "method.rho", rho,
              "null (the model's default) or an integer >= 0")
@@ -153,13 +175,40 @@ def _validate_fedhm(cfg: DictConfig) -> None:
         _require(isinstance(value, bool), flag, value, "true or false")
 
 
+def _validate_width(cfg: DictConfig) -> None:
+    """HeteroFL / FedRolex: levels are width rates in (0, 1] (checked with ``levels``)."""
+    value = OmegaConf.select(cfg, "method.scaler")
+    _require(isinstance(value, bool), "method.scaler", value, "true or false")
+    _num_in(cfg, "method.grad_clip", 0.0, math.inf, high_open=True)
+    value = OmegaConf.select(cfg, "method.weight_by_samples")
+    _require(isinstance(value, bool), "method.weight_by_samples", value, "true or false")
+
+
+def _validate_fedavg(cfg: DictConfig) -> None:
+    """Homogeneous FedAvg: the full model, or the smallest level of FedHM or HeteroFL."""
+    _choice(cfg, "method.variant", ("full", "smallest"))
+    _choice(cfg, "method.family", ("fedhm", "heterofl"))
+    rho = OmegaConf.select(cfg, "method.rho")
+    _require(rho is None or (_is_int(rho) and rho >= 0), "method.rho", rho,
+             "null (the model's default) or an integer >= 0")
+    for flag in ("method.frobenius_decay", "method.scaler"):
+        value = OmegaConf.select(cfg, flag)
+        _require(isinstance(value, bool), flag, value, "true or false")
+    _num_in(cfg, "method.grad_clip", 0.0, math.inf, high_open=True)
+
+
 #: method name -> validator of the ``method`` group (every method adds itself here).
-METHOD_VALIDATORS: dict[str, Callable[[DictConfig], None]] = {"fedhm": _validate_fedhm}
+METHOD_VALIDATORS: dict[str, Callable[[DictConfig], None]] = {
+    "fedhm": _validate_fedhm,
+    "heterofl": _validate_width,
+    "fedrolex": _validate_width,
+    "fedavg": _validate_fedavg,
+}
 
 
 def validate(cfg: DictConfig) -> None:
     """Refuse the first invalid value with a :class:`ConfigError` naming the field."""
-    from fedhm_flwr.data import DATASETS  # local imports keep `import config` light
+    from fedhm_flwr.data import DATASETS, EXTERNAL_DATASETS  # local imports keep `import config` light
     from fedhm_flwr.models import ARCHS
 
     _choice(cfg, "method.name", METHOD_VALIDATORS)
@@ -168,7 +217,7 @@ def validate(cfg: DictConfig) -> None:
     width = OmegaConf.select(cfg, "model.width")
     _require(width is None or (_is_int(width) and width >= 1), "model.width", width,
              "null (the architecture's default) or an integer >= 1")
-    _choice(cfg, "dataset.name", DATASETS)
+    _choice(cfg, "dataset.name", [*DATASETS, *EXTERNAL_DATASETS])
     for field in ("dataset.max_train_examples", "dataset.max_test_examples"):
         _int_at_least(cfg, field, 0)
     _int_at_least(cfg, "seed", 0)
@@ -200,6 +249,9 @@ def validate(cfg: DictConfig) -> None:
     _num_in(cfg, "simulation.num_cpus", 0.0, math.inf, low_open=True, high_open=True)
     _num_in(cfg, "simulation.num_gpus", 0.0, math.inf, high_open=True)
     _int_at_least(cfg, "checkpoint.every", 0)
+    _num_in(cfg, "failures.crash_probability", 0.0, 1.0)
+    _num_in(cfg, "failures.slow_probability", 0.0, 1.0)
+    _num_in(cfg, "failures.slow_seconds", 0.0, math.inf, high_open=True)
     out = OmegaConf.select(cfg, "output_dir")
     _require(out is None or (isinstance(out, str) and Path(out).is_absolute()), "output_dir", out,
              "null or an absolute path")
@@ -213,12 +265,7 @@ def model_spec(cfg: DictConfig) -> dict[str, Any]:
     from fedhm_flwr.data import dataset_info
 
     info = dataset_info(cfg.dataset.name)
-    spec = {
-        "arch": cfg.model.arch,
-        "num_classes": int(info["num_classes"]),
-        "in_channels": int(info["in_channels"]),
-        "image_size": int(info["image_size"]),
-    }
+    spec = {"arch": cfg.model.arch, **{k: int(v) for k, v in info.items()}}  # image: classes, channels, size
     if cfg.model.get("width") is not None:
         spec["width"] = int(cfg.model.width)
     return spec

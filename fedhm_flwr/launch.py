@@ -28,7 +28,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from fedhm_flwr.config import ConfigError, load_config, split_overrides
+from fedhm_flwr.config import ConfigError, load_config, resume_config, split_overrides
+from fedhm_flwr.results import refuse_existing_run
 
 APP_DIR = Path(__file__).resolve().parent.parent
 
@@ -68,6 +69,8 @@ class SuperLink:
             "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
             "RAY_USAGE_STATS_ENABLED": "0",
             "PYTHONUNBUFFERED": "1",
+            # Flower starts its helpers (flower-superexec, flwr-serverapp, ...) by name
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
         })
         return env
 
@@ -131,10 +134,13 @@ def toml_string(value: str) -> str:
 def run_job(overrides: list[str], run_dir: Path | None = None, resume: Path | None = None,
             quiet: bool = False) -> dict[str, Any]:
     """Validate, run through ``flwr run``, verify; returns the run's summary."""
-    cfg = load_config(overrides)  # refuse bad values before anything starts
+    # refuse bad values before anything starts
+    cfg = resume_config(resume, overrides) if resume is not None else load_config(overrides)
     if resume is not None:
         run_dir = resume
     run_dir = (run_dir or (Path(cfg.output_dir) if cfg.output_dir else default_run_dir(cfg.method.name))).resolve()
+    if resume is None:
+        refuse_existing_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     flwr_home = run_dir / ".flwr"
     run_config = flwr_home / "run_config.toml"
@@ -187,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         summary = run_job(split_overrides(args.overrides), args.run_dir, args.resume)
-    except ConfigError as err:
+    except (ConfigError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:

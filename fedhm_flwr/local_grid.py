@@ -8,6 +8,7 @@ strategy, the messages and the client handlers are exactly the ones those runs u
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -74,6 +75,7 @@ class LocalGrid(Grid):
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         replies = []
         for msg in messages:
+            start = time.monotonic()  # nodes work in parallel: each gets the whole timeout
             node_id = msg.metadata.dst_node_id
             msg.metadata.__dict__["_message_id"] = f"m{next(self._ids)}"  # the SuperLink's job
             self.delivered.append((node_id, msg.metadata.message_type))
@@ -84,7 +86,8 @@ class LocalGrid(Grid):
                 reply = handler(msg, self.contexts[node_id])
             except Exception as err:  # the ClientApp crashed: an error reply, like Flower's
                 reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=msg)
-            if reply is not None:
+            late = timeout is not None and time.monotonic() - start > timeout
+            if reply is not None and not late:  # a reply after the timeout is never seen
                 replies.append(reply)
         return replies
 

@@ -59,6 +59,15 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def refuse_existing_run(out_dir: str | Path) -> None:
+    """A new run never writes over an earlier run's results or checkpoint."""
+    folder = Path(out_dir)
+    taken = [name for name in (METRICS_JSONL, SUMMARY_FILE, CHECKPOINT_DIR) if (folder / name).exists()]
+    if taken:
+        raise FileExistsError(f"{folder} already holds a run ({', '.join(taken)}); resume it "
+                              "(run-config resume=<dir>, launcher --resume <dir>) or choose another output directory")
+
+
 class RunRecorder:
     """Writes one run's outputs into ``out_dir`` (absolute)."""
 

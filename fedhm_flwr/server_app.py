@@ -20,10 +20,10 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 from omegaconf import DictConfig, OmegaConf
 
-from fedhm_flwr.config import data_spec, load_config, model_spec, to_yaml
+from fedhm_flwr.config import data_spec, load_config, model_spec, resume_config, to_yaml
 from fedhm_flwr.data import test_dataset
 from fedhm_flwr.models import build_model
-from fedhm_flwr.results import RunRecorder, load_checkpoint, summarize
+from fedhm_flwr.results import RunRecorder, load_checkpoint, refuse_existing_run, summarize
 from fedhm_flwr.train import evaluate, pick_device
 from strategies import STRATEGIES
 
@@ -59,6 +59,8 @@ def initial_state(cfg: DictConfig, spec: dict[str, Any]) -> dict[str, torch.Tens
 def run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None = None) -> dict[str, Any]:
     """One whole run on a grid; returns the summary (also written to ``out_dir``)."""
     t0 = time.perf_counter()
+    if resume is None:
+        refuse_existing_run(out_dir)
     recorder = RunRecorder(out_dir)
     recorder.write_config(to_yaml(cfg))
     spec = model_spec(cfg)
@@ -96,11 +98,10 @@ def run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None = None) 
 def main(grid: Grid, context: Context) -> None:
     """Entry point of ``flwr run``."""
     run_config = context.run_config
-    cfg = load_config(str(run_config.get("overrides", "") or ""))
-    out = str(run_config.get("output-dir", "") or "") or cfg.output_dir
+    overrides = str(run_config.get("overrides", "") or "")
     resume = str(run_config.get("resume", "") or "") or None
-    if resume:
-        out = out or resume
+    cfg = resume_config(resume, overrides) if resume else load_config(overrides)
+    out = resume or str(run_config.get("output-dir", "") or "") or cfg.output_dir
     out_dir = Path(out).expanduser().resolve() if out else default_output_dir(cfg)
     OmegaConf.update(cfg, "output_dir", str(out_dir))
     run(grid, cfg, out_dir, Path(resume).expanduser().resolve() if resume else None)

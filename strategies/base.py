@@ -160,6 +160,7 @@ class HeteroStrategy(Strategy):
         node_ids = self._sample(server_round, list(self.nodes))
         assignment = self._assign(server_round, node_ids)
         self.begin_round(server_round, self.global_state)
+        injected = self._injected_failures(server_round, node_ids)
         payloads: dict[int, Payload] = {}
         self.sent = {}
         messages = []
@@ -171,7 +172,11 @@ class HeteroStrategy(Strategy):
                                           {k: tuple(v.shape) for k, v in state.items()}, options)
             payload = payloads[index]
             record = ArrayRecord.from_array_dict(payload.arrays)  # fresh record, shared bytes
-            content = RecordDict({ARRAYS: record, CONFIG: self._train_config(server_round, node_id, index, payload)})
+            config = self._train_config(server_round, node_id, index, payload)
+            if node_id in injected:
+                config["inject"] = injected[node_id]
+                config["inject-seconds"] = float(self.cfg.failures.slow_seconds)
+            content = RecordDict({ARRAYS: record, CONFIG: config})
             self.round_log.sent_bytes += record.count_bytes()
             self.sent[node_id] = (index, payload)
             messages.append(Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN))
@@ -208,6 +213,7 @@ class HeteroStrategy(Strategy):
             self.round_log.server_seconds += time.perf_counter() - t0
             return None, MetricRecord(metrics)
         assert self.global_state is not None
+        valid.sort(key=lambda r: self._partition_key(r.node_id))  # arrival order must not matter
         new_state = self.merge(server_round, self.global_state, valid)
         self.global_state = new_state
         self.round_log.server_seconds += time.perf_counter() - t0
@@ -383,6 +389,21 @@ class HeteroStrategy(Strategy):
         return out
 
     # ------------------------------------------------------------------ messages
+
+    def _injected_failures(self, server_round: int, node_ids: list[int]) -> dict[int, str]:
+        """Seeded failure injection: node -> 'crash' or 'slow' for this round."""
+        fail = self.cfg.failures
+        if not (fail.crash_probability or fail.slow_probability):
+            return {}
+        rng = lv.round_rng(int(self.cfg.seed), server_round, stream=2)
+        out = {}
+        for node_id in sorted(node_ids, key=self._partition_key):
+            crash, slow = rng.random(), rng.random()
+            if crash < float(fail.crash_probability):
+                out[node_id] = "crash"
+            elif slow < float(fail.slow_probability):
+                out[node_id] = "slow"
+        return out
 
     def _train_config(self, server_round: int, node_id: int, index: int, payload: Payload) -> ConfigRecord:
         cfg = self.cfg

@@ -1,0 +1,160 @@
+"""Failures, malformed replies, checkpoint/resume and determinism, through the shared base."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+
+from fedhm_flwr.config import model_spec, resume_config
+from fedhm_flwr.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.results import load_checkpoint
+from fedhm_flwr.server_app import initial_state, run
+from strategies.fedhm import FedHMStrategy
+
+TIMING = ("seconds", "server_seconds", "eval_seconds", "client_seconds_max")
+
+
+def _rows(out_dir):
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _untimed(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def test_injected_crashes_are_counted_and_the_run_completes(toy_cfg, tmp_path):
+    cfg = toy_cfg("rounds=3 failures.crash_probability=0.4")
+    summary = run(LocalGrid(6, client_handlers()), cfg, tmp_path)
+    rows = _rows(tmp_path)
+    assert summary["rounds_completed"] == 3
+    assert summary["failures"] > 0
+    for r in rows:
+        reasons = json.loads(r.get("failure_reasons", "[]"))
+        assert r["failures"] == sum("injected client crash" in why for _, why in reasons)
+        assert r["failures"] + r["replies"] == r["sampled"] == 6
+
+
+def test_a_client_slower_than_the_round_timeout_is_a_counted_failure(toy_cfg, tmp_path):
+    cfg = toy_cfg("rounds=1 failures.slow_probability=0.5 failures.slow_seconds=1.5 timeout=1.0")
+    run(LocalGrid(6, client_handlers()), cfg, tmp_path)
+    (row,) = _rows(tmp_path)
+    reasons = json.loads(row["failure_reasons"])
+    assert row["failures"] > 0 and all("timeout" in why for _, why in reasons)
+    assert row["replies"] == 6 - row["failures"]
+
+
+def _tamper(kind):
+    """A reply broken in one way (or intact for kind None)."""
+    def handle(msg, context):
+        arrays = msg.content["arrays"].to_torch_state_dict()
+        counts = [3] * 10
+        n = 30
+        key = next(k for k in arrays if k.endswith("weight") and arrays[k].dim() == 4)
+        if kind == "extra-key":
+            arrays["rogue.weight"] = torch.zeros(2)
+        elif kind == "missing-key":
+            del arrays[key]
+        elif kind == "wrong-shape":
+            arrays[key] = torch.zeros(*arrays[key].shape[:-1], arrays[key].shape[-1] + 1)
+        elif kind == "nan":
+            arrays[key][0].view(-1)[0] = math.nan
+        elif kind == "inf":
+            arrays[key][0].view(-1)[0] = math.inf
+        elif kind == "no-examples":
+            n = None
+        elif kind == "zero-examples":
+            n = 0
+        elif kind == "bad-counts":
+            counts = [-1] * 10
+        metrics = {"train-loss": 1.0, "class-counts": counts}
+        if n is not None:
+            metrics["num-examples"] = n
+        return Message(RecordDict({"arrays": ArrayRecord.from_torch_state_dict(arrays),
+                                   "metrics": MetricRecord(metrics)}), reply_to=msg)
+    return handle
+
+
+KINDS = ["extra-key", "missing-key", "wrong-shape", "nan", "inf", "no-examples", "zero-examples", "bad-counts"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_kind_of_malformed_reply_is_rejected_and_the_rest_aggregate(toy_cfg, kind):
+    cfg = toy_cfg()
+    spec = model_spec(cfg)
+    state = initial_state(cfg, spec)
+    results = {}
+    for bad in (kind, None):  # once with partition 2 broken, once without it at all
+        strategy = FedHMStrategy(cfg, spec)
+        handlers = client_handlers()
+        good, broken = _tamper(None), _tamper(bad)
+        handlers[MessageType.TRAIN] = lambda m, c, g=good, b=broken: (b if int(c.node_config["partition-id"]) == 2 else g)(m, c)
+        grid = LocalGrid(6, handlers)
+        msgs = list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(state), None, grid))
+        if bad is None:
+            msgs = [m for m in msgs if strategy.nodes[m.metadata.dst_node_id].partition_id != 2]
+        arrays, metrics = strategy.aggregate_train(1, grid.send_and_receive(msgs))
+        results[bad] = (arrays.to_torch_state_dict(), metrics, list(strategy.round_log.rejected))
+    new_state, metrics, rejected = results[kind]
+    assert len(rejected) == 1 and metrics["replies"] == 5
+    without, _, _ = results[None]
+    assert all(torch.equal(new_state[k], without[k]) for k in without)  # the valid five aggregate
+
+
+def test_resumed_run_ends_like_an_uninterrupted_one(toy_cfg, tmp_path):
+    cfg = toy_cfg("rounds=3 checkpoint.every=1")
+    full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
+    run(LocalGrid(6, client_handlers()), cfg, full_dir)
+
+    class Stop(Exception):
+        pass
+
+    handlers = client_handlers()
+    real = handlers[MessageType.TRAIN]
+
+    def stop_in_round_3(msg, ctx):
+        if msg.content["config"]["server-round"] == 3:
+            raise Stop
+        return real(msg, ctx)
+
+    grid = LocalGrid(6, handlers)
+    grid.send_and_receive_orig = grid.send_and_receive
+
+    def send(messages, *, timeout=None):  # the server process dies during round 3
+        messages = list(messages)
+        if messages and messages[0].metadata.message_type == MessageType.TRAIN and messages[0].content["config"]["server-round"] == 3:
+            raise Stop
+        return grid.send_and_receive_orig(messages, timeout=timeout)
+
+    grid.send_and_receive = send
+    with pytest.raises(Stop):
+        run(grid, cfg, cut_dir)
+    _, saved = load_checkpoint(cut_dir)
+    assert saved["round"] == 2
+    resumed_cfg = resume_config(cut_dir)
+    run(LocalGrid(6, client_handlers()), resumed_cfg, cut_dir, resume=cut_dir)
+    a, _ = load_checkpoint(full_dir)
+    b, saved_b = load_checkpoint(cut_dir)
+    assert saved_b["round"] == 3
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert _untimed(_rows(full_dir)) == _untimed(_rows(cut_dir))
+
+
+def test_same_seed_same_metrics_other_seed_other_metrics(toy_cfg, tmp_path):
+    runs = {}
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        run(LocalGrid(6, client_handlers()), toy_cfg(f"rounds=2 seed={seed} fraction_train=0.5"), tmp_path / name)
+        runs[name] = _untimed(_rows(tmp_path / name))
+    assert runs["a"] == runs["b"]
+    assert runs["a"] != runs["c"]
+
+
+def test_a_new_run_never_overwrites_an_earlier_one(toy_cfg, tmp_path):
+    run(LocalGrid(6, client_handlers()), toy_cfg("rounds=1"), tmp_path)
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    with pytest.raises(FileExistsError):
+        run(LocalGrid(6, client_handlers()), toy_cfg("rounds=1"), tmp_path)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
