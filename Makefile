@@ -7,7 +7,10 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup data run test test-fast inspect clean-outputs
+# The default sweep: FedHM over rank-ratio sets on Fashion-MNIST (Hydra multirun, jobs in sequence).
+SWEEP_ARGS ?= levels.ratios=[1,0.5,0.25,0.125],[1,0.5],[0.25,0.125] rounds=5 dataset.max_train_examples=20000
+
+.PHONY: setup data run test test-fast inspect sweep summary
 
 setup: $(STAMP)  ## virtualenv with the project and its pinned torch/torchvision pair
 
@@ -33,5 +36,15 @@ test: setup data  ## every test, the slow end-to-end ones included
 test-fast: setup data  ## the tests without the slow end-to-end runs
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+sweep: setup data  ## Hydra multirun over SWEEP_ARGS (+ARGS); summary and plots land in the sweep directory
+	$(BIN)/python -m fedhm_flwr.sweep -m $(SWEEP_ARGS) $(ARGS)
+
+summary: setup  ## table + plots over finished runs: make summary RUNS="outputs/multirun/..."
+	$(BIN)/python -m fedhm_flwr.summary $(RUNS)
+
 inspect: setup  ## per-level parameters / MACs / bytes; ARGS= Hydra overrides
 	$(BIN)/python -m fedhm_flwr.inspect $(ARGS)
+
+.PHONY: deploy-local
+deploy-local: setup data  ## SuperLink with TLS + SuperNode auth and N SuperNodes on loopback, runs the job: N=2 CAPS="level=1 params=2e4 -" ARGS=overrides
+	$(BIN)/python scripts/deploy_local.py --nodes $(or $(N),2) $(if $(CAPS),--capabilities "$(CAPS)") $(ARGS)

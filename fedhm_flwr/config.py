@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -25,7 +26,7 @@ CONF_DIR = Path(os.environ.get("FEDHM_CONF_DIR", Path(__file__).resolve().parent
 PARTITION_SCHEMES = ("iid", "dirichlet", "pathological")
 ASSIGNMENTS = ("fixed", "dynamic")
 LR_SCHEDULES = ("constant", "cosine", "step")
-BN_STATS = ("test_batch",)
+BN_STATS = ("test_batch", "federated")
 
 
 class ConfigError(ValueError):
@@ -50,11 +51,14 @@ def compose_config(overrides: str | Sequence[str] | None = None) -> DictConfig:
     override_list = split_overrides(overrides)
     if not CONF_DIR.is_dir():
         raise FileNotFoundError(f"Hydra config tree not found at {CONF_DIR} (set FEDHM_CONF_DIR)")
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        try:
+    try:
+        if GlobalHydra.instance().is_initialized():  # inside a Hydra app (the sweep): same tree
             cfg = compose(config_name="config", overrides=override_list)
-        except (HydraException, OmegaConfBaseException) as err:
-            raise _override_error(err, override_list) from None
+        else:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                cfg = compose(config_name="config", overrides=override_list)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise _override_error(err, override_list) from None
     return cfg
 
 
@@ -149,11 +153,13 @@ def _validate_levels(cfg: DictConfig) -> None:
     _require(all(a > b for a, b in zip(ratios, ratios[1:])), "levels.ratios", ratios,
              "distinct levels listed largest first, e.g. [1, 0.5, 0.25, 0.125]")
     props = OmegaConf.select(cfg, "levels.proportions")
+    if props is None:  # equal shares
+        props = [1] * len(ratios)
     props = list(props) if OmegaConf.is_list(props) else props
     _require(isinstance(props, list) and len(props) == len(ratios)
              and all(_is_num(p) and p >= 0 for p in props) and sum(props) > 0,
              "levels.proportions", props,
-             f"{len(ratios)} non-negative numbers (one per level) with a positive sum")
+             f"null (equal shares) or {len(ratios)} non-negative numbers (one per level) with a positive sum")
     _choice(cfg, "levels.assignment", ASSIGNMENTS)
     default = OmegaConf.select(cfg, "levels.default")
     _require(default is None or default in ratios, "levels.default", default,
@@ -197,12 +203,72 @@ def _validate_fedavg(cfg: DictConfig) -> None:
     _num_in(cfg, "method.grad_clip", 0.0, math.inf, high_open=True)
 
 
+def _validate_transformer(cfg: DictConfig, method: str) -> None:
+    """FedLoRA / HeteroTune: a transformer over a frozen pre-trained (or seeded random) backbone."""
+    _choice(cfg, "model.arch", ("minilm", "vit"))
+    _choice(cfg, "model.backbone", ("pretrained", "random"))
+    _int_at_least(cfg, "model.backbone_seed", 0)
+    for field in ("model.depth", "model.heads"):
+        value = OmegaConf.select(cfg, field)
+        _require(value is None or (_is_int(value) and value >= 1), field, value,
+                 "null (the architecture's default) or an integer >= 1")
+    text = cfg.model.arch == "minilm"
+    _require(text == (cfg.dataset.name == "sentiment"), "dataset.name", cfg.dataset.name,
+             f"'sentiment' with model=minilm, an image dataset with model=vit (method={method})")
+
+
+def _validate_fedlora(cfg: DictConfig) -> None:
+    """FedLoRA: LoRA ranks per level (or full fine-tuning), FedHM's softmax(gamma/tau) weights."""
+    _validate_transformer(cfg, "fedlora")
+    _choice(cfg, "method.mode", ("lora", "full"))
+    _int_at_least(cfg, "method.max_rank", 1)
+    tau = OmegaConf.select(cfg, "method.tau")
+    if isinstance(tau, str) and tau.strip().lower() in (".inf", "+.inf"):
+        tau = math.inf
+        OmegaConf.update(cfg, "method.tau", tau)
+    _require(_is_num(tau) and tau > 0, "method.tau", tau, "a number > 0 (inf or .inf for uniform weights)")
+    value = OmegaConf.select(cfg, "method.weight_by_samples")
+    _require(isinstance(value, bool), "method.weight_by_samples", value, "true or false")
+
+
+def _validate_heterotune(cfg: DictConfig) -> None:
+    """HeteroTune: model types by depth or width, DeMA bottleneck, bank and CMGA switches."""
+    _validate_transformer(cfg, "heterotune")
+    _choice(cfg, "method.scale", ("auto", "depth", "width"))
+    if cfg.model.arch == "minilm":
+        _choice(cfg, "method.scale", ("auto", "depth"))  # the packaged MiniLM has one width
+    _int_at_least(cfg, "method.bottleneck", 1)
+    for flag in ("method.bank", "method.cmga"):
+        value = OmegaConf.select(cfg, flag)
+        _require(isinstance(value, bool), flag, value, "true or false")
+    _num_in(cfg, "method.cmga_eps", 0.0, math.inf, high_open=True)
+    scale = OmegaConf.select(cfg, "method.cmga_scale")
+    _require(scale is None or (_is_num(scale) and scale > 0), "method.cmga_scale", scale,
+             "null (c = ||G||_F / sqrt(N)) or a number > 0")
+
+
+def _validate_prism(cfg: DictConfig) -> None:
+    """PriSM / OrthDrop: kernel selection rule, kappa, rho, the U-subset option (levels: keep ratios)."""
+    _choice(cfg, "method.sampling", ("prism", "orthdrop", "uniform", "softmax"))
+    _num_in(cfg, "method.kappa", 0.0, math.inf, high_open=True)
+    rho = OmegaConf.select(cfg, "method.rho")
+    _require(rho is None or (_is_int(rho) and rho >= 0), "method.rho", rho,
+             "null (the model's FedHM default) or an integer >= 0 (0: every factorizable layer)")
+    for flag in ("method.u_subset", "method.frobenius_decay"):
+        value = OmegaConf.select(cfg, flag)
+        _require(isinstance(value, bool), flag, value, "true or false")
+    _choice(cfg, "method.u_subset_rows", ("first", "random"))
+
+
 #: method name -> validator of the ``method`` group (every method adds itself here).
 METHOD_VALIDATORS: dict[str, Callable[[DictConfig], None]] = {
+    "prism": _validate_prism,
     "fedhm": _validate_fedhm,
     "heterofl": _validate_width,
     "fedrolex": _validate_width,
     "fedavg": _validate_fedavg,
+    "fedlora": _validate_fedlora,
+    "heterotune": _validate_heterotune,
 }
 
 
@@ -246,6 +312,7 @@ def validate(cfg: DictConfig) -> None:
     _int_at_least(cfg, "evaluation.every", 1)
     _int_at_least(cfg, "evaluation.batch_size", 1)
     _choice(cfg, "evaluation.bn_stats", BN_STATS)
+    _int_at_least(cfg, "evaluation.bn_clients", 0)
     _num_in(cfg, "simulation.num_cpus", 0.0, math.inf, low_open=True, high_open=True)
     _num_in(cfg, "simulation.num_gpus", 0.0, math.inf, high_open=True)
     _int_at_least(cfg, "checkpoint.every", 0)
@@ -258,6 +325,12 @@ def validate(cfg: DictConfig) -> None:
 
 
 # --------------------------------------------------------------------------- derived specs
+
+
+def level_proportions(cfg: DictConfig) -> list[float]:
+    """The levels' shares of clients (``levels.proportions``; null = equal shares)."""
+    props = cfg.levels.proportions
+    return [1.0] * len(cfg.levels.ratios) if props is None else [float(p) for p in props]
 
 
 def model_spec(cfg: DictConfig) -> dict[str, Any]:

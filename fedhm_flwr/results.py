@@ -178,7 +178,8 @@ def summarize(rows: list[dict[str, Any]], extra: Mapping[str, Any]) -> dict[str,
     out["rounds_completed"] = len(rows)
     out["bytes_sent"] = int(sum(r.get("bytes_sent", 0) for r in rows))
     out["bytes_received"] = int(sum(r.get("bytes_received", 0) for r in rows))
-    out["bytes_total"] = out["bytes_sent"] + out["bytes_received"]
+    out["bytes_bn_stats"] = int(sum(r.get("bytes_bn_stats", 0) for r in rows))
+    out["bytes_total"] = out["bytes_sent"] + out["bytes_received"] + out["bytes_bn_stats"]
     out["failures"] = int(sum(r.get("failures", 0) for r in rows))
     out["rejected"] = int(sum(r.get("rejected", 0) for r in rows))
     out["seconds_rounds"] = float(sum(r.get("seconds", 0.0) for r in rows))

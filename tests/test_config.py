@@ -21,6 +21,13 @@ def test_overrides_string_and_list_agree():
     assert a == b and list(a.levels.ratios) == [1, 0.25] and a.method.tau == 2
 
 
+def test_null_proportions_mean_equal_shares_for_any_level_set():
+    from fedhm_flwr.config import level_proportions
+
+    assert level_proportions(load_config("levels.ratios=[1,0.25]")) == [1.0, 1.0]
+    assert level_proportions(load_config("levels.ratios=[1,0.25] levels.proportions=[1,3]")) == [1.0, 3.0]
+
+
 def test_uniform_weights_parse_as_infinity():
     assert math.isinf(load_config("method.tau=inf").method.tau)
 
@@ -34,6 +41,7 @@ def test_uniform_weights_parse_as_infinity():
         ("levels.ratios=[1,1.5]", "levels.ratios"),
         ("levels.ratios=[]", "levels.ratios"),
         ("levels.proportions=[1,1]", "levels.proportions"),
+        ("levels.proportions=[1,-1,1,1]", "levels.proportions"),
         ("levels.assignment=random", "levels.assignment"),
         ("levels.default=0.3", "levels.default"),
         ("partition.scheme=shards", "partition.scheme"),
