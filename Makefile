@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # The default sweep: FedHM over rank-ratio sets on Fashion-MNIST (Hydra multirun, jobs in sequence).
 SWEEP_ARGS ?= levels.ratios=[1,0.5,0.25,0.125],[1,0.5],[0.25,0.125] rounds=5 dataset.max_train_examples=20000
 
-.PHONY: setup data run test test-fast inspect sweep summary
+.PHONY: setup data run test test-fast inspect sweep summary bench
 
 setup: $(STAMP)  ## virtualenv with the project and its pinned torch/torchvision pair
 
@@ -41,6 +41,9 @@ sweep: setup data  ## Hydra multirun over SWEEP_ARGS (+ARGS); summary and plots 
 
 summary: setup  ## table + plots over finished runs: make summary RUNS="outputs/multirun/..."
 	$(BIN)/python -m fedhm_flwr.summary $(RUNS)
+
+bench: setup data  ## benchmarks -> bench/reports/bench.{json,md}; ARGS="--quick" or "--only 1,3"
+	$(BIN)/python -m bench.run $(ARGS)
 
 inspect: setup  ## per-level parameters / MACs / bytes; ARGS= Hydra overrides
 	$(BIN)/python -m fedhm_flwr.inspect $(ARGS)

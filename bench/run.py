@@ -1,0 +1,422 @@
+"""What the method and the framework cost, measured side by side (``make bench``).
+
+Figures (each in one process, compared things on the same machine state, medians over repeats):
+
+1. server time per round (factorize, build messages, recover, aggregate) of FedHM against FedAvg
+   on the same model and number of replies, and the server's share of a round's wall time;
+2. bytes per client per round for each level, measured from the serialized messages, against the
+   full model, next to the parameter-count ratio;
+3. training-step time of each level's model against the full model (CPU; GPU too when present),
+   next to the MACs ratio;
+4. local-training throughput inside a Flower simulation (``flwr run``, Ray) against a bare
+   PyTorch loop on the same model, data and cores;
+5. scale: 1000 simulated clients, 100 per round, through ``flwr run``: time per round and peak
+   memory of the whole process tree.
+
+Writes ``bench/reports/bench.json`` and ``bench/reports/bench.md``. ``--quick`` shrinks every
+figure (for a smoke test); ``--only 1,3`` runs some figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedhm_flwr.config import load_config, model_spec
+from fedhm_flwr.lowrank import compute_svds, factorize_state, recover_state
+from fedhm_flwr.models import build_model, count_macs, count_parameters, input_shape
+
+REPORT_DIR = Path(__file__).resolve().parent / "reports"
+
+
+def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median and spread (min, max) of ``fn``'s wall time in seconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "repeats": repeats}
+
+
+# ------------------------------------------------------------------------------------ figure 1
+
+
+def figure_server_time(quick: bool) -> dict[str, Any]:
+    """configure_train + aggregate_train of FedHM vs FedAvg(full) with echoing clients."""
+    from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+
+    from clients.base import handle_query
+    from fedhm_flwr.aggregation import average_states, level_weights
+    from fedhm_flwr.local_grid import LocalGrid, client_handlers
+    from fedhm_flwr.server_app import initial_state, run
+    from strategies import STRATEGIES
+
+    def echo(msg: Message, context: Any) -> Message:  # a client that trains instantly
+        metrics = MetricRecord({"num-examples": 100, "train-loss": 0.0, "class-counts": [10] * 10})
+        return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": metrics}), reply_to=msg)
+
+    replies_n = 10
+    repeats = 2 if quick else 5
+    out: dict[str, Any] = {"replies": replies_n, "models": {}}
+    models = [("cnn", 16)] + ([] if quick else [("resnet18", 64)])
+    for arch, width in models:
+        dataset = "cifar10" if arch.startswith("resnet") else "fashion_mnist"
+        row: dict[str, Any] = {}
+        for method in ("fedhm", "fedavg"):
+            extra = "method.variant=full" if method == "fedavg" else ""
+            cfg = load_config(f"method={method} {extra} model={arch} model.width={width} dataset={dataset} "
+                              f"num_clients={replies_n} fraction_train=1.0")
+            spec = model_spec(cfg)
+            strategy = STRATEGIES[method](cfg, spec)
+            grid = LocalGrid(replies_n, {MessageType.TRAIN: echo, MessageType.QUERY: handle_query})
+            state = initial_state(cfg, spec)
+            arrays = ArrayRecord.from_torch_state_dict(state)
+            counter = iter(range(1, 10_000))
+            held: dict[str, Any] = {}
+
+            def configure() -> None:
+                held["round"] = next(counter)
+                held["msgs"] = list(strategy.configure_train(held["round"], arrays, None, grid))
+
+            def aggregate() -> None:
+                strategy.aggregate_train(held["round"], held["replies"])
+
+            configure()
+            held["replies"] = grid.send_and_receive(held["msgs"])
+            t_conf = timed(configure, repeats, warmup=0)
+            held["replies"] = grid.send_and_receive(held["msgs"])
+            t_agg = timed(aggregate, repeats, warmup=0)
+            pieces: dict[str, Any] = {"configure_train": t_conf, "aggregate_train": t_agg}
+            if method == "fedhm":  # the pure pieces of the same work
+                names = strategy.factorized
+                pieces["svd (one per layer)"] = timed(lambda: compute_svds(state, names), repeats)
+                svds = compute_svds(state, names)
+                pieces["factorize (all levels)"] = timed(
+                    lambda: [factorize_state(state, r, svds) for r in strategy.ranks if r], repeats)
+                hybrids = [(factorize_state(state, r, svds) if r else state, r) for r in strategy.ranks]
+                per_reply = [hybrids[i % len(hybrids)] for i in range(replies_n)]
+                pieces["recover (all replies)"] = timed(lambda: [recover_state(h, r) for h, r in per_reply], repeats)
+                full = [recover_state(h, r) for h, r in per_reply]
+                w = level_weights([strategy.levels[i % len(hybrids)] for i in range(replies_n)], 1.0)
+                pieces["average"] = timed(lambda: average_states(state, full, w), repeats)
+            row[method] = pieces
+        row["fedhm_over_fedavg"] = (
+            (row["fedhm"]["configure_train"]["median_s"] + row["fedhm"]["aggregate_train"]["median_s"])
+            / (row["fedavg"]["configure_train"]["median_s"] + row["fedavg"]["aggregate_train"]["median_s"]))
+        out["models"][f"{arch}-w{width}"] = row
+    # the server's share of a real round's wall time (in-process round with training, CNN)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config("rounds=2 num_clients=10 fraction_train=1.0 dataset.max_train_examples=6000 "
+                          "dataset.max_test_examples=2000 evaluation.levels=false")
+        run(LocalGrid(10, client_handlers()), cfg, Path(tmp))
+        rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]
+    out["round_share"] = {"model": "cnn-w16", "clients": 10, "round_seconds": last["seconds"],
+                          "server_seconds": last["server_seconds"],
+                          "eval_seconds": last.get("eval_seconds", 0.0),
+                          "server_share": last["server_seconds"] / last["seconds"],
+                          "note": "in-process grid: clients train one after another in the server process"}
+    return out
+
+
+# ------------------------------------------------------------------------------------ figure 2
+
+
+def serialized_bytes(msg: Any) -> int:
+    """Bytes of a message as Flower ships it: the message and all its nested objects, deflated."""
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    return sum(len(obj.deflate()) for obj in get_all_nested_objects(msg).values())
+
+
+def figure_bytes(quick: bool) -> dict[str, Any]:
+    from flwr.app import ArrayRecord, MessageType
+
+    from clients.base import handle_query
+    from fedhm_flwr.local_grid import LocalGrid
+    from fedhm_flwr.server_app import initial_state
+    from strategies import STRATEGIES
+
+    out = {}
+    for arch, width, dataset in [("cnn", 16, "fashion_mnist")] + ([] if quick else [("resnet18", 64, "cifar10")]):
+        cfg = load_config(f"model={arch} model.width={width} dataset={dataset} num_clients=8 fraction_train=1.0")
+        spec = model_spec(cfg)
+        strategy = STRATEGIES["fedhm"](cfg, spec)
+        grid = LocalGrid(8, {MessageType.QUERY: handle_query})
+        msgs = list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(initial_state(cfg, spec)), None, grid))
+        rows = {}
+        for msg in msgs:
+            level = float(msg.content["config"]["level"])
+            if level in rows:
+                continue
+            index = int(msg.content["config"]["level-index"])
+            rows[level] = {"serialized_bytes": serialized_bytes(msg),
+                           "array_bytes": msg.content["arrays"].count_bytes(),
+                           "params": int(strategy.level_cost(index)["params"])}
+        full = rows[max(rows)]
+        for r in rows.values():
+            r["bytes_ratio"] = r["serialized_bytes"] / full["serialized_bytes"]
+            r["params_ratio"] = r["params"] / full["params"]
+        out[f"{arch}-w{width}"] = {f"{k:g}": v for k, v in sorted(rows.items(), reverse=True)}
+    return out
+
+
+# ------------------------------------------------------------------------------------ figure 3
+
+
+def figure_train_step(quick: bool) -> dict[str, Any]:
+    from fedhm_flwr.lowrank import plan_ranks
+    from fedhm_flwr.train import TrainOptions, frobenius_penalty, parameter_groups
+
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    configs = [("cnn", 16, 1, 28, 32)] + ([] if quick else [("resnet18", 64, 3, 32, 16)])
+    out: dict[str, Any] = {"threads": torch.get_num_threads()}
+    for arch, width, channels, size, batch in configs:
+        spec = {"arch": arch, "num_classes": 10, "in_channels": channels, "image_size": size, "width": width}
+        base = build_model(spec)
+        for device in devices:
+            rows = {}
+            for gamma in (1.0, 0.5, 0.25, 0.125):
+                ranks = plan_ranks(base, gamma)
+                model = build_model({**spec, "ranks": ranks}, spectral_init=False).to(device).train()
+                opt = torch.optim.SGD(parameter_groups(model, 5e-4, bool(ranks)), lr=0.01, momentum=0.9)
+                x = torch.randn(batch, channels, size, size, device=device)
+                y = torch.randint(0, 10, (batch,), device=device)
+
+                def step() -> None:
+                    loss = torch.nn.functional.cross_entropy(model(x), y) + frobenius_penalty(model, 5e-4)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+
+                t = timed(step, repeats=3 if quick else (10 if arch == "cnn" else 4), warmup=2)
+                rows[f"{gamma:g}"] = {**t, "batch": batch, "params": count_parameters(model),
+                                      "macs": count_macs(model.cpu(), input_shape(spec))}
+                model.to(device)
+            full = rows["1"]
+            for r in rows.values():
+                r["time_ratio"] = r["median_s"] / full["median_s"]
+                r["macs_ratio"] = r["macs"] / full["macs"]
+            out[f"{arch}-w{width}-{device.type}"] = rows
+    return out
+
+
+# ------------------------------------------------------------------------------------ figure 4
+
+
+def figure_throughput(quick: bool) -> dict[str, Any]:
+    from fedhm_flwr.data import client_dataset
+    from fedhm_flwr.launch import run_job
+    from fedhm_flwr.train import TrainOptions, train_local
+
+    n_train = 4000 if quick else 12000
+    overrides = ["rounds=1", "num_clients=2", "fraction_train=1.0", "levels.ratios=[1]", f"dataset.max_train_examples={n_train}",
+                 "dataset.max_test_examples=500", "evaluation.levels=false", "train.local_epochs=2"]
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        summary = run_job(overrides, Path(tmp) / "run", quiet=True)
+        wall = time.perf_counter() - t0
+        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    cfg = load_config(overrides)
+    spec = model_spec(cfg)
+    from fedhm_flwr.config import data_spec
+
+    dspec = data_spec(cfg, 2)
+    examples = sum(len(client_dataset(dspec, p)) for p in range(2)) * 2  # two epochs
+    flower = {"clients": 2, "threads_per_client": 1, "client_seconds_max": rows[-1]["client_seconds_max"],
+              "images_per_s_all_clients": examples / rows[-1]["client_seconds_max"],
+              "round_seconds": rows[-1]["seconds"], "job_wall_seconds": wall,
+              "final_acc": summary.get("final_acc/global")}
+    bare = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        for p in range(2):
+            torch.manual_seed(0)
+            model = build_model(spec)
+            train_local(model, client_dataset(dspec, p), TrainOptions(local_epochs=2, batch_size=32), torch.device("cpu"))
+        secs = time.perf_counter() - t0
+        bare[f"{threads}_threads_sequential"] = {"seconds": secs, "images_per_s": examples / secs}
+    torch.set_num_threads(os.cpu_count() or 1)
+    return {"examples": examples, "flower_simulation": flower, "bare_pytorch": bare,
+            "flower_over_bare_1thread": flower["images_per_s_all_clients"] / bare["1_threads_sequential"]["images_per_s"]}
+
+
+# ------------------------------------------------------------------------------------ figure 5
+
+
+class TreeMemory:
+    """Samples the resident memory of this process and all its descendants (Linux /proc)."""
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+
+    @staticmethod
+    def _children() -> dict[int, list[int]]:
+        kids: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as fh:
+                        ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+                    kids.setdefault(ppid, []).append(int(entry))
+                except (OSError, ValueError, IndexError):
+                    continue
+        return kids
+
+    def _rss(self) -> int:
+        kids, total, todo = self._children(), 0, [os.getpid()]
+        while todo:
+            pid = todo.pop()
+            todo += kids.get(pid, [])
+            try:
+                with open(f"/proc/{pid}/status") as fh:
+                    for line in fh:
+                        if line.startswith("VmRSS:"):
+                            total += int(line.split()[1]) * 1024
+            except OSError:
+                continue
+        return total
+
+    def __enter__(self) -> TreeMemory:
+        def loop() -> None:
+            while not self._stop.is_set():
+                self.peak = max(self.peak, self._rss())
+                self._stop.wait(self.interval)
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def figure_scale(quick: bool) -> dict[str, Any]:
+    from fedhm_flwr.launch import run_job
+
+    clients, per_round, rounds = (200, 20, 2) if quick else (1000, 100, 3)
+    overrides = [f"num_clients={clients}", f"fraction_train={per_round / clients}", f"rounds={rounds}",
+                 "evaluation.levels=false", "dataset.max_test_examples=2000"]
+    with tempfile.TemporaryDirectory() as tmp, TreeMemory() as mem:
+        t0 = time.perf_counter()
+        summary = run_job(overrides, Path(tmp) / "run", quiet=True)
+        wall = time.perf_counter() - t0
+        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    return {"clients": clients, "per_round": per_round, "rounds": rounds,
+            "round_seconds": [r["seconds"] for r in rows], "server_seconds": [r["server_seconds"] for r in rows],
+            "replies": [r["replies"] for r in rows], "job_wall_seconds": wall,
+            "peak_rss_bytes_process_tree": mem.peak, "final_acc": summary.get("final_acc/global"),
+            "note": "round 1 includes the node-info query to every node"}
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def markdown(report: dict[str, Any]) -> str:
+    L = [f"# fedhm-flwr benchmarks", "", f"{report['machine']}", ""]
+    f1 = report.get("figures", {}).get("1_server_time")
+    if f1:
+        L += ["## 1. Server time per round (10 replies, medians)", "",
+              "| model | method | configure_train (s) | aggregate_train (s) | pieces (median s) |", "|---|---|---|---|---|"]
+        for model, row in f1["models"].items():
+            for method in ("fedhm", "fedavg"):
+                p = row[method]
+                pieces = ", ".join(f"{k} {v['median_s']:.3f}" for k, v in p.items() if k not in ("configure_train", "aggregate_train"))
+                L.append(f"| {model} | {method} | {p['configure_train']['median_s']:.3f} "
+                         f"[{p['configure_train']['min_s']:.3f}–{p['configure_train']['max_s']:.3f}] | "
+                         f"{p['aggregate_train']['median_s']:.3f} [{p['aggregate_train']['min_s']:.3f}–{p['aggregate_train']['max_s']:.3f}] | {pieces} |")
+            L.append(f"| {model} | FedHM / FedAvg | | | {row['fedhm_over_fedavg']:.2f}× |")
+        s = f1["round_share"]
+        L += ["", f"Server share of a round (CNN, 10 clients, in-process): {s['server_seconds']:.2f} s of "
+              f"{s['round_seconds']:.2f} s = {100 * s['server_share']:.1f} % (evaluation {s['eval_seconds']:.2f} s).", ""]
+    f2 = report.get("figures", {}).get("2_bytes")
+    if f2:
+        L += ["## 2. Bytes per client per round (server → client; the reply is the same size)", "",
+              "| model | level | serialized bytes | bytes ratio | params | params ratio |", "|---|---|---|---|---|---|"]
+        for model, rows in f2.items():
+            for level, r in rows.items():
+                L.append(f"| {model} | {level} | {r['serialized_bytes']:,} | {r['bytes_ratio']:.3f} | {r['params']:,} | {r['params_ratio']:.3f} |")
+        L.append("")
+    f3 = report.get("figures", {}).get("3_train_step")
+    if f3:
+        L += [f"## 3. Training-step time per level (threads {f3['threads']})", "",
+              "| model/device | level | batch | step median (s) [min–max] | time ratio | MACs ratio |", "|---|---|---|---|---|---|"]
+        for model, rows in f3.items():
+            if model == "threads":
+                continue
+            for level, r in rows.items():
+                L.append(f"| {model} | {level} | {r['batch']} | {r['median_s']:.4f} [{r['min_s']:.4f}–{r['max_s']:.4f}] | "
+                         f"{r['time_ratio']:.2f} | {r['macs_ratio']:.2f} |")
+        L.append("")
+    f4 = report.get("figures", {}).get("4_throughput")
+    if f4:
+        fl, bare = f4["flower_simulation"], f4["bare_pytorch"]
+        L += ["## 4. Local-training throughput: Flower simulation vs bare PyTorch", "",
+              f"Same CNN, data ({f4['examples']:,} image-epochs over 2 partitions) and 2 cores.", "",
+              "| setting | images/s |", "|---|---|",
+              f"| Flower simulation, 2 clients × 1 thread in parallel (client training time) | {fl['images_per_s_all_clients']:.0f} |",
+              f"| bare loop, 1 thread, partitions one after another | {bare['1_threads_sequential']['images_per_s']:.0f} |",
+              f"| bare loop, 2 threads, partitions one after another | {bare['2_threads_sequential']['images_per_s']:.0f} |",
+              "", f"Flower round wall time {fl['round_seconds']:.1f} s; whole job (SuperLink, Ray start, evaluation) "
+              f"{fl['job_wall_seconds']:.1f} s.", ""]
+    f5 = report.get("figures", {}).get("5_scale")
+    if f5:
+        L += [f"## 5. Scale: {f5['clients']} simulated clients, {f5['per_round']} per round", "",
+              "| round | seconds | server seconds | replies |", "|---|---|---|---|"]
+        for i, (s, ss, n) in enumerate(zip(f5["round_seconds"], f5["server_seconds"], f5["replies"]), 1):
+            L.append(f"| {i} | {s:.1f} | {ss:.2f} | {n} |")
+        L += ["", f"Peak resident memory of the whole process tree (launcher, SuperLink, ServerApp, Ray): "
+              f"{f5['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB; job wall time {f5['job_wall_seconds']:.0f} s. {f5['note']}.", ""]
+    return "\n".join(L)
+
+
+FIGURES = {"1": ("1_server_time", figure_server_time), "2": ("2_bytes", figure_bytes),
+           "3": ("3_train_step", figure_train_step), "4": ("4_throughput", figure_throughput),
+           "5": ("5_scale", figure_scale)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    parser.add_argument("--only", default="1,2,3,4,5", help="comma-separated figure numbers")
+    parser.add_argument("--out", type=Path, default=REPORT_DIR)
+    args = parser.parse_args(argv)
+    report: dict[str, Any] = {
+        "machine": f"{platform.node()} · {os.cpu_count()} CPUs · torch {torch.__version__} · "
+                   f"{'CUDA ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}",
+        "quick": args.quick, "figures": {}}
+    for key in args.only.split(","):
+        name, fn = FIGURES[key.strip()]
+        t0 = time.perf_counter()
+        print(f"[bench] figure {name} ...", flush=True)
+        report["figures"][name] = fn(args.quick)
+        print(f"[bench] figure {name} done in {time.perf_counter() - t0:.0f} s", flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench.json").write_text(json.dumps(report, indent=1))
+        (args.out / "bench.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
