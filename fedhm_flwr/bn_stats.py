@@ -6,7 +6,9 @@ the per-channel sum and sum of squares of the layer's input and the number of va
 (:func:`bn_sums`); it adds the clients' sums (:func:`combine_bn_sums`) and installs
 ``mean = S / N``, ``var = SS / N - mean^2`` as the layers' statistics (:func:`apply_bn_statistics`).
 The pass runs in training mode (every layer normalises with its batch statistics, as in client
-training), so the statistics are those the layers see during training, as in HeteroFL's sBN.
+training), so the statistics are those the layers see during training, as in HeteroFL's sBN;
+modules that act in training only (``training_only = True``, HeteroFL's Scaler) are switched off
+for the pass, so the statistics describe what the norms see in evaluation.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ def bn_sums(model: nn.Module, dataset: Dataset, batch_size: int, device: torch.d
     was_training = model.training
     try:
         model.to(device).train()
+        for module in model.modules():  # e.g. HeteroFL's Scaler: off, as in evaluation
+            if getattr(module, "training_only", False):
+                module.eval()
         for x, _ in DataLoader(dataset, batch_size=batch_size, shuffle=False):
             if len(x) >= 2:
                 model(x.to(device))

@@ -28,7 +28,8 @@ from flwr.supercore import log
 from omegaconf import DictConfig
 
 from fedhm_flwr import levels as lv
-from fedhm_flwr.config import data_spec, learning_rate
+from fedhm_flwr.bn_stats import combine_bn_sums
+from fedhm_flwr.config import data_spec, learning_rate, level_proportions
 
 State = dict[str, torch.Tensor]
 
@@ -53,6 +54,7 @@ class Payload:
     arrays: dict[str, Any]  # name -> flwr Array (immutable, shared between fresh records)
     shapes: dict[str, tuple[int, ...]]
     train: dict[str, Any] = field(default_factory=dict)  # method-specific client options
+    returned: tuple[str, ...] | None = None  # keys a reply must hold (None: the keys sent)
 
 
 @dataclass
@@ -80,6 +82,7 @@ class RoundLog:
     level_counts: dict[str, int] = field(default_factory=dict)
     assignments: dict[str, float] = field(default_factory=dict)  # node (partition) -> level
     server_seconds: float = 0.0
+    bn_bytes: int = 0  # federated sBN statistics traffic (evaluation)
 
 
 def state_to_arrays(state: State) -> dict[str, Any]:
@@ -114,6 +117,7 @@ class HeteroStrategy(Strategy):
         self.round_log = RoundLog()
         self.history: list[dict[str, Any]] = []
         self.start_round = 1
+        self._grid: Grid | None = None
 
     # ------------------------------------------------------------------ method hooks
 
@@ -127,6 +131,19 @@ class HeteroStrategy(Strategy):
     @abstractmethod
     def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
         """Fold the validated replies back into a new global state."""
+
+    def reply_keys(self, level_index: int, spec: dict[str, Any], state: State) -> list[str] | None:
+        """Keys a client of this level sends back, when not all it received (e.g. only the trainable
+        ones of a partly frozen model); None: the keys it received."""
+        return None
+
+    def initial_state(self, seed: int) -> State | None:
+        """The initial global state when it is not the spec's seeded model (None: that model)."""
+        return None
+
+    def global_model(self, global_state: State) -> tuple[dict[str, Any], State]:
+        """The model evaluated as ``global`` every round (default: the global state as it is)."""
+        return self.spec, global_state
 
     def deployable(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State]:
         """The model a client of this level would deploy (evaluated every round)."""
@@ -148,13 +165,28 @@ class HeteroStrategy(Strategy):
 
     def summary(self) -> None:
         log(INFO, "\t├──> Method: %s, levels %s, proportions %s, %s assignment", self.name,
-            self.levels, list(self.cfg.levels.proportions), self.cfg.levels.assignment)
+            self.levels, level_proportions(self.cfg), self.cfg.levels.assignment)
         log(INFO, "\t└──> Sampling: fraction %.2f (min %d), seed %d", self.cfg.fraction_train,
             self.cfg.min_train_nodes, self.cfg.seed)
+
+    def node_payload(self, node_id: int, level_index: int, global_state: State,
+                     level_payloads: dict[int, Payload]) -> Payload:
+        """The payload sent to one node this round. Default: its level's payload, cut once per
+        level per round and shared (``level_payloads`` is the round's cache, level index ->
+        payload). A method that cuts a different model for every client (PriSM samples kernels
+        per client) overrides this; ``self.sent`` then remembers what each node got."""
+        if level_index not in level_payloads:
+            spec, state, options = self.level_payload(level_index, global_state)
+            returned = self.reply_keys(level_index, spec, state)
+            level_payloads[level_index] = Payload(spec, state_to_arrays(state),
+                                                  {k: tuple(v.shape) for k, v in state.items()},
+                                                  options, None if returned is None else tuple(returned))
+        return level_payloads[level_index]
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         t0 = time.perf_counter()
         self.round_log = RoundLog()
+        self._grid = grid
         self.global_state = arrays.to_torch_state_dict()
         self._discover(grid)
         node_ids = self._sample(server_round, list(self.nodes))
@@ -166,11 +198,7 @@ class HeteroStrategy(Strategy):
         messages = []
         for node_id in node_ids:
             index = assignment[node_id]
-            if index not in payloads:
-                spec, state, options = self.level_payload(index, self.global_state)
-                payloads[index] = Payload(spec, state_to_arrays(state),
-                                          {k: tuple(v.shape) for k, v in state.items()}, options)
-            payload = payloads[index]
+            payload = self.node_payload(node_id, index, self.global_state, payloads)
             record = ArrayRecord.from_array_dict(payload.arrays)  # fresh record, shared bytes
             config = self._train_config(server_round, node_id, index, payload)
             if node_id in injected:
@@ -255,6 +283,9 @@ class HeteroStrategy(Strategy):
                 t_eval = time.perf_counter()
                 row.update(self.evaluate_levels(arrays.to_torch_state_dict()))
                 row["eval_seconds"] = time.perf_counter() - t_eval
+                row["bn_stats"] = self.cfg.evaluation.bn_stats
+                if self.round_log.bn_bytes:
+                    row["bytes_bn_stats"] = self.round_log.bn_bytes
                 result.evaluate_metrics_serverapp[server_round] = MetricRecord(
                     {k: float(v) for k, v in row.items() if k.startswith(("acc", "loss"))})
             row["seconds"] = time.perf_counter() - t_round
@@ -273,15 +304,55 @@ class HeteroStrategy(Strategy):
         if self.evaluate_fn is None:
             return {}
         out: dict[str, float] = {}
-        metrics = self.evaluate_fn(self.spec, global_state)
+        global_spec, global_model = self.global_model(global_state)
+        metrics = self._evaluate(global_spec, global_model)
         out["acc/global"], out["loss/global"] = metrics["accuracy"], metrics["loss"]
         if self.cfg.evaluation.levels:
             for index, level in enumerate(self.levels):
                 spec, state = self.deployable(index, global_state)
-                same = spec == self.spec and all(torch.equal(state[k], global_state[k]) for k in state)
-                m = metrics if same else self.evaluate_fn(spec, state)
+                same = spec == global_spec and state.keys() == global_model.keys() and all(
+                    torch.equal(state[k], global_model[k]) for k in state)
+                m = metrics if same else self._evaluate(spec, state)
                 out[f"acc/level_{level:g}"], out[f"loss/level_{level:g}"] = m["accuracy"], m["loss"]
         return out
+
+    def _evaluate(self, spec: dict[str, Any], state: State) -> dict[str, float]:
+        """Evaluate one model; with federated sBN, its norm statistics come from the clients."""
+        assert self.evaluate_fn is not None
+        if self.cfg.evaluation.bn_stats != "federated" or spec.get("trainable_only"):
+            return self.evaluate_fn(spec, state)
+        return self.evaluate_fn(spec, state, self.federated_bn_sums(spec, state))
+
+    def federated_bn_sums(self, spec: dict[str, Any], state: State) -> dict[str, torch.Tensor]:
+        """Ask clients for per-layer sums over their local training data (SPEC section 3) and add
+        them up; the data never leaves the clients."""
+        if self._grid is None:
+            raise RuntimeError("federated sBN statistics need the grid (configure_train runs first)")
+        node_ids = sorted(self.nodes, key=self._partition_key)
+        limit = int(self.cfg.evaluation.bn_clients)
+        if 0 < limit < len(node_ids):
+            rng = lv.round_rng(int(self.cfg.seed), len(self.history) + 1, stream=3)
+            node_ids = [node_ids[i] for i in sorted(rng.choice(len(node_ids), size=limit, replace=False))]
+        arrays = state_to_arrays(state)
+        messages = []
+        for node_id in node_ids:
+            config = ConfigRecord({"query": "bn-stats", "model-spec": json.dumps(spec),
+                                   "data-spec": json.dumps(data_spec(self.cfg, self.nodes[node_id].num_partitions)),
+                                   "batch-size": int(self.cfg.train.batch_size)})
+            record = ArrayRecord.from_array_dict(arrays)
+            self.round_log.bn_bytes += record.count_bytes()
+            messages.append(Message(content=RecordDict({ARRAYS: record, CONFIG: config}), dst_node_id=node_id,
+                                    message_type=MessageType.QUERY))
+        parts = []
+        for reply in self._grid.send_and_receive(messages, timeout=float(self.cfg.timeout)):
+            if reply.has_error() or ARRAYS not in reply.content:
+                log(WARNING, "bn-stats: node %d gave no statistics", reply.metadata.src_node_id)
+                continue
+            self.round_log.bn_bytes += reply.content[ARRAYS].count_bytes()
+            parts.append(reply.content[ARRAYS].to_torch_state_dict())
+        if not parts:
+            raise RuntimeError("federated sBN statistics: no client answered")
+        return combine_bn_sums(parts)
 
     def _evaluation_due(self, server_round: int, num_rounds: int) -> bool:
         return server_round == num_rounds or server_round % int(self.cfg.evaluation.every) == 0
@@ -340,7 +411,7 @@ class HeteroStrategy(Strategy):
 
     def _assign_fixed(self) -> None:
         keys = {self._partition_key(n): n for n in self.nodes}
-        by_key = lv.fixed_levels(list(keys), list(self.cfg.levels.proportions), int(self.cfg.seed))
+        by_key = lv.fixed_levels(list(keys), level_proportions(self.cfg), int(self.cfg.seed))
         self.fixed = {keys[k]: index for k, index in by_key.items()}
         self.declared = {}
         default = self.cfg.levels.default
@@ -383,7 +454,7 @@ class HeteroStrategy(Strategy):
             out = {n: self.fixed[n] for n in node_ids}
         else:
             rng = lv.round_rng(int(self.cfg.seed), server_round, stream=1)
-            drawn = lv.dynamic_levels(len(node_ids), list(self.cfg.levels.proportions), rng)
+            drawn = lv.dynamic_levels(len(node_ids), level_proportions(self.cfg), rng)
             out = dict(zip(node_ids, drawn))
         out.update({n: self.declared[n] for n in node_ids if n in self.declared})
         return out
@@ -439,7 +510,7 @@ class HeteroStrategy(Strategy):
         if ARRAYS not in content or METRICS not in content:
             return None, f"reply lacks '{ARRAYS}' or '{METRICS}'"
         record = content[ARRAYS]
-        expected, got = set(payload.shapes), set(record.keys())
+        expected, got = set(payload.returned if payload.returned is not None else payload.shapes), set(record.keys())
         if expected != got:
             missing, extra = sorted(expected - got), sorted(got - expected)
             return None, f"keys do not match level {self.levels[index]:g}: missing {missing[:3]}, unexpected {extra[:3]}"

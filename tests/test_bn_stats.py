@@ -73,3 +73,19 @@ def test_a_run_with_federated_statistics_asks_every_client(toy_cfg, tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["bn_stats"] == "federated"
     assert summary["bytes_total"] == summary["bytes_sent"] + summary["bytes_received"] + summary["bytes_bn_stats"]
+
+
+def test_scaled_sub_model_statistics_describe_what_evaluation_sees():
+    """HeteroFL's Scaler divides by the rate in training only: the statistics pass must not."""
+    torch.manual_seed(2)
+    model = build_model({**SPEC, "width_rate": 0.25, "scaler": True})
+    x = _clients(1)[0].tensors[0][:16]
+    sums = bn_sums(model, TensorDataset(x, torch.zeros(16, dtype=torch.long)), 16, torch.device("cpu"))
+    seen = []
+    hook = model.bn1.register_forward_pre_hook(lambda mod, inp: seen.append(inp[0].detach()))
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    hook.remove()
+    # bn1's input depends on no earlier norm, so one batch's statistics must equal eval's input mean
+    assert torch.allclose(statistics(sums)["bn1"][0], seen[0].double().mean(dim=(0, 2, 3)), atol=1e-6)

@@ -16,6 +16,7 @@ from ..lowrank import factorize_modules
 from .cnn import CNN, build_cnn
 from .costs import count_macs, count_parameters
 from .resnet import ResNet, build_resnet18, build_resnet34, resnet18, resnet34
+from .transformer import build_minilm, build_vit
 
 __all__ = [
     "ARCHS",
@@ -34,9 +35,12 @@ ARCHS: dict[str, Callable[[Mapping], nn.Module]] = {
     "cnn": build_cnn,
     "resnet18": build_resnet18,
     "resnet34": build_resnet34,
+    "minilm": build_minilm,  # transformer track: MiniLM text classifier (LoRA / DeMA / full)
+    "vit": build_vit,  # transformer track: small ViT for 28x28 images
 }
 
 _REQUIRED = ("arch", "num_classes", "in_channels", "image_size")
+_REQUIRED_BY_ARCH = {"minilm": ("arch", "num_classes")}  # token inputs: no image shape
 
 
 def input_shape(spec: Mapping) -> tuple[int, int, int]:
@@ -52,7 +56,7 @@ def build_model(spec: Mapping, *, spectral_init: bool = True) -> nn.Module:
     weights. ``spectral_init=False`` skips those SVDs (seconds on a CPU for a ResNet); use it
     whenever a state dict is loaded right after building.
     """
-    missing = [key for key in _REQUIRED if key not in spec]
+    missing = [key for key in _REQUIRED_BY_ARCH.get(spec.get("arch"), _REQUIRED) if key not in spec]
     if missing:
         raise ValueError(f"model spec lacks {missing}")
     arch = spec["arch"]
@@ -62,4 +66,9 @@ def build_model(spec: Mapping, *, spectral_init: bool = True) -> nn.Module:
     ranks = spec.get("ranks") or {}
     if ranks:
         factorize_modules(model, {str(k): int(v) for k, v in ranks.items()}, spectral_init=spectral_init)
+    prism_layers = spec.get("prism") or {}  # PriSM: {layer: {"rank": r, "rows": [...]}} -> sampled sub-layers
+    if prism_layers:
+        from ..prism import prismify_modules  # uninitialised; the sub-model's state is loaded right after
+
+        prismify_modules(model, prism_layers)
     return model

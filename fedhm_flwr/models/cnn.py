@@ -6,6 +6,8 @@ from collections.abc import Mapping
 
 from torch import Tensor, nn
 
+from ..width import make_scaler, scaled_channels
+
 
 def sbn(channels: int) -> nn.BatchNorm2d:
     """Static batch norm (sBN): affine, no running statistics (batch statistics always)."""
@@ -18,13 +20,18 @@ class CNN(nn.Module):
 
     ``conv1`` is the stem and is never factorized; of ``conv2..conv4`` the first
     ``default_rho = 1`` (``conv2``) stays full rank by default.
+
+    ``width_rate`` < 1 builds HeteroFL's sub-model: each hidden size ``C`` becomes
+    ``ceil(width_rate · C)``; ``scaler`` puts the Scaler (``x / width_rate`` in training) before
+    every norm. The state dict keys do not change.
     """
 
     default_rho: int = 1
 
-    def __init__(self, num_classes: int, in_channels: int = 1, width: int = 64) -> None:
+    def __init__(self, num_classes: int, in_channels: int = 1, width: int = 64, width_rate: float = 1.0,
+                 scaler: bool = False) -> None:
         super().__init__()
-        hidden = [width, 2 * width, 4 * width, 8 * width]
+        hidden = [scaled_channels(c, width_rate) for c in (width, 2 * width, 4 * width, 8 * width)]
         self.hidden = hidden
         prev = in_channels
         for i, h in enumerate(hidden, start=1):
@@ -35,6 +42,7 @@ class CNN(nn.Module):
         self.pool = nn.MaxPool2d(2)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(hidden[-1], num_classes)
+        self.scaler = make_scaler(width_rate, scaler)
 
     def factorizable_layers(self) -> list[str]:
         """Layers that may be factorized, in forward order (stem and classifier excluded)."""
@@ -42,12 +50,14 @@ class CNN(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         for i in range(1, len(self.hidden) + 1):
-            x = self.relu(getattr(self, f"bn{i}")(getattr(self, f"conv{i}")(x)))
+            x = self.relu(getattr(self, f"bn{i}")(self.scaler(getattr(self, f"conv{i}")(x))))
             if i < len(self.hidden):
                 x = self.pool(x)
         return self.fc(self.avgpool(x).flatten(1))
 
 
 def build_cnn(spec: Mapping) -> CNN:
-    """Registry builder: ``num_classes``, ``in_channels``, optional ``width`` (64)."""
-    return CNN(int(spec["num_classes"]), int(spec["in_channels"]), int(spec.get("width", 64)))
+    """Registry builder: ``num_classes``, ``in_channels``, optional ``width`` (64), ``width_rate`` (1),
+    ``scaler`` (false)."""
+    return CNN(int(spec["num_classes"]), int(spec["in_channels"]), int(spec.get("width", 64)),
+               float(spec.get("width_rate", 1.0)), bool(spec.get("scaler", False)))

@@ -1,0 +1,99 @@
+"""HeteroFL (SPEC section 2): width-sliced sub-models, averaged element-wise over their holders.
+
+A level is a width rate ``r``; its clients train the same architecture with ``ceil(r·C)`` of the
+``C`` channels of every hidden layer (the first ones: a static slice), with HeteroFL's Scaler and
+gradient-norm clipping (``method.scaler``, ``method.grad_clip``); masked cross-entropy and sBN
+come from the shared client. Each element of the global model becomes the plain mean over the
+clients whose sub-model held it (classifier rows only over clients holding the class); elements
+nobody trained keep their values. A level's deployable model is its sub-model sliced from the
+global model (the Scaler is the identity in evaluation). The math is in :mod:`fedhm_flwr.width`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedhm_flwr import width
+from fedhm_flwr.models import build_model, input_shape
+from fedhm_flwr.models.costs import count_macs, count_parameters
+
+from .base import HeteroStrategy, Reply, State
+from .fedhm import activation_elements, classifier_keys, training_memory_bytes
+
+
+class HeteroFLStrategy(HeteroStrategy):
+    """Levels are width rates; level 1 is the full model."""
+
+    name = "heterofl"
+    #: how a level's channels are chosen: "static" (first k) or "rolling" (FedRolex's window)
+    mode = "static"
+
+    def __init__(self, cfg, model_spec, evaluate_fn=None, recorder=None) -> None:
+        super().__init__(cfg, model_spec, evaluate_fn, recorder)
+        self.spec = width.full_spec(self.spec)
+        with torch.device("meta"):  # shapes only
+            self._shapes_model = build_model(self.spec)
+        self.classifier_keys = classifier_keys(self._shapes_model)
+        self.scaler = bool(cfg.method.scaler)
+        self.grad_clip = float(cfg.method.grad_clip)
+        self.weight_by_samples = bool(cfg.method.get("weight_by_samples", False))
+        self.current_round = 1
+        self._plans: dict[tuple[int, int], width.Plan] = {}
+        self._costs: dict[int, dict[str, float]] = {}
+
+    # -- plans
+
+    def _plan_round(self, server_round: int) -> int:
+        """The round a plan depends on (static slices do not depend on it)."""
+        return server_round if self.mode == "rolling" else 1
+
+    def plan(self, level_index: int, server_round: int | None = None) -> width.Plan:
+        """The index plan of a level in a round (default: the current round); cached."""
+        key = (level_index, self._plan_round(self.current_round if server_round is None else server_round))
+        if key not in self._plans:
+            self._plans[key] = width.index_plan(self._shapes_model, self.levels[level_index], self.mode, key[1])
+        return self._plans[key]
+
+    def level_spec(self, level_index: int) -> dict[str, Any]:
+        """The model spec of a level's sub-model (the full spec at rate 1)."""
+        return width.submodel_spec(self.spec, self.levels[level_index], self.scaler)
+
+    # -- the method hooks
+
+    def begin_round(self, server_round: int, global_state: State) -> None:
+        self.current_round = server_round
+        keep = self._plan_round(server_round)
+        self._plans = {k: v for k, v in self._plans.items() if k[1] == keep}
+
+    def level_payload(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State, dict[str, Any]]:
+        state = width.slice_state(global_state, self.plan(level_index))
+        return self.level_spec(level_index), state, {"grad_clip": self.grad_clip}
+
+    def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
+        plans = [self.plan(r.level_index, server_round) for r in replies]
+        weights = [float(r.num_examples) for r in replies] if self.weight_by_samples else None
+        holds = np.stack([r.class_counts > 0 for r in replies])
+        return width.aggregate(global_state, [r.state for r in replies], plans, weights, holds,
+                               self.classifier_keys)
+
+    def deployable(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State]:
+        """The level's sub-model sliced from the global model (FedRolex: the current window)."""
+        return self.level_spec(level_index), width.slice_state(global_state, self.plan(level_index))
+
+    def level_cost(self, level_index: int) -> dict[str, float]:
+        """Parameters, MACs per input, bytes of the payload and estimated training memory."""
+        if level_index not in self._costs:
+            shape = input_shape(self.spec)
+            slots = 1 if float(self.cfg.train.momentum) > 0 else 0
+            with torch.device("meta"):  # shapes only; costs counted by hooks on a meta forward
+                model = build_model(self.level_spec(level_index))
+                params = count_parameters(model)
+                macs = count_macs(model, shape)
+                memory = training_memory_bytes(params, activation_elements(model, shape),
+                                               int(self.cfg.train.batch_size), slots)
+            self._costs[level_index] = {"params": float(params), "macs": float(macs), "bytes": float(4 * params),
+                                        "memory": float(memory)}
+        return self._costs[level_index]
