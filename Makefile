@@ -10,7 +10,10 @@ PYTEST_ARGS ?=
 # The default sweep: FedHM over rank-ratio sets on Fashion-MNIST (Hydra multirun, jobs in sequence).
 SWEEP_ARGS ?= levels.ratios=[1,0.5,0.25,0.125],[1,0.5],[0.25,0.125] rounds=5 dataset.max_train_examples=20000
 
-.PHONY: setup data run test test-fast inspect sweep summary bench
+# The baselines compared on the same work (Fashion-MNIST, Dirichlet 0.5, 4 levels); ~20-30 min on 2 cores.
+COMPARE_ARGS ?= method=fedhm,heterofl,fedrolex,fedavg,fedavg_smallest rounds=8 dataset.max_train_examples=30000
+
+.PHONY: setup data run test test-fast inspect sweep summary bench compare
 
 setup: $(STAMP)  ## virtualenv with the project and its pinned torch/torchvision pair
 
@@ -39,6 +42,9 @@ test-fast: setup data  ## the tests without the slow end-to-end runs
 sweep: setup data  ## Hydra multirun over SWEEP_ARGS (+ARGS); summary and plots land in the sweep directory
 	$(BIN)/python -m fedhm_flwr.sweep -m $(SWEEP_ARGS) $(ARGS)
 
+compare: setup data  ## FedHM vs HeteroFL, FedRolex, FedAvg-full, FedAvg-smallest: one table in outputs/compare/<time>/summary.md
+	$(BIN)/python -m fedhm_flwr.sweep -m $(COMPARE_ARGS) hydra.sweep.dir=outputs/compare/$$(date +%Y-%m-%d_%H-%M-%S) $(ARGS)
+
 summary: setup  ## table + plots over finished runs: make summary RUNS="outputs/multirun/..."
 	$(BIN)/python -m fedhm_flwr.summary $(RUNS)
 
@@ -47,6 +53,10 @@ bench: setup data  ## benchmarks -> bench/reports/bench.{json,md}; ARGS="--quick
 
 inspect: setup  ## per-level parameters / MACs / bytes; ARGS= Hydra overrides
 	$(BIN)/python -m fedhm_flwr.inspect $(ARGS)
+
+.PHONY: pretrain
+pretrain: setup data  ## ViT backbones of the transformer track -> $$FEDHM_CACHE/vit (default ~/.cache/fedhm-flwr/vit); minutes on a CPU
+	$(BIN)/python -m fedhm_flwr.pretrain vit $(ARGS)
 
 .PHONY: deploy-local
 deploy-local: setup data  ## SuperLink with TLS + SuperNode auth and N SuperNodes on loopback, runs the job: N=2 CAPS="level=1 params=2e4 -" ARGS=overrides

@@ -55,17 +55,37 @@ def _flat_config(run_dir: Path) -> dict[str, Any]:
     return flat
 
 
+def _hydra_overrides(run_dir: Path) -> dict[str, str] | None:
+    """A Hydra job's overrides (``.hydra/overrides.yaml``), key -> value as typed; None if absent."""
+    path = run_dir / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return None
+    items = OmegaConf.to_container(OmegaConf.load(path))
+    return dict(str(item).lstrip("+~").split("=", 1) for item in items if "=" in str(item))  # type: ignore[union-attr]
+
+
 def collect(run_dirs: list[Path]) -> tuple[list[str], list[dict[str, Any]]]:
-    """(swept keys, one row per run) read from each run's own outputs."""
+    """(swept keys, one row per run) read from each run's own outputs.
+
+    Swept keys: for Hydra jobs, the overridden keys whose values differ between jobs (a config
+    group such as ``method`` shows the option chosen, a value its resolved value in the job's own
+    ``config.yaml``); otherwise every key whose resolved value differs between the runs."""
     configs = [_flat_config(d) for d in run_dirs]
-    keys = sorted({k for c in configs for k in c})
-    swept = [k for k in keys if k not in IGNORED and len({json.dumps(c.get(k)) for c in configs}) > 1]
+    overrides = [_hydra_overrides(d) for d in run_dirs]
+    if all(o is not None for o in overrides):
+        keys = sorted({k for o in overrides for k in o})  # type: ignore[union-attr]
+        values = [{k: (c[k] if k in c else o.get(k)) for k in keys} for c, o in zip(configs, overrides)]  # type: ignore[union-attr]
+    else:
+        keys = sorted({k for c in configs for k in c})
+        values = [{k: c.get(k) for k in keys} for c in configs]
+    swept = [k for k in keys if k not in IGNORED and not k.startswith("hydra.")
+             and len({json.dumps(v.get(k)) for v in values}) > 1]
     rows = []
-    for run_dir, flat in zip(run_dirs, configs):
+    for run_dir, value in zip(run_dirs, values):
         summary = json.loads((run_dir / SUMMARY_FILE).read_text())
         row: dict[str, Any] = {"run": run_dir.name}
-        row.update({k: flat.get(k) for k in swept})
-        row["method"] = summary.get("method")
+        row.update({k: value.get(k) for k in swept})
+        row.setdefault("method", summary.get("method"))  # a swept method group keeps its option name
         for key, value in summary.items():
             if key.startswith(("final_acc/", "best_acc/")):
                 row[key] = value
