@@ -118,6 +118,7 @@ class HeteroStrategy(Strategy):
         self.history: list[dict[str, Any]] = []
         self.start_round = 1
         self._grid: Grid | None = None
+        self._keys: dict[int, int] = {}  # node id -> stable key (partition id), see _node_keys
 
     # ------------------------------------------------------------------ method hooks
 
@@ -380,6 +381,7 @@ class HeteroStrategy(Strategy):
         for n in set(self.nodes) - set(node_ids):  # gone
             del self.nodes[n]
         if not new:
+            self._keys = self._node_keys()
             return
         query = [Message(content=RecordDict({CONFIG: ConfigRecord({"query": "node-info"})}), dst_node_id=n,
                          message_type=MessageType.QUERY) for n in new]
@@ -394,6 +396,11 @@ class HeteroStrategy(Strategy):
                 info.capability = {k[len("capability-"):]: float(v) for k, v in rec.items()
                                    if k.startswith("capability-")}
             self.nodes[n] = info
+        self._keys = self._node_keys()
+        shared = {pid: owners for pid, owners in self._pid_owners().items() if len(owners) > 1}
+        if shared:
+            log(WARNING, "nodes %s declare the same partition-id; each node config needs its own "
+                "(they still train, keyed by node id)", shared)
         self._assign_fixed()
 
     def node_label(self, node_id: int) -> str:
@@ -402,12 +409,25 @@ class HeteroStrategy(Strategy):
         return f"p{pid}" if pid is not None else f"n{node_id}"
 
     def _partition_key(self, node_id: int) -> int:
-        """The node's stable key: its partition id, else its rank among unknown nodes."""
-        info = self.nodes[node_id]
-        if info.partition_id is not None:
-            return info.partition_id
-        unknown = sorted(n for n, i in self.nodes.items() if i.partition_id is None)
-        return 1_000_000 + unknown.index(node_id)
+        """The node's stable key (see :meth:`_node_keys`)."""
+        return self._keys[node_id]
+
+    def _pid_owners(self) -> dict[int, list[int]]:
+        owners: dict[int, list[int]] = {}
+        for n, info in sorted(self.nodes.items()):
+            if info.partition_id is not None:
+                owners.setdefault(info.partition_id, []).append(n)
+        return owners
+
+    def _node_keys(self) -> dict[int, int]:
+        """Node -> key: its partition id when no other node claims the same one, else
+        1_000_000 + its rank (by node id) among the nodes without a key of their own."""
+        owners = self._pid_owners()
+        keys = {n: i.partition_id for n, i in self.nodes.items()
+                if i.partition_id is not None and owners[i.partition_id] == [n]}
+        keyless = sorted(n for n in self.nodes if n not in keys)
+        keys.update({n: 1_000_000 + rank for rank, n in enumerate(keyless)})
+        return keys  # type: ignore[return-value]
 
     def _assign_fixed(self) -> None:
         keys = {self._partition_key(n): n for n in self.nodes}
@@ -430,7 +450,7 @@ class HeteroStrategy(Strategy):
         if "level" in cap:
             index = lv.level_index_of(cap["level"], self.levels)
             if index is None:
-                log(WARNING, "node %d declares level %s, not among %s; ignored", info.node_id, cap["level"], self.levels)
+                log(WARNING, "node %s declares level %s, not among %s; ignored", self.node_label(info.node_id), cap["level"], self.levels)
             return index
         for budget in ("params", "macs", "memory"):
             if budget in cap:
@@ -438,8 +458,8 @@ class HeteroStrategy(Strategy):
                 index = lv.level_for_budget(cap[budget], costs)
                 if index is None:
                     index = len(self.levels) - 1
-                    log(WARNING, "node %d: %s budget %g fits no level; it gets the smallest", info.node_id, budget, cap[budget])
-                log(INFO, "node %d: %s budget %g -> level %g", info.node_id, budget, cap[budget], self.levels[index])
+                    log(WARNING, "node %s: %s budget %g fits no level; it gets the smallest", self.node_label(info.node_id), budget, cap[budget])
+                log(INFO, "node %s: %s budget %g -> level %g", self.node_label(info.node_id), budget, cap[budget], self.levels[index])
                 return index
         return None
 

@@ -14,7 +14,7 @@ import numpy as np
 from fedhm_flwr.aggregation import average_states, level_weights
 from fedhm_flwr.lowrank import SVD, compute_svds, factorize_state, plan_ranks, recover_state
 from fedhm_flwr.models import build_model, input_shape
-from fedhm_flwr.models.costs import count_macs, count_parameters
+from fedhm_flwr.models.costs import activation_elements, count_macs, count_parameters, training_memory_bytes
 
 from .base import HeteroStrategy, Reply, State
 
@@ -71,9 +71,13 @@ class FedHMStrategy(HeteroStrategy):
         if level_index not in self._costs:
             model = build_model(self.level_spec(level_index), spectral_init=False)
             params = count_parameters(model)
+            shape = input_shape(self.spec)
+            slots = 1 if float(self.cfg.train.momentum) > 0 else 0
             self._costs[level_index] = {
                 "params": float(params),
-                "macs": float(count_macs(model, input_shape(self.spec))),
+                "macs": float(count_macs(model, shape)),
                 "bytes": float(4 * params),
+                "memory": float(training_memory_bytes(params, activation_elements(model, shape),
+                                                      int(self.cfg.train.batch_size), slots)),
             }
         return self._costs[level_index]

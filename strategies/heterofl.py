@@ -18,10 +18,10 @@ import torch
 
 from fedhm_flwr import width
 from fedhm_flwr.models import build_model, input_shape
-from fedhm_flwr.models.costs import count_macs, count_parameters
+from fedhm_flwr.models.costs import activation_elements, count_macs, count_parameters, training_memory_bytes
 
 from .base import HeteroStrategy, Reply, State
-from .fedhm import activation_elements, classifier_keys, training_memory_bytes
+from .fedhm import classifier_keys
 
 
 class HeteroFLStrategy(HeteroStrategy):

@@ -171,3 +171,13 @@ def test_declared_capabilities_override_the_assignment(toy_cfg):
     # the largest level whose parameter count fits 60 % of the full model's
     fits = [lvl for i, lvl in enumerate(strategy.levels) if strategy.level_cost(i)["params"] <= declared[1]["capability-params"]]
     assert by_pid[1] == max(fits) < 1.0
+
+
+def test_nodes_sharing_a_partition_id_are_all_kept(toy_cfg):
+    cfg = toy_cfg("fraction_train=1.0")
+    strategy = _strategy(cfg)
+    grid = LocalGrid(6, client_handlers(), node_config=lambda i: {"partition-id": min(i, 3)})  # 3, 4, 5 -> "3"
+    msgs = _configure(strategy, grid, initial_state(cfg, strategy.spec))
+    assert len({m.metadata.dst_node_id for m in msgs}) == 6
+    keys = {strategy._partition_key(n) for n in strategy.nodes}
+    assert len(keys) == 6

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -56,3 +58,44 @@ def count_macs(model: nn.Module, input_shape: tuple[int, ...]) -> int:
         for module, training in modes.items():
             module.training = training
     return total
+
+
+def activation_elements(model: Any, input_shape: tuple[int, ...]) -> int:
+    """Values one input leaves for the backward pass: the outputs of every leaf module, summed.
+
+    Counted with forward hooks on a batch of 2 (eval mode, ``no_grad``; hooks and modes are
+    restored); the per-input count is returned.
+    """
+    total = 0
+
+    def hook(_module: Any, _inputs: Any, output: Any) -> None:
+        nonlocal total
+        if isinstance(output, torch.Tensor):
+            total += output.numel() // 2
+
+    leaves = [m for m in model.modules() if next(m.children(), None) is None]
+    hooks = [m.register_forward_hook(hook) for m in leaves]
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(torch.zeros((2, *input_shape)))
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, training in modes.items():
+            m.training = training
+    return total
+
+
+def training_memory_bytes(params: int, activations_per_input: int, batch_size: int,
+                          optimizer_slots: int = 1, bytes_per_value: int = 4) -> int:
+    """Estimated memory of local training (float32): what a ``capability-memory`` budget is compared with.
+
+    ``(2 + optimizer_slots) * params`` values for weights, gradients and optimizer buffers
+    (SGD with momentum: one buffer; without: none) plus ``batch_size * activations_per_input``
+    values of activations kept for the backward pass (:func:`activation_elements`). Not counted:
+    the framework itself (Python, torch: a few hundred MB), the data set, the input batch and
+    temporary workspaces, so a device should declare the memory it can give to the model.
+    """
+    return int(bytes_per_value * ((2 + optimizer_slots) * params + batch_size * activations_per_input))

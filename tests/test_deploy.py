@@ -1,0 +1,237 @@
+"""Real deployment: TLS, SuperNode authentication, capability-declared levels (scripts/deploy_local.py).
+
+Fast tests: credentials, node-config files, capability specs, the memory estimate and the
+budget -> level mapping through the in-process grid. Slow tests: a SuperLink with TLS and
+SuperNode authentication and real SuperNodes on loopback (``flwr run``, 2 rounds), the
+refusal of an unregistered key and of a node without the CA certificate, and the cleanup of
+every process, also when the script fails.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+from flwr.app import ArrayRecord
+from flwr.common.config import parse_config_args
+from omegaconf import OmegaConf
+
+from fedhm_flwr import data as D
+from fedhm_flwr.config import load_config, model_spec
+from fedhm_flwr.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.server_app import initial_state
+from fedhm_flwr.models.costs import activation_elements, training_memory_bytes
+from strategies.fedhm import FedHMStrategy
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "deploy_local.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("deploy_local", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["deploy_local"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+dl = _load_script()
+
+HAVE_FMNIST = bool(os.environ.get(D.DATA_DIR_ENV)) or (Path(D.FASHION_MNIST_SYSTEM_DIR) / "train-images-idx3-ubyte.gz").is_file()
+needs_fmnist = pytest.mark.skipif(not HAVE_FMNIST, reason="Fashion-MNIST not installed (make data)")
+
+# the job of the deployment test: 2 rounds of a tiny CNN on 2,000 Fashion-MNIST images
+TOY = ["rounds=2", "num_clients=2", "fraction_train=1.0", "dataset.max_train_examples=2000",
+       "dataset.max_test_examples=500", "model.width=8", "evaluation.levels=false", "timeout=300"]
+
+
+def _processes_with(needle: str) -> list[int]:
+    """Live processes whose environment mentions ``needle`` (independent of the script's tag)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle.encode() in environ and state not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found
+
+
+def _expected_level(strategy: FedHMStrategy, kind: str, budget: float) -> float:
+    """The largest level whose cost fits the budget (computed here, not by the strategy)."""
+    fits = [lvl for i, lvl in enumerate(strategy.levels) if strategy.level_cost(i)[kind] <= budget]
+    return max(fits)
+
+
+# --------------------------------------------------------------------------- fast
+
+
+def test_memory_estimate_counts_weights_gradients_momentum_and_activations():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    model.train()
+    assert activation_elements(model, (4,)) == 3 + 3 + 2  # outputs of the three leaf modules
+    assert model.training  # mode restored
+    params = 4 * 3 + 3 + 3 * 2 + 2
+    assert training_memory_bytes(params, 8, batch_size=10) == 4 * (3 * params + 10 * 8)
+    assert training_memory_bytes(params, 8, batch_size=10, optimizer_slots=0) == 4 * (2 * params + 10 * 8)
+
+
+def test_fedhm_level_costs_include_memory_that_follows_the_config():
+    cfg = load_config(TOY)
+    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    costs = [strategy.level_cost(i) for i in range(len(strategy.levels))]
+    assert all(c["memory"] > 4 * 3 * c["params"] for c in costs)  # weights + grads + momentum + activations
+    assert costs[-1]["memory"] < costs[0]["memory"]
+    bigger = FedHMStrategy(OmegaConf.merge(cfg, {"train": {"batch_size": 64}}), model_spec(cfg))
+    no_momentum = FedHMStrategy(OmegaConf.merge(cfg, {"train": {"momentum": 0.0}}), model_spec(cfg))
+    for i, c in enumerate(costs):
+        acts = (bigger.level_cost(i)["memory"] - c["memory"]) / (4 * (64 - 32))  # activations per input
+        assert acts == int(acts) > 0
+        assert c["memory"] - no_momentum.level_cost(i)["memory"] == 4 * c["params"]  # one momentum buffer
+
+
+def test_declared_budgets_map_to_the_largest_fitting_level_and_silence_to_the_default():
+    cfg = load_config(TOY + ["num_clients=5", "levels.default=0.125"])
+    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    cost = lambda i, kind: strategy.level_cost(i)[kind]  # noqa: E731
+    declared = {
+        0: {"capability-memory": (cost(1, "memory") + cost(2, "memory")) / 2},
+        1: {"capability-macs": (cost(0, "macs") + cost(1, "macs")) / 2},
+        2: {"capability-params": cost(3, "params") / 2},  # fits nothing: the smallest level
+        3: {"capability-level": 1.0},
+        4: {},  # declares nothing: levels.default
+    }
+    grid = LocalGrid(5, client_handlers(), node_config=lambda i: declared[i])
+    msgs = list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.spec)),
+                                         None, grid))
+    got = {strategy.nodes[m.metadata.dst_node_id].partition_id: m.content["config"]["level"] for m in msgs}
+    assert got[0] == _expected_level(strategy, "memory", declared[0]["capability-memory"])
+    assert got[1] == _expected_level(strategy, "macs", declared[1]["capability-macs"]) == 0.5
+    assert got[2] == 0.125 and got[3] == 1.0 and got[4] == 0.125
+    assert strategy.round_log.assignments == {f"p{k}": v for k, v in got.items()}  # what metrics.jsonl records
+
+
+def test_capability_specs_and_node_config_files_round_trip_through_flowers_parser(tmp_path):
+    assert dl.parse_capability("level=0.5") == {"capability-level": 0.5}
+    assert dl.parse_capability("memory=64M") == {"capability-memory": 64e6}
+    assert dl.parse_capability("macs=4e5") == {"capability-macs": 4e5}
+    assert dl.parse_capability("-") == {}
+    for bad in ("speed=3", "params", "params=abc", "level=0"):
+        with pytest.raises(ValueError):
+            dl.parse_capability(bad)
+    config = dl.node_config(3, 8, {"capability-params": 2e4}, "/data/dev ice 3")
+    path = tmp_path / "node-config.toml"
+    path.write_text(dl.node_config_toml(config))
+    assert parse_config_args([str(path)]) == config  # what flower-supernode --node-config FILE reads
+
+
+def test_credentials_form_a_chain_and_keys_are_what_flower_reads(tmp_path):
+    creds = dl.create_credentials(tmp_path, ["node-0"], sans=["localhost", "127.0.0.1", "10.1.2.3"])
+    ca = x509.load_pem_x509_certificate(creds.ca_cert.read_bytes())
+    server = x509.load_pem_x509_certificate((creds.server_dir / "server.pem").read_bytes())
+    server.verify_directly_issued_by(ca)
+    sans = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)} == {"127.0.0.1", "10.1.2.3"}
+    assert sans.get_values_for_type(x509.DNSName) == ["localhost"]
+    node = creds.node_dir("node-0")
+    private = load_ssh_private_key((node / "node.key").read_bytes(), None)
+    public = load_ssh_public_key((node / "node.pub").read_bytes())
+    assert isinstance(private, ec.EllipticCurvePrivateKey) and private.curve.name == "secp384r1"
+    assert private.public_key().public_numbers() == public.public_numbers()
+    assert (node / "ca.pem").read_bytes() == creds.ca_cert.read_bytes()
+    for secret in (creds.ca_key, creds.server_dir / "server.key", node / "node.key"):
+        assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+
+
+# --------------------------------------------------------------------------- slow
+
+
+@pytest.mark.slow
+@needs_fmnist
+def test_tls_authenticated_deployment_trains_declared_levels_and_refuses_outsiders(tmp_path):
+    cfg = load_config(TOY)
+    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    cost = lambda i, kind: strategy.level_cost(i)[kind]  # noqa: E731
+    declared = {  # two nodes, two kinds of budget, two different levels
+        "node-0": {"capability-params": (cost(0, "params") + cost(1, "params")) / 2},
+        "node-1": {"capability-memory": (cost(1, "memory") + cost(2, "memory")) / 2},
+    }
+    expected = {
+        "p0": _expected_level(strategy, "params", declared["node-0"]["capability-params"]),
+        "p1": _expected_level(strategy, "memory", declared["node-1"]["capability-memory"]),
+    }
+    assert expected == {"p0": 0.5, "p1": 0.25}
+    work = tmp_path / "deploy"
+    run_dir = tmp_path / "run"
+    dep = dl.LocalDeployment(work, say=lambda msg: print(f"[test] {msg}", flush=True))
+    pids: list[int] = []
+    t0 = time.monotonic()
+    try:
+        dep.make_credentials(["node-0", "node-1", "no-ca"])
+        dl.add_node(dep.creds, "intruder")  # a key pair the SuperLink never learns about
+        dep.start_superlink()
+        for name in ("node-0", "node-1", "no-ca"):
+            dep.register(name)
+        for i, name in enumerate(("node-0", "node-1")):
+            dep.start_supernode(name, dl.node_config(i, 2, declared[name]))
+        intruder = dep.start_supernode("intruder", dl.node_config(2, 3), max_retries=1, max_wait_time=30)
+        no_ca = dep.start_supernode("no-ca", dl.node_config(3, 4), with_ca=False, max_retries=1, max_wait_time=30)
+        pids = [p.pid for _, p, _ in dep.processes.started]
+        dep.wait_online(["node-0", "node-1"])
+
+        # the outsiders are refused and give up
+        assert intruder.wait(timeout=120) != 0 and no_ca.wait(timeout=120) != 0
+        assert "Failed to activate SuperNode" in dep.log_tail("intruder", 200)
+        assert "No SuperNode found with the given public key" in dep.log_tail("superlink", 400)
+        assert "CERTIFICATE_VERIFY_FAILED" in dep.log_tail("no-ca", 200)
+
+        dep.run_job(TOY, run_dir, timeout=600, echo=False)
+
+        nodes = {n["node-id"]: n for n in dep.nodes()}
+        assert set(nodes) == {str(dep.node_ids[n]) for n in ("node-0", "node-1", "no-ca")}  # no intruder
+        assert nodes[str(dep.node_ids["no-ca"])]["online-at"] == "N/A"  # registered, never connected
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in rows] == [1, 2]
+        for row in rows:
+            assert json.loads(row["assignments"]) == expected  # each node trained the level it can afford
+            assert row["replies"] == 2 and row["failures"] == 0 and row["rejected"] == 0
+    finally:
+        dep.close()
+        print(f"[test] deployment test took {time.monotonic() - t0:.0f} s", flush=True)
+    assert not [p for p in pids if dl._alive(p)]
+    assert dl.tagged_pids(dep.tag) == []
+    assert _processes_with(str(work)) == []  # anything with a FLWR_HOME of this deployment
+
+
+@pytest.mark.slow
+@needs_fmnist
+def test_script_stops_everything_it_started_when_the_job_fails(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(SCRIPT), "--nodes", "1", "--capabilities", "level=0.25", "--run-dir", str(run_dir),
+           "--timeout", "1", *TOY]
+    # as `make deploy-local` runs it: .venv/bin/python without an activated environment
+    env = {**os.environ, "PATH": os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                                                 if Path(p).resolve() != Path(sys.executable).parent.resolve())}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "SuperNode(s) online" in out and "did not finish in 1 s" in out
+    time.sleep(1)
+    assert _processes_with(str(run_dir)) == [], out[-3000:]
+    config = (run_dir / "deploy" / "supernodes" / "node-0" / "node-config.toml").read_text()
+    assert "capability-level = 0.25" in config and "num-partitions = 1" in config
