@@ -20,8 +20,10 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
+from fedhm_flwr.bn_stats import bn_sums
 from fedhm_flwr.data import client_dataset
 from fedhm_flwr.models import build_model
+from fedhm_flwr.models.adapters import load_federated, trainable_state
 from fedhm_flwr.train import TrainOptions, evaluate, pick_device, train_local
 
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
@@ -40,12 +42,24 @@ def node_partition(context: Context, data_spec: dict[str, Any]) -> tuple[int, st
 
 
 def received_model(msg: Message, device: torch.device) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Build the model the message describes and load its arrays (strictly: same keys, shapes)."""
+    """Build the model the message describes and load its arrays (strictly: same keys, shapes; with
+    ``trainable_only`` in the spec: exactly the non-backbone keys over the locally loaded backbone)."""
     config = msg.content[CONFIG]
     spec = json.loads(str(config["model-spec"]))
     model = build_model(spec, spectral_init=False)
-    model.load_state_dict(msg.content[ARRAYS].to_torch_state_dict(), strict=True)
+    state = msg.content[ARRAYS].to_torch_state_dict()
+    if spec.get("trainable_only"):
+        # frozen backbone loaded by this node itself; the message holds exactly the other tensors
+        load_federated(model, state)
+    else:
+        model.load_state_dict(state, strict=True)
     return model.to(device), spec
+
+
+def local_dataset(config: ConfigRecord, context: Context, augment: bool = True) -> Any:
+    """This node's partition of the dataset the message's data spec names."""
+    pid, data_dir, data_spec = node_partition(context, json.loads(str(config["data-spec"])))
+    return client_dataset(data_spec if augment else {**data_spec, "augment": False}, pid, data_dir)
 
 
 class InjectedFailure(RuntimeError):
@@ -70,8 +84,7 @@ def handle_train(msg: Message, context: Context) -> Message:
     torch.manual_seed(int(config["seed"]))
     device = pick_device()
     model, spec = received_model(msg, device)
-    pid, data_dir, data_spec = node_partition(context, json.loads(str(config["data-spec"])))
-    dataset = client_dataset(data_spec, pid, data_dir)
+    dataset = local_dataset(config, context)
     counts = dataset.class_counts()
     present = torch.as_tensor(counts > 0)
     stats = train_local(model, dataset, options, device, present_classes=present, seed=int(config["seed"]))
@@ -83,7 +96,10 @@ def handle_train(msg: Message, context: Context) -> Message:
         "level": float(config["level"]),
         "class-counts": [int(c) for c in counts],
     })
-    arrays = ArrayRecord.from_torch_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    if spec.get("trainable_only"):  # only what this client trained travels back
+        arrays = ArrayRecord.from_torch_state_dict(trainable_state(model))
+    else:
+        arrays = ArrayRecord.from_torch_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
     return Message(RecordDict({ARRAYS: arrays, METRICS: metrics}), reply_to=msg)
 
 
@@ -92,8 +108,7 @@ def handle_evaluate(msg: Message, context: Context) -> Message:
     config = msg.content[CONFIG]
     device = pick_device()
     model, _ = received_model(msg, device)
-    pid, data_dir, data_spec = node_partition(context, json.loads(str(config["data-spec"])))
-    dataset = client_dataset({**data_spec, "augment": False}, pid, data_dir)
+    dataset = local_dataset(config, context, augment=False)
     stats = evaluate(model, dataset, int(config.get("batch-size", 256)), device)
     metrics = MetricRecord({"num-examples": int(stats["num-examples"]), "eval-loss": float(stats["loss"]),
                             "eval-accuracy": float(stats["accuracy"])})
@@ -113,7 +128,20 @@ def node_info(context: Context) -> ConfigRecord:
     return ConfigRecord(out)
 
 
-QUERIES = {"node-info": lambda msg, context: RecordDict({CONFIG: node_info(context)})}
+def bn_statistics(msg: Message, context: Context) -> RecordDict:
+    """Per-layer input sums of the received model over this node's training data (sBN)."""
+    config = msg.content[CONFIG]
+    device = pick_device()
+    model, _ = received_model(msg, device)
+    dataset = local_dataset(config, context, augment=False)
+    sums = bn_sums(model, dataset, int(config.get("batch-size", 64)), device)
+    return RecordDict({ARRAYS: ArrayRecord.from_torch_state_dict({k: v.float() for k, v in sums.items()})})
+
+
+QUERIES = {
+    "node-info": lambda msg, context: RecordDict({CONFIG: node_info(context)}),
+    "bn-stats": bn_statistics,
+}
 
 
 def handle_query(msg: Message, context: Context) -> Message:

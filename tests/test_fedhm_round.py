@@ -181,3 +181,16 @@ def test_nodes_sharing_a_partition_id_are_all_kept(toy_cfg):
     assert len({m.metadata.dst_node_id for m in msgs}) == 6
     keys = {strategy._partition_key(n) for n in strategy.nodes}
     assert len(keys) == 6
+
+
+def test_client_evaluate_handler_scores_the_received_model_on_local_data(toy_cfg):
+    cfg = toy_cfg()
+    strategy = _strategy(cfg)
+    grid = LocalGrid(6, client_handlers())
+    (train_msg, *_) = _configure(strategy, grid, initial_state(cfg, strategy.spec))
+    content = RecordDict({"arrays": train_msg.content["arrays"], "config": train_msg.content["config"]})
+    msg = Message(content=content, dst_node_id=train_msg.metadata.dst_node_id, message_type=MessageType.EVALUATE)
+    (reply,) = grid.send_and_receive([msg])
+    metrics = reply.content["metrics"]
+    assert not reply.has_error() and metrics["num-examples"] > 0
+    assert 0.0 <= metrics["eval-accuracy"] <= 1.0 and metrics["eval-loss"] > 0
