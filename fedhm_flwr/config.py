@@ -205,7 +205,10 @@ def _validate_fedavg(cfg: DictConfig) -> None:
 
 def _validate_transformer(cfg: DictConfig, method: str) -> None:
     """FedLoRA / HeteroTune: a transformer over a frozen pre-trained (or seeded random) backbone."""
-    _choice(cfg, "model.arch", ("minilm", "vit"))
+    arch = OmegaConf.select(cfg, "model.arch")
+    _require(arch in ("minilm", "vit"), "model.arch", arch,
+             f"one of ['minilm', 'vit'] (method={method} fine-tunes a transformer: add "
+             "model=minilm dataset=sentiment, or model=vit dataset=fashion_mnist)")
     _choice(cfg, "model.backbone", ("pretrained", "random"))
     _int_at_least(cfg, "model.backbone_seed", 0)
     for field in ("model.depth", "model.heads"):
@@ -217,9 +220,17 @@ def _validate_transformer(cfg: DictConfig, method: str) -> None:
              f"'sentiment' with model=minilm, an image dataset with model=vit (method={method})")
 
 
+def _validate_client_optimizer(cfg: DictConfig) -> None:
+    _choice(cfg, "method.optimizer", ("adamw", "sgd"))
+    lr = OmegaConf.select(cfg, "method.lr")
+    _require(lr is None or (_is_num(lr) and 0 < lr < math.inf), "method.lr", lr,
+             "null (train.lr) or a number > 0")
+
+
 def _validate_fedlora(cfg: DictConfig) -> None:
     """FedLoRA: LoRA ranks per level (or full fine-tuning), FedHM's softmax(gamma/tau) weights."""
     _validate_transformer(cfg, "fedlora")
+    _validate_client_optimizer(cfg)
     _choice(cfg, "method.mode", ("lora", "full"))
     _int_at_least(cfg, "method.max_rank", 1)
     tau = OmegaConf.select(cfg, "method.tau")
@@ -234,6 +245,7 @@ def _validate_fedlora(cfg: DictConfig) -> None:
 def _validate_heterotune(cfg: DictConfig) -> None:
     """HeteroTune: model types by depth or width, DeMA bottleneck, bank and CMGA switches."""
     _validate_transformer(cfg, "heterotune")
+    _validate_client_optimizer(cfg)
     _choice(cfg, "method.scale", ("auto", "depth", "width"))
     if cfg.model.arch == "minilm":
         _choice(cfg, "method.scale", ("auto", "depth"))  # the packaged MiniLM has one width

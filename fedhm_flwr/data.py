@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import importlib
 import math
 import os
 import threading
@@ -125,6 +126,17 @@ DATASETS: dict[str, DatasetInfo] = {
     ),
 }
 
+#: datasets served by another module with the same entry points (``dataset_info``,
+#: ``client_dataset``, ``test_dataset``) and the same data specs: name -> module.
+EXTERNAL_DATASETS: dict[str, str] = {"sentiment": "fedhm_flwr.text_data"}
+
+
+def _external(name: Any) -> Any:
+    """The module serving dataset ``name`` when it is not an image dataset of this file."""
+    module = EXTERNAL_DATASETS.get(name) if isinstance(name, str) else None
+    return importlib.import_module(module) if module else None
+
+
 PARTITION_SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "pathological")
 CLASS_ASSIGNMENTS: tuple[str, ...] = ("deterministic", "random", "first-deterministic")
 SPLITS: tuple[str, ...] = ("train", "test")
@@ -158,6 +170,9 @@ def dataset_info(name: str) -> dict[str, int]:
     Exactly these three keys, so that it can be splatted into a model builder.
     Raises ValueError naming ``dataset.name`` for an unknown dataset.
     """
+    external = _external(name)
+    if external is not None:
+        return external.dataset_info(name)
     info = _info(name)
     return {
         "num_classes": info.num_classes,
@@ -570,7 +585,8 @@ def check_data_spec(spec: dict[str, Any]) -> dict[str, Any]:
             f"{sorted(set(_REQUIRED_KEYS) | set(DATA_SPEC_DEFAULTS))}"
         )
     out = {**DATA_SPEC_DEFAULTS, **spec}
-    _info(out["name"])
+    if out["name"] not in EXTERNAL_DATASETS:
+        _info(out["name"])
     if out["scheme"] not in PARTITION_SCHEMES:
         raise ValueError(
             f"partition.scheme: unknown scheme {out['scheme']!r}; allowed values: "
@@ -776,6 +792,9 @@ def client_dataset(
     not in ``0..num_partitions-1``.
     """
     spec = check_data_spec(data_spec)
+    external = _external(spec["name"])
+    if external is not None:
+        return external.client_dataset(spec, partition_id, data_dir)
     pid = _check_partition_id(partition_id, spec["num_partitions"])
     info = _info(spec["name"])
     images, labels = load_arrays(spec["name"], "train", data_dir, spec["download"])
@@ -793,6 +812,9 @@ def test_dataset(
 ) -> ImageTensorDataset:
     """The test split (normalised, no augmentation), seeded subset if ``max_test_examples``."""
     spec = check_data_spec(data_spec)
+    external = _external(spec["name"])
+    if external is not None:
+        return external.test_dataset(spec, data_dir)
     info = _info(spec["name"])
     images, labels = load_arrays(spec["name"], "test", data_dir, spec["download"])
     subset = _seeded_subset(

@@ -27,7 +27,7 @@ def level_rows(overrides: list[str]) -> tuple[Any, list[dict[str, Any]]]:
     spec = model_spec(cfg)
     strategy = STRATEGIES[cfg.method.name](cfg, spec)
     torch.manual_seed(int(cfg.seed))
-    state = build_model(spec).state_dict()
+    state = strategy.initial_state(int(cfg.seed)) or build_model(spec).state_dict()  # FedLoRA/HeteroTune keep their own
     strategy.begin_round(1, state)
     rows = []
     for index, level in enumerate(strategy.levels):

@@ -20,9 +20,11 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 from omegaconf import DictConfig, OmegaConf
 
+from fedhm_flwr.bn_stats import apply_bn_statistics
 from fedhm_flwr.config import data_spec, load_config, model_spec, resume_config, to_yaml
 from fedhm_flwr.data import test_dataset
 from fedhm_flwr.models import build_model
+from fedhm_flwr.models.adapters import load_federated
 from fedhm_flwr.results import RunRecorder, load_checkpoint, refuse_existing_run, summarize
 from fedhm_flwr.train import evaluate, pick_device
 from strategies import STRATEGIES
@@ -42,9 +44,15 @@ def make_evaluator(cfg: DictConfig, device: torch.device):
     test = test_dataset(data_spec(cfg), data_dir=cfg.dataset.data_dir)
     batch = int(cfg.evaluation.batch_size)
 
-    def evaluate_fn(spec: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, float]:
+    def evaluate_fn(spec: dict[str, Any], state: dict[str, torch.Tensor],
+                    bn_sums: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
         model = build_model(spec, spectral_init=False)
-        model.load_state_dict(state, strict=True)
+        if spec.get("trainable_only"):  # a frozen backbone loaded locally + the federated tensors
+            load_federated(model, state)
+        else:
+            model.load_state_dict(state, strict=True)
+        if bn_sums is not None:  # federated sBN statistics; else test-batch statistics
+            apply_bn_statistics(model, bn_sums)
         return evaluate(model, test, batch, device)
 
     return evaluate_fn
@@ -66,7 +74,9 @@ def run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None = None) 
     spec = model_spec(cfg)
     device = pick_device()
     strategy = STRATEGIES[cfg.method.name](cfg, spec, make_evaluator(cfg, device), recorder)
-    state = initial_state(cfg, spec)
+    state = strategy.initial_state(int(cfg.seed))
+    if state is None:
+        state = initial_state(cfg, spec)
     if resume is not None:
         state, saved = load_checkpoint(resume)
         strategy.restore(saved)

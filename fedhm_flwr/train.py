@@ -6,7 +6,8 @@
   before the loss (training only).
 * Static batch norm: the models' norms keep no running statistics, so training normalises with
   batch statistics and nothing about the client's data distribution leaks into the weights sent.
-* SGD with momentum, re-created every round at the round's learning rate.
+* SGD with momentum, re-created every round at the round's learning rate (``optimizer="adamw"``:
+  AdamW instead, the transformer track's choice for LoRA / adapters; also re-created every round).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class TrainOptions:
     local_epochs: int = 1
     batch_size: int = 32
     momentum: float = 0.9
+    optimizer: str = "sgd"  # "sgd" (with momentum) | "adamw"
     weight_decay: float = 5e-4
     frobenius_decay: bool = False
     masked_ce: bool = True
@@ -98,10 +100,13 @@ def train_local(
     generator = torch.Generator().manual_seed(int(seed))
     loader = DataLoader(dataset, batch_size=options.batch_size, shuffle=True, generator=generator, drop_last=False)
     model.to(device).train()
-    optimizer = torch.optim.SGD(
-        parameter_groups(model, options.weight_decay, options.frobenius_decay),
-        lr=options.lr, momentum=options.momentum,
-    )
+    groups = parameter_groups(model, options.weight_decay, options.frobenius_decay)
+    if options.optimizer == "adamw":
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=options.lr)
+    elif options.optimizer == "sgd":
+        optimizer = torch.optim.SGD(groups, lr=options.lr, momentum=options.momentum)
+    else:
+        raise ValueError(f"train option optimizer={options.optimizer!r}; allowed: 'sgd', 'adamw'")
     mask = present_classes if options.masked_ce else None
     total_loss, correct, seen = 0.0, 0, 0
     for _ in range(options.local_epochs):
