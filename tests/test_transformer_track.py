@@ -341,10 +341,11 @@ def test_in_process_round_of_each_method_is_valid_and_moves_only_adapters(method
 
 
 def test_config_refuses_a_transformer_method_on_a_cnn_naming_the_field():
+    assert load_config("method=fedlora").model.arch == "minilm"  # the method's own default track
     with pytest.raises(ConfigError, match="model.arch"):
-        load_config("method=fedlora")
+        load_config("method=fedlora model=cnn dataset=fashion_mnist")
     with pytest.raises(ConfigError, match="dataset.name"):
-        load_config("method=fedlora model=minilm")
+        load_config("method=fedlora model=minilm dataset=fashion_mnist")
     with pytest.raises(ConfigError, match="method.scale"):
         load_config("method=heterotune model=minilm dataset=sentiment method.scale=width")
 
