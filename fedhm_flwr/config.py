@@ -166,13 +166,17 @@ def _validate_levels(cfg: DictConfig) -> None:
              f"null or one of levels.ratios {ratios}")
 
 
-def _validate_fedhm(cfg: DictConfig) -> None:
+def _validate_tau(cfg: DictConfig) -> None:
+    """``method.tau`` > 0; YAML's ``.inf`` (a string to Hydra's override grammar) means infinity."""
     tau = OmegaConf.select(cfg, "method.tau")
     if isinstance(tau, str) and tau.strip().lower() in (".inf", "+.inf"):
-        # YAML's spelling of infinity; Hydra's override grammar reads `method.tau=.inf` as a string
         tau = math.inf
         OmegaConf.update(cfg, "method.tau", tau)
     _require(_is_num(tau) and tau > 0, "method.tau", tau, "a number > 0 (inf or .inf for uniform weights)")
+
+
+def _validate_fedhm(cfg: DictConfig) -> None:
+    _validate_tau(cfg)
     rho = OmegaConf.select(cfg, "method.rho")
     _require(rho is None or (_is_int(rho) and rho >= 0), "method.rho", rho,
              "null (the model's default) or an integer >= 0")
@@ -233,11 +237,7 @@ def _validate_fedlora(cfg: DictConfig) -> None:
     _validate_client_optimizer(cfg)
     _choice(cfg, "method.mode", ("lora", "full"))
     _int_at_least(cfg, "method.max_rank", 1)
-    tau = OmegaConf.select(cfg, "method.tau")
-    if isinstance(tau, str) and tau.strip().lower() in (".inf", "+.inf"):
-        tau = math.inf
-        OmegaConf.update(cfg, "method.tau", tau)
-    _require(_is_num(tau) and tau > 0, "method.tau", tau, "a number > 0 (inf or .inf for uniform weights)")
+    _validate_tau(cfg)
     value = OmegaConf.select(cfg, "method.weight_by_samples")
     _require(isinstance(value, bool), "method.weight_by_samples", value, "true or false")
 
