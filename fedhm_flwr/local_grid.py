@@ -48,6 +48,8 @@ class LocalGrid(Grid):
                                              state=RecordDict(), run_config={})
         self._ids = itertools.count(1)
         self._run = None
+        self._replies: dict[str, Message | None] = {}  # message id -> reply not yet pulled
+        self._timeout: float | None = None
         self.delivered: list[tuple[int, str]] = []  # (node id, message type) in delivery order
 
     # -- the parts of the Grid API the strategies use
@@ -67,29 +69,40 @@ class LocalGrid(Grid):
         return list(self.contexts)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        raise NotImplementedError("LocalGrid delivers synchronously: use send_and_receive")
+        """Deliver each message to its node's handler now; its reply waits for a pull."""
+        ids = []
+        for msg in messages:
+            message_id = f"m{next(self._ids)}"
+            msg.metadata.__dict__["_message_id"] = message_id  # the SuperLink's job
+            self._replies[message_id] = self._deliver(msg)
+            ids.append(message_id)
+        return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        raise NotImplementedError("LocalGrid delivers synchronously: use send_and_receive")
+        """The replies that arrived for these messages (each handed out once)."""
+        return [reply for mid in message_ids if (reply := self._replies.pop(mid, None)) is not None]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        replies = []
-        for msg in messages:
-            start = time.monotonic()  # nodes work in parallel: each gets the whole timeout
-            node_id = msg.metadata.dst_node_id
-            msg.metadata.__dict__["_message_id"] = f"m{next(self._ids)}"  # the SuperLink's job
-            self.delivered.append((node_id, msg.metadata.message_type))
-            handler = self.handlers.get(msg.metadata.message_type)
-            try:
-                if handler is None:
-                    raise RuntimeError(f"no handler for {msg.metadata.message_type}")
-                reply = handler(msg, self.contexts[node_id])
-            except Exception as err:  # the ClientApp crashed: an error reply, like Flower's
-                reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=msg)
-            late = timeout is not None and time.monotonic() - start > timeout
-            if reply is not None and not late:  # a reply after the timeout is never seen
-                replies.append(reply)
-        return replies
+        self._timeout = timeout
+        try:
+            return list(self.pull_messages(self.push_messages(messages)))
+        finally:
+            self._timeout = None
+
+    def _deliver(self, msg: Message) -> Message | None:
+        """Run the node's handler; None when it answers after the timeout (a reply never seen)."""
+        start = time.monotonic()  # nodes work in parallel: each gets the whole timeout
+        node_id = msg.metadata.dst_node_id
+        self.delivered.append((node_id, msg.metadata.message_type))
+        handler = self.handlers.get(msg.metadata.message_type)
+        try:
+            if handler is None:
+                raise RuntimeError(f"no handler for {msg.metadata.message_type}")
+            reply = handler(msg, self.contexts[node_id])
+        except Exception as err:  # the ClientApp crashed: an error reply, like Flower's
+            reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=msg)
+        late = self._timeout is not None and time.monotonic() - start > self._timeout
+        return None if late else reply
 
 
 def client_handlers() -> dict[str, Handler]:
