@@ -103,13 +103,17 @@ def handle_train(msg: Message, context: Context) -> Message:
     return Message(RecordDict({ARRAYS: arrays, METRICS: metrics}), reply_to=msg)
 
 
-def handle_evaluate(msg: Message, context: Context) -> Message:
-    """Evaluate the received model on the node's local partition (federated evaluation)."""
-    config = msg.content[CONFIG]
+def _model_over_local_data(msg: Message, context: Context) -> tuple[torch.nn.Module, Any, torch.device]:
+    """The received model and this node's partition without augmentation (evaluation passes)."""
     device = pick_device()
     model, _ = received_model(msg, device)
-    dataset = local_dataset(config, context, augment=False)
-    stats = evaluate(model, dataset, int(config.get("batch-size", 256)), device)
+    return model, local_dataset(msg.content[CONFIG], context, augment=False), device
+
+
+def handle_evaluate(msg: Message, context: Context) -> Message:
+    """Evaluate the received model on the node's local partition (federated evaluation)."""
+    model, dataset, device = _model_over_local_data(msg, context)
+    stats = evaluate(model, dataset, int(msg.content[CONFIG].get("batch-size", 256)), device)
     metrics = MetricRecord({"num-examples": int(stats["num-examples"]), "eval-loss": float(stats["loss"]),
                             "eval-accuracy": float(stats["accuracy"])})
     return Message(RecordDict({METRICS: metrics}), reply_to=msg)
@@ -130,11 +134,8 @@ def node_info(context: Context) -> ConfigRecord:
 
 def bn_statistics(msg: Message, context: Context) -> RecordDict:
     """Per-layer input sums of the received model over this node's training data (sBN)."""
-    config = msg.content[CONFIG]
-    device = pick_device()
-    model, _ = received_model(msg, device)
-    dataset = local_dataset(config, context, augment=False)
-    sums = bn_sums(model, dataset, int(config.get("batch-size", 64)), device)
+    model, dataset, device = _model_over_local_data(msg, context)
+    sums = bn_sums(model, dataset, int(msg.content[CONFIG].get("batch-size", 64)), device)
     return RecordDict({ARRAYS: ArrayRecord.from_torch_state_dict({k: v.float() for k, v in sums.items()})})
 
 
