@@ -27,6 +27,7 @@ PARTITION_SCHEMES = ("iid", "dirichlet", "pathological")
 ASSIGNMENTS = ("fixed", "dynamic")
 LR_SCHEDULES = ("constant", "cosine", "step")
 BN_STATS = ("test_batch", "federated")
+EVALUATION_WHERE = ("server", "clients", "both")
 
 
 class ConfigError(ValueError):
@@ -325,6 +326,10 @@ def validate(cfg: DictConfig) -> None:
     _int_at_least(cfg, "evaluation.batch_size", 1)
     _choice(cfg, "evaluation.bn_stats", BN_STATS)
     _int_at_least(cfg, "evaluation.bn_clients", 0)
+    _choice(cfg, "evaluation.where", EVALUATION_WHERE)
+    _num_in(cfg, "evaluation.holdout", 0.0, 1.0, high_open=True)
+    _require(cfg.evaluation.where == "server" or cfg.evaluation.holdout > 0, "evaluation.holdout",
+             cfg.evaluation.holdout, f"a fraction in (0, 1) when evaluation.where={cfg.evaluation.where}")
     _num_in(cfg, "simulation.num_cpus", 0.0, math.inf, low_open=True, high_open=True)
     _num_in(cfg, "simulation.num_gpus", 0.0, math.inf, high_open=True)
     _int_at_least(cfg, "checkpoint.every", 0)
@@ -369,7 +374,14 @@ def data_spec(cfg: DictConfig, num_partitions: int | None = None) -> dict[str, A
         "max_test_examples": int(cfg.dataset.max_test_examples),
         "augment": bool(cfg.dataset.augment),
         "download": bool(cfg.dataset.download),
+        "holdout": holdout_fraction(cfg),
     }
+
+
+def holdout_fraction(cfg: DictConfig) -> float:
+    """The fraction of each node's examples held out for client-side evaluation: the configured
+    ``evaluation.holdout`` when clients evaluate, else 0 (nodes train on all their examples)."""
+    return float(cfg.evaluation.holdout) if cfg.evaluation.where in ("clients", "both") else 0.0
 
 
 def learning_rate(cfg: DictConfig, server_round: int) -> float:

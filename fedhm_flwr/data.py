@@ -554,6 +554,7 @@ DATA_SPEC_DEFAULTS: dict[str, Any] = {
     "download": False,
     "class_assignment": "deterministic",
     "min_partition_size": 2,
+    "holdout": 0.0,  # fraction of each partition held out (seeded) for client-side evaluation
 }
 _REQUIRED_KEYS = ("name", "num_partitions")
 
@@ -618,6 +619,13 @@ def check_data_spec(spec: dict[str, Any]) -> dict[str, Any]:
     if not (alpha > 0 and math.isfinite(alpha)):
         raise ValueError(f"partition.alpha must be a finite number > 0, got {alpha}")
     out["alpha"] = alpha
+    try:
+        holdout = float(out["holdout"])
+    except (TypeError, ValueError):
+        raise ValueError(f"evaluation.holdout must be a number, got {out['holdout']!r}") from None
+    if not 0.0 <= holdout < 1.0:
+        raise ValueError(f"evaluation.holdout must be a fraction in [0, 1), got {holdout}")
+    out["holdout"] = holdout
     out["augment"] = _check_bool("dataset.augment", out["augment"])
     out["download"] = _check_bool("dataset.download", out["download"])
     return out
