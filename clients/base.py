@@ -4,9 +4,13 @@ Clients are told, not configured: the message carries the model spec (architectu
 per-layer ranks), the arrays, the training hyperparameters and the data spec. The node itself
 only knows where its data is and what it can afford (its node config):
 
-* ``partition-id`` / ``num-partitions``: which partition of the data spec is this node's
-  (set by the simulation engine; set them in ``--node-config`` on a real SuperNode);
-* ``data-dir``: the folder holding the node's local copy of the dataset (optional);
+* ``data-dir``: the node's **shard** (a folder holding ``manifest.json``, written by
+  ``python -m fedhm_flwr.shards``, see ``docs/DEPLOY.md``): the node trains on its ``train``
+  split, evaluates on its ``heldout`` split and never looks for any other data;
+* or ``partition-id`` / ``num-partitions``: which partition of the data spec is this node's
+  (set by the simulation engine), cut out of a full local copy of the dataset in ``data-dir``
+  (optional; default: ``$FEDHM_DATA_DIR`` / the system copy);
+* ``node-name``: a stable name for the node (optional, reported to the server);
 * ``capability-level`` or ``capability-params`` / ``capability-macs`` / ``capability-memory``:
   what the node declares it can train (optional).
 """
@@ -15,11 +19,13 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 
+from fedhm_flwr import shards
 from fedhm_flwr.bn_stats import bn_sums
 from fedhm_flwr.data import client_dataset
 from fedhm_flwr.models import build_model
@@ -27,6 +33,45 @@ from fedhm_flwr.models.adapters import load_federated, trainable_state
 from fedhm_flwr.train import TrainOptions, evaluate, pick_device, train_local
 
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
+#: the error code of the replies a node sends when its data cannot serve the request
+NODE_DATA_ERROR = 2  # flwr ErrorCode.CLIENT_APP_RAISED_EXCEPTION, the code of any failing ClientApp
+
+
+class NodeDataError(ValueError):
+    """The node's data (its shard or partition) cannot serve the request; the message says the fix."""
+
+
+def node_shard(context: Context) -> Path | None:
+    """The node's shard folder, or None when the node cuts a partition out of a full dataset copy.
+
+    ``data-dir`` is a shard when it holds ``manifest.json``; without ``partition-id`` it must be
+    one (NodeDataError naming ``data-dir`` and the fix otherwise).
+    """
+    node = context.node_config
+    data_dir = str(node.get("data-dir") or "")
+    if data_dir and (Path(data_dir).expanduser() / shards.MANIFEST).is_file():
+        return Path(data_dir).expanduser()
+    if "partition-id" in node:
+        return None
+    if not data_dir:
+        raise NodeDataError("node config lacks data-dir: set data-dir=<this node's shard folder> (written by "
+                            "`python -m fedhm_flwr.shards <overrides> out=DIR`) in --node-config")
+    raise NodeDataError(f"node config data-dir={data_dir}: no shard there (no {shards.MANIFEST}); point data-dir "
+                        f"at this node's shard folder (e.g. DIR/partition-0 written by `python -m "
+                        f"fedhm_flwr.shards <overrides> out=DIR`), or give partition-id with a full dataset copy")
+
+
+def shard_manifest(folder: Path, data_spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The shard's manifest; NodeDataError naming ``data-dir`` when it is broken or names another
+    dataset than the server's data spec."""
+    try:
+        manifest = shards.read_manifest(folder)
+    except shards.ShardError as exc:
+        raise NodeDataError(f"node config data-dir={folder}: {exc}") from None
+    if data_spec is not None and manifest["dataset"] != data_spec.get("name"):
+        raise NodeDataError(f"node config data-dir={folder}: the shard holds {manifest['dataset']!r}, the server's "
+                            f"run uses dataset.name={data_spec.get('name')!r}; give this node a shard of that dataset")
+    return manifest
 
 
 def node_partition(context: Context, data_spec: dict[str, Any]) -> tuple[int, str | None, dict[str, Any]]:
@@ -56,10 +101,25 @@ def received_model(msg: Message, device: torch.device) -> tuple[torch.nn.Module,
     return model.to(device), spec
 
 
-def local_dataset(config: ConfigRecord, context: Context, augment: bool = True) -> Any:
-    """This node's partition of the dataset the message's data spec names."""
-    pid, data_dir, data_spec = node_partition(context, json.loads(str(config["data-spec"])))
-    return client_dataset(data_spec if augment else {**data_spec, "augment": False}, pid, data_dir)
+def local_dataset(config: ConfigRecord, context: Context, augment: bool = True, split: str = "train") -> Any:
+    """One split ("train" | "heldout") of this node's data: its shard when ``data-dir`` is one, else its
+    partition of the dataset the message's data spec names."""
+    data_spec = json.loads(str(config["data-spec"]))
+    augment = augment and bool(data_spec.get("augment", False))
+    folder = node_shard(context)
+    if folder is not None:
+        shard_manifest(folder, data_spec)
+        try:
+            return shards.load_shard(folder, split, augment)
+        except shards.ShardError as exc:
+            raise NodeDataError(f"node config data-dir={folder}: {exc}") from None
+    pid, data_dir, data_spec = node_partition(context, data_spec)
+    return client_dataset({**data_spec, "augment": augment}, pid, data_dir, split)
+
+
+def data_error(msg: Message, exc: Exception) -> Message:
+    """The error reply of a node whose data cannot serve ``msg``."""
+    return Message(Error(code=NODE_DATA_ERROR, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
 
 
 class InjectedFailure(RuntimeError):
@@ -103,16 +163,24 @@ def handle_train(msg: Message, context: Context) -> Message:
     return Message(RecordDict({ARRAYS: arrays, METRICS: metrics}), reply_to=msg)
 
 
-def _model_over_local_data(msg: Message, context: Context) -> tuple[torch.nn.Module, Any, torch.device]:
-    """The received model and this node's partition without augmentation (evaluation passes)."""
+def _model_over_local_data(msg: Message, context: Context, split: str = "train") -> tuple[torch.nn.Module, Any, torch.device]:
+    """The received model and one split of this node's data without augmentation (evaluation passes)."""
+    dataset = local_dataset(msg.content[CONFIG], context, augment=False, split=split)
     device = pick_device()
     model, _ = received_model(msg, device)
-    return model, local_dataset(msg.content[CONFIG], context, augment=False), device
+    return model, dataset, device
 
 
 def handle_evaluate(msg: Message, context: Context) -> Message:
-    """Evaluate the received model on the node's local partition (federated evaluation)."""
-    model, dataset, device = _model_over_local_data(msg, context)
+    """Evaluate the received model on the node's held-out examples (federated evaluation); an error
+    reply when the node has none or its data is broken."""
+    try:
+        model, dataset, device = _model_over_local_data(msg, context, split="heldout")
+        if len(dataset) == 0:
+            raise NodeDataError("this node has no held-out examples to evaluate on: run with evaluation.where="
+                                "clients|both and evaluation.holdout > 0 (a shard: export it with those settings)")
+    except NodeDataError as exc:
+        return data_error(msg, exc)
     stats = evaluate(model, dataset, int(msg.content[CONFIG].get("batch-size", 256)), device)
     metrics = MetricRecord({"num-examples": int(stats["num-examples"]), "eval-loss": float(stats["loss"]),
                             "eval-accuracy": float(stats["accuracy"])})
@@ -120,12 +188,24 @@ def handle_evaluate(msg: Message, context: Context) -> Message:
 
 
 def node_info(context: Context) -> ConfigRecord:
-    """The node config the server may know: partition and declared capability."""
+    """What the server may know of the node: partition (from its shard's manifest when it has one),
+    ``node-name`` and declared capability. A node with a shard checks it completely here (the first
+    message a node gets): NodeDataError naming ``data-dir`` and the fix when it is missing or broken."""
     node = context.node_config
     out: dict[str, Any] = {}
-    for key in ("partition-id", "num-partitions"):
-        if key in node:
-            out[key] = int(node[key])
+    folder = node_shard(context)
+    if folder is not None:
+        try:
+            manifest = shards.verify_shard(folder)
+        except shards.ShardError as exc:
+            raise NodeDataError(f"node config data-dir={folder}: {exc}") from None
+        source = {k: manifest[k.replace("-", "_")] for k in ("partition-id", "num-partitions")
+                  if k.replace("-", "_") in manifest}
+    else:
+        source = {k: node[k] for k in ("partition-id", "num-partitions") if k in node}
+    out.update({k: int(v) for k, v in source.items()})
+    if "node-name" in node:
+        out["node-name"] = str(node["node-name"])
     for key, value in node.items():
         if key.startswith("capability-"):
             out[key] = float(value)
@@ -133,7 +213,7 @@ def node_info(context: Context) -> ConfigRecord:
 
 
 def bn_statistics(msg: Message, context: Context) -> RecordDict:
-    """Per-layer input sums of the received model over this node's training data (sBN)."""
+    """Per-layer input sums of the received model over this node's training split (sBN)."""
     model, dataset, device = _model_over_local_data(msg, context)
     sums = bn_sums(model, dataset, int(msg.content[CONFIG].get("batch-size", 64)), device)
     return RecordDict({ARRAYS: ArrayRecord.from_torch_state_dict({k: v.float() for k, v in sums.items()})})
@@ -150,5 +230,8 @@ def handle_query(msg: Message, context: Context) -> Message:
     what = str(msg.content[CONFIG]["query"])
     if what not in QUERIES:
         raise ValueError(f"unknown query {what!r}; known: {sorted(QUERIES)}")
-    return Message(QUERIES[what](msg, context), reply_to=msg)
+    try:
+        return Message(QUERIES[what](msg, context), reply_to=msg)
+    except NodeDataError as exc:
+        return data_error(msg, exc)
 

@@ -74,17 +74,37 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from fedhm_flwr.data_files import (
+    CIFAR_ARCHIVES,
+    CIFAR_FOLDERS,
+    DATA_DIR_ENV,
+    DEFAULT_DOWNLOAD_ROOT,
+    FASHION_FILES,
+    FASHION_MNIST_SYSTEM_DIR,
+    cifar_root,
+    fashion_candidate_dirs,
+    fashion_files,
+)
+
 __all__ = [
+    "CLIENT_SPLITS",
     "DATASETS",
+    "DATA_DIR_ENV",
     "DATA_SPEC_DEFAULTS",
+    "DEFAULT_DOWNLOAD_ROOT",
+    "FASHION_MNIST_SYSTEM_DIR",
     "PARTITION_SCHEMES",
     "DatasetInfo",
     "ImageTensorDataset",
     "check_data_spec",
     "clear_caches",
+    "client_arrays",
     "client_dataset",
+    "client_indices",
     "client_labels",
     "dataset_info",
+    "holdout_split",
+    "image_dataset",
     "load_arrays",
     "make_data_spec",
     "partition",
@@ -141,19 +161,14 @@ PARTITION_SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "pathological")
 CLASS_ASSIGNMENTS: tuple[str, ...] = ("deterministic", "random", "first-deterministic")
 SPLITS: tuple[str, ...] = ("train", "test")
 
-FASHION_MNIST_SYSTEM_DIR = "/usr/share/datasets/fashion-mnist"
-DATA_DIR_ENV = "FEDHM_DATA_DIR"
-DEFAULT_DOWNLOAD_ROOT = "~/.cache/fedhm-flwr/data"
-
-_FASHION_FILES = {
-    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
-}
+#: the splits of one partition: what a node trains on, and what it holds out for evaluation
+CLIENT_SPLITS: tuple[str, ...] = ("train", "heldout")
 
 # Independent random streams derived from the spec's seed (SeedSequence entropy).
 _STREAM_TRAIN_SUBSET = 1
 _STREAM_TEST_SUBSET = 2
 _STREAM_PARTITION_ORDER = 3
+_STREAM_HOLDOUT = 4
 
 
 def _info(name: Any) -> DatasetInfo:
@@ -234,43 +249,17 @@ def _read_idx(path: Path) -> np.ndarray:
     return arr.astype(dtype.newbyteorder("="), copy=True)
 
 
-def _fashion_candidate_dirs(data_dir: str | os.PathLike[str] | None) -> list[Path]:
-    """Folders that may hold the Fashion-MNIST IDX files, in search order."""
-    roots: list[Path]
-    if data_dir is not None:
-        roots = [Path(data_dir).expanduser()]
-    else:
-        roots = []
-        env = os.environ.get(DATA_DIR_ENV)
-        if env:
-            roots.append(Path(env).expanduser())
-        roots.append(Path(FASHION_MNIST_SYSTEM_DIR))
-    dirs: list[Path] = []
-    for root in roots:
-        # the folder itself, a "fashion-mnist" sub-folder (Debian name), torchvision layout
-        dirs += [root, root / "fashion-mnist", root / "FashionMNIST" / "raw"]
-    return dirs
-
-
-def _find_file(folder: Path, stem: str) -> Path | None:
-    for name in (stem + ".gz", stem):
-        p = folder / name
-        if p.is_file():
-            return p
-    return None
-
-
 def _load_fashion_mnist(split: str, data_dir: str | None) -> tuple[np.ndarray, np.ndarray]:
-    img_stem, lbl_stem = _FASHION_FILES[split]
-    looked = _fashion_candidate_dirs(data_dir)
-    for folder in looked:
-        img, lbl = _find_file(folder, img_stem), _find_file(folder, lbl_stem)
-        if img is not None and lbl is not None:
-            images = _read_idx(img)
-            labels = _read_idx(lbl).astype(np.int64)
-            if images.ndim != 3 or images.shape[0] != labels.shape[0]:
-                raise ValueError(f"{img}, {lbl}: inconsistent Fashion-MNIST files")
-            return images[..., None], labels  # NHWC, C = 1
+    img_stem, lbl_stem = FASHION_FILES[split]
+    found = fashion_files(split, data_dir)
+    if found is not None:
+        img, lbl = found
+        images = _read_idx(img)
+        labels = _read_idx(lbl).astype(np.int64)
+        if images.ndim != 3 or images.shape[0] != labels.shape[0]:
+            raise ValueError(f"{img}, {lbl}: inconsistent Fashion-MNIST files")
+        return images[..., None], labels  # NHWC, C = 1
+    looked = fashion_candidate_dirs(data_dir)
     where = "\n  ".join(str(p) for p in looked)
     raise FileNotFoundError(
         f"Fashion-MNIST ({split}) not found: need {img_stem}[.gz] and {lbl_stem}[.gz]. "
@@ -281,32 +270,16 @@ def _load_fashion_mnist(split: str, data_dir: str | None) -> tuple[np.ndarray, n
     )
 
 
-_CIFAR_FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
-_CIFAR_ARCHIVES = {
-    "cifar10": "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
-    "cifar100": "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
-}
-
-
-def _cifar_root(data_dir: str | None) -> Path:
-    root = Path(data_dir or os.environ.get(DATA_DIR_ENV) or DEFAULT_DOWNLOAD_ROOT)
-    root = root.expanduser()
-    # Accept the extracted folder itself as well as its parent (torchvision's root).
-    if root.name in _CIFAR_FOLDERS.values():
-        root = root.parent
-    return root
-
-
 def _load_cifar(
     name: str, split: str, data_dir: str | None, download: bool
 ) -> tuple[np.ndarray, np.ndarray]:
-    root = _cifar_root(data_dir)
-    folder = root / _CIFAR_FOLDERS[name]
+    root = cifar_root(data_dir)
+    folder = root / CIFAR_FOLDERS[name]
     if not download and not folder.is_dir():
         # Checked before importing torchvision (slow import) and before any I/O.
         raise FileNotFoundError(
             f"{name} not found: no folder {folder}. Put torchvision's extracted "
-            f"'{folder.name}' folder (from {_CIFAR_ARCHIVES[name]}) under data_dir "
+            f"'{folder.name}' folder (from {CIFAR_ARCHIVES[name]}) under data_dir "
             f"(or ${DATA_DIR_ENV}), or allow the download with the data spec's "
             f"download: true (dataset.download)."
         )
@@ -684,6 +657,63 @@ def partition_indices(
     return [_readonly(subset[p]) for p in parts]
 
 
+def holdout_split(
+    num_examples: int, fraction: float, seed: int, partition_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Split positions ``0..num_examples-1`` of one partition into (train, heldout).
+
+    ``round(fraction * num_examples)`` positions, drawn by a plain permutation seeded by
+    (``seed``, partition id), are held out, capped so that at least one example trains; both
+    arrays are sorted (the partition's order is kept), disjoint and cover every position.
+    ``fraction = 0`` holds out nothing: train is ``arange(num_examples)``.
+    """
+    n = _check_int("partition size", num_examples, 0)
+    fraction = float(fraction)
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"evaluation.holdout must be a fraction in [0, 1), got {fraction}")
+    k = min(int(round(fraction * n)), max(n - 1, 0))
+    if k == 0:
+        return np.arange(n, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    perm = np.random.default_rng([seed, _STREAM_HOLDOUT, partition_id]).permutation(n)
+    return np.sort(perm[k:]).astype(np.int64), np.sort(perm[:k]).astype(np.int64)
+
+
+def _check_client_split(split: Any) -> str:
+    if split not in CLIENT_SPLITS:
+        raise ValueError(f"split: unknown split {split!r}; allowed values: {list(CLIENT_SPLITS)}")
+    return str(split)
+
+
+def client_indices(
+    data_spec: dict[str, Any],
+    partition_id: int,
+    data_dir: str | os.PathLike[str] | None = None,
+    split: str = "train",
+) -> np.ndarray:
+    """Indices into the full training arrays of one split (:data:`CLIENT_SPLITS`) of a partition."""
+    spec = check_data_spec(data_spec)
+    pid = _check_partition_id(partition_id, spec["num_partitions"])
+    idx = partition_indices(spec, data_dir)[pid]
+    train, heldout = holdout_split(len(idx), spec["holdout"], spec["seed"], pid)
+    return idx[train if _check_client_split(split) == "train" else heldout]
+
+
+def client_arrays(
+    data_spec: dict[str, Any],
+    partition_id: int,
+    data_dir: str | os.PathLike[str] | None = None,
+    split: str = "train",
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(images uint8 NHWC, labels int64)`` of one split of a partition, in the partition's order.
+
+    Exactly the examples :func:`client_dataset` turns into tensors (what a shard holds).
+    """
+    spec = check_data_spec(data_spec)
+    images, labels = load_arrays(spec["name"], "train", data_dir, spec["download"])
+    idx = client_indices(spec, partition_id, data_dir, split)
+    return images[idx], labels[idx]
+
+
 def client_labels(
     data_spec: dict[str, Any],
     partition_id: int,
@@ -788,31 +818,40 @@ class ImageTensorDataset(Dataset):
         return np.bincount(self.label_array(), minlength=self.num_classes)
 
 
+def image_dataset(
+    images: np.ndarray, labels: np.ndarray, info: DatasetInfo, augment: bool = False
+) -> ImageTensorDataset:
+    """uint8 NHWC images + labels -> normalised :class:`ImageTensorDataset` (CIFAR augmentation
+    when ``augment``); shared by the simulation's partitions and the nodes' shards."""
+    return ImageTensorDataset(
+        _to_normalised_tensor(images, info),
+        torch.from_numpy(np.array(labels, dtype=np.int64)),
+        info.num_classes,
+        _train_augmentation(info) if augment else None,
+    )
+
+
 def client_dataset(
     data_spec: dict[str, Any],
     partition_id: int,
     data_dir: str | os.PathLike[str] | None = None,
+    split: str = "train",
 ) -> ImageTensorDataset:
-    """The training examples of partition ``partition_id`` as a torch Dataset.
+    """One split of partition ``partition_id`` as a torch Dataset.
 
-    Normalised float32 NCHW images, int64 labels; CIFAR training augmentation
-    when ``data_spec["augment"]``. ValueError naming ``partition-id`` when it is
-    not in ``0..num_partitions-1``.
+    ``split`` is "train" (what the node trains on) or "heldout" (the seeded fraction
+    ``data_spec["holdout"]`` of the partition it keeps for evaluation, see
+    :func:`holdout_split`); with holdout 0, "train" is the whole partition. Normalised
+    float32 NCHW images, int64 labels; CIFAR training augmentation when
+    ``data_spec["augment"]``. ValueError naming ``partition-id`` when it is not in
+    ``0..num_partitions-1``.
     """
     spec = check_data_spec(data_spec)
     external = _external(spec["name"])
     if external is not None:
-        return external.client_dataset(spec, partition_id, data_dir)
-    pid = _check_partition_id(partition_id, spec["num_partitions"])
-    info = _info(spec["name"])
-    images, labels = load_arrays(spec["name"], "train", data_dir, spec["download"])
-    idx = partition_indices(spec, data_dir)[pid]
-    return ImageTensorDataset(
-        _to_normalised_tensor(images[idx], info),
-        torch.from_numpy(labels[idx].copy()),
-        info.num_classes,
-        _train_augmentation(info) if spec["augment"] else None,
-    )
+        return external.client_dataset(spec, partition_id, data_dir, split)
+    images, labels = client_arrays(spec, partition_id, data_dir, split)
+    return image_dataset(images, labels, _info(spec["name"]), spec["augment"])
 
 
 def test_dataset(

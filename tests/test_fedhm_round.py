@@ -12,6 +12,7 @@ from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 import fedhm_flwr.lowrank as lowrank
 from fedhm_flwr.aggregation import level_weights
 from fedhm_flwr.config import model_spec
+from fedhm_flwr.data import client_dataset
 from fedhm_flwr.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.models import build_model
 from fedhm_flwr.server_app import initial_state, run
@@ -184,7 +185,7 @@ def test_nodes_sharing_a_partition_id_are_all_kept(toy_cfg):
 
 
 def test_client_evaluate_handler_scores_the_received_model_on_local_data(toy_cfg):
-    cfg = toy_cfg()
+    cfg = toy_cfg("evaluation.where=both evaluation.holdout=0.2")
     strategy = _strategy(cfg)
     grid = LocalGrid(6, client_handlers())
     (train_msg, *_) = _configure(strategy, grid, initial_state(cfg, strategy.spec))
@@ -194,3 +195,8 @@ def test_client_evaluate_handler_scores_the_received_model_on_local_data(toy_cfg
     metrics = reply.content["metrics"]
     assert not reply.has_error() and metrics["num-examples"] > 0
     assert 0.0 <= metrics["eval-accuracy"] <= 1.0 and metrics["eval-loss"] > 0
+    # on the node's held-out examples (a fifth of its partition), not on what it trains on
+    pid = strategy.nodes[msg.metadata.dst_node_id].partition_id
+    spec = json.loads(str(train_msg.content["config"]["data-spec"]))
+    assert metrics["num-examples"] == len(client_dataset(spec, pid, split="heldout"))
+    assert metrics["num-examples"] < len(client_dataset(spec, pid, split="train"))
