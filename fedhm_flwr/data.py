@@ -30,6 +30,9 @@ and fills the defaults. Keys (``*`` = required)::
     min_partition_size    int    "dirichlet" only: resample (at most 10 tries, as
                                  flwr-datasets does) until every client has at least
                                  this many examples                         (default 2)
+    holdout               float  fraction of each partition held out (seeded by seed and
+                                 partition id) for client-side evaluation, in [0, 1):
+                                 client_dataset(..., split="train" | "heldout") (default 0)
 
 Unknown keys are refused (a typo would otherwise silently change an experiment).
 
@@ -52,6 +55,9 @@ Where the data comes from
 * CIFAR-10/100: ``torchvision.datasets.CIFAR10/100(root, train, download)``,
   root = ``data_dir`` or ``$FEDHM_DATA_DIR`` or ``~/.cache/fedhm-flwr/data``;
   nothing is downloaded unless the spec says ``download: true``.
+
+A node of a real deployment may instead hold only its own partition as a **shard**
+(:mod:`fedhm_flwr.shards`); where the files lie is in :mod:`fedhm_flwr.data_files`.
 
 Loaded arrays and partitions are cached per process: in simulation every
 client of a worker process calls these functions.

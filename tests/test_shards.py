@@ -328,3 +328,35 @@ def test_data_check_finds_fashion_mnist_and_refuses_an_empty_folder(tmp_path, mo
     assert err.value.field == "dataset.data_dir" and "\n" not in str(err.value)
     monkeypatch.setenv(D.DATA_DIR_ENV, str(tmp_path))  # an empty $FEDHM_DATA_DIR: the system copy, as loading does
     check_data_available(load_config([]), simulation=True)
+
+
+def test_a_shard_written_by_hand_as_docs_deploy_describes_loads(tmp_path):
+    """docs/DEPLOY.md, "Shard format": a user's own data, written with `datasets` and hashlib only."""
+    from datasets import Array3D, Dataset, DatasetDict, Features, Value
+
+    rng = np.random.default_rng(0)
+    train_x, train_y = rng.integers(0, 256, (9, 28, 28, 1), dtype=np.uint8), rng.integers(0, 10, 9)
+    held_x, held_y = np.zeros((0, 28, 28, 1), np.uint8), np.zeros(0, np.int64)
+
+    def split(images, labels):
+        features = Features({"image": Array3D(shape=images.shape[1:], dtype="uint8"), "label": Value("int64")})
+        return Dataset.from_dict({"image": images, "label": labels.astype(np.int64)}, features=features)
+
+    def entry(images, labels):
+        digest = hashlib.sha256(np.ascontiguousarray(images, np.uint8).tobytes()
+                                + np.ascontiguousarray(labels, "<i8").tobytes()).hexdigest()
+        return {"num_examples": len(labels), "sha256": digest,
+                "class_counts": np.bincount(labels, minlength=10).tolist()}
+
+    DatasetDict({"train": split(train_x, train_y), "heldout": split(held_x, held_y)}).save_to_disk(
+        str(tmp_path), num_shards={"train": 1, "heldout": 1})
+    (tmp_path / "manifest.json").write_text(json.dumps({
+        "format": "fedhm-shard", "format_version": 1, "dataset": "fashion_mnist", "num_classes": 10,
+        "in_channels": 1, "image_size": 28, "mean": [0.5], "std": [0.25],
+        "splits": {"train": entry(train_x, train_y), "heldout": entry(held_x, held_y)}}))
+    ds = shards.load_shard(tmp_path, "train")
+    expected = (torch.from_numpy(train_x.transpose(0, 3, 1, 2).astype(np.float32)) / 255 - 0.5) / 0.25
+    assert torch.allclose(ds.images, expected) and ds.labels.tolist() == train_y.tolist()
+    assert len(shards.load_shard(tmp_path, "heldout")) == 0
+    reply = _query({"data-dir": str(tmp_path)})  # no partition id in a user's manifest: none reported
+    assert not reply.has_error() and dict(reply.content["config"]) == {}
