@@ -126,6 +126,8 @@ def node_info(context: Context) -> ConfigRecord:
     for key in ("partition-id", "num-partitions"):
         if key in node:
             out[key] = int(node[key])
+    if node.get("node-name"):
+        out["node-name"] = str(node["node-name"])
     for key, value in node.items():
         if key.startswith("capability-"):
             out[key] = float(value)
