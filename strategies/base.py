@@ -31,7 +31,7 @@ from fedhm_flwr import levels as lv
 from fedhm_flwr.bn_stats import combine_bn_sums
 from fedhm_flwr.config import data_spec, learning_rate, level_proportions
 
-from .nodes import NodeInfo, NodeRegistry
+from .nodes import NodeInfo, NodeRegistry, content_bytes
 
 State = dict[str, torch.Tensor]
 
@@ -75,6 +75,7 @@ class RoundLog:
     assignments: dict[str, float] = field(default_factory=dict)  # node (partition) -> level
     server_seconds: float = 0.0
     bn_bytes: int = 0  # federated sBN statistics traffic (evaluation)
+    query_bytes: int = 0  # node-info queries and their answers (new nodes only)
 
 
 def state_to_arrays(state: State) -> dict[str, Any]:
@@ -178,7 +179,7 @@ class HeteroStrategy(Strategy):
         self.round_log = RoundLog()
         self._grid = grid
         self.global_state = arrays.to_torch_state_dict()
-        self.registry.refresh(grid, server_round)
+        self.round_log.query_bytes = self.registry.refresh(grid, server_round)
         node_ids = self.registry.sample(server_round)
         assignment = self.registry.assign(server_round, node_ids)
         self.begin_round(server_round, self.global_state)
@@ -195,7 +196,7 @@ class HeteroStrategy(Strategy):
                 config["inject"] = injected[node_id]
                 config["inject-seconds"] = float(self.cfg.failures.slow_seconds)
             content = RecordDict({ARRAYS: record, CONFIG: config})
-            self.round_log.sent_bytes += record.count_bytes()
+            self.round_log.sent_bytes += content_bytes(content)
             self.sent[node_id] = (index, payload)
             messages.append(Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN))
         self.round_log.sampled = len(messages)
@@ -209,6 +210,8 @@ class HeteroStrategy(Strategy):
         valid: list[Reply] = []
         for msg in replies:
             node_id = msg.metadata.src_node_id
+            if msg.has_content():  # every reply that arrived counts, rejected ones included
+                self.round_log.received_bytes += content_bytes(msg.content)
             if msg.has_error():
                 self.round_log.failures.append((node_id, f"client error: {msg.error.reason}"))
                 log(WARNING, "round %d: node %d failed: %s", server_round, node_id, msg.error.reason)
@@ -218,7 +221,6 @@ class HeteroStrategy(Strategy):
                 self.round_log.rejected.append((node_id, reason))
                 log(WARNING, "round %d: reply of node %d rejected: %s", server_round, node_id, reason)
                 continue
-            self.round_log.received_bytes += msg.content[ARRAYS].count_bytes()
             valid.append(reply)
         missing = set(self.sent) - {r.node_id for r in valid} - {n for n, _ in self.round_log.failures} - {
             n for n, _ in self.round_log.rejected}
@@ -471,6 +473,7 @@ class HeteroStrategy(Strategy):
             "rejected": len(log_.rejected),
             "bytes_sent": log_.sent_bytes,
             "bytes_received": log_.received_bytes,
+            "bytes_queries": log_.query_bytes,
             "server_seconds": log_.server_seconds,
         }
         if train_metrics is not None:

@@ -64,6 +64,11 @@ class NodeInfo:
         return f"node:{self.node_id}"
 
 
+def content_bytes(content: RecordDict) -> int:
+    """Bytes of a message's records (arrays, config and metrics alike)."""
+    return sum(record.count_bytes() for record in content.values())
+
+
 def hashed_key(identity: str) -> int:
     """A stable integer key for an identity string (above every partition id)."""
     return _HASHED_KEY_BASE + int(hashlib.sha256(identity.encode()).hexdigest()[:12], 16)
@@ -101,8 +106,9 @@ class NodeRegistry:
 
     # ------------------------------------------------------------------ discovery
 
-    def refresh(self, grid: Grid, server_round: int) -> None:
-        """Learn the connected nodes: forget the ones gone, query only the new ones."""
+    def refresh(self, grid: Grid, server_round: int) -> int:
+        """Learn the connected nodes: forget the ones gone, query only the new ones; returns the
+        bytes the queries and their answers moved."""
         self.wait_for_nodes(grid, server_round)
         connected = set(grid.get_node_ids())
         for node_id in sorted(set(self.nodes) - connected):
@@ -110,10 +116,12 @@ class NodeRegistry:
             del self.nodes[node_id]
         new = sorted(connected - set(self.nodes))
         if not new:
-            return
+            return 0
         query = [Message(content=RecordDict({CONFIG: ConfigRecord({"query": "node-info"})}), dst_node_id=n,
                          message_type=MessageType.QUERY) for n in new]
+        moved = sum(content_bytes(msg.content) for msg in query)
         answers = {m.metadata.src_node_id: m for m in grid.send_and_receive(query, timeout=float(self.cfg.timeout))}
+        moved += sum(content_bytes(m.content) for m in answers.values() if m.has_content())
         for node_id in new:
             info = parse_node_info(node_id, answers.get(node_id))
             if info.error is not None:
@@ -124,6 +132,7 @@ class NodeRegistry:
         for node_id in new:
             if node_id in self.nodes:
                 self._settle(node_id, server_round)
+        return moved
 
     def wait_for_nodes(self, grid: Grid, server_round: int) -> None:
         """Wait (bounded) until ``availability.min_nodes`` nodes are connected; then go on with
