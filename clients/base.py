@@ -204,7 +204,7 @@ def node_info(context: Context) -> ConfigRecord:
     else:
         source = {k: node[k] for k in ("partition-id", "num-partitions") if k in node}
     out.update({k: int(v) for k, v in source.items()})
-    if "node-name" in node:
+    if node.get("node-name"):
         out["node-name"] = str(node["node-name"])
     for key, value in node.items():
         if key.startswith("capability-"):

@@ -6,6 +6,8 @@ reproducible and a resumed run makes the same draws as an uninterrupted one.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -40,6 +42,36 @@ def fixed_levels(partition_ids: Sequence[int], proportions: Sequence[float], see
     pool = np.repeat(np.arange(len(counts)), counts)
     np.random.default_rng([int(seed), 7919]).shuffle(pool)
     return {pid: int(level) for pid, level in zip(pids, pool)}
+
+
+@functools.lru_cache(maxsize=64)
+def _partition_pool(num_partitions: int, proportions: tuple[float, ...], seed: int) -> tuple[int, ...]:
+    by_pid = fixed_levels(range(num_partitions), proportions, seed)
+    return tuple(by_pid[p] for p in range(num_partitions))
+
+
+def partition_level(partition_id: int, num_partitions: int, proportions: Sequence[float], seed: int) -> int:
+    """The fixed level of partition ``partition_id`` of ``num_partitions``: the run's pool of
+    levels is sized by the number of partitions (a constant of the run), never by how many nodes
+    happen to be connected, so a node keeps its level whoever else joins or leaves."""
+    return _partition_pool(int(num_partitions), tuple(float(p) for p in proportions), int(seed))[int(partition_id)]
+
+
+def hashed_level(identity: str, proportions: Sequence[float], seed: int) -> int:
+    """The fixed level of a node known only by a name: a seeded hash of the name, mapped to the
+    levels by their proportions (the shares hold in expectation over many nodes)."""
+    digest = hashlib.sha256(f"{int(seed)}:{identity}".encode()).digest()
+    u = int.from_bytes(digest[:8], "big") / 2.0**64
+    p = np.asarray(proportions, dtype=np.float64)
+    edges = np.cumsum(p / p.sum())
+    return int(min(np.searchsorted(edges, u, side="right"), len(p) - 1))
+
+
+def client_seed(seed: int, server_round: int, key: int) -> int:
+    """A client's training seed for one round: distinct for every (seed, round, node key), with no
+    arithmetic collisions between rounds and keys (63 bits from a SeedSequence)."""
+    words = np.random.SeedSequence([int(seed), int(server_round), int(key)]).generate_state(2, np.uint32)
+    return (int(words[0]) << 31) | (int(words[1]) >> 1)
 
 
 def dynamic_levels(n: int, proportions: Sequence[float], rng: np.random.Generator) -> list[int]:

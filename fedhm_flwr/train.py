@@ -55,10 +55,12 @@ def factorized_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def parameter_groups(model: nn.Module, weight_decay: float, frobenius_decay: bool) -> list[dict[str, Any]]:
-    """Weight decay on full-rank parameters; none on factorized pairs when Frobenius decay is on."""
+    """Weight decay on full-rank parameters; none on the factor weights of factorized pairs when
+    Frobenius decay is on (their biases are full-rank parameters and keep ordinary weight decay)."""
     low_rank: set[int] = set()
     if frobenius_decay:
-        low_rank = {id(p) for m in factorized_modules(model) for p in m.parameters()}
+        low_rank = {id(p) for m in factorized_modules(model) for name, p in m.named_parameters()
+                    if not name.endswith("bias")}
     decayed = [p for p in model.parameters() if p.requires_grad and id(p) not in low_rank]
     pairs = [p for p in model.parameters() if p.requires_grad and id(p) in low_rank]
     groups = [{"params": decayed, "weight_decay": weight_decay}]

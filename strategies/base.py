@@ -31,19 +31,11 @@ from fedhm_flwr import levels as lv
 from fedhm_flwr.bn_stats import combine_bn_sums
 from fedhm_flwr.config import data_spec, learning_rate, level_proportions
 
+from .nodes import NodeInfo, NodeRegistry, content_bytes
+
 State = dict[str, torch.Tensor]
 
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
-
-
-@dataclass
-class NodeInfo:
-    """What the server learnt of a node by querying its node config."""
-
-    node_id: int
-    partition_id: int | None = None
-    num_partitions: int | None = None
-    capability: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -83,6 +75,7 @@ class RoundLog:
     assignments: dict[str, float] = field(default_factory=dict)  # node (partition) -> level
     server_seconds: float = 0.0
     bn_bytes: int = 0  # federated sBN statistics traffic (evaluation)
+    query_bytes: int = 0  # node-info queries and their answers (new nodes only)
 
 
 def state_to_arrays(state: State) -> dict[str, Any]:
@@ -109,16 +102,13 @@ class HeteroStrategy(Strategy):
         self.levels: list[float] = [float(x) for x in cfg.levels.ratios]
         self.evaluate_fn = evaluate_fn
         self.recorder = recorder
-        self.nodes: dict[int, NodeInfo] = {}
-        self.fixed: dict[int, int] = {}  # node id -> level index (fixed assignment / declared)
-        self.declared: dict[int, int] = {}  # node id -> level index the node itself declared
+        self.registry = NodeRegistry(cfg, self.levels, self.level_cost)
         self.global_state: State | None = None
         self.sent: dict[int, tuple[int, Payload]] = {}  # node id -> (level index, payload) this round
         self.round_log = RoundLog()
         self.history: list[dict[str, Any]] = []
         self.start_round = 1
         self._grid: Grid | None = None
-        self._keys: dict[int, int] = {}  # node id -> stable key (partition id), see _node_keys
 
     # ------------------------------------------------------------------ method hooks
 
@@ -189,9 +179,9 @@ class HeteroStrategy(Strategy):
         self.round_log = RoundLog()
         self._grid = grid
         self.global_state = arrays.to_torch_state_dict()
-        self._discover(grid)
-        node_ids = self._sample(server_round, list(self.nodes))
-        assignment = self._assign(server_round, node_ids)
+        self.round_log.query_bytes = self.registry.refresh(grid, server_round)
+        node_ids = self.registry.sample(server_round)
+        assignment = self.registry.assign(server_round, node_ids)
         self.begin_round(server_round, self.global_state)
         injected = self._injected_failures(server_round, node_ids)
         payloads: dict[int, Payload] = {}
@@ -206,7 +196,7 @@ class HeteroStrategy(Strategy):
                 config["inject"] = injected[node_id]
                 config["inject-seconds"] = float(self.cfg.failures.slow_seconds)
             content = RecordDict({ARRAYS: record, CONFIG: config})
-            self.round_log.sent_bytes += record.count_bytes()
+            self.round_log.sent_bytes += content_bytes(content)
             self.sent[node_id] = (index, payload)
             messages.append(Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN))
         self.round_log.sampled = len(messages)
@@ -220,6 +210,8 @@ class HeteroStrategy(Strategy):
         valid: list[Reply] = []
         for msg in replies:
             node_id = msg.metadata.src_node_id
+            if msg.has_content():  # every reply that arrived counts, rejected ones included
+                self.round_log.received_bytes += content_bytes(msg.content)
             if msg.has_error():
                 self.round_log.failures.append((node_id, f"client error: {msg.error.reason}"))
                 log(WARNING, "round %d: node %d failed: %s", server_round, node_id, msg.error.reason)
@@ -229,7 +221,6 @@ class HeteroStrategy(Strategy):
                 self.round_log.rejected.append((node_id, reason))
                 log(WARNING, "round %d: reply of node %d rejected: %s", server_round, node_id, reason)
                 continue
-            self.round_log.received_bytes += msg.content[ARRAYS].count_bytes()
             valid.append(reply)
         missing = set(self.sent) - {r.node_id for r in valid} - {n for n, _ in self.round_log.failures} - {
             n for n, _ in self.round_log.rejected}
@@ -364,120 +355,30 @@ class HeteroStrategy(Strategy):
 
     def checkpoint_state(self, server_round: int) -> dict[str, Any]:
         return {"round": server_round, "history": self.history, "method": self.strategy_state(),
-                "method_name": self.name}
+                "method_name": self.name, "nodes": self.registry.state()}
 
     def restore(self, checkpoint: dict[str, Any]) -> None:
         """Continue after the checkpoint's round (draws are derived from seed and round)."""
         self.start_round = int(checkpoint["round"]) + 1
         self.history = list(checkpoint.get("history", []))
         self.load_strategy_state(checkpoint.get("method", {}))
+        self.registry.load_state(checkpoint.get("nodes", {}))
 
     # ------------------------------------------------------------------ nodes and levels
 
-    def _discover(self, grid: Grid) -> None:
-        """Query the node config of nodes not seen before (partition, declared capability)."""
-        node_ids = sorted(grid.get_node_ids())
-        new = [n for n in node_ids if n not in self.nodes]
-        for n in set(self.nodes) - set(node_ids):  # gone
-            del self.nodes[n]
-        if not new:
-            self._keys = self._node_keys()
-            return
-        query = [Message(content=RecordDict({CONFIG: ConfigRecord({"query": "node-info"})}), dst_node_id=n,
-                         message_type=MessageType.QUERY) for n in new]
-        answers = {m.metadata.src_node_id: m for m in grid.send_and_receive(query, timeout=float(self.cfg.timeout))}
-        for n in new:
-            info = NodeInfo(n)
-            msg = answers.get(n)
-            if msg is not None and not msg.has_error() and CONFIG in msg.content:
-                rec = msg.content[CONFIG]
-                info.partition_id = int(rec["partition-id"]) if "partition-id" in rec else None
-                info.num_partitions = int(rec["num-partitions"]) if "num-partitions" in rec else None
-                info.capability = {k[len("capability-"):]: float(v) for k, v in rec.items()
-                                   if k.startswith("capability-")}
-            self.nodes[n] = info
-        self._keys = self._node_keys()
-        shared = {pid: owners for pid, owners in self._pid_owners().items() if len(owners) > 1}
-        if shared:
-            log(WARNING, "nodes %s declare the same partition-id; each node config needs its own "
-                "(they still train, keyed by node id)", shared)
-        self._assign_fixed()
+    @property
+    def nodes(self) -> dict[int, NodeInfo]:
+        """The connected nodes the server knows (see :class:`strategies.nodes.NodeRegistry`)."""
+        return self.registry.nodes
 
     def node_label(self, node_id: int) -> str:
-        """How outputs name a node: ``p<partition id>`` when known, else ``n<node id>``."""
-        pid = self.nodes[node_id].partition_id if node_id in self.nodes else None
-        return f"p{pid}" if pid is not None else f"n{node_id}"
+        """How outputs name a node: ``p<partition id>``, else its node-name, else ``n<node id>``."""
+        return self.registry.label(node_id)
 
     def _partition_key(self, node_id: int) -> int:
-        """The node's stable key (see :meth:`_node_keys`)."""
-        return self._keys[node_id]
-
-    def _pid_owners(self) -> dict[int, list[int]]:
-        owners: dict[int, list[int]] = {}
-        for n, info in sorted(self.nodes.items()):
-            if info.partition_id is not None:
-                owners.setdefault(info.partition_id, []).append(n)
-        return owners
-
-    def _node_keys(self) -> dict[int, int]:
-        """Node -> key: its partition id when no other node claims the same one, else
-        1_000_000 + its rank (by node id) among the nodes without a key of their own."""
-        owners = self._pid_owners()
-        keys = {n: i.partition_id for n, i in self.nodes.items()
-                if i.partition_id is not None and owners[i.partition_id] == [n]}
-        keyless = sorted(n for n in self.nodes if n not in keys)
-        keys.update({n: 1_000_000 + rank for rank, n in enumerate(keyless)})
-        return keys  # type: ignore[return-value]
-
-    def _assign_fixed(self) -> None:
-        keys = {self._partition_key(n): n for n in self.nodes}
-        by_key = lv.fixed_levels(list(keys), level_proportions(self.cfg), int(self.cfg.seed))
-        self.fixed = {keys[k]: index for k, index in by_key.items()}
-        self.declared = {}
-        default = self.cfg.levels.default
-        for n, info in self.nodes.items():
-            index = self._declared_level(info)
-            if index is not None:
-                self.declared[n] = index
-            elif default is not None:
-                self.declared[n] = lv.level_index_of(float(default), self.levels)
-        if self.declared:
-            log(INFO, "declared capabilities -> levels: %s", {
-                n: self.levels[i] for n, i in sorted(self.declared.items())})
-
-    def _declared_level(self, info: NodeInfo) -> int | None:
-        cap = info.capability
-        if "level" in cap:
-            index = lv.level_index_of(cap["level"], self.levels)
-            if index is None:
-                log(WARNING, "node %s declares level %s, not among %s; ignored", self.node_label(info.node_id), cap["level"], self.levels)
-            return index
-        for budget in ("params", "macs", "memory"):
-            if budget in cap:
-                costs = [self.level_cost(i).get(budget, math.inf) for i in range(len(self.levels))]
-                index = lv.level_for_budget(cap[budget], costs)
-                if index is None:
-                    index = len(self.levels) - 1
-                    log(WARNING, "node %s: %s budget %g fits no level; it gets the smallest", self.node_label(info.node_id), budget, cap[budget])
-                log(INFO, "node %s: %s budget %g -> level %g", self.node_label(info.node_id), budget, cap[budget], self.levels[index])
-                return index
-        return None
-
-    def _sample(self, server_round: int, node_ids: list[int]) -> list[int]:
-        keys = {self._partition_key(n): n for n in node_ids}
-        rng = lv.round_rng(int(self.cfg.seed), server_round, stream=0)
-        picked = lv.sample_clients(list(keys), float(self.cfg.fraction_train), int(self.cfg.min_train_nodes), rng)
-        return [keys[k] for k in picked]
-
-    def _assign(self, server_round: int, node_ids: list[int]) -> dict[int, int]:
-        if self.cfg.levels.assignment == "fixed":
-            out = {n: self.fixed[n] for n in node_ids}
-        else:
-            rng = lv.round_rng(int(self.cfg.seed), server_round, stream=1)
-            drawn = lv.dynamic_levels(len(node_ids), level_proportions(self.cfg), rng)
-            out = dict(zip(node_ids, drawn))
-        out.update({n: self.declared[n] for n in node_ids if n in self.declared})
-        return out
+        """The node's stable key (its partition id, or a hash of its name): orders replies,
+        seeds its training, samples it."""
+        return self.registry.key(node_id)
 
     # ------------------------------------------------------------------ messages
 
@@ -518,7 +419,7 @@ class HeteroStrategy(Strategy):
             "model-spec": json.dumps(payload.spec),
             "train": json.dumps(train),
             "data-spec": json.dumps(data_spec(cfg, info.num_partitions)),
-            "seed": int(cfg.seed) * 1_000_003 + server_round * 1009 + self._partition_key(node_id),
+            "seed": lv.client_seed(int(cfg.seed), server_round, self._partition_key(node_id)),
         })
 
     def _validate(self, node_id: int, msg: Message) -> tuple[Reply | None, str]:
@@ -572,6 +473,7 @@ class HeteroStrategy(Strategy):
             "rejected": len(log_.rejected),
             "bytes_sent": log_.sent_bytes,
             "bytes_received": log_.received_bytes,
+            "bytes_queries": log_.query_bytes,
             "server_seconds": log_.server_seconds,
         }
         if train_metrics is not None:

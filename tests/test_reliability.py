@@ -16,6 +16,8 @@ from fedhm_flwr.server_app import initial_state, run
 from strategies.fedhm import FedHMStrategy
 
 TIMING = ("seconds", "server_seconds", "eval_seconds", "client_seconds_max")
+# a resumed server process asks every node for its node info again (first round after the resume)
+RESTART_ONLY = ("bytes_queries",)
 
 
 def _rows(out_dir):
@@ -23,7 +25,7 @@ def _rows(out_dir):
 
 
 def _untimed(rows):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+    return [{k: v for k, v in r.items() if k not in TIMING + RESTART_ONLY} for r in rows]
 
 
 def test_injected_crashes_are_counted_and_the_run_completes(toy_cfg, tmp_path):
@@ -158,3 +160,24 @@ def test_a_new_run_never_overwrites_an_earlier_one(toy_cfg, tmp_path):
     with pytest.raises(FileExistsError):
         run(LocalGrid(6, client_handlers()), toy_cfg("rounds=1"), tmp_path)
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
+
+
+def test_bytes_moved_count_configs_queries_and_rejected_replies(toy_cfg):
+    from strategies.base import content_bytes
+
+    cfg = toy_cfg()
+    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    grid = LocalGrid(6, client_handlers())
+    arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.spec))
+    msgs = list(strategy.configure_train(1, arrays, None, grid))
+    assert strategy.round_log.sent_bytes == sum(content_bytes(m.content) for m in msgs)
+    assert strategy.round_log.sent_bytes > sum(m.content["arrays"].count_bytes() for m in msgs)  # configs count
+    assert strategy.round_log.query_bytes > 0  # the node-info queries of the 6 new nodes and their answers
+    replies = list(grid.send_and_receive(msgs))
+    bad = replies[0]
+    bad.content["metrics"]["num-examples"] = 0  # malformed: rejected, but its bytes did travel
+    strategy.aggregate_train(1, replies)
+    assert len(strategy.round_log.rejected) == 1
+    assert strategy.round_log.received_bytes == sum(content_bytes(r.content) for r in replies)
+    again = list(strategy.configure_train(2, arrays, None, grid))
+    assert again and strategy.round_log.query_bytes == 0  # known nodes are not asked again

@@ -1,0 +1,277 @@
+"""The node registry: who is connected, what each node declared, and its level for the run.
+
+A node's level depends only on that node (issue "levels that stay put"):
+
+1. the capability it declares in its node config (``capability-level``, or a ``capability-params``
+   / ``-macs`` / ``-memory`` budget mapped to the largest level that fits), else
+2. ``levels.default`` when set, else
+3. a stable function of its identity for the configured proportions: its partition id (a
+   simulated node's, or the one recorded in its data shard's manifest) indexes a seeded pool of
+   ``num_partitions`` levels; a node known only by its ``node-name`` (or, failing that, its node
+   id) draws its level from a seeded hash of that name.
+
+Never from how many nodes are connected or in what order they arrived: a node that leaves and
+comes back keeps its level. Flower 1.41 keeps a SuperNode's node id across restarts only with
+SuperNode authentication (the id belongs to the registered public key); without it a restarted
+node gets a new id, which is why the level never depends on the id when a partition id or a
+``node-name`` is known.
+
+The registry queries a node's node config once (``node-info`` query), when the node is new or
+reconnects, and caches it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from typing import Any
+
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore import log
+from omegaconf import DictConfig
+
+from fedhm_flwr import levels as lv
+from fedhm_flwr.config import level_proportions
+
+CONFIG = "config"
+
+#: keys of nodes without a unique partition id start here (partition ids stay below)
+_HASHED_KEY_BASE = 1 << 40
+
+
+@dataclass
+class NodeInfo:
+    """What the server learnt of a node by querying its node config."""
+
+    node_id: int
+    partition_id: int | None = None
+    num_partitions: int | None = None
+    name: str | None = None
+    capability: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # the node's answer to node-info was an error (e.g. a broken shard)
+
+    def identity(self) -> str:
+        """What identifies the node across restarts (its name, else its partition, else its id)."""
+        if self.name:
+            return f"name:{self.name}"
+        if self.partition_id is not None:
+            return f"partition:{self.partition_id}"
+        return f"node:{self.node_id}"
+
+
+def content_bytes(content: RecordDict) -> int:
+    """Bytes of a message's records (arrays, config and metrics alike)."""
+    return sum(record.count_bytes() for record in content.values())
+
+
+def hashed_key(identity: str) -> int:
+    """A stable integer key for an identity string (above every partition id)."""
+    return _HASHED_KEY_BASE + int(hashlib.sha256(identity.encode()).hexdigest()[:12], 16)
+
+
+def parse_node_info(node_id: int, msg: Message | None) -> NodeInfo:
+    """A node's NodeInfo from its ``node-info`` reply (an error reply is kept as ``error``)."""
+    info = NodeInfo(node_id)
+    if msg is None:
+        info.error = "no answer to the node-info query"
+    elif msg.has_error():
+        info.error = msg.error.reason
+    elif CONFIG in msg.content:
+        rec = msg.content[CONFIG]
+        info.partition_id = int(rec["partition-id"]) if "partition-id" in rec else None
+        info.num_partitions = int(rec["num-partitions"]) if "num-partitions" in rec else None
+        info.name = str(rec["node-name"]) if rec.get("node-name") else None
+        info.capability = {k[len("capability-"):]: float(v) for k, v in rec.items() if k.startswith("capability-")}
+    return info
+
+
+class NodeRegistry:
+    """Connected nodes, their cached node info, stable keys and levels."""
+
+    def __init__(self, cfg: DictConfig, levels: list[float],
+                 level_cost: Callable[[int], dict[str, float]]) -> None:
+        self.cfg = cfg
+        self.levels = levels
+        self.level_cost = level_cost
+        self.nodes: dict[int, NodeInfo] = {}
+        self.keys: dict[int, int] = {}  # node id -> stable key (sorting, seeds, sampling)
+        self.levels_of: dict[int, int] = {}  # node id -> level index for the run (fixed/declared)
+        self.declared: dict[int, int] = {}  # node id -> level the node itself declared (or the default)
+        self.seen: dict[str, int] = {}  # identity -> level index it had (survives leaving)
+
+    # ------------------------------------------------------------------ discovery
+
+    def refresh(self, grid: Grid, server_round: int) -> int:
+        """Learn the connected nodes: forget the ones gone, query only the new ones; returns the
+        bytes the queries and their answers moved."""
+        self.wait_for_nodes(grid, server_round)
+        connected = set(grid.get_node_ids())
+        for node_id in sorted(set(self.nodes) - connected):
+            log(INFO, "round %d: node %s (node id %d) left", server_round, self.label(node_id), node_id)
+            del self.nodes[node_id]
+        new = sorted(connected - set(self.nodes))
+        if not new:
+            return 0
+        query = [Message(content=RecordDict({CONFIG: ConfigRecord({"query": "node-info"})}), dst_node_id=n,
+                         message_type=MessageType.QUERY) for n in new]
+        moved = sum(content_bytes(msg.content) for msg in query)
+        answers = {m.metadata.src_node_id: m for m in grid.send_and_receive(query, timeout=float(self.cfg.timeout))}
+        moved += sum(content_bytes(m.content) for m in answers.values() if m.has_content())
+        for node_id in new:
+            info = parse_node_info(node_id, answers.get(node_id))
+            if info.error is not None:
+                log(WARNING, "node %d cannot take part: %s", node_id, info.error)
+                continue  # asked again next round (it may be fixed and restarted)
+            self.nodes[node_id] = info
+        self._rekey()
+        for node_id in new:
+            if node_id in self.nodes:
+                self._settle(node_id, server_round)
+        return moved
+
+    def wait_for_nodes(self, grid: Grid, server_round: int) -> None:
+        """Wait (bounded) until ``availability.min_nodes`` nodes are connected; then go on with
+        the nodes present or stop, as ``availability.on_timeout`` says."""
+        avail = self.cfg.availability
+        minimum = int(avail.min_nodes) or int(self.cfg.min_train_nodes)
+        count = len(grid.get_node_ids())
+        if count >= minimum:
+            return
+        log(INFO, "round %d: %d node(s) connected, waiting up to %gs for at least %d", server_round, count,
+            float(avail.wait_seconds), minimum)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < float(avail.wait_seconds):
+            time.sleep(min(1.0, float(avail.poll_seconds)))
+            count = len(grid.get_node_ids())
+            if count >= minimum:
+                log(INFO, "round %d: %d node(s) connected after %.1fs; going on", server_round, count,
+                    time.monotonic() - t0)
+                return
+        if avail.on_timeout == "stop":
+            raise RuntimeError(f"round {server_round}: only {count} of the {minimum} nodes needed "
+                               f"(availability.min_nodes) connected within {float(avail.wait_seconds):g}s "
+                               "(availability.wait_seconds); stopping as availability.on_timeout=stop says")
+        log(WARNING, "round %d: still %d node(s) of %d after %gs; going on with the nodes present", server_round,
+            count, minimum, float(avail.wait_seconds))
+
+    # ------------------------------------------------------------------ keys and labels
+
+    def _rekey(self) -> None:
+        """Node -> key: its partition id when no other node claims the same one, else a stable
+        hash of its name (or node id)."""
+        owners: dict[int, list[int]] = {}
+        for n, info in sorted(self.nodes.items()):
+            if info.partition_id is not None:
+                owners.setdefault(info.partition_id, []).append(n)
+        shared = {pid: ns for pid, ns in owners.items() if len(ns) > 1}
+        if shared:
+            log(WARNING, "nodes %s declare the same partition-id; each node config needs its own "
+                "(they still train, keyed by name or node id)", shared)
+        self.keys = {}
+        for n, info in self.nodes.items():
+            if info.partition_id is not None and info.partition_id not in shared:
+                self.keys[n] = info.partition_id
+            else:
+                self.keys[n] = hashed_key(f"name:{info.name}" if info.name else f"node:{n}")
+
+    def key(self, node_id: int) -> int:
+        return self.keys[node_id]
+
+    def label(self, node_id: int) -> str:
+        """How outputs name a node: ``p<partition id>``, else its node-name, else ``n<node id>``."""
+        info = self.nodes.get(node_id)
+        if info is None:
+            return f"n{node_id}"
+        if self.keys.get(node_id) == info.partition_id and info.partition_id is not None:
+            return f"p{info.partition_id}"
+        return info.name or f"n{node_id}"
+
+    def by_key(self, node_ids: list[int]) -> list[int]:
+        return sorted(node_ids, key=self.key)
+
+    # ------------------------------------------------------------------ levels
+
+    def _settle(self, node_id: int, server_round: int) -> None:
+        """Fix a newly connected node's level for the run (and log a returning node's)."""
+        info = self.nodes[node_id]
+        index = self._declared_level(info)
+        if index is not None:
+            self.declared[node_id] = index
+        elif self.cfg.levels.default is not None:
+            index = lv.level_index_of(float(self.cfg.levels.default), self.levels)
+            self.declared[node_id] = index  # type: ignore[assignment]
+        else:
+            index = self._stable_level(info)
+        self.levels_of[node_id] = index  # type: ignore[assignment]
+        identity = info.identity()
+        before = self.seen.get(identity)
+        if before is None:
+            log(INFO, "round %d: node %s joined (node id %d) -> level %g", server_round, self.label(node_id),
+                node_id, self.levels[index])  # type: ignore[index]
+        else:
+            log(INFO, "round %d: node %s is back (node id %d) -> level %g (was %g)", server_round,
+                self.label(node_id), node_id, self.levels[index], self.levels[before])  # type: ignore[index]
+        self.seen[identity] = index  # type: ignore[assignment]
+
+    def _stable_level(self, info: NodeInfo) -> int:
+        proportions = level_proportions(self.cfg)
+        seed = int(self.cfg.seed)
+        key = self.keys[info.node_id]
+        if info.partition_id is not None and key == info.partition_id:
+            total = int(info.num_partitions or self.cfg.num_clients)
+            if 0 <= info.partition_id < total:
+                return lv.partition_level(info.partition_id, total, proportions, seed)
+        if info.name is None:
+            log(WARNING, "node %d has neither a partition-id nor a node-name; its level follows its node id, "
+                "which survives a restart only with SuperNode authentication", info.node_id)
+        return lv.hashed_level(info.identity() if info.name else f"node:{info.node_id}", proportions, seed)
+
+    def _declared_level(self, info: NodeInfo) -> int | None:
+        cap = info.capability
+        if "level" in cap:
+            index = lv.level_index_of(cap["level"], self.levels)
+            if index is None:
+                log(WARNING, "node %s declares level %s, not among %s; ignored", self.label(info.node_id),
+                    cap["level"], self.levels)
+            return index
+        for budget in ("params", "macs", "memory"):
+            if budget in cap:
+                costs = [self.level_cost(i).get(budget, math.inf) for i in range(len(self.levels))]
+                index = lv.level_for_budget(cap[budget], costs)
+                if index is None:
+                    index = len(self.levels) - 1
+                    log(WARNING, "node %s: %s budget %g fits no level; it gets the smallest",
+                        self.label(info.node_id), budget, cap[budget])
+                log(INFO, "node %s: %s budget %g -> level %g", self.label(info.node_id), budget, cap[budget],
+                    self.levels[index])
+                return index
+        return None
+
+    def assign(self, server_round: int, node_ids: list[int]) -> dict[int, int]:
+        """Level index of each sampled node this round (fixed: the node's own; dynamic: drawn)."""
+        if self.cfg.levels.assignment == "fixed":
+            return {n: self.levels_of[n] for n in node_ids}
+        rng = lv.round_rng(int(self.cfg.seed), server_round, stream=1)
+        drawn = lv.dynamic_levels(len(node_ids), level_proportions(self.cfg), rng)
+        out = dict(zip(node_ids, drawn))
+        out.update({n: self.declared[n] for n in node_ids if n in self.declared})
+        return out
+
+    def sample(self, server_round: int) -> list[int]:
+        """The nodes that train this round (seeded by round, over the stable keys)."""
+        keys = {self.key(n): n for n in self.nodes}
+        rng = lv.round_rng(int(self.cfg.seed), server_round, stream=0)
+        picked = lv.sample_clients(list(keys), float(self.cfg.fraction_train), int(self.cfg.min_train_nodes), rng)
+        return [keys[k] for k in picked]
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the level each identity had."""
+        return {"levels_by_identity": dict(self.seen)}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.seen = {str(k): int(v) for k, v in state.get("levels_by_identity", {}).items()}

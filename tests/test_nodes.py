@@ -1,0 +1,125 @@
+"""The node registry: levels that stay put through joins, departures and restarts; waiting for
+nodes; distinct client seeds (in process, real strategy and handlers on the LocalGrid)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, Context, RecordDict
+
+from fedhm_flwr import levels as lv
+from fedhm_flwr.config import model_spec
+from fedhm_flwr.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.server_app import initial_state
+from strategies.fedhm import FedHMStrategy
+
+
+def _round(strategy, grid, rnd):
+    arrays = ArrayRecord.from_torch_state_dict(initial_state(strategy.cfg, strategy.spec))
+    msgs = list(strategy.configure_train(rnd, arrays, None, grid))
+    return {strategy.node_label(m.metadata.dst_node_id): m.content["config"]["level"] for m in msgs}
+
+
+def _add_node(grid, node_id, config):
+    grid.contexts[node_id] = Context(run_id=1, node_id=node_id, node_config=config, state=RecordDict(), run_config={})
+
+
+def test_levels_do_not_depend_on_how_many_nodes_are_connected(toy_cfg):
+    cfg = toy_cfg("num_clients=20")
+    # only 5 of the 20 partitions' nodes are connected; each still gets its partition's level
+    grid = LocalGrid(5, client_handlers(), node_config=lambda i: {"num-partitions": 20})
+    got = _round(FedHMStrategy(cfg, model_spec(cfg)), grid, 1)
+    pool = lv.fixed_levels(range(20), [1, 1, 1, 1], int(cfg.seed))  # the whole run's pool, by hand
+    assert got == {f"p{p}": cfg.levels.ratios[pool[p]] for p in range(5)}
+
+
+def test_a_late_node_reshuffles_nobody_and_a_returning_node_keeps_its_level(toy_cfg, caplog):
+    cfg = toy_cfg("num_clients=8")
+    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    grid = LocalGrid(4, client_handlers(), node_config=lambda i: {"num-partitions": 8})
+    first = _round(strategy, grid, 1)
+    _add_node(grid, 5000, {"partition-id": 6, "num-partitions": 8})  # joins after round 1
+    with caplog.at_level(logging.INFO):
+        second = _round(strategy, grid, 2)
+    assert {k: second[k] for k in first} == first and "p6" in second
+    # p1 leaves, then comes back under a new node id (a restart without SuperNode auth)
+    old_id = next(n for n in grid.contexts if grid.contexts[n].node_config["partition-id"] == 1)
+    config = dict(grid.contexts.pop(old_id).node_config)
+    third = _round(strategy, grid, 3)
+    assert "p1" not in third and all(third[k] == second[k] for k in third)
+    _add_node(grid, 9000, config)
+    with caplog.at_level(logging.INFO):
+        fourth = _round(strategy, grid, 4)
+    assert fourth == second
+    assert any("node p1 is back (node id 9000)" in r.getMessage() for r in caplog.records)
+    assert any("node p6 joined" in r.getMessage() for r in caplog.records)
+
+
+def test_named_nodes_keep_a_hashed_level_whatever_their_node_id(toy_cfg):
+    cfg = toy_cfg()
+    names = {i: f"device-{i}" for i in range(6)}
+    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    # no partition ids: real devices known by their node-name only
+    grid = LocalGrid(6, client_handlers())
+    for ctx in grid.contexts.values():
+        pid = ctx.node_config.pop("partition-id")
+        ctx.node_config.pop("num-partitions")
+        ctx.node_config["node-name"] = names[pid]
+    strategy.registry.refresh(grid, 1)
+    by_name = {strategy.nodes[n].name: strategy.levels[strategy.registry.levels_of[n]] for n in strategy.nodes}
+    expected = {name: cfg.levels.ratios[lv.hashed_level(f"name:{name}", [1, 1, 1, 1], int(cfg.seed))]
+                for name in names.values()}
+    assert by_name == expected
+    # the same names under other node ids, connecting in reverse order: the same levels
+    other = FedHMStrategy(cfg, model_spec(cfg))
+    grid2 = LocalGrid(6, client_handlers(), first_node_id=50_000)
+    for ctx, name in zip(grid2.contexts.values(), reversed(list(names.values()))):
+        ctx.node_config.clear()
+        ctx.node_config["node-name"] = name
+    other.registry.refresh(grid2, 1)
+    assert {other.nodes[n].name: other.levels[other.registry.levels_of[n]] for n in other.nodes} == by_name
+
+
+def test_hashed_levels_follow_the_proportions():
+    draws = [lv.hashed_level(f"name:dev-{i}", [1, 3], seed=0) for i in range(8000)]
+    assert abs(np.mean(draws) - 0.75) < 0.02
+    assert lv.hashed_level("name:x", [1, 3], 0) == lv.hashed_level("name:x", [1, 3], 0)
+
+
+def test_a_round_waits_for_the_minimum_then_goes_on_or_stops(toy_cfg, caplog):
+    cfg = toy_cfg("availability.min_nodes=8 availability.wait_seconds=0.3 availability.poll_seconds=0.05")
+    grid = LocalGrid(6, client_handlers())
+    with caplog.at_level(logging.INFO):
+        got = _round(FedHMStrategy(cfg, model_spec(cfg)), grid, 1)
+    assert len(got) == 6
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "waiting up to 0.3s for at least 8" in text and "going on with the nodes present" in text
+    stop = toy_cfg("availability.min_nodes=8 availability.wait_seconds=0.2 availability.on_timeout=stop")
+    with pytest.raises(RuntimeError, match="availability.min_nodes"):
+        _round(FedHMStrategy(stop, model_spec(stop)), LocalGrid(6, client_handlers()), 1)
+
+
+def test_a_node_that_arrives_during_the_wait_ends_it(toy_cfg, caplog):
+    cfg = toy_cfg("availability.min_nodes=7 availability.wait_seconds=30 availability.poll_seconds=0.05")
+    grid = LocalGrid(6, client_handlers())
+    real = grid.get_node_ids
+    calls = []
+
+    def arriving():
+        calls.append(1)
+        if len(calls) == 3:  # the 7th node connects while the round waits
+            _add_node(grid, 777, {"partition-id": 6, "num-partitions": 7})
+        return real()
+
+    grid.get_node_ids = arriving
+    with caplog.at_level(logging.INFO):
+        got = _round(FedHMStrategy(cfg, model_spec(cfg)), grid, 1)
+    assert len(got) == 7
+    assert any("7 node(s) connected after" in r.getMessage() for r in caplog.records)
+
+
+def test_client_seeds_are_distinct_across_rounds_and_many_partitions():
+    seeds = {lv.client_seed(0, rnd, key) for rnd in range(1, 6) for key in range(3000)}
+    assert len(seeds) == 5 * 3000
