@@ -189,11 +189,13 @@ def handle_evaluate(msg: Message, context: Context) -> Message:
 
 def node_info(context: Context) -> ConfigRecord:
     """What the server may know of the node: partition (from its shard's manifest when it has one),
-    ``node-name`` and declared capability. A node with a shard checks it completely here (the first
-    message a node gets): NodeDataError naming ``data-dir`` and the fix when it is missing or broken."""
+    ``node-name`` and declared capability. A node given a ``data-dir`` without a ``partition-id`` checks
+    its shard completely here (the first message a node gets): NodeDataError naming ``data-dir`` and
+    the fix when it is missing or broken. A node with neither still answers (identity only); its first
+    training message gets that error."""
     node = context.node_config
     out: dict[str, Any] = {}
-    folder = node_shard(context)
+    folder = node_shard(context) if node.get("data-dir") or "partition-id" in node else None
     if folder is not None:
         try:
             manifest = shards.verify_shard(folder)

@@ -186,12 +186,12 @@ def test_node_info_reports_the_shard_and_refuses_a_missing_or_broken_one(exporte
     assert dict(reply.content["config"]) == {"partition-id": 3, "num-partitions": 4, "node-name": "ward-7",
                                              "capability-level": 0.5}
     (tmp_path / "empty").mkdir()
-    for node_config, needle in [({"data-dir": str(tmp_path / "empty")}, "no shard there"),
-                                ({"data-dir": str(tmp_path / "nowhere")}, "no shard there"),
-                                ({}, "lacks data-dir")]:
+    for node_config in [{"data-dir": str(tmp_path / "empty")}, {"data-dir": str(tmp_path / "nowhere")}]:
         reply = _query(node_config)
-        assert reply.has_error() and "data-dir" in reply.error.reason and needle in reply.error.reason
-        assert "python -m fedhm_flwr.shards" in reply.error.reason
+        assert reply.has_error() and f"data-dir={node_config['data-dir']}" in reply.error.reason
+        assert "no shard there" in reply.error.reason and "python -m fedhm_flwr.shards" in reply.error.reason
+    with pytest.raises(base.NodeDataError, match="lacks data-dir.*python -m fedhm_flwr.shards"):
+        base.node_shard(Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={}))
     broken = shutil.copytree(out / "partition-1", tmp_path / "broken")
     manifest = json.loads((broken / "manifest.json").read_text())
     manifest["splits"]["train"]["sha256"] = "f" * 64
