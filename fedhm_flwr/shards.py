@@ -112,7 +112,6 @@ def write_shard(folder: str | Path, splits: dict[str, tuple[np.ndarray, np.ndarr
 
     datasets.disable_progress_bars()
     folder = Path(folder)
-    features = None
     parts = {}
     for name, (images, labels) in splits.items():
         features = datasets.Features({
