@@ -20,14 +20,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
 from clients import base
 from fedhm_flwr import data as D
 from fedhm_flwr import shards
 from fedhm_flwr.config import ConfigError, data_spec, load_config
 from fedhm_flwr.data_files import check_data_available, fashion_files
-from fedhm_flwr.local_grid import LocalGrid
+from fedhm_flwr.local_grid import LocalGrid, client_handlers
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["num_clients=4", "dataset.max_train_examples=2000", "evaluation.where=both"]
@@ -360,3 +360,40 @@ def test_a_shard_written_by_hand_as_docs_deploy_describes_loads(tmp_path):
     assert len(shards.load_shard(tmp_path, "heldout")) == 0
     reply = _query({"data-dir": str(tmp_path)})  # no partition id in a user's manifest: none reported
     assert not reply.has_error() and dict(reply.content["config"]) == {}
+
+
+def _train_messages(cfg, grid):
+    from fedhm_flwr.config import model_spec
+    from fedhm_flwr.server_app import initial_state
+    from strategies.fedhm import FedHMStrategy
+
+    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    state = ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.spec))
+    return list(strategy.configure_train(1, state, None, grid))
+
+
+def _as_evaluate(msg: Message) -> Message:
+    return Message(RecordDict({"arrays": msg.content["arrays"], "config": msg.content["config"]}),
+                   dst_node_id=msg.metadata.dst_node_id, message_type=MessageType.EVALUATE)
+
+
+@needs_fmnist
+def test_a_node_without_held_out_examples_answers_evaluate_with_an_error(toy_cfg):
+    cfg = toy_cfg()  # evaluation.where=server: nodes hold nothing out
+    grid = LocalGrid(6, client_handlers())
+    replies = grid.send_and_receive([_as_evaluate(m) for m in _train_messages(cfg, grid)[:2]])
+    assert replies and all(r.has_error() and "no held-out examples" in r.error.reason for r in replies)
+    assert all("evaluation.holdout" in r.error.reason for r in replies)
+
+
+@needs_fmnist
+def test_a_shard_of_another_dataset_is_refused_naming_both(exported, toy_cfg):
+    _, out = exported
+    cfg = toy_cfg("min_train_nodes=1")
+    grid = LocalGrid(1, client_handlers(), node_config=lambda i: {"data-dir": str(out / "partition-0")})
+    (msg,) = _train_messages(cfg, grid)[:1]
+    spec = json.loads(str(msg.content["config"]["data-spec"]))
+    msg.content["config"]["data-spec"] = json.dumps({**spec, "name": "cifar10"})
+    (reply,) = grid.send_and_receive([msg])
+    assert reply.has_error() and f"data-dir={out / 'partition-0'}" in reply.error.reason
+    assert "'fashion_mnist'" in reply.error.reason and "dataset.name='cifar10'" in reply.error.reason
