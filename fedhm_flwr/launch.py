@@ -264,21 +264,36 @@ def check_data(cfg: DictConfig) -> None:
         check(cfg)
 
 
-def resume_hint(run_dir: Path, overrides: Sequence[str]) -> str:
-    """What to type to continue an interrupted run (or, without a checkpoint, to start it again)."""
-    launch = [sys.executable, "-m", "fedhm_flwr.launch"]
+def resume_hint(run_dir: Path, command: Sequence[str], overrides: Sequence[str]) -> str:
+    """What to type to continue an interrupted run (``command --resume <run dir>``) or, without
+    a checkpoint, to start it again (``command <overrides> [--run-dir <run dir>]``)."""
     try:
         _, saved = load_checkpoint(run_dir)
     except (FileNotFoundError, ValueError):
         try:
             refuse_existing_run(run_dir)
-            again = [*overrides, "--run-dir", str(run_dir)]
-        except FileExistsError:  # rows but no checkpoint (checkpoint.every > rounds done): a new directory
-            again = [*overrides]
+            again = [*command, *overrides, "--run-dir", str(run_dir)]
+        except FileExistsError:  # rows but no checkpoint yet (checkpoint.every > rounds done): a new directory
+            again = [*command, *overrides]
         return ("no checkpoint was written yet, so there is nothing to resume; start the run again with:\n"
-                f"  cd {shlex.quote(str(APP_DIR))} && {shlex.join([*launch, *again])}")
+                f"  cd {shlex.quote(str(APP_DIR))} && {shlex.join(again)}")
     return (f"the last complete checkpoint (round {saved.get('round')}) is in {run_dir / CHECKPOINT_DIR}; "
-            f"resume the run with:\n  cd {shlex.quote(str(APP_DIR))} && {shlex.join([*launch, '--resume', str(run_dir)])}")
+            f"resume the run with:\n  cd {shlex.quote(str(APP_DIR))} && {shlex.join([*command, '--resume', str(run_dir)])}")
+
+
+def report_interrupt(stop: Interrupted, run_dir: Path, command: Sequence[str], overrides: Sequence[str]) -> None:
+    """After the cleanup: what happened, and the command that resumes the run (stderr)."""
+    print(f"\n{stop.args[0]} received: stopped the Flower run and every process it started.\n"
+          f"{resume_hint(run_dir, command, overrides)}", file=sys.stderr, flush=True)
+
+
+LAUNCH = (sys.executable, "-m", "fedhm_flwr.launch")
+
+
+def require_checkpoint(run_dir: Path) -> None:
+    if not (run_dir / CHECKPOINT_DIR / STATE_FILE).is_file():
+        raise ConfigError("resume", str(run_dir), f"a run directory with a checkpoint ({CHECKPOINT_DIR}/{STATE_FILE}); "
+                          "this run stopped before its first one: start it again")
 
 
 def run_job(overrides: list[str], run_dir: Path | None = None, resume: Path | None = None,
@@ -300,15 +315,12 @@ def run_job(overrides: list[str], run_dir: Path | None = None, resume: Path | No
             with RunLock(run_dir, tag) as lock:  # before anything starts; refuses a directory in use
                 if resume is None:
                     refuse_existing_run(run_dir)
-                elif not (run_dir / CHECKPOINT_DIR / STATE_FILE).is_file():
-                    raise ConfigError("resume", str(run_dir), f"a run directory with a checkpoint ({CHECKPOINT_DIR}/"
-                                      f"{STATE_FILE}); this run stopped before its first one: start it again")
+                else:
+                    require_checkpoint(run_dir)
                 with Processes(tag, keep_fds=[lock.fd] if lock.fd is not None else []) as procs:
                     return _run(procs, cfg, overrides, run_dir, resume, quiet)
         except Interrupted as stop:
-            print(f"\n{stop.args[0]} received: stopped the Flower run and every process it started "
-                  f"(SuperLink, simulation, Ray).\n{resume_hint(run_dir, overrides)}",
-                  file=sys.stderr, flush=True)
+            report_interrupt(stop, run_dir, LAUNCH, overrides)
             raise
 
 

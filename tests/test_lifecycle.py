@@ -26,8 +26,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
+
+from fedhm_flwr.procs import RunDirectoryBusy, RunLock
 
 ROOT = Path(__file__).resolve().parent.parent
 # 12 short rounds: ~12 s of Ray start-up, then ~0.5 s per round; checkpoint every round
@@ -35,7 +36,6 @@ JOB = ["rounds=12", "num_clients=2", "fraction_train=1.0", "dataset.max_train_ex
        "dataset.max_test_examples=300", "model.width=4", "evaluation.levels=false", "checkpoint.every=1"]
 MODEL = Path("checkpoint") / "global_model.safetensors"
 
-pytestmark = pytest.mark.slow
 
 
 def _launch(run_dir: Path, *args: str, name: str = "launcher") -> tuple[subprocess.Popen[bytes], Path]:
@@ -154,6 +154,69 @@ def _same_model(a: Path, b: Path) -> None:
     assert max(float((x[k].double() - y[k].double()).abs().max()) for k in x) == 0.0
 
 
+# --------------------------------------------------------------------------- fast: the parts
+
+
+HOLDER = """
+import sys, time
+from fedhm_flwr.procs import RunLock
+lock = RunLock(sys.argv[1], tag="job-1").acquire()
+print("locked", flush=True)
+time.sleep(300)
+"""
+
+
+def test_run_lock_refuses_a_live_holder_lets_its_own_job_in_and_ignores_a_dead_ones_file(tmp_path):
+    (tmp_path / ".lock").write_text(json.dumps({"pid": 2 ** 22 + 7, "tag": "old"}))  # left by a dead run
+    RunLock(tmp_path).acquire().release()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunDirectoryBusy) as refused:
+            RunLock(tmp_path, tag="job-2").acquire()
+        assert str(tmp_path) in str(refused.value) and f"PID {holder.pid}" in str(refused.value)
+        assert RunLock(tmp_path, tag="job-1").acquire().fd is None  # the holder's own job (its ServerApp)
+    finally:
+        holder.kill()
+        holder.wait()
+    RunLock(tmp_path, tag="job-2").acquire().release()  # the kernel dropped the dead holder's lock
+
+
+LAUNCHER = """
+import os, sys, time
+from fedhm_flwr.procs import Processes
+procs = Processes()
+own = procs.start("own", ["sleep", "300"], dict(os.environ), None)
+# a child that leaves its session, and one in a tagged session whose environment lost the tag
+shell = procs.start("shell", ["sh", "-c", "setsid sleep 301 & env -i /bin/sleep 302 & wait"], dict(os.environ), None)
+print(procs.tag, procs.watchdog.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_the_watchdog_stops_every_process_of_a_launcher_killed_outright(tmp_path):
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    tag, watchdog = launcher.stdout.readline().split()
+    deadline = time.monotonic() + 30
+    pids: set[int] = set()
+    while len(pids) < 5:  # the watchdog, sleep 300, sh, sleep 301 (own session), sleep 302 (no tag)
+        assert time.monotonic() < deadline, pids
+        time.sleep(0.1)
+        pids = {p for p in _descendants(launcher.pid) if _is_alive(p)}
+    assert int(watchdog) in pids
+    assert f"FEDHM_RUN_TAG={tag}".encode() not in Path(f"/proc/{watchdog}/environ").read_bytes()  # not a target
+    t0 = time.monotonic()
+    launcher.kill()
+    launcher.wait()
+    while any(_is_alive(p) for p in pids):
+        assert time.monotonic() - t0 < 10, {p: _state(p) for p in pids if _is_alive(p)}
+        time.sleep(0.1)
+
+
+# --------------------------------------------------------------------------- slow: whole runs
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """The uninterrupted run with the same seed."""
@@ -164,6 +227,7 @@ def reference(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_everything_prints_the_resume_command_and_it_finishes_the_same_model(tmp_path, reference):
     run_dir = tmp_path / "run"
     proc, log, saved = _signal_mid_run(run_dir, signal.SIGINT)
@@ -181,6 +245,7 @@ def test_ctrl_c_stops_everything_prints_the_resume_command_and_it_finishes_the_s
     _same_model(run_dir, reference)
 
 
+@pytest.mark.slow
 def test_sigkill_leaves_nothing_behind_and_the_resume_judges_its_own_run(tmp_path, reference):
     run_dir = tmp_path / "run"
     proc, _, _ = _signal_mid_run(run_dir, signal.SIGKILL)
@@ -192,6 +257,7 @@ def test_sigkill_leaves_nothing_behind_and_the_resume_judges_its_own_run(tmp_pat
     _same_model(run_dir, reference)
 
 
+@pytest.mark.slow
 def test_a_live_run_keeps_its_directory_and_sigterm_stops_it(tmp_path):
     run_dir = tmp_path / "run"
     long_job = ["rounds=200" if o.startswith("rounds=") else o for o in JOB]
