@@ -220,10 +220,11 @@ def watch(tag: str, pipe: IO[bytes]) -> int:
         t0 = time.monotonic()
         stopped = kill_tagged(tag, grace=1.0)
         left = tagged_pids(tag)
-        if stopped or left:  # the launcher did not stop them: it died
-            print(f"[fedhm watchdog] the launcher is gone: stopped {len(stopped)} process(es) of its run in "
-                  f"{time.monotonic() - t0:.1f} s" + (f"; still running: {left}" if left else ""),
-                  file=sys.stderr, flush=True)
+        if stopped or left:  # the launcher did not stop them: it died (its console may be gone too)
+            with contextlib.suppress(OSError):
+                print(f"[fedhm watchdog] the launcher is gone: stopped {len(stopped)} process(es) of its run in "
+                      f"{time.monotonic() - t0:.1f} s" + (f"; still running: {left}" if left else ""),
+                      file=sys.stderr, flush=True)
     else:  # no /proc (macOS): the process groups the launcher announced
         for sig, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 0.0)):
             for pgid in groups:

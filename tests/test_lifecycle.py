@@ -214,6 +214,24 @@ def test_the_watchdog_stops_every_process_of_a_launcher_killed_outright(tmp_path
         time.sleep(0.1)
 
 
+def test_a_failed_data_check_exits_2_with_one_line_and_starts_nothing(tmp_path, monkeypatch, capsys):
+    from fedhm_flwr import data, launch
+    from fedhm_flwr.config import ConfigError
+
+    def missing(cfg):
+        raise ConfigError("dataset.data_dir", "/nowhere", "a folder holding the dataset, or set $FEDHM_DATA_DIR")
+
+    def no_process(*args, **kwargs):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(data, "check_available", missing, raising=False)  # the call site the lead wires
+    monkeypatch.setattr(launch, "Processes", no_process)
+    assert launch.main([*JOB, "--run-dir", str(tmp_path / "run")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "dataset.data_dir" in line and "FEDHM_DATA_DIR" in line
+    assert not (tmp_path / "run").exists()
+
+
 # --------------------------------------------------------------------------- slow: whole runs
 
 
