@@ -22,13 +22,15 @@ federation of real devices, with every machine replaced by a process on the loop
    API port and a node config with ``partition-id``, ``num-partitions``, optionally ``data-dir``
    and a declared capability (``capability-level`` or a ``capability-params`` /
    ``capability-macs`` / ``capability-memory`` budget);
-5. **the job**: ``flwr run <app> <connection> --stream`` with the Hydra overrides, then the run's
-   final status from ``flwr list --format json`` (``--stream`` exits 0 even when a run fails)
-   and its ``summary.json``;
-6. **cleanup**: every process started here is stopped, also on failure or Ctrl-C: each runs in
-   its own session (stopped by process group, SuperNodes first) and carries a unique tag in
-   its environment, which its children inherit; a last scan of ``/proc`` stops any tagged
-   process that left its group (Flower detaches the SuperLink's SuperExec).
+5. **the job**: the launcher's runner (``fedhm_flwr.launch.run_flower_job``): the staged app
+   (only the app's own files) through ``flwr run <app> <connection> --stream`` with the Hydra
+   overrides, judged by its own run id's final status (``--stream`` exits 0 even when a run
+   fails) and its ``summary.json``; ``--resume <run dir>`` continues a stopped run;
+6. **cleanup**: every process started here is stopped, also on failure, Ctrl-C or SIGTERM (the
+   ServerApp first, then ``flwr stop <run id>``, the SuperNodes, the SuperLink; exit 130 / 143
+   and the command that resumes the run): each runs in its own session and carries a unique
+   tag in its environment, which its children inherit (``fedhm_flwr.procs``); a watchdog stops
+   them all if this script is killed outright. The run directory is locked while in use.
 
 Capability specs (``--capabilities``, one per node, cycled when fewer than N):
 ``level=0.5``, ``params=20000``, ``macs=4e5``, ``memory=6.5e6`` (bytes; k/M/G suffixes are
@@ -46,17 +48,12 @@ import datetime as dt
 import ipaddress
 import json
 import os
-import re
-import shlex
 import shutil
-import signal
 import ssl
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,11 +64,17 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedhm_flwr.config import ConfigError, load_config, split_overrides
-from fedhm_flwr.launch import default_run_dir, free_port, toml_string
+# the package of this checkout, also when another checkout is the one installed in the environment
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fedhm_flwr.config import ConfigError, load_config, resume_config, split_overrides
+from fedhm_flwr.launch import (FlowerJob, check_data, default_run_dir, free_port, report_interrupt, require_checkpoint,
+                               run_flower_job, stage_app, toml_string, write_run_config)
+from fedhm_flwr.procs import TAG_VAR, Interrupted, Processes, RunLock, new_tag, on_signals, tagged_pids
+from fedhm_flwr.procs import alive as _alive
+from fedhm_flwr.results import refuse_existing_run
 
 APP_DIR = Path(__file__).resolve().parent.parent
-TAG_VAR = "FEDHM_DEPLOY_TAG"  # environment variable marking every process of one deployment
 CONNECTION = "fedhm-local"  # name of the SuperLink connection in the CLI's config.toml
 DEFAULT_SANS = ("localhost", "127.0.0.1", "::1")
 CAPABILITY_KINDS = ("level", "params", "macs", "memory")
@@ -276,117 +279,6 @@ def node_config_toml(config: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# --------------------------------------------------------------------------- processes
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat[stat.rfind(")") + 2:].startswith(("Z", "X"))
-
-
-def tagged_pids(tag: str) -> list[int]:
-    """Live processes whose environment carries ``FEDHM_DEPLOY_TAG=<tag>`` (Linux ``/proc``; else [])."""
-    needle = f"{TAG_VAR}={tag}".encode()
-    found = []
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return found
-    for entry in proc.iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if needle in environ.split(b"\0") and not _is_zombie(int(entry.name)):
-            found.append(int(entry.name))
-    return sorted(found)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not _is_zombie(pid)
-
-
-class Processes:
-    """The processes of one deployment: each in its own session, all tagged."""
-
-    def __init__(self, tag: str) -> None:
-        self.tag = tag
-        self.started: list[tuple[str, subprocess.Popen[bytes], Any]] = []
-
-    def start(self, name: str, cmd: list[str], env: dict[str, str], log_file: Path,
-              cwd: Path | None = None) -> subprocess.Popen[bytes]:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        handle = log_file.open("ab")
-        proc = subprocess.Popen(cmd, env={**env, TAG_VAR: self.tag}, stdout=handle, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True)
-        self.started.append((name, proc, handle))
-        return proc
-
-    @staticmethod
-    def stop_groups(procs: Sequence[subprocess.Popen[bytes]], grace: float = 10.0) -> None:
-        """SIGTERM the processes' groups together; SIGKILL what is left after ``grace`` seconds."""
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-            for proc in procs:
-                if proc.poll() is None:
-                    try:
-                        os.killpg(proc.pid, sig)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-            deadline = time.monotonic() + wait
-            for proc in procs:
-                try:
-                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-            if all(proc.poll() is not None for proc in procs):
-                break
-        for proc in procs:  # members of a group that outlived their leader
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    def stop_all(self, grace: float = 10.0) -> list[int]:
-        """Stop everything: SuperNodes (and the rest) first, the SuperLink last.
-
-        Returns the PIDs that the final tag scan found and stopped (processes that had left their
-        group, such as the SuperLink's detached SuperExec when it outlives its parent).
-        """
-        first = [proc for name, proc, _ in self.started if name != "superlink"]
-        last = [proc for name, proc, _ in self.started if name == "superlink"]
-        for wave in (first, last):
-            if wave:
-                self.stop_groups(wave, grace)
-        for _, _, handle in self.started:
-            handle.close()
-        self.started.clear()
-        deadline = time.monotonic() + grace
-        leftovers = tagged_pids(self.tag)
-        while leftovers and time.monotonic() < deadline:  # e.g. a detached SuperExec seeing its parent go
-            time.sleep(0.5)
-            leftovers = tagged_pids(self.tag)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in leftovers:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            end = time.monotonic() + 5
-            while any(_alive(p) for p in leftovers) and time.monotonic() < end:
-                time.sleep(0.2)
-        return leftovers
-
-
 # --------------------------------------------------------------------------- the deployment
 
 
@@ -397,12 +289,12 @@ class LocalDeployment:
     """
 
     def __init__(self, work_dir: Path, port: int | None = None, tag: str | None = None,
-                 say: Callable[[str], None] = _say) -> None:
+                 say: Callable[[str], None] = _say, keep_fds: Sequence[int] = ()) -> None:
         self.work_dir = work_dir.resolve()
         self.port = port or free_port()
-        self.tag = tag or uuid.uuid4().hex
+        self.tag = tag or new_tag()
         self.say = say
-        self.processes = Processes(self.tag)
+        self.processes = Processes(self.tag, keep_fds=keep_fds)  # and its watchdog
         self.creds = Credentials(self.work_dir)
         self.logs = self.work_dir / "logs"
         self.cli_home = self.work_dir / "cli"  # FLWR_HOME of the operator's flwr CLI
@@ -542,61 +434,20 @@ class LocalDeployment:
             time.sleep(2.0)
 
     def run_job(self, overrides: Sequence[str], run_dir: Path, timeout: float | None = None,
-                echo: bool = True) -> dict[str, Any]:
-        """``flwr run <app> <connection> --stream``; checks the final status; returns ``summary.json``."""
+                echo: bool = True, resume: Path | None = None) -> dict[str, Any]:
+        """The staged app through ``flwr run <app> <connection> --stream`` (the launcher's runner:
+        own run id, final status, summary); returns ``summary.json``."""
         run_dir = run_dir.resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
-        run_config = self.cli_home / "run-config.toml"
-        run_config.write_text(
-            f"overrides = {toml_string(' '.join(shlex.quote(o) for o in overrides))}\n"
-            f"output-dir = {toml_string(str(run_dir))}\n"
-            'resume = ""\n'
-        )
-        cmd = [_bin("flwr"), "run", ".", CONNECTION, "--stream", "--run-config", str(run_config)]  # in APP_DIR
-        self.say(f"flwr run . {CONNECTION} --stream --run-config {run_config}  (in {APP_DIR}; outputs in {run_dir})")
-        log_path = self.logs / "flwr-run.log"
-        proc = subprocess.Popen(cmd, env=self.env(self.cli_home), cwd=APP_DIR, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        timer = None
-        if timeout:
-            timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
-            timer.start()
-        run_id = None
-        try:
-            assert proc.stdout is not None
-            with log_path.open("ab") as log:
-                for raw in proc.stdout:
-                    log.write(raw)
-                    line = raw.decode(errors="replace")
-                    if echo:
-                        sys.stdout.write(line)
-                        sys.stdout.flush()
-                    match = re.search(r"started run (\d+)", line)
-                    if match and run_id is None:
-                        run_id = int(match.group(1))
-            code = proc.wait()
-        finally:
-            if timer is not None:
-                timer.cancel()
-            if proc.poll() is None:
-                Processes.stop_groups([proc], grace=2)
-        if timeout and code == -signal.SIGKILL:
-            raise RuntimeError(f"flwr run did not finish in {timeout:.0f} s; see {log_path}")
-        status = self.run_status(run_id) if run_id is not None else {}
-        summary_file = run_dir / "summary.json"
-        if code != 0 or status.get("status") != "finished:completed" or not summary_file.is_file():
-            raise RuntimeError(f"the run did not complete (flwr run exit {code}, run {run_id}, status "
-                               f"{status.get('status')!r}, summary {'present' if summary_file.is_file() else 'missing'}); "
-                               f"see {log_path} and {self.logs}/superlink.log")
-        return json.loads(summary_file.read_text())
-
-    def run_status(self, run_id: int) -> dict[str, Any]:
-        runs = self.flwr("list", "--run-id", str(run_id)).get("runs", [])
-        return runs[0] if runs else {}
+        run_config = write_run_config(self.cli_home / "run-config.toml", overrides, run_dir, resume)
+        app = stage_app(self.work_dir / "app")  # the app's own files, not tests/ bench/ scripts/ docs/
+        self.say(f"flwr run {app} {CONNECTION} --stream --run-config {run_config}  (outputs in {run_dir})")
+        job = FlowerJob(self.processes, self.env(self.cli_home), CONNECTION, self.logs / "flwr-run.log", echo)
+        return run_flower_job(job, app, run_config, run_dir, timeout=timeout, see=f" and {self.logs}/superlink.log")
 
     def close(self) -> None:
         """Stop every process this deployment started (SuperNodes, then the SuperLink, then stragglers)."""
-        self.leftovers = self.processes.stop_all()
+        self.leftovers = self.processes.close(grace=10.0, settle=3.0)
         if self.leftovers:
             self.say(f"stopped {len(self.leftovers)} process(es) that had left their group: {self.leftovers}")
         remaining = [p for p in tagged_pids(self.tag) if _alive(p)]
@@ -615,30 +466,47 @@ class LocalDeployment:
 
 def deploy(num_nodes: int, overrides: Sequence[str], capabilities: Sequence[str] | None = None,
            data_dir: str | None = None, run_dir: Path | None = None, port: int | None = None,
-           sans: Sequence[str] = DEFAULT_SANS, timeout: float | None = None) -> dict[str, Any]:
-    """The whole sequence of the module docstring; returns the run's summary."""
+           sans: Sequence[str] = DEFAULT_SANS, timeout: float | None = None, resume: Path | None = None,
+           command: Sequence[str] | None = None) -> dict[str, Any]:
+    """The whole sequence of the module docstring; returns the run's summary.
+
+    ``resume``: continue the run stored in that run directory. ``command``: how this deployment
+    was started, without overrides (printed with ``--resume`` when the run is interrupted)."""
     overrides = list(overrides)
-    if not any(o.lstrip("+~").split("=", 1)[0] == "num_clients" for o in overrides):
+    if resume is None and not any(o.lstrip("+~").split("=", 1)[0] == "num_clients" for o in overrides):
         overrides.insert(0, f"num_clients={num_nodes}")  # the config records the real federation size
-    cfg = load_config(overrides)  # a bad value stops here, before anything starts
+    # a bad value or missing data stops here, before anything starts
+    cfg = resume_config(resume, overrides) if resume is not None else load_config(overrides)
+    check_data(cfg)
     levels = [float(x) for x in cfg.levels.ratios]
     specs = list(capabilities) if capabilities else [f"level={levels[i % len(levels)]:g}" for i in range(num_nodes)]
     caps = [parse_capability(specs[i % len(specs)]) for i in range(num_nodes)]
-    run_dir = (run_dir or default_run_dir(f"{cfg.method.name}-deploy")).resolve()
+    run_dir = (resume or run_dir or default_run_dir(f"{cfg.method.name}-deploy")).resolve()
+    command = list(command or [sys.executable, str(Path(__file__).resolve()), "--nodes", str(num_nodes)])
     names = [f"node-{i}" for i in range(num_nodes)]
-    with LocalDeployment(run_dir / "deploy", port=port) as dep:
-        dep.make_credentials(names, sans)
-        dep.start_superlink()
-        for name in names:
-            dep.say(f"registered {name} (node id {dep.register(name)})")
-        for i, name in enumerate(names):
-            folder = data_dir.replace("{i}", str(i)) if data_dir else None
-            config = node_config(i, num_nodes, caps[i], folder)
-            dep.start_supernode(name, config)
-            dep.say(f"{name}: {' '.join(f'{k}={v}' for k, v in config.items())}")
-        dep.wait_online(names)
-        summary = dep.run_job(overrides, run_dir, timeout=timeout)
-    return summary
+    tag = new_tag()
+    with on_signals():
+        try:
+            with RunLock(run_dir, tag) as lock:  # a second deployment into a live run's directory is refused
+                if resume is None:
+                    refuse_existing_run(run_dir)
+                else:
+                    require_checkpoint(run_dir)
+                with LocalDeployment(run_dir / "deploy", port=port, tag=tag, keep_fds=[lock.fd]) as dep:
+                    dep.make_credentials(names, sans)
+                    dep.start_superlink()
+                    for name in names:
+                        dep.say(f"registered {name} (node id {dep.register(name)})")
+                    for i, name in enumerate(names):
+                        folder = data_dir.replace("{i}", str(i)) if data_dir else None
+                        config = node_config(i, num_nodes, caps[i], folder)
+                        dep.start_supernode(name, config)
+                        dep.say(f"{name}: {' '.join(f'{k}={v}' for k, v in config.items())}")
+                    dep.wait_online(names)
+                    return dep.run_job(overrides, run_dir, timeout=timeout, resume=resume)
+        except Interrupted as stop:
+            report_interrupt(stop, run_dir, command, overrides if resume is None else [])
+            raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -654,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--san", action="append", default=[],
                         help="extra name or IP address the SuperLink certificate is valid for (repeatable)")
     parser.add_argument("--timeout", type=float, help="give up on the job after this many seconds")
+    parser.add_argument("--resume", type=Path, help="continue the run stored in this run directory")
     parser.add_argument("--days", type=int, default=30, help="validity of the certificates in days (default 30)")
     parser.add_argument("--credentials-only", type=Path, metavar="DIR",
                         help="only write the credentials of --nodes SuperNodes into DIR (for real machines) and exit")
@@ -667,25 +536,26 @@ def main(argv: list[str] | None = None) -> int:
              f"supernodes/node-<i>/ (one folder per device)")
         return 0
 
-    def on_term(signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_term)
+    command = [sys.executable, str(Path(__file__).resolve()), "--nodes", str(args.nodes)]
+    command += ["--capabilities", args.capabilities] if args.capabilities else []
+    command += ["--data-dir", args.data_dir] if args.data_dir else []
+    command += [item for san in args.san for item in ("--san", san)]
     try:
         capabilities = args.capabilities.split() if args.capabilities else None
         if capabilities:
             for spec in capabilities:
                 parse_capability(spec)
         summary = deploy(args.nodes, split_overrides(args.overrides), capabilities, args.data_dir, args.run_dir,
-                         args.port, sans, args.timeout)
-    except (ConfigError, ValueError) as err:
+                         args.port, sans, args.timeout, args.resume, command)
+    except (ConfigError, ValueError, FileExistsError) as err:  # FileExistsError includes a locked run directory
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted; everything that was started has been stopped", file=sys.stderr)
+    except Interrupted as stop:  # everything was stopped; the resume command was printed
+        return stop.exit_code
+    except KeyboardInterrupt:  # before anything started
         return 130
     acc = summary.get("final_acc/global")
     _say(f"run complete: final global accuracy {acc if acc is None else f'{acc:.4f}'}; "
