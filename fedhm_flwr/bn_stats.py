@@ -49,14 +49,29 @@ def bn_sums(model: nn.Module, dataset: Dataset, batch_size: int, device: torch.d
         for module in model.modules():  # e.g. HeteroFL's Scaler: off, as in evaluation
             if getattr(module, "training_only", False):
                 module.eval()
-        for x, _ in DataLoader(dataset, batch_size=batch_size, shuffle=False):
-            if len(x) >= 2:
-                model(x.to(device))
+        for x in _batches(dataset, batch_size):
+            model(x.to(device))
     finally:
         for h in handles:
             h.remove()
         model.train(was_training)
     return acc
+
+
+def _batches(dataset: Dataset, batch_size: int) -> Iterable[torch.Tensor]:
+    """The inputs in order, in batches of ``batch_size``; a last batch of one example joins the
+    batch before it (a norm layer in training mode cannot normalise a single value per channel),
+    so every example counts."""
+    pending = None
+    for x, _ in DataLoader(dataset, batch_size=batch_size, shuffle=False):
+        if pending is not None:
+            if len(x) == 1:
+                x = torch.cat([pending, x])
+            else:
+                yield pending
+        pending = x
+    if pending is not None:
+        yield pending
 
 
 def combine_bn_sums(parts: Iterable[Mapping[str, torch.Tensor]]) -> Sums:

@@ -126,25 +126,31 @@ class RunRecorder:
         atomic_write(self.out_dir / SUMMARY_FILE, json.dumps(summary, default=_json_default, indent=2))
 
     def plot(self, title: str = "") -> Path | None:
-        """Accuracy of the global model and of each level against round (PNG)."""
-        rows = [r for r in self.rows if r.get("acc/global") is not None]
-        if not rows:
+        """Accuracy against round: the server's test set (global model and each level, solid) and
+        the clients' federated evaluation (all clients and each level, dashed)."""
+        keys = [k for k in ("acc/global", "fed_acc/all") if any(r.get(k) is not None for r in self.rows)]
+        if not keys:
             return None
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        keys = ["acc/global"] + sorted({k for r in rows for k in r if k.startswith("acc/level_")},
-                                       key=lambda k: -float(k.split("_", 1)[1]))
+        for prefix in ("acc/level_", "fed_acc/level_"):
+            keys += sorted({k for r in self.rows for k in r if k.startswith(prefix)}, key=lambda k: -float(k.split("_")[-1]))
+        colours = {}  # one colour per level (and one for global/all), shared by the two sources
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for key in keys:
-            pts = [(r["round"], r[key]) for r in rows if r.get(key) is not None]
-            label = "global model" if key == "acc/global" else f"level {key.split('_', 1)[1]}"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
-                    lw=2.2 if key == "acc/global" else 1.2, label=label)
+            pts = [(r["round"], r[key]) for r in self.rows if r.get(key) is not None]
+            clients, level = key.startswith("fed_"), key.split("level_")[-1] if "level_" in key else None
+            what = f"level {level}" if level else "global model" if key == "acc/global" else "all clients"
+            colour = colours.setdefault(level, f"C{len(colours)}")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s" if clients else "o", ms=3, color=colour,
+                    ls="--" if clients else "-", lw=1.2 if level else 2.2,
+                    label=f"{'clients (federated)' if clients else 'server test set'}: {what}")
         ax.set_xlabel("round")
-        ax.set_ylabel("test accuracy (top-1)")
+        ax.set_ylabel("accuracy (top-1)")
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
@@ -166,21 +172,26 @@ def load_checkpoint(run_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[
 
 
 def summarize(rows: list[dict[str, Any]], extra: Mapping[str, Any]) -> dict[str, Any]:
-    """Final and best accuracy of the global model and each level, bytes moved, failures."""
+    """Final and best accuracy on the server's test set (``final_acc/global``, ...) and of the
+    clients' federated evaluation (``final_fed_acc/all``, ..., final spread
+    ``final_fed_acc_clients/mean|std|worst10``), bytes moved (evaluation included), failures."""
     out: dict[str, Any] = dict(extra)
-    acc_keys = sorted({k for r in rows for k in r if k.startswith("acc/")})
-    for key in acc_keys:
+    for key in sorted({k for r in rows for k in r if k.startswith(("acc/", "fed_acc/", "fed_acc_clients/"))}):
         series = [r[key] for r in rows if r.get(key) is not None]
         if series:
-            name = key.split("/", 1)[1]
-            out[f"final_acc/{name}"] = series[-1]
-            out[f"best_acc/{name}"] = max(series)
+            out[f"final_{key}"] = series[-1]
+            if not key.startswith("fed_acc_clients/"):
+                out[f"best_{key}"] = max(series)
     out["rounds_completed"] = len(rows)
     out["bytes_sent"] = int(sum(r.get("bytes_sent", 0) for r in rows))
     out["bytes_received"] = int(sum(r.get("bytes_received", 0) for r in rows))
     out["bytes_bn_stats"] = int(sum(r.get("bytes_bn_stats", 0) for r in rows))
-    out["bytes_total"] = out["bytes_sent"] + out["bytes_received"] + out["bytes_bn_stats"]
+    out["bytes_eval"] = int(sum(r.get("bytes_eval_sent", 0) + r.get("bytes_eval_received", 0) for r in rows))
+    out["bytes_queries"] = int(sum(r.get("bytes_queries", 0) for r in rows))
+    out["bytes_total"] = (out["bytes_sent"] + out["bytes_received"] + out["bytes_bn_stats"] + out["bytes_eval"]
+                          + out["bytes_queries"])
     out["failures"] = int(sum(r.get("failures", 0) for r in rows))
     out["rejected"] = int(sum(r.get("rejected", 0) for r in rows))
+    out["fed_failures"] = int(sum(r.get("fed_failures", 0) for r in rows))
     out["seconds_rounds"] = float(sum(r.get("seconds", 0.0) for r in rows))
     return out

@@ -20,13 +20,11 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 from omegaconf import DictConfig, OmegaConf
 
-from fedhm_flwr.bn_stats import apply_bn_statistics
-from fedhm_flwr.config import data_spec, load_config, model_spec, resume_config, to_yaml
-from fedhm_flwr.data import test_dataset
+from fedhm_flwr.config import load_config, model_spec, resume_config, to_yaml
+from fedhm_flwr.evaluation import make_evaluator
 from fedhm_flwr.models import build_model
-from fedhm_flwr.models.adapters import load_federated
 from fedhm_flwr.results import RunRecorder, load_checkpoint, refuse_existing_run, summarize
-from fedhm_flwr.train import evaluate, pick_device
+from fedhm_flwr.train import pick_device
 from strategies import STRATEGIES
 
 app = ServerApp()
@@ -37,25 +35,6 @@ def default_output_dir(cfg: DictConfig) -> Path:
     root = Path(os.environ.get("FEDHM_OUTPUT_ROOT", Path.home() / "fedhm-outputs")).expanduser()
     now = dt.datetime.now()
     return (root / now.strftime("%Y-%m-%d") / f"{now.strftime('%H-%M-%S-%f')}-{cfg.method.name}").resolve()
-
-
-def make_evaluator(cfg: DictConfig, device: torch.device):
-    """Server-side evaluation on the test set: (model spec, state) -> {accuracy, loss}."""
-    test = test_dataset(data_spec(cfg), data_dir=cfg.dataset.data_dir)
-    batch = int(cfg.evaluation.batch_size)
-
-    def evaluate_fn(spec: dict[str, Any], state: dict[str, torch.Tensor],
-                    bn_sums: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
-        model = build_model(spec, spectral_init=False)
-        if spec.get("trainable_only"):  # a frozen backbone loaded locally + the federated tensors
-            load_federated(model, state)
-        else:
-            model.load_state_dict(state, strict=True)
-        if bn_sums is not None:  # federated sBN statistics; else test-batch statistics
-            apply_bn_statistics(model, bn_sums)
-        return evaluate(model, test, batch, device)
-
-    return evaluate_fn
 
 
 def initial_state(cfg: DictConfig, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -72,8 +51,9 @@ def run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None = None) 
     recorder = RunRecorder(out_dir)
     recorder.write_config(to_yaml(cfg))
     spec = model_spec(cfg)
-    device = pick_device()
-    strategy = STRATEGIES[cfg.method.name](cfg, spec, make_evaluator(cfg, device), recorder)
+    # a deployment's server may hold no test set: with evaluation.where=clients none is loaded
+    evaluator = None if cfg.evaluation.where == "clients" else make_evaluator(cfg, pick_device())
+    strategy = STRATEGIES[cfg.method.name](cfg, spec, evaluator, recorder)
     state = strategy.initial_state(int(cfg.seed))
     if state is None:
         state = initial_state(cfg, spec)
@@ -99,8 +79,8 @@ def run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None = None) 
     })
     recorder.write_summary(summary)
     recorder.plot(title=f"{cfg.method.name} · {cfg.model.arch} · {cfg.dataset.name}")
-    log(INFO, "fedhm-flwr: done; final global accuracy %s; outputs in %s",
-        summary.get("final_acc/global"), recorder.out_dir)
+    log(INFO, "fedhm-flwr: done; final accuracy: server test set %s, clients %s; outputs in %s",
+        summary.get("final_acc/global"), summary.get("final_fed_acc/all"), recorder.out_dir)
     return summary
 
 

@@ -22,6 +22,8 @@ from omegaconf import OmegaConf
 from fedhm_flwr.results import CONFIG_FILE, METRICS_JSONL, SUMMARY_FILE, atomic_write
 
 IGNORED = ("output_dir", "dataset.data_dir", "timeout")
+# summary keys shown as accuracy columns: the server's test set, then the clients' federated figures
+ACC_PREFIXES = ("final_acc/", "best_acc/", "final_fed_acc/", "best_fed_acc/", "final_fed_acc_clients/")
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
@@ -87,7 +89,7 @@ def collect(run_dirs: list[Path]) -> tuple[list[str], list[dict[str, Any]]]:
         row.update({k: value.get(k) for k in swept})
         row.setdefault("method", summary.get("method"))  # a swept method group keeps its option name
         for key, value in summary.items():
-            if key.startswith(("final_acc/", "best_acc/")):
+            if key.startswith(ACC_PREFIXES):
                 row[key] = value
         for level, cost in summary.get("level_costs", {}).items():
             row[f"params/level_{level}"] = int(cost.get("params", 0))
@@ -110,8 +112,8 @@ def _columns(rows: list[dict[str, Any]]) -> list[str]:
         tail = col.rsplit("level_", 1)
         return -float(tail[1]) if len(tail) == 2 else -float("inf")
 
-    accs = sorted((c for c in cols if c.startswith(("final_acc/", "best_acc/"))),
-                  key=lambda c: (level_of(c), not c.startswith("final")))
+    accs = sorted((c for c in cols if c.startswith(ACC_PREFIXES)),
+                  key=lambda c: ("fed_" in c, level_of(c), not c.startswith("final")))
     params = sorted((c for c in cols if c.startswith("params/")), key=level_of)
     tail = [c for c in ("bytes_total", "wall_seconds", "rounds", "dir") if c in cols]
     head = [c for c in cols if c not in accs + params + tail]
@@ -172,7 +174,7 @@ def _plots(run_dirs: list[Path], rows: list[dict[str, Any]], out: Path) -> None:
 def _label(row: dict[str, Any]) -> str:
     skip = {"run", "method", "dir", "bytes_total", "wall_seconds", "rounds"}
     parts = [f"{k.split('.')[-1]}={v}" for k, v in row.items()
-             if k not in skip and not k.startswith(("final_acc", "best_acc", "params/"))]
+             if k not in skip and not k.startswith(ACC_PREFIXES + ("params/",))]
     return f"{row['run']} " + " ".join(parts) if parts else str(row["run"])
 
 

@@ -31,12 +31,14 @@ from fedhm_flwr.summary import markdown_table, write_summary
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    """One sweep job: validate, run through ``flwr run``, return the final global accuracy."""
+    """One sweep job: validate, run through ``flwr run``, return the final global accuracy on the
+    server's test set (the clients' federated accuracy when the server has none)."""
     validate(cfg)
     hc = HydraConfig.get()
     job_dir = Path(hc.runtime.output_dir).resolve()
     summary = run_job(list(hc.overrides.task), run_dir=job_dir)
-    return summary.get("final_acc/global")
+    acc = summary.get("final_acc/global")
+    return summary.get("final_fed_acc/all") if acc is None else acc
 
 
 class SweepSummary(Callback):

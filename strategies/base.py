@@ -27,8 +27,8 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 from omegaconf import DictConfig
 
+from fedhm_flwr import evaluation as ev
 from fedhm_flwr import levels as lv
-from fedhm_flwr.bn_stats import combine_bn_sums
 from fedhm_flwr.config import data_spec, learning_rate, level_proportions
 
 from .nodes import NodeInfo, NodeRegistry, content_bytes
@@ -74,7 +74,6 @@ class RoundLog:
     level_counts: dict[str, int] = field(default_factory=dict)
     assignments: dict[str, float] = field(default_factory=dict)  # node (partition) -> level
     server_seconds: float = 0.0
-    bn_bytes: int = 0  # federated sBN statistics traffic (evaluation)
     query_bytes: int = 0  # node-info queries and their answers (new nodes only)
 
 
@@ -109,6 +108,8 @@ class HeteroStrategy(Strategy):
         self.history: list[dict[str, Any]] = []
         self.start_round = 1
         self._grid: Grid | None = None
+        self._federated: ev.FederatedEvaluation | None = None  # this round's client-side evaluation
+        self.federated_row: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ method hooks
 
@@ -240,10 +241,20 @@ class HeteroStrategy(Strategy):
         return ArrayRecord.from_torch_state_dict(new_state), MetricRecord(metrics)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        return []  # evaluation is server-side, on the server's test set (SPEC section 1)
+        """Federated evaluation (``evaluation.where`` clients or both): the nodes sampled for
+        training this round evaluate the global model at their own level."""
+        if self.cfg.evaluation.where == "server":
+            self._federated = None
+            return []
+        self._federated = ev.FederatedEvaluation(self, server_round, arrays.to_torch_state_dict())
+        return self._federated.messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        return None
+        """The federated figures (the whole row entries stay in ``self.federated_row``)."""
+        if self._federated is None:
+            return None
+        self.federated_row = self._federated.collect(replies)
+        return MetricRecord(ev.numeric(self.federated_row, ("fed_",)))
 
     def start(
         self,
@@ -255,7 +266,8 @@ class HeteroStrategy(Strategy):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
-        """The run: the same round for every method, with server-side evaluation per level."""
+        """The run: the same round for every method, evaluated on the server's test set per level
+        and/or by the sampled clients (``evaluation.where``)."""
         self.summary()
         result = Result()
         arrays = initial_arrays
@@ -273,13 +285,16 @@ class HeteroStrategy(Strategy):
             row = self._round_row(server_round, train_metrics)
             if self._evaluation_due(server_round, num_rounds):
                 t_eval = time.perf_counter()
-                row.update(self.evaluate_levels(arrays.to_torch_state_dict()))
+                if self.cfg.evaluation.where != "clients":
+                    row.update(self.evaluate_levels(arrays.to_torch_state_dict()))
+                    row.setdefault("bn_stats", self.cfg.evaluation.bn_stats)
+                    result.evaluate_metrics_serverapp[server_round] = MetricRecord(ev.numeric(row, ("acc", "loss")))
+                messages = list(self.configure_evaluate(server_round, arrays, evaluate_config or ConfigRecord(), grid))
+                if messages:
+                    replies = grid.send_and_receive(messages, timeout=timeout)
+                    result.evaluate_metrics_clientapp[server_round] = self.aggregate_evaluate(server_round, replies)
+                    row.update(self.federated_row)
                 row["eval_seconds"] = time.perf_counter() - t_eval
-                row["bn_stats"] = self.cfg.evaluation.bn_stats
-                if self.round_log.bn_bytes:
-                    row["bytes_bn_stats"] = self.round_log.bn_bytes
-                result.evaluate_metrics_serverapp[server_round] = MetricRecord(
-                    {k: float(v) for k, v in row.items() if k.startswith(("acc", "loss"))})
             row["seconds"] = time.perf_counter() - t_round
             self.history.append(row)
             log(INFO, "%s", progress_line(row, num_rounds, self.levels))
@@ -289,62 +304,11 @@ class HeteroStrategy(Strategy):
                     self.recorder.save_checkpoint(arrays.to_torch_state_dict(), self.checkpoint_state(server_round))
         return result
 
-    # ------------------------------------------------------------------ evaluation
+    # ------------------------------------------------------------------ evaluation (fedhm_flwr/evaluation.py)
 
-    def evaluate_levels(self, global_state: State) -> dict[str, float]:
-        """Accuracy and loss of the global model and of each level's deployable model."""
-        if self.evaluate_fn is None:
-            return {}
-        out: dict[str, float] = {}
-        global_spec, global_model = self.global_model(global_state)
-        metrics = self._evaluate(global_spec, global_model)
-        out["acc/global"], out["loss/global"] = metrics["accuracy"], metrics["loss"]
-        if self.cfg.evaluation.levels:
-            for index, level in enumerate(self.levels):
-                spec, state = self.deployable(index, global_state)
-                same = spec == global_spec and state.keys() == global_model.keys() and all(
-                    torch.equal(state[k], global_model[k]) for k in state)
-                m = metrics if same else self._evaluate(spec, state)
-                out[f"acc/level_{level:g}"], out[f"loss/level_{level:g}"] = m["accuracy"], m["loss"]
-        return out
-
-    def _evaluate(self, spec: dict[str, Any], state: State) -> dict[str, float]:
-        """Evaluate one model; with federated sBN, its norm statistics come from the clients."""
-        assert self.evaluate_fn is not None
-        if self.cfg.evaluation.bn_stats != "federated" or spec.get("trainable_only"):
-            return self.evaluate_fn(spec, state)
-        return self.evaluate_fn(spec, state, self.federated_bn_sums(spec, state))
-
-    def federated_bn_sums(self, spec: dict[str, Any], state: State) -> dict[str, torch.Tensor]:
-        """Ask clients for per-layer sums over their local training data (SPEC section 3) and add
-        them up; the data never leaves the clients."""
-        if self._grid is None:
-            raise RuntimeError("federated sBN statistics need the grid (configure_train runs first)")
-        node_ids = sorted(self.nodes, key=self._partition_key)
-        limit = int(self.cfg.evaluation.bn_clients)
-        if 0 < limit < len(node_ids):
-            rng = lv.round_rng(int(self.cfg.seed), len(self.history) + 1, stream=3)
-            node_ids = [node_ids[i] for i in sorted(rng.choice(len(node_ids), size=limit, replace=False))]
-        arrays = state_to_arrays(state)
-        messages = []
-        for node_id in node_ids:
-            config = ConfigRecord({"query": "bn-stats", "model-spec": json.dumps(spec),
-                                   "data-spec": json.dumps(data_spec(self.cfg, self.nodes[node_id].num_partitions)),
-                                   "batch-size": int(self.cfg.train.batch_size)})
-            record = ArrayRecord.from_array_dict(arrays)
-            self.round_log.bn_bytes += record.count_bytes()
-            messages.append(Message(content=RecordDict({ARRAYS: record, CONFIG: config}), dst_node_id=node_id,
-                                    message_type=MessageType.QUERY))
-        parts = []
-        for reply in self._grid.send_and_receive(messages, timeout=float(self.cfg.timeout)):
-            if reply.has_error() or ARRAYS not in reply.content:
-                log(WARNING, "bn-stats: node %d gave no statistics", reply.metadata.src_node_id)
-                continue
-            self.round_log.bn_bytes += reply.content[ARRAYS].count_bytes()
-            parts.append(reply.content[ARRAYS].to_torch_state_dict())
-        if not parts:
-            raise RuntimeError("federated sBN statistics: no client answered")
-        return combine_bn_sums(parts)
+    def evaluate_levels(self, global_state: State) -> dict[str, Any]:
+        """Server test-set accuracy and loss of the global model and each level's deployable model."""
+        return ev.evaluate_levels(self, global_state)
 
     def _evaluation_due(self, server_round: int, num_rounds: int) -> bool:
         return server_round == num_rounds or server_round % int(self.cfg.evaluation.every) == 0
@@ -497,6 +461,9 @@ def progress_line(row: dict[str, Any], num_rounds: int, levels: list[float]) -> 
         per_level = [f"{lvl:g}:{row[f'acc/level_{lvl:g}']:.3f}" for lvl in levels if f"acc/level_{lvl:g}" in row]
         if per_level:
             parts.append("levels " + " ".join(per_level))
+    if "fed_acc/all" in row:
+        parts.append(f"clients acc {row['fed_acc/all']:.4f} (worst10 {row['fed_acc_clients/worst10']:.3f}, "
+                     f"{row['fed_clients']} clients)")
     if "train_loss" in row:
         parts.append(f"train loss {row['train_loss']:.4f}")
     parts.append(f"replies {row['replies']}/{row['sampled']}")

@@ -19,6 +19,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from fedhm_flwr import evaluation as ev
+
 from .base import HeteroStrategy, Reply, State
 from .fedhm import FedHMStrategy
 from .heterofl import HeteroFLStrategy
@@ -71,13 +73,14 @@ class FedAvgStrategy(HeteroStrategy):
     def level_cost(self, level_index: int) -> dict[str, float]:
         return self.inner.level_cost(level_index)
 
-    def evaluate_levels(self, global_state: State) -> dict[str, float]:
+    def evaluate_levels(self, global_state: State) -> dict[str, Any]:
         if not self.global_is_level:
             return super().evaluate_levels(global_state)
         if self.evaluate_fn is None:
             return {}
-        m = self.evaluate_fn(*self.deployable(0, global_state))
-        out = {"acc/global": m["accuracy"], "loss/global": m["loss"]}
+        bn = ev.BnUse(str(self.cfg.evaluation.bn_stats))
+        m = ev.evaluate_model(self, *self.deployable(0, global_state), bn)
+        out: dict[str, Any] = {"acc/global": m["accuracy"], "loss/global": m["loss"]}
         if self.cfg.evaluation.levels:
             out[f"acc/level_{self.levels[0]:g}"], out[f"loss/level_{self.levels[0]:g}"] = m["accuracy"], m["loss"]
-        return out
+        return {**out, **bn.row()}

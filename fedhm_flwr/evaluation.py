@@ -1,0 +1,303 @@
+"""Evaluation: the server's test set, federated (client-side) evaluation and sBN statistics.
+
+Three parts, each called by the shared round (``strategies/base.py``) on evaluation rounds:
+
+* **Server test set** (``evaluation.where`` = ``server`` or ``both``): :func:`make_evaluator`
+  scores a model on the server's test set; :func:`evaluate_levels` scores the global model and
+  each level's deployable model. Keys ``acc/global``, ``loss/global``, ``acc/level_<γ>``,
+  ``loss/level_<γ>``. With ``evaluation.bn_stats=federated`` the norm statistics come from the
+  clients (:func:`federated_bn_sums`); when no client answers, test-batch statistics are used
+  and the row's ``bn_stats`` says so (``test_batch_fallback``).
+* **Federated** (``clients`` or ``both``): :class:`FederatedEvaluation` sends the nodes sampled
+  for training this round an EVALUATE message with the global model at their own level, and
+  :func:`federated_figures` turns the replies into ``fed_acc/all``, ``fed_loss/all``,
+  ``fed_acc/level_<γ>``, ``fed_loss/level_<γ>``, ``fed_clients/level_<γ>``, ``fed_clients`` and
+  the spread over clients ``fed_acc_clients/mean|std|worst10`` (:func:`client_spread`).
+* The pure statistics (:func:`weighted_mean`, :func:`client_spread`, :func:`federated_figures`)
+  import no Flower.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from logging import WARNING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.supercore import log
+from omegaconf import DictConfig
+
+from fedhm_flwr import levels as lv
+from fedhm_flwr.bn_stats import apply_bn_statistics, combine_bn_sums
+from fedhm_flwr.config import data_spec
+from fedhm_flwr.data import test_dataset
+from fedhm_flwr.models import build_model
+from fedhm_flwr.models.adapters import load_federated
+from fedhm_flwr.train import evaluate
+
+if TYPE_CHECKING:
+    from strategies.base import HeteroStrategy
+
+State = dict[str, torch.Tensor]
+ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
+WORST_FRACTION = 0.1  # fed_acc_clients/worst10: the mean accuracy of the worst ceil(10 %) clients
+
+
+def _wire(state: State) -> dict[str, Any]:
+    """A state as flwr Arrays, serialised once (the round's encoding, ``strategies/base.py``)."""
+    from strategies.base import state_to_arrays  # base imports this module: import when used
+
+    return state_to_arrays(state)
+
+
+# ---------------------------------------------------------------------- pure statistics
+
+
+def weighted_mean(values: Sequence[float], weights: Sequence[float]) -> float:
+    """sum(w * v) / sum(w); NaN when there is no weight."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.size == 0 or w.sum() <= 0:
+        return math.nan
+    return float(np.dot(w, np.asarray(values, dtype=np.float64)) / w.sum())
+
+
+def client_spread(accuracies: Sequence[float], worst_fraction: float = WORST_FRACTION) -> dict[str, float]:
+    """The spread of the clients' accuracies, each client counting once (not by examples):
+    ``mean``, ``std`` (population, ddof 0) and ``worst10``, the mean accuracy of the
+    ``ceil(worst_fraction * n)`` clients with the lowest accuracy (at least one client)."""
+    acc = np.sort(np.asarray(accuracies, dtype=np.float64))
+    if acc.size == 0:
+        return {}
+    k = max(1, math.ceil(worst_fraction * acc.size - 1e-9))
+    return {"mean": float(acc.mean()), "std": float(acc.std()), "worst10": float(acc[:k].mean())}
+
+
+@dataclass(frozen=True)
+class ClientScore:
+    """One client's evaluation reply."""
+
+    node: str  # the node's label (p<partition> or n<node id>)
+    level: float
+    num_examples: int
+    loss: float
+    accuracy: float
+
+
+def federated_figures(scores: Sequence[ClientScore], levels: Sequence[float]) -> dict[str, float]:
+    """The federated row entries of one evaluation round (see the module docstring)."""
+    out: dict[str, float] = {"fed_clients": len(scores)}
+    if not scores:
+        return out
+    n = [s.num_examples for s in scores]
+    out["fed_acc/all"] = weighted_mean([s.accuracy for s in scores], n)
+    out["fed_loss/all"] = weighted_mean([s.loss for s in scores], n)
+    for level in levels:
+        mine = [s for s in scores if s.level == float(level)]
+        out[f"fed_clients/level_{level:g}"] = len(mine)
+        if mine:
+            w = [s.num_examples for s in mine]
+            out[f"fed_acc/level_{level:g}"] = weighted_mean([s.accuracy for s in mine], w)
+            out[f"fed_loss/level_{level:g}"] = weighted_mean([s.loss for s in mine], w)
+    out.update({f"fed_acc_clients/{k}": v for k, v in client_spread([s.accuracy for s in scores]).items()})
+    return out
+
+
+# ---------------------------------------------------------------------- the server's test set
+
+
+def make_evaluator(cfg: DictConfig, device: torch.device):
+    """Server-side evaluation on the test set: (model spec, state[, sBN sums]) -> {accuracy, loss}."""
+    test = test_dataset(data_spec(cfg), data_dir=cfg.dataset.data_dir)
+    batch = int(cfg.evaluation.batch_size)
+
+    def evaluate_fn(spec: dict[str, Any], state: State, bn_sums: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+        model = build_model(spec, spectral_init=False)
+        if spec.get("trainable_only"):  # a frozen backbone loaded locally + the federated tensors
+            load_federated(model, state)
+        else:
+            model.load_state_dict(state, strict=True)
+        if bn_sums is not None:  # federated sBN statistics; else test-batch statistics
+            apply_bn_statistics(model, bn_sums)
+        return evaluate(model, test, batch, device)
+
+    return evaluate_fn
+
+
+@dataclass
+class BnUse:
+    """Which norm statistics one evaluation round used, and what asking the clients cost."""
+
+    configured: str
+    fallbacks: int = 0
+    bytes: int = 0
+
+    def row(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"bn_stats": "test_batch_fallback" if self.fallbacks else self.configured}
+        if self.fallbacks:
+            out["bn_fallbacks"] = self.fallbacks
+        if self.bytes:
+            out["bytes_bn_stats"] = self.bytes
+        return out
+
+
+def evaluate_levels(strategy: HeteroStrategy, global_state: State) -> dict[str, Any]:
+    """Test-set accuracy and loss of the global model and of each level's deployable model, with
+    the row's ``bn_stats`` (and ``bytes_bn_stats``)."""
+    if strategy.evaluate_fn is None:
+        return {}
+    bn = BnUse(str(strategy.cfg.evaluation.bn_stats))
+    out: dict[str, Any] = {}
+    global_spec, global_model = strategy.global_model(global_state)
+    metrics = evaluate_model(strategy, global_spec, global_model, bn)
+    out["acc/global"], out["loss/global"] = metrics["accuracy"], metrics["loss"]
+    if strategy.cfg.evaluation.levels:
+        for index, level in enumerate(strategy.levels):
+            spec, state = strategy.deployable(index, global_state)
+            same = spec == global_spec and state.keys() == global_model.keys() and all(
+                torch.equal(state[k], global_model[k]) for k in state)
+            m = metrics if same else evaluate_model(strategy, spec, state, bn)
+            out[f"acc/level_{level:g}"], out[f"loss/level_{level:g}"] = m["accuracy"], m["loss"]
+    out.update(bn.row())
+    return out
+
+
+def evaluate_model(strategy: HeteroStrategy, spec: dict[str, Any], state: State, bn: BnUse) -> dict[str, float]:
+    """Evaluate one model; with federated sBN its norm statistics come from the clients, or from
+    the test batches when none answers (logged, counted in ``bn``)."""
+    assert strategy.evaluate_fn is not None
+    if strategy.cfg.evaluation.bn_stats != "federated" or spec.get("trainable_only"):
+        return strategy.evaluate_fn(spec, state)
+    sums, nbytes = federated_bn_sums(strategy, spec, state)
+    bn.bytes += nbytes
+    if sums is None:
+        bn.fallbacks += 1
+        log(WARNING, "bn-stats: no client answered; this model is evaluated with test-batch statistics")
+        return strategy.evaluate_fn(spec, state)
+    return strategy.evaluate_fn(spec, state, sums)
+
+
+def federated_bn_sums(strategy: HeteroStrategy, spec: dict[str, Any], state: State) -> tuple[dict[str, torch.Tensor] | None, int]:
+    """(the clients' summed per-layer statistics or None when no client answered, bytes moved).
+    Clients run the model over their local training data (docs/METHODS.md, sBN); the data never
+    leaves them."""
+    grid = strategy._grid
+    if grid is None:
+        raise RuntimeError("federated sBN statistics need the grid (configure_train runs first)")
+    cfg = strategy.cfg
+    node_ids = sorted(strategy.nodes, key=strategy._partition_key)
+    limit = int(cfg.evaluation.bn_clients)
+    if 0 < limit < len(node_ids):
+        rng = lv.round_rng(int(cfg.seed), len(strategy.history) + 1, stream=3)
+        node_ids = [node_ids[i] for i in sorted(rng.choice(len(node_ids), size=limit, replace=False))]
+    arrays = _wire(state)
+    nbytes, messages = 0, []
+    for node_id in node_ids:
+        config = ConfigRecord({"query": "bn-stats", "model-spec": json.dumps(spec),
+                               "data-spec": json.dumps(data_spec(cfg, strategy.nodes[node_id].num_partitions)),
+                               "batch-size": int(cfg.train.batch_size)})
+        record = ArrayRecord.from_array_dict(arrays)
+        nbytes += record.count_bytes()
+        messages.append(Message(content=RecordDict({ARRAYS: record, CONFIG: config}), dst_node_id=node_id,
+                                message_type=MessageType.QUERY))
+    parts = []
+    for reply in grid.send_and_receive(messages, timeout=float(cfg.timeout)):
+        if reply.has_error() or ARRAYS not in reply.content:
+            log(WARNING, "bn-stats: node %s gave no statistics", strategy.node_label(reply.metadata.src_node_id))
+            continue
+        nbytes += reply.content[ARRAYS].count_bytes()
+        parts.append(reply.content[ARRAYS].to_torch_state_dict())
+    return (combine_bn_sums(parts) if parts else None), nbytes
+
+
+# ---------------------------------------------------------------------- federated evaluation
+
+
+class FederatedEvaluation:
+    """One round's client-side evaluation: the EVALUATE messages to the nodes sampled for
+    training (each at its own level, one model cut per level and shared), then the figures of
+    the replies (:meth:`collect`). Failures and timeouts are counted, logged, never fatal."""
+
+    def __init__(self, strategy: HeteroStrategy, server_round: int, global_state: State) -> None:
+        self.strategy = strategy
+        self.server_round = server_round
+        self.level_of: dict[int, int] = {}  # node id -> level index
+        self.bytes_sent = 0
+        self.messages: list[Message] = []
+        cfg = strategy.cfg
+        models: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # level index -> (spec, arrays)
+        for node_id, (index, _) in sorted(strategy.sent.items(), key=lambda kv: strategy._partition_key(kv[0])):
+            if index not in models:
+                spec, state = strategy.deployable(index, global_state)
+                models[index] = (spec, _wire(state))
+            spec, arrays = models[index]
+            record = ArrayRecord.from_array_dict(arrays)  # fresh record, shared bytes
+            config = ConfigRecord({
+                "server-round": server_round,
+                "level": strategy.levels[index],
+                "level-index": index,
+                "model-spec": json.dumps(spec),
+                "data-spec": json.dumps(data_spec(cfg, strategy.nodes[node_id].num_partitions)),
+                "batch-size": int(cfg.evaluation.batch_size),
+            })
+            self.bytes_sent += record.count_bytes()
+            self.level_of[node_id] = index
+            self.messages.append(Message(content=RecordDict({ARRAYS: record, CONFIG: config}), dst_node_id=node_id,
+                                         message_type=MessageType.EVALUATE))
+
+    def score(self, msg: Message) -> tuple[ClientScore | None, str]:
+        """A reply as a :class:`ClientScore`, or (None, why it is refused)."""
+        node_id = msg.metadata.src_node_id
+        if node_id not in self.level_of:
+            return None, "reply from a node that was not asked to evaluate"
+        if msg.has_error():
+            return None, f"client error: {msg.error.reason}"
+        if METRICS not in msg.content:
+            return None, f"reply lacks '{METRICS}'"
+        m = msg.content[METRICS]
+        n, loss, acc = m.get("num-examples"), m.get("eval-loss"), m.get("eval-accuracy")
+        if not isinstance(n, (int, float)) or isinstance(n, bool) or not n > 0:
+            return None, f"num-examples missing or not positive ({n!r})"
+        if not isinstance(acc, (int, float)) or not 0.0 <= acc <= 1.0:
+            return None, f"eval-accuracy missing or not in [0, 1] ({acc!r})"
+        if not isinstance(loss, (int, float)) or not math.isfinite(loss):
+            return None, f"eval-loss missing or not finite ({loss!r})"
+        return ClientScore(self.strategy.node_label(node_id), self.strategy.levels[self.level_of[node_id]],
+                           int(n), float(loss), float(acc)), ""
+
+    def collect(self, replies: Iterable[Message]) -> dict[str, Any]:
+        """The round's federated row entries: figures, failures (with reasons) and bytes."""
+        scores: list[ClientScore] = []
+        failures: list[tuple[str, str]] = []
+        answered: set[int] = set()
+        bytes_received = 0
+        for msg in replies:
+            node_id = msg.metadata.src_node_id
+            answered.add(node_id)
+            score, why = self.score(msg)
+            if score is None:
+                failures.append((self.strategy.node_label(node_id), why))
+                continue
+            bytes_received += msg.content[METRICS].count_bytes()
+            scores.append(score)
+        for node_id in sorted(set(self.level_of) - answered, key=self.strategy._partition_key):
+            failures.append((self.strategy.node_label(node_id), "no reply before the round timeout"))
+        for label, why in failures:
+            log(WARNING, "round %d: federated evaluation on node %s failed: %s", self.server_round, label, why)
+        scores.sort(key=lambda s: s.node)
+        out: dict[str, Any] = federated_figures(scores, self.strategy.levels)
+        out["fed_failures"] = len(failures)
+        if failures:
+            out["fed_failure_reasons"] = json.dumps([list(f) for f in failures])
+        out["bytes_eval_sent"], out["bytes_eval_received"] = self.bytes_sent, bytes_received
+        return out
+
+
+def numeric(row: dict[str, Any], prefixes: tuple[str, ...]) -> dict[str, float]:
+    """The row's finite numbers whose key starts with one of ``prefixes`` (for a MetricRecord)."""
+    return {k: float(v) for k, v in row.items() if k.startswith(prefixes) and isinstance(v, (int, float))
+            and not isinstance(v, bool) and math.isfinite(v)}
