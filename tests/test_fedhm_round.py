@@ -31,7 +31,7 @@ def test_one_svd_per_factorizable_layer_per_round_whatever_the_levels(toy_cfg, m
     strategy = _strategy(cfg)
     calls = []
     real = lowrank.layer_svd
-    monkeypatch.setattr(lowrank, "layer_svd", lambda w: calls.append(tuple(w.shape)) or real(w))
+    monkeypatch.setattr(lowrank, "layer_svd", lambda w, *a: calls.append(tuple(w.shape)) or real(w, *a))
     grid = LocalGrid(12, client_handlers())
     messages = _configure(strategy, grid, initial_state(cfg, strategy.spec))
     levels_sent = {json.loads(m.content["config"]["model-spec"]).get("ranks") is not None for m in messages}
