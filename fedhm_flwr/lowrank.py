@@ -262,8 +262,8 @@ def layer_svd(weight: Tensor, ranks: Iterable[int] = ()) -> SVD:
     full = min(matrix.shape)
     if wanted and not (1 <= wanted[0] and wanted[-1] <= full):
         raise ValueError(f"ranks must be in [1, {full}], got {list(wanted)}")
-    if not wanted or wanted[-1] == full or matrix.dtype == torch.float64:
-        return _exact_svd(matrix)
+    if not wanted or wanted[-1] == full or matrix.dtype == torch.float64 or matrix.is_meta:
+        return _exact_svd(matrix)  # (on the meta device: shapes only, nothing computed)
     for dtype in (torch.float32, torch.float64):
         svd = _gram_svd(matrix, wanted, dtype)
         if svd is not None:
