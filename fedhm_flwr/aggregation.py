@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from fedhm_flwr.lowrank import factor_matrices, layer_matrix, matrix_to_conv
+
 State = dict[str, torch.Tensor]
 
 
@@ -58,20 +60,102 @@ def average_states(
     ``classifier_keys`` (its first dimension indexes classes) is averaged row by row over the
     clients holding that class, with their weights renormalised; rows of classes no client held
     keep ``previous``'s values. Keys missing from ``states`` keep ``previous``'s values.
+
+    The float32 tensors of every client are laid side by side in one (clients x values) matrix and
+    averaged by one matrix-vector product (float32, weights summing to 1); other dtypes and the
+    per-class keys are averaged key by key in float64.
     """
     if len(states) != len(weights) or not states:
         raise ValueError("need one weight per client state, and at least one state")
     w = torch.as_tensor(np.asarray(weights, dtype=np.float64))
-    out: State = {}
+    per_class = set(classifier_keys) if class_holds is not None else set()
+    flat = [k for k, v in previous.items() if k in states[0] and k not in per_class
+            and v.dtype == torch.float32 and states[0][k].dtype == torch.float32]
+    out: State = dict(zip(flat, stacked_average([[s[k] for k in flat] for s in states], w))) if flat else {}
     for key, prev in previous.items():
+        if key in out:
+            continue
         if key not in states[0]:
             out[key] = prev.clone()
             continue
         stacked = torch.stack([s[key].to(torch.float64) for s in states])
-        if class_holds is not None and key in classifier_keys:
+        if key in per_class:
             out[key] = classwise_average(prev, stacked, w, torch.as_tensor(class_holds))
         else:
             out[key] = torch.tensordot(w, stacked, dims=1).to(prev.dtype)
+    return {key: out[key] for key in previous}
+
+
+def stacked_average(tensors: Sequence[Sequence[torch.Tensor]], weights: torch.Tensor) -> list[torch.Tensor]:
+    """``sum_i weights[i] * tensors[i][j]`` for every position ``j``, as one product of the
+    (clients x values) matrix of the flattened float32 tensors."""
+    shapes = [t.shape for t in tensors[0]]
+    matrix = torch.stack([torch.cat([t.reshape(-1) for t in client]) for client in tensors])
+    flat = weights.to(matrix.dtype) @ matrix
+    return [part.view(shape) for part, shape in zip(flat.split([math.prod(s) for s in shapes]), shapes)]
+
+
+def average_hybrid(
+    previous: Mapping[str, torch.Tensor],
+    states: Sequence[Mapping[str, torch.Tensor]],
+    ranks: Sequence[Mapping[str, int]],
+    weights: Sequence[float],
+    class_holds: np.ndarray | None = None,
+    classifier_keys: Sequence[str] = (),
+) -> State:
+    """:func:`average_states` of hybrid client states (FedHM), without recovering each one.
+
+    ``ranks[i]`` are client ``i``'s factorized layers (its hybrid state holds ``L.b.weight``,
+    ``L.a.weight`` and maybe ``L.a.bias``). The weighted sum of a layer's recovered weights,
+    ``sum_i w_i A_i B_i``, is one matrix product ``[w_1 A_1 | w_2 A_2 | ...] @ [B_1; B_2; ...]``
+    (ranks may differ), plus the weighted sum of the clients that sent the layer full rank.
+    Factorized layers must not be per-class keys.
+    """
+    if not (len(states) == len(ranks) == len(weights)) or not states:
+        raise ValueError("need one rank plan and one weight per client state, and at least one state")
+    layers = sorted({name for r in ranks for name in r})
+    clash = [name for name in layers if f"{name}.weight" in classifier_keys]
+    if clash:
+        raise ValueError(f"factorized layers {clash} cannot be averaged per class")
+    w = np.asarray(weights, dtype=np.float64)
+    merged = {f"{name}.weight": _layer_sum(previous[f"{name}.weight"], states, ranks, w, name) for name in layers}
+    rest = [_without_factors(s, r) for s, r in zip(states, ranks)]
+    others = {k: v for k, v in previous.items() if k not in merged}
+    averaged = average_states(others, rest, weights, class_holds, classifier_keys)
+    return {key: merged[key] if key in merged else averaged[key] for key in previous}
+
+
+def _layer_sum(previous: torch.Tensor, states: Sequence[Mapping[str, torch.Tensor]],
+               ranks: Sequence[Mapping[str, int]], w: np.ndarray, name: str) -> torch.Tensor:
+    """``sum_i w_i W_i`` of one layer: factorized clients by one stacked product, the others summed."""
+    factored = [i for i, r in enumerate(ranks) if name in r]
+    full = [i for i, r in enumerate(ranks) if name not in r]
+    total = None
+    if factored:
+        pairs = [factor_matrices(states[i][f"{name}.a.weight"], states[i][f"{name}.b.weight"])[:2] for i in factored]
+        A = torch.cat([a.to(torch.float32) * float(w[i]) for (a, _), i in zip(pairs, factored)], dim=1)
+        B = torch.cat([b.to(torch.float32) for _, b in pairs], dim=0)
+        total = A @ B
+    if full:
+        stacked = torch.stack([layer_matrix(states[i][f"{name}.weight"]).to(torch.float32) for i in full])
+        part = torch.tensordot(torch.as_tensor(w[full], dtype=torch.float32), stacked, dims=1)
+        total = part if total is None else total + part
+    shape = tuple(previous.shape)
+    folded = matrix_to_conv(total, shape[0], shape[1], shape[2]) if len(shape) == 4 else total
+    return folded.to(previous.dtype).contiguous()
+
+
+def _without_factors(state: Mapping[str, torch.Tensor], ranks: Mapping[str, int]) -> State:
+    """A hybrid state's keys other than the factor weights, ``L.a.bias`` renamed ``L.bias``."""
+    out: State = {}
+    for key, value in state.items():
+        layer, _, leaf = key.rpartition(".")
+        owner = layer.rpartition(".")[0]
+        if owner in ranks and layer in (f"{owner}.a", f"{owner}.b"):
+            if leaf == "bias":
+                out[f"{owner}.bias"] = value
+        elif key.rpartition(".")[0] not in ranks or leaf != "weight":
+            out[key] = value
     return out
 
 

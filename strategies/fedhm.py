@@ -1,8 +1,11 @@
 """FedHM (SPEC section 1): hybrid low-rank client models cut by SVD, recovered and averaged.
 
-Per round, one SVD per factorizable layer of the global model; every level's client model is a
-truncation of that one decomposition. Replies are recovered to full rank and averaged with
-``softmax(gamma / tau)`` weights, classifier rows per class.
+One decomposition per factorizable layer per model version, whoever asks (hand-out, evaluation
+of each level's deployable model, checkpoint): the cache is keyed by the layer's content, not by
+the state dict's identity. Every level's client model is a truncation of that one decomposition
+(:func:`fedhm_flwr.lowrank.layer_svd` picks the fastest method meeting its error bound at every
+level's rank). Replies are averaged with ``softmax(gamma / tau)`` weights, classifier rows per
+class, each factorized layer's recovery and average as one stacked matrix product.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from fedhm_flwr.aggregation import average_states, level_weights
-from fedhm_flwr.lowrank import SVD, compute_svds, factorize_state, plan_ranks, recover_state
+from fedhm_flwr.aggregation import average_hybrid, level_weights
+import torch
+
+from fedhm_flwr.lowrank import SVD, compute_svds, factorize_state, plan_ranks
 from fedhm_flwr.models import build_model, input_shape
 from fedhm_flwr.models.costs import activation_elements, count_macs, count_parameters, training_memory_bytes
 
@@ -38,7 +43,8 @@ class FedHMStrategy(HeteroStrategy):
         self.factorized = sorted({name for ranks in self.ranks for name in ranks})
         self.classifier_keys = classifier_keys(model)
         self.tau = float(cfg.method.tau)
-        self._svd_cache: tuple[int, State, dict[str, SVD]] | None = None
+        self.layer_ranks = {name: sorted({r[name] for r in self.ranks if name in r}) for name in self.factorized}
+        self._svd_cache: dict[str, tuple[torch.Tensor, SVD]] = {}  # layer -> (weight it was computed from, SVD)
         self._costs: dict[int, dict[str, float]] = {}
 
     def level_spec(self, level_index: int) -> dict[str, Any]:
@@ -46,11 +52,18 @@ class FedHMStrategy(HeteroStrategy):
         return {**self.spec, "ranks": ranks} if ranks else dict(self.spec)
 
     def _svds(self, global_state: State) -> dict[str, SVD]:
-        """One SVD per factorizable layer of this global state (cached for all levels)."""
-        cache = self._svd_cache
-        if cache is None or cache[1] is not global_state:
-            self._svd_cache = cache = (id(global_state), global_state, compute_svds(global_state, self.factorized))
-        return cache[2]
+        """One SVD per factorizable layer of this global state, reused while the layer's weight is
+        unchanged (same tensor, or equal content: the evaluation and the next round receive the
+        merged state through a fresh ArrayRecord)."""
+        def fresh(name: str) -> bool:
+            cached, weight = self._svd_cache.get(name), global_state[f"{name}.weight"]
+            return cached is not None and (cached[0] is weight or (
+                cached[0].shape == weight.shape and torch.equal(cached[0], weight)))
+
+        stale = [name for name in self.factorized if not fresh(name)]
+        for name, svd in compute_svds(global_state, stale, self.layer_ranks).items():
+            self._svd_cache[name] = (global_state[f"{name}.weight"], svd)
+        return {name: self._svd_cache[name][1] for name in self.factorized}
 
     def begin_round(self, server_round: int, global_state: State) -> None:
         self._svds(global_state)
@@ -61,11 +74,11 @@ class FedHMStrategy(HeteroStrategy):
         return self.level_spec(level_index), state, {"frobenius_decay": bool(self.cfg.method.frobenius_decay)}
 
     def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
-        full = [recover_state(r.state, self.ranks[r.level_index]) for r in replies]
         counts = [r.num_examples for r in replies] if self.cfg.method.weight_by_samples else None
         weights = level_weights([r.level for r in replies], self.tau, counts)
         holds = np.stack([r.class_counts > 0 for r in replies])
-        return average_states(global_state, full, weights, holds, self.classifier_keys)
+        return average_hybrid(global_state, [r.state for r in replies], [self.ranks[r.level_index] for r in replies],
+                              weights, holds, self.classifier_keys)
 
     def level_cost(self, level_index: int) -> dict[str, float]:
         if level_index not in self._costs:

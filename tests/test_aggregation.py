@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedhm_flwr.aggregation import average_states, level_weights
+from fedhm_flwr.aggregation import average_hybrid, average_states, level_weights
 
 
 def test_weights_are_softmax_of_gamma_over_tau():
@@ -55,3 +55,49 @@ def test_averaging_identical_states_conserves_them():
     out = average_states(s, [s, s, s], level_weights([1, 0.5, 0.25], 1.0), holds, ["fc.weight"])
     for k in s:
         assert torch.allclose(out[k], s[k], atol=1e-6)
+
+
+def _reference_average(prev, full_states, weights, holds, classifier_keys):
+    """The average written out key by key, client by client, row by row, in float64."""
+    out = {}
+    for key, p in prev.items():
+        acc = sum(float(w) * s[key].double() for w, s in zip(weights, full_states))
+        if key in classifier_keys:
+            for c in range(p.shape[0]):
+                tot = sum(float(w) for w, h in zip(weights, holds[:, c]) if h)
+                acc[c] = (sum(float(w) * s[key][c].double() for w, s, h in zip(weights, full_states, holds[:, c]) if h)
+                          / tot) if tot > 0 else p[c].double()
+        out[key] = acc.to(p.dtype)
+    return out
+
+
+def test_hybrid_average_equals_recover_then_average_reference():
+    """FedHM's stacked path (one product per layer over all replies, ranks mixed, full-rank replies
+    included) equals recovering every reply and averaging key by key, to float32 tolerance."""
+    from fedhm_flwr.lowrank import factorize_state, plan_ranks, recover_state
+    from fedhm_flwr.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model({"arch": "resnet18", "width": 8, "num_classes": 10, "in_channels": 3, "image_size": 32})
+    prev = {k: v for k, v in model.state_dict().items() if k.endswith(("weight", "bias"))}
+    gammas = [1.0, 0.5, 0.25, 0.125, 0.5, 1.0]
+    ranks = [plan_ranks(model, g, 1) for g in gammas]
+    clients = [{k: v + 0.01 * torch.randn_like(v) for k, v in prev.items()} for _ in gammas]
+    hybrids = [factorize_state(c, r) if r else c for c, r in zip(clients, ranks)]
+    weights = level_weights(gammas, 1.0)
+    holds = np.random.default_rng(0).random((len(gammas), 10)) < 0.5
+    holds[:, 3] = False  # a class nobody held keeps its previous rows
+    keys = ["fc.weight", "fc.bias"]
+    out = average_hybrid(prev, hybrids, ranks, weights, holds, keys)
+    ref = _reference_average(prev, [recover_state(h, r) for h, r in zip(hybrids, ranks)], weights, holds, keys)
+    assert list(out) == list(prev) and any(ranks)
+    for k in prev:
+        torch.testing.assert_close(out[k], ref[k], rtol=1e-5, atol=1e-6)
+    assert torch.equal(out["fc.weight"][3], prev["fc.weight"][3])
+
+
+def test_factorized_classifier_is_refused():
+    prev = {"fc.weight": torch.zeros(4, 3)}
+    hybrid = {"fc.b.weight": torch.zeros(1, 3), "fc.a.weight": torch.zeros(4, 1)}
+    with pytest.raises(ValueError, match="per class"):
+        average_hybrid(prev, [hybrid], [{"fc": 1}], [1.0], np.ones((1, 4), bool), ["fc.weight"])

@@ -32,7 +32,7 @@ def test_one_svd_per_factorizable_layer_per_round_whatever_the_levels(toy_cfg, m
     strategy = _strategy(cfg)
     calls = []
     real = lowrank.layer_svd
-    monkeypatch.setattr(lowrank, "layer_svd", lambda w: calls.append(tuple(w.shape)) or real(w))
+    monkeypatch.setattr(lowrank, "layer_svd", lambda w, *a: calls.append(tuple(w.shape)) or real(w, *a))
     grid = LocalGrid(12, client_handlers())
     messages = _configure(strategy, grid, initial_state(cfg, strategy.spec))
     levels_sent = {json.loads(m.content["config"]["model-spec"]).get("ranks") is not None for m in messages}
@@ -200,3 +200,19 @@ def test_client_evaluate_handler_scores_the_received_model_on_local_data(toy_cfg
     spec = json.loads(str(train_msg.content["config"]["data-spec"]))
     assert metrics["num-examples"] == len(client_dataset(spec, pid, split="heldout"))
     assert metrics["num-examples"] < len(client_dataset(spec, pid, split="train"))
+
+
+def test_one_decomposition_per_layer_per_model_version_evaluation_included(toy_cfg, tmp_path, monkeypatch):
+    """A whole run on the in-process grid, every level evaluated every round: the hand-out, the
+    evaluation of each level's deployable model and the next round's hand-out share one
+    decomposition per factorizable layer of each model version (the initial one, then one per round)."""
+    cfg = toy_cfg("rounds=2 evaluation.levels=true evaluation.every=1")
+    calls = []
+    real = lowrank.layer_svd
+    monkeypatch.setattr(lowrank, "layer_svd", lambda w, *a: calls.append(tuple(w.shape)) or real(w, *a))
+    run(LocalGrid(6, client_handlers()), cfg, tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(len([k for k in r if k.startswith("acc/level_")]) == len(cfg.levels.ratios) > 1
+                                  for r in rows)
+    factorized = _strategy(cfg).factorized
+    assert len(factorized) > 0 and len(calls) == (2 + 1) * len(factorized)

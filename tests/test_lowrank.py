@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from fedhm_flwr.lowrank import (
+    SVD_ERROR_BOUND,
     FactorizedConv2d,
     FactorizedLinear,
     compute_svds,
@@ -241,3 +242,71 @@ def test_factorize_modules_spectral_init_matches_factorize_state():
     assert list(got) == list(expected)
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- fast decomposition (bound, fallback, exactness)
+
+
+def _with_spectrum(rows: int, cols: int, sigma: torch.Tensor) -> torch.Tensor:
+    """A float32 matrix with the given singular values (random singular vectors)."""
+    U, _ = torch.linalg.qr(torch.randn(rows, sigma.numel(), dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(cols, sigma.numel(), dtype=torch.float64))
+    return ((U * sigma) @ V.t()).float()
+
+
+def _truncation_error(M: torch.Tensor, svd, r: int) -> float:
+    """Relative Frobenius error of the rank-r product against the float64 SVD's."""
+    U, S, Vh = torch.linalg.svd(M.double(), full_matrices=False)
+    ref = (U[:, :r] * S[:r]) @ Vh[:r]
+    A, B = split_factors(svd, r)
+    return (torch.linalg.norm(A.double() @ B.double() - ref) / torch.linalg.norm(ref)).item()
+
+
+@pytest.mark.parametrize("rows,cols", [(192, 96), (96, 288), (150, 150)])
+@pytest.mark.parametrize("spectrum,gammas,fast", [
+    ("gaussian", (1 / 16, 1 / 24, 1 / 32), True),  # a freshly initialised layer: float32 eigh of the Gram
+    ("gaussian", (1 / 2, 1 / 4, 1 / 8), None),
+    ("power", (1 / 2, 1 / 4, 1 / 8), None),  # sigma_i = i^-1/2: small gaps deep in the spectrum
+    ("log", (1 / 2, 1 / 4, 1 / 8), False),  # singular values spanning 1 .. 1e-8: float32 cannot cut there
+])
+def test_fast_svd_meets_the_stated_bound_at_every_level_rank(rows, cols, spectrum, gammas, fast):
+    k = min(rows, cols)
+    if spectrum == "gaussian":
+        M = torch.randn(rows, cols) * 0.05
+    elif spectrum == "power":
+        M = _with_spectrum(rows, cols, torch.arange(1, k + 1, dtype=torch.float64) ** -0.5)
+    else:
+        M = _with_spectrum(rows, cols, torch.logspace(0, -8, k, dtype=torch.float64))
+    ranks = [max(1, round(g * k)) for g in gammas]  # a linear layer's gamma*min(out, in)
+    svd = layer_svd(M, ranks)
+    assert svd.S.numel() == max(ranks)  # only the leading components are computed
+    if fast is not None:  # which path the error estimate chose
+        assert (svd.S.dtype == torch.float32) is fast
+    for r in ranks:
+        assert _truncation_error(M, svd, r) <= SVD_ERROR_BOUND, (spectrum, r)
+
+
+def test_fast_svd_at_full_rank_takes_the_exact_path_and_reproduces_the_layer():
+    W = torch.randn(16, 8, 3, 3)
+    svd = layer_svd(W, [4, full_rank(W.shape)])
+    assert svd.S.dtype == torch.float64 and svd.S.numel() == full_rank(W.shape)
+    hybrid = factorize_state({"L.weight": W}, {"L": full_rank(W.shape)}, {"L": svd})
+    torch.testing.assert_close(recover_state(hybrid, {"L": full_rank(W.shape)})["L.weight"], W, rtol=1e-5, atol=1e-6)
+    # a float64 layer always takes the exact path, whatever the ranks
+    assert layer_svd(W.double(), [2]).S.dtype == torch.float64
+
+
+def test_fast_svd_factors_are_balanced_and_cut_like_the_reference():
+    M = torch.randn(120, 60) * 0.1
+    svd = layer_svd(M, [10, 20])
+    S = torch.linalg.svdvals(M.double())
+    torch.testing.assert_close(svd.S.double(), S[:20], rtol=1e-5, atol=1e-7)
+    A, B = split_factors(svd, 10)
+    torch.testing.assert_close(A.norm(dim=0), B.norm(dim=1), rtol=1e-5, atol=1e-7)  # sqrt(S) on both sides
+    torch.testing.assert_close(svd.U.t() @ svd.U, torch.eye(20), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("ranks", [[0], [7, 61]])
+def test_fast_svd_refuses_ranks_out_of_range(ranks):
+    with pytest.raises(ValueError, match=r"ranks must be in \[1, 60\]"):
+        layer_svd(torch.randn(120, 60), ranks)

@@ -1,0 +1,41 @@
+"""``inspect`` counts from shapes (meta device) exactly what the allocating path counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedhm_flwr.config import load_config, model_spec
+from fedhm_flwr.inspect import SHAPE_ONLY, _rows, level_rows
+from strategies import STRATEGIES
+
+
+def _allocating_rows(overrides: list[str]):
+    """The previous path: real weights, real SVDs, payloads built from values."""
+    cfg = load_config(overrides)
+    spec = model_spec(cfg)
+    return _rows(cfg, spec, STRATEGIES[cfg.method.name](cfg, spec))
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model=resnet18", "model.width=16", "dataset=cifar10"],
+    ["method=heterofl"],
+    ["method=fedrolex", "model=resnet18", "model.width=8", "dataset=cifar100"],
+])
+def test_meta_counts_equal_the_allocating_path(overrides, monkeypatch):
+    import fedhm_flwr.lowrank as lowrank
+
+    computed = []
+    real = lowrank._gram_svd
+    monkeypatch.setattr(lowrank, "_gram_svd", lambda *a: computed.append(1) or real(*a))
+    cfg, rows = level_rows(overrides)
+    assert cfg.method.name in SHAPE_ONLY and not computed  # no decomposition computed on the meta path
+    assert rows == _allocating_rows(overrides)
+
+
+def test_resnet34_cifar100_levels_match_table_2():
+    with torch.device("cpu"):
+        _, rows = level_rows(["model=resnet34", "dataset=cifar100"])
+    assert [r["params"] for r in rows] == [21_328_292, 8_401_316, 4_985_252, 3_277_220]
+    assert [round(r["params"] / 1e6, 2) for r in rows] == [21.33, 8.40, 4.99, 3.28]
+    assert [r["payload_bytes"] for r in rows] == [4 * r["params"] for r in rows]
