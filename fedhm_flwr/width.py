@@ -354,24 +354,3 @@ def aggregate(
         accumulate(sums, totals, state, plan, w[i], holds, classifier_keys)
     return finish(previous, sums, totals)
 
-
-def embed(previous: Mapping[str, Tensor], sub_state: Mapping[str, Tensor], plan: Plan) -> tuple[State, State]:
-    """A sub-model's state scattered into the full shapes: ``(full state, coverage)``, where the
-    coverage is a boolean mask per key of the elements the sub-model holds and every other element
-    keeps ``previous``'s value (robust aggregation compares clients element by element)."""
-    full: State = {}
-    masks: State = {}
-    for key, prev in previous.items():
-        if key not in sub_state:
-            continue
-        entry, sub = plan[key], sub_state[key]
-        expected = sub_shape(entry, prev.shape)
-        if tuple(sub.shape) != expected:
-            raise ValueError(f"{key}: shape {tuple(sub.shape)}, the plan needs {expected}")
-        values = torch.zeros(prev.shape, dtype=torch.float64)
-        held = torch.zeros(prev.shape, dtype=torch.float64)
-        _add_into(values, entry, sub.to(torch.float64))
-        _add_into(held, entry, torch.ones(expected, dtype=torch.float64))
-        masks[key] = held > 0
-        full[key] = torch.where(masks[key], values, prev.to(torch.float64)).to(prev.dtype)
-    return full, masks

@@ -80,9 +80,11 @@ class HeteroFLStrategy(HeteroStrategy):
                                self.classifier_keys)
 
     def recovered(self, reply: Reply) -> tuple[State, State]:
-        """The reply's width slice scattered into the global shapes, with its coverage mask."""
+        """The reply's width slice scattered into the global shapes (zeros elsewhere: uncovered
+        elements are never read), with its coverage mask."""
         assert self.global_state is not None
-        return width.embed(self.global_state, reply.state, self.plan(reply.level_index))
+        shapes = {k: v.shape for k, v in self.global_state.items()}
+        return width.embed(reply.state, self.plan(reply.level_index), shapes)
 
     def reply_weights(self, replies: list[Reply]) -> np.ndarray:
         """1 per client (HeteroFL's plain mean over the holders), or its sample count."""
