@@ -353,4 +353,3 @@ def aggregate(
         holds = None if class_holds is None else class_holds[i]
         accumulate(sums, totals, state, plan, w[i], holds, classifier_keys)
     return finish(previous, sums, totals)
-
