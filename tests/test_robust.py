@@ -160,11 +160,16 @@ def scaled_round():
     return cfg, state, grid, replies, attackers
 
 
+@pytest.fixture(scope="module")
+def clean_replies():
+    """The replies of the toy FedHM round without attack."""
+    return _trained_round(load_config(TOY))[4]
+
+
 @pytest.mark.parametrize("kind", ["scale", "sign_flip", "gaussian", "label_flip"])
-def test_an_attack_changes_exactly_the_chosen_clients_replies_in_the_chosen_way(kind):
-    clean_cfg = load_config(TOY)
+def test_an_attack_changes_exactly_the_chosen_clients_replies_in_the_chosen_way(kind, clean_replies):
     cfg = load_config(f"{TOY} failures.attack.kind={kind} failures.attack.fraction=0.34 failures.attack.scale=7")
-    _, _, _, _, clean = _trained_round(clean_cfg)
+    clean = clean_replies
     strategy, _, _, messages, attacked = _trained_round(cfg)
     attackers = {n for n in strategy.sent if strategy.untrusted.is_attacker(n)}
     assert len(attackers) == 2  # round(0.34 * 6) partitions, fixed for the run
