@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 
-from fedhm_flwr import shards
+from fedhm_flwr import attacks, shards
 from fedhm_flwr.bn_stats import bn_sums
 from fedhm_flwr.data import client_dataset
 from fedhm_flwr.models import build_model
@@ -145,6 +145,9 @@ def handle_train(msg: Message, context: Context) -> Message:
     device = pick_device()
     model, spec = received_model(msg, device)
     dataset = local_dataset(config, context)
+    attack = str(config.get("attack", "none"))  # the server's attack injection (failures.attack)
+    if attack == "label_flip":
+        dataset = attacks.LabelFlipped(dataset, int(spec["num_classes"]))
     counts = dataset.class_counts()
     present = torch.as_tensor(counts > 0)
     stats = train_local(model, dataset, options, device, present_classes=present, seed=int(config["seed"]))
@@ -157,9 +160,13 @@ def handle_train(msg: Message, context: Context) -> Message:
         "class-counts": [int(c) for c in counts],
     })
     if spec.get("trainable_only"):  # only what this client trained travels back
-        arrays = ArrayRecord.from_torch_state_dict(trainable_state(model))
+        state = trainable_state(model)
     else:
-        arrays = ArrayRecord.from_torch_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if attack in attacks.UPDATE_ATTACKS:
+        received = msg.content[ARRAYS].to_torch_state_dict()
+        state = attacks.tamper(attack, received, state, float(config.get("attack-scale", 1.0)), int(config["seed"]))
+    arrays = ArrayRecord.from_torch_state_dict(state)
     return Message(RecordDict({ARRAYS: arrays, METRICS: metrics}), reply_to=msg)
 
 

@@ -340,9 +340,58 @@ def validate(cfg: DictConfig) -> None:
     _num_in(cfg, "failures.crash_probability", 0.0, 1.0)
     _num_in(cfg, "failures.slow_probability", 0.0, 1.0)
     _num_in(cfg, "failures.slow_seconds", 0.0, math.inf, high_open=True)
+    _validate_untrusted(cfg)
     out = OmegaConf.select(cfg, "output_dir")
     _require(out is None or (isinstance(out, str) and Path(out).is_absolute()), "output_dir", out,
              "null or an absolute path")
+
+
+ATTACKS = ("none", "scale", "sign_flip", "label_flip", "gaussian")
+ROBUST = ("none", "clip", "median", "trimmed_mean", "krum")
+
+
+def robust_modes(cfg: DictConfig) -> tuple[str, ...]:
+    """The ``aggregation.robust`` values a method accepts. Clipping, median and trimmed mean need
+    a merge that is an element-wise (weighted) mean over the clients covering an element; Krum
+    (and DP) need replies that all cover the whole model, as FedHM's recovered updates do."""
+    name = cfg.method.name
+    full_model = name in ("fedhm", "fedlora") or (name == "fedavg" and (
+        cfg.method.variant == "full" or cfg.method.family == "fedhm"))
+    if full_model:
+        return ROBUST
+    if name in ("heterofl", "fedrolex", "fedavg"):
+        return ("none", "clip", "median", "trimmed_mean")
+    return ("none",)  # prism, heterotune: the norm filter (aggregation.outlier_z) only
+
+
+def _validate_untrusted(cfg: DictConfig) -> None:
+    """``failures.attack``, ``aggregation`` and ``dp``."""
+    _choice(cfg, "failures.attack.kind", ATTACKS)
+    _num_in(cfg, "failures.attack.fraction", 0.0, 1.0)
+    _num_in(cfg, "failures.attack.scale", -math.inf, math.inf, low_open=True, high_open=True)
+    modes = robust_modes(cfg)
+    mode = OmegaConf.select(cfg, "aggregation.robust")
+    _require(mode in modes, "aggregation.robust", mode,
+             f"one of {list(modes)} for method={cfg.method.name}" + (
+                 " (krum needs replies that cover the whole model)" if mode == "krum" else ""))
+    _num_in(cfg, "aggregation.clip_norm", 0.0, math.inf, high_open=True)
+    _num_in(cfg, "aggregation.clip_quantile", 0.0, 1.0, low_open=True)
+    _num_in(cfg, "aggregation.trim_fraction", 0.0, 0.5, high_open=True)
+    _int_at_least(cfg, "aggregation.krum_f", 0)
+    _int_at_least(cfg, "aggregation.krum_m", 1)
+    _num_in(cfg, "aggregation.outlier_z", 0.0, math.inf, high_open=True)
+    enabled = OmegaConf.select(cfg, "dp.enabled")
+    _require(isinstance(enabled, bool), "dp.enabled", enabled, "true or false")
+    _num_in(cfg, "dp.clip", 0.0, math.inf, low_open=True, high_open=True)
+    _num_in(cfg, "dp.noise_multiplier", 0.0, math.inf, low_open=True, high_open=True)
+    _num_in(cfg, "dp.delta", 0.0, 1.0, low_open=True, high_open=True)
+    if enabled:
+        _require("krum" in modes, "dp.enabled", enabled,
+                 f"false for method={cfg.method.name} (DP needs replies that cover the whole model: "
+                 "fedhm, fedlora, fedavg with variant=full or family=fedhm)")
+        _require(mode == "none" and float(cfg.aggregation.outlier_z) == 0, "aggregation.robust", mode,
+                 "none, with aggregation.outlier_z=0, when dp.enabled (DP clips itself; a data-dependent "
+                 "filter is outside the accountant)")
 
 
 # --------------------------------------------------------------------------- derived specs

@@ -76,6 +76,7 @@ def run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None = None) 
         "bn_stats": cfg.evaluation.bn_stats,
         "wall_seconds": time.perf_counter() - t0,
         "output_dir": str(recorder.out_dir),
+        **strategy.untrusted.summary(),  # attack, defence and DP (epsilon) totals, when configured
     })
     recorder.write_summary(summary)
     recorder.plot(title=f"{cfg.method.name} · {cfg.model.arch} · {cfg.dataset.name}")

@@ -29,9 +29,12 @@ from omegaconf import DictConfig
 
 from fedhm_flwr import evaluation as ev
 from fedhm_flwr import levels as lv
+from fedhm_flwr.aggregation import level_weights
 from fedhm_flwr.config import data_spec, learning_rate, level_proportions
+from fedhm_flwr.lowrank import recover_state
 
 from .nodes import NodeInfo, NodeRegistry, content_bytes
+from .untrusted import Untrusted
 
 State = dict[str, torch.Tensor]
 
@@ -110,6 +113,7 @@ class HeteroStrategy(Strategy):
         self._grid: Grid | None = None
         self._federated: ev.FederatedEvaluation | None = None  # this round's client-side evaluation
         self.federated_row: dict[str, Any] = {}
+        self.untrusted = Untrusted(self)  # attacks, defences, client-level DP (failures.attack, aggregation, dp)
 
     # ------------------------------------------------------------------ method hooks
 
@@ -141,6 +145,29 @@ class HeteroStrategy(Strategy):
         """The model a client of this level would deploy (evaluated every round)."""
         spec, state, _ = self.level_payload(level_index, global_state)
         return spec, state
+
+    def recovered(self, reply: Reply) -> tuple[State, dict[str, torch.Tensor] | None]:
+        """A reply as a full-shape model over the global state's keys, and its coverage (key ->
+        boolean mask of the elements it holds; None: every element of every key it has). Robust
+        aggregation and DP work on these (:mod:`strategies.untrusted`).
+
+        Default (FedHM and every method whose replies are full-shape or hybrid low-rank): every
+        factorized layer ``L.a.weight``/``L.b.weight`` recovered to ``L.weight = A·B`` at the rank
+        the factors have, ``L.a.bias -> L.bias``; the reply covers everything it holds."""
+        ranks = {key[:-len(".b.weight")]: int(reply.state[key[:-len(".b.weight")] + ".a.weight"].shape[1])
+                 for key in reply.state if key.endswith(".b.weight")
+                 and key[:-len(".b.weight")] + ".a.weight" in reply.state}
+        return (recover_state(reply.state, ranks) if ranks else dict(reply.state)), None
+
+    def reply_weights(self, replies: list[Reply]) -> np.ndarray | None:
+        """The weight of each reply in the method's average over the clients covering an element
+        (used by the clipping defence and DP). Default: FedHM's ``softmax(γ/τ)`` (times the sample
+        counts with ``method.weight_by_samples``); None: the method's merge is not such an average."""
+        method = self.cfg.method
+        if method.get("tau") is None:
+            return None
+        counts = [r.num_examples for r in replies] if method.get("weight_by_samples") else None
+        return level_weights([r.level for r in replies], float(method.tau), counts)
 
     def level_cost(self, level_index: int) -> dict[str, float]:
         """Costs of a level's model (parameters, MACs, ...), for budget-declared capabilities."""
@@ -185,6 +212,7 @@ class HeteroStrategy(Strategy):
         assignment = self.registry.assign(server_round, node_ids)
         self.begin_round(server_round, self.global_state)
         injected = self._injected_failures(server_round, node_ids)
+        self.untrusted.begin_round(node_ids)
         payloads: dict[int, Payload] = {}
         self.sent = {}
         messages = []
@@ -196,6 +224,7 @@ class HeteroStrategy(Strategy):
             if node_id in injected:
                 config["inject"] = injected[node_id]
                 config["inject-seconds"] = float(self.cfg.failures.slow_seconds)
+            config.update(self.untrusted.train_config(node_id))
             content = RecordDict({ARRAYS: record, CONFIG: config})
             self.round_log.sent_bytes += content_bytes(content)
             self.sent[node_id] = (index, payload)
@@ -235,7 +264,7 @@ class HeteroStrategy(Strategy):
             return None, MetricRecord(metrics)
         assert self.global_state is not None
         valid.sort(key=lambda r: self._partition_key(r.node_id))  # arrival order must not matter
-        new_state = self.merge(server_round, self.global_state, valid)
+        new_state = self.untrusted.merge(server_round, self.global_state, valid)  # self.merge unless defended
         self.global_state = new_state
         self.round_log.server_seconds += time.perf_counter() - t0
         return ArrayRecord.from_torch_state_dict(new_state), MetricRecord(metrics)
@@ -447,6 +476,7 @@ class HeteroStrategy(Strategy):
         for level, count in log_.level_counts.items():
             row[f"clients/level_{level}"] = count
         row["assignments"] = json.dumps(log_.assignments, sort_keys=True)
+        row.update(self.untrusted.columns)
         if log_.failures or log_.rejected:
             row["failure_reasons"] = json.dumps(
                 [[self.node_label(n), why] for n, why in log_.failures + log_.rejected])

@@ -55,6 +55,7 @@ class FedAvgStrategy(HeteroStrategy):
         super().__init__(_one_level_config(cfg, level, own_method), model_spec, evaluate_fn, recorder)
         self.inner = inner_cls(_one_level_config(cfg, level, inner_method), model_spec)
         self.spec = dict(self.inner.spec)
+        self.classifier_keys = self.inner.classifier_keys
         #: the global model is the small width model itself (see the module docstring)
         self.global_is_level = self.family == "heterofl" and level < 1.0
 
@@ -69,6 +70,13 @@ class FedAvgStrategy(HeteroStrategy):
 
     def deployable(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State]:
         return self.inner.deployable(level_index, global_state)
+
+    def recovered(self, reply: Reply) -> tuple[State, dict[str, Any] | None]:
+        self.inner.global_state = self.global_state
+        return self.inner.recovered(reply)
+
+    def reply_weights(self, replies: list[Reply]) -> Any:
+        return self.inner.reply_weights(replies)
 
     def level_cost(self, level_index: int) -> dict[str, float]:
         return self.inner.level_cost(level_index)

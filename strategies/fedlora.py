@@ -31,7 +31,7 @@ from flwr.app import ArrayRecord
 from omegaconf import DictConfig
 
 from fedhm_flwr.aggregation import average_states, level_weights
-from fedhm_flwr.lora import LORA_DELTA, handout_state, lora_rank, merge_lora_replies, random_rows
+from fedhm_flwr.lora import LORA_DELTA, aggregate_products, handout_state, lora_rank, merge_lora_replies, random_rows
 from fedhm_flwr.lowrank import SVD, layer_svd
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.adapters import federated_keys, trainable_state
@@ -193,6 +193,16 @@ class FedLoRAStrategy(HeteroStrategy):
         if self.mode == "lora":
             new.update(merge_lora_replies(global_state, [r.state for r in replies], weights))
         return new
+
+    def recovered(self, reply: Reply) -> tuple[State, None]:
+        """LoRA replies as ``L.lora_delta = B·A`` (full shape) and the head; full mode as it is."""
+        if self.mode == "full":
+            return dict(reply.state), None
+        out = {k: v for k, v in reply.state.items() if not k.endswith((".lora_A", ".lora_B"))}
+        for name in self.targets:
+            A, B = reply.state[f"{name}.lora_A"], reply.state[f"{name}.lora_B"]
+            out[f"{name}.{LORA_DELTA}"] = aggregate_products([(A, B)], [1.0]).to(A.dtype)
+        return out, None
 
     # -- costs
 

@@ -79,6 +79,17 @@ class HeteroFLStrategy(HeteroStrategy):
         return width.aggregate(global_state, [r.state for r in replies], plans, weights, holds,
                                self.classifier_keys)
 
+    def recovered(self, reply: Reply) -> tuple[State, State]:
+        """The reply's width slice scattered into the global shapes (zeros elsewhere: uncovered
+        elements are never read), with its coverage mask."""
+        assert self.global_state is not None
+        shapes = {k: v.shape for k, v in self.global_state.items()}
+        return width.embed(reply.state, self.plan(reply.level_index), shapes)
+
+    def reply_weights(self, replies: list[Reply]) -> np.ndarray:
+        """1 per client (HeteroFL's plain mean over the holders), or its sample count."""
+        return np.array([float(r.num_examples) if self.weight_by_samples else 1.0 for r in replies])
+
     def deployable(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State]:
         """The level's sub-model sliced from the global model (FedRolex: the current window)."""
         return self.level_spec(level_index), width.slice_state(global_state, self.plan(level_index))

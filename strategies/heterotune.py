@@ -186,6 +186,13 @@ class HeteroTuneStrategy(HeteroStrategy):
             new.update(self._merge_shares(global_state, share_means))
         return new
 
+    def recovered(self, reply: Reply) -> tuple[State, None]:
+        """The reply under the global state's names (its type's tensors and its own share-adapters;
+        the rest of the global state is not covered). Used by the norm filter; CMGA is not an
+        element-wise mean, so the value defences are refused in the config check."""
+        prefix = type_prefix(reply.level_index)
+        return {(k if is_share(k) else prefix + k): v for k, v in reply.state.items()}, None
+
     def _merge_shares(self, global_state: State, means: dict[int, dict[str, torch.Tensor]]) -> State:
         """Per slot: Δ_i of every type that trained it, CMGA across types, S_i ← S_i + G̃[:, i]."""
         out: State = {}

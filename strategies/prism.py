@@ -185,6 +185,20 @@ class PriSMStrategy(HeteroStrategy):
         self.factored_form(new)  # orthogonal space refresh: re-decompose the new weights
         return new
 
+    def recovered(self, reply: Reply) -> tuple[State, None]:
+        """The reply's full-shape model: every decomposed layer ``U'V'`` with the reply's kernels
+        (and rows) in place of the server's (:func:`prism.aggregate_kernels` over this one reply),
+        the other tensors as sent. Used by the norm filter; PriSM's merge is per kernel, not an
+        element-wise mean, so the value defences are refused in the config check."""
+        assert self.global_state is not None
+        factored = self.factored_form(self.global_state)
+        out = {k: v for k, v in reply.state.items() if not k.endswith((".u.weight", ".v.weight"))}
+        for name in self.layers:
+            u, v = prism.reply_factors(reply.state[f"{name}.u.weight"], reply.state[f"{name}.v.weight"])
+            U, V = prism.aggregate_kernels(factored[name], [(self.draws[reply.node_id][name], u, v)])
+            out[f"{name}.weight"] = prism.fold(U @ V, self.shapes[name]).to(torch.float32)
+        return out, None
+
     def deployable(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State]:
         """The level's top-k sub-model with every output row (its best inference model)."""
         return self.submodel(self.top_k(level_index, u_subset=False), global_state)

@@ -1,0 +1,225 @@
+"""Untrusted clients in the shared round: attack injection, defences and client-level DP.
+
+Used by :class:`strategies.base.HeteroStrategy` in two places: ``configure_train`` tells the
+malicious nodes to attack (:meth:`Untrusted.train_config`), and ``aggregate_train`` merges
+through :meth:`Untrusted.merge`, which falls back to the method's own merge when nothing is
+configured. The math is in :mod:`fedhm_flwr.robust` (defences), :mod:`fedhm_flwr.attacks` (what
+a malicious client does) and :mod:`fedhm_flwr.privacy` (the accountant).
+
+Defences work on each reply's *recovered* full-shape model ``v_p`` and coverage
+(:meth:`HeteroStrategy.recovered`) and its update ``Δ_p = v_p - r_p`` against the model the node
+received, recovered the same way (``r_p``; for FedHM the truncation of the global model at the
+node's rank, so the truncation error is not counted as the client's update):
+
+* ``aggregation.outlier_z`` (any method): replies whose ``‖Δ_p‖`` has a robust z-score above it
+  are dropped (counted in ``robust_rejected``) before anything else;
+* ``krum``: Krum / Multi-Krum on the recovered models picks ``krum_m`` replies, which the method's
+  own merge then folds in (methods whose replies cover the whole model);
+* ``clip``: ``v_p ← r_p + min(1, c / ‖Δ_p‖) Δ_p`` with ``c`` fixed (``clip_norm``) or the
+  ``clip_quantile`` of the round's norms, then the method's weighted mean over the covering
+  clients (:meth:`HeteroStrategy.reply_weights`, classifier rows over the clients holding the class);
+* ``median`` / ``trimmed_mean``: coordinate-wise, over the clients covering each element.
+
+``dp.enabled`` (DP-FedAvg, client level): every update clipped to ``dp.clip``, the weighted mean
+of the clipped models plus Gaussian noise of standard deviation ``σ · C · max_p w_p`` on every
+element (the sensitivity of the weighted sum to one client); ε at ``dp.delta`` from
+:mod:`fedhm_flwr.privacy`, with ``q`` = nodes sampled / nodes connected. Trust model: the server
+still sees every client's individual update (central DP, not local DP); the guarantee covers
+what leaves the server (the global models).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord
+
+from fedhm_flwr import robust
+from fedhm_flwr.privacy import RdpAccountant
+
+if TYPE_CHECKING:
+    from .base import HeteroStrategy, Reply, State
+
+#: random-stream ids (levels.round_rng uses 0-3 elsewhere)
+ATTACK_STREAM, NOISE_STREAM = 4451, 5
+
+
+@lru_cache(maxsize=64)
+def attacker_partitions(num_partitions: int, fraction: float, seed: int) -> frozenset[int]:
+    """The malicious partitions of a run: ``round(fraction · num_partitions)`` of them, drawn by a
+    seeded permutation (a constant of the run, whoever is connected)."""
+    count = int(math.floor(fraction * num_partitions + 0.5))
+    order = np.random.default_rng([int(seed), ATTACK_STREAM]).permutation(int(num_partitions))
+    return frozenset(int(p) for p in order[:count])
+
+
+def hashed_attacker(identity: str, fraction: float, seed: int) -> bool:
+    """A node known only by a name is malicious with probability ``fraction`` (seeded hash)."""
+    digest = hashlib.sha256(f"{int(seed)}:attack:{identity}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64 < fraction
+
+
+class Untrusted:
+    """Attacks, defences and DP of one strategy (see the module docstring)."""
+
+    def __init__(self, strategy: HeteroStrategy) -> None:
+        self.strategy = strategy
+        cfg = strategy.cfg
+        self.attack = cfg.failures.attack
+        self.agg = cfg.aggregation
+        self.dp = cfg.dp
+        self.accountant = RdpAccountant() if self.dp.enabled else None
+        self.columns: dict[str, Any] = {}
+        self._references: dict[int, tuple[Any, State]] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.agg.robust != "none" or float(self.agg.outlier_z) > 0 or bool(self.dp.enabled)
+
+    # ------------------------------------------------------------------ attacks
+
+    def is_attacker(self, node_id: int) -> bool:
+        kind, fraction = str(self.attack.kind), float(self.attack.fraction)
+        if kind == "none" or fraction <= 0:
+            return False
+        s = self.strategy
+        info, key, seed = s.nodes.get(node_id), s._partition_key(node_id), int(s.cfg.seed)
+        if info is not None and info.partition_id is not None and info.num_partitions and key == info.partition_id:
+            return info.partition_id in attacker_partitions(int(info.num_partitions), fraction, seed)
+        return hashed_attacker(info.identity() if info is not None else f"node:{node_id}", fraction, seed)
+
+    def begin_round(self, node_ids: list[int]) -> None:
+        """Reset the round's columns; log which sampled nodes attack."""
+        self._references = {}
+        self.columns = {}
+        if str(self.attack.kind) != "none":
+            s = self.strategy
+            labels = [s.node_label(n) for n in sorted(node_ids, key=s._partition_key) if self.is_attacker(n)]
+            self.columns.update({"attackers": json.dumps(labels), "attackers_count": len(labels)})
+
+    def train_config(self, node_id: int) -> dict[str, Any]:
+        """What the server adds to a malicious node's train config."""
+        if not self.is_attacker(node_id):
+            return {}
+        return {"attack": str(self.attack.kind), "attack-scale": float(self.attack.scale)}
+
+    # ------------------------------------------------------------------ merge
+
+    def reference(self, reply: Reply) -> State:
+        """The recovered model the node received (cached per payload)."""
+        index, payload = self.strategy.sent[reply.node_id]
+        cached = self._references.get(id(payload))
+        if cached is None or cached[0] is not payload:
+            sent = ArrayRecord.from_array_dict(payload.arrays).to_torch_state_dict()
+            sent = {k: sent[k] for k in reply.state}
+            state, _ = self.strategy.recovered(dataclasses.replace(reply, state=sent))
+            cached = self._references[id(payload)] = (payload, state)
+        return cached[1]
+
+    def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
+        s = self.strategy
+        if not self.active:
+            return s.merge(server_round, global_state, replies)
+        recovered = [s.recovered(r) for r in replies]
+        values = [v for v, _ in recovered]
+        coverages = [c for _, c in recovered]
+        refs = [self.reference(r) for r in replies]
+        updates = [{k: v[k].to(torch.float64) - ref[k].to(torch.float64) for k in v if v[k].is_floating_point()}
+                   for v, ref in zip(values, refs)]
+        norms = robust.update_norms(updates, coverages)
+        self.columns["update_norm_max"] = float(norms.max())
+        if float(self.agg.outlier_z) > 0:
+            keep = robust.outlier_keep(norms, float(self.agg.outlier_z))
+            dropped = [s.node_label(r.node_id) for r, k in zip(replies, keep) if not k]
+            self.columns.update({"robust_rejected": len(dropped), "robust_rejected_nodes": json.dumps(dropped)})
+            replies, values, coverages, refs, updates = ([x for x, k in zip(seq, keep) if k] for seq in
+                                                         (replies, values, coverages, refs, updates))
+            norms = norms[keep]
+        if self.dp.enabled:
+            return self._dp_merge(server_round, global_state, replies, values, coverages, refs, updates, norms)
+        mode = str(self.agg.robust)
+        if mode == "none":
+            return s.merge(server_round, global_state, replies)
+        if mode == "krum":
+            keys = [k for k, v in global_state.items() if v.is_floating_point()]
+            vectors = torch.stack([robust.flatten(v, keys) for v in values])
+            picked = robust.krum_select(vectors, int(self.agg.krum_f), min(int(self.agg.krum_m), len(replies)))
+            self.columns["krum_selected"] = json.dumps([s.node_label(replies[i].node_id) for i in picked])
+            return s.merge(server_round, global_state, [replies[i] for i in picked])
+        if mode == "clip":
+            bound = float(self.agg.clip_norm) or robust.quantile_bound(norms, float(self.agg.clip_quantile))
+            scales = robust.clip_scales(norms, max(bound, 1e-12))
+            self.columns.update({"clip_bound": bound, "clipped": int((scales < 1).sum())})
+            values = [_shifted(v, ref, u, a) for v, ref, u, a in zip(values, refs, updates, scales)]
+        masks = [robust.with_class_rows(v, c, r.class_counts > 0, s.classifier_keys)
+                 for v, c, r in zip(values, coverages, replies)]
+        rule = "mean" if mode == "clip" else mode
+        weights = s.reply_weights(replies) if rule == "mean" else None
+        return robust.combine(global_state, values, masks, rule, weights, float(self.agg.trim_fraction))
+
+    def _dp_merge(self, server_round: int, global_state: State, replies: list[Reply], values: list[State],
+                  coverages: list, refs: list[State], updates: list[State], norms: np.ndarray) -> State:
+        """DP-FedAvg: clip to C, weighted mean, Gaussian noise σ·C·max w on every element."""
+        s = self.strategy
+        clip, sigma = float(self.dp.clip), float(self.dp.noise_multiplier)
+        scales = robust.clip_scales(norms, clip)
+        values = [_shifted(v, ref, u, a) for v, ref, u, a in zip(values, refs, updates, scales)]
+        w = np.asarray(s.reply_weights(replies), dtype=np.float64)
+        w = w / w.sum()
+        new = robust.combine(global_state, values, coverages, "mean", w)
+        std = sigma * clip * float(w.max())
+        words = np.random.SeedSequence([int(s.cfg.seed), int(server_round), NOISE_STREAM]).generate_state(2)
+        generator = torch.Generator().manual_seed(int(words[0]) << 31 | int(words[1]) >> 1)
+        for key, value in new.items():
+            if value.is_floating_point():
+                noise = torch.randn(value.shape, generator=generator, dtype=torch.float64) * std
+                new[key] = (value.to(torch.float64) + noise).to(value.dtype)
+        self._replay(server_round)
+        q = min(1.0, len(s.sent) / max(1, len(s.nodes)))
+        assert self.accountant is not None
+        self.accountant.step(q, sigma)
+        self.columns.update({"dp_clipped": int((scales < 1).sum()), "dp_noise_std": std, "dp_q": q,
+                             "dp_sigma": sigma, "dp_epsilon": self.accountant.epsilon(float(self.dp.delta))})
+        return new
+
+    def _replay(self, server_round: int) -> None:
+        """A resumed run's accountant: the earlier rounds' rates, from their metrics rows."""
+        assert self.accountant is not None
+        if self.accountant.steps == 0:
+            for row in self.strategy.history:
+                if row.get("dp_q") is not None and int(row["round"]) < server_round:
+                    self.accountant.step(float(row["dp_q"]), float(row["dp_sigma"]))
+
+    def summary(self) -> dict[str, Any]:
+        """What the run's summary adds: attack and defence totals, final ε."""
+        rows = self.strategy.history
+        out: dict[str, Any] = {}
+        if str(self.attack.kind) != "none":
+            out.update({"attack": str(self.attack.kind), "attack_fraction": float(self.attack.fraction),
+                        "attackers_sampled": int(sum(r.get("attackers_count", 0) for r in rows))})
+        if self.active:
+            out.update({"robust": str(self.agg.robust),
+                        "robust_rejected": int(sum(r.get("robust_rejected", 0) for r in rows))})
+        if self.dp.enabled:
+            eps = [r["dp_epsilon"] for r in rows if r.get("dp_epsilon") is not None]
+            out.update({"dp_epsilon": eps[-1] if eps else 0.0, "dp_delta": float(self.dp.delta),
+                        "dp_noise_multiplier": float(self.dp.noise_multiplier), "dp_clip": float(self.dp.clip)})
+        return out
+
+
+def _shifted(value: State, reference: State, update: State, scale: float) -> State:
+    """``reference + scale · update`` on the update's keys (the others as in ``value``)."""
+    if scale >= 1.0:
+        return value
+    out = dict(value)
+    for key, delta in update.items():
+        out[key] = (reference[key].to(torch.float64) + float(scale) * delta).to(value[key].dtype)
+    return out
+

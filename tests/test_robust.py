@@ -1,0 +1,301 @@
+"""Untrusted clients: attacks, robust aggregation over coverage masks, client-level DP and its accountant."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, RecordDict
+from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
+from flwr.serverapp.strategy.multikrum import select_multikrum
+
+from fedhm_flwr import privacy, robust
+from fedhm_flwr.aggregation import level_weights
+from fedhm_flwr.config import ConfigError, load_config, model_spec, robust_modes
+from fedhm_flwr.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.server_app import initial_state, run
+from strategies import STRATEGIES
+
+TOY = ("num_clients=6 fraction_train=1.0 dataset.max_train_examples=1200 dataset.max_test_examples=300 "
+       "model.width=4 train.batch_size=64 evaluation.batch_size=300")
+TINY_IMAGE = ("model=vit dataset=fashion_mnist model.backbone=random model.width=16 model.depth=2 "
+              "num_clients=4 fraction_train=1.0 dataset.max_train_examples=400 dataset.max_test_examples=100 "
+              "train.batch_size=32 evaluation.batch_size=100")
+
+
+# ------------------------------------------------------------------------------------ pure math
+
+
+def _t(*xs):
+    return torch.tensor(xs, dtype=torch.float64)
+
+
+def test_median_trimmed_and_weighted_mean_over_the_covering_clients_on_known_numbers():
+    prev = {"w": _t(-1, -1, -1, -1)}
+    # element 0: everyone; 1: clients 0 and 1; 2: client 2 only; 3: nobody
+    values = [{"w": _t(1, 10, 0, 9)}, {"w": _t(2, 20, 0, 9)}, {"w": _t(6, 99, 7, 9)}, {"w": _t(7, 99, 0, 9)},
+              {"w": _t(100, 99, 0, 9)}]
+    covers = [[1, 1, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 0], [1, 0, 0, 0]]
+    masks = [{"w": torch.tensor(c, dtype=torch.bool)} for c in covers]
+    median = robust.combine(prev, values, masks, "median")["w"]
+    trimmed = robust.combine(prev, values, masks, "trimmed_mean", trim=0.25)["w"]
+    mean = robust.combine(prev, values, masks, "mean", weights=[1, 1, 1, 1, 0])["w"]
+    assert median.tolist() == [6, 15, 7, -1]
+    assert trimmed.tolist() == [5, 15, 7, -1]  # floor(0.25 * 5) = 1 cut at each end of element 0
+    assert mean.tolist() == [4, 15, 7, -1]  # weights renormalised over the covering clients
+
+
+def test_classifier_rows_count_only_the_clients_holding_the_class():
+    state = {"fc.weight": torch.ones(3, 2), "conv.weight": torch.ones(2)}
+    mask = robust.with_class_rows(state, None, np.array([True, False, True]), ["fc.weight"])
+    assert mask["fc.weight"].tolist() == [[True, True], [False, False], [True, True]]
+    assert mask["conv.weight"].all()
+    prev = {"fc.weight": torch.zeros(3, 2)}
+    values = [{"fc.weight": torch.full((3, 2), 1.0)}, {"fc.weight": torch.full((3, 2), 3.0)}]
+    masks = [robust.with_class_rows(v, None, np.array(h), ["fc.weight"])
+             for v, h in zip(values, ([True, False, False], [True, True, False]))]
+    out = robust.combine(prev, values, masks, "median")["fc.weight"]
+    assert out[:, 0].tolist() == [2.0, 3.0, 0.0]  # row 2: nobody holds class 2, keeps its value
+
+
+def test_with_full_coverage_median_and_trimmed_mean_agree_with_flowers_helpers():
+    gen = torch.Generator().manual_seed(0)
+    values = [{"w": torch.randn(3, 4, generator=gen, dtype=torch.float64)} for _ in range(7)]
+    prev = {"w": torch.zeros(3, 4, dtype=torch.float64)}
+    stacked = np.stack([v["w"].numpy() for v in values])
+    median = robust.combine(prev, values, [None] * 7, "median")["w"]
+    trimmed = robust.combine(prev, values, [None] * 7, "trimmed_mean", trim=0.2)["w"]
+    np.testing.assert_allclose(median.numpy(), np.median(stacked, axis=0), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(trimmed.numpy(), trim_mean(stacked, 0.2), rtol=0, atol=1e-12)
+
+
+def test_clipping_norms_bounds_and_the_outlier_filter():
+    updates = [{"a": _t(3, 4, 100)}, {"a": _t(0.6, 0.8, 0)}]
+    masks = [{"a": torch.tensor([True, True, False])}, None]
+    norms = robust.update_norms(updates, masks)
+    np.testing.assert_allclose(norms, [5.0, 1.0])  # the uncovered 100 does not count
+    np.testing.assert_allclose(robust.clip_scales(norms, 2.0), [0.4, 1.0])
+    assert robust.quantile_bound([1, 2, 3, 4], 0.5) == 2.5
+    keep = robust.outlier_keep([1.0, 1.1, 0.9, 1.05, 0.95, 50.0], 3.0)
+    assert keep.tolist() == [True, True, True, True, True, False]
+    assert robust.outlier_keep([0.01, 1.0, 1.1, 0.9], 3.0).all()  # small updates are not outliers
+    with pytest.raises(ValueError, match="bound"):
+        robust.clip_scales(norms, 0.0)
+
+
+def test_krum_picks_the_reply_closest_to_its_neighbours_as_flower_does():
+    vectors = torch.tensor([[0.0], [1.0], [2.0], [10.0]], dtype=torch.float64)
+    # n - f - 2 = 2 nearest: scores 1+4, 1+1, 1+4, 64+81
+    np.testing.assert_allclose(robust.krum_scores(vectors, 0), [5, 2, 5, 145])
+    assert robust.krum_select(vectors, 0) == [1]
+    assert robust.krum_select(vectors, 0, m=2) == [1, 0]
+    gen = torch.Generator().manual_seed(1)
+    points = torch.cat([torch.randn(6, 5, generator=gen, dtype=torch.float64),
+                        100 + torch.randn(2, 5, generator=gen, dtype=torch.float64)])
+    contents = [RecordDict({"arrays": ArrayRecord([p.numpy()])}) for p in points]
+    (chosen,) = select_multikrum(contents, num_malicious_nodes=2, num_nodes_to_select=1)
+    assert robust.krum_select(points, 2) == [next(i for i, c in enumerate(contents) if c is chosen)]
+
+
+# ------------------------------------------------------------------------------------ accountant
+
+
+def test_accountant_reproduces_tensorflow_privacys_published_values():
+    # tensorflow/privacy rdp_accountant_test.py: test_compute_rdp and test_get_privacy_spent
+    # (the latter is the example of Abadi et al.: q = 0.01, sigma = 4, 10000 steps, delta = 1e-5)
+    assert privacy.compute_rdp(0.1, 2, 10, [5])[0] == pytest.approx(0.07737, abs=1e-5)
+    np.testing.assert_allclose(privacy.compute_rdp(0.01, 2.5, 50, [5, 50, 100]),
+                               [0.00218075, 0.023846, 167.416307], atol=1e-5)
+    orders = list(range(2, 33))
+    eps, order = privacy.epsilon_from_rdp(privacy.compute_rdp(0.01, 4, 10000, orders), 1e-5, orders)
+    assert eps == pytest.approx(1.258575, abs=1e-5) and order == 20
+
+
+def test_epsilon_grows_with_rounds_and_shrinks_with_the_noise_multiplier():
+    def eps(rounds, sigma, q=0.5):
+        acc = privacy.RdpAccountant()
+        acc.step(q, sigma, rounds)
+        return acc.epsilon(1e-5)
+
+    assert 0 < eps(1, 1.0) < eps(10, 1.0) < eps(100, 1.0)
+    assert eps(10, 0.7) > eps(10, 1.0) > eps(10, 2.0) > eps(10, 4.0) > 0
+    assert privacy.RdpAccountant().epsilon(1e-5) == 0.0
+
+
+# ------------------------------------------------------------------------------------ rounds
+
+
+def _trained_round(cfg, num_nodes=None):
+    """One round's configured messages and replies on the in-process grid."""
+    spec = model_spec(cfg)
+    strategy = STRATEGIES[cfg.method.name](cfg, spec)
+    state = strategy.initial_state(int(cfg.seed))
+    state = initial_state(cfg, spec) if state is None else state
+    grid = LocalGrid(num_nodes or int(cfg.num_clients), client_handlers())
+    messages = list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(state), None, grid))
+    return strategy, state, grid, messages, list(grid.send_and_receive(messages))
+
+
+def _aggregate(cfg, state, grid, replies):
+    """The same round aggregated by a fresh strategy of ``cfg`` (same payloads, no training)."""
+    strategy = STRATEGIES[cfg.method.name](cfg, model_spec(cfg))
+    list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(state), None, grid))
+    arrays, _ = strategy.aggregate_train(1, replies)
+    return strategy, arrays.to_torch_state_dict()
+
+
+def _distance(a, b):
+    return math.sqrt(sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in a))
+
+
+@pytest.fixture(scope="module")
+def scaled_round():
+    """FedHM, 6 clients of 4 levels, one of them (20 %) sending 100 x its update."""
+    cfg = load_config(f"{TOY} failures.attack.kind=scale failures.attack.fraction=0.2")
+    strategy, state, grid, _, replies = _trained_round(cfg)
+    attackers = {n for n in strategy.sent if strategy.untrusted.is_attacker(n)}
+    return cfg, state, grid, replies, attackers
+
+
+@pytest.fixture(scope="module")
+def clean_replies():
+    """The replies of the toy FedHM round without attack."""
+    return _trained_round(load_config(TOY))[4]
+
+
+@pytest.mark.parametrize("kind", ["scale", "sign_flip", "gaussian", "label_flip"])
+def test_an_attack_changes_exactly_the_chosen_clients_replies_in_the_chosen_way(kind, clean_replies):
+    cfg = load_config(f"{TOY} failures.attack.kind={kind} failures.attack.fraction=0.34 failures.attack.scale=7")
+    clean = clean_replies
+    strategy, _, _, messages, attacked = _trained_round(cfg)
+    attackers = {n for n in strategy.sent if strategy.untrusted.is_attacker(n)}
+    assert len(attackers) == 2  # round(0.34 * 6) partitions, fixed for the run
+    assert json.loads(strategy.untrusted.columns["attackers"]) == sorted(
+        (strategy.node_label(n) for n in attackers), key=lambda s: int(s[1:]))
+    received = {m.metadata.dst_node_id: m.content["arrays"].to_torch_state_dict() for m in messages}
+    clean_by = {m.metadata.src_node_id: m for m in clean}
+    for reply in attacked:
+        node = reply.metadata.src_node_id
+        got, honest = reply.content["arrays"].to_torch_state_dict(), clean_by[node].content["arrays"].to_torch_state_dict()
+        if node not in attackers:
+            assert all(torch.equal(got[k], honest[k]) for k in got)
+            continue
+        sent = received[node]
+        update = {k: honest[k].double() - sent[k].double() for k in got}
+        sent_update = {k: got[k].double() - sent[k].double() for k in got}
+        if kind == "scale":
+            assert all(torch.allclose(sent_update[k], 7 * update[k], atol=1e-5) for k in got)
+        elif kind == "sign_flip":
+            assert all(torch.allclose(sent_update[k], -update[k], atol=1e-6) for k in got)
+        elif kind == "gaussian":
+            norm = math.sqrt(sum(float((u ** 2).sum()) for u in update.values()))
+            assert math.sqrt(sum(float((u ** 2).sum()) for u in sent_update.values())) == pytest.approx(norm, rel=1e-4)
+            assert _distance(sent_update, update) > 0.5 * norm
+        else:  # label_flip: trained on y -> C - 1 - y, reported counts follow
+            counts = list(reply.content["metrics"]["class-counts"])
+            assert counts == list(clean_by[node].content["metrics"]["class-counts"])[::-1]
+            assert _distance(got, honest) > 0
+
+
+@pytest.mark.parametrize("defence", ["clip", "median", "trimmed_mean"])
+def test_a_defence_removes_a_scaled_replys_influence(scaled_round, defence):
+    cfg0, state, grid, replies, attackers = scaled_round
+    assert len(attackers) == 1
+    honest = [r for r in replies if r.metadata.src_node_id not in attackers]
+    dist = {}
+    for mode in ("none", defence):
+        cfg = load_config(f"{TOY} aggregation.robust={mode}")
+        _, with_attacker = _aggregate(cfg, state, grid, replies)
+        _, without = _aggregate(cfg, state, grid, honest)
+        dist[mode] = _distance(with_attacker, without)
+    assert dist["none"] > 1.0  # the x100 update dominates the plain average
+    assert dist[defence] < 0.05 * dist["none"]
+
+
+def test_the_outlier_filter_rejects_and_counts_the_scaled_reply_and_krum_never_picks_it(scaled_round):
+    _, state, grid, replies, attackers = scaled_round
+    honest = [r for r in replies if r.metadata.src_node_id not in attackers]
+    cfg = load_config(f"{TOY} aggregation.outlier_z=3")
+    strategy, filtered = _aggregate(cfg, state, grid, replies)
+    assert strategy.untrusted.columns["robust_rejected"] == 1
+    assert json.loads(strategy.untrusted.columns["robust_rejected_nodes"]) == [strategy.node_label(n) for n in attackers]
+    _, clean = _aggregate(load_config(TOY), state, grid, honest)
+    assert all(torch.equal(filtered[k], clean[k]) for k in clean)
+    strategy, _ = _aggregate(load_config(f"{TOY} aggregation.robust=krum aggregation.krum_m=3"), state, grid, replies)
+    picked = json.loads(strategy.untrusted.columns["krum_selected"])
+    assert len(picked) == 3 and not {strategy.node_label(n) for n in attackers} & set(picked)
+
+
+METHODS = {
+    "fedhm": "",
+    "heterofl": "method=heterofl",
+    "fedrolex": "method=fedrolex",
+    "fedavg": "method=fedavg method.variant=smallest method.family=heterofl",
+    "prism": "method=prism",
+    "fedlora": f"method=fedlora {TINY_IMAGE} method.max_rank=4",
+    "heterotune": f"method=heterotune {TINY_IMAGE} levels.ratios=[1,0.5] levels.proportions=[1,1] method.bottleneck=8",
+}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_method_runs_a_round_with_each_defence_it_accepts(method):
+    base = METHODS[method] if "model=vit" in METHODS[method] else f"{TOY} {METHODS[method]}"
+    cfg = load_config(base)
+    _, state, grid, _, replies = _trained_round(cfg)
+    _, plain = _aggregate(cfg, state, grid, replies)
+    modes = robust_modes(cfg)
+    for mode in modes:
+        for extra in ("", "aggregation.outlier_z=2"):
+            _, new = _aggregate(load_config(f"{base} aggregation.robust={mode} {extra}"), state, grid, replies)
+            assert new.keys() == state.keys()
+            assert all(new[k].shape == state[k].shape and torch.isfinite(new[k]).all() for k in new)
+    if "clip" in modes:  # a bound no update reaches: exactly the method's own weighted merge
+        _, unclipped = _aggregate(load_config(f"{base} aggregation.robust=clip aggregation.clip_norm=1e9"),
+                                  state, grid, replies)
+        for k in plain:
+            torch.testing.assert_close(unclipped[k], plain[k], rtol=1e-5, atol=1e-6)
+    else:
+        assert method in ("prism", "heterotune")
+
+
+def test_dp_clips_adds_calibrated_noise_and_reports_epsilon(tmp_path):
+    base = f"{TOY} fraction_train=0.5 dp.enabled=true dp.clip=0.5"
+    cfg = load_config(f"{base} dp.noise_multiplier=1.0")
+    strategy, state, grid, _, replies = _trained_round(cfg)
+    noisy_strategy, noisy = _aggregate(cfg, state, grid, replies)
+    _, quiet = _aggregate(load_config(f"{base} dp.noise_multiplier=1e-9"), state, grid, replies)
+    _, clipped = _aggregate(load_config(f"{TOY} fraction_train=0.5 aggregation.robust=clip aggregation.clip_norm=0.5"),
+                            state, grid, replies)
+    body = [k for k in state if not k.startswith("fc.")]  # DP averages classifier rows like the rest
+    for k in body:  # without noise, DP is the clipped weighted mean
+        torch.testing.assert_close(quiet[k], clipped[k], rtol=1e-5, atol=1e-6)
+    noise = torch.cat([(noisy[k].double() - quiet[k].double()).flatten() for k in state])
+    columns = noisy_strategy.untrusted.columns
+    assert float(noise.std()) == pytest.approx(columns["dp_noise_std"], rel=0.05)
+    levels = [noisy_strategy.levels[noisy_strategy.sent[m.metadata.src_node_id][0]] for m in replies]
+    assert columns["dp_noise_std"] == pytest.approx(1.0 * 0.5 * max(level_weights(levels, 1.0)))  # sigma C max w
+    assert columns["dp_q"] == 0.5
+    assert columns["dp_epsilon"] == pytest.approx(privacy.epsilon_from_rdp(privacy.compute_rdp(0.5, 1.0, 1), 1e-5)[0])
+    summary = run(LocalGrid(6, client_handlers()), load_config(f"{base} rounds=2"), tmp_path / "run")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert 0 < rows[0]["dp_epsilon"] < rows[1]["dp_epsilon"] == summary["dp_epsilon"]
+
+
+@pytest.mark.parametrize("override,field", [
+    ("aggregation.robust=krum method=heterofl", "aggregation.robust"),
+    ("aggregation.robust=median method=prism", "aggregation.robust"),
+    ("aggregation.robust=mean", "aggregation.robust"),
+    ("aggregation.trim_fraction=0.5", "aggregation.trim_fraction"),
+    ("failures.attack.kind=backdoor", "failures.attack.kind"),
+    ("failures.attack.fraction=1.5", "failures.attack.fraction"),
+    ("dp.enabled=true method=heterofl", "dp.enabled"),
+    ("dp.enabled=true aggregation.robust=median", "aggregation.robust"),
+    ("dp.noise_multiplier=0", "dp.noise_multiplier"),
+])
+def test_bad_untrusted_settings_are_refused_naming_the_field(override, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(f"{TOY} {override}")
+    assert err.value.field == field
