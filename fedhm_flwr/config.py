@@ -181,7 +181,8 @@ def _validate_fedhm(cfg: DictConfig) -> None:
     rho = OmegaConf.select(cfg, "method.rho")
     _require(rho is None or (_is_int(rho) and rho >= 0), "method.rho", rho,
              "null (the model's default) or an integer >= 0")
-    for flag in ("method.weight_by_samples", "method.frobenius_decay"):
+    for flag in ("method.weight_by_samples", "method.frobenius_decay", "method.official_weights",
+                 "method.add_previous_global"):
         value = OmegaConf.select(cfg, flag)
         _require(isinstance(value, bool), flag, value, "true or false")
 
