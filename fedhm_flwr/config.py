@@ -327,6 +327,11 @@ def validate(cfg: DictConfig) -> None:
     _num_in(cfg, "train.grad_clip", 0.0, math.inf, high_open=True)
     masked = OmegaConf.select(cfg, "train.masked_ce")
     _require(isinstance(masked, bool), "train.masked_ce", masked, "true or false")
+    if OmegaConf.select(cfg, "train.distill") is not None:  # absent from configs saved before it existed
+        enabled = OmegaConf.select(cfg, "train.distill.enabled")
+        _require(isinstance(enabled, bool), "train.distill.enabled", enabled, "true or false")
+        _num_in(cfg, "train.distill.temperature", 0.0, math.inf, low_open=True, high_open=True)
+        _num_in(cfg, "train.distill.weight", 0.0, math.inf, high_open=True)
     _int_at_least(cfg, "evaluation.every", 1)
     _int_at_least(cfg, "evaluation.batch_size", 1)
     _choice(cfg, "evaluation.bn_stats", BN_STATS)
