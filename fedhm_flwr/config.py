@@ -25,6 +25,7 @@ CONF_DIR = Path(os.environ.get("FEDHM_CONF_DIR", Path(__file__).resolve().parent
 
 PARTITION_SCHEMES = ("iid", "dirichlet", "pathological")
 ASSIGNMENTS = ("fixed", "dynamic")
+LEVEL_MATCH = ("none", "fedhm_params")  # heterofl / fedrolex widths: as given, or matched to FedHM's parameters
 LR_SCHEDULES = ("constant", "cosine", "step")
 BN_STATS = ("test_batch", "federated")
 EVALUATION_WHERE = ("server", "clients", "both")
@@ -162,6 +163,8 @@ def _validate_levels(cfg: DictConfig) -> None:
              "levels.proportions", props,
              f"null (equal shares) or {len(ratios)} non-negative numbers (one per level) with a positive sum")
     _choice(cfg, "levels.assignment", ASSIGNMENTS)
+    if OmegaConf.select(cfg, "levels.match") is not None:  # absent from configs saved before it existed
+        _choice(cfg, "levels.match", LEVEL_MATCH)
     default = OmegaConf.select(cfg, "levels.default")
     _require(default is None or default in ratios, "levels.default", default,
              f"null or one of levels.ratios {ratios}")

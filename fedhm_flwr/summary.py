@@ -10,9 +10,12 @@ run directory (holding ``summary.json``) or a folder of them (a Hydra sweep dire
 * ``statistics.md`` / ``statistics.csv``: runs grouped by their configuration without the seed;
   per group and per model (global, each level): n, mean ± std and the 95 % Student-t confidence
   interval of the final accuracy and of the mean accuracy over the last 10 % of rounds.
-* ``paired.md`` / ``paired.csv``: per setting (the configuration without seed and method), the
-  per-seed difference of every method against ``--reference`` (default ``fedhm``) on the same
-  seed, with its mean and 95 % confidence interval.
+* ``paired.csv`` (and in ``statistics.md``): per setting (the configuration without seed, method
+  and method options), the per-seed difference of every method against ``--reference`` (default
+  ``fedhm``) on the same seed, with its mean and 95 % confidence interval. A swept method option
+  (``method.*``, ``train.distill.*``: an ablation such as ``train.distill.enabled=true``) that is on
+  is part of the method's name (``fedhm train.distill.enabled=True``), so an ablation is paired
+  with the plain method like any other method.
 * plots: ``accuracy_by_round.png`` (mean curve per configuration, band = 95 % CI over seeds),
   ``accuracy_vs_bytes.png`` (final global accuracy against cumulative bytes moved),
   ``accuracy_vs_params.png`` and ``accuracy_vs_macs.png`` (final accuracy of each level's model
@@ -39,6 +42,8 @@ from fedhm_flwr.results import CONFIG_FILE, METRICS_JSONL, SUMMARY_FILE, atomic_
 from fedhm_flwr.stats import Estimate, mean_ci
 
 IGNORED = ("output_dir", "dataset.data_dir", "timeout")
+#: swept keys that are options of a method (ablations): named in the method's label, not a setting
+METHOD_OPTIONS = ("method.", "train.distill.")
 #: the share of the last rounds averaged in the ``tail_acc/*`` columns
 TAIL_FRACTION = 0.1
 
@@ -119,10 +124,40 @@ def collect(run_dirs: list[Path]) -> tuple[list[str], list[dict[str, Any]]]:
         row["rounds"] = summary.get("rounds_completed")
         row["dir"] = str(run_dir)
         rows.append(row)
+    options = ablation_keys(swept, rows)
+    for row in rows:
+        row["method"] = method_label(row, options)
     return swept, rows
 
 
 # ------------------------------------------------------------------ statistics over seeds
+
+
+def ablation_keys(swept: list[str], rows: list[dict[str, Any]]) -> list[str]:
+    """Swept method options (``method.*``, ``train.distill.*``) that take more than one value among
+    the runs of one method (an option that differs only because the methods differ is not one)."""
+    out = []
+    for key in swept:
+        if key.startswith(METHOD_OPTIONS) and key != "method.name":
+            by_method: dict[str, set[str]] = {}
+            for row in rows:
+                by_method.setdefault(str(row.get("method")), set()).add(json.dumps(row.get(key), default=str))
+            if any(len(values) > 1 for values in by_method.values()):
+                out.append(key)
+    return out
+
+
+def method_label(row: dict[str, Any], options: list[str]) -> str:
+    """The method's name with the ablation options the run turned on (``fedhm
+    train.distill.enabled=True``); options that are off (false, none, absent) are not named, so
+    the plain method keeps its plain name and is the reference of the paired differences."""
+    named = [f"{k}={row[k]}" for k in options if row.get(k) not in (None, False, "none", "false", "False")]
+    return " ".join([str(row.get("method")), *named])
+
+
+def setting_keys(swept: list[str]) -> list[str]:
+    """What the methods are compared on: the swept values other than seed, method and its options."""
+    return [k for k in swept if k not in ("seed", "method") and not k.startswith(METHOD_OPTIONS)]
 
 
 def group_keys(swept: list[str]) -> list[str]:
@@ -191,7 +226,7 @@ def paired_differences(swept: list[str], rows: list[dict[str, Any]], reference: 
     """Per setting (the configuration without seed and method), every method minus ``reference``
     on the same seed: the per-seed differences of the final and last-10 % accuracy of each model,
     their mean, std and 95 % t confidence interval. Seeds only one side ran are left out."""
-    setting = [k for k in group_keys(swept) if k != "method"]
+    setting = setting_keys(swept)
     out = []
     for members in group_runs(rows, setting).values():
         ref = {r.get("seed"): r for r in members if r.get("method") == reference}

@@ -54,14 +54,16 @@ def test_tail_mean_takes_the_last_ten_percent_of_rounds():
     assert tail_accuracies(sparse)["tail_acc/global"] == pytest.approx(0.5)  # no evaluation in round 6
 
 
-def _run(folder, method, seed, accs, alpha=0.5, levels=None):
+def _run(folder, method, seed, accs, alpha=0.5, levels=None, distill=None):
     """A finished run as the ServerApp writes it, with a Hydra overrides file like the sweep's."""
     folder.mkdir(parents=True)
     (folder / ".hydra").mkdir()
+    extra = "" if distill is None else f"- train.distill.enabled={str(distill).lower()}\n"
     (folder / ".hydra" / "overrides.yaml").write_text(
-        f"- method={method}\n- seed={seed}\n- partition.alpha={alpha}\n")
+        f"- method={method}\n- seed={seed}\n- partition.alpha={alpha}\n{extra}")
     (folder / "config.yaml").write_text(
-        f"seed: {seed}\nmethod:\n  name: {method}\npartition:\n  alpha: {alpha}\nrounds: {len(accs)}\n")
+        f"seed: {seed}\nmethod:\n  name: {method}\npartition:\n  alpha: {alpha}\nrounds: {len(accs)}\n"
+        f"train:\n  distill:\n    enabled: {str(bool(distill)).lower()}\n")
     lines = []
     for r, a in enumerate(accs, start=1):
         row = {"round": r, "acc/global": a}
@@ -145,3 +147,18 @@ def test_write_summary_writes_tables_and_plots(tmp_path):
         (m, x) for m in FINAL for x in ("global", "level_1", "level_0.5")}
     text = (out / "statistics.md").read_text()
     assert "Paired differences against fedhm" in text and "0:+0.0050 1:-0.0020 2:-0.0010" in text
+
+
+def test_an_ablation_sweep_is_paired_with_the_plain_method(tmp_path):
+    """`make compare` runs ablations as separate sweeps (one option on): the option names the
+    method, and the ablation is paired with plain FedHM on the same seeds."""
+    _sweep(tmp_path / "methods")
+    for seed, acc in enumerate([0.85, 0.87, 0.86]):
+        _run(tmp_path / "distill" / f"job{seed}", "fedhm", seed, [acc], distill=True)
+    swept, rows = collect(find_runs([tmp_path]))
+    assert {r["method"] for r in rows} == {"fedhm", "heterofl", "fedhm train.distill.enabled=True"}
+    paired = {p["method"]: p for p in paired_differences(swept, rows) if p["model"] == "global"
+              and p["metric"] == "final"}
+    assert set(paired) == {"heterofl", "fedhm train.distill.enabled=True"}
+    diffs = [a - b for a, b in zip([0.85, 0.87, 0.86], FINAL["fedhm"])]
+    assert paired["fedhm train.distill.enabled=True"]["mean"] == pytest.approx(sum(diffs) / 3)
