@@ -425,15 +425,27 @@ def _plots(swept: list[str], rows: list[dict[str, Any]], out: Path) -> None:
     _save(fig, out / "accuracy_by_round.png")
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    markers = "sv^<>dph"
     for members in groups:
-        acc, moved = _values(members, "final_acc/global"), _values(members, "bytes_total")
-        if acc and moved:
-            ax.errorbar(math.fsum(moved) / len(moved) / 1e6, math.fsum(acc) / len(acc), yerr=_half(acc),
-                        xerr=_half(moved) / 1e6, fmt="o", capsize=3, label=_label(members[0], keys))
+        moved = _values(members, "bytes_total")
+        if not moved:
+            continue
+        x, xerr = math.fsum(moved) / len(moved) / 1e6, _half(moved) / 1e6
+        colour = None
+        for i, model in enumerate(models_of(members)):  # global filled, each level hollow
+            acc = _values(members, f"final_acc/{model}")
+            if not acc:
+                continue
+            bar = ax.errorbar(x, math.fsum(acc) / len(acc), yerr=_half(acc), xerr=xerr, capsize=3, color=colour,
+                              fmt="o" if i == 0 else markers[(i - 1) % len(markers)],
+                              mfc=None if i == 0 else "none",
+                              label=_label(members[0], keys) if i == 0 else None)
+            colour = bar.lines[0].get_color()
     ax.set_xlabel("cumulative bytes moved, both directions (MB)")
-    ax.set_ylabel("final global model accuracy")
+    ax.set_ylabel("final accuracy (global: filled; levels, largest first: s v ^ < >)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     _save(fig, out / "accuracy_vs_bytes.png")
 
     for cost, name in (("params", "parameters"), ("macs", "MACs per input")):
