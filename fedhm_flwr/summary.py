@@ -416,9 +416,10 @@ def _plots(swept: list[str], rows: list[dict[str, Any]], out: Path) -> None:
         line, = ax.plot(rounds, [e.mean for e in est], marker="o", ms=3,
                         label=f"{_label(members[0], keys)} (n={len(members)})")
         if len(members) > 1:
-            ax.fill_between(rounds, [e.low if e.n > 1 else e.mean for e in est],
-                            [e.high if e.n > 1 else e.mean for e in est], color=line.get_color(), alpha=0.2)
+            ax.fill_between(rounds, [max(0.0, e.low) if e.n > 1 else e.mean for e in est],  # accuracies: [0, 1]
+                            [min(1.0, e.high) if e.n > 1 else e.mean for e in est], color=line.get_color(), alpha=0.2)
     ax.set_xlabel("round")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("global model test accuracy (mean, 95 % CI band)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
