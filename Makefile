@@ -10,8 +10,15 @@ PYTEST_ARGS ?=
 # The default sweep: FedHM over rank-ratio sets on Fashion-MNIST (Hydra multirun, jobs in sequence).
 SWEEP_ARGS ?= levels.ratios=[1,0.5,0.25,0.125],[1,0.5],[0.25,0.125] rounds=5 dataset.max_train_examples=20000
 
-# The baselines compared on the same work (Fashion-MNIST, Dirichlet 0.5, 4 levels); ~20-30 min on 2 cores.
-COMPARE_ARGS ?= method=fedhm,heterofl,fedrolex,fedavg,fedavg_smallest rounds=8 dataset.max_train_examples=30000
+# The baselines compared on the same work (Fashion-MNIST, Dirichlet 0.5, 4 levels), every method on
+# every seed, HeteroFL/FedRolex widths matched to FedHM's parameters per level, then one FedHM
+# ablation per option (self-distillation, the official code's two switches); about 5 min per run
+# on 2 cores (24 runs with 3 seeds). SEEDS=0 for a single seed, COMPARE_MATCH=none for unmatched widths.
+SEEDS ?= 0,1,2
+COMPARE_METHODS ?= fedhm,heterofl,fedrolex,fedavg,fedavg_smallest
+COMPARE_MATCH ?= fedhm_params
+COMPARE_ABLATIONS ?= train.distill.enabled=true method.official_weights=true method.add_previous_global=true
+COMPARE_ARGS ?= rounds=8 dataset.max_train_examples=30000
 
 .PHONY: setup data run test test-fast inspect sweep summary bench compare
 
@@ -46,8 +53,17 @@ test-fast: setup data  ## the tests without the slow end-to-end runs
 sweep: setup data  ## Hydra multirun over SWEEP_ARGS (+ARGS); summary and plots land in the sweep directory
 	$(BIN)/python -m fedhm_flwr.sweep -m $(SWEEP_ARGS) $(ARGS)
 
-compare: setup data  ## FedHM vs HeteroFL, FedRolex, FedAvg-full, FedAvg-smallest: one table in outputs/compare/<time>/summary.md
-	$(BIN)/python -m fedhm_flwr.sweep -m $(COMPARE_ARGS) hydra.sweep.dir=outputs/compare/$$(date +%Y-%m-%d_%H-%M-%S) $(ARGS)
+compare: setup data  ## FedHM vs HeteroFL, FedRolex (budget-matched), FedAvg-full, FedAvg-smallest + FedHM ablations over SEEDS: outputs/compare/<time>/statistics.md
+	@dir=outputs/compare/$$(date +%Y-%m-%d_%H-%M-%S); \
+	echo "make compare: budget-matched comparison (levels.match=$(COMPARE_MATCH): HeteroFL/FedRolex width rates chosen per level to match FedHM's parameter count), seeds $(SEEDS), outputs in $$dir"; \
+	$(BIN)/python -m fedhm_flwr.sweep -m method=$(COMPARE_METHODS) seed=$(SEEDS) levels.match=$(COMPARE_MATCH) \
+	    $(COMPARE_ARGS) hydra.sweep.dir=$$dir/methods $(ARGS) || exit 1; \
+	for option in $(COMPARE_ABLATIONS); do \
+	    $(BIN)/python -m fedhm_flwr.sweep -m method=fedhm seed=$(SEEDS) levels.match=$(COMPARE_MATCH) $$option \
+	        $(COMPARE_ARGS) hydra.sweep.dir=$$dir/$${option%%=*} $(ARGS) || exit 1; \
+	done; \
+	$(BIN)/python -m fedhm_flwr.summary $$dir --out $$dir --reference fedhm; \
+	echo "make compare: budget-matched (levels.match=$(COMPARE_MATCH)); tables and plots in $$dir (statistics.md, paired.csv)"
 
 summary: setup  ## table + plots over finished runs: make summary RUNS="outputs/multirun/..."
 	$(BIN)/python -m fedhm_flwr.summary $(RUNS)

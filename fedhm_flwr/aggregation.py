@@ -6,6 +6,7 @@
 * :func:`average_states`: ``w = sum_p alpha_p w_p`` over full-shape states, where the classifier's
   rows (one per class) are averaged only over the clients that hold that class (weights
   renormalised) and a class nobody held keeps its previous row.
+* :func:`official_code_weights`: the weights of the published FedHM code, for reproduction.
 """
 
 from __future__ import annotations
@@ -45,6 +46,22 @@ def level_weights(
             raise ValueError("num_examples must be positive, one per client")
         w = w * n
     return w / w.sum()
+
+
+def official_code_weights(
+    levels: Sequence[float],
+    tau: float,
+    dynamic: bool,
+    num_examples: Sequence[int] | None = None,
+) -> np.ndarray:
+    """The published FedHM code's aggregation weights (official-code behaviour, not the papers'
+    eq.): ``softmax(-(1/gamma_p) / tau)`` when levels are drawn every round (its dynamic flag),
+    uniform otherwise; ``num_examples`` as in :func:`level_weights`."""
+    if not dynamic:
+        return level_weights(levels, math.inf, num_examples)
+    if any(not float(g) > 0 for g in levels):
+        raise ValueError(f"rank ratios must be > 0, got {list(levels)}")
+    return level_weights([-1.0 / float(g) for g in levels], tau, num_examples)
 
 
 def average_states(

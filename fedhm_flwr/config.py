@@ -25,6 +25,7 @@ CONF_DIR = Path(os.environ.get("FEDHM_CONF_DIR", Path(__file__).resolve().parent
 
 PARTITION_SCHEMES = ("iid", "dirichlet", "pathological")
 ASSIGNMENTS = ("fixed", "dynamic")
+LEVEL_MATCH = ("none", "fedhm_params")  # heterofl / fedrolex widths: as given, or matched to FedHM's parameters
 LR_SCHEDULES = ("constant", "cosine", "step")
 BN_STATS = ("test_batch", "federated")
 EVALUATION_WHERE = ("server", "clients", "both")
@@ -162,6 +163,8 @@ def _validate_levels(cfg: DictConfig) -> None:
              "levels.proportions", props,
              f"null (equal shares) or {len(ratios)} non-negative numbers (one per level) with a positive sum")
     _choice(cfg, "levels.assignment", ASSIGNMENTS)
+    if OmegaConf.select(cfg, "levels.match") is not None:  # absent from configs saved before it existed
+        _choice(cfg, "levels.match", LEVEL_MATCH)
     default = OmegaConf.select(cfg, "levels.default")
     _require(default is None or default in ratios, "levels.default", default,
              f"null or one of levels.ratios {ratios}")
@@ -181,7 +184,8 @@ def _validate_fedhm(cfg: DictConfig) -> None:
     rho = OmegaConf.select(cfg, "method.rho")
     _require(rho is None or (_is_int(rho) and rho >= 0), "method.rho", rho,
              "null (the model's default) or an integer >= 0")
-    for flag in ("method.weight_by_samples", "method.frobenius_decay"):
+    for flag in ("method.weight_by_samples", "method.frobenius_decay", "method.official_weights",
+                 "method.add_previous_global"):
         value = OmegaConf.select(cfg, flag)
         _require(isinstance(value, bool), flag, value, "true or false")
 
@@ -326,6 +330,11 @@ def validate(cfg: DictConfig) -> None:
     _num_in(cfg, "train.grad_clip", 0.0, math.inf, high_open=True)
     masked = OmegaConf.select(cfg, "train.masked_ce")
     _require(isinstance(masked, bool), "train.masked_ce", masked, "true or false")
+    if OmegaConf.select(cfg, "train.distill") is not None:  # absent from configs saved before it existed
+        enabled = OmegaConf.select(cfg, "train.distill.enabled")
+        _require(isinstance(enabled, bool), "train.distill.enabled", enabled, "true or false")
+        _num_in(cfg, "train.distill.temperature", 0.0, math.inf, low_open=True, high_open=True)
+        _num_in(cfg, "train.distill.weight", 0.0, math.inf, high_open=True)
     _int_at_least(cfg, "evaluation.every", 1)
     _int_at_least(cfg, "evaluation.batch_size", 1)
     _choice(cfg, "evaluation.bn_stats", BN_STATS)

@@ -6,7 +6,8 @@ Each job validates its configuration, then runs exactly what ``python -m fedhm_f
 runs (a private SuperLink, ``flwr run``, a status check, cleanup), writing its outputs into its
 Hydra job directory (``outputs/multirun/<date>/<time>/job<N>/``). When the multirun ends, the
 :class:`SweepSummary` callback collects every job into ``summary.md``, ``summary.csv`` and two
-plots in the sweep directory (``python -m fedhm_flwr.summary`` does the same on demand).
+plots, and the statistics over seeds (``seed=0,1,2`` sweeps the seed like any key), in the sweep
+directory (``python -m fedhm_flwr.summary`` does the same on demand).
 
 Jobs run one after another (Hydra's basic launcher). Each job starts its own SuperLink on free
 ports and its own Ray instance, so jobs may also run side by side with a parallel Hydra launcher
@@ -51,8 +52,10 @@ class SweepSummary(Callback):
         except FileNotFoundError as err:
             print(f"sweep summary: {err}", file=sys.stderr)
             return
-        print(f"\nSweep summary ({len(rows)} jobs) in {sweep_dir}/summary.md\n")
+        print(f"\nSweep summary ({len(rows)} jobs) in {sweep_dir}/summary.md, statistics over seeds in "
+              f"{sweep_dir}/statistics.md\n")
         print(markdown_table(rows))
+        print((sweep_dir / "statistics.md").read_text())
 
 
 if __name__ == "__main__":

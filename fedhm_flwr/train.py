@@ -8,10 +8,14 @@
   batch statistics and nothing about the client's data distribution leaks into the weights sent.
 * SGD with momentum, re-created every round at the round's learning rate (``optimizer="adamw"``:
   AdamW instead, the transformer track's choice for LoRA / adapters; also re-created every round).
+* Self-distillation (FedHM conference paper, non-IID; ``distill``): the teacher is the received
+  model, frozen for the local epochs; the loss is ``CE + weight · T² · KL(teacher_T || student_T)``
+  on the unmasked logits softened by ``T`` (the reported train loss is this whole loss).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -37,11 +41,29 @@ class TrainOptions:
     masked_ce: bool = True
     grad_clip: float = 0.0
     threads: int = 1
+    distill: bool = False
+    distill_temperature: float = 2.0
+    distill_weight: float = 0.5
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TrainOptions:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def distill_options(distill: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The train options of ``train.distill = {enabled, temperature, weight}`` (none: off)."""
+    if distill is None:
+        return {}
+    return {"distill": bool(distill["enabled"]), "distill_temperature": float(distill["temperature"]),
+            "distill_weight": float(distill["weight"])}
+
+
+def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``T² · KL(softmax(teacher/T) || softmax(student/T))``, averaged over the batch."""
+    t = float(temperature)
+    return t * t * F.kl_div(F.log_softmax(student_logits / t, dim=1), F.log_softmax(teacher_logits / t, dim=1),
+                            reduction="batchmean", log_target=True)
 
 
 def pick_device() -> torch.device:
@@ -110,6 +132,7 @@ def train_local(
     else:
         raise ValueError(f"train option optimizer={options.optimizer!r}; allowed: 'sgd', 'adamw'")
     mask = present_classes if options.masked_ce else None
+    teacher = _frozen_copy(model) if options.distill else None
     total_loss, correct, seen = 0.0, 0, 0
     for _ in range(options.local_epochs):
         for x, y in loader:
@@ -118,6 +141,10 @@ def train_local(
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             logits = model(x)
             loss = F.cross_entropy(mask_absent_classes(logits, mask), y)
+            if teacher is not None:
+                with torch.no_grad():
+                    teacher_logits = teacher(x)
+                loss = loss + options.distill_weight * distillation_kl(logits, teacher_logits, options.distill_temperature)
             objective = loss
             if options.frobenius_decay:
                 objective = objective + frobenius_penalty(model, options.weight_decay)
@@ -137,6 +164,15 @@ def train_local(
         "train-accuracy": correct / max(1, seen),
         "seconds": time.perf_counter() - t0,
     }
+
+
+def _frozen_copy(model: nn.Module) -> nn.Module:
+    """The received model as a teacher: a copy in the student's mode (same normalisation and
+    Scaler behaviour, so it agrees with the student before the first step), no gradients."""
+    teacher = copy.deepcopy(model)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
 
 
 @torch.no_grad()

@@ -32,6 +32,7 @@ from fedhm_flwr import levels as lv
 from fedhm_flwr.aggregation import level_weights
 from fedhm_flwr.config import data_spec, learning_rate, level_proportions
 from fedhm_flwr.lowrank import recover_state
+from fedhm_flwr.train import distill_options
 
 from .nodes import NodeInfo, NodeRegistry, content_bytes
 from .untrusted import Untrusted
@@ -402,6 +403,7 @@ class HeteroStrategy(Strategy):
             "masked_ce": bool(cfg.train.masked_ce),
             "grad_clip": float(cfg.train.grad_clip),
             "threads": max(1, int(math.floor(float(cfg.simulation.num_cpus)))),
+            **distill_options(cfg.train.get("distill")),
             **payload.train,
         }
         return ConfigRecord({

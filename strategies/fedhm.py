@@ -6,6 +6,12 @@ the state dict's identity. Every level's client model is a truncation of that on
 (:func:`fedhm_flwr.lowrank.layer_svd` picks the fastest method meeting its error bound at every
 level's rank). Replies are averaged with ``softmax(gamma / tau)`` weights, classifier rows per
 class, each factorized layer's recovery and average as one stacked matrix product.
+
+Official-code behaviour (off by default; for comparisons with the published code):
+``method.official_weights`` uses its weights (:func:`fedhm_flwr.aggregation.official_code_weights`);
+``method.add_previous_global`` adds the previous global model as one more reply at ``gamma = 1``
+(holding every class; with ``weight_by_samples`` it counts the mean sample count of the round's
+replies) when no full-rank client's reply is in the round.
 """
 
 from __future__ import annotations
@@ -14,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from fedhm_flwr.aggregation import average_hybrid, level_weights
 import torch
 
+from fedhm_flwr.aggregation import average_hybrid, level_weights, official_code_weights
 from fedhm_flwr.lowrank import SVD, compute_svds, factorize_state, plan_ranks
 from fedhm_flwr.models import build_model, input_shape
 from fedhm_flwr.models.costs import activation_elements, count_macs, count_parameters, training_memory_bytes
@@ -74,11 +80,27 @@ class FedHMStrategy(HeteroStrategy):
         return self.level_spec(level_index), state, {"frobenius_decay": bool(self.cfg.method.frobenius_decay)}
 
     def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
+        states = [r.state for r in replies]
+        ranks = [self.ranks[r.level_index] for r in replies]
+        levels = [r.level for r in replies]
         counts = [r.num_examples for r in replies] if self.cfg.method.weight_by_samples else None
-        weights = level_weights([r.level for r in replies], self.tau, counts)
-        holds = np.stack([r.class_counts > 0 for r in replies])
-        return average_hybrid(global_state, [r.state for r in replies], [self.ranks[r.level_index] for r in replies],
-                              weights, holds, self.classifier_keys)
+        holds = [r.class_counts > 0 for r in replies]
+        if self.cfg.method.get("add_previous_global", False) and 1.0 not in levels:
+            states.append(global_state)  # the previous global model as one more full-rank reply
+            ranks.append({})
+            levels.append(1.0)
+            holds.append(np.ones_like(holds[0]))
+            if counts is not None:
+                counts.append(max(1, round(sum(counts) / len(counts))))
+        return average_hybrid(global_state, states, ranks, self.weights(levels, counts), np.stack(holds),
+                              self.classifier_keys)
+
+    def weights(self, levels: list[float], counts: list[int] | None) -> np.ndarray:
+        """The round's aggregation weights: the journal's ``softmax(gamma / tau)``, or the
+        official code's (``method.official_weights``)."""
+        if self.cfg.method.get("official_weights", False):
+            return official_code_weights(levels, self.tau, self.cfg.levels.assignment == "dynamic", counts)
+        return level_weights(levels, self.tau, counts)
 
     def level_cost(self, level_index: int) -> dict[str, float]:
         if level_index not in self._costs:

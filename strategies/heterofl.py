@@ -7,14 +7,23 @@ come from the shared client. Each element of the global model becomes the plain 
 clients whose sub-model held it (classifier rows only over clients holding the class); elements
 nobody trained keep their values. A level's deployable model is its sub-model sliced from the
 global model (the Scaler is the identity in evaluation). The math is in :mod:`fedhm_flwr.width`.
+
+Budget matching (``levels.match=fedhm_params``): ``levels.ratios`` are then FedHM's rank ratios,
+which keep naming the levels (outputs, proportions, declared capabilities), and each level trains
+the width rate whose sub-model's parameter count is the closest to FedHM's level of the same ratio
+on the same model (:func:`fedhm_flwr.width.matched_rates`); ``level_cost`` also reports FedHM's
+count (``fedhm_params``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from logging import INFO
+
 import numpy as np
 import torch
+from flwr.supercore import log
 
 from fedhm_flwr import width
 from fedhm_flwr.models import build_model, input_shape
@@ -40,9 +49,19 @@ class HeteroFLStrategy(HeteroStrategy):
         self.scaler = bool(cfg.method.scaler)
         self.grad_clip = float(cfg.method.grad_clip)
         self.weight_by_samples = bool(cfg.method.get("weight_by_samples", False))
+        #: each level's width rate: the level itself, or the rate matching FedHM's parameters
+        self.rates, self.fedhm_params = list(self.levels), None
+        if cfg.levels.get("match", "none") == "fedhm_params":
+            self.rates, self.fedhm_params = width.matched_rates(self.spec, self.levels)
         self.current_round = 1
         self._plans: dict[tuple[int, int], width.Plan] = {}
         self._costs: dict[int, dict[str, float]] = {}
+
+    def summary(self) -> None:
+        super().summary()
+        if self.fedhm_params is not None:
+            log(INFO, "\t└──> Budget-matched widths (levels.match=fedhm_params): %s",
+                ", ".join(f"level {g:g} -> rate {r:g}" for g, r in zip(self.levels, self.rates)))
 
     # -- plans
 
@@ -54,12 +73,12 @@ class HeteroFLStrategy(HeteroStrategy):
         """The index plan of a level in a round (default: the current round); cached."""
         key = (level_index, self._plan_round(self.current_round if server_round is None else server_round))
         if key not in self._plans:
-            self._plans[key] = width.index_plan(self._shapes_model, self.levels[level_index], self.mode, key[1])
+            self._plans[key] = width.index_plan(self._shapes_model, self.rates[level_index], self.mode, key[1])
         return self._plans[key]
 
     def level_spec(self, level_index: int) -> dict[str, Any]:
         """The model spec of a level's sub-model (the full spec at rate 1)."""
-        return width.submodel_spec(self.spec, self.levels[level_index], self.scaler)
+        return width.submodel_spec(self.spec, self.rates[level_index], self.scaler)
 
     # -- the method hooks
 
@@ -107,4 +126,6 @@ class HeteroFLStrategy(HeteroStrategy):
                                                int(self.cfg.train.batch_size), slots)
             self._costs[level_index] = {"params": float(params), "macs": float(macs), "bytes": float(4 * params),
                                         "memory": float(memory)}
+            if self.fedhm_params is not None:
+                self._costs[level_index]["fedhm_params"] = float(self.fedhm_params[level_index])
         return self._costs[level_index]

@@ -1,0 +1,74 @@
+"""Budget matching (levels.match=fedhm_params): HeteroFL / FedRolex widths with FedHM's parameters."""
+
+import pytest
+import torch
+from flwr.app import ArrayRecord
+
+from fedhm_flwr import width
+from fedhm_flwr.config import ConfigError, model_spec
+from fedhm_flwr.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.server_app import initial_state
+from strategies.fedhm import FedHMStrategy
+from strategies.fedrolex import FedRolexStrategy
+from strategies.heterofl import HeteroFLStrategy
+
+RESNET18 = {"arch": "resnet18", "num_classes": 10, "in_channels": 3, "image_size": 32, "width": 64}
+
+
+def test_resnet18_matches_the_papers_counts_near_the_journals_widths():
+    rates, fedhm = width.matched_rates(RESNET18, [1, 0.5, 0.25, 0.125])
+    # FedHM's Table 2 (journal): 11.17M, 4.16M, 2.21M, 1.24M
+    assert [round(p / 1e6, 2) for p in fedhm] == [11.17, 4.16, 2.21, 1.24]
+    counts = [width.submodel_params(RESNET18, r) for r in rates]
+    assert all(abs(c - t) / t < 0.01 for c, t in zip(counts, fedhm))
+    # the journal sets HeteroFL's widths to 1 / 0.64 / 0.5 / 0.35 "to reach a larger model size":
+    # close to the matched ones, and never smaller
+    journal = [1.0, 0.64, 0.5, 0.35]
+    assert rates[0] == 1.0
+    assert all(abs(r - j) <= 0.06 and r <= j for r, j in zip(rates, journal))
+
+
+def test_the_matched_rate_is_the_closest_on_its_grid():
+    spec = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28, "width": 16}
+    (rate,), (target,) = width.matched_rates(spec, [0.25])
+    best = abs(width.submodel_params(spec, rate) - target)
+    for other in (rate - width.MATCH_STEP, rate + width.MATCH_STEP, rate - 0.01, rate + 0.01):
+        assert abs(width.submodel_params(spec, other) - target) >= best
+
+
+@pytest.mark.parametrize("cls,method", [(HeteroFLStrategy, "heterofl"), (FedRolexStrategy, "fedrolex")])
+def test_matched_strategy_sends_the_matched_width_and_reports_both_counts(toy_cfg, cls, method):
+    cfg = toy_cfg(f"method={method} levels.match=fedhm_params")
+    strategy = cls(cfg, model_spec(cfg))
+    fedhm_cfg = toy_cfg()
+    fedhm = FedHMStrategy(fedhm_cfg, model_spec(fedhm_cfg))
+    plain = cls(toy_cfg(f"method={method}"), model_spec(cfg))
+    assert strategy.levels == plain.levels == fedhm.levels  # the levels keep FedHM's names
+    for index in range(len(strategy.levels)):
+        cost = strategy.level_cost(index)
+        assert cost["fedhm_params"] == fedhm.level_cost(index)["params"]
+        assert cost["params"] == width.submodel_params(strategy.spec, strategy.rates[index])
+        if index:  # matched widths differ from the unmatched width = gamma
+            assert strategy.rates[index] != strategy.levels[index]
+    state = initial_state(cfg, strategy.spec)
+    grid = LocalGrid(6, client_handlers())
+    for msg in strategy.configure_train(1, ArrayRecord.from_torch_state_dict(state), None, grid):
+        index = msg.content["config"]["level-index"]
+        sent = msg.content["arrays"].to_torch_state_dict()
+        assert sum(t.numel() for t in sent.values()) == strategy.level_cost(index)["params"]
+
+
+def test_match_is_refused_with_its_allowed_values(toy_cfg):
+    with pytest.raises(ConfigError, match=r"levels\.match.*none.*fedhm_params"):
+        toy_cfg("method=heterofl levels.match=flops")
+
+
+def test_match_leaves_fedhm_alone(toy_cfg):
+    a, b = toy_cfg(), toy_cfg("levels.match=fedhm_params")
+    sa, sb = FedHMStrategy(a, model_spec(a)), FedHMStrategy(b, model_spec(b))
+    assert sa.ranks == sb.ranks
+    state = initial_state(a, sa.spec)
+    sa.begin_round(1, state), sb.begin_round(1, state)
+    _, pa, _ = sa.level_payload(2, state)
+    _, pb, _ = sb.level_payload(2, state)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
