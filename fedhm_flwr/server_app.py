@@ -26,6 +26,7 @@ from fedhm_flwr.data import test_dataset
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.adapters import load_federated
 from fedhm_flwr.results import RunRecorder, load_checkpoint, refuse_existing_run, summarize
+from fedhm_flwr.tracking import open_tracker
 from fedhm_flwr.train import evaluate, pick_device
 from strategies import STRATEGIES
 
@@ -69,7 +70,7 @@ def run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None = None) 
     t0 = time.perf_counter()
     if resume is None:
         refuse_existing_run(out_dir)
-    recorder = RunRecorder(out_dir)
+    recorder = RunRecorder(out_dir, tracker=open_tracker(cfg.get("tracking"), out_dir))
     recorder.write_config(to_yaml(cfg))
     spec = model_spec(cfg)
     device = pick_device()
