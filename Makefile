@@ -10,8 +10,9 @@ PYTEST_ARGS ?=
 # The default sweep: FedHM over rank-ratio sets on Fashion-MNIST (Hydra multirun, jobs in sequence).
 SWEEP_ARGS ?= levels.ratios=[1,0.5,0.25,0.125],[1,0.5],[0.25,0.125] rounds=5 dataset.max_train_examples=20000
 
-# The baselines compared on the same work (Fashion-MNIST, Dirichlet 0.5, 4 levels); ~20-30 min on 2 cores.
-COMPARE_ARGS ?= method=fedhm,heterofl,fedrolex,fedavg,fedavg_smallest rounds=8 dataset.max_train_examples=30000
+# The targets below are aliases of the `fedhm` command (fedhm_flwr/cli.py, run as `python -m fedhm_flwr`);
+# `make compare`'s sweep (FedHM vs the baselines on the same work) is defined there (COMPARE_OVERRIDES).
+FEDHM  := $(BIN)/python -m fedhm_flwr
 
 .PHONY: setup data run test test-fast inspect sweep summary bench compare
 
@@ -35,7 +36,7 @@ data:  ## Fashion-MNIST from Debian's package, unless FEDHM_DATA_DIR points at a
 	else sudo apt-get update -qq && sudo apt-get install -y -qq dataset-fashion-mnist; fi
 
 run: setup data  ## the default job (FedHM, Fashion-MNIST, CNN, 4 levels) through `flwr run`; ARGS= Hydra overrides
-	$(BIN)/python -m fedhm_flwr.launch $(ARGS)
+	$(FEDHM) run $(ARGS)
 
 test: setup data  ## every test, the slow end-to-end ones included
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
@@ -44,19 +45,19 @@ test-fast: setup data  ## the tests without the slow end-to-end runs
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 sweep: setup data  ## Hydra multirun over SWEEP_ARGS (+ARGS); summary and plots land in the sweep directory
-	$(BIN)/python -m fedhm_flwr.sweep -m $(SWEEP_ARGS) $(ARGS)
+	$(FEDHM) sweep $(SWEEP_ARGS) $(ARGS)
 
 compare: setup data  ## FedHM vs HeteroFL, FedRolex, FedAvg-full, FedAvg-smallest: one table in outputs/compare/<time>/summary.md
-	$(BIN)/python -m fedhm_flwr.sweep -m $(COMPARE_ARGS) hydra.sweep.dir=outputs/compare/$$(date +%Y-%m-%d_%H-%M-%S) $(ARGS)
+	$(FEDHM) compare $(ARGS)
 
 summary: setup  ## table + plots over finished runs: make summary RUNS="outputs/multirun/..."
-	$(BIN)/python -m fedhm_flwr.summary $(RUNS)
+	$(FEDHM) summary $(RUNS)
 
 bench: setup data  ## benchmarks -> bench/reports/bench.{json,md}; ARGS="--quick" or "--only 1,3"
-	$(BIN)/python -m bench.run $(ARGS)
+	$(FEDHM) bench $(ARGS)
 
 inspect: setup  ## per-level parameters / MACs / bytes; ARGS= Hydra overrides
-	$(BIN)/python -m fedhm_flwr.inspect $(ARGS)
+	$(FEDHM) inspect $(ARGS)
 
 .PHONY: pretrain
 pretrain: setup data  ## ViT backbones of the transformer track -> $$FEDHM_CACHE/vit (default ~/.cache/fedhm-flwr/vit); minutes on a CPU
