@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import yaml
 
 TB_DIR = "tb"
 MLFLOW_DIR = "mlruns"
+MLFLOW_RUN_FILE = "mlflow_run.json"  # in the run directory: where its MLflow run is
 #: the metrics the TensorBoard hparams table shows next to each run's config
 HPARAM_METRICS = ("acc/global", "loss/global")
 
@@ -110,14 +112,24 @@ class MlflowTracker(Tracker):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.uri = uri
         self.client = MlflowClient(tracking_uri=uri)
-        found = self.client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
-        self.run_id = self.client.create_run(experiment_id, run_name=Path(out_dir).name).info.run_id
-        (Path(out_dir) / "mlflow_run.json").write_text(json.dumps({"tracking_uri": uri, "run_id": self.run_id}))
+        record = Path(out_dir) / MLFLOW_RUN_FILE
+        earlier = json.loads(record.read_text()) if record.is_file() else {}
+        self.resumed = earlier.get("tracking_uri") == uri
+        if self.resumed:  # a resumed run goes on in its MLflow run
+            self.run_id = earlier["run_id"]
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            found = self.client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+            self.run_id = self.client.create_run(experiment_id, run_name=Path(out_dir).name).info.run_id
+            record.write_text(json.dumps({"tracking_uri": uri, "run_id": self.run_id}))
 
     def config(self, yaml_text: str) -> None:
         from mlflow.entities import Param
 
+        if self.resumed:  # params are immutable in MLflow; the config of the resumed run is logged as text
+            self.client.log_text(self.run_id, yaml_text, f"config-resumed-{int(time.time())}.yaml")
+            return
         params = [Param(k, str(v)[:6000]) for k, v in flat_config(yaml.safe_load(yaml_text) or {}).items()]
         for start in range(0, len(params), 100):  # MLflow's batch limit
             self.client.log_batch(self.run_id, params=params[start:start + 100])
@@ -125,8 +137,6 @@ class MlflowTracker(Tracker):
 
     def round(self, row: Mapping[str, Any]) -> None:
         from mlflow.entities import Metric
-
-        import time
 
         now, step = int(time.time() * 1000), int(row["round"])
         metrics = [Metric(_mlflow_key(k), v, now, step) for k, v in scalars(row).items()]

@@ -81,6 +81,39 @@ def test_mlflow_run_holds_the_same_metrics_and_the_config(tiny_run):
         assert history == {r["round"]: float(r[key]) for r in rows}
 
 
+def test_a_resumed_run_goes_on_in_the_same_event_folder_and_mlflow_run(tiny_run, tmp_path):
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fedhm_flwr.config import resume_config
+
+    src, _, _ = tiny_run
+    out = tmp_path / "run"
+    shutil.copytree(src, out)
+    if HAS_MLFLOW:  # the copy's file store lives in the copy
+        info = json.loads((out / "mlflow_run.json").read_text())
+        info["tracking_uri"] = (out / "mlruns").resolve().as_uri()
+        (out / "mlflow_run.json").write_text(json.dumps(info))
+        for meta in (out / "mlruns").rglob("meta.yaml"):
+            meta.write_text(meta.read_text().replace(str(src), str(out)))
+    run(LocalGrid(4, client_handlers()), resume_config(out, "rounds=3"), out, resume=out)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    acc = EventAccumulator(str(out / TB_DIR), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert {e.step: e.value for e in acc.Scalars("acc/global")} == pytest.approx(
+        {r["round"]: r["acc/global"] for r in rows}, rel=1e-6)
+    if HAS_MLFLOW:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=info["tracking_uri"])
+        assert json.loads((out / "mlflow_run.json").read_text())["run_id"] == info["run_id"]
+        history = client.get_metric_history(info["run_id"], "acc/global")
+        assert {m.step: m.value for m in history} == {r["round"]: r["acc/global"] for r in rows}
+        assert client.get_run(info["run_id"]).info.status == "FINISHED"
+
+
 def test_mlflow_without_the_package_is_refused_before_the_run(monkeypatch):
     import importlib.util
 
