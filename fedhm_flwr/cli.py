@@ -88,18 +88,12 @@ def cmd_resume(argv: list[str]) -> int:
 
 
 def _hydra_sweep(overrides: list[str]) -> int:
-    """``python -m fedhm_flwr.sweep -m OVERRIDES`` (Hydra reads ``sys.argv``)."""
-    from fedhm_flwr import sweep
+    """``python -m fedhm_flwr.sweep -m OVERRIDES``, as its own process: Hydra finds its config tree
+    relative to the entry point's file and owns the process while the multirun lasts."""
+    import subprocess
 
-    argv = sys.argv
-    sys.argv = ["fedhm sweep", "-m", *[o for o in overrides if o not in ("-m", "--multirun")]]
-    try:
-        sweep.main()
-    except SystemExit as exit_:  # Hydra exits 1 on a failed job
-        return int(exit_.code or 0) if not isinstance(exit_.code, str) else 1
-    finally:
-        sys.argv = argv
-    return 0
+    cmd = [sys.executable, "-m", "fedhm_flwr.sweep", "-m", *[o for o in overrides if o not in ("-m", "--multirun")]]
+    return subprocess.call(cmd)
 
 
 def _sweep_help(name: str) -> int:

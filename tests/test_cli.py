@@ -66,6 +66,14 @@ def test_python_m_alias_and_module_paths_stay(tmp_path):
     assert proc.returncode == 2 and "invalid config: run=" in proc.stderr
 
 
+def test_sweep_reaches_hydra_and_its_config_tree(tmp_path, capfd):
+    """`fedhm sweep` runs the Hydra app (config tree found, jobs validated before anything starts)."""
+    code = main(["sweep", "partition.scheme=bogus", "rounds=1", f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    err = capfd.readouterr().err
+    assert code != 0 and "invalid config: partition.scheme='bogus'" in err
+    assert not list((tmp_path / "sweep").rglob("metrics.jsonl"))
+
+
 def test_compare_user_overrides_replace_the_defaults():
     now = dt.datetime(2026, 1, 2, 3, 4, 5)
     assert compare_overrides([], now) == ["method=fedhm,heterofl,fedrolex,fedavg,fedavg_smallest", "rounds=8",
