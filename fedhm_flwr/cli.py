@@ -167,11 +167,11 @@ def _import(module: str):
 COMMANDS: dict[str, Command] = {
     "run": Command("Run one job through `flwr run` on a private SuperLink (Ray simulation engine), with a "
                    "progress line; Flower's output goes to <run dir>/flwr_run.log.",
-                   ("fedhm run rounds=2 model.width=8 'levels.ratios=[1,0.25]'",
-                    "fedhm run method=heterofl partition.alpha=0.1 --run-dir /tmp/fedhm/r1"), cmd_run,
+                   ("fedhm run rounds=2 model.width=8 'levels.ratios=[1,0.25]' --run-dir /tmp/fedhm/r1",
+                    "fedhm run method=heterofl partition.alpha=0.1 rounds=3"), cmd_run,
                    short="one job through `flwr run` (Ray simulation), with a progress line"),
     "resume": Command("Continue a run from its checkpoint; plain key=value overrides such as rounds=20 extend it.",
-                      ("fedhm resume /tmp/fedhm/r1 rounds=20",), cmd_resume,
+                      ("fedhm resume /tmp/fedhm/r1 rounds=4",), cmd_resume,
                       short="continue a run from its checkpoint (rounds=N extends it)"),
     "sweep": Command("Hydra multirun: every combination is one job (one progress line each); the sweep "
                      "directory gets summary.md/.csv and plots.",
@@ -196,8 +196,8 @@ COMMANDS: dict[str, Command] = {
                       "a node's own data shard for real devices (fedhm_flwr.shards, when installed)"),
     "export": Command("A level's deployable model from a run's checkpoint: safetensors (spec in the metadata), "
                       "torch.export .pt2, ONNX where an exporter is installed, and a model card.",
-                      ("fedhm export run=/tmp/fedhm/r1 level=1/8",
-                       "fedhm export run=/tmp/fedhm/r1 level=0.5 out=/tmp/fedhm/r1-half"),
+                      ("fedhm export run=/tmp/fedhm/r1 level=1/4",
+                       "fedhm export run=/tmp/fedhm/r1 level=1 out=/tmp/fedhm/r1-full"),
                       _delegate("export"), "fedhm_flwr.export", "a level's deployable model: safetensors, .pt2, model card"),
     "bench": Command("The benchmarks: server time, bytes, step time per level, Flower overhead, scale "
                      "(bench/reports/bench.{json,md}).",

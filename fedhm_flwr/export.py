@@ -198,7 +198,7 @@ def parse_pairs(argv: list[str]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="fedhm export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  fedhm export run=outputs/2026-01-01/12-00-00-000000-fedhm level=1/8")
+        epilog="example:\n  fedhm export run=/tmp/fedhm/r1 level=1/4")
     parser.add_argument("pairs", nargs="*", help="run=<run dir> level=<gamma> [out=<dir>]")
     args = parser.parse_args(argv)
     try:
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"level {card['level']:g}: {card['parameters']:,} parameters, final accuracy "
-          f"{card['final_accuracy']}; wrote {', '.join(card['files'].values())} and model_card.md to {card['out_dir']}")
+          f"{card['final_accuracy']}; wrote {', '.join(card['files'].values())} and model_card.md/.json to {card['out_dir']}")
     for note in card["notes"]:
         print(f"note: {note}")
     return 0

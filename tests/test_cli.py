@@ -48,6 +48,8 @@ def test_run_refuses_a_bad_value_before_starting_anything(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "partition.scheme" in err and "'dirichlet'" in err
     assert not out.exists()
+    assert main(["resume", str(tmp_path / "none")]) == 2
+    assert "invalid config: resume=" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="rounds"):
         api.run(["rounds=0"], run_dir=tmp_path / "api")
     assert not (tmp_path / "api").exists()
