@@ -52,7 +52,7 @@ def _run_job(overrides: list[str], run_dir: Path | None, resume: Path | None, pr
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:
-        where = f" (Flower's output: flwr_run.log in the run directory)" if progress else ""
+        where = " (Flower's output: flwr_run.log in the run directory)" if progress else ""
         print(f"error: {err}{where}", file=sys.stderr)
         return 1
     _print_result(summary)

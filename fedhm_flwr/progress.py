@@ -19,11 +19,16 @@ from typing import Any, TextIO
 from fedhm_flwr.results import METRICS_JSONL
 
 
-def eta_seconds(elapsed: float, done: int, remaining: int) -> float | None:
-    """Seconds left if the remaining rounds take as long as the ones done so far (None: none done)."""
+def eta_seconds(elapsed: float, done: int, remaining: int, since_first: float | None = None) -> float | None:
+    """Seconds left if the remaining rounds take as long as the ones done so far (None: none done).
+
+    ``since_first``: seconds since the first round of this session ended. With two rounds or more
+    the pace is measured from there, leaving out the start-up (SuperLink, Ray, data) that the
+    first round's time includes."""
     if done <= 0:
         return None
-    return elapsed / done * max(0, remaining)
+    pace = since_first / (done - 1) if done >= 2 and since_first is not None else elapsed / done
+    return pace * max(0, remaining)
 
 
 def format_seconds(seconds: float | None) -> str:
@@ -45,11 +50,13 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def progress_text(rows: list[Mapping[str, Any]], total: int, elapsed: float, done: int, label: str = "") -> str:
-    """The progress line after ``rows`` (all of the run's rows; ``done`` of them in this session)."""
+def progress_text(rows: list[Mapping[str, Any]], total: int, elapsed: float, done: int, label: str = "",
+                  since_first: float | None = None) -> str:
+    """The progress line after ``rows`` (all of the run's rows; ``done`` of them in this session,
+    the first of which ended ``since_first`` seconds ago)."""
     current = int(rows[-1]["round"]) if rows else 0
     parts = [f"{label}round {current}/{total}", f"elapsed {format_seconds(elapsed)}",
-             f"ETA {format_seconds(eta_seconds(elapsed, done, total - current))}"]
+             f"ETA {format_seconds(eta_seconds(elapsed, done, total - current, since_first))}"]
     accs = [r["acc/global"] for r in rows if r.get("acc/global") is not None]
     parts.append(f"acc {accs[-1]:.4f}" if accs else "acc -")
     parts.append(f"failures {sum(int(r.get('failures', 0) or 0) + int(r.get('rejected', 0) or 0) for r in rows)}")
@@ -68,19 +75,24 @@ class Follower:
         self.start = clock()
         self.seen = len(read_rows(self.path))  # a resumed run's earlier rounds are not this session's
         self.first = self.seen
+        self.first_done_at: float | None = None  # when this session's first round was seen
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def poll(self) -> None:
         """Print what changed: a line per new round (plain) or the refreshed line (terminal)."""
         rows = read_rows(self.path)
-        elapsed = self.clock() - self.start
+        now = self.clock()
+        elapsed = now - self.start
+        if self.first_done_at is None and len(rows) > self.first:
+            self.first_done_at = now
+        since = None if self.first_done_at is None else now - self.first_done_at
         if self.tty:
-            self.stream.write("\r" + progress_text(rows, self.total, elapsed, len(rows) - self.first, self.label)
+            self.stream.write("\r" + progress_text(rows, self.total, elapsed, len(rows) - self.first, self.label, since)
                               + "\x1b[K")
         else:
             for n in range(self.seen + 1, len(rows) + 1):
-                self.stream.write(progress_text(rows[:n], self.total, elapsed, n - self.first, self.label) + "\n")
+                self.stream.write(progress_text(rows[:n], self.total, elapsed, n - self.first, self.label, since) + "\n")
         self.seen = max(self.seen, len(rows))
         self.stream.flush()
 

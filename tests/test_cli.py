@@ -100,6 +100,8 @@ def test_api_summary_reads_a_finished_run(tmp_path):
 def test_eta_arithmetic():
     assert eta_seconds(30.0, 3, 7) == 70.0  # 10 s per round, 7 rounds left
     assert eta_seconds(30.0, 0, 7) is None and eta_seconds(12.0, 4, 0) == 0.0
+    # from the second round on, the pace leaves out the start-up: 20 s for rounds 2-3 -> 10 s a round
+    assert eta_seconds(50.0, 3, 7, since_first=20.0) == 70.0 and eta_seconds(50.0, 1, 7, since_first=0.0) == 350.0
     assert [format_seconds(s) for s in (None, 0, 59.6, 61, 3725)] == ["?", "0:00", "1:00", "1:01", "1:02:05"]
 
 
@@ -119,7 +121,7 @@ def test_plain_mode_prints_one_line_per_recorded_round(tmp_path):
     follower.poll()
     assert stream.getvalue().splitlines() == [
         "job 0: round 1/5 | elapsed 0:20 | ETA 1:20 | acc 0.4100 | failures 0",
-        "job 0: round 2/5 | elapsed 1:00 | ETA 1:30 | acc 0.4100 | failures 1",
+        "job 0: round 2/5 | elapsed 1:00 | ETA 2:00 | acc 0.4100 | failures 1",
         "job 0: round 3/5 | elapsed 1:00 | ETA 0:40 | acc 0.6234 | failures 2",
     ]
 
