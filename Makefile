@@ -20,6 +20,9 @@ COMPARE_MATCH ?= fedhm_params
 COMPARE_ABLATIONS ?= train.distill.enabled=true method.official_weights=true method.add_previous_global=true
 COMPARE_ARGS ?= rounds=8 dataset.max_train_examples=30000
 
+# The other targets are aliases of the `fedhm` command (fedhm_flwr/cli.py, run as `python -m fedhm_flwr`).
+FEDHM  := $(BIN)/python -m fedhm_flwr
+
 .PHONY: setup data run test test-fast inspect sweep summary bench compare
 
 setup: $(STAMP)  ## virtualenv with the project and its pinned torch/torchvision pair
@@ -42,7 +45,7 @@ data:  ## Fashion-MNIST from Debian's package, unless FEDHM_DATA_DIR points at a
 	else sudo apt-get update -qq && sudo apt-get install -y -qq dataset-fashion-mnist; fi
 
 run: setup data  ## the default job (FedHM, Fashion-MNIST, CNN, 4 levels) through `flwr run`; ARGS= Hydra overrides
-	$(BIN)/python -m fedhm_flwr.launch $(ARGS)
+	$(FEDHM) run $(ARGS)
 
 test: setup data  ## every test, the slow end-to-end ones included
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
@@ -51,7 +54,7 @@ test-fast: setup data  ## the tests without the slow end-to-end runs
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 sweep: setup data  ## Hydra multirun over SWEEP_ARGS (+ARGS); summary and plots land in the sweep directory
-	$(BIN)/python -m fedhm_flwr.sweep -m $(SWEEP_ARGS) $(ARGS)
+	$(FEDHM) sweep $(SWEEP_ARGS) $(ARGS)
 
 compare: setup data  ## FedHM vs HeteroFL, FedRolex (budget-matched), FedAvg-full, FedAvg-smallest + FedHM ablations over SEEDS: outputs/compare/<time>/statistics.md
 	@dir=outputs/compare/$$(date +%Y-%m-%d_%H-%M-%S); \
@@ -65,14 +68,17 @@ compare: setup data  ## FedHM vs HeteroFL, FedRolex (budget-matched), FedAvg-ful
 	$(BIN)/python -m fedhm_flwr.summary $$dir --out $$dir --reference fedhm; \
 	echo "make compare: budget-matched (levels.match=$(COMPARE_MATCH)); tables and plots in $$dir (statistics.md, paired.csv)"
 
+# The other targets are aliases of the `fedhm` command (fedhm_flwr/cli.py, run as `python -m fedhm_flwr`).
+FEDHM  := $(BIN)/python -m fedhm_flwr
+
 summary: setup  ## table + plots over finished runs: make summary RUNS="outputs/multirun/..."
-	$(BIN)/python -m fedhm_flwr.summary $(RUNS)
+	$(FEDHM) summary $(RUNS)
 
 bench: setup data  ## benchmarks -> bench/reports/bench.{json,md}; ARGS="--quick" or "--only 1,3"
-	$(BIN)/python -m bench.run $(ARGS)
+	$(FEDHM) bench $(ARGS)
 
 inspect: setup  ## per-level parameters / MACs / bytes; ARGS= Hydra overrides
-	$(BIN)/python -m fedhm_flwr.inspect $(ARGS)
+	$(FEDHM) inspect $(ARGS)
 
 .PHONY: pretrain
 pretrain: setup data  ## ViT backbones of the transformer track -> $$FEDHM_CACHE/vit (default ~/.cache/fedhm-flwr/vit); minutes on a CPU

@@ -350,6 +350,7 @@ def validate(cfg: DictConfig) -> None:
     _num_in(cfg, "failures.slow_probability", 0.0, 1.0)
     _num_in(cfg, "failures.slow_seconds", 0.0, math.inf, high_open=True)
     _validate_untrusted(cfg)
+    _validate_tracking(cfg)
     out = OmegaConf.select(cfg, "output_dir")
     _require(out is None or (isinstance(out, str) and Path(out).is_absolute()), "output_dir", out,
              "null or an absolute path")
@@ -401,6 +402,19 @@ def _validate_untrusted(cfg: DictConfig) -> None:
         _require(mode == "none" and float(cfg.aggregation.outlier_z) == 0, "aggregation.robust", mode,
                  "none, with aggregation.outlier_z=0, when dp.enabled (DP clips itself; a data-dependent "
                  "filter is outside the accountant)")
+def _validate_tracking(cfg: DictConfig) -> None:
+    """``tracking.*`` (a config saved before the section existed gets its defaults)."""
+    for flag in ("tracking.tensorboard", "tracking.mlflow"):
+        value = OmegaConf.select(cfg, flag, default=flag.endswith("tensorboard"))
+        _require(isinstance(value, bool), flag, value, "true or false")
+    uri = OmegaConf.select(cfg, "tracking.mlflow_uri", default=None)
+    _require(uri is None or (isinstance(uri, str) and uri != ""), "tracking.mlflow_uri", uri,
+             "null (a file store in <run dir>/mlruns) or an MLflow tracking URI")
+    if OmegaConf.select(cfg, "tracking.mlflow", default=False):
+        from importlib.util import find_spec  # refused before the run starts, not after round 1
+
+        _require(find_spec("mlflow") is not None, "tracking.mlflow", True,
+                 "false, or true with MLflow installed: pip install 'fedhm-flwr[mlflow]'")
 
 
 # --------------------------------------------------------------------------- derived specs

@@ -71,15 +71,20 @@ def refuse_existing_run(out_dir: str | Path) -> None:
 class RunRecorder:
     """Writes one run's outputs into ``out_dir`` (absolute)."""
 
-    def __init__(self, out_dir: str | Path) -> None:
+    def __init__(self, out_dir: str | Path, tracker: Any | None = None) -> None:
         self.out_dir = Path(out_dir).expanduser().resolve()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict[str, Any]] = []
+        # the one tracking hook (fedhm_flwr.tracking.Tracker: TensorBoard, MLflow): told the config,
+        # every round's row and the summary
+        self.tracker = tracker
 
     # -- config and metrics
 
     def write_config(self, yaml_text: str) -> None:
         atomic_write(self.out_dir / CONFIG_FILE, yaml_text)
+        if self.tracker is not None:
+            self.tracker.config(yaml_text)
 
     def load_rows(self, rows: list[dict[str, Any]]) -> None:
         """Start from earlier rows (a resumed run) and rewrite the tables to match them."""
@@ -89,6 +94,8 @@ class RunRecorder:
     def log_round(self, row: Mapping[str, Any]) -> None:
         self.rows.append({k: _clean(v) for k, v in row.items()})
         self._write_tables()
+        if self.tracker is not None:
+            self.tracker.round(self.rows[-1])
 
     def _write_tables(self) -> None:
         jsonl = "".join(json.dumps(r, default=_json_default) + "\n" for r in self.rows)
@@ -124,6 +131,8 @@ class RunRecorder:
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         atomic_write(self.out_dir / SUMMARY_FILE, json.dumps(summary, default=_json_default, indent=2))
+        if self.tracker is not None:
+            self.tracker.finish(summary)
 
     def plot(self, title: str = "") -> Path | None:
         """Accuracy against round: the server's test set (global model and each level, solid) and

@@ -24,6 +24,7 @@ from fedhm_flwr.config import load_config, model_spec, resume_config, to_yaml
 from fedhm_flwr.evaluation import make_evaluator
 from fedhm_flwr.models import build_model
 from fedhm_flwr.results import RunRecorder, load_checkpoint, refuse_existing_run, summarize
+from fedhm_flwr.tracking import open_tracker
 from fedhm_flwr.train import pick_device
 from strategies import STRATEGIES
 
@@ -48,7 +49,7 @@ def run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None = None) 
     t0 = time.perf_counter()
     if resume is None:
         refuse_existing_run(out_dir)
-    recorder = RunRecorder(out_dir)
+    recorder = RunRecorder(out_dir, tracker=open_tracker(cfg.get("tracking"), out_dir))
     recorder.write_config(to_yaml(cfg))
     spec = model_spec(cfg)
     # a deployment's server may hold no test set: with evaluation.where=clients none is loaded

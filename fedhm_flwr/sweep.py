@@ -4,10 +4,11 @@
 
 Each job validates its configuration, then runs exactly what ``python -m fedhm_flwr.launch``
 runs (a private SuperLink, ``flwr run``, a status check, cleanup), writing its outputs into its
-Hydra job directory (``outputs/multirun/<date>/<time>/job<N>/``). When the multirun ends, the
-:class:`SweepSummary` callback collects every job into ``summary.md``, ``summary.csv`` and two
-plots, and the statistics over seeds (``seed=0,1,2`` sweeps the seed like any key), in the sweep
-directory (``python -m fedhm_flwr.summary`` does the same on demand).
+Hydra job directory (``outputs/multirun/<date>/<time>/job<N>/``), Flower's output into the job's
+``flwr_run.log``, a progress line per job on the console (:mod:`fedhm_flwr.progress`). When the
+multirun ends, the :class:`SweepSummary` callback collects every job into ``summary.md``,
+``summary.csv``, plots, and the statistics over seeds (``seed=0,1,2`` sweeps the seed like any
+key), in the sweep directory (``python -m fedhm_flwr.summary`` does the same on demand).
 
 Jobs run one after another (Hydra's basic launcher). Each job starts its own SuperLink on free
 ports and its own Ray instance, so jobs may also run side by side with a parallel Hydra launcher
@@ -26,7 +27,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from fedhm_flwr.config import validate
-from fedhm_flwr.launch import run_job
+from fedhm_flwr.progress import run_with_progress
 from fedhm_flwr.summary import markdown_table, write_summary
 
 
@@ -37,7 +38,7 @@ def main(cfg: DictConfig) -> float | None:
     validate(cfg)
     hc = HydraConfig.get()
     job_dir = Path(hc.runtime.output_dir).resolve()
-    summary = run_job(list(hc.overrides.task), run_dir=job_dir)
+    summary = run_with_progress(list(hc.overrides.task), run_dir=job_dir, label=f"job {hc.job.num}: ")
     acc = summary.get("final_acc/global")
     return summary.get("final_fed_acc/all") if acc is None else acc
 

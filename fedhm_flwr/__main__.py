@@ -1,0 +1,7 @@
+"""``python -m fedhm_flwr``: the ``fedhm`` command."""
+
+import sys
+
+from fedhm_flwr.cli import main
+
+sys.exit(main())

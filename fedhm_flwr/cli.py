@@ -1,0 +1,242 @@
+"""The ``fedhm`` command: one entry point for every job of the project.
+
+Every subcommand takes the same Hydra overrides as ``make ... ARGS=...`` and the ``python -m``
+modules (which stay, as aliases); ``fedhm <subcommand> --help`` shows a working example.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedhm_flwr.config import ConfigError, split_overrides
+
+#: the baselines compared on the same work (`fedhm compare`, `make compare`); ~20-30 min on 2 cores
+COMPARE_OVERRIDES = ("method=fedhm,heterofl,fedrolex,fedavg,fedavg_smallest", "rounds=8",
+                     "dataset.max_train_examples=30000")
+
+
+@dataclass(frozen=True)
+class Command:
+    summary: str
+    examples: tuple[str, ...]
+    handler: Callable[[list[str]], int]
+    module: str | None = None  # the ``python -m`` module it runs (delegated help)
+    short: str = ""  # the line in ``fedhm --help`` (default: the summary)
+
+
+# --------------------------------------------------------------------------- run, resume
+
+
+def _print_result(summary: dict) -> None:
+    acc = summary.get("final_acc/global")
+    print(f"run complete: final global accuracy {acc if acc is None else f'{acc:.4f}'}; "
+          f"outputs in {summary['output_dir']}")
+
+
+def _run_job(overrides: list[str], run_dir: Path | None, resume: Path | None, progress: bool) -> int:
+    from fedhm_flwr.launch import run_job
+    from fedhm_flwr.progress import run_with_progress
+
+    try:
+        if progress:
+            summary = run_with_progress(overrides, run_dir=run_dir, resume=resume)
+        else:
+            summary = run_job(overrides, run_dir=run_dir, resume=resume)
+    except (ConfigError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:
+        where = " (Flower's output: flwr_run.log in the run directory)" if progress else ""
+        print(f"error: {err}{where}", file=sys.stderr)
+        return 1
+    _print_result(summary)
+    return 0
+
+
+def _parser(name: str) -> argparse.ArgumentParser:
+    cmd = COMMANDS[name]
+    return argparse.ArgumentParser(prog=f"fedhm {name}", description=cmd.summary, epilog=_examples(cmd),
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def cmd_run(argv: list[str]) -> int:
+    parser = _parser("run")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. method.tau=2 levels.ratios=[1,0.5]")
+    parser.add_argument("--run-dir", type=Path, help="run directory (default: outputs/<date>/<time>-<method>)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="Flower's own output on the console instead of the progress line")
+    args = parser.parse_args(argv)
+    return _run_job(split_overrides(args.overrides), args.run_dir, None, not args.no_progress)
+
+
+def cmd_resume(argv: list[str]) -> int:
+    parser = _parser("resume")
+    parser.add_argument("run_dir", type=Path, help="the run directory whose checkpoint the run continues")
+    parser.add_argument("overrides", nargs="*", help="plain key=value overrides, e.g. rounds=20 to extend it")
+    parser.add_argument("--no-progress", action="store_true", help="Flower's own output instead of the progress line")
+    args = parser.parse_args(argv)
+    return _run_job(split_overrides(args.overrides), None, args.run_dir.resolve(), not args.no_progress)
+
+
+# --------------------------------------------------------------------------- sweep, compare
+
+
+def _hydra_sweep(overrides: list[str]) -> int:
+    """``python -m fedhm_flwr.sweep -m OVERRIDES``, as its own process: Hydra finds its config tree
+    relative to the entry point's file and owns the process while the multirun lasts."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "fedhm_flwr.sweep", "-m", *[o for o in overrides if o not in ("-m", "--multirun")]]
+    return subprocess.call(cmd)
+
+
+def _sweep_help(name: str) -> int:
+    parser = _parser(name)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides; comma-separated values are swept "
+                        "(`-m` is implied), hydra/launcher=... picks a Hydra launcher")
+    parser.print_help()
+    return 0
+
+
+def cmd_sweep(argv: list[str]) -> int:
+    if {"-h", "--help"} & set(argv):
+        return _sweep_help("sweep")
+    return _hydra_sweep(argv)
+
+
+def compare_overrides(user: list[str], now: dt.datetime | None = None) -> list[str]:
+    """The compare sweep's overrides; the user's own replace a default with the same key."""
+    stamp = (now or dt.datetime.now()).strftime("%Y-%m-%d_%H-%M-%S")
+    defaults = [*COMPARE_OVERRIDES, f"hydra.sweep.dir=outputs/compare/{stamp}"]
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in user}
+    return [d for d in defaults if d.split("=", 1)[0] not in keys] + user
+
+
+def cmd_compare(argv: list[str]) -> int:
+    if {"-h", "--help"} & set(argv):
+        return _sweep_help("compare")
+    return _hydra_sweep(compare_overrides(argv))
+
+
+# --------------------------------------------------------------------------- delegated commands
+
+
+def _delegate(name: str) -> Callable[[list[str]], int]:
+    def handler(argv: list[str]) -> int:
+        cmd = COMMANDS[name]
+        assert cmd.module is not None
+        helping = bool({"-h", "--help"} & set(argv))
+        if helping:
+            print(f"usage: fedhm {name} ...\n\n{cmd.summary}\n\n{_examples(cmd)}\n")
+        try:
+            module = _import(cmd.module)
+        except ModuleNotFoundError as err:
+            if err.name not in (cmd.module, cmd.module.split(".")[0]):
+                raise
+            print(f"{'note' if helping else 'error'}: `fedhm {name}` needs {cmd.module}, which this installation "
+                  "does not have" + (" (run it from the repository root)" if cmd.module.startswith("bench") else ""),
+                  file=sys.stdout if helping else sys.stderr)
+            return 0 if helping else 2
+        if helping and name != "export":
+            print(f"Runs `python -m {cmd.module}`; its options:\n")
+        try:
+            return int(module.main(argv) or 0)
+        except SystemExit as exit_:  # argparse's --help and usage errors
+            return exit_.code if isinstance(exit_.code, int) else 2
+
+    return handler
+
+
+def _import(module: str):
+    if module.startswith("bench."):  # the benchmarks live in the repository, not in the package
+        root = str(Path(__file__).resolve().parent.parent)
+        if root not in sys.path:
+            sys.path.insert(0, root)
+    return importlib.import_module(module)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+COMMANDS: dict[str, Command] = {
+    "run": Command("Run one job through `flwr run` on a private SuperLink (Ray simulation engine), with a "
+                   "progress line; Flower's output goes to <run dir>/flwr_run.log.",
+                   ("fedhm run rounds=2 model.width=8 'levels.ratios=[1,0.25]' --run-dir /tmp/fedhm/r1",
+                    "fedhm run method=heterofl partition.alpha=0.1 rounds=3"), cmd_run,
+                   short="one job through `flwr run` (Ray simulation), with a progress line"),
+    "resume": Command("Continue a run from its checkpoint; plain key=value overrides such as rounds=20 extend it.",
+                      ("fedhm resume /tmp/fedhm/r1 rounds=4",), cmd_resume,
+                      short="continue a run from its checkpoint (rounds=N extends it)"),
+    "sweep": Command("Hydra multirun: every combination is one job (one progress line each); the sweep "
+                     "directory gets summary.md/.csv and plots.",
+                     ("fedhm sweep 'levels.ratios=[1,0.5,0.25,0.125],[1,0.25]' method.tau=1,inf rounds=3",
+                      "fedhm sweep seed=0,1,2 rounds=3 hydra/launcher=joblib hydra.launcher.n_jobs=2"), cmd_sweep,
+                     short="a Hydra multirun of jobs; summary table and plots in the sweep directory"),
+    "compare": Command("FedHM vs HeteroFL, FedRolex, FedAvg-full and FedAvg-smallest on the same work: one "
+                       f"sweep ({' '.join(COMPARE_OVERRIDES)}), one table in outputs/compare/<time>/summary.md; "
+                       "your overrides replace these defaults.",
+                       ("fedhm compare rounds=3 dataset.max_train_examples=5000",
+                        "fedhm compare method=fedhm,heterofl"), cmd_compare,
+                       short="FedHM vs HeteroFL, FedRolex, FedAvg-full, FedAvg-smallest: one sweep, one table"),
+    "inspect": Command("Per-level parameters, MACs and payload bytes of a configuration, without training.",
+                       ("fedhm inspect model=resnet18 dataset=cifar10", "fedhm inspect levels.ratios=[1,0.5,0.25] --json"),
+                       _delegate("inspect"), "fedhm_flwr.inspect", "per-level parameters, MACs, payload bytes (no training)"),
+    "summary": Command("One table and two plots over finished runs or sweep folders.",
+                       ("fedhm summary outputs/multirun outputs/compare --out outputs/all-runs",),
+                       _delegate("summary"), "fedhm_flwr.summary", "one table and plots over finished runs"),
+    "shards": Command("A node's own data shard (export / load), for real devices; runs fedhm_flwr.shards "
+                      "(imported when called: available once that module is installed).",
+                      ("fedhm shards --help",), _delegate("shards"), "fedhm_flwr.shards",
+                      "a node's own data shard for real devices (fedhm_flwr.shards, when installed)"),
+    "export": Command("A level's deployable model from a run's checkpoint: safetensors (spec in the metadata), "
+                      "torch.export .pt2, ONNX where an exporter is installed, and a model card.",
+                      ("fedhm export run=/tmp/fedhm/r1 level=1/4",
+                       "fedhm export run=/tmp/fedhm/r1 level=1 out=/tmp/fedhm/r1-full"),
+                      _delegate("export"), "fedhm_flwr.export", "a level's deployable model: safetensors, .pt2, model card"),
+    "bench": Command("The benchmarks: server time, bytes, step time per level, Flower overhead, scale "
+                     "(bench/reports/bench.{json,md}).",
+                     ("fedhm bench --quick --only 2",), _delegate("bench"), "bench.run",
+                     "the benchmarks (bench/reports/bench.{json,md})"),
+}
+
+
+def _examples(cmd: Command) -> str:
+    return "examples:\n" + "\n".join(f"  {e}" for e in cmd.examples)
+
+
+def usage() -> str:
+    width = max(len(n) for n in COMMANDS)
+    lines = ["usage: fedhm <command> [HYDRA OVERRIDES | OPTIONS ...]", "",
+             "FedHM and its sibling methods on Flower's Message API. Commands:", ""]
+    for name, cmd in COMMANDS.items():
+        lines.append(f"  {name:<{width}}  {cmd.short or cmd.summary}")
+        lines.append(f"  {'':<{width}}    e.g. {cmd.examples[0]}")
+    lines += ["", "`fedhm <command> --help` for a command's options and examples. The same overrides work with",
+              "`make run ARGS=...` and `python -m fedhm_flwr.launch ...`; Python: fedhm_flwr.api.run([...])."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"error: unknown command {name!r}; allowed: {list(COMMANDS)}\n", file=sys.stderr)
+        print(usage(), file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[name].handler(rest)
+    except SystemExit as exit_:  # argparse: --help (0) and usage errors (2)
+        return exit_.code if isinstance(exit_.code, int) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

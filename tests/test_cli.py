@@ -1,0 +1,162 @@
+"""The `fedhm` command, the Python API and the progress line."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fedhm_flwr import api
+from fedhm_flwr.cli import COMMANDS, compare_overrides, main
+from fedhm_flwr.config import ConfigError
+from fedhm_flwr.progress import Follower, eta_seconds, format_seconds, progress_text
+
+SUBCOMMANDS = ["run", "resume", "sweep", "compare", "inspect", "summary", "shards", "export", "bench"]
+
+# a recorded metrics.jsonl (the columns the progress line reads, as a run writes them)
+RECORDED = [
+    {"round": 1, "acc/global": 0.41, "failures": 0, "rejected": 0, "seconds": 9.0, "bytes_sent": 100},
+    {"round": 2, "failures": 1, "rejected": 0, "seconds": 10.0, "bytes_sent": 100},  # not evaluated this round
+    {"round": 3, "acc/global": 0.6234, "failures": 0, "rejected": 1, "seconds": 11.0, "bytes_sent": 100},
+]
+
+
+def test_help_lists_every_subcommand_each_with_an_example(capsys):
+    assert main(["--help"]) == 0
+    top = capsys.readouterr().out
+    assert list(COMMANDS) == SUBCOMMANDS
+    for name in SUBCOMMANDS:
+        assert f"\n  {name} " in top and f"e.g. fedhm {name}" in top
+        code = main([name, "--help"])
+        out = capsys.readouterr().out
+        assert code == 0, name
+        assert f"examples:\n  fedhm {name}" in out, name
+
+
+def test_unknown_subcommand_is_refused_naming_the_allowed_ones(capsys):
+    assert main(["train"]) == 2
+    assert "unknown command 'train'; allowed: ['run', 'resume', 'sweep'" in capsys.readouterr().err
+
+
+def test_run_refuses_a_bad_value_before_starting_anything(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["run", "partition.scheme=shards", "--run-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "partition.scheme" in err and "'dirichlet'" in err
+    assert not out.exists()
+    assert main(["resume", str(tmp_path / "none")]) == 2
+    assert "invalid config: resume=" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="rounds"):
+        api.run(["rounds=0"], run_dir=tmp_path / "api")
+    assert not (tmp_path / "api").exists()
+
+
+def test_inspect_example_runs_and_prints_one_row_per_level(capsys):
+    assert main(COMMANDS["inspect"].examples[1].split()[1:]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["ratio"] for r in rows] == [1.0, 0.5, 0.25]
+    assert rows[0]["params"] > rows[1]["params"] > rows[2]["params"] > 0
+
+
+def test_python_m_alias_and_module_paths_stay(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "fedhm_flwr", "export", f"run={tmp_path}", "level=1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "invalid config: run=" in proc.stderr
+
+
+def test_sweep_reaches_hydra_and_its_config_tree(tmp_path, capfd):
+    """`fedhm sweep` runs the Hydra app (config tree found, jobs validated before anything starts)."""
+    code = main(["sweep", "partition.scheme=bogus", "rounds=1", f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    err = capfd.readouterr().err
+    assert code != 0 and "invalid config: partition.scheme='bogus'" in err
+    assert not list((tmp_path / "sweep").rglob("metrics.jsonl"))
+
+
+def test_compare_user_overrides_replace_the_defaults():
+    now = dt.datetime(2026, 1, 2, 3, 4, 5)
+    assert compare_overrides([], now) == ["method=fedhm,heterofl,fedrolex,fedavg,fedavg_smallest", "rounds=8",
+                                          "dataset.max_train_examples=30000",
+                                          "hydra.sweep.dir=outputs/compare/2026-01-02_03-04-05"]
+    got = compare_overrides(["rounds=2", "method=fedhm,heterofl", "seed=1"], now)
+    assert got == ["dataset.max_train_examples=30000", "hydra.sweep.dir=outputs/compare/2026-01-02_03-04-05",
+                   "rounds=2", "method=fedhm,heterofl", "seed=1"]
+
+
+def test_api_summary_reads_a_finished_run(tmp_path):
+    summary = {"output_dir": str(tmp_path), "final_acc/global": 0.7, "final_acc/level_0.5": 0.6,
+               "final_acc/level_0.125": 0.4, "best_acc/level_0.5": 0.65}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    result = api.load(tmp_path)
+    assert result.final_accuracy == 0.7 and result.run_dir == tmp_path
+    assert result.level_accuracy == {"0.5": 0.6, "0.125": 0.4}
+    with pytest.raises(FileNotFoundError):
+        api.load(tmp_path / "none")
+
+
+def test_eta_arithmetic():
+    assert eta_seconds(30.0, 3, 7) == 70.0  # 10 s per round, 7 rounds left
+    assert eta_seconds(30.0, 0, 7) is None and eta_seconds(12.0, 4, 0) == 0.0
+    # from the second round on, the pace leaves out the start-up: 20 s for rounds 2-3 -> 10 s a round
+    assert eta_seconds(50.0, 3, 7, since_first=20.0) == 70.0 and eta_seconds(50.0, 1, 7, since_first=0.0) == 350.0
+    assert [format_seconds(s) for s in (None, 0, 59.6, 61, 3725)] == ["?", "0:00", "1:00", "1:01", "1:02:05"]
+
+
+def test_plain_mode_prints_one_line_per_recorded_round(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    now = [100.0]
+    stream = io.StringIO()
+    follower = Follower(tmp_path, total=5, stream=stream, tty=False, label="job 0: ", clock=lambda: now[0])
+    follower.poll()
+    assert stream.getvalue() == ""  # nothing recorded yet: nothing printed
+    metrics.write_text(json.dumps(RECORDED[0]) + "\n")
+    now[0] = 120.0
+    follower.poll()
+    follower.poll()  # no new round: no new line
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in RECORDED))
+    now[0] = 160.0
+    follower.poll()
+    assert stream.getvalue().splitlines() == [
+        "job 0: round 1/5 | elapsed 0:20 | ETA 1:20 | acc 0.4100 | failures 0",
+        "job 0: round 2/5 | elapsed 1:00 | ETA 2:00 | acc 0.4100 | failures 1",
+        "job 0: round 3/5 | elapsed 1:00 | ETA 0:40 | acc 0.6234 | failures 2",
+    ]
+
+
+def test_resumed_run_counts_only_this_sessions_rounds_and_terminal_mode_rewrites_one_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDED[:2]))
+    now = [0.0]
+    stream = io.StringIO()
+    follower = Follower(tmp_path, total=4, stream=stream, tty=True, clock=lambda: now[0])
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDED))
+    now[0] = 12.0
+    follower.poll()
+    # one round done in this session in 12 s, one left
+    assert stream.getvalue() == "\rround 3/4 | elapsed 0:12 | ETA 0:12 | acc 0.6234 | failures 2\x1b[K"
+    assert "\n" not in stream.getvalue()
+    assert progress_text([], 4, 0.0, 0) == "round 0/4 | elapsed 0:00 | ETA ? | acc - | failures 0"
+
+
+@pytest.mark.slow
+def test_fedhm_run_through_the_launcher_writes_tensorboard_events(tmp_path):
+    """`fedhm run` (python -m fedhm_flwr) -> launcher -> `flwr run` -> event files every round."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "fedhm_flwr", "run", "rounds=2", "num_clients=4", "dataset.max_train_examples=1200",
+           "dataset.max_test_examples=300", "model.width=4", "--run-dir", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert [line.split(" | ")[0] for line in lines if line.startswith("round ")] == ["round 1/2", "round 2/2"]
+    assert "run complete: final global accuracy" in lines[-1]
+    assert (out / "flwr_run.log").stat().st_size > 0  # Flower's output went to the log, not the console
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    acc = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    for key in ("acc/global", "acc/level_0.125", "loss/global", "bytes_sent", "seconds", "failures"):
+        logged = {e.step: e.value for e in acc.Scalars(key)}
+        assert logged == pytest.approx({r["round"]: float(r[key]) for r in rows}, rel=1e-6), key

@@ -1,0 +1,181 @@
+"""TensorBoard/MLflow tracking and deployable exports, read back from one tiny in-process run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from fedhm_flwr.config import ConfigError, load_config, model_spec
+from fedhm_flwr.export import SPEC_KEY, export_level, load_model, main as export_main, parse_level
+from fedhm_flwr.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.results import load_checkpoint
+from fedhm_flwr.server_app import make_evaluator, run
+from fedhm_flwr.tracking import TB_DIR, flat_config, scalars
+from strategies import STRATEGIES
+
+HAS_MLFLOW = __import__("importlib").util.find_spec("mlflow") is not None
+
+TINY = ("num_clients=4 fraction_train=1.0 dataset.max_train_examples=800 dataset.max_test_examples=200 "
+        "model.width=4 train.batch_size=64 evaluation.batch_size=100 rounds=2 failures.crash_probability=0.3")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """Two FedHM rounds on the in-process grid (one client crashes now and then: failures > 0),
+    tracked by TensorBoard and, when installed, MLflow."""
+    out = tmp_path_factory.mktemp("run")
+    cfg = load_config(f"{TINY} tracking.mlflow={str(HAS_MLFLOW).lower()}")
+    run(LocalGrid(4, client_handlers()), cfg, out)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return out, cfg, rows
+
+
+def test_scalars_keep_every_numeric_key_and_nothing_else():
+    row = {"round": 3, "acc/global": 0.5, "bytes_sent": 10, "ok": True, "assignments": "{}", "fed_acc": None,
+           "loss/global": float("nan")}
+    assert scalars(row) == {"acc/global": 0.5, "bytes_sent": 10.0}
+    assert flat_config({"a": {"b": [1, 2], "c": None}, "d": "x"}) == {"a.b": "[1, 2]", "a.c": "null", "d": "x"}
+
+
+def test_tensorboard_events_hold_every_rounds_scalars_and_the_config(tiny_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    out, cfg, rows = tiny_run
+    acc = EventAccumulator(str(out / TB_DIR), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    expected = {k for r in rows for k in scalars(r)}
+    assert {"acc/global", "loss/global", "acc/level_0.125", "bytes_sent", "bytes_received", "seconds",
+            "failures"} <= expected == tags
+    assert sum(r["failures"] for r in rows) > 0  # the failures column is a real, non-zero series
+    for key in tags:
+        logged = {e.step: e.value for e in acc.Scalars(key)}
+        want = {r["round"]: float(r[key]) for r in rows if key in scalars(r)}
+        assert logged.keys() == want.keys(), key
+        for step, value in want.items():  # event files hold float32
+            assert logged[step] == pytest.approx(value, rel=1e-6, abs=1e-6), (key, step)
+    content = acc.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
+    assert start.hparams["method.name"].string_value == "fedhm"
+    assert start.hparams["rounds"].number_value == 2
+    assert start.hparams["levels.ratios"].string_value == "[1.0, 0.5, 0.25, 0.125]"
+
+
+@pytest.mark.skipif(not HAS_MLFLOW, reason="mlflow (extra [mlflow]) not installed")
+def test_mlflow_run_holds_the_same_metrics_and_the_config(tiny_run):
+    from mlflow.tracking import MlflowClient
+
+    out, cfg, rows = tiny_run
+    info = json.loads((out / "mlflow_run.json").read_text())
+    client = MlflowClient(tracking_uri=info["tracking_uri"])
+    mlrun = client.get_run(info["run_id"])
+    assert mlrun.info.status == "FINISHED"
+    assert mlrun.data.params["method.name"] == "fedhm" and mlrun.data.params["rounds"] == "2"
+    for key in ("acc/global", "acc/level_0.125", "bytes_sent", "failures"):
+        history = {m.step: m.value for m in client.get_metric_history(info["run_id"], key)}
+        assert history == {r["round"]: float(r[key]) for r in rows}
+
+
+def test_a_resumed_run_goes_on_in_the_same_event_folder_and_mlflow_run(tiny_run, tmp_path):
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fedhm_flwr.config import resume_config
+
+    src, _, _ = tiny_run
+    out = tmp_path / "run"
+    shutil.copytree(src, out)
+    if HAS_MLFLOW:  # the copy's file store lives in the copy
+        info = json.loads((out / "mlflow_run.json").read_text())
+        info["tracking_uri"] = (out / "mlruns").resolve().as_uri()
+        (out / "mlflow_run.json").write_text(json.dumps(info))
+        for meta in (out / "mlruns").rglob("meta.yaml"):
+            meta.write_text(meta.read_text().replace(str(src), str(out)))
+    run(LocalGrid(4, client_handlers()), resume_config(out, "rounds=3"), out, resume=out)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    acc = EventAccumulator(str(out / TB_DIR), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert {e.step: e.value for e in acc.Scalars("acc/global")} == pytest.approx(
+        {r["round"]: r["acc/global"] for r in rows}, rel=1e-6)
+    if HAS_MLFLOW:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=info["tracking_uri"])
+        assert json.loads((out / "mlflow_run.json").read_text())["run_id"] == info["run_id"]
+        history = client.get_metric_history(info["run_id"], "acc/global")
+        assert {m.step: m.value for m in history} == {r["round"]: r["acc/global"] for r in rows}
+        assert client.get_run(info["run_id"]).info.status == "FINISHED"
+
+
+def test_mlflow_without_the_package_is_refused_before_the_run(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    with pytest.raises(ConfigError, match="tracking.mlflow"):
+        load_config("tracking.mlflow=true")
+    with pytest.raises(ConfigError, match="tracking.tensorboard"):
+        load_config("tracking.tensorboard=maybe")
+
+
+def test_parse_level_accepts_numbers_and_fractions_and_names_the_levels():
+    levels = [1.0, 0.5, 0.25, 0.125]
+    assert parse_level("1/8", levels) == 3 and parse_level("0.5", levels) == 1 and parse_level(1, levels) == 0
+    with pytest.raises(ConfigError, match=r"level.*\['1', '0.5', '0.25', '0.125'\]"):
+        parse_level("0.3", levels)
+
+
+def test_export_reloads_to_the_in_run_deployable_logits(tiny_run, tmp_path):
+    out, cfg, rows = tiny_run
+    card = export_level(out, "1/8", tmp_path / "exp")
+    folder = Path(card["out_dir"])
+    assert {"model.safetensors", "model.pt2", "model_card.md", "model_card.json"} <= {p.name for p in folder.iterdir()}
+
+    # the in-run deployable model, built here from the checkpoint and the strategy's own cut
+    state, saved = load_checkpoint(out)
+    strategy = STRATEGIES["fedhm"](cfg, model_spec(cfg))
+    spec, level_state = strategy.deployable(3, state)
+    from fedhm_flwr.models import build_model
+
+    reference = build_model(spec, spectral_init=False)
+    reference.load_state_dict(level_state)
+    reference.eval()
+
+    model = load_model(folder / "model.safetensors")
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as fh:
+        assert json.loads(fh.metadata()[SPEC_KEY]) == spec and spec["ranks"]  # the factorized network
+    assert set(model.state_dict()) == set(level_state) != set(state)
+    batch = torch.randn(16, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = reference(batch)
+        assert torch.equal(model(batch), want)
+        program = torch.export.load(str(folder / "model.pt2")).module()
+        torch.testing.assert_close(program(batch), want, rtol=1e-5, atol=1e-5)
+
+    # the card: the level's exact size and the accuracy the run recorded for it, which the
+    # exported model reproduces on the run's own test set
+    summary = json.loads((out / "summary.json").read_text())
+    assert card["parameters"] == int(summary["level_costs"]["0.125"]["params"])
+    assert card["macs_per_input"] == int(summary["level_costs"]["0.125"]["macs"])
+    assert card["final_accuracy"] == summary["final_acc/level_0.125"] == rows[-1]["acc/level_0.125"]
+    metrics = make_evaluator(cfg, torch.device("cpu"))(json.loads(json.dumps(spec)), model.state_dict())
+    assert metrics["accuracy"] == card["final_accuracy"]
+    assert json.loads((folder / "model_card.json").read_text())["parameters"] == card["parameters"]
+    assert f"{card['parameters']:,}" in (folder / "model_card.md").read_text()
+
+
+def test_export_command_refuses_bad_input_naming_the_field(tiny_run, tmp_path, capsys):
+    out, _, _ = tiny_run
+    assert export_main([f"run={out}", "level=0.3"]) == 2
+    assert "level" in capsys.readouterr().err
+    assert export_main([f"run={tmp_path}", "level=1"]) == 2
+    assert "run" in capsys.readouterr().err
+    assert export_main([f"run={out}", "gamma=1"]) == 2
+    assert "['run', 'level', 'out']" in capsys.readouterr().err
