@@ -45,8 +45,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from fedhm_flwr import data as data_module
-from fedhm_flwr.config import ConfigError, load_config, resume_config, split_overrides
+from fedhm_flwr.data_files import check_data_available
+from fedhm_flwr.config import ConfigError, compose_config, load_config, resume_config, split_overrides
 from fedhm_flwr.procs import Interrupted, Processes, RunLock, kill_serverapp, killpg_quietly, new_tag, on_signals
 from fedhm_flwr.results import CHECKPOINT_DIR, STATE_FILE, SUMMARY_FILE, load_checkpoint, refuse_existing_run
 
@@ -256,12 +256,10 @@ def run_flower_job(job: FlowerJob, app: Path, run_config: Path, run_dir: Path, e
     return dict(json.loads(summary_file.read_text()))
 
 
-def check_data(cfg: DictConfig) -> None:
-    """The run's data is there (raises ConfigError naming the setting and the fix)."""
-    # DATA CHECK CALL SITE: fedhm_flwr.data.check_available(cfg), once it exists
-    check = getattr(data_module, "check_available", None)
-    if check is not None:
-        check(cfg)
+def check_data(cfg: DictConfig, simulation: bool = True) -> None:
+    """The run's data is there (raises ConfigError naming the setting and the fix): the server's
+    test set and, in simulation, the clients' source; a deployment's nodes check their own shard."""
+    check_data_available(cfg, simulation=simulation)
 
 
 def resume_hint(run_dir: Path, command: Sequence[str], overrides: Sequence[str]) -> str:
@@ -303,7 +301,9 @@ def run_job(overrides: list[str], run_dir: Path | None = None, resume: Path | No
     Raises ConfigError / FileExistsError (incl. RunDirectoryBusy) before anything starts,
     RuntimeError when the run fails and :class:`Interrupted` (after the cleanup and the printed
     resume command) on SIGINT / SIGTERM / SIGHUP."""
-    # refuse bad values and missing data before anything starts
+    # refuse missing data and bad values before anything starts (the data check first: it needs no torch)
+    if resume is None:
+        check_data(compose_config(overrides))
     cfg = resume_config(resume, overrides) if resume is not None else load_config(overrides)
     check_data(cfg)
     if resume is not None:

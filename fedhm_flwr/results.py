@@ -16,8 +16,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load_file, save_file
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where tensors are handled: the launcher's checks stay light
+    import torch
 
 CONFIG_FILE = "config.yaml"
 METRICS_JSONL = "metrics.jsonl"
@@ -45,7 +47,7 @@ def atomic_write(path: Path, data: bytes | str) -> None:
 
 
 def _json_default(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
+    if hasattr(value, "tolist") and hasattr(value, "detach"):  # a torch tensor
         return value.tolist()
     if hasattr(value, "item"):
         return value.item()
@@ -114,6 +116,8 @@ class RunRecorder:
     def save_checkpoint(self, state: Mapping[str, torch.Tensor], strategy_state: Mapping[str, Any]) -> None:
         folder = self.out_dir / CHECKPOINT_DIR
         folder.mkdir(parents=True, exist_ok=True)
+        from safetensors.torch import save_file
+
         tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{MODEL_FILE}.")
         os.close(fd)
@@ -177,6 +181,8 @@ def load_checkpoint(run_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[
     model, state = folder / MODEL_FILE, folder / STATE_FILE
     if not model.is_file() or not state.is_file():
         raise FileNotFoundError(f"no checkpoint in {folder} (expected {MODEL_FILE} and {STATE_FILE})")
+    from safetensors.torch import load_file
+
     return load_file(str(model)), json.loads(state.read_text())
 
 

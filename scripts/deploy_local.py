@@ -477,7 +477,7 @@ def deploy(num_nodes: int, overrides: Sequence[str], capabilities: Sequence[str]
         overrides.insert(0, f"num_clients={num_nodes}")  # the config records the real federation size
     # a bad value or missing data stops here, before anything starts
     cfg = resume_config(resume, overrides) if resume is not None else load_config(overrides)
-    check_data(cfg)
+    check_data(cfg, simulation=False)  # each node checks its own shard when it first answers
     levels = [float(x) for x in cfg.levels.ratios]
     specs = list(capabilities) if capabilities else [f"level={levels[i % len(levels)]:g}" for i in range(num_nodes)]
     caps = [parse_capability(specs[i % len(specs)]) for i in range(num_nodes)]

@@ -214,21 +214,21 @@ def test_the_watchdog_stops_every_process_of_a_launcher_killed_outright(tmp_path
         time.sleep(0.1)
 
 
-def test_a_failed_data_check_exits_2_with_one_line_and_starts_nothing(tmp_path, monkeypatch, capsys):
-    from fedhm_flwr import data, launch
-    from fedhm_flwr.config import ConfigError
-
-    def missing(cfg):
-        raise ConfigError("dataset.data_dir", "/nowhere", "a folder holding the dataset, or set $FEDHM_DATA_DIR")
-
-    def no_process(*args, **kwargs):
-        raise AssertionError("a process was started")
-
-    monkeypatch.setattr(data, "check_available", missing, raising=False)  # the call site the lead wires
-    monkeypatch.setattr(launch, "Processes", no_process)
-    assert launch.main([*JOB, "--run-dir", str(tmp_path / "run")]) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert "dataset.data_dir" in line and "FEDHM_DATA_DIR" in line
+def test_missing_cifar_fails_at_once_with_one_line_and_starts_nothing(tmp_path):
+    """dataset=cifar10 with no CIFAR data: the real launcher exits 2 within seconds, one line
+    naming dataset.data_dir / FEDHM_DATA_DIR, no run directory, no process (nothing tagged)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = {**os.environ, "FEDHM_DATA_DIR": str(empty)}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "fedhm_flwr.launch", "dataset=cifar10", f"dataset.data_dir={empty}",
+                           "--run-dir", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "dataset.data_dir" in line and "FEDHM_DATA_DIR" in line and "Traceback" not in proc.stderr
+    assert elapsed < 5, f"took {elapsed:.1f} s"
     assert not (tmp_path / "run").exists()
 
 

@@ -213,7 +213,8 @@ def test_fedlora_messages_carry_only_factors_and_head_and_hand_out_the_truncatio
         state[k] = torch.randn(state[k].shape[0], 3, generator=g) @ torch.randn(3, state[k].shape[1], generator=g)
     grid = LocalGrid(4, client_handlers())
     messages = _configure(strategy, grid, state)
-    assert strategy.round_log.sent_bytes == sum(m.content["arrays"].count_bytes() for m in messages)
+    # every record travels and counts: the arrays and the training config
+    assert strategy.round_log.sent_bytes == sum(r.count_bytes() for m in messages for r in m.content.values())
     for msg in messages:
         config = msg.content["config"]
         spec = json.loads(config["model-spec"])
