@@ -24,6 +24,7 @@ from fedhm_flwr.config import load_config, model_spec, resume_config, to_yaml
 from fedhm_flwr.evaluation import make_evaluator
 from fedhm_flwr.models import build_model
 from fedhm_flwr.results import RunRecorder, load_checkpoint, refuse_existing_run, summarize
+from fedhm_flwr.procs import TAG_VAR, RunLock
 from fedhm_flwr.tracking import open_tracker
 from fedhm_flwr.train import pick_device
 from strategies import STRATEGIES
@@ -45,7 +46,17 @@ def initial_state(cfg: DictConfig, spec: dict[str, Any]) -> dict[str, torch.Tens
 
 
 def run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None = None) -> dict[str, Any]:
-    """One whole run on a grid; returns the summary (also written to ``out_dir``)."""
+    """One whole run on a grid; returns the summary (also written to ``out_dir``). The run
+    directory is locked for the run (a second run into it is refused); under the launcher or
+    deploy-local, which hold the lock already, the process carries their tag and goes in."""
+    lock = RunLock(out_dir, tag=os.environ.get(TAG_VAR)).acquire()
+    try:
+        return _run(grid, cfg, out_dir, resume)
+    finally:
+        lock.release()
+
+
+def _run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None) -> dict[str, Any]:
     t0 = time.perf_counter()
     if resume is None:
         refuse_existing_run(out_dir)

@@ -24,7 +24,7 @@ BARE = "method=fedavg rounds=3 fraction_train=0.5 partition.alpha=0.1 train.lr_s
        "train.local_epochs=2 evaluation.levels=false"
 
 
-def test_bare_pytorch_fedavg_equals_the_flower_run_bit_for_bit(toy_cfg, tmp_path):
+def test_bare_pytorch_fedavg_equals_the_flower_run(toy_cfg, tmp_path):
     cfg = toy_cfg(BARE)
     bare, history = run_bare_fedavg(cfg)
     run(LocalGrid(int(cfg.num_clients), client_handlers()), toy_cfg(BARE), tmp_path / "run")
@@ -37,8 +37,13 @@ def test_bare_pytorch_fedavg_equals_the_flower_run_bit_for_bit(toy_cfg, tmp_path
     data = data_spec(cfg)
     assert any((client_dataset(data, p).class_counts() == 0).any() for h in history for p in h["partitions"])
     assert bare.keys() == flower.keys()
-    different = {k: float((bare[k] - flower[k]).abs().max()) for k in bare if not torch.equal(bare[k], flower[k])}
-    assert not different, f"bare loop and Flower differ: {different}"
+    # Tolerance: the project averages float32 replies with one float32 matrix-vector product per
+    # round (fedhm_flwr.aggregation.stacked_average), the bare loop in float64; over 3 rounds that
+    # rounding stays below 1e-6 (float32's epsilon is 1.2e-7). Training itself is bit-identical
+    # (the same batches, seeds and kernels on CPU), so any real difference (partitions, weights,
+    # masking, per-class rows) shows up orders of magnitude above this.
+    different = {k: float((bare[k] - flower[k]).abs().max()) for k in bare}
+    assert max(different.values()) <= 1e-6, f"bare loop and Flower differ: {different}"
     # and training moved the model (the comparison is not between two initial models)
     start = initial_state(cfg, flower_spec(cfg))
     assert all(not torch.equal(start[k], bare[k]) for k in ("conv1.weight", "fc.weight"))
