@@ -395,8 +395,10 @@ class LocalDeployment:
         return list(self.flwr("supernode", "ls").get("nodes", []))
 
     def start_supernode(self, name: str, config: dict[str, Any], *, with_ca: bool = True,
-                        max_retries: int | None = None, max_wait_time: float | None = None) -> subprocess.Popen[bytes]:
-        """Start SuperNode ``name`` with its key, the CA certificate (unless ``with_ca=False``) and ``config``."""
+                        max_retries: int | None = None, max_wait_time: float | None = None,
+                        extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start SuperNode ``name`` with its key, the CA certificate (unless ``with_ca=False``) and ``config``
+        (``extra_env``: variables of the device's own environment, e.g. where its other data would be)."""
         folder = self.creds.node_dir(name)
         home = folder / "flwr-home"
         home.mkdir(parents=True, exist_ok=True)
@@ -411,7 +413,8 @@ class LocalDeployment:
             cmd += ["--max-retries", str(max_retries)]
         if max_wait_time is not None:
             cmd += ["--max-wait-time", str(max_wait_time)]
-        proc = self.processes.start(name, cmd, self.env(home), self.logs / f"{name}.log", cwd=folder)
+        proc = self.processes.start(name, cmd, {**self.env(home), **(extra_env or {})}, self.logs / f"{name}.log",
+                                    cwd=folder)
         self.supernodes[name] = proc
         return proc
 

@@ -72,7 +72,8 @@ def test_a_run_with_federated_statistics_asks_every_client(toy_cfg, tmp_path):
     assert len(queries) == 6 + 6 * 2  # node-info once, then bn-stats for the global and the 0.25 model
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["bn_stats"] == "federated"
-    assert summary["bytes_total"] == summary["bytes_sent"] + summary["bytes_received"] + summary["bytes_bn_stats"]
+    assert summary["bytes_total"] == (summary["bytes_sent"] + summary["bytes_received"] + summary["bytes_bn_stats"]
+                                     + summary["bytes_queries"])
 
 
 def test_scaled_sub_model_statistics_describe_what_evaluation_sees():

@@ -26,7 +26,7 @@ def _check_outputs(out_dir, rounds, levels):
     assert len(csv_lines) == rounds + 1 and "acc/global" in csv_lines[0]
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["rounds_completed"] == rounds
-    assert summary["bytes_total"] == sum(r["bytes_sent"] + r["bytes_received"] for r in rows)
+    assert summary["bytes_total"] == sum(r["bytes_sent"] + r["bytes_received"] + r["bytes_queries"] for r in rows)
     state, saved = load_checkpoint(out_dir)
     assert saved["round"] == rounds and state
     assert (out_dir / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

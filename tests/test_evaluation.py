@@ -116,7 +116,8 @@ def test_clients_evaluate_at_their_level_and_figures_are_the_weighted_replies(to
     assert summary["final_fed_acc_clients/worst10"] == rows[-1]["fed_acc_clients/worst10"]
     assert summary["fed_failures"] == 2
     assert summary["bytes_total"] == (summary["bytes_sent"] + summary["bytes_received"] + summary["bytes_bn_stats"]
-                                      + sum(r["bytes_eval_sent"] + r["bytes_eval_received"] for r in rows))
+                                      + sum(r["bytes_eval_sent"] + r["bytes_eval_received"] for r in rows)
+                                      + summary["bytes_queries"])
 
 
 def test_a_server_without_a_test_set_runs_with_client_evaluation_only(toy_cfg, tmp_path, monkeypatch):
