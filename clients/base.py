@@ -25,14 +25,14 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 
-from fedhm_flwr import attacks, shards
+from fedhm_flwr import attacks, protocol, shards
 from fedhm_flwr.bn_stats import bn_sums
 from fedhm_flwr.data import client_dataset
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.adapters import load_federated, trainable_state
 from fedhm_flwr.train import TrainOptions, evaluate, pick_device, train_local
 
-ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
+ARRAYS, CONFIG, METRICS = protocol.ARRAYS, protocol.CONFIG, protocol.METRICS  # the one wire contract
 #: the error code of the replies a node sends when its data cannot serve the request
 NODE_DATA_ERROR = 2  # flwr ErrorCode.CLIENT_APP_RAISED_EXCEPTION, the code of any failing ClientApp
 
@@ -90,7 +90,7 @@ def received_model(msg: Message, device: torch.device) -> tuple[torch.nn.Module,
     """Build the model the message describes and load its arrays (strictly: same keys, shapes; with
     ``trainable_only`` in the spec: exactly the non-backbone keys over the locally loaded backbone)."""
     config = msg.content[CONFIG]
-    spec = json.loads(str(config["model-spec"]))
+    spec = json.loads(str(config[protocol.MODEL_SPEC]))
     model = build_model(spec, spectral_init=False)
     state = msg.content[ARRAYS].to_torch_state_dict()
     if spec.get("trainable_only"):
@@ -104,7 +104,7 @@ def received_model(msg: Message, device: torch.device) -> tuple[torch.nn.Module,
 def local_dataset(config: ConfigRecord, context: Context, augment: bool = True, split: str = "train") -> Any:
     """One split ("train" | "heldout") of this node's data: its shard when ``data-dir`` is one, else its
     partition of the dataset the message's data spec names."""
-    data_spec = json.loads(str(config["data-spec"]))
+    data_spec = json.loads(str(config[protocol.DATA_SPEC]))
     augment = augment and bool(data_spec.get("augment", False))
     folder = node_shard(context)
     if folder is not None:
@@ -145,27 +145,21 @@ def handle_train(msg: Message, context: Context) -> Message:
     device = pick_device()
     model, spec = received_model(msg, device)
     dataset = local_dataset(config, context)
-    attack = str(config.get("attack", "none"))  # the server's attack injection (failures.attack)
+    attack = str(config.get(protocol.ATTACK, "none"))  # the server's attack injection (failures.attack)
     if attack == "label_flip":
         dataset = attacks.LabelFlipped(dataset, int(spec["num_classes"]))
     counts = dataset.class_counts()
     present = torch.as_tensor(counts > 0)
     stats = train_local(model, dataset, options, device, present_classes=present, seed=int(config["seed"]))
-    metrics = MetricRecord({
-        "num-examples": int(stats["num-examples"]),
-        "train-loss": float(stats["train-loss"]),
-        "train-accuracy": float(stats["train-accuracy"]),
-        "seconds": float(stats["seconds"]),
-        "level": float(config["level"]),
-        "class-counts": [int(c) for c in counts],
-    })
+    metrics = protocol.train_metrics(stats["num-examples"], stats["train-loss"], stats["train-accuracy"],
+                                     stats["seconds"], float(config[protocol.LEVEL]), counts)
     if spec.get("trainable_only"):  # only what this client trained travels back
         state = trainable_state(model)
     else:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if attack in attacks.UPDATE_ATTACKS:
         received = msg.content[ARRAYS].to_torch_state_dict()
-        state = attacks.tamper(attack, received, state, float(config.get("attack-scale", 1.0)), int(config["seed"]))
+        state = attacks.tamper(attack, received, state, float(config.get(protocol.ATTACK_SCALE, 1.0)), int(config["seed"]))
     arrays = ArrayRecord.from_torch_state_dict(state)
     return Message(RecordDict({ARRAYS: arrays, METRICS: metrics}), reply_to=msg)
 
@@ -189,8 +183,7 @@ def handle_evaluate(msg: Message, context: Context) -> Message:
     except NodeDataError as exc:
         return data_error(msg, exc)
     stats = evaluate(model, dataset, int(msg.content[CONFIG].get("batch-size", 256)), device)
-    metrics = MetricRecord({"num-examples": int(stats["num-examples"]), "eval-loss": float(stats["loss"]),
-                            "eval-accuracy": float(stats["accuracy"])})
+    metrics = protocol.eval_metrics(stats["num-examples"], stats["loss"], stats["accuracy"])
     return Message(RecordDict({METRICS: metrics}), reply_to=msg)
 
 
@@ -201,24 +194,21 @@ def node_info(context: Context) -> ConfigRecord:
     the fix when it is missing or broken. A node with neither still answers (identity only); its first
     training message gets that error."""
     node = context.node_config
-    out: dict[str, Any] = {}
     folder = node_shard(context) if node.get("data-dir") or "partition-id" in node else None
     if folder is not None:
         try:
             manifest = shards.verify_shard(folder)
         except shards.ShardError as exc:
             raise NodeDataError(f"node config data-dir={folder}: {exc}") from None
-        source = {k: manifest[k.replace("-", "_")] for k in ("partition-id", "num-partitions")
-                  if k.replace("-", "_") in manifest}
+        pid, count = manifest.get("partition_id"), manifest.get("num_partitions")
     else:
-        source = {k: node[k] for k in ("partition-id", "num-partitions") if k in node}
-    out.update({k: int(v) for k, v in source.items()})
-    if node.get("node-name"):
-        out["node-name"] = str(node["node-name"])
-    for key, value in node.items():
-        if key.startswith("capability-"):
-            out[key] = float(value)
-    return ConfigRecord(out)
+        pid, count = node.get(protocol.PARTITION_ID), node.get(protocol.NUM_PARTITIONS)
+    info = protocol.NodeInfo(
+        partition_id=None if pid is None else int(pid), num_partitions=None if count is None else int(count),
+        name=str(node[protocol.NODE_NAME]) if node.get(protocol.NODE_NAME) else None,
+        capability={k[len(protocol.CAPABILITY):]: float(v) for k, v in node.items()
+                    if k.startswith(protocol.CAPABILITY)})
+    return info.encode()
 
 
 def bn_statistics(msg: Message, context: Context) -> RecordDict:
@@ -229,14 +219,14 @@ def bn_statistics(msg: Message, context: Context) -> RecordDict:
 
 
 QUERIES = {
-    "node-info": lambda msg, context: RecordDict({CONFIG: node_info(context)}),
-    "bn-stats": bn_statistics,
+    protocol.NODE_INFO: lambda msg, context: RecordDict({CONFIG: node_info(context)}),
+    protocol.BN_STATS: bn_statistics,
 }
 
 
 def handle_query(msg: Message, context: Context) -> Message:
     """Answer the server's questions about this node (``config['query']`` names which)."""
-    what = str(msg.content[CONFIG]["query"])
+    what = str(msg.content[CONFIG][protocol.QUERY])
     if what not in QUERIES:
         raise ValueError(f"unknown query {what!r}; known: {sorted(QUERIES)}")
     try:

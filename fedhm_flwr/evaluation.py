@@ -44,7 +44,8 @@ if TYPE_CHECKING:
     from strategies.base import HeteroStrategy
 
 State = dict[str, torch.Tensor]
-ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
+from fedhm_flwr import protocol as wire
+from fedhm_flwr.protocol import ARRAYS, CONFIG, METRICS, read_eval
 WORST_FRACTION = 0.1  # fed_acc_clients/worst10: the mean accuracy of the worst ceil(10 %) clients
 
 
@@ -197,9 +198,9 @@ def federated_bn_sums(strategy: HeteroStrategy, spec: dict[str, Any], state: Sta
     arrays = _wire(state)
     nbytes, messages = 0, []
     for node_id in node_ids:
-        config = ConfigRecord({"query": "bn-stats", "model-spec": json.dumps(spec),
-                               "data-spec": json.dumps(data_spec(cfg, strategy.nodes[node_id].num_partitions)),
-                               "batch-size": int(cfg.train.batch_size)})
+        config = ConfigRecord({wire.QUERY: wire.BN_STATS, wire.MODEL_SPEC: json.dumps(spec),
+                               wire.DATA_SPEC: json.dumps(data_spec(cfg, strategy.nodes[node_id].num_partitions)),
+                               wire.BATCH_SIZE: int(cfg.train.batch_size)})
         record = ArrayRecord.from_array_dict(arrays)
         nbytes += record.count_bytes()
         messages.append(Message(content=RecordDict({ARRAYS: record, CONFIG: config}), dst_node_id=node_id,
@@ -240,9 +241,9 @@ class FederatedEvaluation:
                 "server-round": server_round,
                 "level": strategy.levels[index],
                 "level-index": index,
-                "model-spec": json.dumps(spec),
-                "data-spec": json.dumps(data_spec(cfg, strategy.nodes[node_id].num_partitions)),
-                "batch-size": int(cfg.evaluation.batch_size),
+                wire.MODEL_SPEC: json.dumps(spec),
+                wire.DATA_SPEC: json.dumps(data_spec(cfg, strategy.nodes[node_id].num_partitions)),
+                wire.BATCH_SIZE: int(cfg.evaluation.batch_size),
             })
             self.bytes_sent += record.count_bytes()
             self.level_of[node_id] = index
@@ -259,7 +260,7 @@ class FederatedEvaluation:
         if METRICS not in msg.content:
             return None, f"reply lacks '{METRICS}'"
         m = msg.content[METRICS]
-        n, loss, acc = m.get("num-examples"), m.get("eval-loss"), m.get("eval-accuracy")
+        n, loss, acc = read_eval(m)
         if not isinstance(n, (int, float)) or isinstance(n, bool) or not n > 0:
             return None, f"num-examples missing or not positive ({n!r})"
         if not isinstance(acc, (int, float)) or not 0.0 <= acc <= 1.0:

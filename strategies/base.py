@@ -29,6 +29,8 @@ from omegaconf import DictConfig
 
 from fedhm_flwr import evaluation as ev
 from fedhm_flwr import levels as lv
+from fedhm_flwr import protocol as wire
+from fedhm_flwr.protocol import ARRAYS, CONFIG, METRICS
 from fedhm_flwr.aggregation import level_weights
 from fedhm_flwr.config import data_spec, learning_rate, level_proportions
 from fedhm_flwr.lowrank import recover_state
@@ -39,7 +41,6 @@ from .untrusted import Untrusted
 
 State = dict[str, torch.Tensor]
 
-ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
 
 
 @dataclass
@@ -223,8 +224,8 @@ class HeteroStrategy(Strategy):
             record = ArrayRecord.from_array_dict(payload.arrays)  # fresh record, shared bytes
             config = self._train_config(server_round, node_id, index, payload)
             if node_id in injected:
-                config["inject"] = injected[node_id]
-                config["inject-seconds"] = float(self.cfg.failures.slow_seconds)
+                config[wire.INJECT] = injected[node_id]
+                config[wire.INJECT_SECONDS] = float(self.cfg.failures.slow_seconds)
             config.update(self.untrusted.train_config(node_id))
             content = RecordDict({ARRAYS: record, CONFIG: config})
             self.round_log.sent_bytes += content_bytes(content)
@@ -407,14 +408,14 @@ class HeteroStrategy(Strategy):
             **payload.train,
         }
         return ConfigRecord({
-            "server-round": server_round,
-            "method": self.name,
-            "level": self.levels[index],
-            "level-index": index,
-            "model-spec": json.dumps(payload.spec),
-            "train": json.dumps(train),
-            "data-spec": json.dumps(data_spec(cfg, info.num_partitions)),
-            "seed": lv.client_seed(int(cfg.seed), server_round, self._partition_key(node_id)),
+            wire.SERVER_ROUND: server_round,
+            wire.METHOD: self.name,
+            wire.LEVEL: self.levels[index],
+            wire.LEVEL_INDEX: index,
+            wire.MODEL_SPEC: json.dumps(payload.spec),
+            wire.TRAIN: json.dumps(train),
+            wire.DATA_SPEC: json.dumps(data_spec(cfg, info.num_partitions)),
+            wire.SEED: lv.client_seed(int(cfg.seed), server_round, self._partition_key(node_id)),
         })
 
     def _validate(self, node_id: int, msg: Message) -> tuple[Reply | None, str]:
@@ -437,10 +438,10 @@ class HeteroStrategy(Strategy):
             if not torch.isfinite(tensor).all():
                 return None, f"{key} holds NaN or Inf"
         metrics = content[METRICS]
-        n = metrics.get("num-examples")
+        n = metrics.get(wire.NUM_EXAMPLES)
         if not isinstance(n, (int, float)) or isinstance(n, bool) or not n > 0:
             return None, f"num-examples missing or not positive ({n!r})"
-        counts = np.asarray(metrics.get("class-counts", []), dtype=np.int64)
+        counts = np.asarray(metrics.get(wire.CLASS_COUNTS, []), dtype=np.int64)
         num_classes = int(self.spec["num_classes"])
         if counts.shape != (num_classes,) or np.any(counts < 0):
             return None, f"class-counts must hold {num_classes} non-negative counts"
@@ -451,10 +452,10 @@ class HeteroStrategy(Strategy):
         out: dict[str, float] = {"replies": float(len(valid))}
         if valid:
             n = np.array([r.num_examples for r in valid], dtype=np.float64)
-            for key in ("train-loss", "train-accuracy"):
+            for key in (wire.TRAIN_LOSS, wire.TRAIN_ACCURACY):
                 vals = [r.metrics.get(key, math.nan) for r in valid]
                 out[key] = float(np.dot(n, vals) / n.sum())
-            out["client-seconds-max"] = max(r.metrics.get("seconds", 0.0) for r in valid)
+            out["client-seconds-max"] = max(r.metrics.get(wire.SECONDS, 0.0) for r in valid)
         return out
 
     def _round_row(self, server_round: int, train_metrics: MetricRecord | None) -> dict[str, Any]:

@@ -36,9 +36,9 @@ from flwr.supercore import log
 from omegaconf import DictConfig
 
 from fedhm_flwr import levels as lv
+from fedhm_flwr import protocol
 from fedhm_flwr.config import level_proportions
 
-CONFIG = "config"
 
 #: keys of nodes without a unique partition id start here (partition ids stay below)
 _HASHED_KEY_BASE = 1 << 40
@@ -81,12 +81,10 @@ def parse_node_info(node_id: int, msg: Message | None) -> NodeInfo:
         info.error = "no answer to the node-info query"
     elif msg.has_error():
         info.error = msg.error.reason
-    elif CONFIG in msg.content:
-        rec = msg.content[CONFIG]
-        info.partition_id = int(rec["partition-id"]) if "partition-id" in rec else None
-        info.num_partitions = int(rec["num-partitions"]) if "num-partitions" in rec else None
-        info.name = str(rec["node-name"]) if rec.get("node-name") else None
-        info.capability = {k[len("capability-"):]: float(v) for k, v in rec.items() if k.startswith("capability-")}
+    elif protocol.CONFIG in msg.content:
+        told = protocol.NodeInfo.decode(msg.content[protocol.CONFIG])
+        info.partition_id, info.num_partitions = told.partition_id, told.num_partitions
+        info.name, info.capability = told.name, told.capability
     return info
 
 
@@ -117,7 +115,8 @@ class NodeRegistry:
         new = sorted(connected - set(self.nodes))
         if not new:
             return 0
-        query = [Message(content=RecordDict({CONFIG: ConfigRecord({"query": "node-info"})}), dst_node_id=n,
+        query = [Message(content=RecordDict({protocol.CONFIG: ConfigRecord({protocol.QUERY: protocol.NODE_INFO})}),
+                         dst_node_id=n,
                          message_type=MessageType.QUERY) for n in new]
         moved = sum(content_bytes(msg.content) for msg in query)
         answers = {m.metadata.src_node_id: m for m in grid.send_and_receive(query, timeout=float(self.cfg.timeout))}

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
+from fedhm_flwr import protocol as wire
 from fedhm_flwr import robust
 from fedhm_flwr.privacy import RdpAccountant
 
@@ -108,7 +109,7 @@ class Untrusted:
         """What the server adds to a malicious node's train config."""
         if not self.is_attacker(node_id):
             return {}
-        return {"attack": str(self.attack.kind), "attack-scale": float(self.attack.scale)}
+        return {wire.ATTACK: str(self.attack.kind), wire.ATTACK_SCALE: float(self.attack.scale)}
 
     # ------------------------------------------------------------------ merge
 

@@ -123,3 +123,13 @@ def test_a_node_that_arrives_during_the_wait_ends_it(toy_cfg, caplog):
 def test_client_seeds_are_distinct_across_rounds_and_many_partitions():
     seeds = {lv.client_seed(0, rnd, key) for rnd in range(1, 6) for key in range(3000)}
     assert len(seeds) == 5 * 3000
+
+
+def test_node_info_travels_through_the_one_wire_contract():
+    from fedhm_flwr import protocol
+
+    sent = protocol.NodeInfo(partition_id=3, num_partitions=8, name="ward-3", capability={"memory": 6.5e6})
+    record = sent.encode()
+    assert set(record) == {"partition-id", "num-partitions", "node-name", "capability-memory"}
+    assert protocol.NodeInfo.decode(record) == sent
+    assert protocol.NodeInfo.decode(protocol.NodeInfo().encode()) == protocol.NodeInfo()

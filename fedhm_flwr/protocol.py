@@ -1,0 +1,85 @@
+"""The one wire contract between the server and the nodes: record names, message keys, and the
+encode/decode of what both sides must read alike (node info, training and evaluation replies).
+
+Every message is a Flower ``RecordDict`` with at most three records: ``arrays`` (model tensors),
+``config`` (what the server tells a node: task, specs, queries) and ``metrics`` (what a node
+reports). The server writes task configs and reads replies; the ClientApp reads task configs and
+writes replies; both import the names from here, so a key is spelled in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from flwr.app import ConfigRecord, MetricRecord
+
+# records
+ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
+
+# queries (config["query"] of a QUERY message)
+QUERY = "query"
+NODE_INFO, BN_STATS = "node-info", "bn-stats"
+
+# task config keys (server -> node)
+SERVER_ROUND, METHOD, LEVEL, LEVEL_INDEX = "server-round", "method", "level", "level-index"
+MODEL_SPEC, DATA_SPEC, TRAIN, SEED, BATCH_SIZE = "model-spec", "data-spec", "train", "seed", "batch-size"
+INJECT, INJECT_SECONDS = "inject", "inject-seconds"  # failure injection (failures.*)
+ATTACK, ATTACK_SCALE = "attack", "attack-scale"  # attack injection (failures.attack)
+
+# node config keys (a node's own settings) and its node-info reply
+PARTITION_ID, NUM_PARTITIONS, NODE_NAME, DATA_DIR = "partition-id", "num-partitions", "node-name", "data-dir"
+CAPABILITY = "capability-"  # prefix: capability-level, -params, -macs, -memory
+
+# reply metric keys (node -> server)
+NUM_EXAMPLES, CLASS_COUNTS, SECONDS = "num-examples", "class-counts", "seconds"
+TRAIN_LOSS, TRAIN_ACCURACY = "train-loss", "train-accuracy"
+EVAL_LOSS, EVAL_ACCURACY = "eval-loss", "eval-accuracy"
+
+
+@dataclass
+class NodeInfo:
+    """What a node tells the server about itself (its ``node-info`` reply)."""
+
+    partition_id: int | None = None
+    num_partitions: int | None = None
+    name: str | None = None
+    capability: dict[str, float] = field(default_factory=dict)
+
+    def encode(self) -> ConfigRecord:
+        out: dict[str, Any] = {}
+        if self.partition_id is not None:
+            out[PARTITION_ID] = int(self.partition_id)
+        if self.num_partitions is not None:
+            out[NUM_PARTITIONS] = int(self.num_partitions)
+        if self.name:
+            out[NODE_NAME] = str(self.name)
+        out.update({CAPABILITY + k: float(v) for k, v in self.capability.items()})
+        return ConfigRecord(out)
+
+    @classmethod
+    def decode(cls, rec: Mapping[str, Any]) -> NodeInfo:
+        return cls(
+            partition_id=int(rec[PARTITION_ID]) if PARTITION_ID in rec else None,
+            num_partitions=int(rec[NUM_PARTITIONS]) if NUM_PARTITIONS in rec else None,
+            name=str(rec[NODE_NAME]) if rec.get(NODE_NAME) else None,
+            capability={k[len(CAPABILITY):]: float(v) for k, v in rec.items() if k.startswith(CAPABILITY)},
+        )
+
+
+def train_metrics(num_examples: int, loss: float, accuracy: float, seconds: float, level: float,
+                  class_counts: Sequence[int]) -> MetricRecord:
+    """A training reply's metrics."""
+    return MetricRecord({NUM_EXAMPLES: int(num_examples), TRAIN_LOSS: float(loss), TRAIN_ACCURACY: float(accuracy),
+                         SECONDS: float(seconds), LEVEL: float(level), CLASS_COUNTS: [int(c) for c in class_counts]})
+
+
+def eval_metrics(num_examples: int, loss: float, accuracy: float) -> MetricRecord:
+    """An evaluation reply's metrics (the node's held-out examples)."""
+    return MetricRecord({NUM_EXAMPLES: int(num_examples), EVAL_LOSS: float(loss), EVAL_ACCURACY: float(accuracy)})
+
+
+def read_eval(metrics: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    """(num-examples, eval-loss, eval-accuracy) of an evaluation reply, None where missing."""
+    return metrics.get(NUM_EXAMPLES), metrics.get(EVAL_LOSS), metrics.get(EVAL_ACCURACY)
