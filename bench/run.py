@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -65,7 +64,6 @@ def figure_server_time(quick: bool) -> dict[str, Any]:
     from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 
     from clients.base import handle_query
-    from fedhm_flwr.aggregation import average_states, level_weights
     from fedhm_flwr.local_grid import LocalGrid, client_handlers
     from fedhm_flwr.server_app import initial_state, run
     from strategies import STRATEGIES
@@ -227,7 +225,7 @@ def figure_bytes(quick: bool) -> dict[str, Any]:
 
 def figure_train_step(quick: bool) -> dict[str, Any]:
     from fedhm_flwr.lowrank import plan_ranks
-    from fedhm_flwr.train import TrainOptions, frobenius_penalty, parameter_groups
+    from fedhm_flwr.train import frobenius_penalty, parameter_groups
 
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     configs = [("cnn", 16, 1, 28, 32)] + ([] if quick else [("resnet18", 64, 3, 32, 16)])

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 
 from fedhm_flwr import attacks, protocol, shards
 from fedhm_flwr.bn_stats import bn_sums
