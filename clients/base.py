@@ -92,13 +92,23 @@ def received_model(msg: Message, device: torch.device) -> tuple[torch.nn.Module,
     config = msg.content[CONFIG]
     spec = json.loads(str(config[protocol.MODEL_SPEC]))
     model = build_model(spec, spectral_init=False)
-    state = msg.content[ARRAYS].to_torch_state_dict()
+    state = received_state(msg)
     if spec.get("trainable_only"):
         # frozen backbone loaded by this node itself; the message holds exactly the other tensors
         load_federated(model, state)
     else:
         model.load_state_dict(state, strict=True)
     return model.to(device), spec
+
+
+def wire_dtype(msg: Message) -> str:
+    """The dtype arrays travel in both ways (the server's ``wire.dtype``; absent: float32)."""
+    return str(msg.content[CONFIG].get(protocol.WIRE_DTYPE, "float32"))
+
+
+def received_state(msg: Message) -> dict[str, torch.Tensor]:
+    """The message's arrays in float32 (clients train in float32 whatever the wire dtype)."""
+    return protocol.from_wire(msg.content[ARRAYS].to_torch_state_dict(), wire_dtype(msg))
 
 
 def local_dataset(config: ConfigRecord, context: Context, augment: bool = True, split: str = "train") -> Any:
@@ -158,9 +168,10 @@ def handle_train(msg: Message, context: Context) -> Message:
     else:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if attack in attacks.UPDATE_ATTACKS:
-        received = msg.content[ARRAYS].to_torch_state_dict()
+        received = received_state(msg)
         state = attacks.tamper(attack, received, state, float(config.get(protocol.ATTACK_SCALE, 1.0)), int(config["seed"]))
-    arrays = ArrayRecord.from_torch_state_dict(state)
+    dtype = wire_dtype(msg)  # the reply travels in the wire dtype too
+    arrays = ArrayRecord.from_array_dict({k: protocol.wire_array(v, dtype) for k, v in state.items()})
     return Message(RecordDict({ARRAYS: arrays, METRICS: metrics}), reply_to=msg)
 
 

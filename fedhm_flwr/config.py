@@ -21,6 +21,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fedhm_flwr.protocol import WIRE_DTYPES  # float32 | float16 | bfloat16 (wire.dtype)
+
 CONF_DIR = Path(os.environ.get("FEDHM_CONF_DIR", Path(__file__).resolve().parent.parent / "conf"))
 
 PARTITION_SCHEMES = ("iid", "dirichlet", "pathological")
@@ -313,6 +315,8 @@ def validate(cfg: DictConfig) -> None:
     _num_in(cfg, "availability.wait_seconds", 0.0, math.inf, high_open=True)
     _choice(cfg, "availability.on_timeout", ("continue", "stop"))
     _num_in(cfg, "availability.poll_seconds", 0.0, math.inf, low_open=True, high_open=True)
+    _choice(cfg, "availability.query", ("all", "sampled"))
+    _choice(cfg, "wire.dtype", WIRE_DTYPES)
     _validate_levels(cfg)
     _choice(cfg, "partition.scheme", PARTITION_SCHEMES)
     _num_in(cfg, "partition.alpha", 0.0, math.inf, low_open=True, high_open=True)

@@ -49,13 +49,6 @@ from fedhm_flwr.protocol import ARRAYS, CONFIG, METRICS, read_eval
 WORST_FRACTION = 0.1  # fed_acc_clients/worst10: the mean accuracy of the worst ceil(10 %) clients
 
 
-def _wire(state: State) -> dict[str, Any]:
-    """A state as flwr Arrays, serialised once (the round's encoding, ``strategies/base.py``)."""
-    from strategies.base import state_to_arrays  # base imports this module: import when used
-
-    return state_to_arrays(state)
-
-
 # ---------------------------------------------------------------------- pure statistics
 
 
@@ -195,12 +188,12 @@ def federated_bn_sums(strategy: HeteroStrategy, spec: dict[str, Any], state: Sta
     if 0 < limit < len(node_ids):
         rng = lv.round_rng(int(cfg.seed), len(strategy.history) + 1, stream=3)
         node_ids = [node_ids[i] for i in sorted(rng.choice(len(node_ids), size=limit, replace=False))]
-    arrays = _wire(state)
+    arrays = strategy.wire_arrays(state)  # the wire dtype, serialised once (strategies/base.py)
     nbytes, messages = 0, []
     for node_id in node_ids:
         config = ConfigRecord({wire.QUERY: wire.BN_STATS, wire.MODEL_SPEC: json.dumps(spec),
                                wire.DATA_SPEC: json.dumps(data_spec(cfg, strategy.nodes[node_id].num_partitions)),
-                               wire.BATCH_SIZE: int(cfg.train.batch_size)})
+                               wire.BATCH_SIZE: int(cfg.train.batch_size), **strategy.wire_config()})
         record = ArrayRecord.from_array_dict(arrays)
         nbytes += record.count_bytes()
         messages.append(Message(content=RecordDict({ARRAYS: record, CONFIG: config}), dst_node_id=node_id,
@@ -234,7 +227,7 @@ class FederatedEvaluation:
         for node_id, (index, _) in sorted(strategy.sent.items(), key=lambda kv: strategy._partition_key(kv[0])):
             if index not in models:
                 spec, state = strategy.deployable(index, global_state)
-                models[index] = (spec, _wire(state))
+                models[index] = (spec, strategy.wire_arrays(state))
             spec, arrays = models[index]
             record = ArrayRecord.from_array_dict(arrays)  # fresh record, shared bytes
             config = ConfigRecord({
@@ -244,6 +237,7 @@ class FederatedEvaluation:
                 wire.MODEL_SPEC: json.dumps(spec),
                 wire.DATA_SPEC: json.dumps(data_spec(cfg, strategy.nodes[node_id].num_partitions)),
                 wire.BATCH_SIZE: int(cfg.evaluation.batch_size),
+                **strategy.wire_config(),
             })
             self.bytes_sent += record.count_bytes()
             self.level_of[node_id] = index

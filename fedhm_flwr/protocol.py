@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from flwr.app import ConfigRecord, MetricRecord
+import torch
+from flwr.app import Array, ConfigRecord, MetricRecord
 
 # records
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
@@ -25,6 +26,7 @@ NODE_INFO, BN_STATS = "node-info", "bn-stats"
 # task config keys (server -> node)
 SERVER_ROUND, METHOD, LEVEL, LEVEL_INDEX = "server-round", "method", "level", "level-index"
 MODEL_SPEC, DATA_SPEC, TRAIN, SEED, BATCH_SIZE = "model-spec", "data-spec", "train", "seed", "batch-size"
+WIRE_DTYPE = "wire-dtype"  # dtype of the arrays both ways (wire.dtype); absent: float32
 INJECT, INJECT_SECONDS = "inject", "inject-seconds"  # failure injection (failures.*)
 ATTACK, ATTACK_SCALE = "attack", "attack-scale"  # attack injection (failures.attack)
 
@@ -36,6 +38,33 @@ CAPABILITY = "capability-"  # prefix: capability-level, -params, -macs, -memory
 NUM_EXAMPLES, CLASS_COUNTS, SECONDS = "num-examples", "class-counts", "seconds"
 TRAIN_LOSS, TRAIN_ACCURACY = "train-loss", "train-accuracy"
 EVAL_LOSS, EVAL_ACCURACY = "eval-loss", "eval-accuracy"
+
+
+# arrays on the wire (wire.dtype): floating tensors travel in this dtype, the rest as they are.
+# Flower's Array holds numpy data and numpy has no bfloat16: a bfloat16 tensor travels as its
+# raw 16 bits in an int16 array, which the receiver (told the wire dtype) reinterprets.
+WIRE_DTYPES = ("float32", "float16", "bfloat16")
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def wire_array(tensor: torch.Tensor, dtype: str = "float32") -> Array:
+    """One tensor as a flwr Array in the wire dtype (floating tensors cast, others unchanged)."""
+    tensor = tensor.detach()
+    if tensor.is_floating_point():
+        tensor = tensor.to(_TORCH_DTYPES[dtype])
+        if dtype == "bfloat16":
+            tensor = tensor.view(torch.int16)
+    return Array.from_torch_tensor(tensor.contiguous())
+
+
+def from_wire(state: Mapping[str, torch.Tensor], dtype: str = "float32") -> dict[str, torch.Tensor]:
+    """A state dict received in the wire dtype, back in float32 (other tensors unchanged)."""
+    out = {}
+    for key, tensor in state.items():
+        if dtype == "bfloat16" and tensor.dtype == torch.int16:
+            tensor = tensor.view(torch.bfloat16)
+        out[key] = tensor.float() if tensor.is_floating_point() else tensor
+    return out
 
 
 @dataclass

@@ -14,6 +14,7 @@ import json
 import math
 import time
 from abc import abstractmethod
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -80,12 +81,42 @@ class RoundLog:
     assignments: dict[str, float] = field(default_factory=dict)  # node (partition) -> level
     server_seconds: float = 0.0
     query_bytes: int = 0  # node-info queries and their answers (new nodes only)
+    query_seconds: float = 0.0  # wall time of those queries (part of server_seconds)
 
 
-def state_to_arrays(state: State) -> dict[str, Any]:
-    """A state dict as flwr Arrays (serialised once; records built from them share the bytes)."""
-    record = ArrayRecord.from_torch_state_dict({k: v.detach().float().contiguous() for k, v in state.items()})
-    return dict(record.items())
+def state_to_arrays(state: State, dtype: str = "float32") -> dict[str, Any]:
+    """A state dict as flwr Arrays in the wire dtype (records built from them share the bytes)."""
+    return {k: wire.wire_array(v, dtype) for k, v in state.items()}
+
+
+class ArrayCache:
+    """flwr Arrays of the tensors the server sends, serialised once per tensor and wire dtype.
+
+    The global state is serialised once per model version: the ArrayRecord ``aggregate_train``
+    returns, the levels' payloads and the evaluation's models all reuse the Arrays of the tensors
+    they share with it. A tensor is recognised by its storage (a detached view of a global tensor
+    counts as the same) and its version counter (an in-place change makes it new). Holds the last
+    tensor and Array per key and dtype."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, str], tuple[torch.Tensor, int, Any]] = {}
+        self.serialized: Counter[str] = Counter()  # key -> times a tensor of it was serialised
+
+    @staticmethod
+    def _same(held: torch.Tensor, version: int, tensor: torch.Tensor) -> bool:
+        return held is tensor and held._version == version or (
+            held.data_ptr() == tensor.data_ptr() and held.dtype == tensor.dtype and held.device == tensor.device
+            and held.shape == tensor.shape and held.stride() == tensor.stride() and tensor._version == version)
+
+    def arrays(self, state: State, dtype: str = "float32") -> dict[str, Any]:
+        out = {}
+        for key, tensor in state.items():
+            held = self._held.get((key, dtype))
+            if held is None or not self._same(held[0], held[1], tensor):
+                held = self._held[(key, dtype)] = (tensor, tensor._version, wire.wire_array(tensor, dtype))
+                self.serialized[key] += 1
+            out[key] = held[2]
+        return out
 
 
 class HeteroStrategy(Strategy):
@@ -116,6 +147,9 @@ class HeteroStrategy(Strategy):
         self._federated: ev.FederatedEvaluation | None = None  # this round's client-side evaluation
         self.federated_row: dict[str, Any] = {}
         self.untrusted = Untrusted(self)  # attacks, defences, client-level DP (failures.attack, aggregation, dp)
+        self.wire_dtype = str(cfg.get("wire", {}).get("dtype", "float32"))  # arrays both ways (wire.dtype)
+        self.array_cache = ArrayCache()
+        self._global_record: ArrayRecord | None = None  # the record last made of self.global_state
 
     # ------------------------------------------------------------------ method hooks
 
@@ -129,6 +163,22 @@ class HeteroStrategy(Strategy):
     @abstractmethod
     def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
         """Fold the validated replies back into a new global state."""
+
+    def wire_arrays(self, state: State) -> dict[str, Any]:
+        """A model the server sends (payload, evaluation), as Arrays in the wire dtype."""
+        return self.array_cache.arrays(state, self.wire_dtype)
+
+    def global_record(self, state: State) -> ArrayRecord:
+        """The global state as the round's ArrayRecord (float32: the server keeps float32)."""
+        self._global_record = ArrayRecord.from_array_dict(self.array_cache.arrays(state, "float32"))
+        return self._global_record
+
+    def state_of(self, arrays: ArrayRecord) -> State:
+        """The state an ArrayRecord holds: the global state itself when the record was made of it
+        (no second deserialisation), else the record's tensors in float32."""
+        if arrays is self._global_record and self.global_state is not None:
+            return self.global_state
+        return arrays.to_torch_state_dict()
 
     def reply_keys(self, level_index: int, spec: dict[str, Any], state: State) -> list[str] | None:
         """Keys a client of this level sends back, when not all it received (e.g. only the trainable
@@ -199,7 +249,7 @@ class HeteroStrategy(Strategy):
         if level_index not in level_payloads:
             spec, state, options = self.level_payload(level_index, global_state)
             returned = self.reply_keys(level_index, spec, state)
-            level_payloads[level_index] = Payload(spec, state_to_arrays(state),
+            level_payloads[level_index] = Payload(spec, self.wire_arrays(state),
                                                   {k: tuple(v.shape) for k, v in state.items()},
                                                   options, None if returned is None else tuple(returned))
         return level_payloads[level_index]
@@ -208,9 +258,11 @@ class HeteroStrategy(Strategy):
         t0 = time.perf_counter()
         self.round_log = RoundLog()
         self._grid = grid
-        self.global_state = arrays.to_torch_state_dict()
+        self.global_state = self.state_of(arrays)
         self.round_log.query_bytes = self.registry.refresh(grid, server_round)
-        node_ids = self.registry.sample(server_round)
+        node_ids, moved = self.registry.query_sampled(grid, server_round, self.registry.sample(server_round))
+        self.round_log.query_bytes += moved
+        self.round_log.query_seconds = self.registry.query_seconds
         assignment = self.registry.assign(server_round, node_ids)
         self.begin_round(server_round, self.global_state)
         injected = self._injected_failures(server_round, node_ids)
@@ -269,7 +321,7 @@ class HeteroStrategy(Strategy):
         new_state = self.untrusted.merge(server_round, self.global_state, valid)  # self.merge unless defended
         self.global_state = new_state
         self.round_log.server_seconds += time.perf_counter() - t0
-        return ArrayRecord.from_torch_state_dict(new_state), MetricRecord(metrics)
+        return self.global_record(new_state), MetricRecord(metrics)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         """Federated evaluation (``evaluation.where`` clients or both): the nodes sampled for
@@ -277,7 +329,7 @@ class HeteroStrategy(Strategy):
         if self.cfg.evaluation.where == "server":
             self._federated = None
             return []
-        self._federated = ev.FederatedEvaluation(self, server_round, arrays.to_torch_state_dict())
+        self._federated = ev.FederatedEvaluation(self, server_round, self.state_of(arrays))
         return self._federated.messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
@@ -317,7 +369,7 @@ class HeteroStrategy(Strategy):
             if self._evaluation_due(server_round, num_rounds):
                 t_eval = time.perf_counter()
                 if self.cfg.evaluation.where != "clients":
-                    row.update(self.evaluate_levels(arrays.to_torch_state_dict()))
+                    row.update(self.evaluate_levels(self.state_of(arrays)))
                     row.setdefault("bn_stats", self.cfg.evaluation.bn_stats)
                     result.evaluate_metrics_serverapp[server_round] = MetricRecord(ev.numeric(row, ("acc", "loss")))
                 messages = list(self.configure_evaluate(server_round, arrays, evaluate_config or ConfigRecord(), grid))
@@ -332,7 +384,7 @@ class HeteroStrategy(Strategy):
             if self.recorder is not None:
                 self.recorder.log_round(row)
                 if self._checkpoint_due(server_round, num_rounds):
-                    self.recorder.save_checkpoint(arrays.to_torch_state_dict(), self.checkpoint_state(server_round))
+                    self.recorder.save_checkpoint(self.state_of(arrays), self.checkpoint_state(server_round))
         return result
 
     # ------------------------------------------------------------------ evaluation (fedhm_flwr/evaluation.py)
@@ -416,7 +468,12 @@ class HeteroStrategy(Strategy):
             wire.TRAIN: json.dumps(train),
             wire.DATA_SPEC: json.dumps(data_spec(cfg, info.num_partitions)),
             wire.SEED: lv.client_seed(int(cfg.seed), server_round, self._partition_key(node_id)),
+            **self.wire_config(),
         })
+
+    def wire_config(self) -> dict[str, str]:
+        """The task-config entry telling a node the wire dtype (absent at the default float32)."""
+        return {} if self.wire_dtype == "float32" else {wire.WIRE_DTYPE: self.wire_dtype}
 
     def _validate(self, node_id: int, msg: Message) -> tuple[Reply | None, str]:
         """Check a reply against what was sent to that node; (None, reason) when malformed."""
@@ -431,7 +488,7 @@ class HeteroStrategy(Strategy):
         if expected != got:
             missing, extra = sorted(expected - got), sorted(got - expected)
             return None, f"keys do not match level {self.levels[index]:g}: missing {missing[:3]}, unexpected {extra[:3]}"
-        state = record.to_torch_state_dict()
+        state = wire.from_wire(record.to_torch_state_dict(), self.wire_dtype)  # back to float32
         for key, tensor in state.items():
             if tuple(tensor.shape) != payload.shapes[key]:
                 return None, f"{key} has shape {tuple(tensor.shape)}, level {self.levels[index]:g} needs {payload.shapes[key]}"
@@ -471,6 +528,7 @@ class HeteroStrategy(Strategy):
             "bytes_received": log_.received_bytes,
             "bytes_queries": log_.query_bytes,
             "server_seconds": log_.server_seconds,
+            "query_seconds": log_.query_seconds,
         }
         if train_metrics is not None:
             for key in ("train-loss", "train-accuracy", "client-seconds-max"):

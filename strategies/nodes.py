@@ -88,6 +88,25 @@ def parse_node_info(node_id: int, msg: Message | None) -> NodeInfo:
     return info
 
 
+def exchange(grid: Grid, messages: list[Message], timeout: float, poll: float = 0.02,
+             max_poll: float = 0.5) -> list[Message]:
+    """Push all ``messages`` at once, then pull their replies until all came or ``timeout``
+    seconds passed. Like ``Grid.send_and_receive``, but polling from ``poll`` seconds, doubling
+    up to ``max_poll`` (Flower's loop sleeps 3 s between pulls: a few quick answers cost 3 s)."""
+    pending = {mid for mid in grid.push_messages(messages) if mid}
+    replies: list[Message] = []
+    end = time.monotonic() + timeout
+    while pending:
+        got = list(grid.pull_messages(list(pending)))
+        replies += got
+        pending -= {m.metadata.reply_to_message_id for m in got}
+        if not pending or time.monotonic() >= end:
+            break
+        time.sleep(poll)
+        poll = min(2 * poll, max_poll)
+    return replies
+
+
 class NodeRegistry:
     """Connected nodes, their cached node info, stable keys and levels."""
 
@@ -101,37 +120,61 @@ class NodeRegistry:
         self.levels_of: dict[int, int] = {}  # node id -> level index for the run (fixed/declared)
         self.declared: dict[int, int] = {}  # node id -> level the node itself declared (or the default)
         self.seen: dict[str, int] = {}  # identity -> level index it had (survives leaving)
+        self.unknown: list[int] = []  # connected nodes not queried yet (availability.query = sampled)
+        self.query_seconds = 0.0  # this round's wall time in node-info queries
 
     # ------------------------------------------------------------------ discovery
 
     def refresh(self, grid: Grid, server_round: int) -> int:
-        """Learn the connected nodes: forget the ones gone, query only the new ones; returns the
-        bytes the queries and their answers moved."""
+        """Learn the connected nodes: forget the ones gone, query the new ones (``availability.query
+        = all``) or leave them for the round that samples them (``sampled``); returns the bytes the
+        queries and their answers moved."""
+        self.query_seconds = 0.0
         self.wait_for_nodes(grid, server_round)
         connected = set(grid.get_node_ids())
         for node_id in sorted(set(self.nodes) - connected):
             log(INFO, "round %d: node %s (node id %d) left", server_round, self.label(node_id), node_id)
             del self.nodes[node_id]
         new = sorted(connected - set(self.nodes))
+        if self.cfg.availability.get("query", "all") == "sampled":
+            self.unknown = new
+            return 0
+        self.unknown = []
+        return self.query(grid, server_round, new)
+
+    def query(self, grid: Grid, server_round: int, new: list[int]) -> int:
+        """Ask these nodes for their node info: one push of all the queries, one pull loop
+        (:func:`exchange`); cache the answers, key and settle the nodes; returns the bytes moved."""
         if not new:
             return 0
+        t0 = time.perf_counter()
         query = [Message(content=RecordDict({protocol.CONFIG: ConfigRecord({protocol.QUERY: protocol.NODE_INFO})}),
                          dst_node_id=n,
                          message_type=MessageType.QUERY) for n in new]
         moved = sum(content_bytes(msg.content) for msg in query)
-        answers = {m.metadata.src_node_id: m for m in grid.send_and_receive(query, timeout=float(self.cfg.timeout))}
+        answers = {m.metadata.src_node_id: m for m in exchange(grid, query, float(self.cfg.timeout))}
         moved += sum(content_bytes(m.content) for m in answers.values() if m.has_content())
         for node_id in new:
             info = parse_node_info(node_id, answers.get(node_id))
             if info.error is not None:
                 log(WARNING, "node %d cannot take part: %s", node_id, info.error)
-                continue  # asked again next round (it may be fixed and restarted)
+                continue  # asked again next time (it may be fixed and restarted)
             self.nodes[node_id] = info
+        self.unknown = [n for n in self.unknown if n not in set(new)]
         self._rekey()
         for node_id in new:
             if node_id in self.nodes:
                 self._settle(node_id, server_round)
+        self.query_seconds += time.perf_counter() - t0
         return moved
+
+    def query_sampled(self, grid: Grid, server_round: int, node_ids: list[int]) -> tuple[list[int], int]:
+        """(the sampled nodes that can train, bytes moved): with ``availability.query = sampled``
+        the sampled nodes not yet known are asked now, all at once; a node whose answer is an error
+        sits the round out."""
+        ask = [n for n in node_ids if n not in self.nodes]
+        moved = self.query(grid, server_round, ask) if ask else 0
+        return [n for n in node_ids if n in self.nodes], moved
 
     def wait_for_nodes(self, grid: Grid, server_round: int) -> None:
         """Wait (bounded) until ``availability.min_nodes`` nodes are connected; then go on with
@@ -262,8 +305,10 @@ class NodeRegistry:
         return out
 
     def sample(self, server_round: int) -> list[int]:
-        """The nodes that train this round (seeded by round, over the stable keys)."""
+        """The nodes that train this round (seeded by round, over the stable keys; a node not yet
+        queried (``availability.query = sampled``) takes part by a hash of its node id)."""
         keys = {self.key(n): n for n in self.nodes}
+        keys.update({hashed_key(f"node:{n}"): n for n in self.unknown})
         rng = lv.round_rng(int(self.cfg.seed), server_round, stream=0)
         picked = lv.sample_clients(list(keys), float(self.cfg.fraction_train), int(self.cfg.min_train_nodes), rng)
         return [keys[k] for k in picked]

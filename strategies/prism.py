@@ -41,7 +41,7 @@ from fedhm_flwr.aggregation import average_states
 from fedhm_flwr.models import build_model, input_shape
 from fedhm_flwr.models.costs import count_macs, count_parameters
 
-from .base import HeteroStrategy, Payload, Reply, State, state_to_arrays
+from .base import HeteroStrategy, Payload, Reply, State
 from .fedhm import activation_elements, classifier_keys, training_memory_bytes
 
 #: random-stream id of the kernel draws (the base uses 0: node sampling, 1: levels, 2: failures)
@@ -164,7 +164,7 @@ class PriSMStrategy(HeteroStrategy):
         draws = self.sample(self.current_round, self._partition_key(node_id), level_index)
         self.draws[node_id] = draws
         spec, state = self.submodel(draws, global_state)
-        return Payload(spec, state_to_arrays(state), {k: tuple(v.shape) for k, v in state.items()}, self._options())
+        return Payload(spec, self.wire_arrays(state), {k: tuple(v.shape) for k, v in state.items()}, self._options())
 
     def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
         factored = self.factored_form(global_state)

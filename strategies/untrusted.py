@@ -118,7 +118,8 @@ class Untrusted:
         index, payload = self.strategy.sent[reply.node_id]
         cached = self._references.get(id(payload))
         if cached is None or cached[0] is not payload:
-            sent = ArrayRecord.from_array_dict(payload.arrays).to_torch_state_dict()
+            sent = wire.from_wire(ArrayRecord.from_array_dict(payload.arrays).to_torch_state_dict(),
+                                  self.strategy.wire_dtype)
             sent = {k: sent[k] for k in reply.state}
             state, _ = self.strategy.recovered(dataclasses.replace(reply, state=sent))
             cached = self._references[id(payload)] = (payload, state)

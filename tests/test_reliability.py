@@ -15,7 +15,7 @@ from fedhm_flwr.results import load_checkpoint
 from fedhm_flwr.server_app import initial_state, run
 from strategies.fedhm import FedHMStrategy
 
-TIMING = ("seconds", "server_seconds", "eval_seconds", "client_seconds_max")
+TIMING = ("seconds", "server_seconds", "query_seconds", "eval_seconds", "client_seconds_max")
 # a resumed server process asks every node for its node info again (first round after the resume)
 RESTART_ONLY = ("bytes_queries",)
 

@@ -1,0 +1,102 @@
+"""What travels and what the server redoes: the global model serialised once per version, the
+wire dtype (``wire.dtype``) both ways, node-info queries only for the sampled nodes
+(``availability.query = sampled``). In process, real strategy and client handlers on the LocalGrid."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, MessageType
+
+from fedhm_flwr.config import ConfigError, load_config, model_spec
+from fedhm_flwr.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.server_app import initial_state
+from strategies.fedhm import FedHMStrategy
+
+
+def _start(cfg):
+    return ArrayRecord.from_torch_state_dict(initial_state(cfg, model_spec(cfg)))
+
+
+def test_the_server_serializes_each_global_model_once_and_never_reads_it_back(toy_cfg, monkeypatch):
+    cfg = toy_cfg("rounds=2 evaluation.where=both")  # payloads, server and client evaluation
+    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    reads = []
+    real = ArrayRecord.to_torch_state_dict
+
+    def spy(self, *args, **kwargs):
+        if strategy._global_record is not None and self is strategy._global_record:
+            reads.append(True)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ArrayRecord, "to_torch_state_dict", spy)
+    strategy.start(LocalGrid(6, client_handlers()), _start(cfg), num_rounds=2)
+    assert len(strategy.history) == 2 and "fed_acc/all" in strategy.history[-1]
+    # conv1 and fc are in every level's model as they are in the global one: 3 model versions
+    # (initial, after round 1, after round 2), each serialised once for the merged record, every
+    # level's payload and the clients' evaluation alike
+    for key in ("conv1.weight", "fc.weight", "fc.bias", "bn1.weight"):
+        assert strategy.array_cache.serialized[key] == 3, key
+    assert reads == []  # the next round and the evaluation take the state itself
+
+
+def _one_round(cfg):
+    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    grid = LocalGrid(6, client_handlers())
+    msgs = list(strategy.configure_train(1, _start(cfg), None, grid))
+    replies = list(grid.send_and_receive(msgs))
+    sent = sum(m.content["arrays"].count_bytes() for m in msgs)
+    received = sum(m.content["arrays"].count_bytes() for m in replies)
+    params = sum(int(np.prod(a.shape)) for m in msgs for a in m.content["arrays"].values())
+    new, _ = strategy.aggregate_train(1, replies)
+    assert strategy.round_log.sent_bytes > sent and not strategy.round_log.rejected
+    return new.to_torch_state_dict(), sent / params, received / params, replies
+
+
+def test_float16_and_bfloat16_halve_the_bytes_both_ways_and_aggregate_within_their_rounding(toy_cfg):
+    # lr so small that the clients send back what they received: the states differ by rounding only
+    base = "model.width=16 train.lr=1e-30"
+    ref, sent32, recv32, _ = _one_round(toy_cfg(base))
+    assert 4.0 <= sent32 < 4.1 and 4.0 <= recv32 < 4.1  # float32 (+ each array's .npy header)
+    for dtype, unit in (("float16", 2.0 ** -11), ("bfloat16", 2.0 ** -8)):
+        got, sent, recv, replies = _one_round(toy_cfg(f"{base} wire.dtype={dtype}"))
+        assert 2.0 <= sent < 2.1 and 2.0 <= recv < 2.1, dtype
+        assert all(a.dtype in ("float16", "int16") for m in replies for a in m.content["arrays"].values())
+        for key, tensor in ref.items():
+            assert got[key].dtype == torch.float32
+            err, norm = (float(torch.linalg.vector_norm(t)) for t in (got[key] - tensor, tensor))
+            # one rounding each way (a factorized layer: its two factors', recovered as A·B); the
+            # absolute term: values below float16's range (the clients' 1e-30 steps) flush to 0
+            assert err <= 4 * unit * norm + 1e-6, (dtype, key, err, norm)
+        assert any(not torch.equal(got[k], ref[k]) for k in ref)  # it did travel in 16 bits
+
+
+def test_the_config_check_refuses_other_wire_dtypes_and_query_modes():
+    with pytest.raises(ConfigError, match="wire.dtype"):
+        load_config("wire.dtype=int8")
+    with pytest.raises(ConfigError, match="availability.query"):
+        load_config("availability.query=some")
+
+
+def test_sampled_queries_ask_only_the_round_s_nodes_and_levels_stay_put(toy_cfg):
+    def levels(cfg, rounds):
+        strategy, grid = FedHMStrategy(cfg, model_spec(cfg)), LocalGrid(20, client_handlers())
+        asked_per_round, trained_per_round = [], []
+        for rnd in range(1, rounds + 1):
+            before = len(grid.delivered)
+            msgs = list(strategy.configure_train(rnd, _start(cfg), None, grid))
+            asked_per_round.append({n for n, kind in grid.delivered[before:] if kind == MessageType.QUERY})
+            trained_per_round.append({m.metadata.dst_node_id for m in msgs})
+        return strategy, asked_per_round, trained_per_round
+
+    common = "num_clients=20 fraction_train=0.25"
+    everyone, asked, _ = levels(toy_cfg(common), 1)
+    assert len(asked[0]) == 20  # query=all: every node when it connects
+    sampled, asked, trained = levels(toy_cfg(f"{common} availability.query=sampled"), 4)
+    assert len(trained[0]) == 5 and asked[0] == trained[0]  # only the round's nodes, in round 1
+    for rnd in range(1, 4):  # later rounds ask only their nodes not asked before
+        assert asked[rnd] == trained[rnd] - set().union(*trained[:rnd])
+    assert sampled.nodes  # a node's level is its own, whoever was asked first
+    for node_id in sampled.nodes:
+        assert sampled.registry.levels_of[node_id] == everyone.registry.levels_of[node_id]
