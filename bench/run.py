@@ -13,8 +13,10 @@ Figures (each in one process, compared things on the same machine state, medians
    next to the MACs ratio;
 4. local-training throughput inside a Flower simulation (``flwr run``, Ray) against a bare
    PyTorch loop on the same model, data and cores;
-5. scale: 1000 simulated clients, 100 per round, through ``flwr run``: time per round and peak
-   memory of the whole process tree.
+5. scale: 1000 simulated clients, 100 per round, through ``flwr run``: round 1 ÷ round 2, node-query
+   time ÷ round time, server time ÷ round time, peak memory of the whole process tree;
+6. ``wire.dtype``: bytes both ways and the accuracy cost of float16 / bfloat16 against float32
+   (the default job, a few rounds in process, same seed).
 
 Writes ``bench/reports/bench.json`` and ``bench/reports/bench.md``. ``--quick`` shrinks every
 figure (for a smoke test); ``--only 1,3`` runs some figures.
@@ -353,22 +355,72 @@ class TreeMemory:
         self._thread.join()
 
 
-def figure_scale(quick: bool) -> dict[str, Any]:
+def scale_run(clients: int, per_round: int, rounds: int, query: str) -> dict[str, Any]:
+    """One ``flwr run`` of ``clients`` simulated clients, ``per_round`` sampled per round, with
+    ``availability.query`` = ``query``: per-round times and the ratios measured in that run."""
     from fedhm_flwr.launch import run_job
 
-    clients, per_round, rounds = (200, 20, 2) if quick else (1000, 100, 3)
     overrides = [f"num_clients={clients}", f"fraction_train={per_round / clients}", f"rounds={rounds}",
-                 "evaluation.levels=false", "dataset.max_test_examples=2000"]
+                 "evaluation.levels=false", "dataset.max_test_examples=2000", f"availability.query={query}"]
     with tempfile.TemporaryDirectory() as tmp, TreeMemory() as mem:
         t0 = time.perf_counter()
         summary = run_job(overrides, Path(tmp) / "run", quiet=True)
         wall = time.perf_counter() - t0
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
-    return {"clients": clients, "per_round": per_round, "rounds": rounds,
-            "round_seconds": [r["seconds"] for r in rows], "server_seconds": [r["server_seconds"] for r in rows],
-            "replies": [r["replies"] for r in rows], "job_wall_seconds": wall,
-            "peak_rss_bytes_process_tree": mem.peak, "final_acc": summary.get("final_acc/global"),
-            "note": "round 1 includes the node-info query to every node"}
+    seconds = [r["seconds"] for r in rows]
+    queries = [r.get("query_seconds", 0.0) for r in rows]
+    servers = [r["server_seconds"] for r in rows]
+    return {"query": query, "round_seconds": seconds, "server_seconds": servers, "query_seconds": queries,
+            "replies": [r["replies"] for r in rows], "bytes_queries": [r.get("bytes_queries", 0) for r in rows],
+            "round1_over_round2": seconds[0] / seconds[1] if len(seconds) > 1 else None,
+            "query_share": [q / s for q, s in zip(queries, seconds)],
+            "max_query_share": max(q / s for q, s in zip(queries, seconds)),
+            "server_share": [v / s for v, s in zip(servers, seconds)],
+            "job_wall_seconds": wall, "peak_rss_bytes_process_tree": mem.peak,
+            "final_acc": summary.get("final_acc/global")}
+
+
+def figure_scale(quick: bool) -> dict[str, Any]:
+    """1000 clients, 100 per round (``--quick``: 200, 20): round 1 ÷ round 2, query time ÷ round
+    time, server time ÷ round time and peak memory, each measured in the same run; with
+    ``availability.query=sampled`` (a round asks only its own new nodes), and, outside ``--quick``,
+    with ``all`` (every node asked when it connects) for comparison."""
+    clients, per_round, rounds = (200, 20, 2) if quick else (1000, 100, 3)
+    runs = {query: scale_run(clients, per_round, rounds, query) for query in (("sampled",) if quick else ("sampled", "all"))}
+    return {"clients": clients, "per_round": per_round, "rounds": rounds, "runs": runs,
+            "goal": "round 1 <= 1.5 x round 2; query time <= 5 % of every round; peak memory < 8 GiB"}
+
+
+# ------------------------------------------------------------------------------------ figure 6
+
+
+def figure_wire(quick: bool) -> dict[str, Any]:
+    """``wire.dtype``: bytes per parameter both ways and the accuracy cost, the default job
+    (FedHM, CNN, Fashion-MNIST, 20 clients, half sampled) for a few rounds in process, the same
+    seed for every dtype."""
+    from fedhm_flwr.local_grid import LocalGrid, client_handlers
+    from fedhm_flwr.server_app import run
+
+    rounds = 2 if quick else 3
+    common = [f"rounds={rounds}", "evaluation.levels=false"] + (
+        ["dataset.max_train_examples=6000", "dataset.max_test_examples=2000"] if quick else [])
+    out: dict[str, Any] = {"rounds": rounds, "overrides": common, "dtypes": {}}
+    for dtype in ("float32", "float16", "bfloat16"):
+        cfg = load_config(common + [f"wire.dtype={dtype}"])
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            summary = run(LocalGrid(int(cfg.num_clients), client_handlers()), cfg, Path(tmp))
+            wall = time.perf_counter() - t0
+            rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+        out["dtypes"][dtype] = {"bytes_sent": sum(r["bytes_sent"] for r in rows),
+                                "bytes_received": sum(r["bytes_received"] for r in rows),
+                                "final_acc": rows[-1]["acc/global"], "final_loss": rows[-1]["loss/global"],
+                                "wall_seconds": wall, "summary_final_acc": summary.get("final_acc/global")}
+    ref = out["dtypes"]["float32"]
+    for row in out["dtypes"].values():
+        row["bytes_ratio"] = (row["bytes_sent"] + row["bytes_received"]) / (ref["bytes_sent"] + ref["bytes_received"])
+        row["acc_cost_pt"] = 100 * (ref["final_acc"] - row["final_acc"])
+    return out
 
 
 # ------------------------------------------------------------------------------------ report
@@ -429,24 +481,43 @@ def markdown(report: dict[str, Any]) -> str:
     f5 = report.get("figures", {}).get("5_scale")
     if f5:
         L += [f"## 5. Scale: {f5['clients']} simulated clients, {f5['per_round']} per round", "",
-              "| round | seconds | server seconds | replies |", "|---|---|---|---|"]
-        for i, (s, ss, n) in enumerate(zip(f5["round_seconds"], f5["server_seconds"], f5["replies"]), 1):
-            L.append(f"| {i} | {s:.1f} | {ss:.2f} | {n} |")
-        L += ["", f"Peak resident memory of the whole process tree (launcher, SuperLink, ServerApp, Ray): "
-              f"{f5['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB; job wall time {f5['job_wall_seconds']:.0f} s. {f5['note']}.", ""]
+              f"Goal: {f5['goal']}.", "",
+              "| availability.query | round | seconds | server s | query s | query ÷ round | server ÷ round | replies |",
+              "|---|---|---|---|---|---|---|---|"]
+        for query, r in f5["runs"].items():
+            for i, (s, ss, qs, n) in enumerate(zip(r["round_seconds"], r["server_seconds"], r["query_seconds"],
+                                                   r["replies"]), 1):
+                L.append(f"| {query} | {i} | {s:.1f} | {ss:.2f} | {qs:.2f} | {100 * qs / s:.1f} % | {100 * ss / s:.1f} % | {n} |")
+        L.append("")
+        for query, r in f5["runs"].items():
+            ratio = r["round1_over_round2"]
+            L.append(f"- `{query}`: round 1 ÷ round 2 **{ratio:.2f}**; largest query share "
+                     f"**{100 * r['max_query_share']:.1f} %**; peak resident memory of the process tree (launcher, "
+                     f"SuperLink, ServerApp, Ray) **{r['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB**; "
+                     f"job {r['job_wall_seconds']:.0f} s.")
+        L.append("")
+    f6 = report.get("figures", {}).get("6_wire")
+    if f6:
+        L += [f"## 6. Wire dtype: bytes and accuracy cost (default job, {f6['rounds']} rounds, in process, same seed)", "",
+              "| wire.dtype | bytes sent + received | ÷ float32 | final accuracy | cost vs float32 (pt) |",
+              "|---|---|---|---|---|"]
+        for dtype, r in f6["dtypes"].items():
+            L.append(f"| {dtype} | {r['bytes_sent'] + r['bytes_received']:,} | {r['bytes_ratio']:.3f} | "
+                     f"{r['final_acc']:.4f} | {r['acc_cost_pt']:+.2f} |")
+        L.append("")
     return "\n".join(L)
 
 
 FIGURES = {"1": ("1_server_time", figure_server_time), "2": ("2_bytes", figure_bytes),
            "3": ("3_train_step", figure_train_step), "4": ("4_throughput", figure_throughput),
-           "5": ("5_scale", figure_scale)}
+           "5": ("5_scale", figure_scale), "6": ("6_wire", figure_wire)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
-    parser.add_argument("--only", default="1,2,3,4,5", help="comma-separated figure numbers")
+    parser.add_argument("--only", default="1,2,3,4,5,6", help="comma-separated figure numbers")
     parser.add_argument("--out", type=Path, default=REPORT_DIR)
     args = parser.parse_args(argv)
     report: dict[str, Any] = {

@@ -17,7 +17,11 @@ node gets a new id, which is why the level never depends on the id when a partit
 ``node-name`` is known.
 
 The registry queries a node's node config once (``node-info`` query), when the node is new or
-reconnects, and caches it.
+reconnects, and caches it: all new nodes in one push and one pull loop. With
+``availability.query = sampled`` a new node is asked only when a round first samples it (a node
+not yet asked is sampled by a hash of its node id, then by its stable key): no round pays for
+nodes that are not in it, at the price of a first-contact sample that follows node ids (which the
+simulation engine draws anew each run).
 """
 
 from __future__ import annotations
@@ -160,7 +164,8 @@ class NodeRegistry:
                 log(WARNING, "node %d cannot take part: %s", node_id, info.error)
                 continue  # asked again next time (it may be fixed and restarted)
             self.nodes[node_id] = info
-        self.unknown = [n for n in self.unknown if n not in set(new)]
+        asked = set(new)
+        self.unknown = [n for n in self.unknown if n not in asked]
         self._rekey()
         for node_id in new:
             if node_id in self.nodes:
