@@ -92,8 +92,8 @@ def parse_node_info(node_id: int, msg: Message | None) -> NodeInfo:
     return info
 
 
-def exchange(grid: Grid, messages: list[Message], timeout: float, poll: float = 0.02,
-             max_poll: float = 0.5) -> list[Message]:
+def exchange(grid: Grid, messages: list[Message], timeout: float, poll: float = 0.01,
+             max_poll: float = 0.1) -> list[Message]:
     """Push all ``messages`` at once, then pull their replies until all came or ``timeout``
     seconds passed. Like ``Grid.send_and_receive``, but polling from ``poll`` seconds, doubling
     up to ``max_poll`` (Flower's loop sleeps 3 s between pulls: a few quick answers cost 3 s)."""
