@@ -370,8 +370,15 @@ def scale_run(clients: int, per_round: int, rounds: int, query: str) -> dict[str
     seconds = [r["seconds"] for r in rows]
     queries = [r.get("query_seconds", 0.0) for r in rows]
     servers = [r["server_seconds"] for r in rows]
+    asked = [r.get("queried", 0) for r in rows]
+    # per asked node, from the rounds after the first (warm workers); what round 1's queries took
+    # beyond that is the simulation's cold start (Ray workers importing torch and the ClientApp)
+    later = [(q, n) for q, n in zip(queries[1:], asked[1:]) if n]
+    per_node = sum(q for q, _ in later) / sum(n for _, n in later) if later else None
+    cold = queries[0] - asked[0] * per_node if per_node is not None else None
     return {"query": query, "round_seconds": seconds, "server_seconds": servers, "query_seconds": queries,
             "replies": [r["replies"] for r in rows], "bytes_queries": [r.get("bytes_queries", 0) for r in rows],
+            "queried": asked, "query_seconds_per_node": per_node, "round1_cold_start_estimate_s": cold,
             "round1_over_round2": seconds[0] / seconds[1] if len(seconds) > 1 else None,
             "query_share": [q / s for q, s in zip(queries, seconds)],
             "max_query_share": max(q / s for q, s in zip(queries, seconds)),
@@ -482,19 +489,23 @@ def markdown(report: dict[str, Any]) -> str:
     if f5:
         L += [f"## 5. Scale: {f5['clients']} simulated clients, {f5['per_round']} per round", "",
               f"Goal: {f5['goal']}.", "",
-              "| availability.query | round | seconds | server s | query s | query ÷ round | server ÷ round | replies |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| availability.query | round | seconds | server s | nodes asked | query s | query ÷ round | server ÷ round | replies |",
+              "|---|---|---|---|---|---|---|---|---|"]
         for query, r in f5["runs"].items():
-            for i, (s, ss, qs, n) in enumerate(zip(r["round_seconds"], r["server_seconds"], r["query_seconds"],
-                                                   r["replies"]), 1):
-                L.append(f"| {query} | {i} | {s:.1f} | {ss:.2f} | {qs:.2f} | {100 * qs / s:.1f} % | {100 * ss / s:.1f} % | {n} |")
+            for i, (s, ss, na, qs, n) in enumerate(zip(r["round_seconds"], r["server_seconds"], r["queried"],
+                                                       r["query_seconds"], r["replies"]), 1):
+                L.append(f"| {query} | {i} | {s:.1f} | {ss:.2f} | {na} | {qs:.2f} | {100 * qs / s:.1f} % | "
+                         f"{100 * ss / s:.1f} % | {n} |")
         L.append("")
         for query, r in f5["runs"].items():
             ratio = r["round1_over_round2"]
             L.append(f"- `{query}`: round 1 ÷ round 2 **{ratio:.2f}**; largest query share "
                      f"**{100 * r['max_query_share']:.1f} %**; peak resident memory of the process tree (launcher, "
                      f"SuperLink, ServerApp, Ray) **{r['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB**; "
-                     f"job {r['job_wall_seconds']:.0f} s.")
+                     f"job {r['job_wall_seconds']:.0f} s." + (
+                         f" Per asked node (rounds 2+) {1000 * r['query_seconds_per_node']:.1f} ms; round 1's queries beyond "
+                         f"that (the simulation's cold start: Ray workers importing torch and the ClientApp) "
+                         f"≈ {r['round1_cold_start_estimate_s']:.1f} s." if r.get("query_seconds_per_node") else ""))
         L.append("")
     f6 = report.get("figures", {}).get("6_wire")
     if f6:

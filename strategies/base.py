@@ -37,7 +37,7 @@ from fedhm_flwr.config import data_spec, learning_rate, level_proportions
 from fedhm_flwr.lowrank import recover_state
 from fedhm_flwr.train import distill_options
 
-from .nodes import NodeInfo, NodeRegistry, content_bytes
+from .nodes import NodeInfo, NodeRegistry, content_bytes, exchange
 from .untrusted import Untrusted
 
 State = dict[str, torch.Tensor]
@@ -82,6 +82,7 @@ class RoundLog:
     server_seconds: float = 0.0
     query_bytes: int = 0  # node-info queries and their answers (new nodes only)
     query_seconds: float = 0.0  # wall time of those queries (part of server_seconds)
+    queried: int = 0  # nodes asked for their node info this round
 
 
 def state_to_arrays(state: State, dtype: str = "float32") -> dict[str, Any]:
@@ -263,6 +264,7 @@ class HeteroStrategy(Strategy):
         node_ids, moved = self.registry.query_sampled(grid, server_round, self.registry.sample(server_round))
         self.round_log.query_bytes += moved
         self.round_log.query_seconds = self.registry.query_seconds
+        self.round_log.queried = self.registry.queried
         assignment = self.registry.assign(server_round, node_ids)
         self.begin_round(server_round, self.global_state)
         injected = self._injected_failures(server_round, node_ids)
@@ -358,7 +360,7 @@ class HeteroStrategy(Strategy):
         for server_round in range(self.start_round, num_rounds + 1):
             t_round = time.perf_counter()
             messages = list(self.configure_train(server_round, arrays, train_config or ConfigRecord(), grid))
-            replies = grid.send_and_receive(messages, timeout=timeout) if messages else []
+            replies = exchange(grid, messages, timeout, max_poll=0.5) if messages else []
             new_arrays, train_metrics = self.aggregate_train(server_round, replies)
             if new_arrays is not None:
                 arrays = new_arrays
@@ -374,7 +376,7 @@ class HeteroStrategy(Strategy):
                     result.evaluate_metrics_serverapp[server_round] = MetricRecord(ev.numeric(row, ("acc", "loss")))
                 messages = list(self.configure_evaluate(server_round, arrays, evaluate_config or ConfigRecord(), grid))
                 if messages:
-                    replies = grid.send_and_receive(messages, timeout=timeout)
+                    replies = exchange(grid, messages, timeout, max_poll=0.5)
                     result.evaluate_metrics_clientapp[server_round] = self.aggregate_evaluate(server_round, replies)
                     row.update(self.federated_row)
                 row["eval_seconds"] = time.perf_counter() - t_eval
@@ -529,6 +531,7 @@ class HeteroStrategy(Strategy):
             "bytes_queries": log_.query_bytes,
             "server_seconds": log_.server_seconds,
             "query_seconds": log_.query_seconds,
+            "queried": log_.queried,
         }
         if train_metrics is not None:
             for key in ("train-loss", "train-accuracy", "client-seconds-max"):

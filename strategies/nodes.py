@@ -96,7 +96,12 @@ def exchange(grid: Grid, messages: list[Message], timeout: float, poll: float = 
              max_poll: float = 0.1) -> list[Message]:
     """Push all ``messages`` at once, then pull their replies until all came or ``timeout``
     seconds passed. Like ``Grid.send_and_receive``, but polling from ``poll`` seconds, doubling
-    up to ``max_poll`` (Flower's loop sleeps 3 s between pulls: a few quick answers cost 3 s)."""
+    up to ``max_poll`` (Flower's loop sleeps 3 s between pulls: every exchange ends up to 3 s
+    after its last reply). The in-process grid answers at once: its own ``send_and_receive``."""
+    from fedhm_flwr.local_grid import LocalGrid
+
+    if isinstance(grid, LocalGrid):
+        return list(grid.send_and_receive(messages, timeout=timeout))
     pending = {mid for mid in grid.push_messages(messages) if mid}
     replies: list[Message] = []
     end = time.monotonic() + timeout
@@ -126,6 +131,7 @@ class NodeRegistry:
         self.seen: dict[str, int] = {}  # identity -> level index it had (survives leaving)
         self.unknown: list[int] = []  # connected nodes not queried yet (availability.query = sampled)
         self.query_seconds = 0.0  # this round's wall time in node-info queries
+        self.queried = 0  # nodes asked this round
 
     # ------------------------------------------------------------------ discovery
 
@@ -133,7 +139,7 @@ class NodeRegistry:
         """Learn the connected nodes: forget the ones gone, query the new ones (``availability.query
         = all``) or leave them for the round that samples them (``sampled``); returns the bytes the
         queries and their answers moved."""
-        self.query_seconds = 0.0
+        self.query_seconds, self.queried = 0.0, 0
         self.wait_for_nodes(grid, server_round)
         connected = set(grid.get_node_ids())
         for node_id in sorted(set(self.nodes) - connected):
@@ -171,6 +177,7 @@ class NodeRegistry:
             if node_id in self.nodes:
                 self._settle(node_id, server_round)
         self.query_seconds += time.perf_counter() - t0
+        self.queried += len(new)
         return moved
 
     def query_sampled(self, grid: Grid, server_round: int, node_ids: list[int]) -> tuple[list[int], int]:

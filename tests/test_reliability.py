@@ -17,7 +17,7 @@ from strategies.fedhm import FedHMStrategy
 
 TIMING = ("seconds", "server_seconds", "query_seconds", "eval_seconds", "client_seconds_max")
 # a resumed server process asks every node for its node info again (first round after the resume)
-RESTART_ONLY = ("bytes_queries",)
+RESTART_ONLY = ("bytes_queries", "queried")
 
 
 def _rows(out_dir):

@@ -100,3 +100,32 @@ def test_sampled_queries_ask_only_the_round_s_nodes_and_levels_stay_put(toy_cfg)
     assert sampled.nodes  # a node's level is its own, whoever was asked first
     for node_id in sampled.nodes:
         assert sampled.registry.levels_of[node_id] == everyone.registry.levels_of[node_id]
+
+
+def test_exchange_polls_until_every_reply_came_or_the_timeout():
+    from flwr.app import Message, RecordDict
+
+    from strategies.nodes import exchange
+
+    class SlowGrid:  # replies show up after a few pulls, like a SuperLink's
+        def __init__(self, pulls_needed):
+            self.pulls, self.needed, self.sent = 0, pulls_needed, {}
+
+        def push_messages(self, messages):
+            for i, msg in enumerate(messages):
+                msg.metadata.__dict__["_message_id"] = f"m{i}"
+                self.sent[f"m{i}"] = msg
+            return list(self.sent)
+
+        def pull_messages(self, ids):
+            self.pulls += 1
+            if self.pulls < self.needed:
+                return []
+            return [Message(RecordDict(), reply_to=self.sent[i]) for i in ids]
+
+    msgs = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in (1, 2, 3)]
+    grid = SlowGrid(4)
+    assert len(exchange(grid, msgs, timeout=5.0)) == 3 and grid.pulls == 4
+    msgs = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in (1, 2, 3)]
+    grid = SlowGrid(10**9)
+    assert exchange(grid, msgs, timeout=0.2) == [] and grid.pulls >= 2  # gave up at the timeout
