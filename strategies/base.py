@@ -368,6 +368,8 @@ class HeteroStrategy(Strategy):
             if train_metrics is not None:
                 result.train_metrics_clientapp[server_round] = train_metrics
             row = self._round_row(server_round, train_metrics)
+            if server_round < num_rounds:  # the next round's new nodes answer during the evaluation
+                self.registry.prefetch(grid, server_round + 1)
             if self._evaluation_due(server_round, num_rounds):
                 t_eval = time.perf_counter()
                 if self.cfg.evaluation.where != "clients":

@@ -92,6 +92,12 @@ def parse_node_info(node_id: int, msg: Message | None) -> NodeInfo:
     return info
 
 
+def node_info_queries(node_ids: list[int]) -> list[Message]:
+    """One ``node-info`` query per node."""
+    return [Message(content=RecordDict({protocol.CONFIG: ConfigRecord({protocol.QUERY: protocol.NODE_INFO})}),
+                    dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids]
+
+
 def exchange(grid: Grid, messages: list[Message], timeout: float, poll: float = 0.01,
              max_poll: float = 0.1) -> list[Message]:
     """Push all ``messages`` at once, then pull their replies until all came or ``timeout``
@@ -102,7 +108,13 @@ def exchange(grid: Grid, messages: list[Message], timeout: float, poll: float = 
 
     if isinstance(grid, LocalGrid):
         return list(grid.send_and_receive(messages, timeout=timeout))
-    pending = {mid for mid in grid.push_messages(messages) if mid}
+    return collect(grid, [mid for mid in grid.push_messages(messages) if mid], timeout, poll, max_poll)
+
+
+def collect(grid: Grid, message_ids: list[str], timeout: float, poll: float = 0.01,
+            max_poll: float = 0.1) -> list[Message]:
+    """Pull the replies to these pushed messages until all came or ``timeout`` seconds passed."""
+    pending = set(message_ids)
     replies: list[Message] = []
     end = time.monotonic() + timeout
     while pending:
@@ -132,6 +144,8 @@ class NodeRegistry:
         self.unknown: list[int] = []  # connected nodes not queried yet (availability.query = sampled)
         self.query_seconds = 0.0  # this round's wall time in node-info queries
         self.queried = 0  # nodes asked this round
+        self._ahead: dict[int, str] = {}  # node id -> id of a node-info query pushed ahead (prefetch)
+        self._ahead_bytes, self._ahead_seconds = 0, 0.0
 
     # ------------------------------------------------------------------ discovery
 
@@ -139,7 +153,7 @@ class NodeRegistry:
         """Learn the connected nodes: forget the ones gone, query the new ones (``availability.query
         = all``) or leave them for the round that samples them (``sampled``); returns the bytes the
         queries and their answers moved."""
-        self.query_seconds, self.queried = 0.0, 0
+        self.query_seconds, self.queried, self._ahead_seconds = self._ahead_seconds, 0, 0.0
         self.wait_for_nodes(grid, server_round)
         connected = set(grid.get_node_ids())
         for node_id in sorted(set(self.nodes) - connected):
@@ -158,11 +172,15 @@ class NodeRegistry:
         if not new:
             return 0
         t0 = time.perf_counter()
-        query = [Message(content=RecordDict({protocol.CONFIG: ConfigRecord({protocol.QUERY: protocol.NODE_INFO})}),
-                         dst_node_id=n,
-                         message_type=MessageType.QUERY) for n in new]
+        ahead = {n: self._ahead.pop(n) for n in new if n in self._ahead}  # pushed by prefetch
+        query = node_info_queries([n for n in new if n not in ahead])
         moved = sum(content_bytes(msg.content) for msg in query)
-        answers = {m.metadata.src_node_id: m for m in exchange(grid, query, float(self.cfg.timeout))}
+        if ahead:
+            pushed = [mid for mid in grid.push_messages(query) if mid] if query else []
+            replies = collect(grid, pushed + list(ahead.values()), float(self.cfg.timeout))
+        else:
+            replies = exchange(grid, query, float(self.cfg.timeout))
+        answers = {m.metadata.src_node_id: m for m in replies}
         moved += sum(content_bytes(m.content) for m in answers.values() if m.has_content())
         for node_id in new:
             info = parse_node_info(node_id, answers.get(node_id))
@@ -185,8 +203,34 @@ class NodeRegistry:
         the sampled nodes not yet known are asked now, all at once; a node whose answer is an error
         sits the round out."""
         ask = [n for n in node_ids if n not in self.nodes]
-        moved = self.query(grid, server_round, ask) if ask else 0
+        moved = (self.query(grid, server_round, ask) if ask else 0) + self._ahead_bytes
+        self._ahead.clear()  # asked ahead for a sample that did not come (nodes came or went): unread
+        self._ahead_bytes = 0
         return [n for n in node_ids if n in self.nodes], moved
+
+    def prefetch(self, grid: Grid, next_round: int) -> None:
+        """``availability.query = sampled``: push now the node-info queries of the next round's new
+        nodes, so that they are answered while this round's evaluation runs. That round's sample is
+        drawn here as the round will draw it (the same knowledge, if no node comes or goes in
+        between); the answers are read, and the nodes learnt, only after it sampled
+        (:meth:`query_sampled`), so the sample never depends on them."""
+        if self.cfg.availability.get("query", "all") != "sampled":
+            return
+        t0 = time.perf_counter()
+        connected = set(grid.get_node_ids())
+        nodes, unknown = self.nodes, self.unknown
+        self.nodes = {n: info for n, info in nodes.items() if n in connected}  # as refresh will see them
+        self.unknown = sorted(connected - set(nodes))
+        try:
+            picked = self.sample(next_round)
+        finally:
+            self.nodes, self.unknown = nodes, unknown
+        ask = [n for n in picked if n not in nodes and n not in self._ahead]
+        query = node_info_queries(ask)
+        if query:
+            self._ahead.update({n: mid for n, mid in zip(ask, grid.push_messages(query)) if mid})
+            self._ahead_bytes += sum(content_bytes(msg.content) for msg in query)
+        self._ahead_seconds += time.perf_counter() - t0
 
     def wait_for_nodes(self, grid: Grid, server_round: int) -> None:
         """Wait (bounded) until ``availability.min_nodes`` nodes are connected; then go on with

@@ -80,26 +80,33 @@ def test_the_config_check_refuses_other_wire_dtypes_and_query_modes():
 
 
 def test_sampled_queries_ask_only_the_round_s_nodes_and_levels_stay_put(toy_cfg):
-    def levels(cfg, rounds):
+    def rounds(cfg, count, prefetch=False):
         strategy, grid = FedHMStrategy(cfg, model_spec(cfg)), LocalGrid(20, client_handlers())
-        asked_per_round, trained_per_round = [], []
-        for rnd in range(1, rounds + 1):
-            before = len(grid.delivered)
+        asked_per_round, trained_per_round, before = [], [], 0
+        for rnd in range(1, count + 1):
             msgs = list(strategy.configure_train(rnd, _start(cfg), None, grid))
+            if prefetch and rnd < count:  # as start() does after a round: the next round's new nodes
+                strategy.registry.prefetch(grid, rnd + 1)
             asked_per_round.append({n for n, kind in grid.delivered[before:] if kind == MessageType.QUERY})
             trained_per_round.append({m.metadata.dst_node_id for m in msgs})
+            before = len(grid.delivered)
         return strategy, asked_per_round, trained_per_round
 
     common = "num_clients=20 fraction_train=0.25"
-    everyone, asked, _ = levels(toy_cfg(common), 1)
+    everyone, asked, _ = rounds(toy_cfg(common), 1)
     assert len(asked[0]) == 20  # query=all: every node when it connects
-    sampled, asked, trained = levels(toy_cfg(f"{common} availability.query=sampled"), 4)
+    sampled, asked, trained = rounds(toy_cfg(f"{common} availability.query=sampled"), 4)
     assert len(trained[0]) == 5 and asked[0] == trained[0]  # only the round's nodes, in round 1
     for rnd in range(1, 4):  # later rounds ask only their nodes not asked before
         assert asked[rnd] == trained[rnd] - set().union(*trained[:rnd])
     assert sampled.nodes  # a node's level is its own, whoever was asked first
     for node_id in sampled.nodes:
         assert sampled.registry.levels_of[node_id] == everyone.registry.levels_of[node_id]
+    # asked ahead (during the previous round's evaluation): the same samples, each node asked once,
+    # the asking done before the round that trains it
+    _, ahead, trained_ahead = rounds(toy_cfg(f"{common} availability.query=sampled"), 4, prefetch=True)
+    assert trained_ahead == trained
+    assert ahead == [asked[0] | asked[1], asked[2], asked[3], set()]
 
 
 def test_exchange_polls_until_every_reply_came_or_the_timeout():
