@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+
 from flwr.app import Array, ConfigRecord, MetricRecord
+
+if TYPE_CHECKING:  # torch is imported where tensors are converted: the config check imports this module
+    import torch
 
 # records
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
@@ -44,14 +47,15 @@ EVAL_LOSS, EVAL_ACCURACY = "eval-loss", "eval-accuracy"
 # Flower's Array holds numpy data and numpy has no bfloat16: a bfloat16 tensor travels as its
 # raw 16 bits in an int16 array, which the receiver (told the wire dtype) reinterprets.
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def wire_array(tensor: torch.Tensor, dtype: str = "float32") -> Array:
     """One tensor as a flwr Array in the wire dtype (floating tensors cast, others unchanged)."""
+    import torch
+
     tensor = tensor.detach()
     if tensor.is_floating_point():
-        tensor = tensor.to(_TORCH_DTYPES[dtype])
+        tensor = tensor.to(getattr(torch, dtype))
         if dtype == "bfloat16":
             tensor = tensor.view(torch.int16)
     return Array.from_torch_tensor(tensor.contiguous())
@@ -59,6 +63,8 @@ def wire_array(tensor: torch.Tensor, dtype: str = "float32") -> Array:
 
 def from_wire(state: Mapping[str, torch.Tensor], dtype: str = "float32") -> dict[str, torch.Tensor]:
     """A state dict received in the wire dtype, back in float32 (other tensors unchanged)."""
+    import torch
+
     out = {}
     for key, tensor in state.items():
         if dtype == "bfloat16" and tensor.dtype == torch.int16:
