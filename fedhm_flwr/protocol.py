@@ -13,7 +13,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-
 from flwr.app import Array, ConfigRecord, MetricRecord
 
 if TYPE_CHECKING:  # torch is imported where tensors are converted: the config check imports this module
