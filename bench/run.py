@@ -371,8 +371,10 @@ def scale_run(clients: int, per_round: int, rounds: int, query: str) -> dict[str
     queries = [r.get("query_seconds", 0.0) for r in rows]
     servers = [r["server_seconds"] for r in rows]
     asked = [r.get("queried", 0) for r in rows]
-    # per asked node, from the rounds after the first (warm workers); what round 1's queries took
-    # beyond that is the simulation's cold start (Ray workers importing torch and the ClientApp)
+    # blocking query time per asked node in the rounds after the first (warm workers; with
+    # ``sampled`` mostly asked ahead, during the previous round's evaluation); what round 1's
+    # queries took beyond that is the simulation's cold start (Ray workers importing torch and the
+    # ClientApp on their first message), which any first message pays
     later = [(q, n) for q, n in zip(queries[1:], asked[1:]) if n]
     per_node = sum(q for q, _ in later) / sum(n for _, n in later) if later else None
     cold = queries[0] - asked[0] * per_node if per_node is not None else None
@@ -503,7 +505,7 @@ def markdown(report: dict[str, Any]) -> str:
                      f"**{100 * r['max_query_share']:.1f} %**; peak resident memory of the process tree (launcher, "
                      f"SuperLink, ServerApp, Ray) **{r['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB**; "
                      f"job {r['job_wall_seconds']:.0f} s." + (
-                         f" Per asked node (rounds 2+) {1000 * r['query_seconds_per_node']:.1f} ms; round 1's queries beyond "
+                         f" Blocking query time per asked node (rounds 2+) {1000 * r['query_seconds_per_node']:.1f} ms; round 1's queries beyond "
                          f"that (the simulation's cold start: Ray workers importing torch and the ClientApp) "
                          f"≈ {r['round1_cold_start_estimate_s']:.1f} s." if r.get("query_seconds_per_node") else ""))
         L.append("")
