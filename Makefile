@@ -23,7 +23,7 @@ COMPARE_ARGS ?= rounds=8 dataset.max_train_examples=30000
 # The other targets are aliases of the `fedhm` command (fedhm_flwr/cli.py, run as `python -m fedhm_flwr`).
 FEDHM  := $(BIN)/python -m fedhm_flwr
 
-.PHONY: setup data run test test-fast inspect sweep summary bench compare
+.PHONY: setup data run test test-fast inspect sweep summary bench compare results
 
 setup: $(STAMP)  ## virtualenv with the project and its pinned torch/torchvision pair
 
@@ -68,8 +68,8 @@ compare: setup data  ## FedHM vs HeteroFL, FedRolex (budget-matched), FedAvg-ful
 	$(BIN)/python -m fedhm_flwr.summary $$dir --out $$dir --reference fedhm; \
 	echo "make compare: budget-matched (levels.match=$(COMPARE_MATCH)); tables and plots in $$dir (statistics.md, paired.csv)"
 
-# The other targets are aliases of the `fedhm` command (fedhm_flwr/cli.py, run as `python -m fedhm_flwr`).
-FEDHM  := $(BIN)/python -m fedhm_flwr
+results: setup data  ## docs/RESULTS.md (+ README block) from the runs under results/, running the missing ones (~2 h on 2 cores)
+	$(BIN)/python -m bench.results $(ARGS)
 
 summary: setup  ## table + plots over finished runs: make summary RUNS="outputs/multirun/..."
 	$(FEDHM) summary $(RUNS)
