@@ -57,16 +57,8 @@ sweep: setup data  ## Hydra multirun over SWEEP_ARGS (+ARGS); summary and plots 
 	$(FEDHM) sweep $(SWEEP_ARGS) $(ARGS)
 
 compare: setup data  ## FedHM vs HeteroFL, FedRolex (budget-matched), FedAvg-full, FedAvg-smallest + FedHM ablations over SEEDS: outputs/compare/<time>/statistics.md
-	@dir=outputs/compare/$$(date +%Y-%m-%d_%H-%M-%S); \
-	echo "make compare: budget-matched comparison (levels.match=$(COMPARE_MATCH): HeteroFL/FedRolex width rates chosen per level to match FedHM's parameter count), seeds $(SEEDS), outputs in $$dir"; \
-	$(BIN)/python -m fedhm_flwr.sweep -m method=$(COMPARE_METHODS) seed=$(SEEDS) levels.match=$(COMPARE_MATCH) \
-	    $(COMPARE_ARGS) hydra.sweep.dir=$$dir/methods $(ARGS) || exit 1; \
-	for option in $(COMPARE_ABLATIONS); do \
-	    $(BIN)/python -m fedhm_flwr.sweep -m method=fedhm seed=$(SEEDS) levels.match=$(COMPARE_MATCH) $$option \
-	        $(COMPARE_ARGS) hydra.sweep.dir=$$dir/$${option%%=*} $(ARGS) || exit 1; \
-	done; \
-	$(BIN)/python -m fedhm_flwr.summary $$dir --out $$dir --reference fedhm; \
-	echo "make compare: budget-matched (levels.match=$(COMPARE_MATCH)); tables and plots in $$dir (statistics.md, paired.csv)"
+	$(FEDHM) compare --seeds $(SEEDS) --match $(COMPARE_MATCH) --ablations "$(COMPARE_ABLATIONS)" \
+	    $(if $(COMPARE_METHODS),method=$(COMPARE_METHODS)) $(COMPARE_ARGS) $(ARGS)
 
 results: setup data  ## docs/RESULTS.md (+ README block) from the runs under results/, running the missing ones (~2 h on 2 cores)
 	$(BIN)/python -m bench.results $(ARGS)
