@@ -78,8 +78,11 @@ class FedAvgStrategy(HeteroStrategy):
     def reply_weights(self, replies: list[Reply]) -> Any:
         return self.inner.reply_weights(replies)
 
-    def level_cost(self, level_index: int) -> dict[str, float]:
-        return self.inner.level_cost(level_index)
+    def cost_spec(self, level_index: int) -> dict[str, Any] | None:
+        return self.inner.cost_spec(level_index)
+
+    def extra_costs(self, level_index: int, model: Any, costs: dict[str, float]) -> dict[str, float]:
+        return self.inner.extra_costs(level_index, model, costs)
 
     def evaluate_levels(self, global_state: State) -> dict[str, Any]:
         if not self.global_is_level:
