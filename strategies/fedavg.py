@@ -1,4 +1,4 @@
-"""Homogeneous FedAvg (SPEC section 2): every client trains the same model.
+"""Homogeneous FedAvg (docs/METHODS.md#fedavg): every client trains the same model.
 
 ``method.variant``: ``full`` (the full model, the upper bound) or ``smallest`` (the smallest
 level's model: what a system bound by its weakest client would do). ``method.family`` says whose

@@ -1,4 +1,4 @@
-"""FedHM (SPEC section 1): hybrid low-rank client models cut by SVD, recovered and averaged.
+"""FedHM (docs/METHODS.md#fedhm): hybrid low-rank client models cut by SVD, recovered and averaged.
 
 One decomposition per factorizable layer per model version, whoever asks (hand-out, evaluation
 of each level's deployable model, checkpoint): the cache is keyed by the layer's content, not by

@@ -1,4 +1,4 @@
-"""FedLoRA (SPEC §2, FedHM journal §5): a frozen pre-trained transformer, heterogeneous LoRA ranks.
+"""FedLoRA (docs/METHODS.md#fedlora, FedHM journal §5): a frozen pre-trained transformer, heterogeneous LoRA ranks.
 
 The server keeps the full ``ΔW`` of the Q, K, V and output projections of every block (the
 global state's ``<layer>.lora_delta``) and the classifier head. A client of level ``γ`` trains

@@ -1,4 +1,4 @@
-"""HeteroFL (SPEC section 2): width-sliced sub-models, averaged element-wise over their holders.
+"""HeteroFL (docs/METHODS.md#heterofl): width-sliced sub-models, averaged element-wise over their holders.
 
 A level is a width rate ``r``; its clients train the same architecture with ``ceil(r·C)`` of the
 ``C`` channels of every hidden layer (the first ones: a static slice), with HeteroFL's Scaler and

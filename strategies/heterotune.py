@@ -1,4 +1,4 @@
-"""HeteroTune (SPEC §2): model types of different sizes, DeMA adapters, CMGA on the server.
+"""HeteroTune (docs/METHODS.md#heterotune): model types of different sizes, DeMA adapters, CMGA on the server.
 
 Level ``i`` is model type ``i`` (largest first). A type is the transformer backbone truncated to
 ``ceil(γ_i · depth)`` blocks (``method.scale=depth``; MiniLM) or the pre-trained ViT of width

@@ -1,4 +1,4 @@
-"""PriSM and OrthDrop (SPEC section 2): sub-models of principal kernels, sampled per client.
+"""PriSM and OrthDrop (docs/METHODS.md#prism): sub-models of principal kernels, sampled per client.
 
 Levels are *keep ratios*: a client of keep ratio ``k`` trains ``ceil(k·R)`` of the ``R`` principal
 kernels of every decomposed layer (every factorizable conv / linear layer after the first
