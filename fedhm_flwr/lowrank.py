@@ -1,4 +1,4 @@
-"""Low-rank factorization of conv and linear layers (FedHM, SPEC §1).
+"""Low-rank factorization of conv and linear layers (FedHM, docs/METHODS.md#fedhm-factorization).
 
 Everything here is plain PyTorch and free of Flower, so that the server, the clients and the
 tests share one implementation.
@@ -131,7 +131,7 @@ def _round_half_up(x: float) -> int:
 
 
 def rank_for(shape: tuple[int, ...] | torch.Size, gamma: float) -> int:
-    """Rank of a factorized layer of weight ``shape`` at rank ratio ``gamma`` (SPEC §1).
+    """Rank of a factorized layer of weight ``shape`` at rank ratio ``gamma`` (docs/METHODS.md#fedhm-ranks).
 
     Conv ``(n, m, k, k)``: ``max(1, round(gamma·n))``; linear ``(out, in)``:
     ``max(1, round(gamma·min(out, in)))``; ``round`` is round-half-up; the result is capped at
