@@ -369,6 +369,15 @@ def _validate_pair(cfg: DictConfig) -> None:
                  "an image dataset with a model.target")
     if arch == "vit" and key in ("fedhm", "fedavg"):
         _choice(cfg, "model.backbone", ("pretrained", "random"))
+        if cfg.model.backbone == "pretrained":  # the server builds the initial model from it
+            from fedhm_flwr.models.vit import DEFAULTS, arch_of, checkpoint_ref, resolve_ref
+
+            info = {k: cfg.model.get(k) or v for k, v in DEFAULTS.items()}
+            from fedhm_flwr.data import dataset_info
+
+            path = resolve_ref(checkpoint_ref(arch_of({**info, **dataset_info(cfg.dataset.name)})))
+            _require(path.is_file(), "model.backbone", "pretrained",
+                     f"random (FedHM from scratch), or pretrained once `make pretrain` wrote {path}")
         _require(cfg.dataset.name != "sentiment", "dataset.name", cfg.dataset.name, "an image dataset with model=vit")
 
 

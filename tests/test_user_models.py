@@ -257,3 +257,27 @@ def test_bad_targets_and_rules_are_refused_naming_the_field():
         load_config("model.factorize.types=[Conv1d]")
     with pytest.raises(ConfigError, match=r"model\.factorize\.keep_first=-1"):
         load_config("model.factorize.keep_first=-1")
+
+
+def test_inspect_counts_the_vit_levels_from_shapes_as_the_allocating_path_does():
+    from fedhm_flwr.inspect import _rows, level_rows, plan_rows
+    from strategies import STRATEGIES
+
+    overrides = ["method=fedhm", "model=vit", "model.backbone=random", "model.width=16", "model.depth=2"]
+    cfg, rows = level_rows(overrides)
+    spec = model_spec(cfg)
+    assert rows == _rows(cfg, spec, STRATEGIES["fedhm"](cfg, spec))
+    assert rows[0]["params"] == count_parameters(build_model(spec))
+    plan = plan_rows(cfg)
+    saved = [sum(p["params"] - lp for p in plan for lp in [p["level_params"][i]]) for i in range(len(rows))]
+    assert [rows[0]["params"] - r["params"] for r in rows] == saved  # the plan explains every level's count
+    assert all(p["ranks"][-1] is None for p in plan[:6]) and all(p["ranks"][-1] == 2 for p in plan[6:])
+
+
+def test_a_rule_factorizing_the_head_ends_its_per_class_averaging():
+    with torch.device("meta"):
+        model = build_model(tv_spec("mobilenet_v3_small", factorize={"head": True}))
+    assert select_layers(model)[-1] == "classifier.3" and model.classifier_name == ""
+    from strategies.fedhm import classifier_keys
+
+    assert classifier_keys(model) == []

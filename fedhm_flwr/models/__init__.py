@@ -117,7 +117,21 @@ def input_shape(spec: Mapping) -> tuple[int, int, int]:
 def static_bn(model: nn.Module) -> nn.Module:
     """Replace, in place, every BatchNorm with running statistics by static BN (sBN:
     ``track_running_stats=False``, batch statistics in training and evaluation), keeping its
-    affine weights. Their running-statistics buffers leave the state dict. Returns ``model``."""
+    affine weights. Their running-statistics buffers leave the state dict. Returns ``model``.
+
+    Which statistics evaluation normalises with (``model.static_bn`` x ``evaluation.bn_stats``):
+
+    * running statistics kept (``static_bn: false``, the default; torchvision's models): the
+      buffers ``running_mean``/``running_var``/``num_batches_tracked`` travel with the weights and
+      are averaged like them (weighted mean; the counter rounded down). In evaluation the model
+      normalises with these averaged running statistics (with ``bn_stats=test_batch`` too: eval
+      mode reads the buffers), and every level's deployable model with the full model's, since a
+      truncation keeps the buffers; ``bn_stats=federated`` replaces them by the statistics the
+      clients sum over their training data for the model evaluated.
+    * ``static_bn: true`` (the papers' sBN, and what the built-in models always use): no running
+      statistics; ``bn_stats=test_batch`` normalises with each test batch's statistics,
+      ``bn_stats=federated`` with the clients' summed training statistics of the model evaluated.
+    """
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
             new = type(module)(module.num_features, eps=module.eps, momentum=module.momentum,
@@ -148,8 +162,13 @@ def _adapt(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
 
 
 def _factorize_rule(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
+    """``factorize``: the model's rule with the spec's entries on top. A rule that factorizes the
+    head (``head: true``) also ends the per-class averaging of the head's rows (their factors
+    mix classes): the model then names no classifier."""
     if spec.get("factorize"):
         model.factorize_rule = FactorizeRule.from_mapping(spec["factorize"], base=model_rule(model))
+        if model.factorize_rule.head:
+            model.classifier_name = ""
     return model
 
 
