@@ -356,8 +356,10 @@ def _validate_pair(cfg: DictConfig) -> None:
     if arch not in allowed:
         field = "model.target" if arch == "custom" else "model.arch"
         value = cfg.model.target if arch == "custom" else arch
-        raise ConfigError(field, value, f"for method={key}, {'a model.target is not supported' if arch == 'custom' else 'one of ' + str(list(allowed))}: "
-                          f"it needs {_NEEDS[key]}. Supported pairs: {supported_pairs()}")
+        what = "no model.target" if arch == "custom" else f"one of {list(allowed)}"
+        method = "fedavg method.family=heterofl" if key == "fedavg/heterofl" else key
+        raise ConfigError(field, value, f"for method={method}, {what}: it needs {_NEEDS[key]}. "
+                          f"Supported pairs: {supported_pairs()}")
     if arch == "custom":
         from fedhm_flwr.models import resolve_target  # imports the module, calls nothing
 
