@@ -223,7 +223,8 @@ def _validate_transformer(cfg: DictConfig, method: str) -> None:
     arch = OmegaConf.select(cfg, "model.arch")
     _require(arch in ("minilm", "vit"), "model.arch", arch,
              f"one of ['minilm', 'vit'] (method={method} fine-tunes a transformer: add "
-             f"model=minilm dataset=sentiment, or model=vit dataset=fashion_mnist). Supported pairs: {supported_pairs()}")
+             "model=minilm dataset=sentiment, or model=vit dataset=fashion_mnist). "
+             f"Supported pairs: {supported_pairs()}")
     _choice(cfg, "model.backbone", ("pretrained", "random"))
     _int_at_least(cfg, "model.backbone_seed", 0)
     for field in ("model.depth", "model.heads"):
