@@ -16,16 +16,18 @@ from torch import nn
 
 from fedhm_flwr.models import build_model, input_shape
 from fedhm_flwr.models.adapters import trainable_state
+from fedhm_flwr.models.rules import head_name
 from fedhm_flwr.models.costs import activation_elements, count_macs, count_parameters, training_memory_bytes
 
 Costs = dict[str, float]
 
 
 def classifier_keys(model: nn.Module) -> list[str]:
-    """State keys of the classifier (``model.classifier_name``, default ``fc``): their first
-    dimension indexes classes, so they are aggregated per class."""
-    name = getattr(model, "classifier_name", "fc")
-    return [k for k in model.state_dict() if k.startswith(f"{name}.")]
+    """State keys of the classifier head (:func:`fedhm_flwr.models.rules.head_name`: the model's
+    ``classifier_name``, else its last Linear): their first dimension indexes classes, so they
+    are aggregated per class. None when the head is factorized (``classifier_name`` empty)."""
+    name = head_name(model)
+    return [k for k in model.state_dict() if k.startswith(f"{name}.")] if name else []
 
 
 def record_bytes(state: dict[str, torch.Tensor]) -> int:
