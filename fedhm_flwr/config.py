@@ -218,6 +218,16 @@ def _validate_fedavg(cfg: DictConfig) -> None:
     _num_in(cfg, "method.grad_clip", 0.0, math.inf, high_open=True)
 
 
+def backbone_choice(cfg: DictConfig) -> str:
+    """``model.backbone`` as used: ``auto`` is ``pretrained`` for the fine-tuning methods (FedLoRA,
+    HeteroTune) and ``random`` for the methods that train the whole model from scratch (FedHM,
+    FedAvg), as the FedHM papers train theirs."""
+    value = str(cfg.model.get("backbone", "pretrained"))
+    if value == "auto":
+        return "random" if cfg.method.name in ("fedhm", "fedavg") else "pretrained"
+    return value
+
+
 def _validate_transformer(cfg: DictConfig, method: str) -> None:
     """FedLoRA / HeteroTune: a transformer over a frozen pre-trained (or seeded random) backbone."""
     arch = OmegaConf.select(cfg, "model.arch")
@@ -225,7 +235,7 @@ def _validate_transformer(cfg: DictConfig, method: str) -> None:
              f"one of ['minilm', 'vit'] (method={method} fine-tunes a transformer: add "
              "model=minilm dataset=sentiment, or model=vit dataset=fashion_mnist). "
              f"Supported pairs: {supported_pairs()}")
-    _choice(cfg, "model.backbone", ("pretrained", "random"))
+    _choice(cfg, "model.backbone", ("auto", "pretrained", "random"))
     _int_at_least(cfg, "model.backbone_seed", 0)
     for field in ("model.depth", "model.heads"):
         value = OmegaConf.select(cfg, field)
@@ -371,8 +381,8 @@ def _validate_pair(cfg: DictConfig) -> None:
         _require(cfg.dataset.name != "sentiment", "dataset.name", cfg.dataset.name,
                  "an image dataset with a model.target")
     if arch == "vit" and key in ("fedhm", "fedavg"):
-        _choice(cfg, "model.backbone", ("pretrained", "random"))
-        if cfg.model.backbone == "pretrained":  # the server builds the initial model from it
+        _choice(cfg, "model.backbone", ("auto", "pretrained", "random"))
+        if backbone_choice(cfg) == "pretrained":  # the server builds the initial model from it
             from fedhm_flwr.models.vit import DEFAULTS, arch_of, checkpoint_ref, resolve_ref
 
             info = {k: cfg.model.get(k) or v for k, v in DEFAULTS.items()}
@@ -558,7 +568,7 @@ def model_spec(cfg: DictConfig) -> dict[str, Any]:
         for key in DEFAULTS:
             spec[key] = int(cfg.model.get(key) or DEFAULTS[key])
         spec["backbone_seed"] = int(cfg.model.get("backbone_seed", 0) or 0)
-        pretrained = str(cfg.model.get("backbone", "pretrained")) == "pretrained"
+        pretrained = backbone_choice(cfg) == "pretrained"
         spec["backbone"] = checkpoint_ref(arch_of(spec)) if pretrained else "random"
         spec["train_backbone"] = True
     return spec

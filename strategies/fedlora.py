@@ -48,12 +48,13 @@ TRANSFORMER_ARCHS = ("minilm", "vit")
 def transformer_spec(cfg: DictConfig, spec: dict[str, Any]) -> dict[str, Any]:
     """The model spec of ``cfg.model`` over its backbone (package weights, a ``make pretrain``
     checkpoint named by its cache path, or a seeded random init), without adaptation keys."""
+    from fedhm_flwr.config import backbone_choice
     from fedhm_flwr.models.text import PACKAGE_BACKBONE
     from fedhm_flwr.models.vit import DEFAULTS, arch_of, checkpoint_ref
 
     m = cfg.model
     out = dict(spec)
-    backbone = str(m.get("backbone", "pretrained"))
+    backbone = backbone_choice(cfg)
     out["backbone_seed"] = int(m.get("backbone_seed", 0) or 0)
     if spec["arch"] == "minilm":
         for key in ("depth", "heads", "intermediate"):
