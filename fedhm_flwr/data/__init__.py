@@ -11,7 +11,8 @@ Data spec schema
 ``make_data_spec(...)`` builds one and :func:`check_data_spec` validates one
 and fills the defaults. Keys (``*`` = required)::
 
-    name*                 str    "fashion_mnist" | "cifar10" | "cifar100"
+    name*                 str    "fashion_mnist" | "cifar10" | "cifar100" | "sentiment" |
+                                 "imagefolder" | "hf_disk"
     num_partitions*       int    number of clients the training set is split into (>= 1)
     scheme                str    "iid" | "dirichlet" | "pathological"      (default "iid")
     alpha                 float  Dirichlet concentration, > 0               (default 0.5)
@@ -34,6 +35,19 @@ and fills the defaults. Keys (``*`` = required)::
                                  partition id) for client-side evaluation, in [0, 1):
                                  client_dataset(..., split="train" | "heldout") (default 0)
 
+The folder sources (``name`` "imagefolder" | "hf_disk": your own data) take these keys too, and
+only they do (:data:`fedhm_flwr.data.spec.SOURCE_DEFAULTS`; config ``dataset.<key>``)::
+
+    path*                 str    the folder: torchvision ImageFolder layout / datasets save_to_disk
+    image_size            int    images are scaled and centre-cropped to this square  (default 32)
+    channels              int    1 (grayscale) | 3 (RGB)                               (default 3)
+    test_fraction         float  without a test split: this share of each class, drawn with a
+                                 fixed seed, is the test set                           (default 0.2)
+    train_split           str    the training sub-folder / split                      (default "train")
+    test_split            str    the test one; None: test | val | validation if present (default None)
+    image_column          str    hf_disk only: the images' column                     (default "image")
+    label_column          str    hf_disk only: the labels' column                     (default "label")
+
 Unknown keys are refused (a typo would otherwise silently change an experiment).
 
 Array layout
@@ -55,6 +69,9 @@ Where the data comes from
 * CIFAR-10/100: ``torchvision.datasets.CIFAR10/100(root, train, download)``,
   root = ``data_dir`` or ``$FEDHM_DATA_DIR`` or ``~/.cache/fedhm-flwr/data``;
   nothing is downloaded unless the spec says ``download: true``.
+* Your own data: ``path`` (or a node's ``data_dir``, a full copy at another place), read by
+  :mod:`fedhm_flwr.data.imagefolder` or :mod:`fedhm_flwr.data.hf_disk`, decoded once per process;
+  mean/std are measured on the training split.
 
 A node of a real deployment may instead hold only its own partition as a **shard**
 (:mod:`fedhm_flwr.data.shards`); where the files lie is in :mod:`fedhm_flwr.data.files`.
@@ -65,8 +82,8 @@ client of a worker process calls these functions.
 Modules
 -------
 ``spec`` (validation), ``partitioning`` (flwr-datasets partitioners, subsets, held-out split),
-``registry`` (dataset facts, caches, :func:`load_arrays`), one module per source (``idx``,
-``cifar``, ``text``), ``tensors`` (the torch Dataset), ``clients`` (a partition's data and the test
+``registry`` (dataset facts, caches, :func:`load_arrays`, :func:`source_arrays`), one module per
+source (``idx``, ``cifar``, ``imagefolder``, ``hf_disk``, ``text``), ``tensors`` (the torch Dataset), ``clients`` (a partition's data and the test
 set from a spec), ``files`` (where files lie; the pre-start check) and ``shards``. This package
 imports its submodules lazily, on first use of a name: ``fedhm_flwr.data.files`` stays free of
 numpy and torch, as the launcher's data check needs.
@@ -79,18 +96,19 @@ from typing import Any
 
 #: public name -> the submodule defining it
 _EXPORTS: dict[str, str] = {
-    **dict.fromkeys(("DATA_DIR_ENV", "DEFAULT_DOWNLOAD_ROOT", "FASHION_MNIST_SYSTEM_DIR"), "files"),
+    **dict.fromkeys(("DATA_DIR_ENV", "DEFAULT_DOWNLOAD_ROOT", "FASHION_MNIST_SYSTEM_DIR", "FOLDER_SOURCES",
+                     "DataSourceError"), "files"),
     **dict.fromkeys(("DATASETS", "EXTERNAL_DATASETS", "SPLITS", "DatasetInfo", "clear_caches", "dataset_info",
-                     "load_arrays"), "registry"),
+                     "load_arrays", "source_arrays", "source_info"), "registry"),
     **dict.fromkeys(("CLASS_ASSIGNMENTS", "CLIENT_SPLITS", "DATA_SPEC_DEFAULTS", "PARTITION_SCHEMES",
-                     "check_data_spec", "make_data_spec"), "spec"),
-    **dict.fromkeys(("holdout_split", "partition"), "partitioning"),
+                     "SOURCE_DEFAULTS", "check_data_spec", "make_data_spec"), "spec"),
+    **dict.fromkeys(("fraction_split", "holdout_split", "partition"), "partitioning"),
     **dict.fromkeys(("ImageTensorDataset", "image_dataset"), "tensors"),
     **dict.fromkeys(("client_arrays", "client_dataset", "client_indices", "client_labels", "partition_indices",
                      "partition_summary", "test_dataset"), "clients"),
 }
 #: where other (private) names are looked up, in order
-_SEARCH = ("registry", "spec", "partitioning", "tensors", "clients", "idx", "cifar", "files")
+_SEARCH = ("registry", "spec", "partitioning", "tensors", "clients", "idx", "cifar", "files", "imagefolder")
 
 __all__ = sorted(_EXPORTS)
 

@@ -16,7 +16,7 @@ from fedhm_flwr.data.partitioning import (
     holdout_split,
     partition,
 )
-from fedhm_flwr.data.registry import _external, _info, _readonly, load_arrays
+from fedhm_flwr.data.registry import _external, _readonly, source_arrays, source_info
 from fedhm_flwr.data.spec import _check_client_split, _check_partition_id, check_data_spec
 from fedhm_flwr.data.tensors import ImageTensorDataset, _to_normalised_tensor, image_dataset
 
@@ -29,7 +29,7 @@ def partition_indices(
     Applies ``max_train_examples`` (seeded subset) first, then :func:`partition`.
     """
     spec = check_data_spec(data_spec)
-    _, labels = load_arrays(spec["name"], "train", data_dir, spec["download"])
+    _, labels = source_arrays(spec, "train", data_dir)
     subset = _seeded_subset(
         len(labels), spec["max_train_examples"], spec["seed"], _STREAM_TRAIN_SUBSET
     )
@@ -74,7 +74,7 @@ def client_arrays(
     Exactly the examples :func:`client_dataset` turns into tensors (what a shard holds).
     """
     spec = check_data_spec(data_spec)
-    images, labels = load_arrays(spec["name"], "train", data_dir, spec["download"])
+    images, labels = source_arrays(spec, "train", data_dir)
     idx = client_indices(spec, partition_id, data_dir, split)
     return images[idx], labels[idx]
 
@@ -87,7 +87,7 @@ def client_labels(
     """Labels (int64) of partition ``partition_id``, without building image tensors."""
     spec = check_data_spec(data_spec)
     pid = _check_partition_id(partition_id, spec["num_partitions"])
-    _, labels = load_arrays(spec["name"], "train", data_dir, spec["download"])
+    _, labels = source_arrays(spec, "train", data_dir)
     return labels[partition_indices(spec, data_dir)[pid]]
 
 
@@ -99,8 +99,8 @@ def partition_summary(
     ``class_counts`` is a list of length ``num_classes`` (JSON-friendly, for logs).
     """
     spec = check_data_spec(data_spec)
-    num_classes = _info(spec["name"]).num_classes
-    _, labels = load_arrays(spec["name"], "train", data_dir, spec["download"])
+    num_classes = source_info(spec, data_dir).num_classes
+    _, labels = source_arrays(spec, "train", data_dir)
     out = []
     for pid, idx in enumerate(partition_indices(spec, data_dir)):
         counts = np.bincount(labels[idx], minlength=num_classes)
@@ -135,7 +135,7 @@ def client_dataset(
     if external is not None:
         return external.client_dataset(spec, partition_id, data_dir, split)
     images, labels = client_arrays(spec, partition_id, data_dir, split)
-    return image_dataset(images, labels, _info(spec["name"]), spec["augment"])
+    return image_dataset(images, labels, source_info(spec, data_dir), spec["augment"])
 
 
 def test_dataset(
@@ -146,8 +146,8 @@ def test_dataset(
     external = _external(spec["name"])
     if external is not None:
         return external.test_dataset(spec, data_dir)
-    info = _info(spec["name"])
-    images, labels = load_arrays(spec["name"], "test", data_dir, spec["download"])
+    info = source_info(spec, data_dir)
+    images, labels = source_arrays(spec, "test", data_dir)
     subset = _seeded_subset(
         len(labels), spec["max_test_examples"], spec["seed"], _STREAM_TEST_SUBSET
     )

@@ -207,3 +207,20 @@ def holdout_split(
         return np.arange(n, dtype=np.int64), np.zeros(0, dtype=np.int64)
     perm = np.random.default_rng([seed, _STREAM_HOLDOUT, partition_id]).permutation(n)
     return np.sort(perm[k:]).astype(np.int64), np.sort(perm[:k]).astype(np.int64)
+
+
+#: the fixed seed of a folder source's test split (the same test set for every run seed)
+SOURCE_SPLIT_SEED = 20261123
+
+
+def fraction_split(labels: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Stratified (train, test) positions of ``labels``: ``round(fraction * n_c)`` examples of each
+    class ``c``, drawn with the fixed :data:`SOURCE_SPLIT_SEED`, are the test set. Both sorted,
+    disjoint, covering every position."""
+    labels = np.asarray(labels, dtype=np.int64)
+    is_test = np.zeros(len(labels), dtype=bool)
+    for c in np.unique(labels):
+        members = np.flatnonzero(labels == c)
+        drawn = np.random.default_rng([SOURCE_SPLIT_SEED, int(c)]).permutation(members)
+        is_test[drawn[: int(round(float(fraction) * len(members)))]] = True
+    return np.flatnonzero(~is_test), np.flatnonzero(is_test)

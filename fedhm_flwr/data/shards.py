@@ -76,9 +76,10 @@ def partitioner_params(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_manifest(spec: dict[str, Any], partition_id: int,
-                  splits: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
-    """The manifest of partition ``partition_id`` of a validated data spec, given its split arrays."""
-    info = D.DATASETS[spec["name"]]
+                  splits: dict[str, tuple[np.ndarray, np.ndarray]], info: D.DatasetInfo | None = None) -> dict[str, Any]:
+    """The manifest of partition ``partition_id`` of a validated data spec, given its split arrays
+    (``info``: the dataset's facts, :func:`fedhm_flwr.data.registry.source_info`; looked up when None)."""
+    info = info if info is not None else D.source_info(spec)
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -131,16 +132,17 @@ def export_shards(data_spec: dict[str, Any], out: str | Path, data_dir: str | No
                   echo: Callable[[str], None] = print) -> list[Path]:
     """Write every partition of ``data_spec`` as ``out/partition-<i>/``; one line per shard."""
     spec = D.check_data_spec(data_spec)
-    if spec["name"] not in D.DATASETS:
+    if spec["name"] in D.EXTERNAL_DATASETS:
         raise ShardError(f"dataset.name={spec['name']!r}: shards hold image datasets only; "
-                         f"allowed values: {sorted(D.DATASETS)}")
+                         f"allowed values: {sorted(D.DATASETS) + list(D.FOLDER_SOURCES)}")
+    info = D.source_info(spec, data_dir)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ShardError(f"out={out}: exists and is not an empty folder; choose a new folder")
     written = []
     for pid in range(spec["num_partitions"]):
         splits = {name: D.client_arrays(spec, pid, data_dir, name) for name in SPLITS}
-        manifest = make_manifest(spec, pid, splits)
+        manifest = make_manifest(spec, pid, splits, info)
         folder = write_shard(partition_dir(out, pid), splits, manifest)
         counts = {name: manifest["splits"][name]["num_examples"] for name in SPLITS}
         echo(f"{folder}: {counts['train']} train + {counts['heldout']} held-out examples, "

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from fedhm_flwr.data.files import FOLDER_SOURCES
 from fedhm_flwr.data.registry import EXTERNAL_DATASETS, _info
 
 PARTITION_SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "pathological")
@@ -46,6 +47,51 @@ DATA_SPEC_DEFAULTS: dict[str, Any] = {
 }
 _REQUIRED_KEYS = ("name", "num_partitions")
 
+_IMAGE_SOURCE_DEFAULTS: dict[str, Any] = {
+    "path": None,            # the folder (required)
+    "image_size": 32,        # images are resized (shorter side) and centre-cropped to this square
+    "channels": 3,           # 1: grayscale, 3: RGB
+    "test_fraction": 0.2,    # without a test split: this share of each class (fixed seed) is the test set
+    "train_split": "train",
+    "test_split": None,      # null: the first of test / val / validation present
+}
+#: the data spec keys of each folder source (only these datasets take them), with their defaults
+SOURCE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "imagefolder": dict(_IMAGE_SOURCE_DEFAULTS),
+    "hf_disk": {**_IMAGE_SOURCE_DEFAULTS, "image_column": "image", "label_column": "label"},
+}
+assert set(SOURCE_DEFAULTS) == set(FOLDER_SOURCES)
+
+
+def _name(x: Any) -> bool:
+    return isinstance(x, str) and bool(x.strip())
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+#: folder source key -> (test of a value, what is allowed); shared by this module and the config check
+SOURCE_RULES: dict[str, tuple[Any, str]] = {
+    "path": (_name, "the folder holding the data"),
+    "image_size": (lambda x: _int(x) and x >= 1, "an integer >= 1 (pixels of the square images)"),
+    "channels": (lambda x: _int(x) and x in (1, 3), "1 (grayscale) or 3 (RGB)"),
+    "test_fraction": (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < 1,
+                      "a fraction in (0, 1): the share of each class held out as the test set when the data "
+                      "has no test split"),
+    "train_split": (_name, "the name of the training split"),
+    "test_split": (lambda x: x is None or _name(x), "null (test / val / validation when present, else "
+                   "dataset.test_fraction) or the name of the test split"),
+    "image_column": (_name, "the name of the column holding the images"),
+    "label_column": (_name, "the name of the column holding the labels"),
+}
+
+
+def source_field_problem(key: str, value: Any) -> str | None:
+    """What is allowed for folder source key ``key`` when ``value`` is not (None: it is)."""
+    ok, allowed = SOURCE_RULES[key]
+    return None if ok(value) else allowed
+
 
 def _check_bool(field: str, value: Any) -> bool:
     if isinstance(value, (bool, np.bool_)):
@@ -67,15 +113,23 @@ def check_data_spec(spec: dict[str, Any]) -> dict[str, Any]:
     missing = [k for k in _REQUIRED_KEYS if k not in spec]
     if missing:
         raise ValueError(f"data spec: missing required key(s) {missing}")
-    unknown = sorted(set(spec) - set(_REQUIRED_KEYS) - set(DATA_SPEC_DEFAULTS))
+    source = SOURCE_DEFAULTS.get(spec["name"], {}) if isinstance(spec["name"], str) else {}
+    unknown = sorted(set(spec) - set(_REQUIRED_KEYS) - set(DATA_SPEC_DEFAULTS) - set(source))
     if unknown:
         raise ValueError(
             f"data spec: unknown key(s) {unknown}; allowed: "
-            f"{sorted(set(_REQUIRED_KEYS) | set(DATA_SPEC_DEFAULTS))}"
+            f"{sorted(set(_REQUIRED_KEYS) | set(DATA_SPEC_DEFAULTS) | set(source))}"
         )
-    out = {**DATA_SPEC_DEFAULTS, **spec}
-    if out["name"] not in EXTERNAL_DATASETS:
+    out = {**DATA_SPEC_DEFAULTS, **source, **spec}
+    if out["name"] not in EXTERNAL_DATASETS and not source:
         _info(out["name"])
+    for key in source:
+        problem = source_field_problem(key, out[key])
+        if problem is not None:
+            raise ValueError(f"dataset.{key} must be {problem}, got {out[key]!r}")
+    if source:
+        out["image_size"], out["channels"] = int(out["image_size"]), int(out["channels"])
+        out["test_fraction"] = float(out["test_fraction"])
     if out["scheme"] not in PARTITION_SCHEMES:
         raise ValueError(
             f"partition.scheme: unknown scheme {out['scheme']!r}; allowed values: "

@@ -21,8 +21,9 @@ def _to_normalised_tensor(images: np.ndarray, info: DatasetInfo) -> torch.Tensor
 
 
 def _train_augmentation(info: DatasetInfo) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """CIFAR: random crop 32 (pad 4) + horizontal flip on a normalised CHW tensor."""
-    if info.name not in ("cifar10", "cifar100"):
+    """CIFAR and the folder sources: random crop (pad 1/8 of the size: 4 at 32) + horizontal flip on a
+    normalised CHW tensor."""
+    if info.name not in ("cifar10", "cifar100", "imagefolder", "hf_disk"):
         return None
     from torchvision.transforms import v2
 
@@ -30,7 +31,7 @@ def _train_augmentation(info: DatasetInfo) -> Callable[[torch.Tensor], torch.Ten
     fill = [float(-m / s) for m, s in zip(info.mean, info.std)]
     return v2.Compose(
         [
-            v2.RandomCrop(info.image_size, padding=4, fill=fill),  # type: ignore[arg-type]
+            v2.RandomCrop(info.image_size, padding=max(1, info.image_size // 8), fill=fill),  # type: ignore[arg-type]
             v2.RandomHorizontalFlip(),
         ]
     )
