@@ -293,10 +293,14 @@ def _validate_source(cfg: DictConfig) -> None:
     """A folder source's options (``dataset.path``, ``dataset.image_size``, ...): the data spec's rules."""
     from fedhm_flwr.data.spec import SOURCE_DEFAULTS, source_field_problem
 
-    for key, default in SOURCE_DEFAULTS.get(cfg.dataset.name, {}).items():
+    if cfg.dataset.name not in SOURCE_DEFAULTS:
+        return
+    for key, default in SOURCE_DEFAULTS[cfg.dataset.name].items():
         value = cfg.dataset.get(key, default)
         problem = source_field_problem(key, value)
         _require(problem is None, f"dataset.{key}", value, str(problem))
+    data_dir = cfg.dataset.get("data_dir")
+    _require(data_dir is None, "dataset.data_dir", data_dir, "null: dataset.path says where the data is")
 
 
 def validate(cfg: DictConfig) -> None:

@@ -171,6 +171,8 @@ def test_missing_or_malformed_data_is_refused_before_start_naming_the_field(tmp_
     assert "['bee']" in str(_refusal(["dataset=imagefolder", f"dataset.path={tmp_path / 'gap'}"]))
     with pytest.raises(ConfigError, match="dataset.channels=2"):
         load_config(["dataset=imagefolder", f"dataset.path={tmp_path / 'gap'}", "dataset.channels=2"])
+    with pytest.raises(ConfigError, match="dataset.data_dir="):  # one place says where the data is
+        load_config(["dataset=imagefolder", f"dataset.path={tmp_path / 'gap'}", f"dataset.data_dir={tmp_path}"])
     err = _refusal(["dataset=hf_disk", f"dataset.path={tmp_path / 'gap'}"])
     assert err.field == "dataset.path" and "save_to_disk" in str(err)
     import datasets
