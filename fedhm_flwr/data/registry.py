@@ -108,6 +108,7 @@ def dataset_info(name: str, spec: dict[str, Any] | None = None) -> dict[str, int
 _LOCK = threading.RLock()
 _ARRAY_CACHE: dict[tuple[str, str, str], tuple[np.ndarray, np.ndarray]] = {}
 _PARTITION_CACHE: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = {}
+_INFO_CACHE: dict[tuple[Any, ...], DatasetInfo] = {}  # folder sources: facts measured on the data
 
 
 def clear_caches() -> None:
@@ -167,8 +168,6 @@ def load_arrays(
 
 
 # --------------------------------------------------------------------------- from a data spec
-
-_INFO_CACHE: dict[tuple[Any, ...], DatasetInfo] = {}
 
 
 def _source_key(spec: dict[str, Any], data_dir: str | os.PathLike[str] | None) -> tuple[Any, ...]:
