@@ -406,9 +406,23 @@ METHOD_VALIDATORS: dict[str, Callable[[DictConfig], None]] = {
 }
 
 
+def _validate_source(cfg: DictConfig) -> None:
+    """A folder source's options (``dataset.path``, ``dataset.image_size``, ...): the data spec's rules."""
+    from fedhm_flwr.data.spec import SOURCE_DEFAULTS, source_field_problem
+
+    if cfg.dataset.name not in SOURCE_DEFAULTS:
+        return
+    for key, default in SOURCE_DEFAULTS[cfg.dataset.name].items():
+        value = cfg.dataset.get(key, default)
+        problem = source_field_problem(key, value)
+        _require(problem is None, f"dataset.{key}", value, str(problem))
+    data_dir = cfg.dataset.get("data_dir")
+    _require(data_dir is None, "dataset.data_dir", data_dir, "null: dataset.path says where the data is")
+
+
 def validate(cfg: DictConfig) -> None:
     """Refuse the first invalid value with a :class:`ConfigError` naming the field."""
-    from fedhm_flwr.data import DATASETS, EXTERNAL_DATASETS  # local imports keep `import config` light
+    from fedhm_flwr.data import DATASETS, EXTERNAL_DATASETS, FOLDER_SOURCES  # local imports keep `import config` light
     from fedhm_flwr.models import ARCHS
 
     _choice(cfg, "method.name", METHOD_VALIDATORS)
@@ -419,7 +433,8 @@ def validate(cfg: DictConfig) -> None:
     width = OmegaConf.select(cfg, "model.width")
     _require(width is None or (_is_int(width) and width >= 1), "model.width", width,
              "null (the architecture's default) or an integer >= 1")
-    _choice(cfg, "dataset.name", [*DATASETS, *EXTERNAL_DATASETS])
+    _choice(cfg, "dataset.name", [*DATASETS, *EXTERNAL_DATASETS, *FOLDER_SOURCES])
+    _validate_source(cfg)
     for field in ("dataset.max_train_examples", "dataset.max_test_examples"):
         _int_at_least(cfg, field, 0)
     _int_at_least(cfg, "seed", 0)
@@ -549,7 +564,7 @@ def model_spec(cfg: DictConfig) -> dict[str, Any]:
     """The full (global) model's spec: what ``models.build_model`` needs, as plain JSON types."""
     from fedhm_flwr.data import dataset_info
 
-    info = dataset_info(cfg.dataset.name)
+    info = dataset_info(cfg.dataset.name, data_spec(cfg))  # a folder source's classes are read from dataset.path
     spec = {"arch": cfg.model.arch, **{k: int(v) for k, v in info.items()}}  # image: classes, channels, size
     if cfg.model.get("width") is not None:
         spec["width"] = int(cfg.model.width)
@@ -588,7 +603,15 @@ def data_spec(cfg: DictConfig, num_partitions: int | None = None) -> dict[str, A
         "augment": bool(cfg.dataset.augment),
         "download": bool(cfg.dataset.download),
         "holdout": holdout_fraction(cfg),
+        **source_options(cfg),
     }
+
+
+def source_options(cfg: DictConfig) -> dict[str, Any]:
+    """A folder source's options (``dataset.path``, ``dataset.image_size``, ...; none for the others)."""
+    from fedhm_flwr.data.spec import SOURCE_DEFAULTS
+
+    return {key: cfg.dataset.get(key, default) for key, default in SOURCE_DEFAULTS.get(cfg.dataset.name, {}).items()}
 
 
 def holdout_fraction(cfg: DictConfig) -> float:
