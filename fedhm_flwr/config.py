@@ -360,6 +360,30 @@ def _validate_user_model(cfg: DictConfig) -> None:
             raise ConfigError(f"model.factorize.{key}", bad, allowed)
 
 
+def _check_custom_output(cfg: DictConfig) -> None:
+    """A user model must give one logit per class of the dataset: built and run on the meta
+    device (no weights allocated), its output is compared with the dataset's class count."""
+    try:
+        spec = model_spec(cfg)
+    except (OSError, ValueError, KeyError):  # data that cannot be read: the data check names it
+        return
+    import torch
+
+    from fedhm_flwr.models import build_model, input_shape
+
+    try:
+        with torch.device("meta"):
+            out = build_model(spec)(torch.empty(2, *input_shape(spec)))
+    except Exception as err:  # noqa: BLE001 - any failure of the user's model is reported as such
+        raise ConfigError("model.target", cfg.model.target,
+                          f"a factory whose model takes a batch of shape (N, {', '.join(map(str, input_shape(spec)))}) "
+                          f"(dataset.name={cfg.dataset.name}); it failed with {type(err).__name__}: {err}") from None
+    if isinstance(out, torch.Tensor) and out.shape[-1] != spec["num_classes"]:
+        raise ConfigError("model.kwargs.num_classes", OmegaConf.select(cfg, "model.kwargs.num_classes"),
+                          f"{spec['num_classes']}: dataset.name={cfg.dataset.name} has {spec['num_classes']} classes "
+                          f"and the model gives {out.shape[-1]} outputs")
+
+
 def _validate_pair(cfg: DictConfig) -> None:
     """Refuse a (method, model) pair outside :data:`SUPPORTED_MODELS`, listing the supported pairs."""
     key, arch = method_key(cfg), str(cfg.model.arch)
@@ -380,6 +404,7 @@ def _validate_pair(cfg: DictConfig) -> None:
             raise ConfigError("model.target", cfg.model.target, str(err).split("; allowed: ", 1)[-1]) from None
         _require(cfg.dataset.name != "sentiment", "dataset.name", cfg.dataset.name,
                  "an image dataset with a model.target")
+        _check_custom_output(cfg)
     if arch == "vit" and key in ("fedhm", "fedavg"):
         _choice(cfg, "model.backbone", ("auto", "pretrained", "random"))
         if backbone_choice(cfg) == "pretrained":  # the server builds the initial model from it

@@ -257,6 +257,13 @@ def test_bad_targets_and_rules_are_refused_naming_the_field():
         load_config("model.factorize.types=[Conv1d]")
     with pytest.raises(ConfigError, match=r"model\.factorize\.keep_first=-1"):
         load_config("model.factorize.keep_first=-1")
+    # the model is run on the meta device: its outputs must be the dataset's classes, its input the dataset's images
+    with pytest.raises(ConfigError, match=r"model\.kwargs\.num_classes=100; allowed: 10: dataset\.name=fashion_mnist "
+                                          r"has 10 classes and the model gives 100 outputs"):
+        load_config(GREY.replace("num_classes=10", "num_classes=100"))
+    with pytest.raises(ConfigError, match=r"model\.target='torchvision\.models:resnet18'; allowed: a factory whose model "
+                                          r"takes a batch of shape \(N, 1, 28, 28\)"):
+        load_config("model.target=torchvision.models:resnet18 model.kwargs.num_classes=10")
 
 
 def test_inspect_counts_the_vit_levels_from_shapes_as_the_allocating_path_does():
