@@ -303,8 +303,7 @@ def render(root: Path, seeds: tuple[int, ...], figures: Path = FIGURES, page: Pa
         "the CNN (width 16) at FedHM's levels γ = 1, 1/2, 1/4, 1/8 (a fixed level per client, equal shares), "
         "10 clients sampled per round, 1 local epoch, 30 rounds with a cosine learning rate",
         "- transport: each run is the project's server loop (strategy, messages, ClientApp handlers) on the "
-        "in-process grid (`fedhm_flwr/local_grid.py`) rather than Ray; the same seed gives the same runs under "
-        "`flwr run`",
+        "in-process grid (`fedhm_flwr/local_grid.py`) rather than Ray: the transport is the only difference",
         "- methods: " + "; ".join(f"{LABELS[v]}: `{o}`" for v, o in VARIANTS.items()),
         "- statistics: mean ± sample standard deviation over seeds, 95 % confidence intervals from the "
         "Student-t distribution (`fedhm_flwr/stats.py`); paired differences are taken seed by seed (same "
