@@ -23,7 +23,7 @@ COMPARE_ARGS ?= rounds=8 dataset.max_train_examples=30000
 # The other targets are aliases of the `fedhm` command (fedhm_flwr/cli.py, run as `python -m fedhm_flwr`).
 FEDHM  := $(BIN)/python -m fedhm_flwr
 
-.PHONY: setup data run test test-fast inspect sweep summary bench compare
+.PHONY: setup data run test test-fast inspect sweep summary bench compare results
 
 setup: $(STAMP)  ## virtualenv with the project and its pinned torch/torchvision pair
 
@@ -57,19 +57,11 @@ sweep: setup data  ## Hydra multirun over SWEEP_ARGS (+ARGS); summary and plots 
 	$(FEDHM) sweep $(SWEEP_ARGS) $(ARGS)
 
 compare: setup data  ## FedHM vs HeteroFL, FedRolex (budget-matched), FedAvg-full, FedAvg-smallest + FedHM ablations over SEEDS: outputs/compare/<time>/statistics.md
-	@dir=outputs/compare/$$(date +%Y-%m-%d_%H-%M-%S); \
-	echo "make compare: budget-matched comparison (levels.match=$(COMPARE_MATCH): HeteroFL/FedRolex width rates chosen per level to match FedHM's parameter count), seeds $(SEEDS), outputs in $$dir"; \
-	$(BIN)/python -m fedhm_flwr.sweep -m method=$(COMPARE_METHODS) seed=$(SEEDS) levels.match=$(COMPARE_MATCH) \
-	    $(COMPARE_ARGS) hydra.sweep.dir=$$dir/methods $(ARGS) || exit 1; \
-	for option in $(COMPARE_ABLATIONS); do \
-	    $(BIN)/python -m fedhm_flwr.sweep -m method=fedhm seed=$(SEEDS) levels.match=$(COMPARE_MATCH) $$option \
-	        $(COMPARE_ARGS) hydra.sweep.dir=$$dir/$${option%%=*} $(ARGS) || exit 1; \
-	done; \
-	$(BIN)/python -m fedhm_flwr.summary $$dir --out $$dir --reference fedhm; \
-	echo "make compare: budget-matched (levels.match=$(COMPARE_MATCH)); tables and plots in $$dir (statistics.md, paired.csv)"
+	$(FEDHM) compare --seeds $(SEEDS) --match $(COMPARE_MATCH) --ablations "$(COMPARE_ABLATIONS)" \
+	    $(if $(COMPARE_METHODS),method=$(COMPARE_METHODS)) $(COMPARE_ARGS) $(ARGS)
 
-# The other targets are aliases of the `fedhm` command (fedhm_flwr/cli.py, run as `python -m fedhm_flwr`).
-FEDHM  := $(BIN)/python -m fedhm_flwr
+results: setup data  ## docs/RESULTS.md (+ README block) from the runs under results/, running the missing ones (~2 h on 2 cores)
+	$(BIN)/python -m bench.results $(ARGS)
 
 summary: setup  ## table + plots over finished runs: make summary RUNS="outputs/multirun/..."
 	$(FEDHM) summary $(RUNS)

@@ -1,4 +1,4 @@
-"""Static batch norm statistics without moving data (SPEC section 3). No Flower import.
+"""Static batch norm statistics without moving data (docs/METHODS.md#static-bn). No Flower import.
 
 Training uses batch statistics only (the models' norms track nothing). For evaluation the server
 asks clients to run a model over their local training data and return, per normalisation layer,

@@ -16,9 +16,13 @@ from pathlib import Path
 
 from fedhm_flwr.config import ConfigError, split_overrides
 
-#: the baselines compared on the same work (`fedhm compare`, `make compare`); ~20-30 min on 2 cores
-COMPARE_OVERRIDES = ("method=fedhm,heterofl,fedrolex,fedavg,fedavg_smallest", "rounds=8",
-                     "dataset.max_train_examples=30000")
+#: `fedhm compare` (`make compare`): the baselines on the same work, every method on every seed,
+#: then one FedHM sweep per ablation; about 5 min per run on 2 cores (24 runs with 3 seeds)
+COMPARE_METHODS = "fedhm,heterofl,fedrolex,fedavg,fedavg_smallest"
+COMPARE_OVERRIDES = ("rounds=8", "dataset.max_train_examples=30000")
+COMPARE_SEEDS = "0,1,2"
+COMPARE_MATCH = "fedhm_params"
+COMPARE_ABLATIONS = ("train.distill.enabled=true", "method.official_weights=true", "method.add_previous_global=true")
 
 
 @dataclass(frozen=True)
@@ -110,18 +114,52 @@ def cmd_sweep(argv: list[str]) -> int:
     return _hydra_sweep(argv)
 
 
-def compare_overrides(user: list[str], now: dt.datetime | None = None) -> list[str]:
-    """The compare sweep's overrides; the user's own replace a default with the same key."""
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def compare_plan(user: list[str], seeds: str = COMPARE_SEEDS, match: str = COMPARE_MATCH,
+                 ablations: tuple[str, ...] = COMPARE_ABLATIONS,
+                 now: dt.datetime | None = None) -> tuple[str, list[list[str]]]:
+    """(compare directory, one sweep's overrides per sweep): the methods on every seed, then plain
+    FedHM with each ablation on the same seeds. The user's overrides replace a default with the
+    same key (``method=...`` the method list, ``hydra.sweep.dir=...`` the directory)."""
     stamp = (now or dt.datetime.now()).strftime("%Y-%m-%d_%H-%M-%S")
-    defaults = [*COMPARE_OVERRIDES, f"hydra.sweep.dir=outputs/compare/{stamp}"]
-    keys = {o.split("=", 1)[0].lstrip("+~") for o in user}
-    return [d for d in defaults if d.split("=", 1)[0] not in keys] + user
+    given = {_key(o): o for o in user}
+    root = given.pop("hydra.sweep.dir", f"hydra.sweep.dir=outputs/compare/{stamp}").split("=", 1)[1]
+    methods = given.pop("method", f"method={COMPARE_METHODS}")
+    rest = [o for o in COMPARE_OVERRIDES if _key(o) not in given] + [o for o in user if _key(o) in given]
+    common = [f"seed={seeds}", f"levels.match={match}", *rest]
+    sweeps = [[methods, *common, f"hydra.sweep.dir={root}/methods"]]
+    for option in ablations:
+        sweeps.append(["method=fedhm", option, *common, f"hydra.sweep.dir={root}/{_key(option)}"])
+    return root, sweeps
 
 
 def cmd_compare(argv: list[str]) -> int:
-    if {"-h", "--help"} & set(argv):
-        return _sweep_help("compare")
-    return _hydra_sweep(compare_overrides(argv))
+    parser = _parser("compare")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of every run (rounds=3, method=fedhm,heterofl ...)")
+    parser.add_argument("--seeds", default=COMPARE_SEEDS, help=f"comma-separated seeds (default {COMPARE_SEEDS})")
+    parser.add_argument("--match", default=COMPARE_MATCH, choices=["fedhm_params", "none"],
+                        help="levels.match of the width methods (default fedhm_params: budget-matched)")
+    parser.add_argument("--ablations", default=" ".join(COMPARE_ABLATIONS),
+                        help="space-separated FedHM options, one extra sweep each ('' for none)")
+    args = parser.parse_intermixed_args(argv)
+    root, sweeps = compare_plan(split_overrides(args.overrides), args.seeds, args.match,
+                                tuple(args.ablations.split()))
+    matched = ("budget-matched comparison (levels.match=fedhm_params: HeteroFL/FedRolex width rates chosen per "
+               "level to match FedHM's parameter count)" if args.match == "fedhm_params"
+               else "unmatched comparison (levels.match=none: width rates = levels)")
+    print(f"fedhm compare: {matched}, seeds {args.seeds}, {len(sweeps)} sweep(s), outputs in {root}", flush=True)
+    for overrides in sweeps:
+        code = _hydra_sweep(overrides)
+        if code != 0:
+            return code
+    from fedhm_flwr.summary import main as summary_main
+
+    code = summary_main([root, "--out", root, "--reference", "fedhm"])
+    print(f"fedhm compare: {matched}; tables and plots in {root} (statistics.md, paired.csv)")
+    return code
 
 
 # --------------------------------------------------------------------------- delegated commands
@@ -178,14 +216,16 @@ COMMANDS: dict[str, Command] = {
                      ("fedhm sweep 'levels.ratios=[1,0.5,0.25,0.125],[1,0.25]' method.tau=1,inf rounds=3",
                       "fedhm sweep seed=0,1,2 rounds=3 hydra/launcher=joblib hydra.launcher.n_jobs=2"), cmd_sweep,
                      short="a Hydra multirun of jobs; summary table and plots in the sweep directory"),
-    "compare": Command("FedHM vs HeteroFL, FedRolex, FedAvg-full and FedAvg-smallest on the same work: one "
-                       f"sweep ({' '.join(COMPARE_OVERRIDES)}), one table in outputs/compare/<time>/summary.md; "
-                       "your overrides replace these defaults.",
-                       ("fedhm compare rounds=3 dataset.max_train_examples=5000",
-                        "fedhm compare method=fedhm,heterofl"), cmd_compare,
-                       short="FedHM vs HeteroFL, FedRolex, FedAvg-full, FedAvg-smallest: one sweep, one table"),
-    "inspect": Command("Per-level parameters, MACs and payload bytes of a configuration, without training.",
-                       ("fedhm inspect model=resnet18 dataset=cifar10", "fedhm inspect levels.ratios=[1,0.5,0.25] --json"),
+    "compare": Command("FedHM vs HeteroFL and FedRolex (budget-matched), FedAvg-full and FedAvg-smallest on every "
+                       "seed, then FedHM with each ablation (self-distillation, the official code's two switches) "
+                       f"on the same seeds ({' '.join(COMPARE_OVERRIDES)} unless you override them); statistics "
+                       "over seeds and paired differences against FedHM in outputs/compare/<time>/statistics.md.",
+                       ("fedhm compare rounds=3 dataset.max_train_examples=5000 --seeds 0 --ablations ''",
+                        "fedhm compare method=fedhm,heterofl --match none"), cmd_compare,
+                       short="FedHM vs HeteroFL, FedRolex (matched), FedAvg-full/smallest + ablations over seeds"),
+    "inspect": Command("Per-level parameters, MACs and payload bytes of a configuration, and FedHM's per-layer plan, without training.",
+                       ("fedhm inspect model=resnet18 dataset=cifar10", "fedhm inspect levels.ratios=[1,0.5,0.25] --json",
+                        "fedhm inspect model.target=torchvision.models:resnet18 model.kwargs.num_classes=10 dataset=cifar10"),
                        _delegate("inspect"), "fedhm_flwr.inspect", "per-level parameters, MACs, payload bytes (no training)"),
     "summary": Command("One table and two plots over finished runs or sweep folders.",
                        ("fedhm summary outputs/multirun outputs/compare --out outputs/all-runs",),

@@ -1,4 +1,4 @@
-"""Cross-Model Gradient Alignment (HeteroTune's CMGA, SPEC §2): pure math, no Flower import.
+"""Cross-Model Gradient Alignment (HeteroTune's CMGA, docs/METHODS.md#heterotune-cmga): pure math, no Flower import.
 
 The per-type averaged updates ``Δ_i`` of one share-adapter are stacked as the columns of
 ``G`` (``d × N``) and replaced by

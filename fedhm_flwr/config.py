@@ -50,9 +50,15 @@ def split_overrides(overrides: str | Sequence[str] | None) -> list[str]:
     return [o for item in overrides for o in shlex.split(item)]
 
 
+def _open_kwargs(item: str) -> str:
+    """``model.kwargs.<key>=v`` adds the key without Hydra's ``+``: the factory's keyword arguments
+    are the user's, not keys of ``conf/``."""
+    return f"++{item}" if item.startswith("model.kwargs.") else item
+
+
 def compose_config(overrides: str | Sequence[str] | None = None) -> DictConfig:
     """Compose ``conf/config.yaml`` with Hydra overrides (no validation)."""
-    override_list = split_overrides(overrides)
+    override_list = [_open_kwargs(o) for o in split_overrides(overrides)]
     if not CONF_DIR.is_dir():
         raise FileNotFoundError(f"Hydra config tree not found at {CONF_DIR} (set FEDHM_CONF_DIR)")
     try:
@@ -214,13 +220,24 @@ def _validate_fedavg(cfg: DictConfig) -> None:
     _num_in(cfg, "method.grad_clip", 0.0, math.inf, high_open=True)
 
 
+def backbone_choice(cfg: DictConfig) -> str:
+    """``model.backbone`` as used: ``auto`` is ``pretrained`` for the fine-tuning methods (FedLoRA,
+    HeteroTune) and ``random`` for the methods that train the whole model from scratch (FedHM,
+    FedAvg), as the FedHM papers train theirs."""
+    value = str(cfg.model.get("backbone", "pretrained"))
+    if value == "auto":
+        return "random" if cfg.method.name in ("fedhm", "fedavg") else "pretrained"
+    return value
+
+
 def _validate_transformer(cfg: DictConfig, method: str) -> None:
     """FedLoRA / HeteroTune: a transformer over a frozen pre-trained (or seeded random) backbone."""
     arch = OmegaConf.select(cfg, "model.arch")
     _require(arch in ("minilm", "vit"), "model.arch", arch,
              f"one of ['minilm', 'vit'] (method={method} fine-tunes a transformer: add "
-             "model=minilm dataset=sentiment, or model=vit dataset=fashion_mnist)")
-    _choice(cfg, "model.backbone", ("pretrained", "random"))
+             "model=minilm dataset=sentiment, or model=vit dataset=fashion_mnist). "
+             f"Supported pairs: {supported_pairs()}")
+    _choice(cfg, "model.backbone", ("auto", "pretrained", "random"))
     _int_at_least(cfg, "model.backbone_seed", 0)
     for field in ("model.depth", "model.heads"):
         value = OmegaConf.select(cfg, field)
@@ -279,6 +296,131 @@ def _validate_prism(cfg: DictConfig) -> None:
     _choice(cfg, "method.u_subset_rows", ("first", "random"))
 
 
+CONV_ARCHS = ("cnn", "resnet18", "resnet34")
+#: The (method, model) pairs a run accepts: method (``fedavg/heterofl``: fedavg with
+#: ``method.family=heterofl``) -> ``model.arch`` values (``custom``: a ``model.target``).
+SUPPORTED_MODELS: dict[str, tuple[str, ...]] = {
+    "fedhm": (*CONV_ARCHS, "vit", "custom"),
+    "fedavg": (*CONV_ARCHS, "vit", "custom"),
+    "fedavg/heterofl": CONV_ARCHS,
+    "heterofl": CONV_ARCHS,
+    "fedrolex": CONV_ARCHS,
+    "prism": CONV_ARCHS,
+    "fedlora": ("minilm", "vit"),
+    "heterotune": ("minilm", "vit"),
+}
+#: What a method refusing a model would need from it.
+_NEEDS = {
+    "fedavg/heterofl": "a model built by width (a constructor slicing channels by width_rate, as the built-in "
+                       "cnn/resnet18/resnet34), since method.family=heterofl slices widths",
+    "heterofl": "a model built by width (a constructor slicing channels by width_rate, as the built-in "
+                "cnn/resnet18/resnet34), since HeteroFL slices channel widths",
+    "fedrolex": "a model built by width (a constructor slicing channels by width_rate, as the built-in "
+                "cnn/resnet18/resnet34), since FedRolex rolls channel windows",
+    "prism": "the built-in conv nets' kernel layout (cnn/resnet18/resnet34), since PriSM samples conv kernels",
+    "fedlora": "a transformer with LoRA targets (minilm, vit)",
+    "heterotune": "a transformer with DeMA slots (minilm, vit)",
+    "fedhm": "Conv2d/Linear layers to factorize (cnn, resnet18, resnet34, vit, or a model.target)",
+    "fedavg": "an image classifier (cnn, resnet18, resnet34, vit, or a model.target)",
+}
+
+
+def method_key(cfg: DictConfig) -> str:
+    """The key of :data:`SUPPORTED_MODELS` for ``cfg``'s method."""
+    name = str(cfg.method.name)
+    return "fedavg/heterofl" if name == "fedavg" and cfg.method.get("family") == "heterofl" else name
+
+
+def supported_pairs() -> str:
+    return "; ".join(f"{m}: {list(a)}" for m, a in SUPPORTED_MODELS.items())
+
+
+def _validate_user_model(cfg: DictConfig) -> None:
+    """``model.target`` (any model group): the user's model replaces the group's arch
+    (``model.arch`` becomes ``custom``); ``model.kwargs``, ``model.static_bn``, ``model.factorize``."""
+    target = OmegaConf.select(cfg, "model.target", default=None)
+    arch = OmegaConf.select(cfg, "model.arch")
+    if target is not None:
+        OmegaConf.update(cfg, "model.arch", "custom")
+        OmegaConf.update(cfg, "model.width", None, force_add=True)
+    elif arch == "custom":
+        _require(False, "model.target", None, "'package.module:factory' with model=custom, "
+                 "e.g. model.target=torchvision.models:resnet18 model.kwargs.num_classes=10")
+    kwargs = OmegaConf.select(cfg, "model.kwargs", default={})
+    _require(kwargs is None or OmegaConf.is_dict(kwargs) or isinstance(kwargs, dict), "model.kwargs", kwargs,
+             "a mapping of the factory's keyword arguments")
+    value = OmegaConf.select(cfg, "model.static_bn", default=False)
+    _require(isinstance(value, bool), "model.static_bn", value, "true or false")
+    from fedhm_flwr.models.rules import rule_problem
+
+    rule = OmegaConf.select(cfg, "model.factorize", default=None)
+    if rule is not None:
+        _require(OmegaConf.is_dict(rule), "model.factorize", rule, "a mapping (include, exclude, types, ...)")
+        problem = rule_problem(OmegaConf.to_container(rule, resolve=True))
+        if problem is not None:
+            key, bad, allowed = problem
+            raise ConfigError(f"model.factorize.{key}", bad, allowed)
+
+
+def _check_custom_output(cfg: DictConfig) -> None:
+    """A user model must give one logit per class of the dataset: built and run on the meta
+    device (no weights allocated), its output is compared with the dataset's class count."""
+    try:
+        spec = model_spec(cfg)
+    except (OSError, ValueError, KeyError):  # data that cannot be read: the data check names it
+        return
+    import torch
+
+    from fedhm_flwr.models import build_model, input_shape
+
+    try:
+        with torch.device("meta"):
+            out = build_model(spec)(torch.empty(2, *input_shape(spec)))
+    except Exception as err:  # noqa: BLE001 - any failure of the user's model is reported as such
+        raise ConfigError("model.target", cfg.model.target,
+                          f"a factory whose model takes a batch of shape (N, {', '.join(map(str, input_shape(spec)))}) "
+                          f"(dataset.name={cfg.dataset.name}); it failed with {type(err).__name__}: {err}") from None
+    if isinstance(out, torch.Tensor) and out.shape[-1] != spec["num_classes"]:
+        raise ConfigError("model.kwargs.num_classes", OmegaConf.select(cfg, "model.kwargs.num_classes"),
+                          f"{spec['num_classes']}: dataset.name={cfg.dataset.name} has {spec['num_classes']} classes "
+                          f"and the model gives {out.shape[-1]} outputs")
+
+
+def _validate_pair(cfg: DictConfig) -> None:
+    """Refuse a (method, model) pair outside :data:`SUPPORTED_MODELS`, listing the supported pairs."""
+    key, arch = method_key(cfg), str(cfg.model.arch)
+    allowed = SUPPORTED_MODELS[key]
+    if arch not in allowed:
+        field = "model.target" if arch == "custom" else "model.arch"
+        value = cfg.model.target if arch == "custom" else arch
+        what = "no model.target" if arch == "custom" else f"one of {list(allowed)}"
+        method = "fedavg method.family=heterofl" if key == "fedavg/heterofl" else key
+        raise ConfigError(field, value, f"for method={method}, {what}: it needs {_NEEDS[key]}. "
+                          f"Supported pairs: {supported_pairs()}")
+    if arch == "custom":
+        from fedhm_flwr.models import resolve_target  # imports the module, calls nothing
+
+        try:
+            resolve_target(cfg.model.target)
+        except ValueError as err:
+            raise ConfigError("model.target", cfg.model.target, str(err).split("; allowed: ", 1)[-1]) from None
+        _require(cfg.dataset.name != "sentiment", "dataset.name", cfg.dataset.name,
+                 "an image dataset with a model.target")
+        _check_custom_output(cfg)
+    if arch == "vit" and key in ("fedhm", "fedavg"):
+        _choice(cfg, "model.backbone", ("auto", "pretrained", "random"))
+        if backbone_choice(cfg) == "pretrained":  # the server builds the initial model from it
+            from fedhm_flwr.models.vit import DEFAULTS, arch_of, checkpoint_ref, resolve_ref
+
+            info = {k: cfg.model.get(k) or v for k, v in DEFAULTS.items()}
+            from fedhm_flwr.data import dataset_info
+
+            path = resolve_ref(checkpoint_ref(arch_of({**info, **dataset_info(cfg.dataset.name)})))
+            _require(path.is_file(), "model.backbone", "pretrained",
+                     f"random (FedHM from scratch), or pretrained once `make pretrain` wrote {path}")
+        _require(cfg.dataset.name != "sentiment", "dataset.name", cfg.dataset.name, "an image dataset with model=vit")
+
+
 #: method name -> validator of the ``method`` group (every method adds itself here).
 METHOD_VALIDATORS: dict[str, Callable[[DictConfig], None]] = {
     "prism": _validate_prism,
@@ -291,18 +433,35 @@ METHOD_VALIDATORS: dict[str, Callable[[DictConfig], None]] = {
 }
 
 
+def _validate_source(cfg: DictConfig) -> None:
+    """A folder source's options (``dataset.path``, ``dataset.image_size``, ...): the data spec's rules."""
+    from fedhm_flwr.data.spec import SOURCE_DEFAULTS, source_field_problem
+
+    if cfg.dataset.name not in SOURCE_DEFAULTS:
+        return
+    for key, default in SOURCE_DEFAULTS[cfg.dataset.name].items():
+        value = cfg.dataset.get(key, default)
+        problem = source_field_problem(key, value)
+        _require(problem is None, f"dataset.{key}", value, str(problem))
+    data_dir = cfg.dataset.get("data_dir")
+    _require(data_dir is None, "dataset.data_dir", data_dir, "null: dataset.path says where the data is")
+
+
 def validate(cfg: DictConfig) -> None:
     """Refuse the first invalid value with a :class:`ConfigError` naming the field."""
-    from fedhm_flwr.data import DATASETS, EXTERNAL_DATASETS  # local imports keep `import config` light
+    from fedhm_flwr.data import DATASETS, EXTERNAL_DATASETS, FOLDER_SOURCES  # local imports keep `import config` light
     from fedhm_flwr.models import ARCHS
 
     _choice(cfg, "method.name", METHOD_VALIDATORS)
+    _validate_user_model(cfg)
     METHOD_VALIDATORS[cfg.method.name](cfg)
     _choice(cfg, "model.arch", ARCHS)
+    _validate_pair(cfg)
     width = OmegaConf.select(cfg, "model.width")
     _require(width is None or (_is_int(width) and width >= 1), "model.width", width,
              "null (the architecture's default) or an integer >= 1")
-    _choice(cfg, "dataset.name", [*DATASETS, *EXTERNAL_DATASETS])
+    _choice(cfg, "dataset.name", [*DATASETS, *EXTERNAL_DATASETS, *FOLDER_SOURCES])
+    _validate_source(cfg)
     for field in ("dataset.max_train_examples", "dataset.max_test_examples"):
         _int_at_least(cfg, field, 0)
     _int_at_least(cfg, "seed", 0)
@@ -434,10 +593,28 @@ def model_spec(cfg: DictConfig) -> dict[str, Any]:
     """The full (global) model's spec: what ``models.build_model`` needs, as plain JSON types."""
     from fedhm_flwr.data import dataset_info
 
-    info = dataset_info(cfg.dataset.name)
+    info = dataset_info(cfg.dataset.name, data_spec(cfg))  # a folder source's classes are read from dataset.path
     spec = {"arch": cfg.model.arch, **{k: int(v) for k, v in info.items()}}  # image: classes, channels, size
     if cfg.model.get("width") is not None:
         spec["width"] = int(cfg.model.width)
+    if cfg.model.arch == "custom":
+        spec["target"] = str(cfg.model.target)
+        spec["kwargs"] = OmegaConf.to_container(cfg.model.kwargs, resolve=True) if cfg.model.get("kwargs") else {}
+    rule = cfg.model.get("factorize")
+    rule = {k: v for k, v in OmegaConf.to_container(rule, resolve=True).items() if v is not None} if rule else {}
+    if rule:
+        spec["factorize"] = rule
+    if cfg.model.get("static_bn", False):
+        spec["static_bn"] = True
+    if cfg.model.arch == "vit" and cfg.method.name in ("fedhm", "fedavg"):  # the whole ViT trains (FedHM)
+        from fedhm_flwr.models.vit import DEFAULTS, arch_of, checkpoint_ref
+
+        for key in DEFAULTS:
+            spec[key] = int(cfg.model.get(key) or DEFAULTS[key])
+        spec["backbone_seed"] = int(cfg.model.get("backbone_seed", 0) or 0)
+        pretrained = backbone_choice(cfg) == "pretrained"
+        spec["backbone"] = checkpoint_ref(arch_of(spec)) if pretrained else "random"
+        spec["train_backbone"] = True
     return spec
 
 
@@ -455,7 +632,15 @@ def data_spec(cfg: DictConfig, num_partitions: int | None = None) -> dict[str, A
         "augment": bool(cfg.dataset.augment),
         "download": bool(cfg.dataset.download),
         "holdout": holdout_fraction(cfg),
+        **source_options(cfg),
     }
+
+
+def source_options(cfg: DictConfig) -> dict[str, Any]:
+    """A folder source's options (``dataset.path``, ``dataset.image_size``, ...; none for the others)."""
+    from fedhm_flwr.data.spec import SOURCE_DEFAULTS
+
+    return {key: cfg.dataset.get(key, default) for key, default in SOURCE_DEFAULTS.get(cfg.dataset.name, {}).items()}
 
 
 def holdout_fraction(cfg: DictConfig) -> float:

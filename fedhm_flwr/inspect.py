@@ -3,8 +3,10 @@
 ``python -m fedhm_flwr.inspect [HYDRA OVERRIDES ...]`` composes the same configuration as a run
 and prints one row per level: the level's ratio, its exact integer parameter count, its MACs for
 one input and the bytes of the payload a client of that level receives (and sends back) per
-round. ``--json`` prints the rows as JSON instead. Everything is counted from shapes on PyTorch's meta
-device: no weight is allocated and no SVD computed (a ResNet-34 table in about a second). A method
+round. For FedHM (and FedAvg of family fedhm) a second table gives the plan: every layer the
+model's factorization rule selects (``model.factorize``, :mod:`fedhm_flwr.models.rules`), its
+weight shape and its rank and parameter count at each level. ``--json`` prints the rows as JSON
+instead. Everything is counted from shapes on PyTorch's meta device: no weight is allocated and no SVD computed (a ResNet-34 table in about a second). A method
 whose payload needs values (PriSM samples kernels by singular value, FedLoRA/HeteroTune load
 pre-trained weights) falls back to real tensors.
 """
@@ -55,6 +57,54 @@ def _rows(cfg: Any, spec: dict[str, Any], strategy: Any) -> list[dict[str, Any]]
     return rows
 
 
+def plan_rows(cfg: Any) -> list[dict[str, Any]] | None:
+    """FedHM's plan: one dict per selected layer (layer, type, shape, params, ranks, level_params:
+    one entry per level, rank None = full), or None for a method that factorizes nothing.
+
+    A factorized layer's weight is ``A (rows × r)`` and ``B (r × cols)`` of its layer matrix
+    (conv ``(n·k, m·k)``, linear ``(out, in)``): ``r · (rows + cols)`` parameters.
+    """
+    from fedhm_flwr.models.rules import select_layers
+    from strategies import STRATEGIES
+    from strategies.fedhm import FedHMStrategy
+
+    spec = model_spec(cfg)
+    with torch.device("meta"):
+        strategy = STRATEGIES[cfg.method.name](cfg, spec)
+        inner = getattr(strategy, "inner", strategy)
+        if not isinstance(inner, FedHMStrategy):
+            return None
+        model = build_model(spec, spectral_init=False)
+    rows = []
+    for name in select_layers(model):
+        module = model.get_submodule(name)
+        shape = tuple(module.weight.shape)
+        rows_, cols = (shape[0] * shape[2], shape[1] * shape[3]) if len(shape) == 4 else shape
+        ranks = [r.get(name) for r in inner.ranks]
+        rows.append({"layer": name, "type": type(module).__name__, "shape": list(shape),
+                     "params": int(module.weight.numel()), "ranks": ranks,
+                     "level_params": [int(module.weight.numel()) if r is None else int(r * (rows_ + cols))
+                                      for r in ranks]})
+    return rows
+
+
+def format_plan(cfg: Any, levels: list[float], plan: list[dict[str, Any]]) -> str:
+    """The plan as a Markdown table: a level's cell is ``full`` or ``r=<rank> (<params>)``."""
+    cols = ["layer", "type", "weight shape", "full params"] + [f"g{i + 1} ({g:g})" for i, g in enumerate(levels)]
+    factorized = sum(any(r is not None for r in row["ranks"]) for row in plan)
+    lines = [f"FedHM plan: {len(plan)} layers selected by the rule (model.factorize), {factorized} of them "
+             "factorized below gamma=1 (the others are the first rho, kept full rank)",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for row in plan:
+        cells = [row["layer"], row["type"], "x".join(map(str, row["shape"])), f"{row['params']:,}"]
+        cells += ["full" if r is None else f"r={r} ({p:,})" for r, p in zip(row["ranks"], row["level_params"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    totals = [sum(row["level_params"][i] for row in plan) for i in range(len(levels))]
+    lines.append("| total | | | " + f"{sum(row['params'] for row in plan):,} | "
+                 + " | ".join(f"{t:,}" for t in totals) + " |")
+    return "\n".join(lines)
+
+
 def _human(n: float) -> str:
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= scale:
@@ -63,7 +113,9 @@ def _human(n: float) -> str:
 
 
 def format_table(cfg: Any, rows: list[dict[str, Any]]) -> str:
-    head = f"method {cfg.method.name} | model {cfg.model.arch} (width {cfg.model.get('width')}) | dataset {cfg.dataset.name}"
+    model = (f"{cfg.model.target} {dict(cfg.model.get('kwargs') or {})}" if cfg.model.arch == "custom"
+             else f"{cfg.model.arch} (width {cfg.model.get('width')})")
+    head = f"method {cfg.method.name} | model {model} | dataset {cfg.dataset.name}"
     extra = [k for k in rows[0] if k not in ("level", "ratio", "params", "macs", "payload_bytes")]
     cols = ["level", "ratio", "parameters", "params (M)", "MACs / input", "payload bytes"] + extra
     lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -87,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(rows, indent=1) if args.json else format_table(cfg, rows))
+    if not args.json:
+        plan = plan_rows(cfg)
+        if plan:
+            print()
+            print(format_plan(cfg, [r["ratio"] for r in rows], plan))
     return 0
 
 

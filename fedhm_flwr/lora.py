@@ -1,13 +1,13 @@
-"""FedLoRA math (SPEC §2, FedHM journal §5): hand out ``ΔW`` at a rank, aggregate the products.
+"""FedLoRA math (docs/METHODS.md#fedlora, FedHM journal §5): hand out ``ΔW`` at a rank, aggregate the products.
 
 Pure functions on tensors, no Flower import.
 
-Conventions (SPEC): an adapted projection is ``W = W0 + B A`` (scale 1) with ``B`` of shape
+Conventions (docs/METHODS.md#fedlora): an adapted projection is ``W = W0 + B A`` (scale 1) with ``B`` of shape
 ``(out, r)`` and ``A`` of shape ``(r, in)``. The server keeps the full ``ΔW`` (``out × in``) of
 every adapted projection.
 
 * Hand-out (:func:`handout`): a client of rank ``r`` gets the best rank-``r`` approximation of
-  ``ΔW`` (Eckart–Young), split as FedHM's spectral split (SPEC §1): with the thin SVD
+  ``ΔW`` (Eckart–Young), split as FedHM's spectral split (docs/METHODS.md#fedhm-factorization): with the thin SVD
   ``ΔW = U S Vᵀ``, ``B = U_r √S_r`` and ``A = √S_r V_rᵀ`` (:func:`fedhm_flwr.lowrank.split_factors`).
   A component whose singular value is ~0 (all of them in round 1, where ``ΔW = 0``) would give
   a zero row of ``A`` *and* a zero column of ``B``, and both gradients would then be zero

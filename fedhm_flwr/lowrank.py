@@ -1,4 +1,4 @@
-"""Low-rank factorization of conv and linear layers (FedHM, SPEC §1).
+"""Low-rank factorization of conv and linear layers (FedHM, docs/METHODS.md#fedhm-factorization).
 
 Everything here is plain PyTorch and free of Flower, so that the server, the clients and the
 tests share one implementation.
@@ -131,7 +131,7 @@ def _round_half_up(x: float) -> int:
 
 
 def rank_for(shape: tuple[int, ...] | torch.Size, gamma: float) -> int:
-    """Rank of a factorized layer of weight ``shape`` at rank ratio ``gamma`` (SPEC §1).
+    """Rank of a factorized layer of weight ``shape`` at rank ratio ``gamma`` (docs/METHODS.md#fedhm-ranks).
 
     Conv ``(n, m, k, k)``: ``max(1, round(gamma·n))``; linear ``(out, in)``:
     ``max(1, round(gamma·min(out, in)))``; ``round`` is round-half-up; the result is capped at
@@ -161,18 +161,21 @@ def _weight_shape(module: nn.Module) -> tuple[int, ...]:
 def plan_ranks(model: nn.Module, gamma: float, rho: int | None = None) -> dict[str, int]:
     """Ranks of the hybrid ``[rho, L, gamma]`` network: ``{layer name: rank}``.
 
-    The model must expose ``factorizable_layers()`` (forward order) and ``default_rho``. The
-    first ``rho`` factorizable layers stay full rank, the rest get :func:`rank_for`.
-    ``gamma == 1`` means "send the model full rank": the plan is empty.
+    The factorizable layers are those the model's rule selects, in forward order
+    (:func:`fedhm_flwr.models.rules.select_layers`; any ``nn.Module``); ``rho`` (default: the
+    rule's ``keep_first``, else the model's ``default_rho``) of them stay full rank, the rest get
+    :func:`rank_for`. ``gamma == 1`` means "send the model full rank": the plan is empty.
     """
+    from .models.rules import keep_first, select_layers  # (models imports this module)
+
     gamma = _check_gamma(gamma)
     if rho is None:
-        rho = int(model.default_rho)
+        rho = keep_first(model)
     if isinstance(rho, bool) or not isinstance(rho, int) or rho < 0:
         raise ValueError(f"rho must be an int >= 0, got {rho!r}")
     if gamma == 1.0:
         return {}
-    names = list(model.factorizable_layers())[rho:]
+    names = select_layers(model)[rho:]
     return {name: rank_for(_weight_shape(model.get_submodule(name)), gamma) for name in names}
 
 

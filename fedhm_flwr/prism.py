@@ -1,4 +1,4 @@
-"""PriSM: probabilistic sub-models in the orthogonal kernel space (SPEC section 2). No Flower import.
+"""PriSM: probabilistic sub-models in the orthogonal kernel space (docs/METHODS.md#prism). No Flower import.
 
 Conventions
 -----------

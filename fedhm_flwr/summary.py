@@ -393,7 +393,7 @@ def _half(values: list[float]) -> float:
     return 0.0 if math.isnan(est.half_width) else est.half_width
 
 
-def _plots(swept: list[str], rows: list[dict[str, Any]], out: Path) -> None:
+def write_plots(swept: list[str], rows: list[dict[str, Any]], out: Path) -> None:
     """Mean curves with 95 % CI bands, and accuracy against bytes, parameters and MACs with 95 % CI
     error bars over seeds (one colour per configuration)."""
     import matplotlib
@@ -487,7 +487,7 @@ def write_summary(paths: list[Path], out: Path, reference: str = "fedhm") -> lis
     atomic_write(out / "statistics.md", statistics_markdown(stats, paired, reference))
     atomic_write(out / "statistics.csv", _csv(stats) if stats else "")
     atomic_write(out / "paired.csv", _csv(paired) if paired else "")
-    _plots(swept, rows, out)
+    write_plots(swept, rows, out)
     return rows
 
 

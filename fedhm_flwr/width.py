@@ -1,4 +1,4 @@
-"""Width slicing of HeteroFL and FedRolex (SPEC section 2): pure functions on tensors, no Flower.
+"""Width slicing of HeteroFL and FedRolex (docs/METHODS.md#heterofl): pure functions on tensors, no Flower.
 
 A level is a width rate ``r`` in (0, 1]. Its sub-model is the same architecture with fewer
 channels:

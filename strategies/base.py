@@ -37,6 +37,7 @@ from fedhm_flwr.config import data_spec, learning_rate, level_proportions
 from fedhm_flwr.lowrank import recover_state
 from fedhm_flwr.train import distill_options
 
+from . import common
 from .nodes import NodeInfo, NodeRegistry, content_bytes, exchange
 from .untrusted import Untrusted
 
@@ -223,8 +224,28 @@ class HeteroStrategy(Strategy):
         return level_weights([r.level for r in replies], float(method.tau), counts)
 
     def level_cost(self, level_index: int) -> dict[str, float]:
-        """Costs of a level's model (parameters, MACs, ...), for budget-declared capabilities."""
-        return {}
+        """Costs of a level's client model (parameters, MACs, bytes, memory, ...), computed once per
+        level, for budget-declared capabilities, ``inspect`` and the summary: the model
+        :meth:`cost_spec` names, counted by :func:`strategies.common.level_costs` and refined by
+        :meth:`extra_costs`. ``{}`` for a method that names no model."""
+        cache = self.__dict__.setdefault("_level_costs", {})
+        if level_index not in cache:
+            cache[level_index] = common.level_costs(
+                self.cost_spec(level_index), self.cfg, frozen_backbone=self.frozen_backbone,
+                head_keys=getattr(self, "classifier_keys", []),
+                extra=lambda model, costs: self.extra_costs(level_index, model, costs))
+        return cache[level_index]
+
+    #: the clients train part of a frozen model (the transformer track): costs count what they train
+    frozen_backbone = False
+
+    def cost_spec(self, level_index: int) -> dict[str, Any] | None:
+        """The spec of the model a client of this level trains, whose costs are the level's (None: no costs)."""
+        return None
+
+    def extra_costs(self, level_index: int, model: Any, costs: dict[str, float]) -> dict[str, float]:
+        """A level's costs as reported, from the counted ones (``model``: the counted model)."""
+        return costs
 
     def strategy_state(self) -> dict[str, Any]:
         """Method state beyond the global model that a checkpoint must keep."""

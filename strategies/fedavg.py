@@ -1,4 +1,4 @@
-"""Homogeneous FedAvg (SPEC section 2): every client trains the same model.
+"""Homogeneous FedAvg (docs/METHODS.md#fedavg): every client trains the same model.
 
 ``method.variant``: ``full`` (the full model, the upper bound) or ``smallest`` (the smallest
 level's model: what a system bound by its weakest client would do). ``method.family`` says whose
@@ -78,8 +78,11 @@ class FedAvgStrategy(HeteroStrategy):
     def reply_weights(self, replies: list[Reply]) -> Any:
         return self.inner.reply_weights(replies)
 
-    def level_cost(self, level_index: int) -> dict[str, float]:
-        return self.inner.level_cost(level_index)
+    def cost_spec(self, level_index: int) -> dict[str, Any] | None:
+        return self.inner.cost_spec(level_index)
+
+    def extra_costs(self, level_index: int, model: Any, costs: dict[str, float]) -> dict[str, float]:
+        return self.inner.extra_costs(level_index, model, costs)
 
     def evaluate_levels(self, global_state: State) -> dict[str, Any]:
         if not self.global_is_level:

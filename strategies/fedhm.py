@@ -1,4 +1,4 @@
-"""FedHM (SPEC section 1): hybrid low-rank client models cut by SVD, recovered and averaged.
+"""FedHM (docs/METHODS.md#fedhm): hybrid low-rank client models cut by SVD, recovered and averaged.
 
 One decomposition per factorizable layer per model version, whoever asks (hand-out, evaluation
 of each level's deployable model, checkpoint): the cache is keyed by the layer's content, not by
@@ -24,16 +24,10 @@ import torch
 
 from fedhm_flwr.aggregation import average_hybrid, level_weights, official_code_weights
 from fedhm_flwr.lowrank import SVD, compute_svds, factorize_state, plan_ranks
-from fedhm_flwr.models import build_model, input_shape
-from fedhm_flwr.models.costs import activation_elements, count_macs, count_parameters, training_memory_bytes
+from fedhm_flwr.models import build_model
 
 from .base import HeteroStrategy, Reply, State
-
-
-def classifier_keys(model: Any) -> list[str]:
-    """State keys whose first dimension indexes classes (aggregated per class)."""
-    name = getattr(model, "classifier_name", "fc")
-    return [k for k in model.state_dict() if k.startswith(f"{name}.")]
+from .common import classifier_keys
 
 
 class FedHMStrategy(HeteroStrategy):
@@ -51,7 +45,6 @@ class FedHMStrategy(HeteroStrategy):
         self.tau = float(cfg.method.tau)
         self.layer_ranks = {name: sorted({r[name] for r in self.ranks if name in r}) for name in self.factorized}
         self._svd_cache: dict[str, tuple[torch.Tensor, SVD]] = {}  # layer -> (weight it was computed from, SVD)
-        self._costs: dict[int, dict[str, float]] = {}
 
     def level_spec(self, level_index: int) -> dict[str, Any]:
         ranks = self.ranks[level_index]
@@ -102,17 +95,5 @@ class FedHMStrategy(HeteroStrategy):
             return official_code_weights(levels, self.tau, self.cfg.levels.assignment == "dynamic", counts)
         return level_weights(levels, self.tau, counts)
 
-    def level_cost(self, level_index: int) -> dict[str, float]:
-        if level_index not in self._costs:
-            model = build_model(self.level_spec(level_index), spectral_init=False)
-            params = count_parameters(model)
-            shape = input_shape(self.spec)
-            slots = 1 if float(self.cfg.train.momentum) > 0 else 0
-            self._costs[level_index] = {
-                "params": float(params),
-                "macs": float(count_macs(model, shape)),
-                "bytes": float(4 * params),
-                "memory": float(training_memory_bytes(params, activation_elements(model, shape),
-                                                      int(self.cfg.train.batch_size), slots)),
-            }
-        return self._costs[level_index]
+    def cost_spec(self, level_index: int) -> dict[str, Any]:
+        return self.level_spec(level_index)

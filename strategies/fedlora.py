@@ -1,4 +1,4 @@
-"""FedLoRA (SPEC §2, FedHM journal §5): a frozen pre-trained transformer, heterogeneous LoRA ranks.
+"""FedLoRA (docs/METHODS.md#fedlora, FedHM journal §5): a frozen pre-trained transformer, heterogeneous LoRA ranks.
 
 The server keeps the full ``ΔW`` of the Q, K, V and output projections of every block (the
 global state's ``<layer>.lora_delta``) and the classifier head. A client of level ``γ`` trains
@@ -34,9 +34,10 @@ from fedhm_flwr.aggregation import average_states, level_weights
 from fedhm_flwr.lora import LORA_DELTA, aggregate_products, handout_state, lora_rank, merge_lora_replies, random_rows
 from fedhm_flwr.lowrank import SVD, layer_svd
 from fedhm_flwr.models import build_model
-from fedhm_flwr.models.adapters import federated_keys, trainable_state
+from fedhm_flwr.models.adapters import federated_keys
 
 from .base import HeteroStrategy, Reply, State
+from .common import classifier_keys
 
 TRANSFORMER_ARCHS = ("minilm", "vit")
 
@@ -47,12 +48,13 @@ TRANSFORMER_ARCHS = ("minilm", "vit")
 def transformer_spec(cfg: DictConfig, spec: dict[str, Any]) -> dict[str, Any]:
     """The model spec of ``cfg.model`` over its backbone (package weights, a ``make pretrain``
     checkpoint named by its cache path, or a seeded random init), without adaptation keys."""
+    from fedhm_flwr.config import backbone_choice
     from fedhm_flwr.models.text import PACKAGE_BACKBONE
     from fedhm_flwr.models.vit import DEFAULTS, arch_of, checkpoint_ref
 
     m = cfg.model
     out = dict(spec)
-    backbone = str(m.get("backbone", "pretrained"))
+    backbone = backbone_choice(cfg)
     out["backbone_seed"] = int(m.get("backbone_seed", 0) or 0)
     if spec["arch"] == "minilm":
         for key in ("depth", "heads", "intermediate"):
@@ -101,18 +103,6 @@ def client_options(cfg: DictConfig, server_round: int) -> dict[str, Any]:
     return out
 
 
-def record_bytes(state: dict[str, torch.Tensor]) -> int:
-    """Bytes of ``state`` in a message, counted as the round counts them (``ArrayRecord.count_bytes``)."""
-    return int(ArrayRecord.from_torch_state_dict({k: v.detach().float().contiguous() for k, v in state.items()})
-               .count_bytes())
-
-
-def head_keys(model: torch.nn.Module) -> list[str]:
-    """The classifier's state keys (aggregated per class)."""
-    name = getattr(model, "classifier_name", "head")
-    return [k for k in model.state_dict() if k.startswith(f"{name}.")]
-
-
 # ------------------------------------------------------------------------------------ strategy
 
 
@@ -140,10 +130,9 @@ class FedLoRAStrategy(HeteroStrategy):
         self.max_allowed = min(min(model.get_submodule(t).weight.shape) for t in self.targets)
         if self.mode == "lora" and max(self.ranks) > self.max_allowed:
             raise ValueError(f"method.max_rank={self.max_rank} exceeds the projections' size {self.max_allowed}")
-        self.classifier_keys = head_keys(model)
+        self.classifier_keys = classifier_keys(model)
         self._round: tuple[int, State, dict[str, SVD], dict[str, torch.Tensor]] | None = None
         self.server_round = 0
-        self._costs: dict[int, dict[str, float]] = {}
 
     # -- state
 
@@ -206,23 +195,19 @@ class FedLoRAStrategy(HeteroStrategy):
 
     # -- costs
 
-    def level_cost(self, level_index: int) -> dict[str, float]:
+    frozen_backbone = True
+
+    def cost_spec(self, level_index: int) -> dict[str, Any]:
+        return self.level_spec(level_index)
+
+    def extra_costs(self, level_index: int, model: Any, costs: dict[str, float]) -> dict[str, float]:
         """Trainable parameters (adapters and head apart) and the bytes a client moves per round."""
-        if level_index not in self._costs:
-            torch.manual_seed(0)
-            model = build_model(self.level_spec(level_index))
-            trained = trainable_state(model)
-            head = sum(v.numel() for k, v in trained.items() if k in self.classifier_keys)
-            total = sum(v.numel() for v in trained.values())
-            frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-            up = record_bytes(trained)
-            self._costs[level_index] = {
-                "rank": float(self.ranks[level_index] or 0),
-                "params": float(total),
-                "adapter_params": float(total - head if self.mode == "lora" else 0),
-                "head_params": float(head),
-                "frozen_params": float(frozen),
-                "bytes_up": float(up),
-                "bytes_down": float(up),  # a client receives exactly the keys it sends back
-            }
-        return self._costs[level_index]
+        return {
+            "rank": float(self.ranks[level_index] or 0),
+            "params": costs["params"],
+            "adapter_params": costs["params"] - costs["head_params"] if self.mode == "lora" else 0.0,
+            "head_params": costs["head_params"],
+            "frozen_params": costs["frozen_params"],
+            "bytes_up": costs["bytes_up"],
+            "bytes_down": costs["bytes_up"],  # a client receives exactly the keys it sends back
+        }

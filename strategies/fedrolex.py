@@ -1,4 +1,4 @@
-"""FedRolex (SPEC section 2): HeteroFL's sub-models cut by a rolling window.
+"""FedRolex (docs/METHODS.md#fedrolex): HeteroFL's sub-models cut by a rolling window.
 
 In round ``j`` a layer with ``K`` channels keeps ``{(i + j) mod K : i < ceil(rate·K)}``; the window
 moves forward one channel per round and wraps, and all clients of a round share it. Here

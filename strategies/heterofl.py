@@ -1,4 +1,4 @@
-"""HeteroFL (SPEC section 2): width-sliced sub-models, averaged element-wise over their holders.
+"""HeteroFL (docs/METHODS.md#heterofl): width-sliced sub-models, averaged element-wise over their holders.
 
 A level is a width rate ``r``; its clients train the same architecture with ``ceil(r·C)`` of the
 ``C`` channels of every hidden layer (the first ones: a static slice), with HeteroFL's Scaler and
@@ -26,11 +26,10 @@ import torch
 from flwr.supercore import log
 
 from fedhm_flwr import width
-from fedhm_flwr.models import build_model, input_shape
-from fedhm_flwr.models.costs import activation_elements, count_macs, count_parameters, training_memory_bytes
+from fedhm_flwr.models import build_model
 
 from .base import HeteroStrategy, Reply, State
-from .fedhm import classifier_keys
+from .common import classifier_keys
 
 
 class HeteroFLStrategy(HeteroStrategy):
@@ -55,7 +54,6 @@ class HeteroFLStrategy(HeteroStrategy):
             self.rates, self.fedhm_params = width.matched_rates(self.spec, self.levels)
         self.current_round = 1
         self._plans: dict[tuple[int, int], width.Plan] = {}
-        self._costs: dict[int, dict[str, float]] = {}
 
     def summary(self) -> None:
         super().summary()
@@ -113,19 +111,11 @@ class HeteroFLStrategy(HeteroStrategy):
         """The level's sub-model sliced from the global model (FedRolex: the current window)."""
         return self.level_spec(level_index), width.slice_state(global_state, self.plan(level_index))
 
-    def level_cost(self, level_index: int) -> dict[str, float]:
-        """Parameters, MACs per input, bytes of the payload and estimated training memory."""
-        if level_index not in self._costs:
-            shape = input_shape(self.spec)
-            slots = 1 if float(self.cfg.train.momentum) > 0 else 0
-            with torch.device("meta"):  # shapes only; costs counted by hooks on a meta forward
-                model = build_model(self.level_spec(level_index))
-                params = count_parameters(model)
-                macs = count_macs(model, shape)
-                memory = training_memory_bytes(params, activation_elements(model, shape),
-                                               int(self.cfg.train.batch_size), slots)
-            self._costs[level_index] = {"params": float(params), "macs": float(macs), "bytes": float(4 * params),
-                                        "memory": float(memory)}
-            if self.fedhm_params is not None:
-                self._costs[level_index]["fedhm_params"] = float(self.fedhm_params[level_index])
-        return self._costs[level_index]
+    def cost_spec(self, level_index: int) -> dict[str, Any]:
+        return self.level_spec(level_index)
+
+    def extra_costs(self, level_index: int, model: Any, costs: dict[str, float]) -> dict[str, float]:
+        """With ``levels.match=fedhm_params``, also FedHM's parameter count of the level (``fedhm_params``)."""
+        if self.fedhm_params is None:
+            return costs
+        return {**costs, "fedhm_params": float(self.fedhm_params[level_index])}

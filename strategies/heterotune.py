@@ -1,4 +1,4 @@
-"""HeteroTune (SPEC §2): model types of different sizes, DeMA adapters, CMGA on the server.
+"""HeteroTune (docs/METHODS.md#heterotune): model types of different sizes, DeMA adapters, CMGA on the server.
 
 Level ``i`` is model type ``i`` (largest first). A type is the transformer backbone truncated to
 ``ceil(γ_i · depth)`` blocks (``method.scale=depth``; MiniLM) or the pre-trained ViT of width
@@ -44,10 +44,11 @@ import torch
 from fedhm_flwr.aggregation import average_states
 from fedhm_flwr.cmga import cmga
 from fedhm_flwr.models import build_model
-from fedhm_flwr.models.adapters import federated_keys, merge_dema, trainable_state
+from fedhm_flwr.models.adapters import federated_keys, merge_dema
 
 from .base import HeteroStrategy, Reply, State
-from .fedlora import client_options, head_keys, record_bytes, transformer_spec, type_spec
+from .common import classifier_keys, record_bytes
+from .fedlora import client_options, transformer_spec, type_spec
 
 SITES = ("pre", "post")
 
@@ -89,8 +90,7 @@ class HeteroTuneStrategy(HeteroStrategy):
         self.members = [[j for j, d in enumerate(self.depths) if d > k] for k in range(max(self.depths))]
         self.spec = self.deploy_spec(0)
         probe = build_model(self.deploy_spec(0))
-        self.classifier_keys = head_keys(probe)
-        self._costs: dict[int, dict[str, float]] = {}
+        self.classifier_keys = classifier_keys(probe)
         self.server_round = 0
 
     @staticmethod
@@ -216,30 +216,28 @@ class HeteroTuneStrategy(HeteroStrategy):
 
     # -- costs
 
-    def level_cost(self, level_index: int) -> dict[str, float]:
+    frozen_backbone = True
+
+    def cost_spec(self, level_index: int) -> dict[str, Any]:
+        return self.train_spec(level_index)
+
+    def extra_costs(self, level_index: int, model: Any, costs: dict[str, float]) -> dict[str, float]:
         """Per type: trainable parameters (adapters, gates, own share-adapters, head) and bytes moved."""
-        if level_index not in self._costs:
-            i = level_index
-            torch.manual_seed(0)
-            model = build_model(self.train_spec(i))
-            trained = trainable_state(model)
-            head = sum(v.numel() for k, v in trained.items() if k in self.classifier_keys)
-            share = sum(v.numel() for k, v in trained.items() if is_share(k))
-            total = sum(v.numel() for v in trained.values())
-            received = {k: v for k, v in model.state_dict().items() if k in set(federated_keys(model))}
-            deployed = build_model(self.deploy_spec(i))
-            spec = self.type_specs[i]
-            self._costs[i] = {
-                "depth": float(self.depths[i]),
-                "width": float(spec.get("width") or model.block_dim),
-                "params": float(total),
-                "adapter_params": float(total - head - share),
-                "share_params": float(share),
-                "head_params": float(head),
-                "frozen_params": float(sum(p.numel() for p in model.parameters() if not p.requires_grad)),
-                "deployed_adapter_params": float(sum(p.numel() for n, p in deployed.named_parameters()
-                                                     if n.startswith("adapters."))),
-                "bytes_up": float(record_bytes(trained)),
-                "bytes_down": float(record_bytes(received)),
-            }
-        return self._costs[level_index]
+        i = level_index
+        share = sum(p.numel() for k, p in model.named_parameters() if p.requires_grad and is_share(k))
+        received = {k: v for k, v in model.state_dict().items() if k in set(federated_keys(model))}
+        deployed = build_model(self.deploy_spec(i))
+        spec = self.type_specs[i]
+        return {
+            "depth": float(self.depths[i]),
+            "width": float(spec.get("width") or model.block_dim),
+            "params": costs["params"],
+            "adapter_params": costs["params"] - costs["head_params"] - float(share),
+            "share_params": float(share),
+            "head_params": costs["head_params"],
+            "frozen_params": costs["frozen_params"],
+            "deployed_adapter_params": float(sum(p.numel() for n, p in deployed.named_parameters()
+                                                 if n.startswith("adapters."))),
+            "bytes_up": costs["bytes_up"],
+            "bytes_down": float(record_bytes(received)),
+        }

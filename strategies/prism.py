@@ -1,4 +1,4 @@
-"""PriSM and OrthDrop (SPEC section 2): sub-models of principal kernels, sampled per client.
+"""PriSM and OrthDrop (docs/METHODS.md#prism): sub-models of principal kernels, sampled per client.
 
 Levels are *keep ratios*: a client of keep ratio ``k`` trains ``ceil(k·R)`` of the ``R`` principal
 kernels of every decomposed layer (every factorizable conv / linear layer after the first
@@ -39,10 +39,10 @@ import torch
 from fedhm_flwr import prism
 from fedhm_flwr.aggregation import average_states
 from fedhm_flwr.models import build_model, input_shape
-from fedhm_flwr.models.costs import count_macs, count_parameters
+from fedhm_flwr.models.costs import activation_elements
 
 from .base import HeteroStrategy, Payload, Reply, State
-from .fedhm import activation_elements, classifier_keys, training_memory_bytes
+from .common import classifier_keys
 
 #: random-stream id of the kernel draws (the base uses 0: node sampling, 1: levels, 2: failures)
 DRAW_STREAM = 3
@@ -74,7 +74,6 @@ class PriSMStrategy(HeteroStrategy):
         self._source: dict[str, torch.Tensor] = {}  # the weights self.factored decomposes
         self._probabilities: dict[str, np.ndarray] = {}
         self.draws: dict[int, dict[str, prism.Draw]] = {}  # node id -> its draw, this round
-        self._costs: dict[int, dict[str, float]] = {}
 
     # ------------------------------------------------------------------ factored form
 
@@ -203,29 +202,15 @@ class PriSMStrategy(HeteroStrategy):
         """The level's top-k sub-model with every output row (its best inference model)."""
         return self.submodel(self.top_k(level_index, u_subset=False), global_state)
 
-    def level_cost(self, level_index: int) -> dict[str, float]:
-        """Parameters sent, MACs per input, payload bytes, training memory, and ``activations``:
-        the bytes of activations of one training batch (float32; outputs of every leaf module,
-        ``Conv_U``'s counted at the channels it computes)."""
-        if level_index not in self._costs:
-            layers = {name: prism.layer_spec(d) for name, d in self.top_k(level_index).items()}
-            spec = {**self.spec, "prism": layers}
-            shape = input_shape(self.spec)
-            batch = int(self.cfg.train.batch_size)
-            slots = 1 if float(self.cfg.train.momentum) > 0 else 0
-            with torch.device("meta"):
-                model = build_model(spec, spectral_init=False)
-                params = count_parameters(model)
-                macs = count_macs(model, shape)
-                acts = activation_elements(model, shape)
-            self._costs[level_index] = {
-                "params": float(params),
-                "macs": float(macs),
-                "bytes": float(4 * params),
-                "memory": float(training_memory_bytes(params, acts, batch, slots)),
-                "activations": float(4 * batch * acts),
-            }
-        return self._costs[level_index]
+    def cost_spec(self, level_index: int) -> dict[str, Any]:
+        """The level's top-k sub-model (what :meth:`level_payload` sends)."""
+        return {**self.spec, "prism": {name: prism.layer_spec(d) for name, d in self.top_k(level_index).items()}}
+
+    def extra_costs(self, level_index: int, model: Any, costs: dict[str, float]) -> dict[str, float]:
+        """Also ``activations``: the bytes of activations of one training batch (float32; outputs
+        of every leaf module, ``Conv_U``'s counted at the channels it computes)."""
+        batch = int(self.cfg.train.batch_size)
+        return {**costs, "activations": float(4 * batch * activation_elements(model, input_shape(self.spec)))}
 
     def strategy_state(self) -> dict[str, Any]:
         """Nothing a resume needs: the factored form is the SVD of the checkpointed global weights

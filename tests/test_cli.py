@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from fedhm_flwr import api
-from fedhm_flwr.cli import COMMANDS, compare_overrides, main
+from fedhm_flwr.cli import COMMANDS, compare_plan, main
 from fedhm_flwr.config import ConfigError
 from fedhm_flwr.progress import Follower, eta_seconds, format_seconds, progress_text
 
@@ -76,14 +76,21 @@ def test_sweep_reaches_hydra_and_its_config_tree(tmp_path, capfd):
     assert not list((tmp_path / "sweep").rglob("metrics.jsonl"))
 
 
-def test_compare_user_overrides_replace_the_defaults():
+def test_compare_plan_runs_every_method_on_every_seed_then_each_ablation():
     now = dt.datetime(2026, 1, 2, 3, 4, 5)
-    assert compare_overrides([], now) == ["method=fedhm,heterofl,fedrolex,fedavg,fedavg_smallest", "rounds=8",
-                                          "dataset.max_train_examples=30000",
-                                          "hydra.sweep.dir=outputs/compare/2026-01-02_03-04-05"]
-    got = compare_overrides(["rounds=2", "method=fedhm,heterofl", "seed=1"], now)
-    assert got == ["dataset.max_train_examples=30000", "hydra.sweep.dir=outputs/compare/2026-01-02_03-04-05",
-                   "rounds=2", "method=fedhm,heterofl", "seed=1"]
+    root, sweeps = compare_plan([], now=now)
+    assert root == "outputs/compare/2026-01-02_03-04-05"
+    common = ["seed=0,1,2", "levels.match=fedhm_params", "rounds=8", "dataset.max_train_examples=30000"]
+    assert sweeps[0] == ["method=fedhm,heterofl,fedrolex,fedavg,fedavg_smallest", *common,
+                         f"hydra.sweep.dir={root}/methods"]
+    assert sweeps[1:] == [["method=fedhm", option, *common, f"hydra.sweep.dir={root}/{option.split('=')[0]}"]
+                          for option in ("train.distill.enabled=true", "method.official_weights=true",
+                                         "method.add_previous_global=true")]
+    # the user's overrides replace the defaults with the same key, directory and methods included
+    root, sweeps = compare_plan(["rounds=2", "method=fedhm,heterofl", "hydra.sweep.dir=/tmp/c"], "1", "none", (), now)
+    assert root == "/tmp/c"
+    assert sweeps == [["method=fedhm,heterofl", "seed=1", "levels.match=none", "dataset.max_train_examples=30000",
+                       "rounds=2", "hydra.sweep.dir=/tmp/c/methods"]]
 
 
 def test_api_summary_reads_a_finished_run(tmp_path):

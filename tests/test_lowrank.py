@@ -1,4 +1,4 @@
-"""Low-rank math of FedHM (SPEC §1): unrolling, exact factorized layers, SVD truncation, wire format."""
+"""Low-rank math of FedHM (docs/METHODS.md#fedhm-factorization): unrolling, exact factorized layers, SVD truncation, wire format."""
 
 from __future__ import annotations
 

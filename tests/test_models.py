@@ -41,7 +41,7 @@ def test_resnet18_cifar_is_the_standard_one():
         (R34, 1, 21.33),
         (R34, 1 / 2, 8.40),
         (R34, 1 / 4, 4.99),
-        (R34, 1 / 8, 3.28),  # SPEC; the paper's Table 2 prints 3.27 (3,277,220 truncated)
+        (R34, 1 / 8, 3.28),  # docs/METHODS.md#fedhm-hybrid; the paper's Table 2 prints 3.27 (3,277,220 truncated)
         (R34, 1 / 12, 2.71),
     ],
 )

@@ -1,4 +1,4 @@
-"""Width slicing of HeteroFL / FedRolex (SPEC section 2): channel rule, plans, windows, aggregation, Scaler."""
+"""Width slicing of HeteroFL / FedRolex (docs/METHODS.md#heterofl, #fedrolex): channel rule, plans, windows, aggregation, Scaler."""
 
 from __future__ import annotations
 

@@ -1,14 +1,32 @@
 """Models built from a JSON-able spec dict (the only way server and clients build models).
 
 Spec keys: ``arch`` (a key of :data:`ARCHS`), ``num_classes``, ``in_channels``, ``image_size``,
-optional ``width`` (base width, default 64) and optional ``ranks`` (``{layer name: rank}``; when
-non-empty the named layers are factorized, giving the hybrid model whose state dict keys match
-:func:`fedhm_flwr.lowrank.factorize_state`). Other keys are passed to the builder untouched.
+optional ``width`` (base width, default 64). ``arch: custom`` builds a user's model instead:
+``target`` (``"package.module:factory"``) called with ``kwargs`` (see :func:`build_custom`).
+
+A model at a level is the arch's model with the spec's *level transforms* applied, in the order of
+:data:`LEVEL_TRANSFORMS` (each one acts only when its spec keys are present; user models go through
+the same ones):
+
+* ``width`` (``width_rate``, ``scaler``): HeteroFL / FedRolex width slicing, which the built-in
+  CNN and ResNets do in their constructors; any other model refuses it;
+* ``adapt`` (``train_backbone``, ``lora``, ``dema``): the transformer track's frozen backbone,
+  LoRA, DeMA adapters or full fine-tuning (:func:`fedhm_flwr.models.transformer.adapt`);
+* ``factorize`` (a rule, :mod:`fedhm_flwr.models.rules`): which layers FedHM may factorize;
+* ``static_bn`` (true): every BatchNorm with running statistics becomes static BN (batch
+  statistics always, as the papers use);
+* ``ranks`` (``{layer name: rank}``; when non-empty the named layers are factorized, giving the
+  hybrid model whose state dict keys match :func:`fedhm_flwr.lowrank.factorize_state`);
+* ``prism`` (``{layer: {"rank": r, "rows": [...]}}``): PriSM's sampled sub-layers.
+
+Other keys are passed to the builder untouched.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from torch import nn
 
@@ -16,31 +34,79 @@ from ..lowrank import factorize_modules
 from .cnn import CNN, build_cnn
 from .costs import count_macs, count_parameters
 from .resnet import ResNet, build_resnet18, build_resnet34, resnet18, resnet34
-from .transformer import build_minilm, build_vit
+from .rules import FactorizeRule, head_name, model_rule
+from .transformer import adapt, minilm, vit
 
 __all__ = [
     "ARCHS",
     "CNN",
+    "LEVEL_TRANSFORMS",
     "ResNet",
+    "build_custom",
     "build_model",
     "count_macs",
     "count_parameters",
     "input_shape",
     "resnet18",
     "resnet34",
+    "resolve_target",
+    "static_bn",
 ]
+
+
+def resolve_target(target: str) -> Callable[..., Any]:
+    """The callable named by ``"package.module:factory"`` (or ``"package.module.factory"``).
+
+    Raises ``ValueError`` naming ``model.target`` when it cannot be imported or is not callable.
+    """
+    text = str(target)
+    module_name, sep, attr = text.partition(":") if ":" in text else text.rpartition(".")
+    allowed = "an importable 'package.module:factory' returning an nn.Module, e.g. torchvision.models:resnet18"
+    if not module_name or not attr:
+        raise ValueError(f"invalid config: model.target={target!r}; allowed: {allowed}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"invalid config: model.target={target!r}; allowed: {allowed} ({err})") from None
+    if not callable(obj):
+        raise ValueError(f"invalid config: model.target={target!r} is not callable; allowed: {allowed}")
+    return obj
+
+
+def build_custom(spec: Mapping) -> nn.Module:
+    """A user's model: ``resolve_target(spec["target"])(**spec["kwargs"])``.
+
+    Its classifier (per-class aggregation, left full by the default rule) is the model's
+    ``classifier_name`` if it has one, else its last ``nn.Linear``.
+    """
+    model = resolve_target(spec["target"])(**dict(spec.get("kwargs") or {}))
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"invalid config: model.target={spec['target']!r} returned a {type(model).__name__}; "
+                         "allowed: a factory returning an nn.Module")
+    if getattr(model, "classifier_name", None) is None:
+        head = head_name(model)
+        if head is not None:
+            model.classifier_name = head
+    return model
+
 
 #: ``arch`` name -> builder taking the spec and returning the full-rank model.
 ARCHS: dict[str, Callable[[Mapping], nn.Module]] = {
     "cnn": build_cnn,
     "resnet18": build_resnet18,
     "resnet34": build_resnet34,
-    "minilm": build_minilm,  # transformer track: MiniLM text classifier (LoRA / DeMA / full)
-    "vit": build_vit,  # transformer track: small ViT for 28x28 images
+    "minilm": minilm,  # transformer track: MiniLM text classifier (LoRA / DeMA / full)
+    "vit": vit,  # transformer track: small ViT for 28x28 images (and FedHM)
+    "custom": build_custom,  # a user's model: spec["target"](**spec["kwargs"])
 }
+#: Archs whose builders slice widths (``width_rate``, ``scaler``) in their constructors.
+WIDTH_ARCHS = ("cnn", "resnet18", "resnet34")
+TRANSFORMER_ARCHS = ("minilm", "vit")
 
 _REQUIRED = ("arch", "num_classes", "in_channels", "image_size")
-_REQUIRED_BY_ARCH = {"minilm": ("arch", "num_classes")}  # token inputs: no image shape
+_REQUIRED_BY_ARCH = {"minilm": ("arch", "num_classes"), "custom": ("arch", "target")}  # token inputs: no image shape
 
 
 def input_shape(spec: Mapping) -> tuple[int, int, int]:
@@ -48,13 +114,104 @@ def input_shape(spec: Mapping) -> tuple[int, int, int]:
     return (int(spec["in_channels"]), int(spec["image_size"]), int(spec["image_size"]))
 
 
+def static_bn(model: nn.Module) -> nn.Module:
+    """Replace, in place, every BatchNorm with running statistics by static BN (sBN:
+    ``track_running_stats=False``, batch statistics in training and evaluation), keeping its
+    affine weights. Their running-statistics buffers leave the state dict. Returns ``model``.
+
+    Which statistics evaluation normalises with (``model.static_bn`` x ``evaluation.bn_stats``):
+
+    * running statistics kept (``static_bn: false``, the default; torchvision's models): the
+      buffers ``running_mean``/``running_var``/``num_batches_tracked`` travel with the weights and
+      are averaged like them (weighted mean; the counter rounded down). In evaluation the model
+      normalises with these averaged running statistics (with ``bn_stats=test_batch`` too: eval
+      mode reads the buffers), and every level's deployable model with the full model's, since a
+      truncation keeps the buffers; ``bn_stats=federated`` replaces them by the statistics the
+      clients sum over their training data for the model evaluated.
+    * ``static_bn: true`` (the papers' sBN, and what the built-in models always use): no running
+      statistics; ``bn_stats=test_batch`` normalises with each test batch's statistics,
+      ``bn_stats=federated`` with the clients' summed training statistics of the model evaluated.
+    """
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
+            new = type(module)(module.num_features, eps=module.eps, momentum=module.momentum,
+                               affine=module.affine, track_running_stats=False)
+            if module.affine:
+                new.load_state_dict({"weight": module.weight, "bias": module.bias})
+            new.to(device=module.weight.device if module.affine else None)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, new)
+    return model
+
+
+def _width(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
+    sliced = float(spec.get("width_rate", 1.0)) != 1.0 or bool(spec.get("scaler", False))
+    if sliced and spec["arch"] not in WIDTH_ARCHS:
+        raise ValueError(f"model spec: width slicing (width_rate, scaler) needs a model built by width: "
+                         f"arch one of {list(WIDTH_ARCHS)}, got {spec['arch']!r}")
+    return model  # the width archs' builders took width_rate / scaler as constructor arguments
+
+
+def _adapt(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
+    if spec["arch"] in TRANSFORMER_ARCHS:
+        return adapt(model, spec)
+    keys = [k for k in ("train_backbone", "lora", "dema") if spec.get(k) is not None]
+    if keys:
+        raise ValueError(f"model spec: {keys} need a transformer, arch one of {list(TRANSFORMER_ARCHS)}")
+    return model
+
+
+def _factorize_rule(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
+    """``factorize``: the model's rule with the spec's entries on top. A rule that factorizes the
+    head (``head: true``) also ends the per-class averaging of the head's rows (their factors
+    mix classes): the model then names no classifier."""
+    if spec.get("factorize"):
+        model.factorize_rule = FactorizeRule.from_mapping(spec["factorize"], base=model_rule(model))
+        if model.factorize_rule.head:
+            model.classifier_name = ""
+    return model
+
+
+def _static_bn(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
+    return static_bn(model) if spec.get("static_bn") else model
+
+
+def _ranks(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
+    ranks = spec.get("ranks") or {}
+    if ranks:
+        factorize_modules(model, {str(k): int(v) for k, v in ranks.items()}, spectral_init=spectral_init)
+    return model
+
+
+def _prism(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
+    layers = spec.get("prism") or {}  # PriSM: {layer: {"rank": r, "rows": [...]}} -> sampled sub-layers
+    if layers:
+        from ..prism import prismify_modules  # uninitialised; the sub-model's state is loaded right after
+
+        prismify_modules(model, layers)
+    return model
+
+
+#: The level transforms, applied in this order by :func:`build_model`: name -> transform(model,
+#: spec, spectral_init) returning the model (each acts only when its spec keys are present).
+LEVEL_TRANSFORMS: dict[str, Callable[[nn.Module, Mapping, bool], nn.Module]] = {
+    "width": _width,
+    "adapt": _adapt,
+    "factorize": _factorize_rule,
+    "static_bn": _static_bn,
+    "ranks": _ranks,
+    "prism": _prism,
+}
+
+
 def build_model(spec: Mapping, *, spectral_init: bool = True) -> nn.Module:
     """Build the model described by ``spec`` (see the module docstring).
 
-    With a non-empty ``spec["ranks"]`` the full model is built and then factorized in place
-    (:func:`fedhm_flwr.lowrank.factorize_modules`), spectrally initialised from its random
-    weights. ``spectral_init=False`` skips those SVDs (seconds on a CPU for a ResNet); use it
-    whenever a state dict is loaded right after building.
+    The arch's builder gives the full model; then every level transform of
+    :data:`LEVEL_TRANSFORMS` runs. With a non-empty ``spec["ranks"]`` the named layers are
+    factorized in place (:func:`fedhm_flwr.lowrank.factorize_modules`), spectrally initialised
+    from the model's random weights. ``spectral_init=False`` skips those SVDs (seconds on a CPU
+    for a ResNet); use it whenever a state dict is loaded right after building.
     """
     missing = [key for key in _REQUIRED_BY_ARCH.get(spec.get("arch"), _REQUIRED) if key not in spec]
     if missing:
@@ -63,12 +220,6 @@ def build_model(spec: Mapping, *, spectral_init: bool = True) -> nn.Module:
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; allowed: {sorted(ARCHS)}")
     model = ARCHS[arch](spec)
-    ranks = spec.get("ranks") or {}
-    if ranks:
-        factorize_modules(model, {str(k): int(v) for k, v in ranks.items()}, spectral_init=spectral_init)
-    prism_layers = spec.get("prism") or {}  # PriSM: {layer: {"rank": r, "rows": [...]}} -> sampled sub-layers
-    if prism_layers:
-        from ..prism import prismify_modules  # uninitialised; the sub-model's state is loaded right after
-
-        prismify_modules(model, prism_layers)
+    for transform in LEVEL_TRANSFORMS.values():
+        model = transform(model, spec, spectral_init)
     return model

@@ -1,11 +1,11 @@
 """Parameter-efficient modules for the transformer track: LoRA bypasses and DeMA adapters.
 
-LoRA (SPEC §2, FedLoRA): :class:`LoRALinear` is an ``nn.Linear`` whose frozen ``weight``/``bias``
+LoRA (docs/METHODS.md#fedlora): :class:`LoRALinear` is an ``nn.Linear`` whose frozen ``weight``/``bias``
 keep their names (so pre-trained checkpoints load unchanged) plus either a rank-``r`` bypass
 ``lora_B (out × r) @ lora_A (r × in)`` (a client's model) or a dense ``lora_delta (out × in)``
 (the server's global model): ``y = x (W0 + ΔW)ᵀ + b``, scale 1.
 
-DeMA (SPEC §2, HeteroTune): :class:`DeMAAdapter` with the local adapter ``down`` (``h × d``),
+DeMA (docs/METHODS.md#heterotune): :class:`DeMAAdapter` with the local adapter ``down`` (``h × d``),
 ``up`` (``d × h``, zero-initialised), a bank of square share-adapters ``share_pre[j]``,
 ``share_post[j]`` (``h × h``, zero-initialised, one pair per model type ``j`` present at this
 slot) and input-independent gates ``gate_pre``, ``gate_post`` (softmax over the bank):

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from torch import Tensor, nn
 
 from ..width import make_scaler, scaled_channels
+from .rules import FactorizeRule, select_layers
 
 
 def sbn(channels: int) -> nn.BatchNorm2d:
@@ -27,6 +28,8 @@ class CNN(nn.Module):
     """
 
     default_rho: int = 1
+    #: the stem ``conv1`` is never factorized (nor ``fc``, the head, by the default rule)
+    factorize_rule = FactorizeRule(exclude=("conv1",))
 
     def __init__(self, num_classes: int, in_channels: int = 1, width: int = 64, width_rate: float = 1.0,
                  scaler: bool = False) -> None:
@@ -45,8 +48,9 @@ class CNN(nn.Module):
         self.scaler = make_scaler(width_rate, scaler)
 
     def factorizable_layers(self) -> list[str]:
-        """Layers that may be factorized, in forward order (stem and classifier excluded)."""
-        return [f"conv{i}" for i in range(2, len(self.hidden) + 1)]
+        """Layers that may be factorized, in forward order (stem and classifier excluded): what
+        the model's rule selects (:func:`fedhm_flwr.models.rules.select_layers`)."""
+        return select_layers(self)
 
     def forward(self, x: Tensor) -> Tensor:
         for i in range(1, len(self.hidden) + 1):

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from ..width import make_scaler, scaled_channels
 from .cnn import sbn
+from .rules import FactorizeRule, select_layers
 
 
 class BasicBlock(nn.Module):
@@ -48,10 +49,15 @@ class ResNet(nn.Module):
     ``factorizable_layers()`` lists every block's ``conv1``/``conv2`` in forward order (never the
     stem, the 1×1 shortcuts or ``fc``); the first ``default_rho`` of them stay full rank.
 
+    The rule (:mod:`fedhm_flwr.models.rules`) excludes the stem; the 1×1 shortcuts and the head
+    are left full by the default rule.
+
     ``width_rate`` < 1 builds HeteroFL's sub-model: every hidden width ``C`` (stem included)
     becomes ``ceil(width_rate · C)`` of the full model's, with the full model's shortcuts;
     ``scaler`` adds the Scaler before every norm. The state dict keys do not change.
     """
+
+    factorize_rule = FactorizeRule(exclude=("conv1",))
 
     def __init__(
         self,
@@ -83,12 +89,8 @@ class ResNet(nn.Module):
         self.fc = nn.Linear(scaled_channels(full_in, width_rate), num_classes)
 
     def factorizable_layers(self) -> list[str]:
-        """Block convs ``layerX.Y.conv1``, ``layerX.Y.conv2`` in forward order."""
-        names = []
-        for stage in range(1, 5):
-            for b in range(len(getattr(self, f"layer{stage}"))):
-                names += [f"layer{stage}.{b}.conv1", f"layer{stage}.{b}.conv2"]
-        return names
+        """Block convs ``layerX.Y.conv1``, ``layerX.Y.conv2`` in forward order (the rule's selection)."""
+        return select_layers(self)
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.relu(self.bn1(self.scaler(self.conv1(x))))

