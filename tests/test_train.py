@@ -31,7 +31,7 @@ def test_closed_form_frobenius_gradient_equals_autograd_of_the_penalty():
     conv = FactorizedConv2d.from_conv(torch.nn.Conv2d(3, 8, 3, 2, 1, bias=True), rank=4)
     model = torch.nn.Sequential(conv, torch.nn.ReLU(), torch.nn.Flatten(),
                                 FactorizedLinear.from_linear(torch.nn.Linear(8 * 4 * 4, 5), rank=3))
-    assert conv_layout(model) == torch.channels_last
+    assert conv_layout(model, torch.device("cpu")) == torch.channels_last
     x = torch.randn(4, 3, 8, 8)
     lam = 0.3  # large, so that the penalty's share of the gradient is far above float noise
     (torch.nn.functional.cross_entropy(model(x), torch.arange(4)) + frobenius_penalty(model, lam)).backward()
