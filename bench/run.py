@@ -302,7 +302,7 @@ def figure_train_step(quick: bool) -> dict[str, Any]:
                     torch.set_num_threads(threads)
                     variants = {v: _train_steps(spec, batch, device, v) for v in out["variants"]}
                     times: dict[tuple[str, str], list[float]] = {(v, g): [] for v, s in variants.items() for g in s}
-                    repeats = 3 if quick else (15 if arch == "cnn" else 5)
+                    repeats = 3 if quick else (40 if arch == "cnn" else 5)
                     inner = 3 if arch == "cnn" else 1
                     for (v, g) in times:  # warm-up
                         variants[v][g][0]()

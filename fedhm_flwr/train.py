@@ -103,8 +103,8 @@ def backward(objective: torch.Tensor, model: nn.Module, frobenius_decay: float =
     """``(objective + frobenius_penalty(model, frobenius_decay)).backward()``, with the penalty's
     gradient given in closed form: ``lambda A (B Bᵀ)`` and ``lambda (AᵀA) B`` for each pair's
     ``factors()`` ``(A, B)`` (every ``frobenius_sq`` is ``‖A B‖_F²``). One backward pass; the
-    penalty's own graph (about twenty small ops per pair, forward and backward) is never built,
-    a tenth of a small model's step (docs/METHODS.md#fedhm-client-training)."""
+    penalty's own graph (about twenty small ops per pair, forward and backward) is never built
+    (docs/METHODS.md#fedhm-client-training)."""
     mods = factorized_modules(model) if frobenius_decay else []
     if not mods:
         objective.backward()
