@@ -63,7 +63,7 @@ def local_train(cfg: DictConfig, spec: dict[str, Any], state: State, dataset: An
     torch.manual_seed(seed)
     model = build_model(spec)
     model.load_state_dict(state)
-    model.train()
+    model.to(memory_format=torch.channels_last).train()  # PyTorch's layout advice for CNNs on CPU
     t = cfg.train
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=float(t.momentum), weight_decay=float(t.weight_decay))
     loader = DataLoader(dataset, batch_size=int(t.batch_size), shuffle=True, generator=torch.Generator().manual_seed(seed))
@@ -71,7 +71,7 @@ def local_train(cfg: DictConfig, spec: dict[str, Any], state: State, dataset: An
         for x, y in loader:
             if len(y) < 2:
                 continue
-            logits = model(x)
+            logits = model(x.contiguous(memory_format=torch.channels_last))
             if t.masked_ce:
                 logits = logits.masked_fill(~present, 0.0)
             loss = F.cross_entropy(logits, y)
@@ -80,7 +80,7 @@ def local_train(cfg: DictConfig, spec: dict[str, Any], state: State, dataset: An
             if float(t.grad_clip) > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), float(t.grad_clip))
             optimizer.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in model.state_dict().items()}
 
 
 def fedavg(previous: State, states: list[State], counts: list[int], holds: list[np.ndarray],

@@ -9,8 +9,9 @@ Figures (each in one process, compared things on the same machine state, medians
    bare in the same process); and the server's share of a round's wall time;
 2. bytes per client per round for each level, measured from the serialized messages, against the
    full model, next to the parameter-count ratio;
-3. training-step time of each level's model against the full model (CPU; GPU too when present),
-   next to the MACs ratio;
+3. training-step time of each level's model against the full model (CPU at 1 thread and at all
+   cores; GPU too when present), next to the MACs ratio, and their quotient against its target,
+   for the clients' step and the step as it was; the profile of a level that misses its target;
 4. local-training throughput inside a Flower simulation (``flwr run``, Ray) against a bare
    PyTorch loop on the same model, data and cores;
 5. scale: 1000 simulated clients, 100 per round, through ``flwr run``: round 1 ÷ round 2, node-query
@@ -225,43 +226,139 @@ def figure_bytes(quick: bool) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ figure 3
 
 
-def figure_train_step(quick: bool) -> dict[str, Any]:
-    from fedhm_flwr.lowrank import plan_ranks
-    from fedhm_flwr.train import frobenius_penalty, parameter_groups
+#: step-time ratio ÷ MACs ratio a level must stay under (issue 15): ResNet-18 width 64, the CNN
+STEP_OVER_MACS_TARGET = {"resnet18": 1.6, "cnn": 1.8}
 
+
+def _train_steps(spec: dict[str, Any], batch: int, device: torch.device, variant: str
+                 ) -> dict[str, tuple[Callable[[], None], int]]:
+    """One SGD step (loss, backward with Frobenius decay, optimizer) per level: ``{gamma: (step, MACs)}``.
+
+    ``variant`` ``before``: the step as it was (contiguous layout, the penalty added to the loss);
+    ``train_local``: the clients' step (:func:`fedhm_flwr.train.conv_layout`,
+    :func:`fedhm_flwr.train.backward`)."""
+    from fedhm_flwr.lowrank import plan_ranks
+    from fedhm_flwr.train import backward, conv_layout, frobenius_penalty, parameter_groups
+
+    base = build_model(spec)
+    shape = input_shape(spec)
+    steps = {}
+    for gamma in (1.0, 0.5, 0.25, 0.125):
+        ranks = plan_ranks(base, gamma)
+        torch.manual_seed(0)
+        model = build_model({**spec, "ranks": ranks}, spectral_init=False).train()
+        macs = count_macs(model, shape)
+        layout = conv_layout(model, device) if variant == "train_local" else torch.contiguous_format
+        model.to(device, memory_format=layout)
+        opt = torch.optim.SGD(parameter_groups(model, 5e-4, bool(ranks)), lr=0.01, momentum=0.9)
+        x = torch.randn(batch, *shape, device=device).contiguous(memory_format=layout)
+        y = torch.randint(0, 10, (batch,), device=device)
+
+        def step(model: torch.nn.Module = model, opt: torch.optim.Optimizer = opt, x: torch.Tensor = x,
+                 y: torch.Tensor = y) -> None:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            if variant == "train_local":
+                backward(loss, model, 5e-4)
+            else:
+                (loss + frobenius_penalty(model, 5e-4)).backward()
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        steps[f"{gamma:g}"] = (step, macs)
+    return steps
+
+
+def _top_ops(step: Callable[[], None], steps: int, top: int = 8) -> list[dict[str, Any]]:
+    """The ops with the largest self CPU time over ``steps`` steps (torch.profiler), with their shares."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    ranked = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+    return [{"op": e.key, "share": e.self_cpu_time_total / total, "ms_per_step": e.self_cpu_time_total / steps / 1e3,
+             "calls_per_step": e.count / steps} for e in ranked]
+
+
+def figure_train_step(quick: bool) -> dict[str, Any]:
+    """Training-step time of each level ÷ the full model's, next to the MACs ratio, and their quotient
+    (target: :data:`STEP_OVER_MACS_TARGET`), for the step as it was (``before``) and the clients'
+    step (``train_local``), measured interleaved in this process (medians over repeats), at 1 thread
+    (a simulated client's default, ``simulation.num_cpus=1``) and at all cores. A level over its target
+    gets the profile of its step and of the full model's (top ops, shares of self CPU time)."""
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     configs = [("cnn", 16, 1, 28, 32)] + ([] if quick else [("resnet18", 64, 3, 32, 16)])
-    out: dict[str, Any] = {"threads": torch.get_num_threads()}
-    for arch, width, channels, size, batch in configs:
-        spec = {"arch": arch, "num_classes": 10, "in_channels": channels, "image_size": size, "width": width}
-        base = build_model(spec)
-        for device in devices:
-            rows = {}
-            for gamma in (1.0, 0.5, 0.25, 0.125):
-                ranks = plan_ranks(base, gamma)
-                model = build_model({**spec, "ranks": ranks}, spectral_init=False).to(device).train()
-                opt = torch.optim.SGD(parameter_groups(model, 5e-4, bool(ranks)), lr=0.01, momentum=0.9)
-                x = torch.randn(batch, channels, size, size, device=device)
-                y = torch.randint(0, 10, (batch,), device=device)
-
-                def step() -> None:
-                    loss = torch.nn.functional.cross_entropy(model(x), y) + frobenius_penalty(model, 5e-4)
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-
-                t = timed(step, repeats=3 if quick else (10 if arch == "cnn" else 4), warmup=2)
-                rows[f"{gamma:g}"] = {**t, "batch": batch, "params": count_parameters(model),
-                                      "macs": count_macs(model.cpu(), input_shape(spec))}
-                model.to(device)
-            full = rows["1"]
-            for r in rows.values():
-                r["time_ratio"] = r["median_s"] / full["median_s"]
-                r["macs_ratio"] = r["macs"] / full["macs"]
-            out[f"{arch}-w{width}-{device.type}"] = rows
+    cores = torch.get_num_threads()
+    out: dict[str, Any] = {"threads": sorted({1, cores}), "variants": ["before", "train_local"],
+                           "target_step_over_macs": STEP_OVER_MACS_TARGET}
+    try:
+        for arch, width, channels, size, batch in configs:
+            spec = {"arch": arch, "num_classes": 10, "in_channels": channels, "image_size": size, "width": width}
+            target = STEP_OVER_MACS_TARGET[arch]
+            for device in devices:
+                for threads in (out["threads"] if device.type == "cpu" else [cores]):
+                    torch.set_num_threads(threads)
+                    variants = {v: _train_steps(spec, batch, device, v) for v in out["variants"]}
+                    times: dict[tuple[str, str], list[float]] = {(v, g): [] for v, s in variants.items() for g in s}
+                    repeats = 3 if quick else (40 if arch == "cnn" else 5)
+                    inner = 3 if arch == "cnn" else 1
+                    for (v, g) in times:  # warm-up
+                        variants[v][g][0]()
+                    for _ in range(repeats):  # interleaved: every (variant, level) sees the same machine state
+                        for (v, g), ts in times.items():
+                            t0 = time.perf_counter()
+                            for _ in range(inner):
+                                variants[v][g][0]()
+                            ts.append((time.perf_counter() - t0) / inner)
+                    table: dict[str, Any] = {}
+                    for v, steps in variants.items():
+                        full_t, full_m = statistics.median(times[(v, "1")]), steps["1"][1]
+                        rows = {}
+                        for g, (step, macs) in steps.items():
+                            ts = times[(v, g)]
+                            t = statistics.median(ts)
+                            rows[g] = {"median_s": t, "min_s": min(ts), "max_s": max(ts), "repeats": repeats,
+                                       "batch": batch, "macs": macs, "time_ratio": t / full_t, "macs_ratio": macs / full_m,
+                                       "step_over_macs": (t / full_t) / (macs / full_m)}
+                            rows[g]["meets_target"] = rows[g]["step_over_macs"] <= target
+                        table[v] = rows
+                    missed = [g for g, r in table["train_local"].items() if not r["meets_target"]]
+                    if missed and device.type == "cpu" and not quick:
+                        table["profile"] = {g: _top_ops(variants["train_local"][g][0], 3 if arch == "cnn" else 1)
+                                            for g in ["1", *missed]}
+                    out[f"{arch}-w{width}-{device.type}-threads{threads}"] = table
+    finally:
+        torch.set_num_threads(cores)
     return out
+
+
+def train_step_markdown(f3: dict[str, Any]) -> list[str]:
+    """Figure 3's section of the report."""
+    L = [f"## 3. Training-step time per level (threads {f3['threads']})", "",
+         "Step-time ratio (level ÷ full model, same variant) next to the MACs ratio; their quotient must "
+         f"stay under {f3['target_step_over_macs']}. `before`: contiguous layout, Frobenius penalty through "
+         "autograd; `train_local`: the clients' step (channels_last, closed-form Frobenius gradient).", "",
+         "| model/device | variant | level | step median (s) [min–max] | time ratio | MACs ratio | time ÷ MACs |",
+         "|---|---|---|---|---|---|---|"]
+    for model, table in f3.items():
+        if not isinstance(table, dict) or "train_local" not in table:
+            continue
+        for variant in f3["variants"]:
+            for level, r in table[variant].items():
+                mark = "" if r["meets_target"] else " ✗"
+                L.append(f"| {model} | {variant} | {level} | {r['median_s']:.4f} [{r['min_s']:.4f}–{r['max_s']:.4f}] | "
+                         f"{r['time_ratio']:.2f} | {r['macs_ratio']:.2f} | {r['step_over_macs']:.2f}{mark} |")
+    for model, table in f3.items():
+        if isinstance(table, dict) and "profile" in table:
+            L += ["", f"Profile of `train_local` steps, {model} (top ops, share of self CPU time):", ""]
+            for level, ops in table["profile"].items():
+                L.append(f"* level {level}: " + ", ".join(f"{o['op']} {100 * o['share']:.0f} %" for o in ops))
+    L.append("")
+    return L
 
 
 # ------------------------------------------------------------------------------------ figure 4
@@ -467,15 +564,7 @@ def markdown(report: dict[str, Any]) -> str:
         L.append("")
     f3 = report.get("figures", {}).get("3_train_step")
     if f3:
-        L += [f"## 3. Training-step time per level (threads {f3['threads']})", "",
-              "| model/device | level | batch | step median (s) [min–max] | time ratio | MACs ratio |", "|---|---|---|---|---|---|"]
-        for model, rows in f3.items():
-            if model == "threads":
-                continue
-            for level, r in rows.items():
-                L.append(f"| {model} | {level} | {r['batch']} | {r['median_s']:.4f} [{r['min_s']:.4f}–{r['max_s']:.4f}] | "
-                         f"{r['time_ratio']:.2f} | {r['macs_ratio']:.2f} |")
-        L.append("")
+        L += train_step_markdown(f3)
     f4 = report.get("figures", {}).get("4_throughput")
     if f4:
         fl, bare = f4["flower_simulation"], f4["bare_pytorch"]

@@ -18,6 +18,7 @@ only knows where its data is and what it can afford (its node config):
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,14 @@ def obey_injection(config: ConfigRecord) -> None:
         time.sleep(float(config.get("inject-seconds", 0.0)))
 
 
+def ray_node_id() -> str | None:
+    """The id of the Ray node this client runs on (Flower's Ray simulation engine), None outside Ray."""
+    ray = sys.modules.get("ray")  # never imported here: a deployed node has no Ray
+    if ray is None or not ray.is_initialized():
+        return None
+    return str(ray.get_runtime_context().get_node_id())
+
+
 def handle_train(msg: Message, context: Context) -> Message:
     """Train the received model on the node's partition and reply with arrays and metrics."""
     config = msg.content[CONFIG]
@@ -162,7 +171,7 @@ def handle_train(msg: Message, context: Context) -> Message:
     present = torch.as_tensor(counts > 0)
     stats = train_local(model, dataset, options, device, present_classes=present, seed=int(config["seed"]))
     metrics = protocol.train_metrics(stats["num-examples"], stats["train-loss"], stats["train-accuracy"],
-                                     stats["seconds"], float(config[protocol.LEVEL]), counts)
+                                     stats["seconds"], float(config[protocol.LEVEL]), counts, ray_node_id())
     if spec.get("trainable_only"):  # only what this client trained travels back
         state = trainable_state(model)
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shlex
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -31,6 +32,7 @@ LEVEL_MATCH = ("none", "fedhm_params")  # heterofl / fedrolex widths: as given, 
 LR_SCHEDULES = ("constant", "cosine", "step")
 BN_STATS = ("test_batch", "federated")
 EVALUATION_WHERE = ("server", "clients", "both")
+RAY_ADDRESS = re.compile(r"auto|[A-Za-z0-9][A-Za-z0-9.-]*:[0-9]{1,5}")  # simulation.ray_address (not null)
 
 
 class ConfigError(ValueError):
@@ -508,6 +510,11 @@ def validate(cfg: DictConfig) -> None:
              cfg.evaluation.holdout, f"a fraction in (0, 1) when evaluation.where={cfg.evaluation.where}")
     _num_in(cfg, "simulation.num_cpus", 0.0, math.inf, low_open=True, high_open=True)
     _num_in(cfg, "simulation.num_gpus", 0.0, math.inf, high_open=True)
+    ray_address = OmegaConf.select(cfg, "simulation.ray_address")  # absent from configs saved before it existed
+    _require(ray_address is None or (isinstance(ray_address, str) and RAY_ADDRESS.fullmatch(ray_address) is not None),
+             "simulation.ray_address", ray_address,
+             "null (a private Ray instance), auto (the cluster this machine belongs to) or HOST:PORT of a Ray "
+             "cluster's head (its GCS port, 6379 by default)")
     _int_at_least(cfg, "checkpoint.every", 0)
     _num_in(cfg, "failures.crash_probability", 0.0, 1.0)
     _num_in(cfg, "failures.slow_probability", 0.0, 1.0)

@@ -99,10 +99,17 @@ def default_run_dir(method: str) -> Path:
 CONNECTION = "job"  # name of the private SuperLink in the launcher's FLWR_HOME/config.toml
 
 
-def superlink_env(flwr_home: Path, port: int) -> dict[str, str]:
-    """Environment of the private SuperLink and of the ``flwr`` CLI talking to it."""
+def superlink_env(flwr_home: Path, port: int, ray_address: str | None = None) -> dict[str, str]:
+    """Environment of the private SuperLink and of the ``flwr`` CLI talking to it.
+
+    ``RAY_ADDRESS`` reaches ``ray.init`` in ``flwr-simulation`` (Flower's Ray backend calls it with
+    its ``init_args``, and the federation config carries no address): ``ray_address``
+    (``simulation.ray_address``: ``auto`` or ``HOST:PORT``) runs the clients on that cluster;
+    without one, ``local``, a private Ray instance even where a cluster runs on this machine
+    (plain ``ray.init()`` would join the last one started here)."""
     env = dict(os.environ)
     env.update({
+        "RAY_ADDRESS": ray_address or "local",
         "FLWR_HOME": str(flwr_home),
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "FLWR_DISABLE_UPDATE_CHECK": "1",
@@ -116,8 +123,10 @@ def superlink_env(flwr_home: Path, port: int) -> dict[str, str]:
     return env
 
 
-def start_superlink(procs: Processes, flwr_home: Path, log_file: Path, timeout: float = 60) -> dict[str, str]:
-    """A private simulation SuperLink on a free loopback port; returns the CLI's environment."""
+def start_superlink(procs: Processes, flwr_home: Path, log_file: Path, timeout: float = 60,
+                    ray_address: str | None = None) -> dict[str, str]:
+    """A private simulation SuperLink on a free loopback port; returns the CLI's environment.
+    Its simulations run their clients on the Ray cluster at ``ray_address`` (see :func:`superlink_env`)."""
     port = free_port()
     flwr_home.mkdir(parents=True, exist_ok=True)
     (flwr_home / "config.toml").write_text(
@@ -127,7 +136,7 @@ def start_superlink(procs: Processes, flwr_home: Path, log_file: Path, timeout: 
     cmd = [_bin("flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
            "--host", "127.0.0.1", "--port", str(port), "--database", str(flwr_home / "state.db"),
            "--disable-runtime-dependency-installation"]
-    env = superlink_env(flwr_home, port)
+    env = superlink_env(flwr_home, port, ray_address)
     proc = procs.start("superlink", cmd, env, log_file)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -332,7 +341,8 @@ def _run(procs: Processes, cfg: DictConfig, overrides: list[str], run_dir: Path,
                   f"client-resources-num-cpus={max(1, int(cfg.simulation.num_cpus))} "
                   f"client-resources-num-gpus={float(cfg.simulation.num_gpus)} "
                   "init-args-logging-level=\"ERROR\" init-args-log-to-driver=true")
-    env = start_superlink(procs, flwr_home, run_dir / "superlink.log")
+    env = start_superlink(procs, flwr_home, run_dir / "superlink.log",
+                          ray_address=cfg.simulation.get("ray_address"))
     app = stage_app(flwr_home / "app")
     job = FlowerJob(procs, env, CONNECTION, run_dir / "flwr_run.log", echo=not quiet)
     return run_flower_job(job, app, run_config, run_dir, ["--federation-config", federation],

@@ -40,6 +40,7 @@ CAPABILITY = "capability-"  # prefix: capability-level, -params, -macs, -memory
 NUM_EXAMPLES, CLASS_COUNTS, SECONDS = "num-examples", "class-counts", "seconds"
 TRAIN_LOSS, TRAIN_ACCURACY = "train-loss", "train-accuracy"
 EVAL_LOSS, EVAL_ACCURACY = "eval-loss", "eval-accuracy"
+RAY_NODE = "ray-node"  # simulation: the first 12 hex digits of the Ray node id the client ran on, as an int
 
 
 # arrays on the wire (wire.dtype): floating tensors travel in this dtype, the rest as they are.
@@ -103,10 +104,19 @@ class NodeInfo:
 
 
 def train_metrics(num_examples: int, loss: float, accuracy: float, seconds: float, level: float,
-                  class_counts: Sequence[int]) -> MetricRecord:
-    """A training reply's metrics."""
-    return MetricRecord({NUM_EXAMPLES: int(num_examples), TRAIN_LOSS: float(loss), TRAIN_ACCURACY: float(accuracy),
-                         SECONDS: float(seconds), LEVEL: float(level), CLASS_COUNTS: [int(c) for c in class_counts]})
+                  class_counts: Sequence[int], ray_node: str | None = None) -> MetricRecord:
+    """A training reply's metrics; ``ray_node``: the hex id of the Ray node that trained (simulation)."""
+    out = {NUM_EXAMPLES: int(num_examples), TRAIN_LOSS: float(loss), TRAIN_ACCURACY: float(accuracy),
+           SECONDS: float(seconds), LEVEL: float(level), CLASS_COUNTS: [int(c) for c in class_counts]}
+    if ray_node:
+        out[RAY_NODE] = ray_node_number(ray_node)
+    return MetricRecord(out)
+
+
+def ray_node_number(node_id: str) -> int:
+    """A Ray node id (hex) as the integer a metric can carry: its first 12 hex digits (48 bits, exact
+    in a float64 too)."""
+    return int(node_id[:12], 16)
 
 
 def eval_metrics(num_examples: int, loss: float, accuracy: float) -> MetricRecord:

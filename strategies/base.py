@@ -538,6 +538,9 @@ class HeteroStrategy(Strategy):
                 vals = [r.metrics.get(key, math.nan) for r in valid]
                 out[key] = float(np.dot(n, vals) / n.sum())
             out["client-seconds-max"] = max(r.metrics.get(wire.SECONDS, 0.0) for r in valid)
+            ray_nodes = {r.metrics[wire.RAY_NODE] for r in valid if wire.RAY_NODE in r.metrics}
+            if ray_nodes:  # Ray simulation: on how many Ray nodes this round's clients trained
+                out["ray-nodes"] = float(len(ray_nodes))
         return out
 
     def _round_row(self, server_round: int, train_metrics: MetricRecord | None) -> dict[str, Any]:
@@ -560,6 +563,8 @@ class HeteroStrategy(Strategy):
             for key in ("train-loss", "train-accuracy", "client-seconds-max"):
                 if key in train_metrics:
                     row[key.replace("-", "_")] = float(train_metrics[key])
+            if "ray-nodes" in train_metrics:
+                row["ray_nodes"] = int(train_metrics["ray-nodes"])
         for level, count in log_.level_counts.items():
             row[f"clients/level_{level}"] = count
         row["assignments"] = json.dumps(log_.assignments, sort_keys=True)
