@@ -353,12 +353,15 @@ def _validate_user_model(cfg: DictConfig) -> None:
              "a mapping of the factory's keyword arguments")
     value = OmegaConf.select(cfg, "model.static_bn", default=False)
     _require(isinstance(value, bool), "model.static_bn", value, "true or false")
-    from fedhm_flwr.models.rules import rule_problem
-
     rule = OmegaConf.select(cfg, "model.factorize", default=None)
     if rule is not None:
         _require(OmegaConf.is_dict(rule), "model.factorize", rule, "a mapping (include, exclude, types, ...)")
-        problem = rule_problem(OmegaConf.to_container(rule, resolve=True))
+        values = OmegaConf.to_container(rule, resolve=True)
+        if all(v is None for v in values.values()):  # the model's defaults: nothing to check (and no torch import)
+            return
+        from fedhm_flwr.models.rules import rule_problem
+
+        problem = rule_problem(values)
         if problem is not None:
             key, bad, allowed = problem
             raise ConfigError(f"model.factorize.{key}", bad, allowed)
@@ -449,15 +452,18 @@ def _validate_source(cfg: DictConfig) -> None:
     _require(data_dir is None, "dataset.data_dir", data_dir, "null: dataset.path says where the data is")
 
 
+#: the keys of ``fedhm_flwr.models.ARCHS``, named here so that checking a config imports no torch
+ARCH_NAMES = ("cnn", "resnet18", "resnet34", "minilm", "vit", "custom")
+
+
 def validate(cfg: DictConfig) -> None:
     """Refuse the first invalid value with a :class:`ConfigError` naming the field."""
     from fedhm_flwr.data import DATASETS, EXTERNAL_DATASETS, FOLDER_SOURCES  # local imports keep `import config` light
-    from fedhm_flwr.models import ARCHS
 
     _choice(cfg, "method.name", METHOD_VALIDATORS)
     _validate_user_model(cfg)
     METHOD_VALIDATORS[cfg.method.name](cfg)
-    _choice(cfg, "model.arch", ARCHS)
+    _choice(cfg, "model.arch", ARCH_NAMES)
     _validate_pair(cfg)
     width = OmegaConf.select(cfg, "model.width")
     _require(width is None or (_is_int(width) and width >= 1), "model.width", width,

@@ -235,6 +235,22 @@ def test_every_accepted_pair_runs_one_round(method, arch, tmp_path):
     assert rows[-1]["replies"] == 2 and rows[-1]["failures"] == 0, rows[-1].get("failure_reasons")
 
 
+def test_the_config_check_knows_every_architecture_without_importing_torch():
+    from fedhm_flwr.config import ARCH_NAMES
+    from fedhm_flwr.models import ARCHS
+
+    assert set(ARCH_NAMES) == set(ARCHS) == {arch for archs in SUPPORTED_MODELS.values() for arch in archs}
+    code = ("import sys; from fedhm_flwr.config import ConfigError, load_config\n"
+            "try:\n    load_config('method=heterofl model=vit')\nexcept ConfigError as err:\n"
+            "    assert err.field == 'model.arch', err\n"
+            "assert 'torch' not in sys.modules, 'the pair check imported torch'\n")
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_unsupported_pairs_are_refused_quickly_listing_the_supported_ones():
     assert len(REFUSED) >= 20
     start = time.perf_counter()
