@@ -86,11 +86,6 @@ class RoundLog:
     queried: int = 0  # nodes asked for their node info this round
 
 
-def state_to_arrays(state: State, dtype: str = "float32") -> dict[str, Any]:
-    """A state dict as flwr Arrays in the wire dtype (records built from them share the bytes)."""
-    return {k: wire.wire_array(v, dtype) for k, v in state.items()}
-
-
 class ArrayCache:
     """flwr Arrays of the tensors the server sends, serialised once per tensor and wire dtype.
 
