@@ -209,10 +209,9 @@ def headline(rows: list[dict[str, Any]]) -> list[str]:
             small_cell = _pct(mean_ci(small)) if small else ""
         mb = mean_ci([float(r["bytes_total"]) / 1e6 for r in runs])
         minutes = mean_ci([float(r["wall_seconds"]) / 60 for r in runs])
+        params_cell = f"{params:,}" if params else ""
         lines.append(f"| {LABELS[variant]} | {final.n} | {_pct(final)} | {_pct_ci(final)} | {_pct(tail)} | "
-                     f"{small_cell} | {params:,} | {mb.mean:,.1f} | {minutes.mean:.1f} |" if params else
-                     f"| {LABELS[variant]} | {final.n} | {_pct(final)} | {_pct_ci(final)} | {_pct(tail)} | "
-                     f"{small_cell} |  | {mb.mean:,.1f} | {minutes.mean:.1f} |")
+                     f"{small_cell} | {params_cell} | {mb.mean:,.1f} | {minutes.mean:.1f} |")
     return lines
 
 
@@ -246,10 +245,10 @@ def paired_table(rows: list[dict[str, Any]]) -> list[str]:
         final, tail = paired(rows, variant, "fedhm"), paired(rows, variant, "fedhm", "tail_acc/global")
         if final is None:
             continue
-        seeds = sorted(r["seed"] for r in rows if r["method"] == variant)
         ref = {r["seed"]: float(r["final_acc/global"]) for r in rows if r["method"] == "fedhm"}
-        per_seed = ", ".join(f"{s}: {(float(r['final_acc/global']) - ref[s]) * 100:+.2f}" for s in seeds
-                             for r in rows if r["method"] == variant and r["seed"] == s and s in ref)
+        per_seed = ", ".join(f"{r['seed']}: {(float(r['final_acc/global']) - ref[r['seed']]) * 100:+.2f}"
+                             for r in sorted(rows, key=lambda r: r["seed"])
+                             if r["method"] == variant and r["seed"] in ref)
         lines.append(f"| {LABELS[variant]} | {final.n} | {final.mean * 100:+.2f} | {_pct_ci_signed(final)} | "
                      f"{tail.mean * 100:+.2f} | {_pct_ci_signed(tail)} | {per_seed} |")
     return lines
