@@ -468,16 +468,16 @@ def scale_run(clients: int, per_round: int, rounds: int, query: str) -> dict[str
     queries = [r.get("query_seconds", 0.0) for r in rows]
     servers = [r["server_seconds"] for r in rows]
     asked = [r.get("queried", 0) for r in rows]
-    # blocking query time per asked node in the rounds after the first (warm workers; with
-    # ``sampled`` mostly asked ahead, during the previous round's evaluation); what round 1's
-    # queries took beyond that is the simulation's cold start (Ray workers importing torch and the
-    # ClientApp on their first message), which any first message pays
-    later = [(q, n) for q, n in zip(queries[1:], asked[1:]) if n]
+    # blocking query time per asked node in the rounds that asked any (warm workers; with
+    # ``sampled`` mostly asked ahead, during the previous round's evaluation)
+    later = [(q, n) for q, n in zip(queries, asked) if n]
     per_node = sum(q for q, _ in later) / sum(n for _, n in later) if later else None
-    cold = queries[0] - asked[0] * per_node if per_node is not None else None
     return {"query": query, "round_seconds": seconds, "server_seconds": servers, "query_seconds": queries,
             "replies": [r["replies"] for r in rows], "bytes_queries": [r.get("bytes_queries", 0) for r in rows],
-            "queried": asked, "query_seconds_per_node": per_node, "round1_cold_start_estimate_s": cold,
+            "queried": asked, "query_seconds_per_node": per_node,
+            # the start-up before round 1 (NodeRegistry.startup): the simulation's workers start on
+            # their first message (importing torch and the ClientApp) and the nodes find their data
+            "startup_seconds": summary.get("startup_seconds"), "startup_queried": summary.get("startup_queried"),
             "round1_over_round2": seconds[0] / seconds[1] if len(seconds) > 1 else None,
             "query_share": [q / s for q, s in zip(queries, seconds)],
             "max_query_share": max(q / s for q, s in zip(queries, seconds)),
@@ -594,9 +594,11 @@ def markdown(report: dict[str, Any]) -> str:
                      f"**{100 * r['max_query_share']:.1f} %**; peak resident memory of the process tree (launcher, "
                      f"SuperLink, ServerApp, Ray) **{r['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB**; "
                      f"job {r['job_wall_seconds']:.0f} s." + (
-                         f" Blocking query time per asked node (rounds 2+) {1000 * r['query_seconds_per_node']:.1f} ms; round 1's queries beyond "
-                         f"that (the simulation's cold start: Ray workers importing torch and the ClientApp) "
-                         f"≈ {r['round1_cold_start_estimate_s']:.1f} s." if r.get("query_seconds_per_node") else ""))
+                         f" Blocking query time per asked node {1000 * r['query_seconds_per_node']:.1f} ms."
+                         if r.get("query_seconds_per_node") else "") + (
+                         f" Start-up before round 1 (Ray workers start on their first message, importing torch "
+                         f"and the ClientApp; nodes find their data): {r['startup_seconds']:.1f} s, "
+                         f"{r['startup_queried']} nodes asked." if r.get("startup_seconds") is not None else ""))
         L.append("")
     f6 = report.get("figures", {}).get("6_wire")
     if f6:

@@ -24,11 +24,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+# torch.optim imports torch._dynamo when it builds its first optimizer (~1.7 s of CPU): importing it
+# with the handlers puts that once-per-process cost at the node's start (its first message, the
+# node-info query) instead of inside its first training round.
+import torch._dynamo  # noqa: F401
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 
 from fedhm_flwr import attacks, protocol, shards
 from fedhm_flwr.bn_stats import bn_sums
-from fedhm_flwr.data import client_dataset
+from fedhm_flwr.data import client_dataset, client_size
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.adapters import load_federated, trainable_state
 from fedhm_flwr.train import TrainOptions, evaluate, pick_device, train_local
@@ -207,28 +212,45 @@ def handle_evaluate(msg: Message, context: Context) -> Message:
     return Message(RecordDict({METRICS: metrics}), reply_to=msg)
 
 
-def node_info(context: Context) -> ConfigRecord:
+def node_info(context: Context, data_spec: dict[str, Any] | None = None) -> ConfigRecord:
     """What the server may know of the node: partition (from its shard's manifest when it has one),
-    ``node-name`` and declared capability. A node given a ``data-dir`` without a ``partition-id`` checks
-    its shard completely here (the first message a node gets): NodeDataError naming ``data-dir`` and
-    the fix when it is missing or broken. A node with neither still answers (identity only); its first
-    training message gets that error."""
+    ``node-name``, declared capability and, when the query carries the run's data spec, how many
+    training examples the node holds for it. A node given a ``data-dir`` without a ``partition-id``
+    checks its shard completely here (the first message a node gets): NodeDataError naming
+    ``data-dir`` and the fix when it is missing, broken or of another dataset; a simulated node
+    finds its partition here, so a node whose data cannot serve the run sits out from the start
+    (and the data is loaded once, before the first round, not during it). A node with neither
+    still answers (identity only); its first training message gets that error."""
     node = context.node_config
     folder = node_shard(context) if node.get("data-dir") or "partition-id" in node else None
+    examples = None
     if folder is not None:
         try:
             manifest = shards.verify_shard(folder)
         except shards.ShardError as exc:
             raise NodeDataError(f"node config data-dir={folder}: {exc}") from None
+        if data_spec is not None:
+            shard_manifest(folder, data_spec)
+            examples = int(manifest["splits"]["train"]["num_examples"])
         pid, count = manifest.get("partition_id"), manifest.get("num_partitions")
     else:
         pid, count = node.get(protocol.PARTITION_ID), node.get(protocol.NUM_PARTITIONS)
+        if data_spec is not None and pid is not None:
+            partition, data_dir, spec = node_partition(context, data_spec)
+            examples = client_size(spec, partition, data_dir)
     info = protocol.NodeInfo(
         partition_id=None if pid is None else int(pid), num_partitions=None if count is None else int(count),
         name=str(node[protocol.NODE_NAME]) if node.get(protocol.NODE_NAME) else None,
         capability={k[len(protocol.CAPABILITY):]: float(v) for k, v in node.items()
-                    if k.startswith(protocol.CAPABILITY)})
+                    if k.startswith(protocol.CAPABILITY)},
+        examples=examples)
     return info.encode()
+
+
+def query_data_spec(msg: Message) -> dict[str, Any] | None:
+    """The run's data spec a query carries (None when it carries none)."""
+    spec = msg.content[CONFIG].get(protocol.DATA_SPEC)
+    return None if spec is None else json.loads(str(spec))
 
 
 def bn_statistics(msg: Message, context: Context) -> RecordDict:
@@ -239,7 +261,7 @@ def bn_statistics(msg: Message, context: Context) -> RecordDict:
 
 
 QUERIES = {
-    protocol.NODE_INFO: lambda msg, context: RecordDict({CONFIG: node_info(context)}),
+    protocol.NODE_INFO: lambda msg, context: RecordDict({CONFIG: node_info(context, query_data_spec(msg))}),
     protocol.BN_STATS: bn_statistics,
 }
 

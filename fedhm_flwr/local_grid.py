@@ -33,8 +33,13 @@ class LocalGrid(Grid):
         handlers: dict[str, Handler],
         node_config: Callable[[int], dict[str, Any]] | None = None,
         first_node_id: int = 1001,
+        timeout: float | None = None,
     ) -> None:
         self.handlers = handlers
+        #: a handler running longer than this many seconds: its reply is lost (never pulled), as a
+        #: node's that answers after the server stopped waiting (nodes work in parallel: each gets
+        #: the whole timeout); None: every reply comes
+        self.timeout = timeout
         for attr in ("run_id", "task_id", "node_id"):  # the identity the ServerApp process gets
             if getattr(TaskIdentity, f"_{attr}") is None:
                 setattr(TaskIdentity, attr, 1)
@@ -49,7 +54,6 @@ class LocalGrid(Grid):
         self._ids = itertools.count(1)
         self._run = None
         self._replies: dict[str, Message | None] = {}  # message id -> reply not yet pulled
-        self._timeout: float | None = None
         self.delivered: list[tuple[int, str]] = []  # (node id, message type) in delivery order
 
     # -- the parts of the Grid API the strategies use
@@ -83,11 +87,12 @@ class LocalGrid(Grid):
         return [reply for mid in message_ids if (reply := self._replies.pop(mid, None)) is not None]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        self._timeout = timeout
+        before = self.timeout
+        self.timeout = before if timeout is None else timeout
         try:
             return list(self.pull_messages(self.push_messages(messages)))
         finally:
-            self._timeout = None
+            self.timeout = before
 
     def _deliver(self, msg: Message) -> Message | None:
         """Run the node's handler; None when it answers after the timeout (a reply never seen)."""
@@ -101,7 +106,7 @@ class LocalGrid(Grid):
             reply = handler(msg, self.contexts[node_id])
         except Exception as err:  # the ClientApp crashed: an error reply, like Flower's
             reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=msg)
-        late = self._timeout is not None and time.monotonic() - start > self._timeout
+        late = self.timeout is not None and time.monotonic() - start > self.timeout
         return None if late else reply
 
 

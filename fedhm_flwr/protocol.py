@@ -81,6 +81,8 @@ class NodeInfo:
     num_partitions: int | None = None
     name: str | None = None
     capability: dict[str, float] = field(default_factory=dict)
+    #: training examples the node holds for the data spec the query carried (None: not asked)
+    examples: int | None = None
 
     def encode(self) -> ConfigRecord:
         out: dict[str, Any] = {}
@@ -90,6 +92,8 @@ class NodeInfo:
             out[NUM_PARTITIONS] = int(self.num_partitions)
         if self.name:
             out[NODE_NAME] = str(self.name)
+        if self.examples is not None:
+            out[NUM_EXAMPLES] = int(self.examples)
         out.update({CAPABILITY + k: float(v) for k, v in self.capability.items()})
         return ConfigRecord(out)
 
@@ -100,6 +104,7 @@ class NodeInfo:
             num_partitions=int(rec[NUM_PARTITIONS]) if NUM_PARTITIONS in rec else None,
             name=str(rec[NODE_NAME]) if rec.get(NODE_NAME) else None,
             capability={k[len(CAPABILITY):]: float(v) for k, v in rec.items() if k.startswith(CAPABILITY)},
+            examples=int(rec[NUM_EXAMPLES]) if NUM_EXAMPLES in rec else None,
         )
 
 

@@ -87,6 +87,7 @@ def _run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None) -> dic
         "level_costs": costs,
         "bn_stats": cfg.evaluation.bn_stats,
         "wall_seconds": time.perf_counter() - t0,
+        **strategy.startup_info,  # start-up: nodes learnt before round 1 (seconds, asked, bytes)
         "output_dir": str(recorder.out_dir),
         **strategy.untrusted.summary(),  # attack, defence and DP (epsilon) totals, when configured
     })

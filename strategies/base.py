@@ -135,6 +135,7 @@ class HeteroStrategy(Strategy):
         self.evaluate_fn = evaluate_fn
         self.recorder = recorder
         self.registry = NodeRegistry(cfg, self.levels, self.level_cost)
+        self.startup_info: dict[str, Any] = {}  # what the start-up before round 1 took (NodeRegistry.startup)
         self.global_state: State | None = None
         self.sent: dict[int, tuple[int, Payload]] = {}  # node id -> (level index, payload) this round
         self.round_log = RoundLog()
@@ -371,6 +372,7 @@ class HeteroStrategy(Strategy):
         and/or by the sampled clients (``evaluation.where``)."""
         self.summary()
         result = Result()
+        self.startup_info = self.registry.startup(grid, self.start_round)  # before the first round's clock
         arrays = initial_arrays
         result.arrays = arrays
         for server_round in range(self.start_round, num_rounds + 1):

@@ -16,8 +16,11 @@ SuperNode authentication (the id belongs to the registered public key); without 
 node gets a new id, which is why the level never depends on the id when a partition id or a
 ``node-name`` is known.
 
-The registry queries a node's node config once (``node-info`` query), when the node is new or
-reconnects, and caches it: all new nodes in one push and one pull loop. With
+The registry queries a node's node config once (``node-info`` query, carrying the run's data
+spec: the node answers with its number of training examples), when the node is new or
+reconnects, and caches it: all new nodes in one push and one pull loop. The start-up before round
+1 (:meth:`NodeRegistry.startup`) asks the nodes round 1 will use, so that no round pays for the
+first contact (under the simulation engine, the workers' start). With
 ``availability.query = sampled`` a new node is asked only when a round first samples it (a node
 not yet asked is sampled by a hash of its node id, then by its stable key): no round pays for
 nodes that are not in it, at the price of a first-contact sample that follows node ids (which the
@@ -30,7 +33,8 @@ import hashlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
@@ -41,22 +45,21 @@ from omegaconf import DictConfig
 
 from fedhm_flwr import levels as lv
 from fedhm_flwr import protocol
-from fedhm_flwr.config import level_proportions
+from fedhm_flwr.config import data_spec, level_proportions
 
 
 #: keys of nodes without a unique partition id start here (partition ids stay below)
 _HASHED_KEY_BASE = 1 << 40
+#: more nodes than this joining at once are logged as one line (level counts), not one line each
+_JOIN_LINES = 10
 
 
 @dataclass
-class NodeInfo:
-    """What the server learnt of a node by querying its node config."""
+class NodeInfo(protocol.NodeInfo):
+    """What the server learnt of a node: its ``node-info`` answer (:class:`protocol.NodeInfo`), under
+    its node id, or the error it answered with."""
 
-    node_id: int
-    partition_id: int | None = None
-    num_partitions: int | None = None
-    name: str | None = None
-    capability: dict[str, float] = field(default_factory=dict)
+    node_id: int = 0
     error: str | None = None  # the node's answer to node-info was an error (e.g. a broken shard)
 
     def identity(self) -> str:
@@ -80,22 +83,21 @@ def hashed_key(identity: str) -> int:
 
 def parse_node_info(node_id: int, msg: Message | None) -> NodeInfo:
     """A node's NodeInfo from its ``node-info`` reply (an error reply is kept as ``error``)."""
-    info = NodeInfo(node_id)
     if msg is None:
-        info.error = "no answer to the node-info query"
-    elif msg.has_error():
-        info.error = msg.error.reason
-    elif protocol.CONFIG in msg.content:
-        told = protocol.NodeInfo.decode(msg.content[protocol.CONFIG])
-        info.partition_id, info.num_partitions = told.partition_id, told.num_partitions
-        info.name, info.capability = told.name, told.capability
-    return info
+        return NodeInfo(node_id=node_id, error="no answer to the node-info query")
+    if msg.has_error():
+        return NodeInfo(node_id=node_id, error=msg.error.reason)
+    if protocol.CONFIG not in msg.content:
+        return NodeInfo(node_id=node_id)
+    return NodeInfo(**vars(protocol.NodeInfo.decode(msg.content[protocol.CONFIG])), node_id=node_id)
 
 
-def node_info_queries(node_ids: list[int]) -> list[Message]:
-    """One ``node-info`` query per node."""
-    return [Message(content=RecordDict({protocol.CONFIG: ConfigRecord({protocol.QUERY: protocol.NODE_INFO})}),
-                    dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids]
+def node_info_queries(node_ids: list[int], data_spec: str | None = None) -> list[Message]:
+    """One ``node-info`` query per node; with the run's data spec (JSON), each node also reports
+    how many training examples it holds for it (and finds its data before the first round)."""
+    config = {protocol.QUERY: protocol.NODE_INFO, **({protocol.DATA_SPEC: data_spec} if data_spec else {})}
+    return [Message(content=RecordDict({protocol.CONFIG: ConfigRecord(config)}), dst_node_id=n,
+                    message_type=MessageType.QUERY) for n in node_ids]
 
 
 def exchange(grid: Grid, messages: list[Message], timeout: float, poll: float = 0.01,
@@ -103,11 +105,7 @@ def exchange(grid: Grid, messages: list[Message], timeout: float, poll: float = 
     """Push all ``messages`` at once, then pull their replies until all came or ``timeout``
     seconds passed. Like ``Grid.send_and_receive``, but polling from ``poll`` seconds, doubling
     up to ``max_poll`` (Flower's loop sleeps 3 s between pulls: every exchange ends up to 3 s
-    after its last reply). The in-process grid answers at once: its own ``send_and_receive``."""
-    from fedhm_flwr.local_grid import LocalGrid
-
-    if isinstance(grid, LocalGrid):
-        return list(grid.send_and_receive(messages, timeout=timeout))
+    after its last reply)."""
     return collect(grid, [mid for mid in grid.push_messages(messages) if mid], timeout, poll, max_poll)
 
 
@@ -145,7 +143,10 @@ class NodeRegistry:
         self.query_seconds = 0.0  # this round's wall time in node-info queries
         self.queried = 0  # nodes asked this round
         self._ahead: dict[int, str] = {}  # node id -> id of a node-info query pushed ahead (prefetch)
+        self._answers: dict[int, Message] = {}  # node id -> answer to a query pushed ahead, not read yet
         self._ahead_bytes, self._ahead_seconds = 0, 0.0
+        self._joined: list[tuple[int, int]] = []  # (node id, level index) of the nodes that joined in a query
+        self.data_spec = json.dumps(data_spec(cfg))  # each node reports its example count for it
 
     # ------------------------------------------------------------------ discovery
 
@@ -167,21 +168,22 @@ class NodeRegistry:
         return self.query(grid, server_round, new)
 
     def query(self, grid: Grid, server_round: int, new: list[int]) -> int:
-        """Ask these nodes for their node info: one push of all the queries, one pull loop
-        (:func:`exchange`); cache the answers, key and settle the nodes; returns the bytes moved."""
+        """Ask these nodes for their node info: one push of all the queries not pushed ahead, one
+        pull loop (:func:`collect`); cache the answers, key and settle the nodes; returns the bytes
+        moved."""
         if not new:
             return 0
         t0 = time.perf_counter()
-        ahead = {n: self._ahead.pop(n) for n in new if n in self._ahead}  # pushed by prefetch
-        query = node_info_queries([n for n in new if n not in ahead])
+        answers = {n: self._answers.pop(n) for n in new if n in self._answers}  # came in ahead (startup)
+        ahead = {n: self._ahead.pop(n) for n in new if n in self._ahead}  # pushed ahead (prefetch)
+        query = node_info_queries([n for n in new if n not in ahead and n not in answers], self.data_spec)
         moved = sum(content_bytes(msg.content) for msg in query)
-        if ahead:
-            pushed = [mid for mid in grid.push_messages(query) if mid] if query else []
-            replies = collect(grid, pushed + list(ahead.values()), float(self.cfg.timeout))
-        else:
-            replies = exchange(grid, query, float(self.cfg.timeout))
-        answers = {m.metadata.src_node_id: m for m in replies}
-        moved += sum(content_bytes(m.content) for m in answers.values() if m.has_content())
+        pushed = [mid for mid in grid.push_messages(query) if mid] if query else []
+        if pushed or ahead:
+            came = {m.metadata.src_node_id: m for m in collect(grid, pushed + list(ahead.values()),
+                                                               float(self.cfg.timeout))}
+            moved += sum(content_bytes(m.content) for m in came.values() if m.has_content())
+            answers.update(came)
         for node_id in new:
             info = parse_node_info(node_id, answers.get(node_id))
             if info.error is not None:
@@ -194,9 +196,37 @@ class NodeRegistry:
         for node_id in new:
             if node_id in self.nodes:
                 self._settle(node_id, server_round)
+        self._log_joined(server_round)
         self.query_seconds += time.perf_counter() - t0
         self.queried += len(new)
         return moved
+
+    def startup(self, grid: Grid, server_round: int) -> dict[str, Any]:
+        """Before the first round's clock starts: wait for the nodes, then learn the ones that round
+        will use: every connected node (``availability.query = all``), or the round's sample, asked
+        ahead and answered now but read only when the round samples (``sampled``, as
+        :meth:`prefetch`). What it took is the run's start-up (the simulation engine's workers start
+        on their first message and nodes find their data), not a round's; returns
+        ``{"startup_seconds", "startup_queried", "startup_bytes"}``."""
+        t0 = time.perf_counter()
+        moved = self.refresh(grid, server_round)
+        queried = self.queried
+        self.prefetch(grid, server_round)
+        if self._ahead:
+            replies = collect(grid, list(self._ahead.values()), float(self.cfg.timeout))
+            by_id = {mid: n for n, mid in self._ahead.items()}
+            self._answers = {by_id[m.metadata.reply_to_message_id]: m for m in replies}
+            queried += len(self._ahead)
+            self._ahead = {n: mid for n, mid in self._ahead.items() if n not in self._answers}
+        moved += self._ahead_bytes + sum(content_bytes(m.content) for m in self._answers.values() if m.has_content())
+        self._ahead_bytes, self._ahead_seconds, self.query_seconds, self.queried = 0, 0.0, 0.0, 0
+        seconds = time.perf_counter() - t0
+        told = [*self.nodes.values(), *(parse_node_info(n, m) for n, m in self._answers.items())]
+        examples = sorted(info.examples for info in told if info.examples is not None)
+        log(INFO, "start-up: %d node(s) connected, %d asked for their node info in %.1fs%s",
+            len(list(grid.get_node_ids())), queried, seconds,
+            f"; training examples per node {examples[0]}..{examples[-1]}" if examples else "")
+        return {"startup_seconds": seconds, "startup_queried": queried, "startup_bytes": moved}
 
     def query_sampled(self, grid: Grid, server_round: int, node_ids: list[int]) -> tuple[list[int], int]:
         """(the sampled nodes that can train, bytes moved): with ``availability.query = sampled``
@@ -205,6 +235,7 @@ class NodeRegistry:
         ask = [n for n in node_ids if n not in self.nodes]
         moved = (self.query(grid, server_round, ask) if ask else 0) + self._ahead_bytes
         self._ahead.clear()  # asked ahead for a sample that did not come (nodes came or went): unread
+        self._answers.clear()
         self._ahead_bytes = 0
         return [n for n in node_ids if n in self.nodes], moved
 
@@ -226,7 +257,7 @@ class NodeRegistry:
         finally:
             self.nodes, self.unknown = nodes, unknown
         ask = [n for n in picked if n not in nodes and n not in self._ahead]
-        query = node_info_queries(ask)
+        query = node_info_queries(ask, self.data_spec)
         if query:
             self._ahead.update({n: mid for n, mid in zip(ask, grid.push_messages(query)) if mid})
             self._ahead_bytes += sum(content_bytes(msg.content) for msg in query)
@@ -309,12 +340,26 @@ class NodeRegistry:
         identity = info.identity()
         before = self.seen.get(identity)
         if before is None:
-            log(INFO, "round %d: node %s joined (node id %d) -> level %g", server_round, self.label(node_id),
-                node_id, self.levels[index])  # type: ignore[index]
+            self._joined.append((node_id, index))  # type: ignore[arg-type]
         else:
             log(INFO, "round %d: node %s is back (node id %d) -> level %g (was %g)", server_round,
                 self.label(node_id), node_id, self.levels[index], self.levels[before])  # type: ignore[index]
         self.seen[identity] = index  # type: ignore[assignment]
+
+    def _log_joined(self, server_round: int) -> None:
+        """One line per node that joined, or one line of level counts when many joined at once."""
+        joined, self._joined = self._joined, []
+        if len(joined) > _JOIN_LINES:
+            counts: dict[float, int] = {}
+            for _, index in joined:
+                counts[self.levels[index]] = counts.get(self.levels[index], 0) + 1
+            log(INFO, "round %d: %d nodes joined -> %s", server_round, len(joined),
+                ", ".join(f"level {level:g}: {n}" for level, n in sorted(counts.items(), reverse=True)))
+            return
+        for node_id, index in joined:
+            examples = self.nodes[node_id].examples
+            log(INFO, "round %d: node %s joined (node id %d) -> level %g%s", server_round, self.label(node_id),
+                node_id, self.levels[index], "" if examples is None else f", {examples} training examples")
 
     def _stable_level(self, info: NodeInfo) -> int:
         proportions = level_proportions(self.cfg)

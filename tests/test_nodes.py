@@ -128,8 +128,52 @@ def test_client_seeds_are_distinct_across_rounds_and_many_partitions():
 def test_node_info_travels_through_the_one_wire_contract():
     from fedhm_flwr import protocol
 
-    sent = protocol.NodeInfo(partition_id=3, num_partitions=8, name="ward-3", capability={"memory": 6.5e6})
+    sent = protocol.NodeInfo(partition_id=3, num_partitions=8, name="ward-3", capability={"memory": 6.5e6},
+                             examples=120)
     record = sent.encode()
-    assert set(record) == {"partition-id", "num-partitions", "node-name", "capability-memory"}
+    assert set(record) == {"partition-id", "num-partitions", "node-name", "capability-memory", "num-examples"}
     assert protocol.NodeInfo.decode(record) == sent
     assert protocol.NodeInfo.decode(protocol.NodeInfo().encode()) == protocol.NodeInfo()
+
+
+def test_each_node_reports_the_examples_it_trains_on_and_they_add_up(toy_cfg):
+    """The start-up's node-info answers (the query carries the data spec) count the examples each
+    node then trains on; with the evaluation's held-out examples they make up the training set."""
+    cfg = toy_cfg("evaluation.where=both evaluation.holdout=0.2")
+    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    grid = LocalGrid(6, client_handlers())
+    strategy.registry.startup(grid, 1)
+    told = {n: info.examples for n, info in strategy.nodes.items()}
+    arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.spec))
+    trained = {m.metadata.src_node_id: int(m.content["metrics"]["num-examples"])
+               for m in grid.send_and_receive(list(strategy.configure_train(1, arrays, None, grid)))}
+    assert told == trained and len(told) == 6
+    evaluated = [int(m.content["metrics"]["num-examples"])
+                 for m in grid.send_and_receive(list(strategy.configure_evaluate(1, arrays, None, grid)))]
+    assert len(evaluated) == 6 and sum(told.values()) + sum(evaluated) == int(cfg.dataset.max_train_examples)
+    assert 0 < sum(evaluated) < sum(told.values())
+
+
+def test_a_node_whose_data_cannot_serve_the_run_sits_out_from_the_start(toy_cfg, caplog):
+    cfg = toy_cfg()
+    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    # node 3 claims a partition the run does not have (partition ids 0..5)
+    grid = LocalGrid(6, client_handlers(), node_config=lambda i: {"partition-id": 9} if i == 3 else {})
+    with caplog.at_level(logging.WARNING):
+        strategy.registry.startup(grid, 1)
+    assert len(strategy.nodes) == 5 and 9 not in {info.partition_id for info in strategy.nodes.values()}
+    assert any("cannot take part" in r.getMessage() and "partition-id" in r.getMessage() for r in caplog.records)
+    assert len(_round(strategy, grid, 1)) == 5
+
+
+def test_many_nodes_joining_at_once_are_logged_as_level_counts(toy_cfg, caplog):
+    cfg = toy_cfg("num_clients=20")
+    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    with caplog.at_level(logging.INFO):
+        strategy.registry.startup(LocalGrid(20, client_handlers()), 1)
+    lines = [r.getMessage() for r in caplog.records if "joined" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("round 1: 20 nodes joined -> ")
+    counts = {float(part.split(": ")[0].removeprefix("level ")): int(part.split(": ")[1])
+              for part in lines[0].split(" -> ")[1].split(", ")}
+    held = [strategy.levels[i] for i in strategy.registry.levels_of.values()]
+    assert counts == {level: held.count(level) for level in set(held)} and sum(counts.values()) == 20

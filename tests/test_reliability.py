@@ -42,7 +42,7 @@ def test_injected_crashes_are_counted_and_the_run_completes(toy_cfg, tmp_path):
 
 def test_a_client_slower_than_the_round_timeout_is_a_counted_failure(toy_cfg, tmp_path):
     cfg = toy_cfg("rounds=1 failures.slow_probability=0.5 failures.slow_seconds=1.5 timeout=1.0")
-    run(LocalGrid(6, client_handlers()), cfg, tmp_path)
+    run(LocalGrid(6, client_handlers(), timeout=float(cfg.timeout)), cfg, tmp_path)
     (row,) = _rows(tmp_path)
     reasons = json.loads(row["failure_reasons"])
     assert row["failures"] > 0 and all("timeout" in why for _, why in reasons)
@@ -123,15 +123,15 @@ def test_resumed_run_ends_like_an_uninterrupted_one(toy_cfg, tmp_path):
         return real(msg, ctx)
 
     grid = LocalGrid(6, handlers)
-    grid.send_and_receive_orig = grid.send_and_receive
+    push = grid.push_messages
 
-    def send(messages, *, timeout=None):  # the server process dies during round 3
+    def send(messages):  # the server process dies during round 3
         messages = list(messages)
         if messages and messages[0].metadata.message_type == MessageType.TRAIN and messages[0].content["config"]["server-round"] == 3:
             raise Stop
-        return grid.send_and_receive_orig(messages, timeout=timeout)
+        return push(messages)
 
-    grid.send_and_receive = send
+    grid.push_messages = send
     with pytest.raises(Stop):
         run(grid, cfg, cut_dir)
     _, saved = load_checkpoint(cut_dir)

@@ -80,9 +80,13 @@ def test_the_config_check_refuses_other_wire_dtypes_and_query_modes():
 
 
 def test_sampled_queries_ask_only_the_round_s_nodes_and_levels_stay_put(toy_cfg):
-    def rounds(cfg, count, prefetch=False):
+    def rounds(cfg, count, prefetch=False, startup=False):
         strategy, grid = FedHMStrategy(cfg, model_spec(cfg)), LocalGrid(20, client_handlers())
         asked_per_round, trained_per_round, before = [], [], 0
+        if startup:  # as start() does before round 1: its queries are the start-up's, not the round's
+            strategy.registry.startup(grid, 1)
+            asked_per_round.append({n for n, kind in grid.delivered if kind == MessageType.QUERY})
+            before = len(grid.delivered)
         for rnd in range(1, count + 1):
             msgs = list(strategy.configure_train(rnd, _start(cfg), None, grid))
             if prefetch and rnd < count:  # as start() does after a round: the next round's new nodes
@@ -107,6 +111,13 @@ def test_sampled_queries_ask_only_the_round_s_nodes_and_levels_stay_put(toy_cfg)
     _, ahead, trained_ahead = rounds(toy_cfg(f"{common} availability.query=sampled"), 4, prefetch=True)
     assert trained_ahead == trained
     assert ahead == [asked[0] | asked[1], asked[2], asked[3], set()]
+    # with the start-up before round 1: the same samples; round 1's nodes were asked during the
+    # start-up, so round 1 itself asks none (nor, with query=all, any node at all)
+    started, ahead, trained_started = rounds(toy_cfg(f"{common} availability.query=sampled"), 4, True, True)
+    assert trained_started == trained
+    assert ahead == [asked[0], asked[1], asked[2], asked[3], set()]  # each round pushes the next one's
+    _, asked_all, trained_all = rounds(toy_cfg(common), 2, startup=True)
+    assert len(asked_all[0]) == 20 and asked_all[1:] == [set(), set()] and len(trained_all[0]) == 5
 
 
 def test_exchange_polls_until_every_reply_came_or_the_timeout():

@@ -104,7 +104,7 @@ _EXPORTS: dict[str, str] = {
                      "SOURCE_DEFAULTS", "check_data_spec", "make_data_spec"), "spec"),
     **dict.fromkeys(("fraction_split", "holdout_split", "partition"), "partitioning"),
     **dict.fromkeys(("ImageTensorDataset", "image_dataset"), "tensors"),
-    **dict.fromkeys(("client_arrays", "client_dataset", "client_indices", "client_labels", "partition_indices",
+    **dict.fromkeys(("client_arrays", "client_dataset", "client_indices", "client_labels", "client_size", "partition_indices",
                      "partition_summary", "test_dataset"), "clients"),
 }
 #: where other (private) names are looked up, in order

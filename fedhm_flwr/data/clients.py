@@ -79,6 +79,21 @@ def client_arrays(
     return images[idx], labels[idx]
 
 
+def client_size(
+    data_spec: dict[str, Any],
+    partition_id: int,
+    data_dir: str | os.PathLike[str] | None = None,
+    split: str = "train",
+) -> int:
+    """How many examples one split of a partition holds (what a node reports in its node info);
+    loads the source once per process, as training would, but builds no tensors for image sources."""
+    spec = check_data_spec(data_spec)
+    external = _external(spec["name"])
+    if external is not None:
+        return len(external.client_dataset(spec, partition_id, data_dir, split))
+    return len(client_indices(spec, partition_id, data_dir, split))
+
+
 def client_labels(
     data_spec: dict[str, Any],
     partition_id: int,
