@@ -202,7 +202,8 @@ def summarize(rows: list[dict[str, Any]], extra: Mapping[str, Any]) -> dict[str,
     out["bytes_received"] = int(sum(r.get("bytes_received", 0) for r in rows))
     out["bytes_bn_stats"] = int(sum(r.get("bytes_bn_stats", 0) for r in rows))
     out["bytes_eval"] = int(sum(r.get("bytes_eval_sent", 0) + r.get("bytes_eval_received", 0) for r in rows))
-    out["bytes_queries"] = int(sum(r.get("bytes_queries", 0) for r in rows))
+    # node-info queries of the rounds and of the start-up before round 1 (``startup_bytes``)
+    out["bytes_queries"] = int(sum(r.get("bytes_queries", 0) for r in rows) + out.get("startup_bytes", 0))
     out["bytes_total"] = (out["bytes_sent"] + out["bytes_received"] + out["bytes_bn_stats"] + out["bytes_eval"]
                           + out["bytes_queries"])
     out["failures"] = int(sum(r.get("failures", 0) for r in rows))

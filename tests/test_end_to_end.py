@@ -15,7 +15,7 @@ from fedhm_flwr.server_app import run
 OUTPUTS = {"config.yaml", "metrics.jsonl", "metrics.csv", "summary.json", "accuracy.png", CHECKPOINT_DIR}
 
 
-def _check_outputs(out_dir, rounds, levels):
+def _check_outputs(out_dir, rounds, levels, nodes):
     assert OUTPUTS <= {p.name for p in out_dir.iterdir()}
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == list(range(1, rounds + 1))
@@ -26,7 +26,11 @@ def _check_outputs(out_dir, rounds, levels):
     assert len(csv_lines) == rounds + 1 and "acc/global" in csv_lines[0]
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["rounds_completed"] == rounds
-    assert summary["bytes_total"] == sum(r["bytes_sent"] + r["bytes_received"] + r["bytes_queries"] for r in rows)
+    # every node was asked for its node info in the start-up before round 1, none in a round
+    assert summary["startup_queried"] == nodes and summary["startup_seconds"] > 0 and summary["startup_bytes"] > 0
+    assert all(r["queried"] == 0 for r in rows)
+    assert summary["bytes_total"] == summary["startup_bytes"] + sum(
+        r["bytes_sent"] + r["bytes_received"] + r["bytes_queries"] for r in rows)
     state, saved = load_checkpoint(out_dir)
     assert saved["round"] == rounds and state
     assert (out_dir / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -40,7 +44,7 @@ def test_in_process_run_learns_and_writes_outputs(toy_cfg, tmp_path):
 
 
 def _check_outputs_after(_, out_dir, rounds, cfg):
-    return _check_outputs(out_dir, rounds, list(cfg.levels.ratios))
+    return _check_outputs(out_dir, rounds, list(cfg.levels.ratios), int(cfg.num_clients))
 
 
 @pytest.mark.slow
@@ -52,7 +56,7 @@ def test_flwr_run_simulation_two_rounds(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[round 2/2]" in proc.stdout + proc.stderr  # one progress line per round on the console
-    _check_outputs(out, 2, [1.0, 0.5, 0.25, 0.125])
+    _check_outputs(out, 2, [1.0, 0.5, 0.25, 0.125], 4)
     leftover = subprocess.run(["pgrep", "-f", str(out / ".flwr")], capture_output=True, text=True).stdout
     assert leftover.strip() == "", f"processes left running: {leftover}"
 
