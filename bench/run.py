@@ -234,9 +234,11 @@ def _train_steps(spec: dict[str, Any], batch: int, device: torch.device, variant
                  ) -> dict[str, tuple[Callable[[], None], int]]:
     """One SGD step (loss, backward with Frobenius decay, optimizer) per level: ``{gamma: (step, MACs)}``.
 
-    ``variant`` ``before``: the step as it was (contiguous layout, the penalty added to the loss);
-    ``train_local``: the clients' step (:func:`fedhm_flwr.train.conv_layout`,
-    :func:`fedhm_flwr.train.backward`)."""
+    ``variant`` ``before``: the step as it was (contiguous layout, the penalty added to the loss,
+    the CNN's ReLU before its max-pool); ``train_local``: the clients' step
+    (:func:`fedhm_flwr.train.conv_layout`, :func:`fedhm_flwr.train.backward`, the CNN pooling
+    before its ReLU); ``relu_then_pool``: the clients' step with the CNN's ReLU before its
+    max-pool, i.e. ``train_local`` less that one change (the same function, bit for bit)."""
     from fedhm_flwr.lowrank import plan_ranks
     from fedhm_flwr.train import backward, conv_layout, frobenius_penalty, parameter_groups
 
@@ -247,8 +249,11 @@ def _train_steps(spec: dict[str, Any], batch: int, device: torch.device, variant
         ranks = plan_ranks(base, gamma)
         torch.manual_seed(0)
         model = build_model({**spec, "ranks": ranks}, spectral_init=False).train()
+        if variant in ("before", "relu_then_pool") and hasattr(model, "relu_after_pool"):
+            model.relu_after_pool = False
         macs = count_macs(model, shape)
-        layout = conv_layout(model, device) if variant == "train_local" else torch.contiguous_format
+        local = variant != "before"
+        layout = conv_layout(model, device) if local else torch.contiguous_format
         model.to(device, memory_format=layout)
         opt = torch.optim.SGD(parameter_groups(model, 5e-4, bool(ranks)), lr=0.01, momentum=0.9)
         x = torch.randn(batch, *shape, device=device).contiguous(memory_format=layout)
@@ -258,7 +263,7 @@ def _train_steps(spec: dict[str, Any], batch: int, device: torch.device, variant
                  y: torch.Tensor = y) -> None:
             loss = torch.nn.functional.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True)
-            if variant == "train_local":
+            if local:
                 backward(loss, model, 5e-4)
             else:
                 (loss + frobenius_penalty(model, 5e-4)).backward()
@@ -288,12 +293,13 @@ def figure_train_step(quick: bool) -> dict[str, Any]:
     """Training-step time of each level ÷ the full model's, next to the MACs ratio, and their quotient
     (target: :data:`STEP_OVER_MACS_TARGET`), for the step as it was (``before``) and the clients'
     step (``train_local``), measured interleaved in this process (medians over repeats), at 1 thread
-    (a simulated client's default, ``simulation.num_cpus=1``) and at all cores. A level over its target
+    (a simulated client's default, ``simulation.num_cpus=1``; timed by the thread's CPU time) and at
+    all cores (wall clock: needs a quiet machine, as OpenMP threads wait on each other). A level over its target
     gets the profile of its step and of the full model's (top ops, shares of self CPU time)."""
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     configs = [("cnn", 16, 1, 28, 32)] + ([] if quick else [("resnet18", 64, 3, 32, 16)])
     cores = torch.get_num_threads()
-    out: dict[str, Any] = {"threads": sorted({1, cores}), "variants": ["before", "train_local"],
+    out: dict[str, Any] = {"threads": sorted({1, cores}), "variants": ["before", "relu_then_pool", "train_local"],
                            "target_step_over_macs": STEP_OVER_MACS_TARGET}
     try:
         for arch, width, channels, size, batch in configs:
@@ -302,7 +308,12 @@ def figure_train_step(quick: bool) -> dict[str, Any]:
             for device in devices:
                 for threads in (out["threads"] if device.type == "cpu" else [cores]):
                     torch.set_num_threads(threads)
-                    variants = {v: _train_steps(spec, batch, device, v) for v in out["variants"]}
+                    # one thread: the calling thread's CPU time (all of a 1-thread step runs on it), so
+                    # that other processes on the machine do not stretch some steps and not others
+                    single = threads == 1 and device.type == "cpu"
+                    clock = time.thread_time if single else time.perf_counter
+                    variants = {v: _train_steps(spec, batch, device, v) for v in out["variants"]
+                                if arch == "cnn" or v != "relu_then_pool"}  # the CNN's change only
                     times: dict[tuple[str, str], list[float]] = {(v, g): [] for v, s in variants.items() for g in s}
                     repeats = 3 if quick else (40 if arch == "cnn" else 5)
                     inner = 3 if arch == "cnn" else 1
@@ -310,11 +321,11 @@ def figure_train_step(quick: bool) -> dict[str, Any]:
                         variants[v][g][0]()
                     for _ in range(repeats):  # interleaved: every (variant, level) sees the same machine state
                         for (v, g), ts in times.items():
-                            t0 = time.perf_counter()
+                            t0 = clock()
                             for _ in range(inner):
                                 variants[v][g][0]()
-                            ts.append((time.perf_counter() - t0) / inner)
-                    table: dict[str, Any] = {}
+                            ts.append((clock() - t0) / inner)
+                    table: dict[str, Any] = {"clock": "thread CPU time" if single else "wall clock"}
                     for v, steps in variants.items():
                         full_t, full_m = statistics.median(times[(v, "1")]), steps["1"][1]
                         rows = {}
@@ -341,13 +352,16 @@ def train_step_markdown(f3: dict[str, Any]) -> list[str]:
     L = [f"## 3. Training-step time per level (threads {f3['threads']})", "",
          "Step-time ratio (level ÷ full model, same variant) next to the MACs ratio; their quotient must "
          f"stay under {f3['target_step_over_macs']}. `before`: contiguous layout, Frobenius penalty through "
-         "autograd; `train_local`: the clients' step (channels_last, closed-form Frobenius gradient).", "",
+         "autograd, the CNN's ReLU before its max-pool; `train_local`: the clients' step (channels_last, "
+         "closed-form Frobenius gradient, the CNN pooling before its ReLU: the same function, bit for bit); "
+         "`relu_then_pool` (CNN): `train_local` with the ReLU before the max-pool.", "",
+         "One thread is timed by the thread's CPU time, more threads by the wall clock (quiet machine needed).", "",
          "| model/device | variant | level | step median (s) [min–max] | time ratio | MACs ratio | time ÷ MACs |",
          "|---|---|---|---|---|---|---|"]
     for model, table in f3.items():
         if not isinstance(table, dict) or "train_local" not in table:
             continue
-        for variant in f3["variants"]:
+        for variant in [v for v in f3["variants"] if v in table]:
             for level, r in table[variant].items():
                 mark = "" if r["meets_target"] else " ✗"
                 L.append(f"| {model} | {variant} | {level} | {r['median_s']:.4f} [{r['min_s']:.4f}–{r['max_s']:.4f}] | "

@@ -117,6 +117,37 @@ def test_cnn_layout():
     assert all(model.get_submodule(f"conv{i}").bias is None for i in range(1, 5))
 
 
+@pytest.mark.parametrize("extra", [{}, {"ranks": {"conv3": 2, "conv4": 3}}, {"width_rate": 0.5, "scaler": True}])
+def test_cnn_pools_before_relu_with_the_same_outputs_and_gradients_bit_for_bit(extra):
+    """The CNN's ``bn -> MaxPool -> ReLU`` is ``bn -> ReLU -> MaxPool`` exactly (outputs and every
+    gradient ``torch.equal``), ties inside pooling windows included (constant images)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = build_model({"arch": "cnn", "num_classes": 5, "in_channels": 1, "image_size": 12, "width": 4, **extra},
+                        spectral_init=False).train().to(memory_format=torch.channels_last)
+    assert model.relu_after_pool
+
+    def reference(x):  # the HeteroFL layout, written out: conv, norm, ReLU, then pool
+        for i in range(1, 5):
+            x = F.relu(model.get_submodule(f"bn{i}")(model.scaler(model.get_submodule(f"conv{i}")(x))))
+            x = F.max_pool2d(x, 2) if i < 4 else x
+        return model.fc(x.mean((2, 3)))
+
+    x = torch.cat([torch.randn(4, 1, 12, 12), torch.full((2, 1, 12, 12), 0.5), torch.zeros(2, 1, 12, 12)])
+    x = x.contiguous(memory_format=torch.channels_last)
+    results = []
+    for forward in (model, reference):
+        model.zero_grad(set_to_none=True)
+        out = forward(x)
+        F.cross_entropy(out, torch.arange(8) % 5).backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (out, grads), (ref_out, ref_grads) = results
+    assert torch.equal(out, ref_out)
+    assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+    assert any(g.abs().sum() > 0 for g in grads.values())
+
+
 def test_unknown_arch_refused():
     assert {"cnn", "resnet18", "resnet34"} <= set(ARCHS)
     with pytest.raises(ValueError, match="arch"):

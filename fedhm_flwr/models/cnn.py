@@ -19,6 +19,10 @@ class CNN(nn.Module):
     """``conv{i} -> bn{i} -> ReLU (-> MaxPool2d(2) for i < 4)`` for i = 1..4, global average
     pooling, ``fc``. Hidden sizes ``[w, 2w, 4w, 8w]`` (HeteroFL: ``w = 64``).
 
+    The forward pools before the ReLU (``relu_after_pool``): max-pooling and ReLU commute exactly
+    (both monotone; same outputs, same gradients, bit for bit), and the ReLU then runs on a
+    quarter of the elements (about 4 % of a training step at width 16 on a CPU: bench figure 3).
+
     ``conv1`` is the stem and is never factorized; of ``conv2..conv4`` the first
     ``default_rho = 1`` (``conv2``) stays full rank by default.
 
@@ -28,6 +32,8 @@ class CNN(nn.Module):
     """
 
     default_rho: int = 1
+    #: ``bn -> MaxPool2d -> ReLU`` (False: ``bn -> ReLU -> MaxPool2d``, the same function, slower)
+    relu_after_pool: bool = True
     #: the stem ``conv1`` is never factorized (nor ``fc``, the head, by the default rule)
     factorize_rule = FactorizeRule(exclude=("conv1",))
 
@@ -53,10 +59,15 @@ class CNN(nn.Module):
         return select_layers(self)
 
     def forward(self, x: Tensor) -> Tensor:
-        for i in range(1, len(self.hidden) + 1):
-            x = self.relu(getattr(self, f"bn{i}")(self.scaler(getattr(self, f"conv{i}")(x))))
-            if i < len(self.hidden):
-                x = self.pool(x)
+        last = len(self.hidden)
+        for i in range(1, last + 1):
+            x = getattr(self, f"bn{i}")(self.scaler(getattr(self, f"conv{i}")(x)))
+            if i < last and self.relu_after_pool:
+                x = self.relu(self.pool(x))
+            elif i < last:
+                x = self.pool(self.relu(x))
+            else:
+                x = self.relu(x)
         return self.fc(self.avgpool(x).flatten(1))
 
 
