@@ -145,6 +145,7 @@ class NodeRegistry:
         self._ahead: dict[int, str] = {}  # node id -> id of a node-info query pushed ahead (prefetch)
         self._answers: dict[int, Message] = {}  # node id -> answer to a query pushed ahead, not read yet
         self._ahead_bytes, self._ahead_seconds = 0, 0.0
+        self._waited_for: int | None = None  # the round the start-up waited for nodes for
         self._joined: list[tuple[int, int]] = []  # (node id, level index) of the nodes that joined in a query
         self.data_spec = json.dumps(data_spec(cfg))  # each node reports its example count for it
 
@@ -155,7 +156,8 @@ class NodeRegistry:
         = all``) or leave them for the round that samples them (``sampled``); returns the bytes the
         queries and their answers moved."""
         self.query_seconds, self.queried, self._ahead_seconds = self._ahead_seconds, 0, 0.0
-        self.wait_for_nodes(grid, server_round)
+        if server_round != self._waited_for:  # the start-up waited for its first round already
+            self.wait_for_nodes(grid, server_round)
         connected = set(grid.get_node_ids())
         for node_id in sorted(set(self.nodes) - connected):
             log(INFO, "round %d: node %s (node id %d) left", server_round, self.label(node_id), node_id)
@@ -210,6 +212,7 @@ class NodeRegistry:
         ``{"startup_seconds", "startup_queried", "startup_bytes"}``."""
         t0 = time.perf_counter()
         moved = self.refresh(grid, server_round)
+        self._waited_for = server_round
         queried = self.queried
         self.prefetch(grid, server_round)
         if self._ahead:

@@ -147,23 +147,6 @@ def test_resumed_run_counts_only_this_sessions_rounds_and_terminal_mode_rewrites
     assert progress_text([], 4, 0.0, 0) == "round 0/4 | elapsed 0:00 | ETA ? | acc - | failures 0"
 
 
-@pytest.mark.slow
-def test_fedhm_run_through_the_launcher_writes_tensorboard_events(tmp_path):
-    """`fedhm run` (python -m fedhm_flwr) -> launcher -> `flwr run` -> event files every round."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+# `fedhm run` through the launcher (progress lines, TensorBoard events every round): one of the
+# end-to-end runs of tests/test_end_to_end.py
 
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "fedhm_flwr", "run", "rounds=2", "num_clients=4", "dataset.max_train_examples=1200",
-           "dataset.max_test_examples=300", "model.width=4", "--run-dir", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    assert [line.split(" | ")[0] for line in lines if line.startswith("round ")] == ["round 1/2", "round 2/2"]
-    assert "run complete: final global accuracy" in lines[-1]
-    assert (out / "flwr_run.log").stat().st_size > 0  # Flower's output went to the log, not the console
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    acc = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0})
-    acc.Reload()
-    for key in ("acc/global", "acc/level_0.125", "loss/global", "bytes_sent", "seconds", "failures"):
-        logged = {e.step: e.value for e in acc.Scalars(key)}
-        assert logged == pytest.approx({r["round"]: float(r[key]) for r in rows}, rel=1e-6), key

@@ -177,3 +177,17 @@ def test_many_nodes_joining_at_once_are_logged_as_level_counts(toy_cfg, caplog):
               for part in lines[0].split(" -> ")[1].split(", ")}
     held = [strategy.levels[i] for i in strategy.registry.levels_of.values()]
     assert counts == {level: held.count(level) for level in set(held)} and sum(counts.values()) == 20
+
+
+def test_the_start_up_waits_for_round_1_once_and_later_rounds_wait_again(toy_cfg, caplog):
+    cfg = toy_cfg("availability.min_nodes=8 availability.wait_seconds=0.2 availability.poll_seconds=0.05")
+    strategy, grid = FedHMStrategy(cfg, model_spec(cfg)), LocalGrid(6, client_handlers())
+
+    def waits():
+        return sum("waiting up to 0.2s for at least 8" in r.getMessage() for r in caplog.records)
+
+    with caplog.at_level(logging.INFO):
+        strategy.registry.startup(grid, 1)
+        assert waits() == 1 and len(strategy.nodes) == 6
+        assert len(_round(strategy, grid, 1)) == 6 and waits() == 1  # the start-up's wait was round 1's
+        assert len(_round(strategy, grid, 2)) == 6 and waits() == 2

@@ -4,24 +4,56 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
+from fedhm_flwr.launch import free_port
+from fedhm_flwr.procs import Processes, tagged_pids
 from fedhm_flwr.summary import write_summary
+from test_ray_cluster import RAY, ray_start
 
 
 @pytest.mark.slow
-def test_two_by_two_sweep_summary_has_one_row_per_job(tmp_path):
+def test_two_by_two_sweep_on_a_two_node_ray_cluster_has_one_row_per_job(tmp_path):
+    """The sweep's jobs run their clients on an existing Ray cluster of two nodes
+    (``simulation.ray_address``; head + one more node, 1 CPU each): every job completes, its clients
+    train on both nodes in each round, and the summary has one row per job. (One cluster for the
+    four jobs instead of a private Ray instance each, and no separate cluster run: this is the
+    suite's test of ``simulation.ray_address``; a private instance runs in every other `flwr run` test.)"""
+    if not Path(RAY).exists():
+        pytest.skip("no `ray` executable next to this Python")
+    temp_dir = tempfile.mkdtemp(prefix="fedhm-ray-", dir="/tmp")  # short: Ray's socket paths must fit
+    gcs = free_port()
+    procs = Processes()  # the cluster's processes carry this tag: stopped by it, and only they
     sweep_dir = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "fedhm_flwr.sweep", "-m", "levels.ratios=[1,0.25],[0.5,0.125]", "seed=0,1",
-           "rounds=1", "num_clients=3", "dataset.max_train_examples=600", "dataset.max_test_examples=200",
-           "model.width=4", f"hydra.sweep.dir={sweep_dir}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    try:
+        ray_start(procs, temp_dir, "--head", f"--port={gcs}", "--include-dashboard=false",
+                  f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}")
+        ray_start(procs, temp_dir, f"--address=127.0.0.1:{gcs}")
+        cmd = [sys.executable, "-m", "fedhm_flwr.sweep", "-m", "levels.ratios=[1,0.25],[0.5,0.125]", "seed=0,1",
+               "rounds=2", "num_clients=4", "fraction_train=1.0", "dataset.max_train_examples=800",
+               "dataset.max_test_examples=200", "model.width=4", f"simulation.ray_address=127.0.0.1:{gcs}",
+               f"hydra.sweep.dir={sweep_dir}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    finally:
+        procs.close(grace=5.0, settle=1.0)
+        left = tagged_pids(procs.tag)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert left == [], f"cluster processes left running: {left}"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     jobs = sorted(p for p in sweep_dir.iterdir() if p.name.startswith("job"))
     assert len(jobs) == 4
+    for job in jobs:
+        rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in rows] == [1, 2]
+        assert all(r["replies"] == 4 for r in rows)
+        # 4 clients a round, one 1-CPU actor per node: both nodes train in each round
+        assert [r.get("ray_nodes") for r in rows] == [2, 2], rows
     with (sweep_dir / "summary.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == 4 and (sweep_dir / "summary.md").is_file()
