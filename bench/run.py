@@ -62,11 +62,21 @@ def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> dict[str, flo
 # ------------------------------------------------------------------------------------ figure 1
 
 
+def identity_query(msg: Any, context: Any) -> Any:
+    """The node-info answer of a node that holds no data (figures 1 and 2 never train on any, and
+    ResNet's CIFAR-10 need not be on this machine): its identity, without the example count the
+    run's data spec would ask for (:func:`clients.base.node_info`)."""
+    from flwr.app import Message, RecordDict
+
+    from clients.base import node_info
+
+    return Message(RecordDict({"config": node_info(context)}), reply_to=msg)
+
+
 def figure_server_time(quick: bool) -> dict[str, Any]:
     """configure_train + aggregate_train of FedHM vs FedAvg(full) with echoing clients."""
     from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 
-    from clients.base import handle_query
     from fedhm_flwr.local_grid import LocalGrid, client_handlers
     from fedhm_flwr.server_app import initial_state, run
     from strategies import STRATEGIES
@@ -89,7 +99,7 @@ def figure_server_time(quick: bool) -> dict[str, Any]:
                               f"num_clients={replies_n} fraction_train=1.0")
             spec = model_spec(cfg)
             strategy = STRATEGIES[method](cfg, spec)
-            grid = LocalGrid(replies_n, {MessageType.TRAIN: echo, MessageType.QUERY: handle_query})
+            grid = LocalGrid(replies_n, {MessageType.TRAIN: echo, MessageType.QUERY: identity_query})
             state = initial_state(cfg, spec)
             arrays = ArrayRecord.from_torch_state_dict(state)
             counter = iter(range(1, 10_000))
@@ -194,7 +204,6 @@ def serialized_bytes(msg: Any) -> int:
 def figure_bytes(quick: bool) -> dict[str, Any]:
     from flwr.app import ArrayRecord, MessageType
 
-    from clients.base import handle_query
     from fedhm_flwr.local_grid import LocalGrid
     from fedhm_flwr.server_app import initial_state
     from strategies import STRATEGIES
@@ -204,7 +213,7 @@ def figure_bytes(quick: bool) -> dict[str, Any]:
         cfg = load_config(f"model={arch} model.width={width} dataset={dataset} num_clients=8 fraction_train=1.0")
         spec = model_spec(cfg)
         strategy = STRATEGIES["fedhm"](cfg, spec)
-        grid = LocalGrid(8, {MessageType.QUERY: handle_query})
+        grid = LocalGrid(8, {MessageType.QUERY: identity_query})
         msgs = list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(initial_state(cfg, spec)), None, grid))
         rows = {}
         for msg in msgs:
