@@ -5,8 +5,8 @@ Figures (each in one process, compared things on the same machine state, medians
 1. server time per round (factorize, build messages, recover, aggregate) of FedHM against FedAvg
    on the same model and number of replies; FedHM's whole server round (configure + aggregate +
    the evaluation's share of the factorization) against its floor (one fastest-method
-   decomposition per factorizable layer plus one weighted average of the recovered replies, timed
-   bare in the same process); and the server's share of a round's wall time;
+   decomposition per factorizable layer plus one weighted average of the replies by stacked
+   factor products, timed bare in the same process); and the server's share of a round's wall time;
 2. bytes per client per round for each level, measured from the serialized messages, against the
    full model, next to the parameter-count ratio;
 3. training-step time of each level's model against the full model (CPU at 1 thread and at all
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from fedhm_flwr.config import load_config, model_spec
-from fedhm_flwr.lowrank import compute_svds, recover_state
+from fedhm_flwr.lowrank import compute_svds
 from fedhm_flwr.models import build_model, count_macs, count_parameters, input_shape
 
 REPORT_DIR = Path(__file__).resolve().parent / "reports"
@@ -151,12 +151,15 @@ def fedhm_round_against_floor(strategy: Any, grid: Any, state: dict[str, Any], r
     factors), so each pays its one decomposition per layer, wherever the cache puts it.
 
     The floor: one fastest-method decomposition per factorizable layer of the merged state
-    (:func:`compute_svds` with the levels' ranks) plus one weighted average of the recovered
-    replies, each timed bare right after the round it is compared with (the machine is shared).
+    (:func:`compute_svds` with the levels' ranks) plus one weighted average of the replies, the
+    fastest way known (:func:`fedhm_flwr.aggregation.average_hybrid`: per layer one product of the
+    stacked weighted factors, never a recovered full state, and one stacked weighted sum of the
+    rest), each timed bare on the deserialized replies right after the round it is compared with
+    (the machine is shared).
     """
     from flwr.app import ArrayRecord
 
-    from fedhm_flwr.aggregation import average_states, level_weights
+    from fedhm_flwr.aggregation import average_hybrid, level_weights
 
     arrays = ArrayRecord.from_torch_state_dict(state)
     names, ranks = strategy.factorized, strategy.layer_ranks
@@ -177,11 +180,11 @@ def fedhm_round_against_floor(strategy: Any, grid: Any, state: dict[str, Any], r
         t4 = time.perf_counter()
         compute_svds(merged, names, ranks)
         t5 = time.perf_counter()
-        full = [recover_state(m.content["arrays"].to_torch_state_dict(),
-                              strategy.ranks[strategy.sent[m.metadata.src_node_id][0]]) for m in replies]
-        weights = level_weights([1.0] * len(full), 1.0)
+        hybrid = [m.content["arrays"].to_torch_state_dict() for m in replies]
+        plans = [strategy.ranks[strategy.sent[m.metadata.src_node_id][0]] for m in replies]
+        weights = level_weights([1.0] * len(hybrid), 1.0)
         t6 = time.perf_counter()
-        average_states(merged, full, weights)
+        average_hybrid(merged, hybrid, plans, weights)
         t7 = time.perf_counter()
         if k:  # the first round is a warm-up
             server, floor = (t1 - t0) + (t4 - t2), (t5 - t4) + (t7 - t6)
@@ -307,7 +310,7 @@ def figure_train_step(quick: bool) -> dict[str, Any]:
     gets the profile of its step and of the full model's (top ops, shares of self CPU time)."""
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     configs = [("cnn", 16, 1, 28, 32)] + ([] if quick else [("resnet18", 64, 3, 32, 16)])
-    cores = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))  # not torch.get_num_threads(): in-process clients set it to theirs
     out: dict[str, Any] = {"threads": sorted({1, cores}), "variants": ["before", "relu_then_pool", "train_local"],
                            "target_step_over_macs": STEP_OVER_MACS_TARGET}
     try:

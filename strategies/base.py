@@ -38,7 +38,7 @@ from fedhm_flwr.lowrank import recover_state
 from fedhm_flwr.train import distill_options
 
 from . import common
-from .nodes import NodeInfo, NodeRegistry, content_bytes, exchange
+from .nodes import NodeInfo, NodeRegistry, collect, content_bytes, exchange
 from .untrusted import Untrusted
 
 State = dict[str, torch.Tensor]
@@ -378,7 +378,10 @@ class HeteroStrategy(Strategy):
         for server_round in range(self.start_round, num_rounds + 1):
             t_round = time.perf_counter()
             messages = list(self.configure_train(server_round, arrays, train_config or ConfigRecord(), grid))
-            replies = exchange(grid, messages, timeout, max_poll=0.5) if messages else []
+            pushed = [mid for mid in grid.push_messages(messages) if mid] if messages else []
+            if server_round < num_rounds:  # the next round's new nodes answer behind this round's training
+                self.registry.prefetch(grid, server_round + 1)
+            replies = collect(grid, pushed, timeout, max_poll=0.5) if pushed else []
             new_arrays, train_metrics = self.aggregate_train(server_round, replies)
             if new_arrays is not None:
                 arrays = new_arrays
@@ -386,8 +389,6 @@ class HeteroStrategy(Strategy):
             if train_metrics is not None:
                 result.train_metrics_clientapp[server_round] = train_metrics
             row = self._round_row(server_round, train_metrics)
-            if server_round < num_rounds:  # the next round's new nodes answer during the evaluation
-                self.registry.prefetch(grid, server_round + 1)
             if self._evaluation_due(server_round, num_rounds):
                 t_eval = time.perf_counter()
                 if self.cfg.evaluation.where != "clients":

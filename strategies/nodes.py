@@ -244,7 +244,8 @@ class NodeRegistry:
 
     def prefetch(self, grid: Grid, next_round: int) -> None:
         """``availability.query = sampled``: push now the node-info queries of the next round's new
-        nodes, so that they are answered while this round's evaluation runs. That round's sample is
+        nodes, so that they are answered behind this round's training (``start()`` pushes them right
+        after the round's training messages) and evaluation. That round's sample is
         drawn here as the round will draw it (the same knowledge, if no node comes or goes in
         between); the answers are read, and the nodes learnt, only after it sampled
         (:meth:`query_sampled`), so the sample never depends on them."""

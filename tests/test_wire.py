@@ -89,7 +89,7 @@ def test_sampled_queries_ask_only_the_round_s_nodes_and_levels_stay_put(toy_cfg)
             before = len(grid.delivered)
         for rnd in range(1, count + 1):
             msgs = list(strategy.configure_train(rnd, _start(cfg), None, grid))
-            if prefetch and rnd < count:  # as start() does after a round: the next round's new nodes
+            if prefetch and rnd < count:  # as start() does once a round is handed out: next round's new nodes
                 strategy.registry.prefetch(grid, rnd + 1)
             asked_per_round.append({n for n, kind in grid.delivered[before:] if kind == MessageType.QUERY})
             trained_per_round.append({m.metadata.dst_node_id for m in msgs})
@@ -106,7 +106,7 @@ def test_sampled_queries_ask_only_the_round_s_nodes_and_levels_stay_put(toy_cfg)
     assert sampled.nodes  # a node's level is its own, whoever was asked first
     for node_id in sampled.nodes:
         assert sampled.registry.levels_of[node_id] == everyone.registry.levels_of[node_id]
-    # asked ahead (during the previous round's evaluation): the same samples, each node asked once,
+    # asked ahead (behind the previous round's training): the same samples, each node asked once,
     # the asking done before the round that trains it
     _, ahead, trained_ahead = rounds(toy_cfg(f"{common} availability.query=sampled"), 4, prefetch=True)
     assert trained_ahead == trained
