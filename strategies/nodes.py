@@ -177,6 +177,7 @@ class NodeRegistry:
             return 0
         t0 = time.perf_counter()
         answers = {n: self._answers.pop(n) for n in new if n in self._answers}  # came in ahead (startup)
+        counted = len(new) - len(answers)  # the start-up counted its own
         ahead = {n: self._ahead.pop(n) for n in new if n in self._ahead}  # pushed ahead (prefetch)
         query = node_info_queries([n for n in new if n not in ahead and n not in answers], self.data_spec)
         moved = sum(content_bytes(msg.content) for msg in query)
@@ -200,7 +201,7 @@ class NodeRegistry:
                 self._settle(node_id, server_round)
         self._log_joined(server_round)
         self.query_seconds += time.perf_counter() - t0
-        self.queried += len(new)
+        self.queried += counted
         return moved
 
     def startup(self, grid: Grid, server_round: int) -> dict[str, Any]:

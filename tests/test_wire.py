@@ -115,6 +115,11 @@ def test_sampled_queries_ask_only_the_round_s_nodes_and_levels_stay_put(toy_cfg)
     # start-up, so round 1 itself asks none (nor, with query=all, any node at all)
     started, ahead, trained_started = rounds(toy_cfg(f"{common} availability.query=sampled"), 4, True, True)
     assert trained_started == trained
+    cfg = toy_cfg(f"{common} availability.query=sampled")  # round 1 counts no node the start-up asked
+    strategy, grid = FedHMStrategy(cfg, model_spec(cfg)), LocalGrid(20, client_handlers())
+    assert strategy.registry.startup(grid, 1)["startup_queried"] == 5
+    list(strategy.configure_train(1, _start(cfg), None, grid))
+    assert strategy.round_log.queried == 0 and strategy.round_log.query_bytes == 0
     assert ahead == [asked[0], asked[1], asked[2], asked[3], set()]  # each round pushes the next one's
     _, asked_all, trained_all = rounds(toy_cfg(common), 2, startup=True)
     assert len(asked_all[0]) == 20 and asked_all[1:] == [set(), set()] and len(trained_all[0]) == 5
