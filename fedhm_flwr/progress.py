@@ -19,15 +19,20 @@ from typing import Any, TextIO
 from fedhm_flwr.results import METRICS_JSONL
 
 
-def eta_seconds(elapsed: float, done: int, remaining: int, since_first: float | None = None) -> float | None:
+def eta_seconds(elapsed: float, done: int, remaining: int, since_first: float | None = None,
+                round_seconds: float | None = None) -> float | None:
     """Seconds left if the remaining rounds take as long as the ones done so far (None: none done).
 
     ``since_first``: seconds since the first round of this session ended. With two rounds or more
-    the pace is measured from there, leaving out the start-up (SuperLink, Ray, data) that the
-    first round's time includes."""
+    the pace is measured from there, leaving out the start-up (SuperLink, Ray, the nodes' first
+    contact) that the elapsed time includes; after one round, that round's own wall time
+    (``round_seconds``, the row's ``seconds``) when known."""
     if done <= 0:
         return None
-    pace = since_first / (done - 1) if done >= 2 and since_first is not None else elapsed / done
+    if done >= 2 and since_first is not None:
+        pace = since_first / (done - 1)
+    else:
+        pace = round_seconds if done == 1 and round_seconds else elapsed / done
     return pace * max(0, remaining)
 
 
@@ -55,8 +60,8 @@ def progress_text(rows: list[Mapping[str, Any]], total: int, elapsed: float, don
     """The progress line after ``rows`` (all of the run's rows; ``done`` of them in this session,
     the first of which ended ``since_first`` seconds ago)."""
     current = int(rows[-1]["round"]) if rows else 0
-    parts = [f"{label}round {current}/{total}", f"elapsed {format_seconds(elapsed)}",
-             f"ETA {format_seconds(eta_seconds(elapsed, done, total - current, since_first))}"]
+    eta = eta_seconds(elapsed, done, total - current, since_first, rows[-1].get("seconds") if rows else None)
+    parts = [f"{label}round {current}/{total}", f"elapsed {format_seconds(elapsed)}", f"ETA {format_seconds(eta)}"]
     accs = [r["acc/global"] for r in rows if r.get("acc/global") is not None]
     parts.append(f"acc {accs[-1]:.4f}" if accs else "acc -")
     parts.append(f"failures {sum(int(r.get('failures', 0) or 0) + int(r.get('rejected', 0) or 0) for r in rows)}")

@@ -109,6 +109,8 @@ def test_eta_arithmetic():
     assert eta_seconds(30.0, 0, 7) is None and eta_seconds(12.0, 4, 0) == 0.0
     # from the second round on, the pace leaves out the start-up: 20 s for rounds 2-3 -> 10 s a round
     assert eta_seconds(50.0, 3, 7, since_first=20.0) == 70.0 and eta_seconds(50.0, 1, 7, since_first=0.0) == 350.0
+    # after one round: that round's own time, not the start-up before it
+    assert eta_seconds(50.0, 1, 7, since_first=0.0, round_seconds=5.0) == 35.0
     assert [format_seconds(s) for s in (None, 0, 59.6, 61, 3725)] == ["?", "0:00", "1:00", "1:01", "1:02:05"]
 
 
@@ -127,7 +129,7 @@ def test_plain_mode_prints_one_line_per_recorded_round(tmp_path):
     now[0] = 160.0
     follower.poll()
     assert stream.getvalue().splitlines() == [
-        "job 0: round 1/5 | elapsed 0:20 | ETA 1:20 | acc 0.4100 | failures 0",
+        "job 0: round 1/5 | elapsed 0:20 | ETA 0:36 | acc 0.4100 | failures 0",  # round 1's own 9 s x 4 left
         "job 0: round 2/5 | elapsed 1:00 | ETA 2:00 | acc 0.4100 | failures 1",
         "job 0: round 3/5 | elapsed 1:00 | ETA 0:40 | acc 0.6234 | failures 2",
     ]
@@ -141,8 +143,8 @@ def test_resumed_run_counts_only_this_sessions_rounds_and_terminal_mode_rewrites
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDED))
     now[0] = 12.0
     follower.poll()
-    # one round done in this session in 12 s, one left
-    assert stream.getvalue() == "\rround 3/4 | elapsed 0:12 | ETA 0:12 | acc 0.6234 | failures 2\x1b[K"
+    # one round done in this session (its own wall time 11 s, of the 12 s elapsed), one left
+    assert stream.getvalue() == "\rround 3/4 | elapsed 0:12 | ETA 0:11 | acc 0.6234 | failures 2\x1b[K"
     assert "\n" not in stream.getvalue()
     assert progress_text([], 4, 0.0, 0) == "round 0/4 | elapsed 0:00 | ETA ? | acc - | failures 0"
 
