@@ -74,10 +74,16 @@ def shard_manifest(folder: Path, data_spec: dict[str, Any] | None = None) -> dic
         manifest = shards.read_manifest(folder)
     except shards.ShardError as exc:
         raise NodeDataError(f"node config data-dir={folder}: {exc}") from None
-    if data_spec is not None and manifest["dataset"] != data_spec.get("name"):
+    if data_spec is not None:
+        check_shard_dataset(folder, manifest, data_spec)
+    return manifest
+
+
+def check_shard_dataset(folder: Path, manifest: dict[str, Any], data_spec: dict[str, Any]) -> None:
+    """NodeDataError naming ``data-dir`` when the shard holds another dataset than the data spec's."""
+    if manifest["dataset"] != data_spec.get("name"):
         raise NodeDataError(f"node config data-dir={folder}: the shard holds {manifest['dataset']!r}, the server's "
                             f"run uses dataset.name={data_spec.get('name')!r}; give this node a shard of that dataset")
-    return manifest
 
 
 def node_partition(context: Context, data_spec: dict[str, Any]) -> tuple[int, str | None, dict[str, Any]]:
@@ -230,7 +236,7 @@ def node_info(context: Context, data_spec: dict[str, Any] | None = None) -> Conf
         except shards.ShardError as exc:
             raise NodeDataError(f"node config data-dir={folder}: {exc}") from None
         if data_spec is not None:
-            shard_manifest(folder, data_spec)
+            check_shard_dataset(folder, manifest, data_spec)
             examples = int(manifest["splits"]["train"]["num_examples"])
         pid, count = manifest.get("partition_id"), manifest.get("num_partitions")
     else:

@@ -38,7 +38,7 @@ from fedhm_flwr.lowrank import recover_state
 from fedhm_flwr.train import distill_options
 
 from . import common
-from .nodes import NodeInfo, NodeRegistry, collect, content_bytes, exchange
+from .nodes import NodeInfo, NodeRegistry, collect, content_bytes, exchange, push
 from .untrusted import Untrusted
 
 State = dict[str, torch.Tensor]
@@ -378,7 +378,7 @@ class HeteroStrategy(Strategy):
         for server_round in range(self.start_round, num_rounds + 1):
             t_round = time.perf_counter()
             messages = list(self.configure_train(server_round, arrays, train_config or ConfigRecord(), grid))
-            pushed = [mid for mid in grid.push_messages(messages) if mid] if messages else []
+            pushed = push(grid, messages)
             if server_round < num_rounds:  # the next round's new nodes answer behind this round's training
                 self.registry.prefetch(grid, server_round + 1)
             replies = collect(grid, pushed, timeout, max_poll=0.5) if pushed else []

@@ -30,10 +30,10 @@ simulation engine draws anew each run).
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import time
 from collections.abc import Callable
-import json
 from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
@@ -106,7 +106,12 @@ def exchange(grid: Grid, messages: list[Message], timeout: float, poll: float = 
     seconds passed. Like ``Grid.send_and_receive``, but polling from ``poll`` seconds, doubling
     up to ``max_poll`` (Flower's loop sleeps 3 s between pulls: every exchange ends up to 3 s
     after its last reply)."""
-    return collect(grid, [mid for mid in grid.push_messages(messages) if mid], timeout, poll, max_poll)
+    return collect(grid, push(grid, messages), timeout, poll, max_poll)
+
+
+def push(grid: Grid, messages: list[Message]) -> list[str]:
+    """Push ``messages`` (none: no call); the ids of those the grid took."""
+    return [mid for mid in grid.push_messages(messages) if mid] if messages else []
 
 
 def collect(grid: Grid, message_ids: list[str], timeout: float, poll: float = 0.01,
@@ -146,7 +151,6 @@ class NodeRegistry:
         self._answers: dict[int, Message] = {}  # node id -> answer to a query pushed ahead, not read yet
         self._ahead_bytes, self._ahead_seconds = 0, 0.0
         self._waited_for: int | None = None  # the round the start-up waited for nodes for
-        self._joined: list[tuple[int, int]] = []  # (node id, level index) of the nodes that joined in a query
         self.data_spec = json.dumps(data_spec(cfg))  # each node reports its example count for it
 
     # ------------------------------------------------------------------ discovery
@@ -181,7 +185,7 @@ class NodeRegistry:
         ahead = {n: self._ahead.pop(n) for n in new if n in self._ahead}  # pushed ahead (prefetch)
         query = node_info_queries([n for n in new if n not in ahead and n not in answers], self.data_spec)
         moved = sum(content_bytes(msg.content) for msg in query)
-        pushed = [mid for mid in grid.push_messages(query) if mid] if query else []
+        pushed = push(grid, query)
         if pushed or ahead:
             came = {m.metadata.src_node_id: m for m in collect(grid, pushed + list(ahead.values()),
                                                                float(self.cfg.timeout))}
@@ -196,10 +200,7 @@ class NodeRegistry:
         asked = set(new)
         self.unknown = [n for n in self.unknown if n not in asked]
         self._rekey()
-        for node_id in new:
-            if node_id in self.nodes:
-                self._settle(node_id, server_round)
-        self._log_joined(server_round)
+        self._log_joined(server_round, [n for n in new if n in self.nodes and self._settle(n, server_round)])
         self.query_seconds += time.perf_counter() - t0
         self.queried += counted
         return moved
@@ -330,8 +331,9 @@ class NodeRegistry:
 
     # ------------------------------------------------------------------ levels
 
-    def _settle(self, node_id: int, server_round: int) -> None:
-        """Fix a newly connected node's level for the run (and log a returning node's)."""
+    def _settle(self, node_id: int, server_round: int) -> bool:
+        """Fix a newly connected node's level for the run (and log a returning node's); True when
+        the node is new to the run."""
         info = self.nodes[node_id]
         index = self._declared_level(info)
         if index is not None:
@@ -344,27 +346,27 @@ class NodeRegistry:
         self.levels_of[node_id] = index  # type: ignore[assignment]
         identity = info.identity()
         before = self.seen.get(identity)
-        if before is None:
-            self._joined.append((node_id, index))  # type: ignore[arg-type]
-        else:
+        if before is not None:
             log(INFO, "round %d: node %s is back (node id %d) -> level %g (was %g)", server_round,
                 self.label(node_id), node_id, self.levels[index], self.levels[before])  # type: ignore[index]
         self.seen[identity] = index  # type: ignore[assignment]
+        return before is None
 
-    def _log_joined(self, server_round: int) -> None:
+    def _log_joined(self, server_round: int, joined: list[int]) -> None:
         """One line per node that joined, or one line of level counts when many joined at once."""
-        joined, self._joined = self._joined, []
         if len(joined) > _JOIN_LINES:
             counts: dict[float, int] = {}
-            for _, index in joined:
-                counts[self.levels[index]] = counts.get(self.levels[index], 0) + 1
+            for node_id in joined:
+                level = self.levels[self.levels_of[node_id]]
+                counts[level] = counts.get(level, 0) + 1
             log(INFO, "round %d: %d nodes joined -> %s", server_round, len(joined),
                 ", ".join(f"level {level:g}: {n}" for level, n in sorted(counts.items(), reverse=True)))
             return
-        for node_id, index in joined:
+        for node_id in joined:
             examples = self.nodes[node_id].examples
             log(INFO, "round %d: node %s joined (node id %d) -> level %g%s", server_round, self.label(node_id),
-                node_id, self.levels[index], "" if examples is None else f", {examples} training examples")
+                node_id, self.levels[self.levels_of[node_id]],
+                "" if examples is None else f", {examples} training examples")
 
     def _stable_level(self, info: NodeInfo) -> int:
         proportions = level_proportions(self.cfg)

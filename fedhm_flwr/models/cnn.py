@@ -62,12 +62,10 @@ class CNN(nn.Module):
         last = len(self.hidden)
         for i in range(1, last + 1):
             x = getattr(self, f"bn{i}")(self.scaler(getattr(self, f"conv{i}")(x)))
-            if i < last and self.relu_after_pool:
-                x = self.relu(self.pool(x))
-            elif i < last:
-                x = self.pool(self.relu(x))
-            else:
+            if i == last:
                 x = self.relu(x)
+            else:
+                x = self.relu(self.pool(x)) if self.relu_after_pool else self.pool(self.relu(x))
         return self.fc(self.avgpool(x).flatten(1))
 
 
