@@ -26,6 +26,27 @@ def norm_layers(model: nn.Module) -> dict[str, nn.modules.batchnorm._BatchNorm]:
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
 
 
+def batch_statistics_layers(model: nn.Module) -> list[str]:
+    """The norm layers that normalise with the batch's own statistics in eval mode too (static
+    BN, ``track_running_stats=False``): a model holding any predicts by batch composition until
+    fixed statistics are installed (:func:`apply_bn_statistics`)."""
+    return [n for n, m in norm_layers(model).items() if not m.track_running_stats]
+
+
+def fixed_bn(model: nn.Module) -> nn.Module:
+    """Give every static norm layer running-statistics buffers (mean 0, variance 1, filled by a
+    state dict loaded next) and let eval mode use them: the structure of a model whose fixed
+    statistics were installed by :func:`apply_bn_statistics`, for loading its state dict."""
+    for name in batch_statistics_layers(model):
+        layer = model.get_submodule(name)
+        device = next((p.device for p in layer.parameters()), None)
+        layer.register_buffer("running_mean", torch.zeros(layer.num_features, device=device))
+        layer.register_buffer("running_var", torch.ones(layer.num_features, device=device))
+        layer.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
+        layer.track_running_stats = True
+    return model
+
+
 @torch.no_grad()
 def bn_sums(model: nn.Module, dataset: Dataset, batch_size: int, device: torch.device) -> Sums:
     """Per-channel sums, sums of squares and counts of every norm layer's input over ``dataset``."""

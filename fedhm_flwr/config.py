@@ -368,19 +368,21 @@ def _validate_user_model(cfg: DictConfig) -> None:
 
 
 def _check_custom_output(cfg: DictConfig) -> None:
-    """A user model must give one logit per class of the dataset: built and run on the meta
-    device (no weights allocated), its output is compared with the dataset's class count."""
+    """A user model must give one logit per class of the dataset: built and run on a batch of 2,
+    on the meta device (no weights allocated) where its constructor runs there, else on the CPU
+    with real weights (the meta device refuses some constructors that run anywhere else); a model
+    that fails is reported with the error it raised."""
     try:
         spec = model_spec(cfg)
     except (OSError, ValueError, KeyError):  # data that cannot be read: the data check names it
         return
     import torch
 
-    from fedhm_flwr.models import build_model, input_shape
+    from fedhm_flwr.models import build_model, input_shape, shape_device
 
     try:
-        with torch.device("meta"):
-            out = build_model(spec)(torch.empty(2, *input_shape(spec)))
+        with shape_device(spec):
+            out = build_model(spec, spectral_init=False)(torch.zeros(2, *input_shape(spec)))
     except Exception as err:  # noqa: BLE001 - any failure of the user's model is reported as such
         raise ConfigError("model.target", cfg.model.target,
                           f"a factory whose model takes a batch of shape (N, {', '.join(map(str, input_shape(spec)))}) "
@@ -510,6 +512,8 @@ def validate(cfg: DictConfig) -> None:
     _int_at_least(cfg, "evaluation.batch_size", 1)
     _choice(cfg, "evaluation.bn_stats", BN_STATS)
     _int_at_least(cfg, "evaluation.bn_clients", 0)
+    deploy = OmegaConf.select(cfg, "evaluation.deploy_stats", default=True)  # absent from configs saved before it existed
+    _require(isinstance(deploy, bool), "evaluation.deploy_stats", deploy, "true or false")
     _choice(cfg, "evaluation.where", EVALUATION_WHERE)
     _num_in(cfg, "evaluation.holdout", 0.0, 1.0, high_open=True)
     _require(cfg.evaluation.where == "server" or cfg.evaluation.holdout > 0, "evaluation.holdout",
@@ -617,7 +621,7 @@ def model_spec(cfg: DictConfig) -> dict[str, Any]:
     rule = {k: v for k, v in OmegaConf.to_container(rule, resolve=True).items() if v is not None} if rule else {}
     if rule:
         spec["factorize"] = rule
-    if cfg.model.get("static_bn", False):
+    if cfg.model.arch == "custom" and cfg.model.get("static_bn", False):  # built-in models are always sBN
         spec["static_bn"] = True
     if cfg.model.arch == "vit" and cfg.method.name in ("fedhm", "fedavg"):  # the whole ViT trains (FedHM)
         from fedhm_flwr.models.vit import DEFAULTS, arch_of, checkpoint_ref

@@ -19,10 +19,11 @@ Three parts, each called by the shared round (``strategies/base.py``) on evaluat
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from logging import WARNING
 from typing import TYPE_CHECKING, Any
 
@@ -33,10 +34,10 @@ from flwr.supercore import log
 from omegaconf import DictConfig
 
 from fedhm_flwr import levels as lv
-from fedhm_flwr.bn_stats import apply_bn_statistics, combine_bn_sums
+from fedhm_flwr.bn_stats import apply_bn_statistics, batch_statistics_layers, combine_bn_sums, norm_layers
 from fedhm_flwr.config import data_spec
 from fedhm_flwr.data import test_dataset
-from fedhm_flwr.models import build_model
+from fedhm_flwr.models import build_model, shape_device
 from fedhm_flwr.models.adapters import load_federated
 from fedhm_flwr.train import evaluate
 
@@ -124,11 +125,13 @@ def make_evaluator(cfg: DictConfig, device: torch.device):
 
 @dataclass
 class BnUse:
-    """Which norm statistics one evaluation round used, and what asking the clients cost."""
+    """Which norm statistics one evaluation round used, what asking the clients cost, and the
+    sums they gave per model (``spec_key``: reused by :func:`deployment_statistics`)."""
 
     configured: str
     fallbacks: int = 0
     bytes: int = 0
+    sums: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def row(self) -> dict[str, Any]:
         out: dict[str, Any] = {"bn_stats": "test_batch_fallback" if self.fallbacks else self.configured}
@@ -139,14 +142,36 @@ class BnUse:
         return out
 
 
-def evaluate_levels(strategy: HeteroStrategy, global_state: State) -> dict[str, Any]:
+@functools.lru_cache(maxsize=32)
+def _tracks_running_statistics(spec_json: str) -> bool:
+    spec = json.loads(spec_json)
+    with shape_device(spec):
+        return any(m.track_running_stats for m in norm_layers(build_model(spec, spectral_init=False)).values())
+
+
+def statistics_label(configured: str, spec: dict[str, Any]) -> str:
+    """What a model evaluated under ``evaluation.bn_stats=configured`` normalises with:
+    ``running_averaged`` for a model whose norm layers keep running statistics (averaged over
+    the clients as buffers; eval mode reads them, whatever the test batch), else ``configured``."""
+    if configured == "test_batch" and not spec.get("trainable_only") and _tracks_running_statistics(
+            json.dumps(spec, sort_keys=True, default=str)):
+        return "running_averaged"
+    return configured
+
+
+def spec_key(spec: dict[str, Any]) -> str:
+    return json.dumps(spec, sort_keys=True, default=str)
+
+
+def evaluate_levels(strategy: HeteroStrategy, global_state: State, bn: BnUse | None = None) -> dict[str, Any]:
     """Test-set accuracy and loss of the global model and of each level's deployable model, with
-    the row's ``bn_stats`` (and ``bytes_bn_stats``)."""
+    the row's ``bn_stats`` (and ``bytes_bn_stats``); ``bn`` collects the federated sums."""
     if strategy.evaluate_fn is None:
         return {}
-    bn = BnUse(str(strategy.cfg.evaluation.bn_stats))
-    out: dict[str, Any] = {}
     global_spec, global_model = strategy.global_model(global_state)
+    bn = bn if bn is not None else BnUse("")
+    bn.configured = statistics_label(str(strategy.cfg.evaluation.bn_stats), global_spec)
+    out: dict[str, Any] = {}
     metrics = evaluate_model(strategy, global_spec, global_model, bn)
     out["acc/global"], out["loss/global"] = metrics["accuracy"], metrics["loss"]
     if strategy.cfg.evaluation.levels:
@@ -168,6 +193,8 @@ def evaluate_model(strategy: HeteroStrategy, spec: dict[str, Any], state: State,
         return strategy.evaluate_fn(spec, state)
     sums, nbytes = federated_bn_sums(strategy, spec, state)
     bn.bytes += nbytes
+    if sums is not None:
+        bn.sums[spec_key(spec)] = sums
     if sums is None:
         bn.fallbacks += 1
         log(WARNING, "bn-stats: no client answered; this model is evaluated with test-batch statistics")
@@ -206,6 +233,40 @@ def federated_bn_sums(strategy: HeteroStrategy, spec: dict[str, Any], state: Sta
         nbytes += reply.content[ARRAYS].count_bytes()
         parts.append(reply.content[ARRAYS].to_torch_state_dict())
     return (combine_bn_sums(parts) if parts else None), nbytes
+
+
+def deployment_statistics(strategy: HeteroStrategy, global_state: State,
+                          known: dict[str, dict[str, torch.Tensor]] | None = None,
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, str], int] | None:
+    """Fixed norm statistics for every level's deployable model that normalises with batch
+    statistics (static BN): the clients' sums over their training data (the sBN query), keyed
+    ``level_<γ>/<layer>.<sum|sumsq|count>``, with metadata and the bytes moved; None when no
+    model needs them (no static norm layer, or running statistics) or nobody answered. ``known``:
+    sums this model version's evaluation already asked for (by :func:`spec_key`), not asked again.
+    A deployed model predicts in eval mode with these, independently of the batch."""
+    tensors: dict[str, torch.Tensor] = {}
+    nbytes = 0
+    for index, level in enumerate(strategy.levels):
+        spec, state = strategy.deployable(index, global_state)
+        if spec.get("trainable_only"):
+            return None
+        with shape_device(spec):
+            layers = batch_statistics_layers(build_model(spec, spectral_init=False))
+        if not layers:
+            continue
+        sums = (known or {}).get(spec_key(spec))
+        if sums is None:
+            sums, moved = federated_bn_sums(strategy, spec, state)
+            nbytes += moved
+        if sums is None:
+            log(WARNING, "deployment statistics: no client answered for level %g; its export falls back", level)
+            continue
+        tensors.update({f"level_{level:g}/{k}": v for k, v in sums.items()})
+    if not tensors:
+        return None
+    limit = int(strategy.cfg.evaluation.bn_clients)
+    asked = min(limit, len(strategy.nodes)) if limit > 0 else len(strategy.nodes)
+    return tensors, {"source": "federated", "nodes_asked": str(asked)}, nbytes
 
 
 # ---------------------------------------------------------------------- federated evaluation

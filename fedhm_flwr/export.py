@@ -29,9 +29,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from fedhm_flwr.bn_stats import apply_bn_statistics, batch_statistics_layers, bn_sums, norm_layers
 from fedhm_flwr.config import ConfigError, resume_config, to_yaml
 from fedhm_flwr.models import build_model, count_macs, count_parameters, input_shape
-from fedhm_flwr.results import CONFIG_FILE, SUMMARY_FILE, load_checkpoint
+from fedhm_flwr.results import CONFIG_FILE, SUMMARY_FILE, load_bn_statistics, load_checkpoint
 
 SPEC_KEY = "fedhm.model_spec"
 EXPORT_KEYS = ("run", "level", "out")
@@ -49,8 +50,10 @@ def parse_level(text: str | float, levels: list[float]) -> int:
     raise ConfigError("level", text, f"one of the run's levels {[f'{x:g}' for x in levels]} (a number or a fraction such as 1/8)")
 
 
-def deployable_model(run_dir: Path, level: str | float) -> tuple[Any, float, dict[str, Any], nn.Module, dict[str, Any]]:
-    """(config, level, spec, model with the level's weights, strategy state) from a run's checkpoint."""
+def deployable_model(run_dir: Path, level: str | float) -> tuple[Any, float, dict[str, Any], nn.Module, dict[str, Any], dict[str, str]]:
+    """(config, level, spec, model with the level's weights and fixed normalisation statistics,
+    strategy state, which statistics) from a run's checkpoint. The model predicts in eval mode
+    independently of the batch (:func:`fix_statistics`)."""
     from strategies import STRATEGIES
     from fedhm_flwr.config import model_spec
 
@@ -67,7 +70,51 @@ def deployable_model(run_dir: Path, level: str | float) -> tuple[Any, float, dic
         load_federated(model, level_state)
     else:
         model.load_state_dict(level_state, strict=True)
-    return cfg, strategy.levels[index], spec, model.eval(), saved
+    statistics = fix_statistics(run_dir, cfg, model, strategy.levels[index], int(saved.get("round", 0)))
+    if statistics["statistics"] in ("federated", "training_data"):
+        spec = {**spec, "bn_fixed": True}  # the statistics are buffers of the exported state dict
+    return cfg, strategy.levels[index], spec, model.eval(), saved, statistics
+
+
+def fix_statistics(run_dir: Path, cfg: Any, model: nn.Module, level: float, checkpoint_round: int) -> dict[str, str]:
+    """Install fixed normalisation statistics in ``model``'s static norm layers, so that it
+    predicts in eval mode independently of the batch; returns which statistics, over which data.
+
+    * the federated statistics saved at the end of the run (the clients' sBN sums over their
+      training data, :func:`fedhm_flwr.evaluation.deployment_statistics`), when they belong to the
+      checkpoint's round;
+    * else a pass over the training set on this machine (a checkpoint written before the run
+      ended, or ``evaluation.deploy_stats=false``); refused with the reason when there is none;
+    * a model with running statistics keeps them (averaged over the clients as buffers);
+    * a model without batch norm needs nothing.
+    """
+    layers = batch_statistics_layers(model)
+    if not layers:
+        if norm_layers(model):
+            return {"statistics": "running_averaged",
+                    "data": "running statistics tracked by the clients in training, averaged over the clients"}
+        return {"statistics": "none", "data": "the model has no batch normalisation"}
+    saved = load_bn_statistics(run_dir)
+    prefix = f"level_{level:g}/"
+    if saved is not None and saved[1].get("round") == str(checkpoint_round):
+        sums = {k[len(prefix):]: v for k, v in saved[0].items() if k.startswith(prefix)}
+        if sums:
+            apply_bn_statistics(model, sums)
+            return {"statistics": "federated",
+                    "data": f"the training data of the {saved[1].get('nodes_asked', '?')} clients asked after round "
+                            f"{checkpoint_round} (sBN sums; no data left them)"}
+    from fedhm_flwr.config import data_spec
+    from fedhm_flwr.data import client_dataset
+
+    try:
+        train = client_dataset({**data_spec(cfg, 1), "scheme": "iid", "holdout": 0.0}, 0, cfg.dataset.get("data_dir"))
+    except (OSError, ValueError) as err:
+        raise ConfigError("run", str(run_dir), "a run whose last round saved its deployment statistics "
+                          f"(evaluation.deploy_stats=true), or its training data on this machine ({err})") from None
+    apply_bn_statistics(model, bn_sums(model, train, int(cfg.evaluation.batch_size), torch.device("cpu")))
+    return {"statistics": "training_data",
+            "data": f"the training set on the exporting machine ({len(train)} examples): the checkpoint of round "
+                    f"{checkpoint_round} holds no federated statistics"}
 
 
 def load_model(path: str | Path) -> nn.Module:
@@ -92,7 +139,7 @@ def export_level(run_dir: str | Path, level: str | float, out: str | Path | None
     run_dir = Path(run_dir).expanduser().resolve()
     if not (run_dir / CONFIG_FILE).is_file():
         raise ConfigError("run", str(run_dir), "a run directory holding config.yaml and checkpoint/")
-    cfg, level_value, spec, model, saved = deployable_model(run_dir, level)
+    cfg, level_value, spec, model, saved, statistics = deployable_model(run_dir, level)
     out_dir = Path(out).expanduser().resolve() if out else run_dir / "export" / f"level_{level_value:g}"
     out_dir.mkdir(parents=True, exist_ok=True)
     files: dict[str, str] = {}
@@ -122,6 +169,9 @@ def export_level(run_dir: str | Path, level: str | float, out: str | Path | None
 
     summary_file = run_dir / SUMMARY_FILE
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    test = exported_test_accuracy(cfg, out_dir / "model.safetensors") if image else None
+    if image and test is None:
+        notes.append("no test accuracy of the exported model: the run's test set is not on this machine")
     card = {
         "method": cfg.method.name,
         "model": cfg.model.arch,
@@ -130,8 +180,15 @@ def export_level(run_dir: str | Path, level: str | float, out: str | Path | None
         "checkpoint_round": int(saved.get("round", 0)),
         "parameters": count_parameters(model),
         "macs_per_input": count_macs(model, input_shape(spec)) if image else None,
+        # the exported file itself on the run's test set, eval mode, fixed statistics (any batch size)
+        "test_accuracy": None if test is None else test["accuracy"],
+        "test_examples": None if test is None else test["num-examples"],
+        "normalisation": statistics,
+        "preprocessing": preprocessing(cfg, spec) if image else None,
+        # the run's own figures, with the statistics its evaluation used (summary's bn_stats)
         "final_accuracy": summary.get(f"final_acc/level_{level_value:g}"),
         "best_accuracy": summary.get(f"best_acc/level_{level_value:g}"),
+        "run_bn_stats": summary.get("bn_stats"),
         "rounds_completed": summary.get("rounds_completed"),
         "factorized_layers": spec.get("ranks", {}),
         "model_spec": spec,
@@ -143,6 +200,40 @@ def export_level(run_dir: str | Path, level: str | float, out: str | Path | None
     (out_dir / "model_card.json").write_text(json.dumps(card, indent=1))
     (out_dir / "model_card.md").write_text(model_card_markdown(card))
     return {**card, "out_dir": str(out_dir)}
+
+
+def exported_test_accuracy(cfg: Any, path: Path, batch_size: int = 256) -> dict[str, float] | None:
+    """Accuracy of the exported file (rebuilt by :func:`load_model`) on the run's test set, or None
+    when the test set is not on this machine."""
+    from fedhm_flwr.config import data_spec
+    from fedhm_flwr.data import test_dataset
+    from fedhm_flwr.train import evaluate
+
+    try:
+        test = test_dataset(data_spec(cfg), data_dir=cfg.dataset.get("data_dir"))
+    except (OSError, ValueError):
+        return None
+    return evaluate(load_model(path), test, batch_size, torch.device("cpu"))
+
+
+def preprocessing(cfg: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """What a device does to a raw image before the model: size, channels, normalisation, classes."""
+    from fedhm_flwr.config import data_spec
+    from fedhm_flwr.data import class_names, source_info
+
+    info = source_info(data_spec(cfg), cfg.dataset.get("data_dir"))
+    channels = int(spec["in_channels"])
+    return {
+        "image_size": int(spec["image_size"]),
+        "channels": channels,
+        "color": "L (grayscale)" if channels == 1 else "RGB",
+        "resize": f"scale to cover {spec['image_size']}x{spec['image_size']}, centre-crop (PIL.ImageOps.fit, bilinear)",
+        "scale": "pixel / 255",
+        "mean": list(info.mean),
+        "std": list(info.std),
+        "layout": "NCHW float32, (x / 255 - mean) / std per channel",
+        "class_names": class_names(data_spec(cfg), cfg.dataset.get("data_dir")),
+    }
 
 
 def _export_onnx(model: nn.Module, spec: dict[str, Any], path: Path) -> bool:
@@ -169,10 +260,23 @@ def model_card_markdown(card: dict[str, Any]) -> str:
         "| | |", "|---|---|",
         f"| parameters | {card['parameters']:,} |",
         f"| MACs per input | {'-' if macs is None else f'{macs:,}'} |",
-        f"| final accuracy of this level in the run | {pct(card['final_accuracy'])} |",
+        f"| accuracy of this exported model on the test set | {pct(card['test_accuracy'])} "
+        f"({card['test_examples'] or 0:,} images, any batch size) |",
+        f"| normalisation statistics | {card['normalisation']['statistics']}: {card['normalisation']['data']} |",
+        f"| final accuracy of this level in the run | {pct(card['final_accuracy'])} (statistics: {card['run_bn_stats']}) |",
         f"| best accuracy of this level in the run | {pct(card['best_accuracy'])} |",
         f"| factorized layers (rank) | {len(card['factorized_layers'])} |",
         "", "Files: " + ", ".join(f"`{f}`" for f in card["files"].values()), "",
+    ]
+    pre = card.get("preprocessing")
+    if pre:
+        lines += ["## Input", "",
+                  f"{pre['color']} images, {pre['resize']}, {pre['scale']}, normalised with mean {pre['mean']} and "
+                  f"std {pre['std']} ({pre['layout']}). The model is in eval mode with fixed statistics: "
+                  "one image at a time gives the same prediction as a batch.", ""]
+        if pre["class_names"]:
+            lines += ["Classes (output index order): " + ", ".join(f"{i}: {c}" for i, c in enumerate(pre["class_names"])), ""]
+    lines += [
         "Load: `fedhm_flwr.export.load_model('model.safetensors')` (the spec is in the file's metadata) "
         "or `torch.export.load('model.pt2').module()`.", "",
     ]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from fedhm_flwr.config import ConfigError, load_config, model_spec
-from fedhm_flwr.models import build_model
+from fedhm_flwr.models import build_model, count_parameters, shape_device
 
 
 #: Methods whose level models and payloads are determined by shapes alone: counted on the meta device.
@@ -36,7 +36,7 @@ def level_rows(overrides: list[str]) -> tuple[Any, list[dict[str, Any]]]:
     spec = model_spec(cfg)
     if cfg.method.name not in SHAPE_ONLY:  # payloads that depend on values
         return cfg, _rows(cfg, spec, STRATEGIES[cfg.method.name](cfg, spec))
-    with torch.device("meta"):  # shapes only: no weight is allocated, no SVD computed
+    with shape_device(spec):  # shapes only: no weight allocated, no SVD (meta; else the CPU)
         return cfg, _rows(cfg, spec, STRATEGIES[cfg.method.name](cfg, spec))
 
 
@@ -44,6 +44,7 @@ def _rows(cfg: Any, spec: dict[str, Any], strategy: Any) -> list[dict[str, Any]]
     torch.manual_seed(int(cfg.seed))
     state = strategy.initial_state(int(cfg.seed)) or build_model(spec).state_dict()  # FedLoRA/HeteroTune keep their own
     strategy.begin_round(1, state)
+    full = count_parameters(build_model(spec, spectral_init=False)) if cfg.method.name in SHAPE_ONLY else None
     rows = []
     for index, level in enumerate(strategy.levels):
         cost = strategy.level_cost(index)
@@ -54,6 +55,8 @@ def _rows(cfg: Any, spec: dict[str, Any], strategy: Any) -> list[dict[str, Any]]
             **{k: int(v) for k, v in cost.items() if k != "bytes"},
             "payload_bytes": int(sum(t.numel() * t.element_size() for t in payload.values())),
         })
+        if full:
+            rows[-1]["of_full"] = rows[-1]["params"] / full
     return rows
 
 
@@ -69,7 +72,7 @@ def plan_rows(cfg: Any) -> list[dict[str, Any]] | None:
     from strategies.fedhm import FedHMStrategy
 
     spec = model_spec(cfg)
-    with torch.device("meta"):
+    with shape_device(spec):
         strategy = STRATEGIES[cfg.method.name](cfg, spec)
         inner = getattr(strategy, "inner", strategy)
         if not isinstance(inner, FedHMStrategy):
@@ -105,6 +108,26 @@ def format_plan(cfg: Any, levels: list[float], plan: list[dict[str, Any]]) -> st
     return "\n".join(lines)
 
 
+def size_warnings(cfg: Any) -> list[str]:
+    """FedHM levels that do not shrink the model: one line per level below 1 whose model is not
+    strictly smaller than the full one (e.g. a rule that selects only the stem), naming the
+    ``model.factorize`` keys that change it. Counted from shapes (no weight, no SVD)."""
+    if cfg.method.name != "fedhm":
+        return []
+    from fedhm_flwr.width import fedhm_level_params
+
+    gammas = [float(g) for g in cfg.levels.ratios]
+    full, *params = fedhm_level_params(model_spec(cfg), [1.0, *gammas], cfg.method.get("rho"))
+    fix = ("select more layers with model.factorize (include, exclude, types, pointwise, head, "
+           "keep_first) or method.rho")
+    small = [(g, p) for g, p in zip(gammas, params) if g < 1]
+    if small and all(p >= full for _, p in small):
+        return [f"FedHM factorizes no layer of this model at any level: every level is the full model "
+                f"({full:,} parameters), so the run is FedAvg; {fix}"]
+    return [f"level {g:g} is not smaller than the full model ({p:,} >= {full:,} parameters); {fix}"
+            for g, p in small if p >= full]
+
+
 def _human(n: float) -> str:
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= scale:
@@ -116,11 +139,12 @@ def format_table(cfg: Any, rows: list[dict[str, Any]]) -> str:
     model = (f"{cfg.model.target} {dict(cfg.model.get('kwargs') or {})}" if cfg.model.arch == "custom"
              else f"{cfg.model.arch} (width {cfg.model.get('width')})")
     head = f"method {cfg.method.name} | model {model} | dataset {cfg.dataset.name}"
-    extra = [k for k in rows[0] if k not in ("level", "ratio", "params", "macs", "payload_bytes")]
-    cols = ["level", "ratio", "parameters", "params (M)", "MACs / input", "payload bytes"] + extra
+    extra = [k for k in rows[0] if k not in ("level", "ratio", "params", "macs", "payload_bytes", "of_full")]
+    cols = ["level", "ratio", "parameters", "params (M)", "of full model", "MACs / input", "payload bytes"] + extra
     lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = [r["level"], f"{r['ratio']:g}", f"{r['params']:,}", f"{r['params'] / 1e6:.2f}",
+                 f"{r['of_full']:.3f}" if "of_full" in r else "-",
                  _human(r["macs"]) if "macs" in r else "-", _human(r["payload_bytes"])]
         cells += [f"{r[k]:,}" for k in extra]
         lines.append("| " + " | ".join(cells) + " |")
@@ -144,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         if plan:
             print()
             print(format_plan(cfg, [r["ratio"] for r in rows], plan))
+    for line in size_warnings(cfg):
+        print(f"warning: {line}", file=sys.stderr)
     return 0
 
 

@@ -271,6 +271,16 @@ def check_data(cfg: DictConfig, simulation: bool = True) -> None:
     check_data_available(cfg, simulation=simulation)
 
 
+def warn_level_sizes(cfg: DictConfig) -> None:
+    """Before round 1, on the console: FedHM levels that do not shrink the model (stderr)."""
+    if cfg.method.name != "fedhm":
+        return
+    from fedhm_flwr.inspect import size_warnings  # torch: only for FedHM (the config check stays torch-free)
+
+    for line in size_warnings(cfg):
+        print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
 def resume_hint(run_dir: Path, command: Sequence[str], overrides: Sequence[str]) -> str:
     """What to type to continue an interrupted run (``command --resume <run dir>``) or, without
     a checkpoint, to start it again (``command <overrides> [--run-dir <run dir>]``)."""
@@ -315,6 +325,7 @@ def run_job(overrides: list[str], run_dir: Path | None = None, resume: Path | No
         check_data(compose_config(overrides))
     cfg = resume_config(resume, overrides) if resume is not None else load_config(overrides)
     check_data(cfg)
+    warn_level_sizes(cfg)
     if resume is not None:
         run_dir = resume
     run_dir = (run_dir or (Path(cfg.output_dir) if cfg.output_dir else default_run_dir(cfg.method.name))).resolve()

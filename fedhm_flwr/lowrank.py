@@ -133,19 +133,29 @@ def _round_half_up(x: float) -> int:
 def rank_for(shape: tuple[int, ...] | torch.Size, gamma: float) -> int:
     """Rank of a factorized layer of weight ``shape`` at rank ratio ``gamma`` (docs/METHODS.md#fedhm-ranks).
 
-    Conv ``(n, m, k, k)``: ``max(1, round(gamma·n))``; linear ``(out, in)``:
-    ``max(1, round(gamma·min(out, in)))``; ``round`` is round-half-up; the result is capped at
-    :func:`full_rank`. ``gamma`` must lie in ``(0, 1]``.
+    Conv ``(n, m, k, k)``: ``max(1, round(gamma·n))``; linear ``(out, in)`` and 1×1 conv
+    ``(n, m, 1, 1)`` (a linear map of the channels): ``max(1, round(gamma·min(out, in)))``;
+    ``round`` is round-half-up; the result is capped at :func:`full_rank`. ``gamma`` must lie in
+    ``(0, 1]``.
     """
     gamma = _check_gamma(gamma)
     shape = tuple(shape)
     if len(shape) == 4:
-        base = shape[0]
+        base = shape[0] if shape[2] > 1 else min(shape[:2])
     elif len(shape) == 2:
         base = min(shape)
     else:
         raise ValueError(f"cannot factorize a weight of shape {shape}")
     return min(full_rank(shape), max(1, _round_half_up(gamma * base)))
+
+
+def factors_fit(shape: tuple[int, ...] | torch.Size, rank: int) -> bool:
+    """Whether the rank-``rank`` factors of a layer of weight ``shape`` hold no more parameters
+    than the layer itself: ``rank·(rows + cols) <= rows·cols`` for its ``(rows, cols)`` matrix
+    (conv ``(n·k, m·k)``). A layer whose factors would be larger stays full at that level."""
+    shape = tuple(shape)
+    rows, cols = (shape[0] * shape[2], shape[1] * shape[3]) if len(shape) == 4 else shape
+    return rank * (rows + cols) <= rows * cols
 
 
 def _weight_shape(module: nn.Module) -> tuple[int, ...]:
@@ -164,7 +174,8 @@ def plan_ranks(model: nn.Module, gamma: float, rho: int | None = None) -> dict[s
     The factorizable layers are those the model's rule selects, in forward order
     (:func:`fedhm_flwr.models.rules.select_layers`; any ``nn.Module``); ``rho`` (default: the
     rule's ``keep_first``, else the model's ``default_rho``) of them stay full rank, the rest get
-    :func:`rank_for`. ``gamma == 1`` means "send the model full rank": the plan is empty.
+    :func:`rank_for`, except a layer whose factors would hold more parameters than the layer
+    (:func:`factors_fit`), which stays full at that level. ``gamma == 1`` means "send the model full rank": the plan is empty.
     """
     from .models.rules import keep_first, select_layers  # (models imports this module)
 
@@ -175,8 +186,13 @@ def plan_ranks(model: nn.Module, gamma: float, rho: int | None = None) -> dict[s
         raise ValueError(f"rho must be an int >= 0, got {rho!r}")
     if gamma == 1.0:
         return {}
-    names = select_layers(model)[rho:]
-    return {name: rank_for(_weight_shape(model.get_submodule(name)), gamma) for name in names}
+    plan = {}
+    for name in select_layers(model)[rho:]:
+        shape = _weight_shape(model.get_submodule(name))
+        rank = rank_for(shape, gamma)
+        if factors_fit(shape, rank):  # else the layer stays full at this level (its factors would be larger)
+            plan[name] = rank
+    return plan
 
 
 # --------------------------------------------------------------------------------------------

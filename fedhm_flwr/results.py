@@ -29,6 +29,9 @@ PLOT_FILE = "accuracy.png"
 CHECKPOINT_DIR = "checkpoint"
 MODEL_FILE = "global_model.safetensors"
 STATE_FILE = "strategy_state.json"
+#: the fixed norm statistics of every level's deployable model, from the federated pass at the
+#: end of the run (:func:`fedhm_flwr.evaluation.deployment_statistics`); metadata names the round
+BN_STATS_FILE = "bn_statistics.safetensors"
 
 
 def atomic_write(path: Path, data: bytes | str) -> None:
@@ -131,6 +134,14 @@ class RunRecorder:
         # between the two leaves a model that is at least as new as the state says
         atomic_write(folder / STATE_FILE, json.dumps(strategy_state, default=_json_default, indent=1))
 
+    def save_bn_statistics(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+        """The deployable models' fixed norm statistics beside the checkpoint (atomically)."""
+        from safetensors.torch import save
+
+        data = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+                    metadata={k: str(v) for k, v in metadata.items()})
+        atomic_write(self.out_dir / CHECKPOINT_DIR / BN_STATS_FILE, data)
+
     # -- summary and plot
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
@@ -184,6 +195,17 @@ def load_checkpoint(run_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[
     from safetensors.torch import load_file
 
     return load_file(str(model)), json.loads(state.read_text())
+
+
+def load_bn_statistics(run_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    """(tensors, metadata) of the run's saved deployment statistics, or None."""
+    path = Path(run_dir) / CHECKPOINT_DIR / BN_STATS_FILE
+    if not path.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        return {k: fh.get_tensor(k) for k in fh.keys()}, dict(fh.metadata() or {})
 
 
 def summarize(rows: list[dict[str, Any]], extra: Mapping[str, Any]) -> dict[str, Any]:

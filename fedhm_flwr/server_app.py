@@ -85,7 +85,8 @@ def _run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None) -> dic
         "dataset": cfg.dataset.name,
         "levels": strategy.levels,
         "level_costs": costs,
-        "bn_stats": cfg.evaluation.bn_stats,
+        # what the last evaluation normalised with (a running-statistics model: running_averaged)
+        "bn_stats": next((r["bn_stats"] for r in reversed(recorder.rows) if "bn_stats" in r), cfg.evaluation.bn_stats),
         "wall_seconds": time.perf_counter() - t0,
         **strategy.startup_info,  # start-up: nodes learnt before round 1 (seconds, asked, bytes)
         "output_dir": str(recorder.out_dir),

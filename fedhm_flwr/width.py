@@ -376,11 +376,11 @@ def fedhm_level_params(spec: Mapping[str, Any], gammas: Sequence[float], rho: in
     """Trainable parameters of FedHM's hybrid model at each rank ratio (``rho``: the model's default
     when None), for the same model ``spec``."""
     from fedhm_flwr.lowrank import plan_ranks
-    from fedhm_flwr.models import build_model
+    from fedhm_flwr.models import build_model, shape_device
     from fedhm_flwr.models.costs import count_parameters
 
     base = full_spec(spec)
-    with torch.device("meta"):
+    with shape_device(base):
         model = build_model(base)
         out = []
         for gamma in gammas:

@@ -144,6 +144,7 @@ class HeteroStrategy(Strategy):
         self._grid: Grid | None = None
         self._federated: ev.FederatedEvaluation | None = None  # this round's client-side evaluation
         self.federated_row: dict[str, Any] = {}
+        self._bn: ev.BnUse | None = None  # the last server evaluation's norm statistics (federated sums)
         self.untrusted = Untrusted(self)  # attacks, defences, client-level DP (failures.attack, aggregation, dp)
         self.wire_dtype = str(cfg.get("wire", {}).get("dtype", "float32"))  # arrays both ways (wire.dtype)
         self.array_cache = ArrayCache()
@@ -401,6 +402,8 @@ class HeteroStrategy(Strategy):
                     result.evaluate_metrics_clientapp[server_round] = self.aggregate_evaluate(server_round, replies)
                     row.update(self.federated_row)
                 row["eval_seconds"] = time.perf_counter() - t_eval
+            if server_round == num_rounds and self.recorder is not None and self.cfg.evaluation.get("deploy_stats", True):
+                self._save_deployment_statistics(server_round, self.state_of(arrays), row)
             row["seconds"] = time.perf_counter() - t_round
             self.history.append(row)
             log(INFO, "%s", progress_line(row, num_rounds, self.levels))
@@ -414,7 +417,18 @@ class HeteroStrategy(Strategy):
 
     def evaluate_levels(self, global_state: State) -> dict[str, Any]:
         """Server test-set accuracy and loss of the global model and each level's deployable model."""
-        return ev.evaluate_levels(self, global_state)
+        self._bn = ev.BnUse("")  # the federated sums of this model version (reused by the deployment statistics)
+        return ev.evaluate_levels(self, global_state, self._bn)
+
+    def _save_deployment_statistics(self, server_round: int, global_state: State, row: dict[str, Any]) -> None:
+        """The fixed norm statistics of every level's deployable model (the clients' sBN sums),
+        saved beside the final checkpoint for ``fedhm export`` (docs/METHODS.md#static-bn)."""
+        known = self._bn.sums if self._bn is not None else None  # the final round's evaluation asked already
+        found = ev.deployment_statistics(self, global_state, known)
+        if found is not None:
+            tensors, metadata, nbytes = found
+            self.recorder.save_bn_statistics(tensors, {**metadata, "round": str(server_round)})
+            row["bytes_bn_stats"] = row.get("bytes_bn_stats", 0) + nbytes
 
     def _evaluation_due(self, server_round: int, num_rounds: int) -> bool:
         return server_round == num_rounds or server_round % int(self.cfg.evaluation.every) == 0

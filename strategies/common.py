@@ -14,7 +14,7 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
-from fedhm_flwr.models import build_model, input_shape
+from fedhm_flwr.models import build_model, input_shape, shape_device
 from fedhm_flwr.models.adapters import trainable_state
 from fedhm_flwr.models.rules import head_name
 from fedhm_flwr.models.costs import activation_elements, count_macs, count_parameters, training_memory_bytes
@@ -75,7 +75,7 @@ def level_costs(spec: dict[str, Any] | None, cfg: Any, *, frozen_backbone: bool,
         torch.manual_seed(0)
         model = build_model(spec)
         return extra(model, trained_costs(model, head_keys))
-    with torch.device("meta"):  # shapes only; costs counted by hooks on a meta forward
+    with shape_device(spec):  # shapes only (meta; CPU for a model the meta device cannot build)
         model = build_model(spec, spectral_init=False)
         costs = model_costs(model, input_shape(spec), int(cfg.train.batch_size), float(cfg.train.momentum))
         return extra(model, costs)

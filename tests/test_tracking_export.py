@@ -13,7 +13,7 @@ from fedhm_flwr.config import ConfigError, load_config, model_spec
 from fedhm_flwr.export import SPEC_KEY, export_level, load_model, main as export_main, parse_level
 from fedhm_flwr.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.results import load_checkpoint
-from fedhm_flwr.server_app import make_evaluator, run
+from fedhm_flwr.server_app import run
 from fedhm_flwr.tracking import TB_DIR, flat_config, scalars
 from strategies import STRATEGIES
 
@@ -132,43 +132,79 @@ def test_parse_level_accepts_numbers_and_fractions_and_names_the_levels():
         parse_level("0.3", levels)
 
 
-def test_export_reloads_to_the_in_run_deployable_logits(tiny_run, tmp_path):
+def test_export_is_the_in_run_cut_with_the_federated_statistics_fixed(tiny_run, tmp_path):
     out, cfg, rows = tiny_run
     card = export_level(out, "1/8", tmp_path / "exp")
     folder = Path(card["out_dir"])
     assert {"model.safetensors", "model.pt2", "model_card.md", "model_card.json"} <= {p.name for p in folder.iterdir()}
 
-    # the in-run deployable model, built here from the checkpoint and the strategy's own cut
+    # the in-run deployable model, built here from the checkpoint and the strategy's own cut, with
+    # the statistics the clients summed after the last round (saved beside the checkpoint)
     state, saved = load_checkpoint(out)
     strategy = STRATEGIES["fedhm"](cfg, model_spec(cfg))
     spec, level_state = strategy.deployable(3, state)
+    from fedhm_flwr.bn_stats import apply_bn_statistics
     from fedhm_flwr.models import build_model
+    from fedhm_flwr.results import load_bn_statistics
 
+    tensors, metadata = load_bn_statistics(out)
+    assert metadata["round"] == str(saved["round"]) and metadata["source"] == "federated"
     reference = build_model(spec, spectral_init=False)
     reference.load_state_dict(level_state)
+    apply_bn_statistics(reference, {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("level_0.125/")})
     reference.eval()
 
     model = load_model(folder / "model.safetensors")
     with safe_open(str(folder / "model.safetensors"), framework="pt") as fh:
-        assert json.loads(fh.metadata()[SPEC_KEY]) == spec and spec["ranks"]  # the factorized network
-    assert set(model.state_dict()) == set(level_state) != set(state)
+        assert json.loads(fh.metadata()[SPEC_KEY]) == {**spec, "bn_fixed": True} and spec["ranks"]  # factorized
+    weights = model.state_dict()
+    assert all(torch.equal(weights[k], v) for k, v in level_state.items())  # the cut itself, bit for bit
+    assert {k for k in weights if k not in level_state} and all(  # + every norm layer's fixed statistics
+        k.endswith(("running_mean", "running_var", "num_batches_tracked")) for k in weights if k not in level_state)
     batch = torch.randn(16, 1, 28, 28, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = reference(batch)
         assert torch.equal(model(batch), want)
+        one_by_one = torch.cat([model(batch[i:i + 1]) for i in range(len(batch))])
+        torch.testing.assert_close(one_by_one, want, rtol=1e-5, atol=1e-5)  # the batch does not matter
         program = torch.export.load(str(folder / "model.pt2")).module()
-        torch.testing.assert_close(program(batch), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(program(batch[:1]), want[:1], rtol=1e-5, atol=1e-5)
 
-    # the card: the level's exact size and the accuracy the run recorded for it, which the
-    # exported model reproduces on the run's own test set
+    # the card: the level's exact size, the statistics, and the accuracy of the exported file
     summary = json.loads((out / "summary.json").read_text())
     assert card["parameters"] == int(summary["level_costs"]["0.125"]["params"])
     assert card["macs_per_input"] == int(summary["level_costs"]["0.125"]["macs"])
     assert card["final_accuracy"] == summary["final_acc/level_0.125"] == rows[-1]["acc/level_0.125"]
-    metrics = make_evaluator(cfg, torch.device("cpu"))(json.loads(json.dumps(spec)), model.state_dict())
-    assert metrics["accuracy"] == card["final_accuracy"]
+    assert card["run_bn_stats"] == "test_batch" and card["normalisation"]["statistics"] == "federated"
+    from fedhm_flwr.data import test_dataset
+    from fedhm_flwr.config import data_spec
+    from fedhm_flwr.train import evaluate
+
+    test = test_dataset(data_spec(cfg))
+    assert card["test_examples"] == len(test) == 200
+    for batch_size in (1, 7, 200):
+        assert evaluate(model, test, batch_size, torch.device("cpu"))["accuracy"] == card["test_accuracy"]
+    pre = card["preprocessing"]
+    assert pre["image_size"] == 28 and pre["channels"] == 1 and pre["class_names"][9] == "Ankle boot"
     assert json.loads((folder / "model_card.json").read_text())["parameters"] == card["parameters"]
     assert f"{card['parameters']:,}" in (folder / "model_card.md").read_text()
+
+
+def test_export_without_saved_statistics_uses_the_local_training_set_and_says_so(tiny_run, tmp_path):
+    import shutil
+
+    from fedhm_flwr.results import BN_STATS_FILE, CHECKPOINT_DIR
+
+    out, _, _ = tiny_run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    (copy / CHECKPOINT_DIR / BN_STATS_FILE).unlink()  # a checkpoint written before the last round
+    card = export_level(copy, "1/4", tmp_path / "exp")
+    assert card["normalisation"]["statistics"] == "training_data" and "800 examples" in card["normalisation"]["data"]
+    model = load_model(Path(card["out_dir"]) / "model.safetensors")
+    x = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat([model(x[i:i + 1]) for i in range(4)]), model(x), rtol=1e-5, atol=1e-5)
 
 
 def test_export_command_refuses_bad_input_naming_the_field(tiny_run, tmp_path, capsys):

@@ -47,16 +47,42 @@ class Toy(nn.Module):
 
 def test_rule_selects_what_it_says():
     toy = Toy()
-    assert select_layers(toy) == ["stem", "body.0", "hidden"]  # no head, 1x1, depthwise, dilated, MHA
+    assert select_layers(toy) == ["stem", "body.0", "body.1", "hidden"]  # 1x1 too; no head, depthwise, dilated, MHA
+    assert select_layers(toy, FactorizeRule(pointwise=False)) == ["stem", "body.0", "hidden"]
     assert select_layers(toy, FactorizeRule(types=("Linear",))) == ["hidden"]
-    assert select_layers(toy, FactorizeRule(include=("body.*",))) == ["body.0"]
-    assert select_layers(toy, FactorizeRule(exclude=("stem",))) == ["body.0", "hidden"]
-    assert select_layers(toy, FactorizeRule(pointwise=True, head=True)) == ["stem", "body.0", "body.1", "hidden",
-                                                                           "head"]
-    assert list(plan_ranks(toy, 0.5)) == ["body.0", "hidden"]  # keep_first defaults to 1 (the stem)
+    assert select_layers(toy, FactorizeRule(include=("body.*",))) == ["body.0", "body.1"]
+    assert select_layers(toy, FactorizeRule(exclude=("stem",))) == ["body.0", "body.1", "hidden"]
+    assert select_layers(toy, FactorizeRule(head=True)) == ["stem", "body.0", "body.1", "hidden", "head"]
+    assert list(plan_ranks(toy, 0.5)) == ["body.0", "body.1", "hidden"]  # keep_first defaults to 1 (the stem)
     toy.factorize_rule = FactorizeRule(keep_first=2)
-    assert list(plan_ranks(toy, 0.5)) == ["hidden"]
-    assert list(plan_ranks(toy, 0.5, rho=0)) == ["stem", "body.0", "hidden"]  # method.rho wins
+    assert list(plan_ranks(toy, 0.5)) == ["body.1", "hidden"]
+    assert list(plan_ranks(toy, 0.5, rho=0)) == ["stem", "body.0", "body.1", "hidden"]  # method.rho wins
+
+
+def test_shortcuts_stay_full_by_the_default_rule():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(8, 16, 3, padding=1)
+            self.downsample = nn.Sequential(nn.Conv2d(8, 16, 1))
+            self.shortcut = nn.Conv2d(8, 16, 1)
+
+    assert select_layers(Block()) == ["conv"]
+    assert select_layers(Block(), FactorizeRule(exclude=())) == ["conv", "downsample.0", "shortcut"]
+
+
+def test_a_layer_whose_factors_would_be_larger_stays_full():
+    """1x1 convs take the linear rank rule; any layer whose rank-r factors would hold more
+    parameters than the layer itself is kept full at that level (counted from the shapes)."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 1024, 1), nn.Conv2d(1024, 192, 1), nn.Conv2d(48, 48, 1),
+                          nn.Linear(64, 64), nn.Linear(10, 2))
+    model.factorize_rule = FactorizeRule(keep_first=1, head=True)
+    plan = plan_ranks(model, 0.5)
+    # 8->1024: r = round(0.5 * 8) = 4, 4 * 1032 <= 8192; 1024->192: r = 96, 96 * 1216 < 196608;
+    # 48->48 and 64x64 at r = n/2: factors equal the layer (kept factorized); head 10->2: r = 1, 12 <= 20
+    assert plan == {"1": 4, "2": 96, "3": 24, "4": 32, "5": 1}
+    plan = plan_ranks(model, 0.75)  # 48x48 at r = 36: 3456 > 2304; 64x64 at r = 48: 6144 > 4096; 10->2 at r=2: 24 > 20
+    assert plan == {"1": 6, "2": 144}
 
 
 def test_built_in_models_keep_their_plans_through_the_rule():
@@ -67,15 +93,15 @@ def test_built_in_models_keep_their_plans_through_the_rule():
     assert list(plan_ranks(build_model(spec), 0.5)) == ["conv2", "conv3"]  # model.factorize on a built-in
 
 
-def test_mobilenet_default_rule_leaves_head_pointwise_and_depthwise_full():
+def test_mobilenet_default_rule_factorizes_pointwise_and_leaves_head_and_depthwise_full():
     with torch.device("meta"):
         model = build_model(tv_spec("mobilenet_v3_small"))
     chosen = select_layers(model)
-    assert chosen == ["features.0.0", "classifier.0"]
+    assert chosen[0] == "features.0.0" and chosen[-1] == "classifier.0"
     for name, m in model.named_modules():
-        if isinstance(m, nn.Conv2d) and name not in chosen:
-            assert m.groups > 1 or m.kernel_size == (1, 1)
-    assert model.classifier_name == "classifier.3"  # the logits layer: per-class aggregation, left full
+        if isinstance(m, nn.Conv2d):
+            assert (name in chosen) == (m.groups == 1)  # every conv but the depthwise ones, 1x1 included
+    assert model.classifier_name == "classifier.3" and "classifier.3" not in chosen  # the logits layer: left full
 
 
 @pytest.mark.parametrize("name,rule", [
@@ -120,11 +146,16 @@ def test_torchvision_reduced_levels_have_the_planned_counts(name):
                     continue
                 if len(shape) == 4:
                     n, m, k, _ = shape
-                    rank = min(k * min(n, m), max(1, math.floor(gamma * n + 0.5)))
-                    expected += rank * (n * k + m * k) - n * m * k * k
+                    base = n if k > 1 else min(n, m)  # a 1x1 conv takes the linear rule
+                    rank = min(k * min(n, m), max(1, math.floor(gamma * base + 0.5)))
+                    rows, cols = n * k, m * k
                 else:
                     rank = max(1, math.floor(gamma * min(shape) + 0.5))
-                    expected += rank * (shape[0] + shape[1]) - shape[0] * shape[1]
+                    rows, cols = shape
+                if rank * (rows + cols) > rows * cols:  # larger factors: the layer stays full
+                    assert layer not in plan
+                    continue
+                expected += rank * (rows + cols) - rows * cols
                 assert plan[layer] == rank
             level = build_model({**tv_spec(name), "ranks": plan}, spectral_init=False)
             assert count_parameters(level) == expected < total
@@ -166,7 +197,7 @@ def test_static_bn_replaces_running_statistics_by_batch_statistics():
 def test_one_fedhm_round_on_a_torchvision_model(tmp_path):
     from fedhm_flwr.results import load_checkpoint
 
-    cfg = load_config(f"{TINY} {GREY}")
+    cfg = load_config(f"{TINY} {GREY} model.static_bn=false")  # running statistics kept, averaged as buffers
     run(LocalGrid(2, client_handlers()), cfg, tmp_path / "run")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["replies"] == 2 and rows[-1]["failures"] == 0

@@ -98,7 +98,8 @@ from typing import Any
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("DATA_DIR_ENV", "DEFAULT_DOWNLOAD_ROOT", "FASHION_MNIST_SYSTEM_DIR", "FOLDER_SOURCES",
                      "DataSourceError"), "files"),
-    **dict.fromkeys(("DATASETS", "EXTERNAL_DATASETS", "SPLITS", "DatasetInfo", "clear_caches", "dataset_info",
+    **dict.fromkeys(("CLASS_NAMES", "DATASETS", "EXTERNAL_DATASETS", "SPLITS", "DatasetInfo", "class_names",
+                     "clear_caches", "dataset_info",
                      "load_arrays", "source_arrays", "source_info"), "registry"),
     **dict.fromkeys(("CLASS_ASSIGNMENTS", "CLIENT_SPLITS", "DATA_SPEC_DEFAULTS", "PARTITION_SCHEMES",
                      "SOURCE_DEFAULTS", "check_data_spec", "make_data_spec"), "spec"),

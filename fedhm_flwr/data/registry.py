@@ -221,3 +221,26 @@ def source_info(spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = 
                 len(labels), len(source_arrays(spec, "test", data_dir)[1]),
             )
         return _INFO_CACHE[key]
+
+
+#: class names of the built-in datasets, in label order (the folder sources name theirs)
+CLASS_NAMES: dict[str, tuple[str, ...]] = {
+    "fashion_mnist": ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                      "Ankle boot"),
+    "cifar10": ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"),
+}
+
+
+def class_names(spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = None) -> list[str] | None:
+    """The names of a validated data spec's classes in label order (a folder source's sorted
+    class folders / ClassLabel names), or None where the project does not know them."""
+    name = spec["name"]
+    if name in FOLDER_SOURCES:
+        from fedhm_flwr.data.files import folder_source_layout
+
+        layout = folder_source_layout(name, spec, data_dir)
+        if "classes" in layout:
+            return [str(c) for c in layout["classes"]]
+        names = getattr(layout["features"].get(spec["label_column"]), "names", None)  # hf_disk: a ClassLabel's
+        return [str(c) for c in names] if names else None
+    return list(CLASS_NAMES[name]) if name in CLASS_NAMES else None

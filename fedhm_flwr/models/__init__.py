@@ -17,19 +17,25 @@ the same ones):
   statistics always, as the papers use);
 * ``ranks`` (``{layer name: rank}``; when non-empty the named layers are factorized, giving the
   hybrid model whose state dict keys match :func:`fedhm_flwr.lowrank.factorize_state`);
-* ``prism`` (``{layer: {"rank": r, "rows": [...]}}``): PriSM's sampled sub-layers.
+* ``prism`` (``{layer: {"rank": r, "rows": [...]}}``): PriSM's sampled sub-layers;
+* ``bn_fixed`` (true): every static norm layer gets running-statistics buffers that eval mode
+  uses: a deployable model whose fixed statistics are in its state dict (``fedhm export``).
 
 Other keys are passed to the builder untouched.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
+from ..bn_stats import fixed_bn
 from ..lowrank import factorize_modules
 from .cnn import CNN, build_cnn
 from .costs import count_macs, count_parameters
@@ -50,6 +56,7 @@ __all__ = [
     "resnet18",
     "resnet34",
     "resolve_target",
+    "shape_device",
     "static_bn",
 ]
 
@@ -192,6 +199,10 @@ def _prism(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
     return model
 
 
+def _bn_fixed(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
+    return fixed_bn(model) if spec.get("bn_fixed") else model
+
+
 #: The level transforms, applied in this order by :func:`build_model`: name -> transform(model,
 #: spec, spectral_init) returning the model (each acts only when its spec keys are present).
 LEVEL_TRANSFORMS: dict[str, Callable[[nn.Module, Mapping, bool], nn.Module]] = {
@@ -201,6 +212,7 @@ LEVEL_TRANSFORMS: dict[str, Callable[[nn.Module, Mapping, bool], nn.Module]] = {
     "static_bn": _static_bn,
     "ranks": _ranks,
     "prism": _prism,
+    "bn_fixed": _bn_fixed,
 }
 
 
@@ -223,3 +235,25 @@ def build_model(spec: Mapping, *, spectral_init: bool = True) -> nn.Module:
     for transform in LEVEL_TRANSFORMS.values():
         model = transform(model, spec, spectral_init)
     return model
+
+
+@functools.lru_cache(maxsize=64)
+def _meta_runs(spec_json: str) -> bool:
+    spec = json.loads(spec_json)
+    try:
+        with torch.device("meta"):
+            model = build_model(spec, spectral_init=False)
+            if "image_size" in spec:
+                model(torch.empty(2, *input_shape(spec)))
+    except Exception:  # noqa: BLE001 - any failure means "not on the meta device"
+        return False
+    return True
+
+
+def shape_device(spec: Mapping) -> torch.device:
+    """Where to build ``spec``'s model when only shapes matter (counting parameters and MACs, the
+    config check): the meta device (no weight allocated) when the model's constructor and forward
+    run there, else the CPU (some constructors initialise weights in ways the meta device cannot
+    run, e.g. torchvision's RegNet). Decided once per spec (a meta build and forward of batch 2)."""
+    plain = {k: v for k, v in spec.items() if k not in ("ranks", "prism")}  # the architecture decides
+    return torch.device("meta") if _meta_runs(json.dumps(plain, sort_keys=True, default=str)) else torch.device("cpu")

@@ -35,7 +35,7 @@ class CNN(nn.Module):
     #: ``bn -> MaxPool2d -> ReLU`` (False: ``bn -> ReLU -> MaxPool2d``, the same function, slower)
     relu_after_pool: bool = True
     #: the stem ``conv1`` is never factorized (nor ``fc``, the head, by the default rule)
-    factorize_rule = FactorizeRule(exclude=("conv1",))
+    factorize_rule = FactorizeRule(exclude=("conv1",), pointwise=False)
 
     def __init__(self, num_classes: int, in_channels: int = 1, width: int = 64, width_rate: float = 1.0,
                  scaler: bool = False) -> None:

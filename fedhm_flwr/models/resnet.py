@@ -57,7 +57,7 @@ class ResNet(nn.Module):
     ``scaler`` adds the Scaler before every norm. The state dict keys do not change.
     """
 
-    factorize_rule = FactorizeRule(exclude=("conv1",))
+    factorize_rule = FactorizeRule(exclude=("conv1",), pointwise=False)
 
     def __init__(
         self,

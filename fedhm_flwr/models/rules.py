@@ -9,12 +9,16 @@ models):
   weight, is never selected);
 * ``include``: if non-empty, a layer's full dotted name must match one of these ``fnmatch``
   patterns (``*`` also crosses dots: ``blocks.*.attn.*``);
-* ``exclude``: a layer whose name matches one of these patterns is left full;
+* ``exclude``: a layer whose name matches one of these patterns is left full (default
+  :data:`SHORTCUT_PATTERNS`: residual shortcuts stay full, as FedHM keeps its 1×1 shortcuts);
 * ``keep_first``: the first ``keep_first`` selected layers stay full rank (FedHM's ρ; null: the
   model's ``default_rho``, else :data:`DEFAULT_KEEP_FIRST`); ``method.rho`` overrides it;
 * ``head`` (default ``false``): the classifier head (the model's ``classifier_name``, else the
   last ``Linear`` registered) is factorized only when true;
-* ``pointwise`` (default ``false``): 1×1 convolutions are factorized only when true.
+* ``pointwise`` (default ``true``): 1×1 convolutions are factorized too (a mobile network's
+  layers are mostly 1×1 and depthwise: without them FedHM would leave it full size); their rank
+  follows the linear rule (docs/METHODS.md#fedhm-ranks). The built-in CNN and ResNets set it false
+  (the papers' plans).
 
 Convolutions the factorized layer cannot express (groups > 1, i.e. depthwise/grouped; dilation;
 non-square kernels, strides or paddings; non-zero padding modes) are never selected.
@@ -36,6 +40,9 @@ LAYER_TYPES: dict[str, type[nn.Module]] = {"Conv2d": nn.Conv2d, "Linear": nn.Lin
 #: ``keep_first`` of a model that declares no ``default_rho``: its first selected layer (for most
 #: networks the stem) stays full, as FedHM keeps its first layers.
 DEFAULT_KEEP_FIRST = 1
+#: ``exclude`` of the plain rule: residual shortcuts (torchvision's ``downsample``, the usual
+#: ``shortcut``) stay full, as FedHM keeps its ResNets' 1×1 shortcuts.
+SHORTCUT_PATTERNS = ("*downsample*", "*shortcut*")
 RULE_KEYS = ("include", "exclude", "types", "keep_first", "head", "pointwise")
 
 
@@ -44,11 +51,11 @@ class FactorizeRule:
     """See the module docstring."""
 
     include: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = SHORTCUT_PATTERNS
     types: tuple[str, ...] = ("Conv2d", "Linear")
     keep_first: int | None = None
     head: bool = False
-    pointwise: bool = False
+    pointwise: bool = True
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None, base: FactorizeRule | None = None,
@@ -90,7 +97,7 @@ def rule_problem(values: Mapping[str, Any]) -> tuple[str, Any, str] | None:
     for key in ("head", "pointwise"):
         value = values.get(key)
         if value is not None and not isinstance(value, bool):
-            return key, value, "null (false), true or false"
+            return key, value, "null (the model's default), true or false"
     return None
 
 
