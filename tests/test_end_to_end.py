@@ -87,30 +87,3 @@ def test_launch_refuses_bad_config_before_starting_anything(tmp_path):
     assert proc.returncode == 2
     assert "partition.scheme" in proc.stderr and "dirichlet" in proc.stderr
     assert not out.exists()
-
-
-@pytest.mark.slow
-def test_fedhm_run_on_a_user_model_and_image_folder(tmp_path):
-    """`fedhm run` (-> launcher -> `flwr run` -> Ray) with a torchvision model on an image folder
-    (2 rounds); the ViT's run is the one above."""
-    import numpy as np
-    from PIL import Image
-
-    out = tmp_path / "run"
-    rng = np.random.default_rng(0)
-    for c, name in enumerate(("cat", "dog", "owl")):
-        (tmp_path / "imgs" / name).mkdir(parents=True)
-        for i in range(10):
-            pixels = rng.integers(0, 60, (32, 32, 3), dtype=np.uint8) + np.uint8(60 * c)
-            Image.fromarray(pixels).save(tmp_path / "imgs" / name / f"{i}.png")
-    overrides = ["model.target=torchvision.models:mobilenet_v3_small", "model.kwargs.num_classes=3",
-                 "dataset=imagefolder", f"dataset.path={tmp_path / 'imgs'}", "dataset.image_size=32",
-                 "dataset.channels=3", "rounds=2", "num_clients=2", "fraction_train=1.0", "train.batch_size=8"]
-    proc = subprocess.run([sys.executable, "-m", "fedhm_flwr", "run", *overrides, "--run-dir", str(out)],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["rounds_completed"] == 2
-    assert sorted(summary["final_acc/level_" + k] is not None for k in ("1", "0.5", "0.25", "0.125")) == [True] * 4
-    state, _ = load_checkpoint(out)
-    assert state["classifier.3.weight"].shape[0] == 3

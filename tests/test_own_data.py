@@ -199,3 +199,36 @@ def test_two_rounds_of_fedhm_with_the_built_in_cnn_on_an_image_folder(tmp_path):
     assert 0.0 <= summary["final_acc/global"] <= 1.0
     state, _ = load_checkpoint(tmp_path / "run")
     assert state["fc.weight"].shape[0] == 3  # the model has the folder's 3 classes
+
+
+def test_an_unreadable_image_is_refused_naming_the_file_and_a_good_listing_is_checked_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDHM_CACHE", str(tmp_path / "cache"))
+    root = _image_folder(tmp_path / "imgs")
+    check_data_available(_cfg(root))
+    assert len(list((tmp_path / "cache" / "checked-images").iterdir())) == 1  # the good listing, remembered
+    good = (root / "bee" / "3.png").read_bytes()
+    (root / "bee" / "3.png").write_bytes(good[: len(good) // 2])  # truncated
+    err = _refusal(["dataset=imagefolder", f"dataset.path={root}", "dataset.image_size=8"])
+    assert err.field == "dataset.path" and str(root / "bee" / "3.png") in str(err)
+    (root / "bee" / "3.png").write_bytes(good)
+    (root / "ant" / "junk.png").write_bytes(b"not a png at all")
+    assert str(root / "ant" / "junk.png") in str(_refusal(["dataset=imagefolder", f"dataset.path={root}"]))
+
+
+@pytest.mark.slow
+def test_fedhm_run_refuses_a_corrupt_image_before_anything_starts(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    root = _image_folder(tmp_path / "imgs")
+    (root / "zebra" / "5.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    env = {**__import__("os").environ, "FEDHM_CACHE": str(tmp_path / "cache")}
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "fedhm_flwr", "run", "dataset=imagefolder", f"dataset.path={root}",
+                           "dataset.image_size=8", "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    print(f"refused in {time.monotonic() - t0:.1f} s")
+    assert done.returncode == 2, done.stderr
+    assert str(root / "zebra" / "5.png") in done.stderr.strip().splitlines()[-1]  # the last line names the file
+    assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()  # before the run directory

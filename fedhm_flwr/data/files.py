@@ -228,6 +228,51 @@ def hf_disk_layout(spec: dict[str, Any], data_dir: Any = None) -> dict[str, Any]
     return {"root": root, "train": train, "test": test, "features": features}
 
 
+def image_files(layout: dict[str, Any]) -> list[Path]:
+    """Every image file of an image folder source's splits (class folders walked as torchvision's
+    ``make_dataset`` walks them: recursively, links followed, by extension), sorted."""
+    files: list[Path] = []
+    for split in (layout["train"], layout["test"]):
+        if split is None:
+            continue
+        for cls in layout["classes"]:
+            for folder, _, names in os.walk(split / cls, followlinks=True):
+                files += [Path(folder) / n for n in names if n.lower().endswith(IMAGE_EXTENSIONS)]
+    return sorted(files)
+
+
+def check_images_decodable(layout: dict[str, Any], field: str = "dataset.path") -> None:
+    """Decode every image of an image folder source once, before any process starts: a file PIL
+    cannot read raises :class:`DataSourceError` naming it. A listing found good (paths, sizes and
+    modification times) is remembered in ``$FEDHM_CACHE/checked-images`` (default
+    ``~/.cache/fedhm-flwr``), so the check costs a directory walk after the first time."""
+    import hashlib
+
+    from PIL import Image, UnidentifiedImageError
+
+    files = image_files(layout)
+    listing = hashlib.sha256()
+    for path in files:
+        st = path.stat()
+        listing.update(f"{path}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+    cache = Path(os.environ.get("FEDHM_CACHE") or Path.home() / ".cache" / "fedhm-flwr") / "checked-images"
+    marker = cache / listing.hexdigest()
+    if marker.is_file():
+        return
+    for path in files:
+        try:
+            with Image.open(path) as image:
+                image.load()
+        except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
+            raise DataSourceError(field, str(path), f"{path} is not a readable image ({exc})",
+                                  "every image file decodable (fix or remove it)") from None
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{len(files)} images\n")
+    except OSError:  # a read-only home: the check runs again next time
+        pass
+
+
 def folder_source_layout(name: str, spec: dict[str, Any], data_dir: Any = None) -> dict[str, Any]:
     """The layout of folder source ``name`` (:data:`FOLDER_SOURCES`); DataSourceError when broken."""
     return imagefolder_layout(spec, data_dir) if name == "imagefolder" else hf_disk_layout(spec, data_dir)
@@ -306,7 +351,9 @@ def check_data_available(cfg: Any, simulation: bool = True) -> None:
     name, data_dir, download = str(ds.name), ds.get("data_dir"), bool(ds.get("download", False))
     if name in FOLDER_SOURCES:  # the server and the simulated clients read the same dataset.path
         try:
-            folder_source_layout(name, {k: ds.get(k) for k in ds})
+            layout = folder_source_layout(name, {k: ds.get(k) for k in ds})
+            if name == "imagefolder":
+                check_images_decodable(layout)
         except DataSourceError as exc:
             raise ConfigError(exc.field, exc.value, f"{exc.expected} ({exc.problem})") from None
         return
