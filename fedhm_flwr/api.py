@@ -74,3 +74,12 @@ def load(run_dir: str | Path) -> Summary:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: not a finished run directory")
     return Summary.from_summary(json.loads(path.read_text()))
+
+
+def load_model(run_dir: str | Path, level: str | float = 1) -> Any:
+    """A run's deployable model of ``level`` (``1``, ``0.125``, ``"1/8"``), as ``fedhm export``
+    writes it: in eval mode with fixed normalisation statistics, so its predictions do not depend
+    on the batch (docs/METHODS.md#deployable-statistics)."""
+    from fedhm_flwr.export import deployable_model  # torch: only where a model is asked for
+
+    return deployable_model(Path(run_dir).expanduser().resolve(), level)[3]

@@ -37,11 +37,11 @@ def test_bare_pytorch_fedavg_equals_the_flower_run(toy_cfg, tmp_path):
     data = data_spec(cfg)
     assert any((client_dataset(data, p).class_counts() == 0).any() for h in history for p in h["partitions"])
     assert bare.keys() == flower.keys()
-    # Tolerance: the project averages float32 replies with one float32 matrix-vector product per
-    # round (fedhm_flwr.aggregation.stacked_average), the bare loop in float64; over 3 rounds that
-    # rounding stays below 1e-6 (float32's epsilon is 1.2e-7). Training itself is bit-identical
-    # (the same batches, seeds and kernels on CPU), so any real difference (partitions, weights,
-    # masking, per-class rows) shows up orders of magnitude above this.
+    # Tolerance: both average float32 tensors with a float32 vector-matrix product (the project over
+    # all keys at once, the bare loop key by key), so they agree to the last bit or within a few
+    # ulps; a float64 average would differ by an ulp per round, which SGD amplifies (4.5e-4 after 3
+    # rounds here). Training itself is bit-identical (the same batches, seeds and kernels on CPU),
+    # so any real difference (partitions, weights, masking, per-class rows) shows up far above this.
     different = {k: float((bare[k] - flower[k]).abs().max()) for k in bare}
     assert max(different.values()) <= 1e-6, f"bare loop and Flower differ: {different}"
     # and training moved the model (the comparison is not between two initial models)

@@ -190,6 +190,19 @@ def test_export_is_the_in_run_cut_with_the_federated_statistics_fixed(tiny_run, 
     assert f"{card['parameters']:,}" in (folder / "model_card.md").read_text()
 
 
+def test_api_load_model_is_the_exported_model(tiny_run, tmp_path):
+    from fedhm_flwr.api import load_model as api_load_model
+
+    out, _, _ = tiny_run
+    card = export_level(out, "1/4", tmp_path / "exp")
+    exported, loaded = load_model(Path(card["out_dir"]) / "model.safetensors"), api_load_model(out, 0.25)
+    assert not loaded.training
+    x = torch.randn(5, 1, 28, 28, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(loaded(x), exported(x))
+        torch.testing.assert_close(loaded(x[:1]), loaded(x)[:1], rtol=1e-5, atol=1e-5)
+
+
 def test_export_without_saved_statistics_uses_the_local_training_set_and_says_so(tiny_run, tmp_path):
     import shutil
 
