@@ -236,3 +236,32 @@ def test_script_stops_everything_it_started_when_the_job_fails(tmp_path):
     assert _processes_with(str(run_dir)) == [], out[-3000:]
     config = (run_dir / "deploy" / "supernodes" / "node-0" / "node-config.toml").read_text()
     assert "capability-level = 0.25" in config and "num-partitions = 1" in config
+
+
+def test_the_supernode_wrapper_starts_again_only_after_a_refused_activation(tmp_path, capsys):
+    from fedhm_flwr import supernode
+
+    assert supernode.HEARTBEAT_WINDOW == 60 and supernode.ACTIVATION_FAILED == "[code: 2004]"  # Flower 1.41
+    runs = tmp_path / "runs"
+    stub = tmp_path / "flower-supernode"
+
+    def make(script: str) -> None:  # a stand-in for flower-supernode: counts its starts
+        stub.write_text(f"#!/bin/sh\necho start >> {runs}\n{script}\n")
+        stub.chmod(0o755)
+        runs.unlink(missing_ok=True)
+
+    # refused once (the killed predecessor's session), then up: one wait, two starts
+    make(f'if [ $(wc -l < {runs}) -eq 1 ]; then echo "[code: 2004] Failed to activate SuperNode."; exit 305; fi')
+    waited: list[float] = []
+    assert supernode.supervise(["--x"], 3.0, str(stub), sleep=waited.append) == 0
+    assert len(runs.read_text().splitlines()) == 2 and sum(waited) == 3.0
+    assert "[code: 2004] Failed to activate SuperNode." in capsys.readouterr().out  # its output passed through
+    # refused for good (an unregistered key): two starts, then its exit code (Flower's 305, mod 256)
+    make('echo "[code: 2004] Failed to activate SuperNode."; exit 305')
+    assert supernode.supervise([], 0.01, str(stub)) == 305 % 256 and len(runs.read_text().splitlines()) == 2
+    assert "not registered" in capsys.readouterr().err
+    # another connection error (e.g. TLS) or a wait of 0: no second start
+    make('echo "SSL/TLS handshake error detected."; exit 305')
+    assert supernode.supervise([], 0.01, str(stub)) == 305 % 256 and len(runs.read_text().splitlines()) == 1
+    make('echo "[code: 2004] Failed to activate SuperNode."; exit 305')
+    assert supernode.supervise([], 0, str(stub)) == 305 % 256 and len(runs.read_text().splitlines()) == 1
