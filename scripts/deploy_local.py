@@ -407,7 +407,7 @@ class LocalDeployment:
         home = folder / "flwr-home"
         home.mkdir(parents=True, exist_ok=True)
         (folder / "node-config.toml").write_text(node_config_toml(config))
-        wrapper = [sys.executable, str(APP_DIR / "fedhm_flwr" / "supernode.py")]  # this checkout's, flwr only
+        wrapper = [sys.executable, "-m", "fedhm_flwr.supernode"]
         if restart_wait is not None:
             wrapper += ["--restart-wait", str(restart_wait)]
         cmd = [*wrapper, "--superlink", self.address,
@@ -420,8 +420,10 @@ class LocalDeployment:
             cmd += ["--max-retries", str(max_retries)]
         if max_wait_time is not None:
             cmd += ["--max-wait-time", str(max_wait_time)]
-        proc = self.processes.start(name, cmd, {**self.env(home), **(extra_env or {})}, self.logs / f"{name}.log",
-                                    cwd=folder)
+        env = {**self.env(home), **(extra_env or {})}
+        # `python -m fedhm_flwr.supernode` of this checkout, also where another one is installed
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(APP_DIR), env.get("PYTHONPATH", "")) if p)
+        proc = self.processes.start(name, cmd, env, self.logs / f"{name}.log", cwd=folder)
         self.supernodes[name] = proc
         return proc
 

@@ -286,11 +286,12 @@ class NodeRegistry:
         self._ahead_seconds += time.perf_counter() - t0
 
     def wait_for_nodes(self, grid: Grid, server_round: int) -> None:
-        """Wait (bounded) until ``availability.min_nodes`` nodes are connected; then go on with
-        the nodes present or stop, as ``availability.on_timeout`` says."""
+        """Wait (bounded) until ``availability.min_nodes`` nodes are connected (not counting those
+        that sit out); then go on with the nodes present or stop, as ``availability.on_timeout`` says."""
         avail = self.cfg.availability
         minimum = int(avail.min_nodes) or int(self.cfg.min_train_nodes)
-        count = len(grid.get_node_ids())
+        usable = lambda: len(set(grid.get_node_ids()) - set(self.excluded))  # noqa: E731 (not those sitting out)
+        count = usable()
         if count >= minimum:
             return
         log(INFO, "round %d: %d node(s) connected, waiting up to %gs for at least %d", server_round, count,
@@ -298,7 +299,7 @@ class NodeRegistry:
         t0 = time.monotonic()
         while time.monotonic() - t0 < float(avail.wait_seconds):
             time.sleep(min(1.0, float(avail.poll_seconds)))
-            count = len(grid.get_node_ids())
+            count = usable()
             if count >= minimum:
                 log(INFO, "round %d: %d node(s) connected after %.1fs; going on", server_round, count,
                     time.monotonic() - t0)
