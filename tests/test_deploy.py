@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -265,3 +267,51 @@ def test_the_supernode_wrapper_starts_again_only_after_a_refused_activation(tmp_
     assert supernode.supervise([], 0.01, str(stub)) == 305 % 256 and len(runs.read_text().splitlines()) == 1
     make('echo "[code: 2004] Failed to activate SuperNode."; exit 305')
     assert supernode.supervise([], 0, str(stub)) == 305 % 256 and len(runs.read_text().splitlines()) == 1
+
+
+def _deploy_md_blocks() -> list[str]:
+    text = (ROOT / "docs" / "DEPLOY.md").read_text()
+    return re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+
+
+def test_deploy_md_credential_commands_write_the_files_it_names(tmp_path):
+    """DEPLOY.md's credential commands, run as written (in a scratch folder): the files its table and
+    its register commands name are the ones written, and the certificate chain holds."""
+    text = (ROOT / "docs" / "DEPLOY.md").read_text()
+    (manual,) = [b for b in _deploy_md_blocks() if "ssh-keygen" in b]
+    if shutil.which("openssl") and shutil.which("ssh-keygen"):
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", manual], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        for name in ("ca.pem", "ca.key", "server.pem", "server.key", "node.key", "node.key.pub"):
+            assert (tmp_path / name).is_file(), name
+        assert not (tmp_path / "node.pub").exists()  # ssh-keygen's public key is node.key.pub, as the docs say
+        assert "`node.key.pub`" in text
+        verify = subprocess.run(["openssl", "verify", "-CAfile", "ca.pem", "server.pem"], cwd=tmp_path,
+                                capture_output=True, text=True)
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+        load_ssh_public_key((tmp_path / "node.key.pub").read_bytes())  # what `flwr supernode register` reads
+    (line,) = [ln for b in _deploy_md_blocks() for ln in b.splitlines() if "--credentials-only" in ln]
+    args = line.split("#")[0].split()
+    assert args[:2] == ["python", "scripts/deploy_local.py"]
+    out = subprocess.run([sys.executable, str(SCRIPT), *args[2:]], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    creds = tmp_path / args[args.index("--credentials-only") + 1]
+    for path in re.findall(r"^\| `((?:ca|superlink|supernodes)/[^`]+)`", text, flags=re.M):
+        assert (creds / path.replace("<i>", "0")).is_file(), path
+    # the register commands name a file that exists there (paths from the credentials folder or its parent)
+    registered = re.findall(r"flwr supernode register (\S+)", text)
+    assert registered
+    for path in registered:
+        path = path.replace("<i>", "0")
+        assert (creds / path).is_file() or (tmp_path / path).is_file(), path
+
+
+def test_deploy_md_says_where_the_serverapp_lines_are_and_gives_each_local_supernode_a_port():
+    text = (ROOT / "docs" / "DEPLOY.md").read_text()
+    assert "flwr log <run-id> fedhm" in text and "## Stopping a device" in text
+    assert "SIGKILL" in text and "flower-superexec" in text and "flwr-clientapp" in text
+    # the exit 305 / code 2004 row is not blamed on an unregistered key only
+    assert len([ln for ln in text.splitlines() if "[code: 2004]" in ln and ln.startswith("|")]) == 2
+    assert "own `--port`" in text
