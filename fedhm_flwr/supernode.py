@@ -23,6 +23,7 @@ Standard library plus Flower's own constants: nothing of the app is imported.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import signal
 import subprocess
@@ -56,22 +57,64 @@ def flower_supernode() -> str:
     return str(candidate) if candidate.exists() else (shutil.which("flower-supernode") or "flower-supernode")
 
 
+def children(pid: int) -> list[int]:
+    """Live processes started with ``--parent-pid <pid>`` (what a SuperNode gives its
+    ``flower-superexec``; they may outlive it), found in ``/proc`` (none where there is no /proc)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a == b"--parent-pid" and b == str(pid).encode() for a, b in zip(args, args[1:])):
+            found.append(int(entry.name))
+    return found
+
+
+def stop(pids: list[int], grace: float = 3.0) -> None:
+    """SIGTERM these processes, SIGKILL those still there after ``grace`` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        end = time.monotonic() + grace
+        while sig == signal.SIGTERM and time.monotonic() < end and any(Path(f"/proc/{p}").exists() for p in pids):
+            time.sleep(0.1)
+
+
 def run_once(command: list[str], forward: Callable[[subprocess.Popen[bytes]], None]) -> tuple[int, bool]:
     """Run the SuperNode once, its output passed through; (exit code, whether the SuperLink
-    refused its activation)."""
+    refused its activation). Ends when the SuperNode exits (not when its output closes: a child
+    it started may outlive it and hold the output open); after a refused start, the children it
+    left are stopped."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     forward(proc)
-    refused = False
-    assert proc.stdout is not None
-    out = sys.stdout.buffer
-    for line in proc.stdout:
-        refused = refused or ACTIVATION_FAILED.encode() in line
-        try:
-            out.write(line)
-            out.flush()
-        except OSError:  # our own output is gone: keep draining the SuperNode's
-            pass
-    return proc.wait(), refused
+    refused = threading.Event()
+
+    def pass_through() -> None:
+        assert proc.stdout is not None
+        out = sys.stdout.buffer
+        for line in proc.stdout:
+            if ACTIVATION_FAILED.encode() in line:
+                refused.set()
+            try:
+                out.write(line)
+                out.flush()
+            except OSError:  # our own output is gone: keep draining the SuperNode's
+                pass
+
+    reader = threading.Thread(target=pass_through, daemon=True)
+    reader.start()
+    code = proc.wait()
+    reader.join(timeout=2.0)  # the lines written before it exited
+    if refused.is_set():
+        left = children(proc.pid)
+        if left:
+            _say(f"stopping what the refused SuperNode left running: {left}")
+            stop(left)
+    return code, refused.is_set()
 
 
 def supervise(args: list[str], wait: float = HEARTBEAT_WINDOW + MARGIN, binary: str | None = None,

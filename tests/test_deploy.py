@@ -252,12 +252,16 @@ def test_the_supernode_wrapper_starts_again_only_after_a_refused_activation(tmp_
         stub.chmod(0o755)
         runs.unlink(missing_ok=True)
 
-    # refused once (the killed predecessor's session), then up: one wait, two starts
-    make(f'if [ $(wc -l < {runs}) -eq 1 ]; then echo "[code: 2004] Failed to activate SuperNode."; exit 305; fi')
+    # refused once (the killed predecessor's session), then up: one wait, two starts; the refused one
+    # leaves a child holding its output open (as flower-superexec does): no hang, and it is stopped
+    make(f'if [ $(wc -l < {runs}) -eq 1 ]; then {sys.executable} -c "import time; time.sleep(300)" --parent-pid $$ & '
+         'echo "[code: 2004] Failed to activate SuperNode."; exit 305; fi')
     waited: list[float] = []
     assert supernode.supervise(["--x"], 3.0, str(stub), sleep=waited.append) == 0
     assert len(runs.read_text().splitlines()) == 2 and sum(waited) == 3.0
-    assert "[code: 2004] Failed to activate SuperNode." in capsys.readouterr().out  # its output passed through
+    captured = capsys.readouterr()
+    assert "[code: 2004] Failed to activate SuperNode." in captured.out  # its output passed through
+    assert "stopping what the refused SuperNode left running" in captured.err
     # refused for good (an unregistered key): two starts, then its exit code (Flower's 305, mod 256)
     make('echo "[code: 2004] Failed to activate SuperNode."; exit 305')
     assert supernode.supervise([], 0.01, str(stub)) == 305 % 256 and len(runs.read_text().splitlines()) == 2
