@@ -6,10 +6,10 @@ normally (SIGTERM, Ctrl-C) tells the SuperLink it leaves (``DeactivateNode``); o
 heartbeats lapse: ``HEARTBEAT_PATIENCE`` × ``HEARTBEAT_DEFAULT_INTERVAL`` (2 × 30 s) after the
 last one. The SuperLink activates only a node that is registered or offline, so a restart inside
 that window gets ``[code: 2004] Failed to activate SuperNode`` (HTTP 412), which the SuperNode does
-not retry: it exits with code 305 for good.
+not retry: it stops for good (``Exit Code: 305``; the process exits with status 1).
 
 This wrapper runs ``flower-supernode`` with the same arguments, its output passed through. When
-the SuperNode exits with 305 after the SuperLink refused its activation (code 2004), the wrapper
+the SuperNode stops after the SuperLink refused its activation (code 2004), the wrapper
 says so in one line, waits until the old session has surely lapsed (the heartbeat window after
 the refusal, plus a few seconds so that a round waiting on the old session sees it gone and
 records ``node unavailable`` instead of waiting for its timeout) and starts it again. A key that
@@ -35,11 +35,9 @@ from pathlib import Path
 
 from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
 from flwr.supercore.error import ApiErrorCode
-from flwr.supercore.exit import ExitCode
 
-#: the SuperNode's exit status when it cannot connect (Flower's exit code 305, as the OS keeps it: mod 256),
-#: and the SuperLink's code for a refused activation
-CONNECTION_ERROR = int(ExitCode.SUPERNODE_CONNECTION_ERROR) % 256  # 305 -> 49
+#: the SuperLink's code for a refused activation, in the SuperNode's last lines (after Flower's
+#: "Exit Code: 305"; the process itself exits with status 1)
 ACTIVATION_FAILED = f"[code: {int(ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED)}]"  # 2004
 #: how long the SuperLink keeps a node that sent no goodbye online after its last heartbeat
 HEARTBEAT_WINDOW = float(HEARTBEAT_PATIENCE * HEARTBEAT_DEFAULT_INTERVAL)
@@ -97,7 +95,7 @@ def run_once(command: list[str], forward: Callable[[subprocess.Popen[bytes]], No
         assert proc.stdout is not None
         out = sys.stdout.buffer
         for line in proc.stdout:
-            if ACTIVATION_FAILED.encode() in line:
+            if ACTIVATION_FAILED.encode() in line:  # follows the "Exit Code: 305" line
                 refused.set()
             try:
                 out.write(line)
@@ -138,7 +136,7 @@ def supervise(args: list[str], wait: float = HEARTBEAT_WINDOW + MARGIN, binary: 
         current[:] = [proc]
 
     code, refused = run_once(command, forward)
-    if code % 256 != CONNECTION_ERROR or not refused or wait <= 0 or stopping.is_set():
+    if code == 0 or not refused or wait <= 0 or stopping.is_set():
         return code
     _say(f"the SuperLink refused to activate this node ({ACTIVATION_FAILED}): after a kill it keeps the node's "
          f"old session online until its heartbeats lapse ({HEARTBEAT_WINDOW:g} s); starting again in {wait:g} s "
@@ -151,7 +149,7 @@ def supervise(args: list[str], wait: float = HEARTBEAT_WINDOW + MARGIN, binary: 
     if stopping.is_set():
         return code
     code, refused = run_once(command, forward)
-    if code % 256 == CONNECTION_ERROR and refused:
+    if code != 0 and refused:
         _say(f"still refused after {wait:g} s: the key is not registered with this SuperLink, or belongs to "
              "another node (`flwr supernode ls`, `flwr supernode register`)")
     return code

@@ -255,22 +255,22 @@ def test_the_supernode_wrapper_starts_again_only_after_a_refused_activation(tmp_
     # refused once (the killed predecessor's session), then up: one wait, two starts; the refused one
     # leaves a child holding its output open (as flower-superexec does): no hang, and it is stopped
     make(f'if [ $(wc -l < {runs}) -eq 1 ]; then {sys.executable} -c "import time; time.sleep(300)" --parent-pid $$ & '
-         'echo "[code: 2004] Failed to activate SuperNode."; exit 305; fi')
+         'echo "[code: 2004] Failed to activate SuperNode."; exit 1; fi')
     waited: list[float] = []
     assert supernode.supervise(["--x"], 3.0, str(stub), sleep=waited.append) == 0
     assert len(runs.read_text().splitlines()) == 2 and sum(waited) == 3.0
     captured = capsys.readouterr()
     assert "[code: 2004] Failed to activate SuperNode." in captured.out  # its output passed through
     assert "stopping what the refused SuperNode left running" in captured.err
-    # refused for good (an unregistered key): two starts, then its exit code (Flower's 305, mod 256)
-    make('echo "[code: 2004] Failed to activate SuperNode."; exit 305')
-    assert supernode.supervise([], 0.01, str(stub)) == 305 % 256 and len(runs.read_text().splitlines()) == 2
+    # refused for good (an unregistered key): two starts, then its exit code (Flower's exit code 305 is logged; the process exits with 1)
+    make('echo "[code: 2004] Failed to activate SuperNode."; exit 1')
+    assert supernode.supervise([], 0.01, str(stub)) == 1 and len(runs.read_text().splitlines()) == 2
     assert "not registered" in capsys.readouterr().err
     # another connection error (e.g. TLS) or a wait of 0: no second start
-    make('echo "SSL/TLS handshake error detected."; exit 305')
-    assert supernode.supervise([], 0.01, str(stub)) == 305 % 256 and len(runs.read_text().splitlines()) == 1
-    make('echo "[code: 2004] Failed to activate SuperNode."; exit 305')
-    assert supernode.supervise([], 0, str(stub)) == 305 % 256 and len(runs.read_text().splitlines()) == 1
+    make('echo "SSL/TLS handshake error detected."; exit 1')
+    assert supernode.supervise([], 0.01, str(stub)) == 1 and len(runs.read_text().splitlines()) == 1
+    make('echo "[code: 2004] Failed to activate SuperNode."; exit 1')
+    assert supernode.supervise([], 0, str(stub)) == 1 and len(runs.read_text().splitlines()) == 1
 
 
 def _deploy_md_blocks() -> list[str]:
@@ -316,6 +316,6 @@ def test_deploy_md_says_where_the_serverapp_lines_are_and_gives_each_local_super
     text = (ROOT / "docs" / "DEPLOY.md").read_text()
     assert "flwr log <run-id> fedhm" in text and "## Stopping a device" in text
     assert "SIGKILL" in text and "flower-superexec" in text and "flwr-clientapp" in text
-    # the exit 305 / code 2004 row is not blamed on an unregistered key only
+    # the exit 1 / code 2004 row is not blamed on an unregistered key only
     assert len([ln for ln in text.splitlines() if "[code: 2004]" in ln and ln.startswith("|")]) == 2
     assert "own `--port`" in text
