@@ -192,7 +192,8 @@ def test_tls_authenticated_deployment_trains_declared_levels_and_refuses_outside
             dep.register(name)
         for i, name in enumerate(("node-0", "node-1")):
             dep.start_supernode(name, dl.node_config(i, 2, declared[name]))
-        intruder = dep.start_supernode("intruder", dl.node_config(2, 3), max_retries=1, max_wait_time=30)
+        intruder = dep.start_supernode("intruder", dl.node_config(2, 3), max_retries=1, max_wait_time=30,
+                                       restart_wait=0)  # refused for good: no second start
         no_ca = dep.start_supernode("no-ca", dl.node_config(3, 4), with_ca=False, max_retries=1, max_wait_time=30)
         pids = [p.pid for _, p, _ in dep.processes.started]
         dep.wait_online(["node-0", "node-1"])
