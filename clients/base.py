@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from logging import WARNING
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 # node-info query) instead of inside its first training round.
 import torch._dynamo  # noqa: F401
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
+from flwr.supercore import log
 
 from fedhm_flwr import attacks, protocol, shards
 from fedhm_flwr.bn_stats import bn_sums
@@ -280,5 +282,7 @@ def handle_query(msg: Message, context: Context) -> Message:
     try:
         return Message(QUERIES[what](msg, context), reply_to=msg)
     except NodeDataError as exc:
+        if what == protocol.NODE_INFO:  # the device owner sees why, in the SuperNode's own log
+            log(WARNING, "this node sits out of the run: %s", " ".join(str(exc).split()))
         return data_error(msg, exc)
 

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 State = dict[str, torch.Tensor]
 from fedhm_flwr import protocol as wire
-from fedhm_flwr.protocol import ARRAYS, CONFIG, METRICS, read_eval
+from fedhm_flwr.protocol import ARRAYS, CONFIG, METRICS, asked_nodes, error_reason, read_eval
 WORST_FRACTION = 0.1  # fed_acc_clients/worst10: the mean accuracy of the worst ceil(10 %) clients
 
 
@@ -285,7 +285,8 @@ class FederatedEvaluation:
         self.messages: list[Message] = []
         cfg = strategy.cfg
         models: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # level index -> (spec, arrays)
-        for node_id, (index, _) in sorted(strategy.sent.items(), key=lambda kv: strategy._partition_key(kv[0])):
+        sent = {n: v for n, v in strategy.sent.items() if n in strategy.nodes}  # not those found gone
+        for node_id, (index, _) in sorted(sent.items(), key=lambda kv: strategy._partition_key(kv[0])):
             if index not in models:
                 spec, state = strategy.deployable(index, global_state)
                 models[index] = (spec, strategy.wire_arrays(state))
@@ -305,13 +306,12 @@ class FederatedEvaluation:
             self.messages.append(Message(content=RecordDict({ARRAYS: record, CONFIG: config}), dst_node_id=node_id,
                                          message_type=MessageType.EVALUATE))
 
-    def score(self, msg: Message) -> tuple[ClientScore | None, str]:
-        """A reply as a :class:`ClientScore`, or (None, why it is refused)."""
-        node_id = msg.metadata.src_node_id
+    def score(self, node_id: int, msg: Message) -> tuple[ClientScore | None, str]:
+        """Node ``node_id``'s reply as a :class:`ClientScore`, or (None, why it is refused)."""
         if node_id not in self.level_of:
             return None, "reply from a node that was not asked to evaluate"
         if msg.has_error():
-            return None, f"client error: {msg.error.reason}"
+            return None, error_reason(msg)
         if METRICS not in msg.content:
             return None, f"reply lacks '{METRICS}'"
         m = msg.content[METRICS]
@@ -331,12 +331,13 @@ class FederatedEvaluation:
         failures: list[tuple[str, str]] = []
         answered: set[int] = set()
         bytes_received = 0
-        for msg in replies:
-            node_id = msg.metadata.src_node_id
+        for node_id, msg in asked_nodes(self.messages, list(replies)):  # keyed by the node asked
             answered.add(node_id)
-            score, why = self.score(msg)
+            score, why = self.score(node_id, msg)
             if score is None:
                 failures.append((self.strategy.node_label(node_id), why))
+                if why == wire.NODE_UNAVAILABLE:  # gone: asked again (and logged back) when it reconnects
+                    self.strategy.registry.forget(node_id, self.server_round, why)
                 continue
             bytes_received += msg.content[METRICS].count_bytes()
             scores.append(score)

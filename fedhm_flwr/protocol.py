@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from flwr.app import Array, ConfigRecord, MetricRecord
+from flwr.app import Array, ConfigRecord, Message, MetricRecord
+from flwr.common.constant import ErrorCode
 
 if TYPE_CHECKING:  # torch is imported where tensors are converted: the config check imports this module
     import torch
@@ -132,3 +133,28 @@ def eval_metrics(num_examples: int, loss: float, accuracy: float) -> MetricRecor
 def read_eval(metrics: Mapping[str, Any]) -> tuple[Any, Any, Any]:
     """(num-examples, eval-loss, eval-accuracy) of an evaluation reply, None where missing."""
     return metrics.get(NUM_EXAMPLES), metrics.get(EVAL_LOSS), metrics.get(EVAL_ACCURACY)
+
+
+# replies: who was asked, why one failed
+
+#: the reason recorded for a node the SuperLink answered for: it missed its heartbeats (Flower's
+#: ``NODE_UNAVAILABLE`` error reply, sent by the SuperLink itself, not by the node)
+NODE_UNAVAILABLE = "node unavailable"
+
+
+def asked_nodes(messages: list[Message], replies: list[Message]) -> list[tuple[int, Message]]:
+    """(the node that was asked, its reply) for each reply to these pushed ``messages``.
+
+    A reply is matched to the message it answers, never to its sender: the SuperLink answers
+    itself for a node that missed its heartbeats (``Node Unavailable``, sent from the SuperLink's
+    own node id). A reply to none of the messages keeps its sender."""
+    asked = {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
+    return [(asked.get(r.metadata.reply_to_message_id, r.metadata.src_node_id), r) for r in replies]
+
+
+def error_reason(msg: Message) -> str:
+    """Why an error reply failed: :data:`NODE_UNAVAILABLE` when the SuperLink says the node is
+    gone, else the node's own error."""
+    if msg.error.code == ErrorCode.NODE_UNAVAILABLE:
+        return NODE_UNAVAILABLE
+    return f"client error: {msg.error.reason}"

@@ -231,5 +231,7 @@ def summarize(rows: list[dict[str, Any]], extra: Mapping[str, Any]) -> dict[str,
     out["failures"] = int(sum(r.get("failures", 0) for r in rows))
     out["rejected"] = int(sum(r.get("rejected", 0) for r in rows))
     out["fed_failures"] = int(sum(r.get("fed_failures", 0) for r in rows))
+    # nodes that sat out (their data could not serve the run) -> why, as the last round that saw them said
+    out["excluded"] = {label: why for r in rows for label, why in json.loads(r.get("excluded") or "{}").items()}
     out["seconds_rounds"] = float(sum(r.get("seconds", 0.0) for r in rows))
     return out

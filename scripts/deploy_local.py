@@ -396,14 +396,21 @@ class LocalDeployment:
 
     def start_supernode(self, name: str, config: dict[str, Any], *, with_ca: bool = True,
                         max_retries: int | None = None, max_wait_time: float | None = None,
-                        extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+                        extra_env: dict[str, str] | None = None,
+                        restart_wait: float | None = None) -> subprocess.Popen[bytes]:
         """Start SuperNode ``name`` with its key, the CA certificate (unless ``with_ca=False``) and ``config``
-        (``extra_env``: variables of the device's own environment, e.g. where its other data would be)."""
+        (``extra_env``: variables of the device's own environment, e.g. where its other data would be),
+        as a device does: through ``fedhm supernode`` (:mod:`fedhm_flwr.supernode`), which starts it
+        again once if the SuperLink still holds the session of a killed predecessor (``restart_wait``:
+        its wait, default the heartbeat window plus a margin; 0: no second start)."""
         folder = self.creds.node_dir(name)
         home = folder / "flwr-home"
         home.mkdir(parents=True, exist_ok=True)
         (folder / "node-config.toml").write_text(node_config_toml(config))
-        cmd = [_bin("flower-supernode"), "--superlink", self.address,
+        wrapper = [sys.executable, "-m", "fedhm_flwr.supernode"]
+        if restart_wait is not None:
+            wrapper += ["--restart-wait", str(restart_wait)]
+        cmd = [*wrapper, "--superlink", self.address,
                "--auth-supernode-private-key", str(folder / "node.key"),
                "--node-config", str(folder / "node-config.toml"),
                "--host", "127.0.0.1", "--port", str(free_port())]
@@ -413,8 +420,10 @@ class LocalDeployment:
             cmd += ["--max-retries", str(max_retries)]
         if max_wait_time is not None:
             cmd += ["--max-wait-time", str(max_wait_time)]
-        proc = self.processes.start(name, cmd, {**self.env(home), **(extra_env or {})}, self.logs / f"{name}.log",
-                                    cwd=folder)
+        env = {**self.env(home), **(extra_env or {})}
+        # `python -m fedhm_flwr.supernode` of this checkout, also where another one is installed
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(APP_DIR), env.get("PYTHONPATH", "")) if p)
+        proc = self.processes.start(name, cmd, env, self.logs / f"{name}.log", cwd=folder)
         self.supernodes[name] = proc
         return proc
 

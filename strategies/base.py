@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from fedhm_flwr import evaluation as ev
 from fedhm_flwr import levels as lv
 from fedhm_flwr import protocol as wire
-from fedhm_flwr.protocol import ARRAYS, CONFIG, METRICS
+from fedhm_flwr.protocol import ARRAYS, CONFIG, METRICS, NODE_UNAVAILABLE, asked_nodes, error_reason
 from fedhm_flwr.aggregation import level_weights
 from fedhm_flwr.config import data_spec, learning_rate, level_proportions
 from fedhm_flwr.lowrank import recover_state
@@ -79,7 +79,8 @@ class RoundLog:
     failures: list[tuple[int, str]] = field(default_factory=list)
     rejected: list[tuple[int, str]] = field(default_factory=list)
     level_counts: dict[str, int] = field(default_factory=dict)
-    assignments: dict[str, float] = field(default_factory=dict)  # node (partition) -> level
+    assignments: dict[str, float] = field(default_factory=dict)  # node (partition) -> level it trained
+    excluded: dict[str, str] = field(default_factory=dict)  # connected node that sits out -> why
     server_seconds: float = 0.0
     query_bytes: int = 0  # node-info queries and their answers (new nodes only)
     query_seconds: float = 0.0  # wall time of those queries (part of server_seconds)
@@ -138,6 +139,7 @@ class HeteroStrategy(Strategy):
         self.startup_info: dict[str, Any] = {}  # what the start-up before round 1 took (NodeRegistry.startup)
         self.global_state: State | None = None
         self.sent: dict[int, tuple[int, Payload]] = {}  # node id -> (level index, payload) this round
+        self._train_messages: list[Message] = []  # this round's training messages (their ids: who was asked)
         self.round_log = RoundLog()
         self.history: list[dict[str, Any]] = []
         self.start_round = 1
@@ -283,6 +285,7 @@ class HeteroStrategy(Strategy):
         self.round_log.query_bytes += moved
         self.round_log.query_seconds = self.registry.query_seconds
         self.round_log.queried = self.registry.queried
+        self.round_log.excluded = {self.node_label(n): why for n, why in sorted(self.registry.excluded.items())}
         assignment = self.registry.assign(server_round, node_ids)
         self.begin_round(server_round, self.global_state)
         injected = self._injected_failures(server_round, node_ids)
@@ -307,18 +310,22 @@ class HeteroStrategy(Strategy):
         self.round_log.level_counts = lv.describe_assignment({n: assignment[n] for n in node_ids}, self.levels)
         self.round_log.assignments = {self.node_label(n): self.levels[assignment[n]] for n in node_ids}
         self.round_log.server_seconds += time.perf_counter() - t0
+        self._train_messages = messages
         return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         t0 = time.perf_counter()
         valid: list[Reply] = []
-        for msg in replies:
-            node_id = msg.metadata.src_node_id
+        for node_id, msg in asked_nodes(self._train_messages, list(replies)):  # keyed by the node asked
             if msg.has_content():  # every reply that arrived counts, rejected ones included
                 self.round_log.received_bytes += content_bytes(msg.content)
             if msg.has_error():
-                self.round_log.failures.append((node_id, f"client error: {msg.error.reason}"))
-                log(WARNING, "round %d: node %d failed: %s", server_round, node_id, msg.error.reason)
+                why = error_reason(msg)
+                self.round_log.failures.append((node_id, why))
+                log(WARNING, "round %d: node %s failed: %s", server_round, self.node_label(node_id),
+                    why if why == NODE_UNAVAILABLE else msg.error.reason)
+                if why == NODE_UNAVAILABLE:  # the SuperLink knows it is gone: it is asked again when back
+                    self.registry.forget(node_id, server_round, why)
                 continue
             reply, reason = self._validate(node_id, msg)
             if reply is None:
@@ -330,7 +337,8 @@ class HeteroStrategy(Strategy):
             n for n, _ in self.round_log.rejected}
         for node_id in sorted(missing):
             self.round_log.failures.append((node_id, "no reply before the round timeout"))
-            log(WARNING, "round %d: node %d sent no reply (timeout)", server_round, node_id)
+            log(WARNING, "round %d: node %s sent no reply (timeout)", server_round, self.node_label(node_id))
+        self.round_log.assignments = {self.node_label(r.node_id): r.level for r in valid}  # those that trained
         metrics = self._train_metrics(valid)
         if not valid:
             log(WARNING, "round %d: no valid reply; the global model stays as it was", server_round)
@@ -580,6 +588,8 @@ class HeteroStrategy(Strategy):
         for level, count in log_.level_counts.items():
             row[f"clients/level_{level}"] = count
         row["assignments"] = json.dumps(log_.assignments, sort_keys=True)
+        if log_.excluded:
+            row["excluded"] = json.dumps(log_.excluded, sort_keys=True)
         row.update(self.untrusted.columns)
         if log_.failures or log_.rejected:
             row["failure_reasons"] = json.dumps(

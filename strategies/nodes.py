@@ -46,6 +46,7 @@ from omegaconf import DictConfig
 from fedhm_flwr import levels as lv
 from fedhm_flwr import protocol
 from fedhm_flwr.config import data_spec, level_proportions
+from fedhm_flwr.protocol import NODE_UNAVAILABLE, error_reason
 
 
 #: keys of nodes without a unique partition id start here (partition ids stay below)
@@ -86,7 +87,8 @@ def parse_node_info(node_id: int, msg: Message | None) -> NodeInfo:
     if msg is None:
         return NodeInfo(node_id=node_id, error="no answer to the node-info query")
     if msg.has_error():
-        return NodeInfo(node_id=node_id, error=msg.error.reason)
+        why = error_reason(msg)
+        return NodeInfo(node_id=node_id, error=why if why == NODE_UNAVAILABLE else msg.error.reason)
     if protocol.CONFIG not in msg.content:
         return NodeInfo(node_id=node_id)
     return NodeInfo(**vars(protocol.NodeInfo.decode(msg.content[protocol.CONFIG])), node_id=node_id)
@@ -145,6 +147,10 @@ class NodeRegistry:
         self.declared: dict[int, int] = {}  # node id -> level the node itself declared (or the default)
         self.seen: dict[str, int] = {}  # identity -> level index it had (survives leaving)
         self.unknown: list[int] = []  # connected nodes not queried yet (availability.query = sampled)
+        #: connected nodes that sit out (their node-info answer was an error, e.g. a broken shard) ->
+        #: why; asked again only once they were seen gone and reconnect
+        self.excluded: dict[int, str] = {}
+        self._former: dict[int, str] = {}  # node id -> label of a node that left (its failures keep its name)
         self.query_seconds = 0.0  # this round's wall time in node-info queries
         self.queried = 0  # nodes asked this round
         self._ahead: dict[int, str] = {}  # node id -> id of a node-info query pushed ahead (prefetch)
@@ -164,9 +170,11 @@ class NodeRegistry:
             self.wait_for_nodes(grid, server_round)
         connected = set(grid.get_node_ids())
         for node_id in sorted(set(self.nodes) - connected):
-            log(INFO, "round %d: node %s (node id %d) left", server_round, self.label(node_id), node_id)
-            del self.nodes[node_id]
-        new = sorted(connected - set(self.nodes))
+            self.forget(node_id, server_round)
+        for node_id in sorted(set(self.excluded) - connected):  # asked again when it reconnects
+            log(INFO, "round %d: node %d, which sat out, left", server_round, node_id)
+            del self.excluded[node_id]
+        new = sorted(connected - set(self.nodes) - set(self.excluded))
         if self.cfg.availability.get("query", "all") == "sampled":
             self.unknown = new
             return 0
@@ -187,15 +195,23 @@ class NodeRegistry:
         moved = sum(content_bytes(msg.content) for msg in query)
         pushed = push(grid, query)
         if pushed or ahead:
-            came = {m.metadata.src_node_id: m for m in collect(grid, pushed + list(ahead.values()),
-                                                               float(self.cfg.timeout))}
+            by_id = {m.metadata.message_id: m.metadata.dst_node_id for m in query if m.metadata.message_id}
+            by_id.update({mid: n for n, mid in ahead.items()})
+            came = {by_id.get(m.metadata.reply_to_message_id, m.metadata.src_node_id): m
+                    for m in collect(grid, pushed + list(ahead.values()), float(self.cfg.timeout))}
             moved += sum(content_bytes(m.content) for m in came.values() if m.has_content())
             answers.update(came)
         for node_id in new:
             info = parse_node_info(node_id, answers.get(node_id))
+            if info.error == NODE_UNAVAILABLE or node_id not in answers:
+                log(WARNING, "round %d: node %d did not answer its node-info query (%s)", server_round, node_id,
+                    info.error)
+                continue  # asked again at the next round that finds it connected
             if info.error is not None:
-                log(WARNING, "node %d cannot take part: %s", node_id, info.error)
-                continue  # asked again next time (it may be fixed and restarted)
+                self.excluded[node_id] = info.error
+                log(WARNING, "round %d: node %d cannot take part and sits out until it reconnects: %s", server_round,
+                    node_id, info.error)
+                continue
             self.nodes[node_id] = info
         asked = set(new)
         self.unknown = [n for n in self.unknown if n not in asked]
@@ -270,11 +286,12 @@ class NodeRegistry:
         self._ahead_seconds += time.perf_counter() - t0
 
     def wait_for_nodes(self, grid: Grid, server_round: int) -> None:
-        """Wait (bounded) until ``availability.min_nodes`` nodes are connected; then go on with
-        the nodes present or stop, as ``availability.on_timeout`` says."""
+        """Wait (bounded) until ``availability.min_nodes`` nodes are connected (not counting those
+        that sit out); then go on with the nodes present or stop, as ``availability.on_timeout`` says."""
         avail = self.cfg.availability
         minimum = int(avail.min_nodes) or int(self.cfg.min_train_nodes)
-        count = len(grid.get_node_ids())
+        usable = lambda: len(set(grid.get_node_ids()) - set(self.excluded))  # noqa: E731 (not those sitting out)
+        count = usable()
         if count >= minimum:
             return
         log(INFO, "round %d: %d node(s) connected, waiting up to %gs for at least %d", server_round, count,
@@ -282,7 +299,7 @@ class NodeRegistry:
         t0 = time.monotonic()
         while time.monotonic() - t0 < float(avail.wait_seconds):
             time.sleep(min(1.0, float(avail.poll_seconds)))
-            count = len(grid.get_node_ids())
+            count = usable()
             if count >= minimum:
                 log(INFO, "round %d: %d node(s) connected after %.1fs; going on", server_round, count,
                     time.monotonic() - t0)
@@ -293,6 +310,17 @@ class NodeRegistry:
                                "(availability.wait_seconds); stopping as availability.on_timeout=stop says")
         log(WARNING, "round %d: still %d node(s) of %d after %gs; going on with the nodes present", server_round,
             count, minimum, float(avail.wait_seconds))
+
+    def forget(self, node_id: int, server_round: int, why: str = "") -> None:
+        """A node left (no longer connected, or the SuperLink answered for it: node unavailable):
+        log it and forget it; if it reconnects it is asked again and logged as back."""
+        if node_id not in self.nodes:
+            return
+        self._former[node_id] = self.label(node_id)
+        log(INFO, "round %d: node %s (node id %d) left%s", server_round, self.label(node_id), node_id,
+            f" ({why})" if why else "")
+        del self.nodes[node_id]
+        self.keys.pop(node_id, None)
 
     # ------------------------------------------------------------------ keys and labels
 
@@ -321,7 +349,7 @@ class NodeRegistry:
         """How outputs name a node: ``p<partition id>``, else its node-name, else ``n<node id>``."""
         info = self.nodes.get(node_id)
         if info is None:
-            return f"n{node_id}"
+            return self._former.get(node_id, f"n{node_id}")
         if self.keys.get(node_id) == info.partition_id and info.partition_id is not None:
             return f"p{info.partition_id}"
         return info.name or f"n{node_id}"

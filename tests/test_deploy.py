@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -190,7 +192,8 @@ def test_tls_authenticated_deployment_trains_declared_levels_and_refuses_outside
             dep.register(name)
         for i, name in enumerate(("node-0", "node-1")):
             dep.start_supernode(name, dl.node_config(i, 2, declared[name]))
-        intruder = dep.start_supernode("intruder", dl.node_config(2, 3), max_retries=1, max_wait_time=30)
+        intruder = dep.start_supernode("intruder", dl.node_config(2, 3), max_retries=1, max_wait_time=30,
+                                       restart_wait=0)  # refused for good: no second start
         no_ca = dep.start_supernode("no-ca", dl.node_config(3, 4), with_ca=False, max_retries=1, max_wait_time=30)
         pids = [p.pid for _, p, _ in dep.processes.started]
         dep.wait_online(["node-0", "node-1"])
@@ -236,3 +239,84 @@ def test_script_stops_everything_it_started_when_the_job_fails(tmp_path):
     assert _processes_with(str(run_dir)) == [], out[-3000:]
     config = (run_dir / "deploy" / "supernodes" / "node-0" / "node-config.toml").read_text()
     assert "capability-level = 0.25" in config and "num-partitions = 1" in config
+
+
+def test_the_supernode_wrapper_starts_again_only_after_a_refused_activation(tmp_path, capsys):
+    from fedhm_flwr import supernode
+
+    assert supernode.HEARTBEAT_WINDOW == 60 and supernode.ACTIVATION_FAILED == "[code: 2004]"  # Flower 1.41
+    runs = tmp_path / "runs"
+    stub = tmp_path / "flower-supernode"
+
+    def make(script: str) -> None:  # a stand-in for flower-supernode: counts its starts
+        stub.write_text(f"#!/bin/sh\necho start >> {runs}\n{script}\n")
+        stub.chmod(0o755)
+        runs.unlink(missing_ok=True)
+
+    # refused once (the killed predecessor's session), then up: one wait, two starts; the refused one
+    # leaves a child holding its output open (as flower-superexec does): no hang, and it is stopped
+    make(f'if [ $(wc -l < {runs}) -eq 1 ]; then {sys.executable} -c "import time; time.sleep(300)" --parent-pid $$ & '
+         'echo "[code: 2004] Failed to activate SuperNode."; exit 1; fi')
+    waited: list[float] = []
+    assert supernode.supervise(["--x"], 3.0, str(stub), sleep=waited.append) == 0
+    assert len(runs.read_text().splitlines()) == 2 and sum(waited) == 3.0
+    captured = capsys.readouterr()
+    assert "[code: 2004] Failed to activate SuperNode." in captured.out  # its output passed through
+    assert "stopping what the refused SuperNode left running" in captured.err
+    # refused for good (an unregistered key): two starts, then its exit code (Flower's exit code 305 is logged; the process exits with 1)
+    make('echo "[code: 2004] Failed to activate SuperNode."; exit 1')
+    assert supernode.supervise([], 0.01, str(stub)) == 1 and len(runs.read_text().splitlines()) == 2
+    assert "not registered" in capsys.readouterr().err
+    # another connection error (e.g. TLS) or a wait of 0: no second start
+    make('echo "SSL/TLS handshake error detected."; exit 1')
+    assert supernode.supervise([], 0.01, str(stub)) == 1 and len(runs.read_text().splitlines()) == 1
+    make('echo "[code: 2004] Failed to activate SuperNode."; exit 1')
+    assert supernode.supervise([], 0, str(stub)) == 1 and len(runs.read_text().splitlines()) == 1
+
+
+def _deploy_md_blocks() -> list[str]:
+    text = (ROOT / "docs" / "DEPLOY.md").read_text()
+    return re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+
+
+def test_deploy_md_credential_commands_write_the_files_it_names(tmp_path):
+    """DEPLOY.md's credential commands, run as written (in a scratch folder): the files its table and
+    its register commands name are the ones written, and the certificate chain holds."""
+    text = (ROOT / "docs" / "DEPLOY.md").read_text()
+    (manual,) = [b for b in _deploy_md_blocks() if "ssh-keygen" in b]
+    if shutil.which("openssl") and shutil.which("ssh-keygen"):
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", manual], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        for name in ("ca.pem", "ca.key", "server.pem", "server.key", "node.key", "node.key.pub"):
+            assert (tmp_path / name).is_file(), name
+        assert not (tmp_path / "node.pub").exists()  # ssh-keygen's public key is node.key.pub, as the docs say
+        assert "`node.key.pub`" in text
+        verify = subprocess.run(["openssl", "verify", "-CAfile", "ca.pem", "server.pem"], cwd=tmp_path,
+                                capture_output=True, text=True)
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+        load_ssh_public_key((tmp_path / "node.key.pub").read_bytes())  # what `flwr supernode register` reads
+    (line,) = [ln for b in _deploy_md_blocks() for ln in b.splitlines() if "--credentials-only" in ln]
+    args = line.split("#")[0].split()
+    assert args[:2] == ["python", "scripts/deploy_local.py"]
+    out = subprocess.run([sys.executable, str(SCRIPT), *args[2:]], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    creds = tmp_path / args[args.index("--credentials-only") + 1]
+    for path in re.findall(r"^\| `((?:ca|superlink|supernodes)/[^`]+)`", text, flags=re.M):
+        assert (creds / path.replace("<i>", "0")).is_file(), path
+    # the register commands name a file that exists there (paths from the credentials folder or its parent)
+    registered = re.findall(r"flwr supernode register (\S+)", text)
+    assert registered
+    for path in registered:
+        path = path.replace("<i>", "0")
+        assert (creds / path).is_file() or (tmp_path / path).is_file(), path
+
+
+def test_deploy_md_says_where_the_serverapp_lines_are_and_gives_each_local_supernode_a_port():
+    text = (ROOT / "docs" / "DEPLOY.md").read_text()
+    assert "flwr log <run-id> fedhm" in text and "## Stopping a device" in text
+    assert "SIGKILL" in text and "flower-superexec" in text and "flwr-clientapp" in text
+    # the exit 1 / code 2004 row is not blamed on an unregistered key only
+    assert len([ln for ln in text.splitlines() if "[code: 2004]" in ln and ln.startswith("|")]) == 2
+    assert "own `--port`" in text

@@ -3,6 +3,7 @@ nodes; distinct client seeds (in process, real strategy and handlers on the Loca
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -191,3 +192,36 @@ def test_the_start_up_waits_for_round_1_once_and_later_rounds_wait_again(toy_cfg
         assert waits() == 1 and len(strategy.nodes) == 6
         assert len(_round(strategy, grid, 1)) == 6 and waits() == 1  # the start-up's wait was round 1's
         assert len(_round(strategy, grid, 2)) == 6 and waits() == 2
+
+
+def test_a_node_that_sits_out_is_recorded_and_asked_again_only_when_it_reconnects(toy_cfg, tmp_path, caplog):
+    from flwr.app import MessageType
+
+    from fedhm_flwr.server_app import run
+
+    cfg = toy_cfg("rounds=3 num_clients=4 evaluation.levels=false")
+    # node 3 claims a partition the run does not have (its data cannot serve the run)
+    grid = LocalGrid(4, client_handlers(), node_config=lambda i: {"partition-id": 9} if i == 3 else {})
+    bad = next(n for n, ctx in grid.contexts.items() if ctx.node_config["partition-id"] == 9)
+    summary = run(grid, cfg, tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    queries = lambda: sum(1 for n, kind in grid.delivered if n == bad and kind == MessageType.QUERY)  # noqa: E731
+    assert queries() == 1  # asked once (the start-up), not every round
+    for row in rows:
+        (label, why), = json.loads(row["excluded"]).items()
+        assert label == f"n{bad}" and "partition-id" in why and "n" + str(bad) not in row["assignments"]
+        assert row["sampled"] == 3 and row["failures"] == 0
+    assert summary["excluded"] == json.loads(rows[-1]["excluded"])
+    # it leaves and reconnects: asked again, once
+    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    strategy.registry.startup(grid, 1)
+    context = grid.contexts.pop(bad)
+    with caplog.at_level(logging.INFO):
+        _round(strategy, grid, 1)
+        assert strategy.round_log.excluded == {}
+        grid.contexts[bad] = context
+        _round(strategy, grid, 2)
+        _round(strategy, grid, 3)
+    assert queries() == 3  # the run's one, this start-up's one, the one after it reconnected
+    assert strategy.round_log.excluded == {f"n{bad}": json.loads(rows[0]["excluded"])[f"n{bad}"]}
+    assert any(f"node {bad}, which sat out, left" in r.getMessage() for r in caplog.records)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
 
 from fedhm_flwr.config import model_spec, resume_config
 from fedhm_flwr.local_grid import LocalGrid, client_handlers
@@ -180,3 +182,47 @@ def test_bytes_moved_count_configs_queries_and_rejected_replies(toy_cfg):
     assert strategy.round_log.received_bytes == sum(content_bytes(r.content) for r in replies)
     again = list(strategy.configure_train(2, arrays, None, grid))
     assert again and strategy.round_log.query_bytes == 0  # known nodes are not asked again
+
+
+class _Vanishing(LocalGrid):
+    """A LocalGrid whose SuperLink answers itself for some messages: Flower's ``Node Unavailable``
+    reply (from the SuperLink's own node id 1), as for a SuperNode killed after it took its message."""
+
+    def __init__(self, *args, gone=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gone = set(gone)  # (server round, message type, partition id) answered by the SuperLink
+
+    def _deliver(self, msg):
+        config = msg.content["config"]
+        pid = self.contexts[msg.metadata.dst_node_id].node_config["partition-id"]
+        if (config.get("server-round"), msg.metadata.message_type, pid) not in self.gone:
+            return super()._deliver(msg)
+        reply = Message(Error(code=ErrorCode.NODE_UNAVAILABLE, reason="Error: Node Unavailable"), reply_to=msg)
+        reply.metadata.__dict__["_src_node_id"] = 1  # what Flower's SuperLink sends
+        assert reply.metadata.src_node_id == 1
+        return reply
+
+
+def test_a_node_the_superlink_reports_unavailable_is_one_failure_leaves_and_is_back(toy_cfg, tmp_path, caplog):
+    cfg = toy_cfg("rounds=3 evaluation.where=both evaluation.levels=false")
+    grid = _Vanishing(6, client_handlers(), gone={(2, MessageType.TRAIN, 2), (1, MessageType.EVALUATE, 3)})
+    with caplog.at_level(logging.INFO):
+        run(grid, cfg, tmp_path)
+    rows = _rows(tmp_path)
+    log = "\n".join(r.getMessage() for r in caplog.records)
+    # round 1: p3 cannot evaluate: one federated failure, under its own name, with the true reason
+    assert rows[0]["fed_failures"] == 1 and json.loads(rows[0]["fed_failure_reasons"]) == [["p3", "node unavailable"]]
+    # round 2: p2 took its training message and vanished: exactly one failure, p2's, "node unavailable"
+    # (not the SuperLink's id, not a timeout); it did not train and is not asked to evaluate
+    assert rows[1]["sampled"] == 6 and rows[1]["replies"] == 5 and rows[1]["failures"] == 1
+    assert json.loads(rows[1]["failure_reasons"]) == [["p2", "node unavailable"]]
+    assert "p2" not in json.loads(rows[1]["assignments"]) and len(json.loads(rows[1]["assignments"])) == 5
+    assert rows[1]["fed_clients"] == 5 and rows[1]["fed_failures"] == 0
+    # evaluation messages that reached a node: round 1 all but p3's (answered by the SuperLink), round 2
+    # the five that trained, round 3 all six
+    assert sum(1 for n, kind in grid.delivered if kind == MessageType.EVALUATE) == 5 + 5 + 6
+    # the registry saw both go and come back (asked again, same level)
+    assert "node p3 (node id" in log and "left (node unavailable)" in log
+    assert "round 2: node p3 is back" in log and "round 3: node p2 is back" in log
+    assert json.loads(rows[2]["assignments"]) == json.loads(rows[0]["assignments"])
+    assert rows[2]["failures"] == 0 and "failure_reasons" not in rows[2]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -179,7 +180,7 @@ def _query(node_config: dict) -> Message:
 
 
 @needs_fmnist
-def test_node_info_reports_the_shard_and_refuses_a_missing_or_broken_one(exported, tmp_path):
+def test_node_info_reports_the_shard_and_refuses_a_missing_or_broken_one(exported, tmp_path, caplog):
     _, out = exported
     reply = _query({"data-dir": str(out / "partition-3"), "node-name": "ward-7", "capability-level": 0.5})
     assert not reply.has_error()
@@ -196,8 +197,13 @@ def test_node_info_reports_the_shard_and_refuses_a_missing_or_broken_one(exporte
     manifest = json.loads((broken / "manifest.json").read_text())
     manifest["splits"]["train"]["sha256"] = "f" * 64
     (broken / "manifest.json").write_text(json.dumps(manifest))
-    reply = _query({"data-dir": str(broken)})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        reply = _query({"data-dir": str(broken)})
     assert reply.has_error() and f"data-dir={broken}" in reply.error.reason and "checksum" in reply.error.reason
+    # the device says it too, in its own log, in one line
+    (line,) = [r.getMessage() for r in caplog.records if "sits out" in r.getMessage()]
+    assert line.startswith("this node sits out of the run: ") and f"data-dir={broken}" in line and "\n" not in line
 
 
 # --------------------------------------------------------------------------- a node opens only its shard
