@@ -44,8 +44,14 @@ RUNS = ROOT / "results" / "robustness"
 PAGE = ROOT / "docs" / "ROBUSTNESS.md"
 
 #: the reduced setting every run shares (Hydra overrides of conf/config.yaml)
-COMMON = ("num_clients=20 fraction_train=0.5 rounds=20 dataset.max_train_examples=6000 "
-          "dataset.max_test_examples=2000 evaluation.levels=false evaluation.every=1000 tracking.tensorboard=false")
+COMMON = ("rounds=20 dataset.max_test_examples=2000 evaluation.levels=false evaluation.every=1000 "
+          "tracking.tensorboard=false")
+#: the attack grid's federation: 20 clients, 10 sampled per round
+ATTACK_SETTING = "num_clients=20 fraction_train=0.5 dataset.max_train_examples=6000"
+#: the DP runs' federation: 500 clients, each in a round with probability q = 0.2 (m = 100 expected),
+#: since DP-FedAvg's noise std sigma C / m on each of the CNN's ~99k parameters swamps any model at m = 10
+DP_SETTING = "num_clients=500 fraction_train=0.2 dataset.max_train_examples=10000"
+DP_EXPECTED = 100
 METHODS = {"fedhm": "method=fedhm", "heterofl": "method=heterofl"}
 LABELS = {"fedhm": "FedHM", "heterofl": "HeteroFL"}
 ATTACKS = ("scale", "sign_flip", "label_flip", "gaussian")
@@ -80,7 +86,8 @@ class Cell:
 
     @property
     def dp(self) -> bool:
-        return self.condition.startswith("dp-sigma")
+        """A run of the DP setting (``dp-off`` is its reference without DP)."""
+        return self.condition.startswith("dp-")
 
     @property
     def sigma(self) -> float:
@@ -89,8 +96,10 @@ class Cell:
     def overrides(self, seed: int) -> str:
         out = f"{COMMON} {METHODS[self.method]} seed={seed}"
         if self.dp:
-            return f"{out} dp.enabled=true dp.clip={DP_CLIP:g} dp.noise_multiplier={self.sigma:g}"
-        out += f" aggregation.robust={self.defence}"
+            out = f"{out} {DP_SETTING}"
+            return out if self.condition == "dp-off" else (
+                f"{out} dp.enabled=true dp.clip={DP_CLIP:g} dp.noise_multiplier={self.sigma:g}")
+        out += f" {ATTACK_SETTING} aggregation.robust={self.defence}"
         if self.attack != "none":
             out += f" failures.attack.kind={self.attack} failures.attack.fraction={self.fraction:g}"
         return out
@@ -104,12 +113,13 @@ def condition(attack: str, fraction: float) -> str:
 
 
 def cells() -> list[Cell]:
-    out = []
-    for method, defences in DEFENCES.items():
-        for defence in defences:
-            out.append(Cell(method, "clean", defence))
-            out += [Cell(method, condition(a, f), defence) for f in FRACTIONS for a in ATTACKS]
-    out += [Cell("fedhm", f"dp-sigma{s:g}", "none") for s in SIGMAS]
+    """Every cell, in the order the missing runs are made (each cell's seeds together, so that an
+    unfinished grid has whole cells): the clean runs, DP, then the attacks in the order of
+    :data:`ATTACKS`, FedHM before HeteroFL."""
+    out = [Cell(m, "clean", d) for m, defences in DEFENCES.items() for d in defences]
+    out += [Cell("fedhm", c, "none") for c in ("dp-off", *(f"dp-sigma{s:g}" for s in SIGMAS))]
+    out += [Cell(m, condition(a, f), d) for a in ATTACKS for m, defences in DEFENCES.items()
+            for f in FRACTIONS for d in defences]
     return out
 
 
@@ -152,9 +162,8 @@ def one_run(job: tuple[Cell, int, str]) -> dict[str, Any]:
 
 
 def missing(root: Path, seeds: tuple[int, ...], dp: bool = True) -> list[tuple[Cell, int, str]]:
-    """Seed by seed, so that an interrupted grid leaves whole seeds behind (``dp=False``: without
-    the DP cells)."""
-    return [(c, k, str(root)) for k in seeds for c in cells() if not finished(c.path(k, root)) and (dp or not c.dp)]
+    """Cell by cell in :func:`cells`'s order (``dp=False``: without the DP cells)."""
+    return [(c, k, str(root)) for c in cells() for k in seeds if not finished(c.path(k, root)) and (dp or not c.dp)]
 
 
 def run_missing(root: Path, seeds: tuple[int, ...], jobs: int, limit: int | None = None, dp: bool = True) -> None:
@@ -229,8 +238,8 @@ def resolution(runs: dict[Cell, dict[int, dict[str, Any]]]) -> tuple[float, floa
     """(median, largest) half-width of the paired differences' intervals, in points, and how many."""
     halves = []
     for c, by_seed in runs.items():
-        ref = runs.get(Cell(c.method, "clean", "none"))
-        if ref is None or c == Cell(c.method, "clean", "none"):
+        ref = runs.get(Cell(c.method, "dp-off" if c.dp else "clean", "none"))
+        if ref is None or c.condition in ("clean", "dp-off") and c.defence == "none":
             continue
         diff = paired_diff(by_seed, ref)
         if diff is not None and diff.n >= 2:
@@ -262,11 +271,12 @@ def render(root: Path, seeds: tuple[int, ...], command: str = "python -m bench.r
         f"`summary.json`); page generated {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- machine: {'; '.join(machines) or '–'}; total wall time of the runs {hours:.2f} h (worker processes "
         "of one thread each)",
-        f"- setting: `{COMMON}` over the default job, i.e. Fashion-MNIST (a seeded 6,000-example training subset "
-        "split over 20 clients by Dirichlet(0.5) over labels, a seeded 2,000-example test subset), the CNN "
-        "(width 16), levels γ = 1, 1/2, 1/4, 1/8 (a fixed level per client, equal shares), 10 clients "
-        "sampled per round (DP runs: Poisson sampling with q = 0.5), 1 local epoch, 20 rounds; the figure is "
-        "the final global model's test accuracy",
+        f"- setting: `{COMMON} {ATTACK_SETTING}` over the default job, i.e. Fashion-MNIST (a seeded 6,000-example "
+        "training subset split over 20 clients by Dirichlet(0.5) over labels, a seeded 2,000-example test subset), "
+        "the CNN (width 16, about 99k parameters), levels γ = 1, 1/2, 1/4, 1/8 (a fixed level per client, equal "
+        "shares), 10 clients sampled per round, 1 local epoch, 20 rounds; the figure is the final global "
+        f"model's test accuracy. DP runs and their no-DP reference: `{DP_SETTING}` instead (500 clients of 20 "
+        "examples, Poisson-sampled with q = 0.2, 100 expected per round)",
         "- methods: FedHM (softmax(γ/τ) weights) and HeteroFL (width slices), each on its own default options",
         "- attacks: `failures.attack.kind` with `failures.attack.fraction` 10 % (2 of the 20 clients) and 30 % "
         "(6 of 20), a seeded set fixed for the run that attacks whenever sampled; scale: ×100 "
@@ -275,7 +285,7 @@ def render(root: Path, seeds: tuple[int, ...], command: str = "python -m bench.r
         "trimmed mean: 20 % cut at each end of an element's covering clients; Krum: f = 1, one reply kept, "
         "FedHM only: HeteroFL's replies do not cover the whole model)",
         f"- DP: `dp.enabled=true dp.clip={DP_CLIP:g}` (DP-FedAvg with the fixed denominator m = fraction_train × "
-        "num_clients = 10, noise std σ·C/m on every element, noise and sampling from OS entropy), ε at "
+        f"num_clients = {DP_EXPECTED}, noise std σ·C/m on every element, noise and sampling from OS entropy), ε at "
         "δ = 1e-5 from the RDP accountant after the 20 rounds",
         f"- statistics: mean over seeds ± the half-width of its {CONFIDENCE:.0%} Student-t interval "
         f"(t with n − 1 degrees of freedom; with n = {n} seeds t = {t_quantile((1 + CONFIDENCE) / 2, max(1, n - 1)):.2f}); "
@@ -308,11 +318,12 @@ def render(root: Path, seeds: tuple[int, ...], command: str = "python -m bench.r
             lines.append("")
     lines += ["## Client-level DP (FedHM)", "",
               "Final global test accuracy against the privacy spent. ε is the accountant's after the run's "
-              "20 rounds (δ = 1e-5, q = 0.5); the guarantee covers the released global models only (the "
-              "per-round metrics are not private: README, \"Untrusted clients\").", "",
+              "20 rounds (δ = 1e-5, q = 0.2); the guarantee covers the released global models only (the "
+              "per-round metrics are not private: README, \"Untrusted clients\"). The difference is paired "
+              "by seed against the same federation without DP.", "",
               "| σ | noise std per element | ε (δ = 1e-5) | accuracy (%) | difference to no DP (points) |",
               "|---|---|---|---|---|"]
-    ref = runs.get(Cell("fedhm", "clean", "none"))
+    ref = runs.get(Cell("fedhm", "dp-off", "none"))
     if ref:
         lines.append(f"| no DP | 0 | ∞ | {pm(estimate([accuracy(r) for r in ref.values()]))} | – |")
     for sigma in SIGMAS:
@@ -321,7 +332,7 @@ def render(root: Path, seeds: tuple[int, ...], command: str = "python -m bench.r
             lines.append(f"| {sigma:g} | – | – | – | – |")
             continue
         eps = sorted({round(float(r["dp_epsilon"]), 2) for r in by_seed.values()})
-        std = sigma * DP_CLIP / 10
+        std = sigma * DP_CLIP / DP_EXPECTED
         diff = paired_diff(by_seed, ref) if ref else None
         dtext = "–" if diff is None else pm(diff, signed=True) + ("*" if diff.n >= 2 and (diff.low > 0 or diff.high < 0) else "")
         lines.append(f"| {sigma:g} | {std:g} | {', '.join(f'{e:g}' for e in eps)} | "
