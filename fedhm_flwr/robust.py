@@ -245,7 +245,8 @@ def oversized(state: Mapping[str, Tensor], bound: float) -> str | None:
     """Why a reply's tensors are refused, or None: the first floating tensor that holds NaN/inf or
     whose L2 norm (float64) exceeds ``bound``. With every factor's norm at most ``bound``, a
     recovered product ``A·B`` has norm at most ``bound²`` (``‖AB‖_F <= ‖A‖_F ‖B‖_F``): a bound of
-    1e6 keeps every recovery and every average far from float32's overflow (3.4e38)."""
+    1e6 (at most 1e15, as the config allows) keeps every recovery and every average far from
+    float32's overflow (3.4e38)."""
     for key, value in state.items():
         if not value.is_floating_point():
             continue
