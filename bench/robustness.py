@@ -228,7 +228,7 @@ def cell_text(runs: dict[int, dict[str, Any]] | None, reference: dict[int, dict[
     if not runs:
         return "–"
     text = pm(estimate([accuracy(r) for r in runs.values()]))
-    diff = paired_diff(runs, reference) if reference else None
+    diff = paired_diff(runs, reference) if reference and runs is not reference else None
     if diff is not None and diff.n >= 2:
         resolved = diff.low > 0 or diff.high < 0
         text += f" ({pm(diff, signed=True)}{'*' if resolved else ''})"
