@@ -115,10 +115,11 @@ def condition(attack: str, fraction: float) -> str:
 
 def cells() -> list[Cell]:
     """Every cell, in the order the missing runs are made (each cell's seeds together, so that an
-    unfinished grid has whole cells): the clean runs, DP, then the attacks in the order of
-    :data:`ATTACKS`, FedHM before HeteroFL."""
-    out = [Cell(m, "clean", d) for m, defences in DEFENCES.items() for d in defences]
+    unfinished grid has whole cells): FedHM's clean run, DP, the other clean runs, then the
+    attacks in the order of :data:`ATTACKS`, FedHM before HeteroFL."""
+    out = [Cell("fedhm", "clean", "none")]
     out += [Cell("fedhm", c, "none") for c in ("dp-off", *(f"dp-sigma{s:g}" for s in SIGMAS))]
+    out += [Cell(m, "clean", d) for m, defences in DEFENCES.items() for d in defences if (m, d) != ("fedhm", "none")]
     out += [Cell(m, condition(a, f), d) for a in ATTACKS for m, defences in DEFENCES.items()
             for f in FRACTIONS for d in defences]
     return out
