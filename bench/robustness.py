@@ -1,14 +1,24 @@
-"""FedHM under attack: final global accuracy for each attack kind under each defence (docs/ROBUSTNESS.md).
+"""``python -m bench.robustness``: the untrusted-clients grid, run where missing, then docs/ROBUSTNESS.md.
 
-    python -m bench.robustness                      # the committed table (~25 min on 2 cores)
-    python -m bench.robustness --rounds 2 --seeds 0 --out /tmp/r.md    # a smoke version
+    python -m bench.robustness                  # run the missing runs (resumable), then write the page
+    python -m bench.robustness --no-run         # the page from the finished runs only
+    python -m bench.robustness --status         # runs done / missing and the estimated time left
 
-Every cell is a whole FedHM run of the real strategy, messages and client handlers on the
-in-process grid (:mod:`fedhm_flwr.local_grid`: Flower's transport replaced, nothing else), in a
-reduced setting stated on the page (the default job, 20 clients x 10 rounds, for every cell of the
-grid is too much CPU for this machine). The clean run is FedHM without attack or defence; each
-defence also runs without attack (its cost on a clean federation). Nothing on the page is typed
-by hand: the command, the commit, the date, the setting and every number come from this script.
+The grid (:func:`cells`): FedHM and HeteroFL, the scaling and sign-flip attacks with 10 % and 30 %
+of the clients malicious, under every defence the method takes (Krum: FedHM only), plus the clean
+run (no attack) under every defence; and FedHM with client-level DP (``dp.enabled``) at
+``σ ∈ {0.5, 1, 2}``. Every run is a whole job of the project's own server loop (strategy, messages,
+ClientApp handlers) on the in-process grid (:mod:`fedhm_flwr.local_grid`: Flower's transport
+replaced, nothing else), in the reduced setting :data:`COMMON` stated on the page.
+
+A finished run is a folder ``results/robustness/<method>/<condition>/<defence>/seed<k>/`` holding
+its ``summary.json`` (the run's own summary plus the overrides, commit, machine and finish time);
+a run is staged in a hidden ``.partial`` folder and renamed into place only when it has finished,
+so an interrupted grid leaves no half run behind and the next call runs only what is missing (as
+``bench/results.py`` does for docs/RESULTS.md). The page is built from those folders alone:
+mean and 95 % Student-t interval per cell over seeds, and the paired (same seed) difference to
+the method's clean undefended run with its own interval (:mod:`fedhm_flwr.stats`). Nothing on it is
+typed by hand.
 """
 
 from __future__ import annotations
@@ -17,135 +27,353 @@ import argparse
 import datetime as dt
 import json
 import logging
+import math
 import os
+import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-ATTACKS = ["none", "scale", "sign_flip", "label_flip", "gaussian"]
-DEFENCES = ["none", "clip", "median", "trimmed_mean", "krum"]
-#: the reduced setting (Hydra overrides on top of the default FedHM job)
-SETTING = ("num_clients=10 fraction_train=1.0 dataset.max_train_examples=5000 dataset.max_test_examples=2000 "
-           "evaluation.levels=false evaluation.every=1000")
-ATTACK_FRACTION = 0.2
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "results" / "robustness"
+PAGE = ROOT / "docs" / "ROBUSTNESS.md"
+
+#: the reduced setting every run shares (Hydra overrides of conf/config.yaml)
+COMMON = ("rounds=20 dataset.max_test_examples=2000 evaluation.levels=false evaluation.every=1000 "
+          "tracking.tensorboard=false")
+#: the attack grid's federation: 20 clients, 10 sampled per round
+ATTACK_SETTING = "num_clients=20 fraction_train=0.5 dataset.max_train_examples=6000"
+#: the DP runs' federation: 500 clients, each in a round with probability q = 0.2 (m = 100 expected),
+#: since DP-FedAvg's noise std sigma C / m on each of the CNN's ~99k parameters swamps any model at m = 10
+DP_SETTING = "num_clients=500 fraction_train=0.2 dataset.max_train_examples=10000"
+DP_EXPECTED = 100
+METHODS = {"fedhm": "method=fedhm", "heterofl": "method=heterofl"}
+LABELS = {"fedhm": "FedHM", "heterofl": "HeteroFL"}
+#: the two attacks of the issue's held-out check (label_flip and gaussian also exist: failures.attack.kind)
+ATTACKS = ("scale", "sign_flip")
+ATTACK_NAMES = {"clean": "no attack", "scale": "scaled update (×100)", "sign_flip": "sign-flipped update",
+                "label_flip": "label flipping", "gaussian": "Gaussian update (same norm)"}
+FRACTIONS = (0.1, 0.3)
+DEFENCES = {"fedhm": ("none", "clip", "median", "trimmed_mean", "krum"),
+            "heterofl": ("none", "clip", "median", "trimmed_mean")}
+SIGMAS = (0.5, 1.0, 2.0)
+#: DP runs: clip bound C (about the median update norm of the clean runs' first rounds)
+DP_CLIP = 1.0
+SEEDS = (0, 1, 2)
+CONFIDENCE = 0.95
 
 
-def overrides(attack: str, defence: str, seed: int, rounds: int) -> str:
-    out = f"{SETTING} rounds={rounds} seed={seed} aggregation.robust={defence}"
-    if attack != "none":
-        out += f" failures.attack.kind={attack} failures.attack.fraction={ATTACK_FRACTION}"
+@dataclass(frozen=True)
+class Cell:
+    """One cell of the grid: a method, a condition (``clean``, ``<attack>-<percent>``,
+    ``dp-sigma<σ>``) and a defence (``none`` for DP)."""
+
+    method: str
+    condition: str
+    defence: str
+
+    @property
+    def attack(self) -> str:
+        return self.condition.rsplit("-", 1)[0] if self.condition not in ("clean",) and not self.dp else "none"
+
+    @property
+    def fraction(self) -> float:
+        return int(self.condition.rsplit("-", 1)[1]) / 100 if self.attack != "none" else 0.0
+
+    @property
+    def dp(self) -> bool:
+        """A run of the DP setting (``dp-off`` is its reference without DP)."""
+        return self.condition.startswith("dp-")
+
+    @property
+    def sigma(self) -> float:
+        return float(self.condition[len("dp-sigma"):])
+
+    def overrides(self, seed: int) -> str:
+        out = f"{COMMON} {METHODS[self.method]} seed={seed}"
+        if self.dp:
+            out = f"{out} {DP_SETTING}"
+            return out if self.condition == "dp-off" else (
+                f"{out} dp.enabled=true dp.clip={DP_CLIP:g} dp.noise_multiplier={self.sigma:g}")
+        out += f" {ATTACK_SETTING} aggregation.robust={self.defence}"
+        if self.attack != "none":
+            out += f" failures.attack.kind={self.attack} failures.attack.fraction={self.fraction:g}"
+        return out
+
+    def path(self, seed: int, root: Path = RUNS) -> Path:
+        return Path(root) / self.method / self.condition / self.defence / f"seed{seed}"
+
+
+def condition(attack: str, fraction: float) -> str:
+    return f"{attack}-{round(fraction * 100)}"
+
+
+def cells() -> list[Cell]:
+    """Every cell, in the order the missing runs are made (each cell's seeds together, so that an
+    unfinished grid has whole cells): FedHM's clean run, DP, the other clean runs, then the
+    attacks in the order of :data:`ATTACKS`, FedHM before HeteroFL."""
+    out = [Cell("fedhm", "clean", "none")]
+    out += [Cell("fedhm", c, "none") for c in ("dp-off", *(f"dp-sigma{s:g}" for s in SIGMAS))]
+    out += [Cell(m, "clean", d) for m, defences in DEFENCES.items() for d in defences if (m, d) != ("fedhm", "none")]
+    out += [Cell(m, condition(a, f), d) for a in ATTACKS for m, defences in DEFENCES.items()
+            for f in FRACTIONS for d in defences]
     return out
 
 
-def one_run(job: tuple[str, str, int, int]) -> dict[str, Any]:
-    """One FedHM run on the in-process grid; its final global accuracy."""
-    attack, defence, seed, rounds = job
+def finished(path: Path) -> bool:
+    return (path / "summary.json").is_file()
+
+
+# ------------------------------------------------------------------ running
+
+
+def one_run(job: tuple[Cell, int, str]) -> dict[str, Any]:
+    """One run on the in-process grid; its summary moved into place when it has finished."""
+    cell, seed, root = job
     import torch
 
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)
+    from bench.results import commit, machine
     from fedhm_flwr.config import load_config
     from fedhm_flwr.local_grid import LocalGrid, client_handlers
     from fedhm_flwr.server_app import run
 
-    cfg = load_config(overrides(attack, defence, seed, rounds))
+    overrides = cell.overrides(seed)
+    cfg = load_config(overrides)
+    code = commit()
+    dest = cell.path(seed, Path(root))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         summary = run(LocalGrid(int(cfg.num_clients), client_handlers()), cfg, Path(tmp) / "run")
-    return {"attack": attack, "defence": defence, "seed": seed, "acc": float(summary["final_acc/global"]),
-            "attackers": int(summary.get("attackers_sampled", 0)), "seconds": time.perf_counter() - t0}
+    data = {**json.loads(json.dumps(summary, default=str)), "overrides": overrides, "commit": code,
+            "machine": machine(), "seconds": time.perf_counter() - t0,
+            "finished_at": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    staged = dest.parent / f".{dest.name}.partial"
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    (staged / "summary.json").write_text(json.dumps(data, indent=1, sort_keys=True))
+    shutil.rmtree(dest, ignore_errors=True)
+    staged.rename(dest)
+    return {"cell": cell, "seed": seed, "acc": float(summary["final_acc/global"]), "seconds": data["seconds"]}
 
 
-def commit() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + (" (with uncommitted changes)" if git("status", "--porcelain", "--", "fedhm_flwr", "strategies",
-                                                        "clients", "bench", "conf") else "")
+def missing(root: Path, seeds: tuple[int, ...], dp: bool = True) -> list[tuple[Cell, int, str]]:
+    """Cell by cell in :func:`cells`'s order (``dp=False``: without the DP cells)."""
+    return [(c, k, str(root)) for c in cells() for k in seeds if not finished(c.path(k, root)) and (dp or not c.dp)]
 
 
-def cell(results: list[dict[str, Any]], clean: float) -> str:
-    accs = [r["acc"] for r in results]
-    mean = statistics.fmean(accs)
-    spread = f" ± {(max(accs) - min(accs)) / 2 * 100:.1f}" if len(accs) > 1 else ""
-    return f"{mean * 100:.1f}{spread} ({(mean - clean) * 100:+.1f})"
+def run_missing(root: Path, seeds: tuple[int, ...], jobs: int, limit: int | None = None, dp: bool = True) -> None:
+    todo = missing(root, seeds, dp)[:limit]
+    print(f"bench.robustness: running {len(todo)} of the missing run(s) under {root}", flush=True)
+    if not todo:
+        return
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        for r in pool.map(one_run, todo):
+            c = r["cell"]
+            print(f"  {c.method:>8} {c.condition:>14} {c.defence:>12} seed {r['seed']}: {r['acc']:.4f} "
+                  f"({r['seconds']:.0f}s)", flush=True)
 
 
-def render(results: list[dict[str, Any]], args: argparse.Namespace, command: str, wall: float, code: str) -> str:
-    by = {}
-    for r in results:
-        by.setdefault((r["attack"], r["defence"]), []).append(r)
-    clean = statistics.fmean(r["acc"] for r in by[("none", "none")])
-    names = {"none": "no attack", "scale": f"scaled update (x{args.scale:g})", "sign_flip": "sign-flipped update",
-             "label_flip": "label flipping", "gaussian": "Gaussian update (same norm)"}
+def load(root: Path, seeds: tuple[int, ...]) -> dict[Cell, dict[int, dict[str, Any]]]:
+    """Cell -> seed -> the finished run's summary."""
+    out: dict[Cell, dict[int, dict[str, Any]]] = {}
+    for c in cells():
+        for k in seeds:
+            if finished(c.path(k, root)):
+                out.setdefault(c, {})[k] = json.loads((c.path(k, root) / "summary.json").read_text())
+    return out
+
+
+def status(root: Path, seeds: tuple[int, ...], jobs: int) -> str:
+    runs = load(root, seeds)
+    done = sum(len(v) for v in runs.values())
+    todo = len(missing(root, seeds))
+    seconds = [float(r["seconds"]) for v in runs.values() for r in v.values()]
+    per = statistics.fmean(seconds) if seconds else math.nan
+    eta = f"{todo * per / jobs / 60:.0f} min with {jobs} worker(s) at {per:.0f} s per run" if seconds else "unknown"
+    return f"{done} run(s) finished, {todo} missing of {done + todo}; estimated time left {eta}"
+
+
+# ------------------------------------------------------------------ the page
+
+
+def accuracy(run: dict[str, Any]) -> float:
+    return float(run["final_acc/global"])
+
+
+def estimate(values: list[float]) -> Any:
+    from fedhm_flwr.stats import mean_ci
+
+    return mean_ci(values, CONFIDENCE)
+
+
+def pm(est: Any, signed: bool = False) -> str:
+    """``mean ± half-width`` in percentage points (``mean (n=1)`` without an interval)."""
+    mean = f"{est.mean * 100:+.1f}" if signed else f"{est.mean * 100:.1f}"
+    return mean + (f" (n={est.n})" if est.n < 2 else f" ± {est.half_width * 100:.1f}")
+
+
+def paired_diff(runs: dict[int, dict[str, Any]], reference: dict[int, dict[str, Any]]) -> Any:
+    """The cell minus the reference, seed by seed (an Estimate), or None without a common seed."""
+    diffs = [accuracy(runs[k]) - accuracy(reference[k]) for k in sorted(runs) if k in reference]
+    return estimate(diffs) if diffs else None
+
+
+def cell_text(runs: dict[int, dict[str, Any]] | None, reference: dict[int, dict[str, Any]] | None) -> str:
+    if not runs:
+        return "–"
+    text = pm(estimate([accuracy(r) for r in runs.values()]))
+    diff = paired_diff(runs, reference) if reference and runs is not reference else None
+    if diff is not None and diff.n >= 2:
+        resolved = diff.low > 0 or diff.high < 0
+        text += f" ({pm(diff, signed=True)}{'*' if resolved else ''})"
+    return text
+
+
+def resolution(runs: dict[Cell, dict[int, dict[str, Any]]]) -> tuple[float, float, int] | None:
+    """(median, largest) half-width of the paired differences' intervals, in points, and how many."""
+    halves = []
+    for c, by_seed in runs.items():
+        ref = runs.get(Cell(c.method, "dp-off" if c.dp else "clean", "none"))
+        if ref is None or c.condition in ("clean", "dp-off") and c.defence == "none":
+            continue
+        diff = paired_diff(by_seed, ref)
+        if diff is not None and diff.n >= 2:
+            halves.append(diff.half_width * 100)
+    return (statistics.median(halves), max(halves), len(halves)) if halves else None
+
+
+def render(root: Path, seeds: tuple[int, ...], command: str = "python -m bench.robustness") -> str:
+    from fedhm_flwr.stats import t_quantile
+
+    runs = load(root, seeds)
+    flat = [r for v in runs.values() for r in v.values()]
+    expected = len(cells()) * len(seeds)
+    complete = all(len(runs.get(c, {})) == len(seeds) for c in cells())
+    commits = sorted({str(r.get("commit")) for r in flat})
+    machines = sorted({str(r.get("machine")) for r in flat})
+    hours = sum(float(r["seconds"]) for r in flat) / 3600
+    n = len(seeds)
     lines = [
-        "# FedHM with untrusted clients",
+        "# Untrusted clients: attacks, defences and client-level DP",
         "",
-        "Generated by `bench/robustness.py`; do not edit by hand.",
+        "Generated by `python -m bench.robustness` from the runs kept under `results/robustness/`; do not "
+        "edit by hand. The command runs the missing runs (resumable), then rebuilds this page.",
         "",
-        f"- command: `{command}`",
-        f"- commit: `{code}`, date: {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}, "
-        f"wall time {wall / 60:.1f} min ({args.jobs} worker processes, {os.cpu_count()} cores)",
-        f"- setting: the default FedHM job (Fashion-MNIST, CNN width 16, Dirichlet 0.5, levels "
-        f"[1, 1/2, 1/4, 1/8], softmax(γ/τ) weights) reduced to `{SETTING} rounds={args.rounds}`; "
-        f"seeds {args.seeds}",
-        f"- attacks: {ATTACK_FRACTION:.0%} of the clients (a seeded, fixed set) attack in every round they "
-        "are sampled (`failures.attack.fraction`); defences: `aggregation.robust` with its defaults "
-        "(clip: bound = median of the round's update norms; trimmed mean: 20 % cut at each end; "
-        "Krum: f = 1, one reply kept)",
+        f"- runs: {len(flat)} of {expected} ({len(cells())} cells × seeds {', '.join(map(str, seeds))})"
+        + ("" if complete else " — **the grid is not complete: empty cells are marked –, and cells with fewer "
+                               "seeds have wider or no intervals**"),
+        f"- code: commit(s) {', '.join(f'`{c}`' for c in commits) or '–'} (each run's commit is in its "
+        f"`summary.json`); page generated {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- machine: {'; '.join(machines) or '–'}; total wall time of the runs {hours:.2f} h (worker processes "
+        "of one thread each)",
+        f"- setting: `{COMMON} {ATTACK_SETTING}` over the default job, i.e. Fashion-MNIST (a seeded 6,000-example "
+        "training subset split over 20 clients by Dirichlet(0.5) over labels, a seeded 2,000-example test subset), "
+        "the CNN (width 16, about 99k parameters), levels γ = 1, 1/2, 1/4, 1/8 (a fixed level per client, equal "
+        "shares), 10 clients sampled per round, 1 local epoch, 20 rounds; the figure is the final global "
+        f"model's test accuracy. DP runs and their no-DP reference: `{DP_SETTING}` instead (500 clients of 20 "
+        "examples, Poisson-sampled with q = 0.2, 100 expected per round)",
+        "- methods: FedHM (softmax(γ/τ) weights) and HeteroFL (width slices), each on its own default options",
+        "- attacks: `failures.attack.kind` with `failures.attack.fraction` 10 % (2 of the 20 clients) and 30 % "
+        "(6 of 20), a seeded set fixed for the run that attacks whenever sampled; scale: ×100 "
+        "(`failures.attack.scale`)",
+        "- defences: `aggregation.robust` with its defaults (clip: bound = median of the round's update norms; "
+        "trimmed mean: 20 % cut at each end of an element's covering clients; Krum: f = 1, one reply kept, "
+        "FedHM only: HeteroFL's replies do not cover the whole model)",
+        f"- DP: `dp.enabled=true dp.clip={DP_CLIP:g}` (DP-FedAvg with the fixed denominator m = fraction_train × "
+        f"num_clients = {DP_EXPECTED}, noise std σ·C/m on every element, noise and sampling from OS entropy), ε at "
+        "δ = 1e-5 from the RDP accountant after the 20 rounds",
+        f"- statistics: mean over seeds ± the half-width of its {CONFIDENCE:.0%} Student-t interval "
+        f"(t with n − 1 degrees of freedom; with n = {n} seeds t = {t_quantile((1 + CONFIDENCE) / 2, max(1, n - 1)):.2f}); "
+        "in brackets the paired difference to the same method's clean run without defence (same seed: same "
+        "partitions, sampling and initial model) ± its own half-width, marked * where that interval excludes 0",
         "",
-        f"Final global test accuracy (%), mean over seeds ± half the range, and (in brackets) the "
-        f"difference to the clean run (no attack, no defence: {clean * 100:.1f} %).",
-        "",
-        "| attack (20 % of clients) | " + " | ".join(f"`{d}`" for d in DEFENCES) + " |",
-        "|---|" + "---|" * len(DEFENCES),
     ]
-    for attack in ATTACKS:
-        label = names[attack] if attack != "none" else "no attack (0 %)"
-        cells = [cell(by[(attack, d)], clean) if (attack, d) in by else "" for d in DEFENCES]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    scaled = {d: statistics.fmean(r["acc"] for r in by[("scale", d)]) for d in DEFENCES if ("scale", d) in by}
-    lines += ["", "Under the scaled attack at 20 %: " + ", ".join(
-        f"`{d}` {(acc - clean) * 100:+.1f} points" for d, acc in scaled.items()) + " against the clean run.", ""]
-    lines += ["Per run (seconds):", "", "| attack | defence | seed | accuracy | attackers sampled | seconds |",
-              "|---|---|---|---|---|---|"]
-    for r in sorted(results, key=lambda r: (ATTACKS.index(r["attack"]), DEFENCES.index(r["defence"]), r["seed"])):
-        lines.append(f"| {r['attack']} | {r['defence']} | {r['seed']} | {r['acc'] * 100:.2f} | {r['attackers']} | "
-                     f"{r['seconds']:.0f} |")
+    res = resolution(runs)
+    if res is not None:
+        med, worst, count = res
+        lines += [f"**What the intervals can resolve.** Over the {count} paired differences on this page the "
+                  f"{CONFIDENCE:.0%} interval's half-width has median {med:.1f} points (largest {worst:.1f}): a "
+                  f"difference to the clean run smaller than about {med:.1f} points is not resolved at "
+                  f"{n} seeds, and a cell without * cannot be told apart from the clean run. Differences "
+                  "between two defences in the same row are not tested here (their intervals overlap unless "
+                  "both are far apart); the accuracies' own intervals include the seed-to-seed spread of the "
+                  "partitions and initial model, which the paired differences remove.", ""]
+    for method, defences in DEFENCES.items():
+        ref = runs.get(Cell(method, "clean", "none"))
+        for fraction in FRACTIONS:
+            lines += [f"## {LABELS[method]}, {fraction:.0%} of the clients malicious", "",
+                      "Final global test accuracy (%) ± 95 % half-width (difference to the clean run without "
+                      "defence, points).", "",
+                      "| attack | " + " | ".join(f"`{d}`" for d in defences) + " |",
+                      "|---|" + "---|" * len(defences)]
+            for attack in ("clean", *ATTACKS):
+                cond = "clean" if attack == "clean" else condition(attack, fraction)
+                texts = [cell_text(runs.get(Cell(method, cond, d)), ref) for d in defences]
+                lines.append(f"| {ATTACK_NAMES[attack]} | " + " | ".join(texts) + " |")
+            lines.append("")
+    lines += ["## Client-level DP (FedHM)", "",
+              "Final global test accuracy against the privacy spent. ε is the accountant's after the run's "
+              "20 rounds (δ = 1e-5, q = 0.2); the guarantee covers the released global models only (the "
+              "per-round metrics are not private: README, \"Untrusted clients\"). The difference is paired "
+              "by seed against the same federation without DP.", "",
+              "| σ | noise std per element | ε (δ = 1e-5) | accuracy (%) | difference to no DP (points) |",
+              "|---|---|---|---|---|"]
+    ref = runs.get(Cell("fedhm", "dp-off", "none"))
+    if ref:
+        lines.append(f"| no DP | 0 | ∞ | {pm(estimate([accuracy(r) for r in ref.values()]))} | – |")
+    for sigma in SIGMAS:
+        by_seed = runs.get(Cell("fedhm", f"dp-sigma{sigma:g}", "none"))
+        if not by_seed:
+            lines.append(f"| {sigma:g} | – | – | – | – |")
+            continue
+        eps = sorted({round(float(r["dp_epsilon"]), 2) for r in by_seed.values()})
+        std = sigma * DP_CLIP / DP_EXPECTED
+        diff = paired_diff(by_seed, ref) if ref else None
+        dtext = "–" if diff is None else pm(diff, signed=True) + ("*" if diff.n >= 2 and (diff.low > 0 or diff.high < 0) else "")
+        lines.append(f"| {sigma:g} | {std:g} | {', '.join(f'{e:g}' for e in eps)} | "
+                     f"{pm(estimate([accuracy(r) for r in by_seed.values()]))} | {dtext} |")
+    lines += ["", "## Every run", "",
+              "| method | condition | defence | seed | accuracy (%) | attackers sampled | rejected | ε | seconds | commit |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cells():
+        for k, r in sorted(runs.get(c, {}).items()):
+            eps = f"{float(r['dp_epsilon']):.2f}" if r.get("dp_epsilon") is not None else ""
+            lines.append(f"| {c.method} | {c.condition} | {c.defence} | {k} | {accuracy(r) * 100:.2f} | "
+                         f"{int(r.get('attackers_sampled', 0))} | {int(r.get('rejected', 0))} | {eps} | "
+                         f"{float(r['seconds']):.0f} | {r.get('commit')} |")
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--jobs", type=int, default=2, help="worker processes")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "ROBUSTNESS.md")
-    parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.robustness", description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=Path, default=RUNS, help="where finished runs are kept")
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes for the missing runs")
+    parser.add_argument("--limit", type=int, default=None, help="run at most this many of the missing runs")
+    parser.add_argument("--no-run", action="store_true", help="tabulate the finished runs only")
+    parser.add_argument("--no-dp", action="store_true", help="leave the DP cells out of the runs made now")
+    parser.add_argument("--status", action="store_true", help="say how many runs are done and missing, and stop")
+    parser.add_argument("--page", type=Path, default=PAGE)
     args = parser.parse_args(argv)
-    args.scale = 100.0  # conf/config.yaml's failures.attack.scale (the default the runs use)
-    jobs = [(a, d, s, args.rounds) for a in ATTACKS for d in DEFENCES for s in args.seeds]
-    code = commit()  # the code the runs use (read when they start)
-    t0 = time.perf_counter()
-    results = []
-    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for r in pool.map(one_run, jobs):
-            results.append(r)
-            print(f"{r['attack']:>10} {r['defence']:>12} seed {r['seed']}: {r['acc']:.4f} ({r['seconds']:.0f}s)",
-                  flush=True)
-    command = "python -m bench.robustness " + " ".join(argv if argv is not None else sys.argv[1:])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(results, args, command.strip(), time.perf_counter() - t0, code))
-    if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=1))
-    print(f"wrote {args.out}")
+    seeds = tuple(args.seeds)
+    if args.status:
+        print(status(args.runs, seeds, args.jobs))
+        return 0
+    if not args.no_run:
+        run_missing(args.runs, seeds, args.jobs, args.limit, dp=not args.no_dp)
+    from fedhm_flwr.results import atomic_write
+
+    atomic_write(args.page, render(args.runs, seeds))
+    print(f"bench.robustness: wrote {args.page}; {status(args.runs, seeds, args.jobs)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -570,6 +570,11 @@ def _validate_untrusted(cfg: DictConfig) -> None:
     _int_at_least(cfg, "aggregation.krum_f", 0)
     _int_at_least(cfg, "aggregation.krum_m", 1)
     _num_in(cfg, "aggregation.outlier_z", 0.0, math.inf, high_open=True)
+    if OmegaConf.select(cfg, "aggregation.max_norm") is not None:  # configs saved before the key: 1e6
+        _num_in(cfg, "aggregation.max_norm", 0.0, 1e15, low_open=True)  # bound² stays far below float32's max
+    dp_seed = OmegaConf.select(cfg, "dp.seed")
+    _require(dp_seed is None or (isinstance(dp_seed, int) and not isinstance(dp_seed, bool) and dp_seed >= 0),
+             "dp.seed", dp_seed, "null (OS entropy: the private setting) or an integer >= 0 (reproducible, not private)")
     enabled = OmegaConf.select(cfg, "dp.enabled")
     _require(isinstance(enabled, bool), "dp.enabled", enabled, "true or false")
     _num_in(cfg, "dp.clip", 0.0, math.inf, low_open=True, high_open=True)

@@ -18,7 +18,14 @@ holds. Classifier rows of classes a client does not hold are marked uncovered by
   coordinate-wise ``median`` or the ``trimmed_mean`` (``floor(f·c)`` values cut at each end of an
   element's ``c`` covering clients); elements nobody covers keep the previous value;
 * :func:`krum_scores`, :func:`krum_select`: Krum / Multi-Krum (Blanchard et al. 2017) on
-  flattened models that all cover the whole model.
+  flattened models that all cover the whole model;
+* :func:`oversized`, :func:`finite_updates`: the screening every reply passes before any defence
+  (a tensor whose L2 norm exceeds a bound, or a recovered update that is not finite, is refused).
+
+Hostile numbers: a NaN/inf value is never covered (:func:`combine`), a non-finite norm clips its
+update to zero (:func:`clip_scales`) and is left out of the adaptive bound
+(:func:`quantile_bound`), a vector that is not finite or whose squared distances overflow gets an
+infinite Krum score and is never selected (:func:`krum_select`).
 
 Flower's ``fedmedian`` / ``fedtrimmedavg`` / ``krum`` assume every reply holds every element;
 the coverage masks are what is added here (with full coverage the results agree with Flower's
@@ -27,6 +34,7 @@ helpers, see ``tests/test_robust.py``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -79,18 +87,24 @@ def update_norms(updates: Sequence[Mapping[str, Tensor]], coverages: Sequence[Co
 
 
 def clip_scales(norms: Sequence[float] | np.ndarray, bound: float) -> np.ndarray:
-    """``min(1, bound / ‖Δ‖)`` per update (an update of norm 0 keeps scale 1)."""
-    if not bound > 0:
-        raise ValueError(f"clipping bound must be > 0, got {bound!r}")
+    """``min(1, bound / ‖Δ‖)`` per update (an update of norm 0 keeps scale 1; a NaN or infinite
+    norm gets scale 0: nothing of that update is kept)."""
+    if not bound > 0 or not math.isfinite(bound):
+        raise ValueError(f"clipping bound must be finite and > 0, got {bound!r}")
     n = np.asarray(norms, dtype=np.float64)
-    return np.where(n > bound, bound / np.maximum(n, 1e-300), 1.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        scales = np.where(n > bound, bound / np.maximum(n, 1e-300), 1.0)
+    return np.where(np.isfinite(n), scales, 0.0)
 
 
 def quantile_bound(norms: Sequence[float] | np.ndarray, quantile: float) -> float:
-    """The adaptive bound: the ``quantile`` of the round's update norms (linear interpolation)."""
+    """The adaptive bound: the ``quantile`` of the round's finite update norms (linear
+    interpolation; NaN when none is finite)."""
     if not 0.0 < quantile <= 1.0:
         raise ValueError(f"quantile must be in (0, 1], got {quantile!r}")
-    return float(np.quantile(np.asarray(norms, dtype=np.float64), quantile))
+    n = np.asarray(norms, dtype=np.float64)
+    n = n[np.isfinite(n)]
+    return float(np.quantile(n, quantile)) if n.size else math.nan
 
 
 def robust_z(norms: Sequence[float] | np.ndarray) -> np.ndarray:
@@ -148,7 +162,8 @@ def combine(previous: Mapping[str, Tensor], values: Sequence[Mapping[str, Tensor
 
     ``weights`` (one per client, default 1) weight the ``mean`` and are renormalised per element
     over its covering clients; ``median`` and ``trimmed_mean`` are order statistics, unweighted.
-    Non-floating tensors and elements nobody covers keep ``previous``.
+    A NaN or infinite value does not cover its element. Non-floating tensors and elements nobody
+    covers keep ``previous``.
     """
     if rule not in RULES:
         raise ValueError(f"rule must be one of {list(RULES)}, got {rule!r}")
@@ -166,11 +181,13 @@ def combine(previous: Mapping[str, Tensor], values: Sequence[Mapping[str, Tensor
             out[key] = prev.clone()
             continue
         cover = torch.stack([covered(v, c, key, prev.shape) for v, c in zip(values, coverages)])
+        stacked = torch.stack([v[key].to(torch.float64) if key in v else torch.zeros(prev.shape, dtype=torch.float64)
+                               for v in values])
+        cover &= torch.isfinite(stacked)  # a NaN/inf value covers nothing
+        stacked = torch.where(cover, stacked, torch.zeros_like(stacked))  # (0 · inf would be NaN)
         if not bool(cover.any()):
             out[key] = prev.clone()
             continue
-        stacked = torch.stack([v[key].to(torch.float64) if key in v else torch.zeros(prev.shape, dtype=torch.float64)
-                               for v in values])
         out[key] = _combine_key(prev, stacked, cover, rule, w, trim)
     return out
 
@@ -185,22 +202,63 @@ def flatten(state: Mapping[str, Tensor], keys: Sequence[str]) -> Tensor:
 
 def krum_scores(vectors: Tensor, f: int) -> np.ndarray:
     """Krum's score of each of ``n`` vectors (rows): the sum of its squared distances to its
-    ``max(1, n - f - 2)`` nearest other vectors (the choice of Flower's ``multikrum``)."""
+    ``max(1, n - f - 2)`` nearest other vectors (the choice of Flower's ``multikrum``).
+
+    A vector that is not finite scores inf and is nobody's neighbour; a squared distance that
+    overflows float64 stays inf (so does the score of a vector it is among the nearest of). A
+    lone finite vector scores 0."""
     n = vectors.shape[0]
     if f < 0:
         raise ValueError(f"f must be >= 0, got {f!r}")
     x = vectors.to(torch.float64)
-    d = torch.cdist(x, x).pow(2)
-    closest = max(1, n - f - 2)
-    d.fill_diagonal_(float("inf"))
-    nearest = torch.sort(d, dim=1).values[:, :min(closest, max(1, n - 1))]
-    nearest = torch.where(torch.isinf(nearest), torch.zeros_like(nearest), nearest)
-    return nearest.sum(dim=1).numpy()
+    good = torch.isfinite(x).all(dim=1)
+    scores = np.full(n, np.inf)
+    idx = torch.nonzero(good).flatten()
+    if len(idx) == 0:
+        return scores
+    y = x[idx]
+    d = torch.cdist(y, y, compute_mode="donot_use_mm_for_euclid_dist").pow(2)  # no cancellation
+    d = torch.where(torch.isnan(d), torch.full_like(d, math.inf), d)
+    if len(idx) == 1:
+        scores[int(idx[0])] = 0.0
+        return scores
+    closest = min(max(1, n - f - 2), len(idx) - 1)
+    d.fill_diagonal_(math.inf)
+    nearest = torch.sort(d, dim=1).values[:, :closest]
+    scores[idx.numpy()] = nearest.sum(dim=1).numpy()
+    return scores
 
 
 def krum_select(vectors: Tensor, f: int, m: int = 1) -> list[int]:
-    """Indices of the ``m`` vectors with the lowest Krum scores (Krum: ``m = 1``), ties by index."""
+    """Indices of the ``m`` vectors with the lowest Krum scores (Krum: ``m = 1``), ties by index;
+    a vector of infinite score is never selected (fewer than ``m``, or none, may come back)."""
     if m < 1:
         raise ValueError(f"m must be >= 1, got {m!r}")
     scores = krum_scores(vectors, f)
-    return [int(i) for i in np.argsort(scores, kind="stable")[:m]]
+    return [int(i) for i in np.argsort(scores, kind="stable")[:m] if np.isfinite(scores[i])]
+
+
+# ----------------------------------------------------------------------------------- screening
+
+
+def oversized(state: Mapping[str, Tensor], bound: float) -> str | None:
+    """Why a reply's tensors are refused, or None: the first floating tensor that holds NaN/inf or
+    whose L2 norm (float64) exceeds ``bound``. With every factor's norm at most ``bound``, a
+    recovered product ``A·B`` has norm at most ``bound²`` (``‖AB‖_F <= ‖A‖_F ‖B‖_F``): a bound of
+    1e6 (at most 1e15, as the config allows) keeps every recovery and every average far from
+    float32's overflow (3.4e38)."""
+    for key, value in state.items():
+        if not value.is_floating_point():
+            continue
+        if not bool(torch.isfinite(value).all()):
+            return f"{key} holds NaN or Inf"
+        norm = float(torch.linalg.vector_norm(value.to(torch.float64)))
+        if not norm <= bound:
+            return f"{key} has L2 norm {norm:.3g}, above the bound {bound:g} (aggregation.max_norm)"
+    return None
+
+
+def finite_updates(updates: Sequence[Mapping[str, Tensor]]) -> np.ndarray:
+    """Which updates hold only finite values (a recovery that overflowed does not)."""
+    return np.asarray([all(bool(torch.isfinite(v).all()) for v in u.values() if v.is_floating_point())
+                       for u in updates], dtype=bool)

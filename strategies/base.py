@@ -340,7 +340,7 @@ class HeteroStrategy(Strategy):
             log(WARNING, "round %d: node %s sent no reply (timeout)", server_round, self.node_label(node_id))
         self.round_log.assignments = {self.node_label(r.node_id): r.level for r in valid}  # those that trained
         metrics = self._train_metrics(valid)
-        if not valid:
+        if not valid and not self.untrusted.merges_empty:  # DP: a round without replies still adds noise
             log(WARNING, "round %d: no valid reply; the global model stays as it was", server_round)
             self.round_log.server_seconds += time.perf_counter() - t0
             return None, MetricRecord(metrics)
@@ -537,8 +537,9 @@ class HeteroStrategy(Strategy):
         for key, tensor in state.items():
             if tuple(tensor.shape) != payload.shapes[key]:
                 return None, f"{key} has shape {tuple(tensor.shape)}, level {self.levels[index]:g} needs {payload.shapes[key]}"
-            if not torch.isfinite(tensor).all():
-                return None, f"{key} holds NaN or Inf"
+        too_big = self.untrusted.screen(state)  # NaN/inf, or a tensor above aggregation.max_norm
+        if too_big:
+            return None, too_big
         metrics = content[METRICS]
         n = metrics.get(wire.NUM_EXAMPLES)
         if not isinstance(n, (int, float)) or isinstance(n, bool) or not n > 0:

@@ -46,6 +46,7 @@ from omegaconf import DictConfig
 from fedhm_flwr import levels as lv
 from fedhm_flwr import protocol
 from fedhm_flwr.config import data_spec, level_proportions
+from fedhm_flwr.privacy import poisson_sample, secret_uniform
 from fedhm_flwr.protocol import NODE_UNAVAILABLE, error_reason
 
 
@@ -158,6 +159,7 @@ class NodeRegistry:
         self._ahead_bytes, self._ahead_seconds = 0, 0.0
         self._waited_for: int | None = None  # the round the start-up waited for nodes for
         self.data_spec = json.dumps(data_spec(cfg))  # each node reports its example count for it
+        self._draws: dict[int, dict[int, float]] = {}  # DP: round -> key -> its secret uniform draw
 
     # ------------------------------------------------------------------ discovery
 
@@ -445,9 +447,23 @@ class NodeRegistry:
         queried (``availability.query = sampled``) takes part by a hash of its node id)."""
         keys = {self.key(n): n for n in self.nodes}
         keys.update({hashed_key(f"node:{n}"): n for n in self.unknown})
+        if self.cfg.dp.enabled:  # the accountant's Poisson sampling, from a stream no client knows
+            return [keys[k] for k in self._poisson(server_round, list(keys))]
         rng = lv.round_rng(int(self.cfg.seed), server_round, stream=0)
         picked = lv.sample_clients(list(keys), float(self.cfg.fraction_train), int(self.cfg.min_train_nodes), rng)
         return [keys[k] for k in picked]
+
+    def _poisson(self, server_round: int, keys: list[int]) -> list[int]:
+        """DP runs: each key in with probability ``fraction_train`` (no minimum), drawn once per
+        round and key (:func:`fedhm_flwr.privacy.secret_uniform`; kept, so that the prefetch and
+        the round see the same draw)."""
+        seed = self.cfg.dp.get("seed")
+        for old in [r for r in self._draws if r < server_round - 1]:
+            del self._draws[old]
+        mine = self._draws.setdefault(server_round, {})
+        uniform = secret_uniform(None if seed is None else int(seed), server_round)
+        return poisson_sample(keys, float(self.cfg.fraction_train),
+                              lambda k: mine[k] if k in mine else mine.setdefault(k, uniform(k)))
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps: the level each identity had."""

@@ -6,6 +6,12 @@ through :meth:`Untrusted.merge`, which falls back to the method's own merge when
 configured. The math is in :mod:`fedhm_flwr.robust` (defences), :mod:`fedhm_flwr.attacks` (what
 a malicious client does) and :mod:`fedhm_flwr.privacy` (the accountant).
 
+Every reply first passes :meth:`Untrusted.screen` (in the reply checks of ``aggregate_train``): a
+floating tensor holding NaN/inf, or of L2 norm above ``aggregation.max_norm`` (1e6), is refused
+like any malformed reply (counted in ``rejected``, reason in ``failure_reasons``); with factors
+that small a recovered product cannot overflow. A recovered update that is still not finite is
+refused the same way in :meth:`Untrusted.merge`, before any defence runs.
+
 Defences work on each reply's *recovered* full-shape model ``v_p`` and coverage
 (:meth:`HeteroStrategy.recovered`) and its update ``Δ_p = v_p - r_p`` against the model the node
 received, recovered the same way (``r_p``; for FedHM the truncation of the global model at the
@@ -20,12 +26,17 @@ node's rank, so the truncation error is not counted as the client's update):
   clients (:meth:`HeteroStrategy.reply_weights`, classifier rows over the clients holding the class);
 * ``median`` / ``trimmed_mean``: coordinate-wise, over the clients covering each element.
 
-``dp.enabled`` (DP-FedAvg, client level): every update clipped to ``dp.clip``, the weighted mean
-of the clipped models plus Gaussian noise of standard deviation ``σ · C · max_p w_p`` on every
-element (the sensitivity of the weighted sum to one client); ε at ``dp.delta`` from
-:mod:`fedhm_flwr.privacy`, with ``q`` = nodes sampled / nodes connected. Trust model: the server
-still sees every client's individual update (central DP, not local DP); the guarantee covers
-what leaves the server (the global models).
+``dp.enabled`` (DP-FedAvg, client level; the math in :mod:`fedhm_flwr.privacy`): the nodes are
+Poisson-sampled with ``q = fraction_train`` from a stream no client knows
+(:meth:`strategies.nodes.NodeRegistry.sample`); each reply's whole recovered model minus the
+global model (not minus its own truncation) is clipped to ``dp.clip`` ``C``, summed, divided by
+the expected number of sampled clients ``m = fraction_train × num_clients`` (fixed in advance: no
+level or example-count weight), and Gaussian noise of standard deviation ``σ · C / m`` is added to
+every element, drawn from OS entropy (``dp.seed`` set: reproducible and not private). A round
+without any reply still adds its noise. ε at ``dp.delta`` from the RDP accountant. Trust model:
+the server still sees every client's individual update (central DP, not local DP); the guarantee
+covers the global models only, not the per-round metrics (``update_norm_max``, the clients'
+training figures, ``dp_clipped``, failure reasons), which are computed from individual replies.
 """
 
 from __future__ import annotations
@@ -41,15 +52,17 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
+from fedhm_flwr import privacy, robust
 from fedhm_flwr import protocol as wire
-from fedhm_flwr import robust
 from fedhm_flwr.privacy import RdpAccountant
 
 if TYPE_CHECKING:
     from .base import HeteroStrategy, Reply, State
 
-#: random-stream ids (levels.round_rng uses 0-3 elsewhere)
-ATTACK_STREAM, NOISE_STREAM = 4451, 5
+#: random-stream id of the attackers' draw (levels.round_rng uses 0-3 elsewhere)
+ATTACK_STREAM = 4451
+#: aggregation.max_norm of a config saved before the key existed
+MAX_NORM = 1.0e6
 
 
 @lru_cache(maxsize=64)
@@ -83,6 +96,20 @@ class Untrusted:
     @property
     def active(self) -> bool:
         return self.agg.robust != "none" or float(self.agg.outlier_z) > 0 or bool(self.dp.enabled)
+
+    @property
+    def merges_empty(self) -> bool:
+        """DP merges a round without replies too (its noise does not depend on who replied)."""
+        return bool(self.dp.enabled)
+
+    def screen(self, state: State) -> str | None:
+        """Why a reply's tensors are refused before any merge, or None (:func:`robust.oversized`)."""
+        return robust.oversized(state, float(self.agg.get("max_norm", MAX_NORM)))
+
+    @property
+    def expected_clients(self) -> float:
+        """DP's fixed denominator ``m``: the expected number of Poisson-sampled clients."""
+        return float(self.strategy.cfg.fraction_train) * int(self.strategy.cfg.num_clients)
 
     # ------------------------------------------------------------------ attacks
 
@@ -132,11 +159,22 @@ class Untrusted:
         recovered = [s.recovered(r) for r in replies]
         values = [v for v, _ in recovered]
         coverages = [c for _, c in recovered]
-        refs = [self.reference(r) for r in replies]
+        refs = [global_state] * len(replies) if self.dp.enabled else [self.reference(r) for r in replies]
         updates = [{k: v[k].to(torch.float64) - ref[k].to(torch.float64) for k in v if v[k].is_floating_point()}
                    for v, ref in zip(values, refs)]
+        finite = robust.finite_updates(updates)
+        if not finite.all():  # refused like a malformed reply, before any defence
+            for r in (r for r, ok in zip(replies, finite) if not ok):
+                s.round_log.rejected.append((r.node_id, "recovered update holds NaN or Inf"))
+            replies, values, coverages, refs, updates = ([x for x, k in zip(seq, finite) if k] for seq in
+                                                         (replies, values, coverages, refs, updates))
         norms = robust.update_norms(updates, coverages)
-        self.columns["update_norm_max"] = float(norms.max())
+        if len(norms):
+            self.columns["update_norm_max"] = float(norms.max())  # not private (see the module docstring)
+        if self.dp.enabled:
+            return self._dp_merge(server_round, global_state, values)
+        if not replies:
+            return global_state
         if float(self.agg.outlier_z) > 0:
             keep = robust.outlier_keep(norms, float(self.agg.outlier_z))
             dropped = [s.node_label(r.node_id) for r, k in zip(replies, keep) if not k]
@@ -144,8 +182,6 @@ class Untrusted:
             replies, values, coverages, refs, updates = ([x for x, k in zip(seq, keep) if k] for seq in
                                                          (replies, values, coverages, refs, updates))
             norms = norms[keep]
-        if self.dp.enabled:
-            return self._dp_merge(server_round, global_state, replies, values, coverages, refs, updates, norms)
         mode = str(self.agg.robust)
         if mode == "none":
             return s.merge(server_round, global_state, replies)
@@ -154,7 +190,7 @@ class Untrusted:
             vectors = torch.stack([robust.flatten(v, keys) for v in values])
             picked = robust.krum_select(vectors, int(self.agg.krum_f), min(int(self.agg.krum_m), len(replies)))
             self.columns["krum_selected"] = json.dumps([s.node_label(replies[i].node_id) for i in picked])
-            return s.merge(server_round, global_state, [replies[i] for i in picked])
+            return s.merge(server_round, global_state, [replies[i] for i in picked]) if picked else global_state
         if mode == "clip":
             bound = float(self.agg.clip_norm) or robust.quantile_bound(norms, float(self.agg.clip_quantile))
             scales = robust.clip_scales(norms, max(bound, 1e-12))
@@ -166,29 +202,21 @@ class Untrusted:
         weights = s.reply_weights(replies) if rule == "mean" else None
         return robust.combine(global_state, values, masks, rule, weights, float(self.agg.trim_fraction))
 
-    def _dp_merge(self, server_round: int, global_state: State, replies: list[Reply], values: list[State],
-                  coverages: list, refs: list[State], updates: list[State], norms: np.ndarray) -> State:
-        """DP-FedAvg: clip to C, weighted mean, Gaussian noise σ·C·max w on every element."""
-        s = self.strategy
-        clip, sigma = float(self.dp.clip), float(self.dp.noise_multiplier)
-        scales = robust.clip_scales(norms, clip)
-        values = [_shifted(v, ref, u, a) for v, ref, u, a in zip(values, refs, updates, scales)]
-        w = np.asarray(s.reply_weights(replies), dtype=np.float64)
-        w = w / w.sum()
-        new = robust.combine(global_state, values, coverages, "mean", w)
-        std = sigma * clip * float(w.max())
-        words = np.random.SeedSequence([int(s.cfg.seed), int(server_round), NOISE_STREAM]).generate_state(2)
-        generator = torch.Generator().manual_seed(int(words[0]) << 31 | int(words[1]) >> 1)
-        for key, value in new.items():
-            if value.is_floating_point():
-                noise = torch.randn(value.shape, generator=generator, dtype=torch.float64) * std
-                new[key] = (value.to(torch.float64) + noise).to(value.dtype)
+    def _dp_merge(self, server_round: int, global_state: State, values: list[State]) -> State:
+        """DP-FedAvg (:func:`privacy.dp_mean`): whole recovered models minus the global, clipped to
+        C, summed over ``m`` (fixed), plus Gaussian noise σ·C/m from a secret stream."""
+        clip, sigma, m = float(self.dp.clip), float(self.dp.noise_multiplier), self.expected_clients
+        new, scales = privacy.dp_mean(global_state, values, clip, m)
+        std = privacy.noise_std(sigma, clip, m)
+        seed = self.dp.get("seed")
+        new = privacy.add_noise(new, std, privacy.noise_generator(None if seed is None else int(seed), server_round))
         self._replay(server_round)
-        q = min(1.0, len(s.sent) / max(1, len(s.nodes)))
+        q = float(self.strategy.cfg.fraction_train)
         assert self.accountant is not None
         self.accountant.step(q, sigma)
         self.columns.update({"dp_clipped": int((scales < 1).sum()), "dp_noise_std": std, "dp_q": q,
-                             "dp_sigma": sigma, "dp_epsilon": self.accountant.epsilon(float(self.dp.delta))})
+                             "dp_sigma": sigma, "dp_expected_clients": m,
+                             "dp_epsilon": self.accountant.epsilon(float(self.dp.delta))})
         return new
 
     def _replay(self, server_round: int) -> None:
@@ -217,11 +245,13 @@ class Untrusted:
 
 
 def _shifted(value: State, reference: State, update: State, scale: float) -> State:
-    """``reference + scale · update`` on the update's keys (the others as in ``value``)."""
+    """``reference + scale · update`` on the update's keys (the others as in ``value``); scale 0
+    gives the reference itself (never ``0 · inf``)."""
     if scale >= 1.0:
         return value
     out = dict(value)
     for key, delta in update.items():
-        out[key] = (reference[key].to(torch.float64) + float(scale) * delta).to(value[key].dtype)
+        moved = reference[key].to(torch.float64) + (float(scale) * delta if scale > 0 else 0.0)
+        out[key] = moved.to(value[key].dtype)
     return out
 

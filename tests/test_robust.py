@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -13,7 +14,6 @@ from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 from flwr.serverapp.strategy.multikrum import select_multikrum
 
 from fedhm_flwr import privacy, robust
-from fedhm_flwr.aggregation import level_weights
 from fedhm_flwr.config import ConfigError, load_config, model_spec, robust_modes
 from fedhm_flwr.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.server_app import initial_state, run
@@ -261,24 +261,20 @@ def test_every_method_runs_a_round_with_each_defence_it_accepts(method):
         assert method in ("prism", "heterotune")
 
 
-def test_dp_clips_adds_calibrated_noise_and_reports_epsilon(tmp_path):
-    base = f"{TOY} fraction_train=0.5 dp.enabled=true dp.clip=0.5"
+def test_dp_adds_calibrated_noise_to_the_clipped_mean_and_reports_epsilon(tmp_path):
+    base = f"{TOY} fraction_train=0.9 dp.enabled=true dp.clip=0.5 dp.seed=3"  # the same sample twice
     cfg = load_config(f"{base} dp.noise_multiplier=1.0")
-    strategy, state, grid, _, replies = _trained_round(cfg)
+    strategy, state, grid, messages, replies = _trained_round(cfg)
+    assert messages  # Poisson sampling, q = 0.9 over 6 nodes
     noisy_strategy, noisy = _aggregate(cfg, state, grid, replies)
-    _, quiet = _aggregate(load_config(f"{base} dp.noise_multiplier=1e-9"), state, grid, replies)
-    _, clipped = _aggregate(load_config(f"{TOY} fraction_train=0.5 aggregation.robust=clip aggregation.clip_norm=0.5"),
-                            state, grid, replies)
-    body = [k for k in state if not k.startswith("fc.")]  # DP averages classifier rows like the rest
-    for k in body:  # without noise, DP is the clipped weighted mean
-        torch.testing.assert_close(quiet[k], clipped[k], rtol=1e-5, atol=1e-6)
-    noise = torch.cat([(noisy[k].double() - quiet[k].double()).flatten() for k in state])
+    valid = [noisy_strategy._validate(m.metadata.src_node_id, m)[0] for m in replies]
+    mean, scales = privacy.dp_mean(state, [noisy_strategy.recovered(r)[0] for r in valid], 0.5, 0.9 * 6)
+    noise = torch.cat([(noisy[k].double() - mean[k].double()).flatten() for k in state if state[k].is_floating_point()])
     columns = noisy_strategy.untrusted.columns
+    assert columns["dp_noise_std"] == pytest.approx(1.0 * 0.5 / (0.9 * 6))  # sigma C / m, m = q x clients
     assert float(noise.std()) == pytest.approx(columns["dp_noise_std"], rel=0.05)
-    levels = [noisy_strategy.levels[noisy_strategy.sent[m.metadata.src_node_id][0]] for m in replies]
-    assert columns["dp_noise_std"] == pytest.approx(1.0 * 0.5 * max(level_weights(levels, 1.0)))  # sigma C max w
-    assert columns["dp_q"] == 0.5
-    assert columns["dp_epsilon"] == pytest.approx(privacy.epsilon_from_rdp(privacy.compute_rdp(0.5, 1.0, 1), 1e-5)[0])
+    assert columns["dp_clipped"] == int((scales < 1).sum()) and columns["dp_q"] == 0.9
+    assert columns["dp_epsilon"] == pytest.approx(privacy.epsilon_from_rdp(privacy.compute_rdp(0.9, 1.0, 1), 1e-5)[0])
     summary = run(LocalGrid(6, client_handlers()), load_config(f"{base} rounds=2"), tmp_path / "run")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert 0 < rows[0]["dp_epsilon"] < rows[1]["dp_epsilon"] == summary["dp_epsilon"]
@@ -299,3 +295,73 @@ def test_bad_untrusted_settings_are_refused_naming_the_field(override, field):
     with pytest.raises(ConfigError) as err:
         load_config(f"{TOY} {override}")
     assert err.value.field == field
+
+
+# ------------------------------------------------------------------------------------ hostile numbers
+
+
+def test_defences_never_select_or_produce_inf_nan_or_huge_values():
+    honest = [_t(1.0, 2.0), _t(1.1, 2.1), _t(0.9, 1.9), _t(1.05, 2.05), _t(0.95, 1.95)]
+    hostile = [_t(math.inf, -math.inf), _t(math.nan, math.nan), _t(1e20, -1e20), _t(1e200, 1e200)]
+    rows = torch.stack(honest + hostile)
+    scores = robust.krum_scores(rows, f=4)
+    assert np.isinf(scores[[5, 6, 8]]).all() and np.isfinite(scores[:5]).all()
+    picked = robust.krum_select(rows, f=4, m=9)
+    assert set(picked) == {0, 1, 2, 3, 4, 7}  # never inf, NaN or the overflowing 1e200 (1e20 only when m asks for it)
+    assert robust.krum_select(rows, f=4, m=5) == sorted(range(5), key=lambda i: (scores[i], i))
+    assert robust.krum_select(torch.stack(hostile[:2]), f=0) == []
+    prev = {"w": _t(0.0, 0.0)}
+    values = [{"w": v} for v in honest + hostile]
+    for rule, kwargs in (("median", {}), ("trimmed_mean", {"trim": 0.3}), ("mean", {"weights": [1] * 7})):
+        out = robust.combine(prev, values[:5] + values[5:7], [None] * 7, rule, **kwargs)["w"]
+        assert torch.isfinite(out).all()  # inf and NaN cover nothing
+        if rule != "mean":
+            out = robust.combine(prev, values, [None] * 9, rule, **kwargs)["w"]
+            assert 0.9 <= float(out[0]) <= 1.1 and 1.9 <= float(out[1]) <= 2.1  # 1e20, 1e200 cut away
+    norms = robust.update_norms([{"w": v} for v in honest[:1] + hostile], [None] * 5)
+    scales = robust.clip_scales(norms, 1.0)
+    assert scales[1] == 0 and scales[2] == 0 and scales[4] == 0 and 0 < scales[3] < 1e-19
+    assert np.isfinite(robust.quantile_bound(norms, 0.5))  # the adaptive bound ignores inf/NaN
+    assert robust.oversized({"w": _t(1e20, 0)}, 1e6).startswith("w has L2 norm")
+    assert robust.oversized({"w": _t(math.inf, 0)}, 1e6) == "w holds NaN or Inf"
+    assert robust.oversized({"w": _t(3, 4), "n": torch.tensor([10**9])}, 5.0) is None
+
+
+def _huge_factors(reply, factor):
+    """The reply with every factor (``.a.weight``/``.b.weight``) multiplied by ``factor``."""
+    state = reply.content["arrays"].to_torch_state_dict()
+    state = {k: v * factor if k.endswith((".a.weight", ".b.weight")) else v for k, v in state.items()}
+    reply.content = RecordDict({"arrays": ArrayRecord.from_torch_state_dict(state), "metrics": reply.content["metrics"]})
+    return reply
+
+
+@pytest.fixture(scope="module")
+def huge_round():
+    """The toy FedHM round with one low-rank reply's factors x1e20 (finite in float32; their product
+    is not)."""
+    cfg = load_config(TOY)
+    strategy, state, grid, _, replies = _trained_round(cfg)
+    low = next(r for r in replies if any(k.endswith(".b.weight") for k in r.content["arrays"].keys()))
+    _huge_factors(low, 1e20)
+    return state, grid, replies, low.metadata.src_node_id
+
+
+@pytest.mark.parametrize("mode", ["none", "clip", "median", "trimmed_mean", "krum", "dp"])
+def test_a_reply_of_huge_factors_is_rejected_and_counted_and_every_defence_stays_finite(huge_round, mode):
+    state, grid, replies, bad = huge_round
+    cfg = load_config(f"{TOY} " + ("dp.enabled=true" if mode == "dp" else f"aggregation.robust={mode}"))
+    strategy, new = _aggregate(cfg, state, grid, replies)
+    assert [n for n, _ in strategy.round_log.rejected] == [bad]
+    assert "above the bound 1e+06 (aggregation.max_norm)" in strategy.round_log.rejected[0][1]
+    assert strategy._round_row(1, None)["rejected"] == 1
+    assert all(torch.isfinite(new[k]).all() for k in new if new[k].is_floating_point())
+    if mode == "none":
+        return
+    # past the screen (a method whose recovery could overflow): the merge refuses the update itself
+    valid = [strategy._validate(m.metadata.src_node_id, m)[0] for m in replies if m.metadata.src_node_id != bad]
+    broken = dataclasses.replace(valid[0], state={k: v.clone() for k, v in valid[0].state.items()})
+    next(v for v in broken.state.values() if v.is_floating_point()).view(-1)[0] = math.inf
+    strategy.round_log.rejected.clear()
+    new = strategy.untrusted.merge(1, state, valid[1:] + [broken])
+    assert strategy.round_log.rejected == [(broken.node_id, "recovered update holds NaN or Inf")]
+    assert all(torch.isfinite(new[k]).all() for k in new if new[k].is_floating_point())
