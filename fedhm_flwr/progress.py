@@ -68,6 +68,19 @@ def progress_text(rows: list[Mapping[str, Any]], total: int, elapsed: float, don
     return " | ".join(parts)
 
 
+def first_failure(rows: list[Mapping[str, Any]]) -> str | None:
+    """``round N: first client failure: <node>: <reason>`` from the rows' ``failure_reasons``
+    (the strategy's per-round list of [node, reason]), None when no row has one."""
+    for row in rows:
+        if row.get("failure_reasons"):
+            try:
+                node, why = json.loads(row["failure_reasons"])[0]
+            except (ValueError, TypeError, IndexError):
+                continue
+            return f"round {row['round']}: first client failure: {node}: {' '.join(str(why).split())[:400]}"
+    return None
+
+
 class Follower:
     """Follows a run directory's ``metrics.jsonl`` and writes the progress to ``stream``."""
 
@@ -81,6 +94,7 @@ class Follower:
         self.seen = len(read_rows(self.path))  # a resumed run's earlier rounds are not this session's
         self.first = self.seen
         self.first_done_at: float | None = None  # when this session's first round was seen
+        self.failure_told = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -92,6 +106,10 @@ class Follower:
         if self.first_done_at is None and len(rows) > self.first:
             self.first_done_at = now
         since = None if self.first_done_at is None else now - self.first_done_at
+        failure = None if self.failure_told else first_failure(rows[self.first:])
+        if failure is not None:  # once, on a line of its own: the first client error of this session
+            self.failure_told = True
+            self.stream.write(("\r" if self.tty else "") + f"{self.label}{failure}" + ("\x1b[K\n" if self.tty else "\n"))
         if self.tty:
             self.stream.write("\r" + progress_text(rows, self.total, elapsed, len(rows) - self.first, self.label, since)
                               + "\x1b[K")
@@ -121,11 +139,14 @@ class Follower:
 
 
 def run_with_progress(overrides: list[str], run_dir: Path | None = None, resume: Path | None = None,
-                      label: str = "", stream: TextIO | None = None) -> dict[str, Any]:
-    """One job through the launcher (``run_job(..., quiet=True)``) with a progress line; its summary."""
+                      label: str = "", stream: TextIO | None = None, commands: Any = None) -> dict[str, Any]:
+    """One job through the launcher (``run_job(..., quiet=True)``) with a progress line; its summary.
+    ``commands``: the terms of the resume command its RunInterrupted / RunFailed carry."""
     from fedhm_flwr.config import load_config, resume_config
-    from fedhm_flwr.launch import default_run_dir, run_job
+    from fedhm_flwr.launch import default_run_dir, require_checkpoint, run_job
 
+    if resume is not None:
+        require_checkpoint(resume.resolve())  # refused before anything else
     cfg = resume_config(resume, overrides) if resume is not None else load_config(overrides)
     if resume is not None:
         run_dir = resume
@@ -134,4 +155,4 @@ def run_with_progress(overrides: list[str], run_dir: Path | None = None, resume:
     out.write(f"{label}{cfg.method.name} on {cfg.model.arch}/{cfg.dataset.name}, {cfg.rounds} rounds; "
               f"outputs in {run_dir} (Flower's log: flwr_run.log)\n")
     with Follower(run_dir, int(cfg.rounds), out, label=label):
-        return run_job(overrides, run_dir=run_dir, resume=resume, quiet=True)
+        return run_job(overrides, run_dir=run_dir, resume=resume, quiet=True, commands=commands)
