@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,6 +175,8 @@ APP_RAISED = re.compile(r"\b(ServerApp|Simulation) raised an exception")
 NODE_ERROR = re.compile(r"(round \d+: node \S+ failed: .+|node \S+ cannot take part: .+)$")
 #: the line of a Python traceback that names the exception: ``ValueError: ...``, ``flwr.x.Error: ...``
 EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit|Interrupt|Failure)\b(?::.*)?$")
+#: a node's error reason that only wraps the client's exception (the simulation's Ray actor error)
+WRAPPED = re.compile(r"<class '[\w.]+\.\w+(?:\([\w.]+\))?'>:?")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -184,21 +186,41 @@ class ErrorScan:
     error of a node (the strategy's "node ... failed: <reason>" / "cannot take part" warnings:
     the client's exception, e.g. an unreadable image with its path). One line each."""
 
-    def __init__(self) -> None:
+    def __init__(self, say: Callable[[str], None] | None = None) -> None:
         self.server: str | None = None
         self.client: str | None = None
+        self.say = say  # told each first error at once (the console of a quiet run), one line
         self._in_traceback = False
+        self._client_head: str | None = None
+        self._client_lines = 0
+
+    def _tell_client(self, text: str) -> None:
+        self.client = " ".join(text.split())[:600]
+        self._client_head = None
+        if self.say is not None:
+            self.say(f"first client error: {self.client}")
 
     def feed(self, line: str) -> None:
         text = ANSI.sub("", line).rstrip()
-        if self.client is None and (match := NODE_ERROR.search(text)):
-            self.client = match.group(1)[:600]
+        if self.client is None:
+            if self._client_head is not None:  # the reason was a wrapper: the client's own exception follows
+                self._client_lines += 1
+                if EXCEPTION_LINE.match(text.strip()) or self._client_lines > 80:
+                    self._tell_client(f"{self._client_head} {text.strip() if self._client_lines <= 80 else ''}")
+            elif match := NODE_ERROR.search(text):
+                found = match.group(1)
+                if WRAPPED.search(found):  # Ray's "<class 'ray.exceptions.RayTaskError(...)'>:<..." + traceback
+                    self._client_head, self._client_lines = found[:found.index(WRAPPED.search(found).group(0))], 0
+                else:
+                    self._tell_client(found)
         if self.server is None:
             if APP_RAISED.search(text):
                 self._in_traceback = True
             elif self._in_traceback and EXCEPTION_LINE.match(text.strip()):
                 self.server = text.strip()[:600]
                 self._in_traceback = False
+                if self.say is not None:
+                    self.say(f"ServerApp error: {self.server}")
 
     def reason(self) -> str | None:
         """One line: why the run failed, as far as its output says."""
@@ -214,10 +236,10 @@ class FlowerJob:
     ``connection``); every CLI process is started through ``procs`` (tagged, own session)."""
 
     def __init__(self, procs: Processes, env: dict[str, str], connection: str, log_file: Path,
-                 echo: bool = True) -> None:
+                 echo: bool = True, on_error: Callable[[str], None] | None = None) -> None:
         self.procs, self.env, self.connection, self.log_file, self.echo = procs, env, connection, log_file, echo
         self.run_id: int | None = None
-        self.errors = ErrorScan()
+        self.errors = ErrorScan(on_error)  # on_error: told the first errors as they appear (quiet runs)
 
     def cli(self, *args: str, timeout: float = 60) -> dict[str, Any]:
         """A ``flwr`` command with ``--format json`` on this connection; its JSON answer ({} if none)."""
@@ -456,13 +478,15 @@ def require_checkpoint(run_dir: Path) -> None:
 
 
 def run_job(overrides: list[str], run_dir: Path | None = None, resume: Path | None = None,
-            quiet: bool = False, commands: Commands | None = None) -> dict[str, Any]:
+            quiet: bool = False, commands: Commands | None = None,
+            on_error: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Validate, run through ``flwr run``, verify; returns the run's summary.
 
     Raises ConfigError / FileExistsError (incl. RunDirectoryBusy) before anything starts,
     :class:`RunFailed` when the run fails and :class:`RunInterrupted` (after the cleanup) on
     SIGINT / SIGTERM / SIGHUP; their resume command is in ``commands``' terms (default:
-    ``python -m fedhm_flwr.launch --resume DIR``)."""
+    ``python -m fedhm_flwr.launch --resume DIR``). ``on_error`` is told the run's first ServerApp
+    error and first client error (one line each) as soon as Flower's output shows them."""
     commands = commands or LAUNCH_COMMANDS
     if resume is not None:
         resume = resume.resolve()
@@ -484,13 +508,13 @@ def run_job(overrides: list[str], run_dir: Path | None = None, resume: Path | No
                 else:
                     require_checkpoint(run_dir)
                 with Processes(tag, keep_fds=[lock.fd] if lock.fd is not None else []) as procs:
-                    return _run(procs, cfg, overrides, run_dir, resume, quiet, commands)
+                    return _run(procs, cfg, overrides, run_dir, resume, quiet, commands, on_error)
         except Interrupted as stop:
             raise interrupted(stop, run_dir, commands, overrides if resume is None else []) from None
 
 
 def _run(procs: Processes, cfg: DictConfig, overrides: list[str], run_dir: Path, resume: Path | None,
-         quiet: bool, commands: Commands) -> dict[str, Any]:
+         quiet: bool, commands: Commands, on_error: Callable[[str], None] | None = None) -> dict[str, Any]:
     flwr_home = run_dir / ".flwr"
     run_config = write_run_config(flwr_home / "run_config.toml", overrides, run_dir, resume)
     federation = (f"num-supernodes={int(cfg.num_clients)} backend=\"ray\" "
@@ -500,7 +524,7 @@ def _run(procs: Processes, cfg: DictConfig, overrides: list[str], run_dir: Path,
     env = start_superlink(procs, flwr_home, run_dir / "superlink.log",
                           ray_address=cfg.simulation.get("ray_address"))
     app = stage_app(flwr_home / "app")
-    job = FlowerJob(procs, env, CONNECTION, run_dir / "flwr_run.log", echo=not quiet)
+    job = FlowerJob(procs, env, CONNECTION, run_dir / "flwr_run.log", echo=not quiet, on_error=on_error)
     return run_flower_job(job, app, run_config, run_dir, ["--federation-config", federation],
                           see=f" and {run_dir}/superlink.log", commands=commands)
 

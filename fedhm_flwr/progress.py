@@ -68,19 +68,6 @@ def progress_text(rows: list[Mapping[str, Any]], total: int, elapsed: float, don
     return " | ".join(parts)
 
 
-def first_failure(rows: list[Mapping[str, Any]]) -> str | None:
-    """``round N: first client failure: <node>: <reason>`` from the rows' ``failure_reasons``
-    (the strategy's per-round list of [node, reason]), None when no row has one."""
-    for row in rows:
-        if row.get("failure_reasons"):
-            try:
-                node, why = json.loads(row["failure_reasons"])[0]
-            except (ValueError, TypeError, IndexError):
-                continue
-            return f"round {row['round']}: first client failure: {node}: {' '.join(str(why).split())[:400]}"
-    return None
-
-
 class Follower:
     """Follows a run directory's ``metrics.jsonl`` and writes the progress to ``stream``."""
 
@@ -94,22 +81,28 @@ class Follower:
         self.seen = len(read_rows(self.path))  # a resumed run's earlier rounds are not this session's
         self.first = self.seen
         self.first_done_at: float | None = None  # when this session's first round was seen
-        self.failure_told = False
+        self._lock = threading.Lock()  # the poller thread and say() write to one stream
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def say(self, line: str) -> None:
+        """A line of its own above the progress line (the run's first error, as soon as it is seen)."""
+        with self._lock:
+            self.stream.write(("\r" if self.tty else "") + f"{self.label}{line}" + ("\x1b[K\n" if self.tty else "\n"))
+            self.stream.flush()
+
     def poll(self) -> None:
         """Print what changed: a line per new round (plain) or the refreshed line (terminal)."""
+        with self._lock:
+            self._poll()
+
+    def _poll(self) -> None:
         rows = read_rows(self.path)
         now = self.clock()
         elapsed = now - self.start
         if self.first_done_at is None and len(rows) > self.first:
             self.first_done_at = now
         since = None if self.first_done_at is None else now - self.first_done_at
-        failure = None if self.failure_told else first_failure(rows[self.first:])
-        if failure is not None:  # once, on a line of its own: the first client error of this session
-            self.failure_told = True
-            self.stream.write(("\r" if self.tty else "") + f"{self.label}{failure}" + ("\x1b[K\n" if self.tty else "\n"))
         if self.tty:
             self.stream.write("\r" + progress_text(rows, self.total, elapsed, len(rows) - self.first, self.label, since)
                               + "\x1b[K")
@@ -154,5 +147,5 @@ def run_with_progress(overrides: list[str], run_dir: Path | None = None, resume:
     out = stream or sys.stdout
     out.write(f"{label}{cfg.method.name} on {cfg.model.arch}/{cfg.dataset.name}, {cfg.rounds} rounds; "
               f"outputs in {run_dir} (Flower's log: flwr_run.log)\n")
-    with Follower(run_dir, int(cfg.rounds), out, label=label):
-        return run_job(overrides, run_dir=run_dir, resume=resume, quiet=True, commands=commands)
+    with Follower(run_dir, int(cfg.rounds), out, label=label) as follower:
+        return run_job(overrides, run_dir=run_dir, resume=resume, quiet=True, commands=commands, on_error=follower.say)
