@@ -16,10 +16,12 @@
    (``flwr list --run-id <id> --format json``; ``--stream`` exits 0 even when a run failed) and
    by a summary written by this run;
 6. stops every process it started (SuperLink, SuperExec, ``flwr-simulation``, Ray), also on
-   failure. On Ctrl-C / SIGTERM / SIGHUP it first stops the Flower run (``flwr stop <id>``),
-   keeps the last complete checkpoint, prints the command that resumes the run and exits
-   128 + the signal number (130 for Ctrl-C, 143 for SIGTERM). If the launcher is killed
-   outright, the watchdog stops everything within seconds.
+   failure (:class:`RunFailed`, whose last line names the first ServerApp / client error). On
+   Ctrl-C / SIGTERM / SIGHUP it first stops the Flower run (``flwr stop <id>``), keeps the last
+   complete checkpoint and raises :class:`RunInterrupted` with the command that resumes the run
+   (in the caller's terms, :class:`Commands`); this module prints it and exits 128 + the signal
+   number (130 for Ctrl-C, 143 for SIGTERM). If the launcher is killed outright, the watchdog
+   stops everything within seconds.
 
 ``scripts/deploy_local.py`` runs its job through the same runner (:func:`run_flower_job`).
 """
