@@ -243,6 +243,54 @@ def test_missing_cifar_fails_at_once_with_one_line_and_starts_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_error_scan_takes_the_serverapps_exception_from_flowers_own_log_lines():
+    """The line Flower's logger writes for a ServerApp that raised, then the traceback: the scan
+    keeps the exception's own line (what the console's `why:` shows)."""
+    import io
+    import logging
+
+    from flwr.common.logger import log
+
+    from fedhm_flwr.launch import ErrorScan
+
+    handler = next(h for h in logging.getLogger("flwr").handlers if isinstance(h, logging.StreamHandler))
+    buffer = io.StringIO()
+    stream = handler.setStream(buffer)  # Flower's own console handler and format, into a buffer
+    try:
+        try:
+            raise ValueError("dataset.path: /data/x/bad.png is not a readable image")
+        except ValueError as ex:
+            log(logging.ERROR, "ServerApp raised an exception", exc_info=ex)
+    finally:
+        handler.setStream(stream)
+    told: list[str] = []
+    scan = ErrorScan(told.append)
+    for line in buffer.getvalue().splitlines():
+        scan.feed(line)
+    assert "Traceback" in buffer.getvalue()
+    assert scan.server == "ValueError: dataset.path: /data/x/bad.png is not a readable image", buffer.getvalue()
+    assert told == [f"ServerApp error: {scan.server}"] and scan.reason() == f"ServerApp: {scan.server}"
+
+
+def test_resume_without_a_checkpoint_and_status_of_a_non_run_are_refused_at_once(tmp_path):
+    """`fedhm resume` of a run that stopped before its first checkpoint: exit 2 in seconds, one line
+    naming the folder, nothing started (no lock, no Flower state); `fedhm status` of a folder that
+    holds no run: exit 2."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("rounds: 2\n")  # what a run writes before its first round
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "fedhm_flwr", "resume", str(run_dir)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert str(run_dir / "checkpoint") in line and "holds none" in line, line
+    assert time.monotonic() - t0 < 15
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]
+    status = _status(tmp_path)
+    assert status.returncode == 2 and "not a run directory" in status.stderr
+
+
 # --------------------------------------------------------------------------- slow: whole runs
 
 
