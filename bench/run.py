@@ -17,7 +17,8 @@ Figures (each in one process, compared things on the same machine state, medians
 5. scale: 1000 simulated clients, 100 per round, through ``flwr run``: round 1 ÷ round 2, node-query
    time ÷ round time, server time ÷ round time, peak memory of the whole process tree;
 6. ``wire.dtype``: bytes both ways and the accuracy cost of float16 / bfloat16 against float32
-   (the default job, a few rounds in process, same seed).
+   (the default job, a few rounds in process, same seed);
+7. checkpoint time ÷ round time, a checkpoint every round (the CNN and ResNet-18).
 
 Writes ``bench/reports/bench.json`` and ``bench/reports/bench.md``. ``--quick`` shrinks every
 figure (for a smoke test); ``--only 1,3`` runs some figures.
@@ -555,6 +556,44 @@ def figure_wire(quick: bool) -> dict[str, Any]:
     return out
 
 
+# ------------------------------------------------------------------------------------ figure 7
+
+
+def figure_checkpoint(quick: bool) -> dict[str, Any]:
+    """Checkpoint time ÷ round time (goal < 5 %): the default job's FedHM with the CNN and with
+    ResNet-18 on Fashion-MNIST, in process, a checkpoint every round (``checkpoint.every=1``,
+    the default: the model and the strategy state written and renamed, fsync'ed). Both times are
+    the run's own: each row's ``seconds`` and the summary's ``checkpoint_seconds``. The data is
+    cut (fewer examples per client), so the rounds are shorter than the default job's: the
+    ratio is an upper bound of the default job's."""
+    from fedhm_flwr.local_grid import LocalGrid, client_handlers
+    from fedhm_flwr.server_app import run
+
+    rounds, examples = (2, 1000) if quick else (3, 4000)
+    out: dict[str, Any] = {"rounds": rounds, "max_train_examples": examples, "goal": "checkpoint ÷ round < 5 %",
+                           "models": {}}
+    for model in ("cnn", "resnet18"):
+        cfg = load_config([f"model={model}", f"rounds={rounds}", f"dataset.max_train_examples={examples}",
+                           "dataset.max_test_examples=1000", "evaluation.levels=false", "checkpoint.every=1"])
+        with tempfile.TemporaryDirectory() as tmp:
+            summary = run(LocalGrid(int(cfg.num_clients), client_handlers()), cfg, Path(tmp))
+            size = (Path(tmp) / "checkpoint" / "global_model.safetensors").stat().st_size
+        out["models"][model] = {"checkpoint_seconds": summary["checkpoint_seconds"] / rounds,
+                                "round_seconds": summary["seconds_rounds"] / rounds, "checkpoint_bytes": size,
+                                "ratio": summary["checkpoint_seconds"] / summary["seconds_rounds"]}
+    return out
+
+
+def checkpoint_markdown(f7: dict[str, Any]) -> list[str]:
+    L = [f"## 7. Checkpoint time ÷ round time (a checkpoint every round; {f7['rounds']} rounds, "
+         f"{f7['max_train_examples']:,} training examples: an upper bound)", "", f"Goal: {f7['goal']}.", "",
+         "| model | checkpoint (MB) | checkpoint s / round | round s | checkpoint ÷ round |", "|---|---|---|---|---|"]
+    for model, r in f7["models"].items():
+        L.append(f"| {model} | {r['checkpoint_bytes'] / 1e6:.1f} | {r['checkpoint_seconds']:.3f} | "
+                 f"{r['round_seconds']:.2f} | **{100 * r['ratio']:.2f} %** |")
+    return L + [""]
+
+
 # ------------------------------------------------------------------------------------ report
 
 
@@ -635,19 +674,21 @@ def markdown(report: dict[str, Any]) -> str:
             L.append(f"| {dtype} | {r['bytes_sent'] + r['bytes_received']:,} | {r['bytes_ratio']:.3f} | "
                      f"{r['final_acc']:.4f} | {r['acc_cost_pt']:+.2f} |")
         L.append("")
+    if report.get("figures", {}).get("7_checkpoint"):
+        L += checkpoint_markdown(report["figures"]["7_checkpoint"])
     return "\n".join(L)
 
 
 FIGURES = {"1": ("1_server_time", figure_server_time), "2": ("2_bytes", figure_bytes),
            "3": ("3_train_step", figure_train_step), "4": ("4_throughput", figure_throughput),
-           "5": ("5_scale", figure_scale), "6": ("6_wire", figure_wire)}
+           "5": ("5_scale", figure_scale), "6": ("6_wire", figure_wire), "7": ("7_checkpoint", figure_checkpoint)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
-    parser.add_argument("--only", default="1,2,3,4,5,6", help="comma-separated figure numbers")
+    parser.add_argument("--only", default="1,2,3,4,5,6,7", help="comma-separated figure numbers")
     parser.add_argument("--out", type=Path, default=REPORT_DIR)
     args = parser.parse_args(argv)
     report: dict[str, Any] = {

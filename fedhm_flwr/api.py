@@ -7,6 +7,17 @@
 :func:`run` goes through the same launcher as ``fedhm run`` / ``python -m fedhm_flwr.launch`` (a
 private SuperLink, ``flwr run`` on the Ray simulation engine, a status check, cleanup), quietly:
 Flower's output goes to ``<run dir>/flwr_run.log``.
+
+How a run that does not complete ends, for ``try``/``except`` in a script:
+
+* :class:`RunInterrupted` (a :class:`KeyboardInterrupt`): SIGINT (a notebook's interrupt, Ctrl-C),
+  SIGTERM or SIGHUP arrived; every process of the run was stopped first. ``.run_dir``,
+  ``.checkpoint_round`` (None when none was written), ``.resume_command``
+  (``fedhm_flwr.api.resume('<run dir>')``, None without a checkpoint), ``.exit_code``;
+* :class:`RunFailed` (a :class:`RuntimeError`): the run failed. ``.run_dir``, ``.reason`` (one
+  line: the ServerApp's exception and/or the first client error in Flower's output), ``.log``,
+  ``.resume_command`` (None without a checkpoint);
+* :class:`~fedhm_flwr.config.ConfigError` / :class:`FileExistsError`: refused before anything started.
 """
 
 from __future__ import annotations
@@ -18,7 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from fedhm_flwr.config import split_overrides
+from fedhm_flwr.launch import PythonCommands, RunFailed, RunInterrupted, run_job
+from fedhm_flwr.procs import on_signals
 from fedhm_flwr.results import SUMMARY_FILE
+
+__all__ = ["RunFailed", "RunInterrupted", "Summary", "load", "resume", "run"]
 
 
 @dataclass(frozen=True)
@@ -40,32 +55,34 @@ class Summary:
         return cls(Path(summary["output_dir"]), summary.get("final_acc/global"), dict(summary))
 
 
+#: how the exceptions name the calls that continue or restart a run
+API_COMMANDS = PythonCommands(("fedhm_flwr.api.resume",), ("fedhm_flwr.api.run",))
+
+
+def _launch(items: list[str], run_dir: Path | None, resume: Path | None, progress: bool) -> Summary:
+    with on_signals():  # SIGINT / SIGTERM / SIGHUP -> RunInterrupted once everything is stopped
+        if progress:
+            from fedhm_flwr.progress import run_with_progress
+
+            return Summary.from_summary(run_with_progress(items, run_dir=run_dir, resume=resume, commands=API_COMMANDS))
+        return Summary.from_summary(run_job(items, run_dir=run_dir, resume=resume, quiet=True, commands=API_COMMANDS))
+
+
 def run(overrides: str | Sequence[str] | None = None, run_dir: str | Path | None = None,
         progress: bool = False) -> Summary:
     """Run one job (Hydra overrides as a list or one string); ``run_dir`` defaults to
     ``outputs/<date>/<time>-<method>``. ``progress=True`` prints the progress line meanwhile.
-    Raises :class:`~fedhm_flwr.config.ConfigError` on a bad value, before anything starts."""
-    items = split_overrides(overrides)
+    Raises :class:`~fedhm_flwr.config.ConfigError` on a bad value, before anything starts;
+    :class:`RunInterrupted` on SIGINT / SIGTERM / SIGHUP and :class:`RunFailed` when the run fails
+    (see the module's docstring)."""
     target = Path(run_dir).expanduser().resolve() if run_dir is not None else None
-    if progress:
-        from fedhm_flwr.progress import run_with_progress
-
-        return Summary.from_summary(run_with_progress(items, run_dir=target))
-    from fedhm_flwr.launch import run_job
-
-    return Summary.from_summary(run_job(items, run_dir=target, quiet=True))
+    return _launch(split_overrides(overrides), target, None, progress)
 
 
 def resume(run_dir: str | Path, overrides: str | Sequence[str] | None = None, progress: bool = False) -> Summary:
-    """Continue the run stored in ``run_dir`` (``rounds=N`` extends it)."""
-    items, target = split_overrides(overrides), Path(run_dir).expanduser().resolve()
-    if progress:
-        from fedhm_flwr.progress import run_with_progress
-
-        return Summary.from_summary(run_with_progress(items, resume=target))
-    from fedhm_flwr.launch import run_job
-
-    return Summary.from_summary(run_job(items, resume=target, quiet=True))
+    """Continue the run stored in ``run_dir`` (``rounds=N`` extends it); refused with a
+    ConfigError naming the folder when it holds no checkpoint. Raises as :func:`run` does."""
+    return _launch(split_overrides(overrides), None, Path(run_dir).expanduser().resolve(), progress)
 
 
 def load(run_dir: str | Path) -> Summary:

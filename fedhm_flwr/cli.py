@@ -44,20 +44,20 @@ def _print_result(summary: dict) -> None:
 
 
 def _run_job(overrides: list[str], run_dir: Path | None, resume: Path | None, progress: bool) -> int:
-    from fedhm_flwr.launch import run_job
+    from fedhm_flwr.launch import fedhm_commands, run_job
     from fedhm_flwr.progress import run_with_progress
 
+    commands = fedhm_commands()  # an interrupted or failed run says `fedhm resume <run dir>`
     try:
         if progress:
-            summary = run_with_progress(overrides, run_dir=run_dir, resume=resume)
+            summary = run_with_progress(overrides, run_dir=run_dir, resume=resume, commands=commands)
         else:
-            summary = run_job(overrides, run_dir=run_dir, resume=resume)
+            summary = run_job(overrides, run_dir=run_dir, resume=resume, commands=commands)
     except (ConfigError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except RuntimeError as err:
-        where = " (Flower's output: flwr_run.log in the run directory)" if progress else ""
-        print(f"error: {err}{where}", file=sys.stderr)
+    except RuntimeError as err:  # RunFailed: its last line says why (the first ServerApp / client error)
+        print(f"error: {err}", file=sys.stderr)
         return 1
     _print_result(summary)
     return 0
@@ -91,13 +91,77 @@ def cmd_resume(argv: list[str]) -> int:
 # --------------------------------------------------------------------------- sweep, compare
 
 
-def _hydra_sweep(overrides: list[str]) -> int:
+#: set for a sweep that continues an interrupted one: its finished jobs are kept, an interrupted job
+#: is resumed from its checkpoint (fedhm_flwr/sweep.py)
+CONTINUE_VAR = "FEDHM_SWEEP_CONTINUE"
+#: what an interrupted sweep prints as the command that continues it (compare: ``fedhm compare --continue``)
+CONTINUE_COMMAND_VAR = "FEDHM_CONTINUE_COMMAND"
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the sweep process gets SIGTERM when `fedhm` dies, even by SIGKILL (then it stops its job)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
+    except (OSError, AttributeError):
+        pass
+
+
+def _hydra_sweep(overrides: list[str], env: dict[str, str] | None = None) -> int:
     """``python -m fedhm_flwr.sweep -m OVERRIDES``, as its own process: Hydra finds its config tree
-    relative to the entry point's file and owns the process while the multirun lasts."""
+    relative to the entry point's file and owns the process while the multirun lasts.
+
+    The sweep runs in a process group of its own and this process forwards SIGINT / SIGTERM /
+    SIGHUP to it, once (a terminal's Ctrl-C reaches only this foreground group); the sweep stops
+    its job, says which jobs finished and how to continue, and exits 128 + the signal, which is
+    this command's exit code."""
+    import os
+    import signal
     import subprocess
 
+    from fedhm_flwr.procs import SIGNALS
+
     cmd = [sys.executable, "-m", "fedhm_flwr.sweep", "-m", *[o for o in overrides if o not in ("-m", "--multirun")]]
-    return subprocess.call(cmd)
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, process_group=0,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    sent: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        if not sent:
+            sent.append(signum)
+            try:
+                proc.send_signal(signum)
+            except ProcessLookupError:
+                pass
+        else:
+            print(f"{signal.Signals(signum).name} received: the sweep is still stopping its job, please wait",
+                  file=sys.stderr, flush=True)
+
+    previous = {sig: signal.signal(sig, forward) for sig in SIGNALS}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+    if code < 0:  # killed by a signal it did not handle
+        code = 128 - code
+    return code
+
+
+def _sweep_continuation(sweep_dir: Path) -> list[str]:
+    """The overrides that run the sweep stored in ``sweep_dir`` again, into the same directory:
+    its task overrides and its Hydra overrides (launcher, ...) from Hydra's ``multirun.yaml``."""
+    from omegaconf import OmegaConf
+
+    saved = sweep_dir / "multirun.yaml"
+    if not saved.is_file():
+        raise ConfigError("--continue", str(sweep_dir), "a sweep directory holding Hydra's multirun.yaml "
+                          "(the folder an interrupted sweep named)")
+    cfg = OmegaConf.load(saved)
+    hydra_overrides = [o for o in cfg.hydra.overrides.hydra
+                       if _key(o) not in ("hydra.mode", "hydra.sweep.dir")]
+    return [*cfg.hydra.overrides.task, *hydra_overrides, f"hydra.sweep.dir={sweep_dir}"]
 
 
 def _sweep_help(name: str) -> int:
@@ -111,6 +175,16 @@ def _sweep_help(name: str) -> int:
 def cmd_sweep(argv: list[str]) -> int:
     if {"-h", "--help"} & set(argv):
         return _sweep_help("sweep")
+    if argv and argv[0] == "--continue":
+        if len(argv) != 2:
+            print("error: usage: fedhm sweep --continue <sweep dir>", file=sys.stderr)
+            return 2
+        try:
+            overrides = _sweep_continuation(Path(argv[1]).resolve())
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return _hydra_sweep(overrides, {CONTINUE_VAR: "1"})
     return _hydra_sweep(argv)
 
 
@@ -137,6 +211,9 @@ def compare_plan(user: list[str], seeds: str = COMPARE_SEEDS, match: str = COMPA
 
 
 def cmd_compare(argv: list[str]) -> int:
+    import json
+    import shlex
+
     parser = _parser("compare")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of every run (rounds=3, method=fedhm,heterofl ...)")
     parser.add_argument("--seeds", default=COMPARE_SEEDS, help=f"comma-separated seeds (default {COMPARE_SEEDS})")
@@ -144,15 +221,40 @@ def cmd_compare(argv: list[str]) -> int:
                         help="levels.match of the width methods (default fedhm_params: budget-matched)")
     parser.add_argument("--ablations", default=" ".join(COMPARE_ABLATIONS),
                         help="space-separated FedHM options, one extra sweep each ('' for none)")
+    parser.add_argument("--continue", dest="cont", type=Path, metavar="DIR",
+                        help="continue the interrupted comparison in DIR: its finished jobs are kept")
     args = parser.parse_intermixed_args(argv)
-    root, sweeps = compare_plan(split_overrides(args.overrides), args.seeds, args.match,
-                                tuple(args.ablations.split()))
-    matched = ("budget-matched comparison (levels.match=fedhm_params: HeteroFL/FedRolex width rates chosen per "
-               "level to match FedHM's parameter count)" if args.match == "fedhm_params"
-               else "unmatched comparison (levels.match=none: width rates = levels)")
-    print(f"fedhm compare: {matched}, seeds {args.seeds}, {len(sweeps)} sweep(s), outputs in {root}", flush=True)
+    if args.cont is not None:
+        plan_file = args.cont.resolve() / "compare.json"
+        if not plan_file.is_file():
+            print(f"error: invalid config: --continue={str(args.cont)!r}; allowed: a comparison directory holding "
+                  "compare.json (the folder an interrupted `fedhm compare` named)", file=sys.stderr)
+            return 2
+        plan = json.loads(plan_file.read_text())
+        root, sweeps, matched, seeds = plan["root"], plan["sweeps"], plan["matched"], plan["seeds"]
+    else:
+        root, sweeps = compare_plan(split_overrides(args.overrides), args.seeds, args.match,
+                                    tuple(args.ablations.split()))
+        matched = ("budget-matched comparison (levels.match=fedhm_params: HeteroFL/FedRolex width rates chosen per "
+                   "level to match FedHM's parameter count)" if args.match == "fedhm_params"
+                   else "unmatched comparison (levels.match=none: width rates = levels)")
+        seeds = args.seeds
+        root = str(Path(root).resolve())
+        sweeps = [[o if _key(o) != "hydra.sweep.dir" else f"hydra.sweep.dir={Path(o.split('=', 1)[1]).resolve()}"
+                   for o in overrides] for overrides in sweeps]
+        Path(root).mkdir(parents=True, exist_ok=True)
+        (Path(root) / "compare.json").write_text(json.dumps({"root": root, "sweeps": sweeps, "matched": matched,
+                                                             "seeds": seeds}, indent=1))
+    print(f"fedhm compare: {matched}, seeds {seeds}, {len(sweeps)} sweep(s), outputs in {root}", flush=True)
+    from fedhm_flwr.launch import fedhm_program
+
+    again = {CONTINUE_COMMAND_VAR: shlex.join([*fedhm_program(), "compare", "--continue", root])}
     for overrides in sweeps:
-        code = _hydra_sweep(overrides)
+        sweep_dir = Path(overrides[-1].split("=", 1)[1])
+        if args.cont is not None and (sweep_dir / "multirun.yaml").is_file():
+            code = _hydra_sweep(_sweep_continuation(sweep_dir), {CONTINUE_VAR: "1", **again})
+        else:
+            code = _hydra_sweep(overrides, {**again, **({CONTINUE_VAR: "1"} if args.cont is not None else {})})
         if code != 0:
             return code
     from fedhm_flwr.summary import main as summary_main
@@ -160,6 +262,19 @@ def cmd_compare(argv: list[str]) -> int:
     code = summary_main([root, "--out", root, "--reference", "fedhm"])
     print(f"fedhm compare: {matched}; tables and plots in {root} (statistics.md, paired.csv)")
     return code
+
+
+# --------------------------------------------------------------------------- status
+
+
+def cmd_status(argv: list[str]) -> int:
+    parser = _parser("status")
+    parser.add_argument("run_dir", type=Path, help="the run directory (the ServerApp's output-dir)")
+    parser.add_argument("--wait", action="store_true", help="wait while the run is still running, then report")
+    args = parser.parse_args(argv)
+    from fedhm_flwr.status import main as status_main
+
+    return status_main(args.run_dir, wait=args.wait)
 
 
 # --------------------------------------------------------------------------- delegated commands
@@ -223,6 +338,11 @@ COMMANDS: dict[str, Command] = {
                        ("fedhm compare rounds=3 dataset.max_train_examples=5000 --seeds 0 --ablations ''",
                         "fedhm compare method=fedhm,heterofl --match none"), cmd_compare,
                        short="FedHM vs HeteroFL, FedRolex (matched), FedAvg-full/smallest + ablations over seeds"),
+    "status": Command("A run's final status from its directory (also a deployed run started with `flwr run`): "
+                      "exit 0 completed, 1 failed or stopped (with why and the last checkpoint), 3 still running, "
+                      "2 not a run directory.",
+                      ("fedhm status /tmp/fedhm/r1", "fedhm status /srv/runs/r7 --wait"), cmd_status,
+                      short="a run's final status (exit 0 completed, 1 failed or stopped, 3 running)"),
     "inspect": Command("Per-level parameters, MACs and payload bytes of a configuration, and FedHM's per-layer plan, without training.",
                        ("fedhm inspect model=resnet18 dataset=cifar10", "fedhm inspect levels.ratios=[1,0.5,0.25] --json",
                         "fedhm inspect model.target=torchvision.models:resnet18 model.kwargs.num_classes=10 dataset=cifar10"),
@@ -269,6 +389,13 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def signal_name(stop: BaseException) -> str:
+    import signal
+
+    signum = getattr(stop, "signum", signal.SIGINT)
+    return signal.Signals(signum).name
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
@@ -279,10 +406,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command {name!r}; allowed: {list(COMMANDS)}\n", file=sys.stderr)
         print(usage(), file=sys.stderr)
         return 2
+    from fedhm_flwr.launch import report_stop
+    from fedhm_flwr.procs import on_signals
+
     try:
-        return COMMANDS[name].handler(rest)
+        with on_signals():  # SIGINT / SIGTERM / SIGHUP: the run stops cleanly, no traceback, exit 128 + signal
+            return COMMANDS[name].handler(rest)
     except SystemExit as exit_:  # argparse: --help (0) and usage errors (2)
         return exit_.code if isinstance(exit_.code, int) else 2
+    except KeyboardInterrupt as stop:  # RunInterrupted (everything stopped; the resume command) or before a start
+        if name not in ("run", "resume"):  # bench: its runs live in temporary folders, nothing to resume
+            from fedhm_flwr.procs import Interrupted
+
+            code = stop.exit_code if isinstance(stop, Interrupted) else 130
+            what = signal_name(stop)
+            print(f"\n{what} received: `fedhm {name}` stopped; every process it started has been stopped.",
+                  file=sys.stderr, flush=True)
+            return code
+        return report_stop(stop)
 
 
 if __name__ == "__main__":

@@ -526,6 +526,8 @@ def validate(cfg: DictConfig) -> None:
              "null (a private Ray instance), auto (the cluster this machine belongs to) or HOST:PORT of a Ray "
              "cluster's head (its GCS port, 6379 by default)")
     _int_at_least(cfg, "checkpoint.every", 0)
+    keep_best = OmegaConf.select(cfg, "checkpoint.keep_best", default=False)  # absent from older saved configs
+    _require(isinstance(keep_best, bool), "checkpoint.keep_best", keep_best, "true or false")
     _num_in(cfg, "failures.crash_probability", 0.0, 1.0)
     _num_in(cfg, "failures.slow_probability", 0.0, 1.0)
     _num_in(cfg, "failures.slow_seconds", 0.0, math.inf, high_open=True)

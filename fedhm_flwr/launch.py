@@ -16,10 +16,12 @@
    (``flwr list --run-id <id> --format json``; ``--stream`` exits 0 even when a run failed) and
    by a summary written by this run;
 6. stops every process it started (SuperLink, SuperExec, ``flwr-simulation``, Ray), also on
-   failure. On Ctrl-C / SIGTERM / SIGHUP it first stops the Flower run (``flwr stop <id>``),
-   keeps the last complete checkpoint, prints the command that resumes the run and exits
-   128 + the signal number (130 for Ctrl-C, 143 for SIGTERM). If the launcher is killed
-   outright, the watchdog stops everything within seconds.
+   failure (:class:`RunFailed`, whose last line names the first ServerApp / client error). On
+   Ctrl-C / SIGTERM / SIGHUP it first stops the Flower run (``flwr stop <id>``), keeps the last
+   complete checkpoint and raises :class:`RunInterrupted` with the command that resumes the run
+   (in the caller's terms, :class:`Commands`); this module prints it and exits 128 + the signal
+   number (130 for Ctrl-C, 143 for SIGTERM). If the launcher is killed outright, the watchdog
+   stops everything within seconds.
 
 ``scripts/deploy_local.py`` runs its job through the same runner (:func:`run_flower_job`).
 """
@@ -33,13 +35,15 @@ import os
 import re
 import shlex
 import signal
+import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +52,7 @@ from omegaconf import DictConfig
 from fedhm_flwr.data_files import check_data_available
 from fedhm_flwr.config import ConfigError, compose_config, load_config, resume_config, split_overrides
 from fedhm_flwr.procs import Interrupted, Processes, RunLock, kill_serverapp, killpg_quietly, new_tag, on_signals
-from fedhm_flwr.results import CHECKPOINT_DIR, STATE_FILE, SUMMARY_FILE, load_checkpoint, refuse_existing_run
+from fedhm_flwr.results import CHECKPOINT_DIR, SUMMARY_FILE, load_checkpoint_state, refuse_existing_run
 
 APP_DIR = Path(__file__).resolve().parent.parent
 
@@ -167,6 +171,64 @@ def write_run_config(path: Path, overrides: Sequence[str], run_dir: Path, resume
 
 
 STARTED_RUN = re.compile(r"Successfully started run (\d+)")
+#: Flower's line before the traceback of a ServerApp (deployment) / simulation (its ServerApp) exception
+APP_RAISED = re.compile(r"\b(ServerApp|Simulation) raised an exception")
+#: the strategy's warnings about a node's error (strategies/base.py, strategies/nodes.py)
+NODE_ERROR = re.compile(r"(round \d+: node \S+ failed: .+|node \S+ cannot take part: .+)$")
+#: the line of a Python traceback that names the exception: ``ValueError: ...``, ``flwr.x.Error: ...``
+EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit|Interrupt|Failure)\b(?::.*)?$")
+#: a node's error reason that only wraps the client's exception (the simulation's Ray actor error)
+WRAPPED = re.compile(r"<class '[\w.]+\.\w+(?:\([\w.]+\))?'>:?")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class ErrorScan:
+    """The first errors in a run's streamed output: the ServerApp's exception (the exception line
+    of the traceback Flower logs after "ServerApp / Simulation raised an exception") and the first
+    error of a node (the strategy's "node ... failed: <reason>" / "cannot take part" warnings:
+    the client's exception, e.g. an unreadable image with its path). One line each."""
+
+    def __init__(self, say: Callable[[str], None] | None = None) -> None:
+        self.server: str | None = None
+        self.client: str | None = None
+        self.say = say  # told each first error at once (the console of a quiet run), one line
+        self._in_traceback = False
+        self._client_head: str | None = None
+        self._client_lines = 0
+
+    def _tell_client(self, text: str) -> None:
+        self.client = " ".join(text.split())[:600]
+        self._client_head = None
+        if self.say is not None:
+            self.say(f"first client error: {self.client}")
+
+    def feed(self, line: str) -> None:
+        text = ANSI.sub("", line).rstrip()
+        if self.client is None:
+            if self._client_head is not None:  # the reason was a wrapper: the client's own exception follows
+                self._client_lines += 1
+                if EXCEPTION_LINE.match(text.strip()) or self._client_lines > 80:
+                    self._tell_client(f"{self._client_head} {text.strip() if self._client_lines <= 80 else ''}")
+            elif match := NODE_ERROR.search(text):
+                found = match.group(1)
+                if WRAPPED.search(found):  # Ray's "<class 'ray.exceptions.RayTaskError(...)'>:<..." + traceback
+                    self._client_head, self._client_lines = found[:found.index(WRAPPED.search(found).group(0))], 0
+                else:
+                    self._tell_client(found)
+        if self.server is None:
+            if APP_RAISED.search(text):
+                self._in_traceback = True
+            elif self._in_traceback and EXCEPTION_LINE.match(text.strip()):
+                self.server = text.strip()[:600]
+                self._in_traceback = False
+                if self.say is not None:
+                    self.say(f"ServerApp error: {self.server}")
+
+    def reason(self) -> str | None:
+        """One line: why the run failed, as far as its output says."""
+        parts = ([f"ServerApp: {self.server}"] if self.server else []) + (
+            [f"first client error: {self.client}"] if self.client else [])
+        return "; ".join(parts) or None
 
 
 class FlowerJob:
@@ -176,9 +238,10 @@ class FlowerJob:
     ``connection``); every CLI process is started through ``procs`` (tagged, own session)."""
 
     def __init__(self, procs: Processes, env: dict[str, str], connection: str, log_file: Path,
-                 echo: bool = True) -> None:
+                 echo: bool = True, on_error: Callable[[str], None] | None = None) -> None:
         self.procs, self.env, self.connection, self.log_file, self.echo = procs, env, connection, log_file, echo
         self.run_id: int | None = None
+        self.errors = ErrorScan(on_error)  # on_error: told the first errors as they appear (quiet runs)
 
     def cli(self, *args: str, timeout: float = 60) -> dict[str, Any]:
         """A ``flwr`` command with ``--format json`` on this connection; its JSON answer ({} if none)."""
@@ -206,7 +269,9 @@ class FlowerJob:
                     if self.echo:
                         sys.stdout.write(raw.decode(errors="replace"))
                         sys.stdout.flush()
-                    if self.run_id is None and (match := STARTED_RUN.search(raw.decode(errors="replace"))):
+                    line = raw.decode(errors="replace")
+                    self.errors.feed(line)
+                    if self.run_id is None and (match := STARTED_RUN.search(line)):
                         self.run_id = int(match.group(1))
             code = proc.wait()
         finally:
@@ -240,19 +305,149 @@ class FlowerJob:
         return bool(self.cli("stop", str(self.run_id), timeout=timeout).get("success"))
 
 
+# --------------------------------------------------------------------------- how a run ends
+
+
+@dataclass(frozen=True)
+class Commands:
+    """What the user types to resume a run (``resume`` + the run directory) or to start it again
+    (``start`` + the overrides + ``--run-dir`` the run directory), in the terms they started it
+    with: ``fedhm resume DIR`` after ``fedhm run`` / ``make run``, ``python -m fedhm_flwr.launch
+    --resume DIR`` after that module, ``scripts/deploy_local.py ... --resume DIR`` after a deployment.
+    ``cwd``: a folder to change to first (``python -m`` of a checkout that is not installed)."""
+
+    resume: tuple[str, ...]
+    start: tuple[str, ...]
+    cwd: Path | None = None
+
+    def _line(self, words: Sequence[str]) -> str:
+        return (f"cd {shlex.quote(str(self.cwd))} && " if self.cwd else "") + shlex.join(words)
+
+    def resume_line(self, run_dir: Path) -> str:
+        return self._line([*self.resume, str(run_dir)])
+
+    def start_line(self, overrides: Sequence[str], run_dir: Path | None) -> str:
+        return self._line([*self.start, *overrides, *(["--run-dir", str(run_dir)] if run_dir else [])])
+
+
+class PythonCommands(Commands):
+    """The Python API's terms: ``fedhm_flwr.api.resume(DIR)`` / ``fedhm_flwr.api.run([...], run_dir=DIR)``."""
+
+    def resume_line(self, run_dir: Path) -> str:
+        return f"fedhm_flwr.api.resume({str(run_dir)!r})"
+
+    def start_line(self, overrides: Sequence[str], run_dir: Path | None) -> str:
+        return f"fedhm_flwr.api.run({list(overrides)!r}" + (f", run_dir={str(run_dir)!r})" if run_dir else ")")
+
+
+def fedhm_program() -> tuple[str, ...]:
+    """How to call this environment's ``fedhm`` command: ``fedhm`` when that is what the shell
+    finds, else the script's absolute path (a virtualenv that is not activated, ``make``), else
+    ``python -m fedhm_flwr``."""
+    script = Path(sys.executable).parent / "fedhm"
+    found = shutil.which("fedhm")
+    if script.is_file():
+        return ("fedhm",) if found and Path(found).resolve() == script.resolve() else (str(script),)
+    return (sys.executable, "-m", "fedhm_flwr")
+
+
+def fedhm_commands() -> Commands:
+    """``fedhm resume DIR`` / ``fedhm run ... --run-dir DIR`` (``fedhm run``, ``make run``)."""
+    program = fedhm_program()
+    return Commands((*program, "resume"), (*program, "run"))
+
+
+LAUNCH = (sys.executable, "-m", "fedhm_flwr.launch")
+LAUNCH_COMMANDS = Commands((*LAUNCH, "--resume"), LAUNCH, APP_DIR)
+
+
+def checkpoint_round(run_dir: Path) -> int | None:
+    """The round of the run directory's last complete checkpoint, None if there is none."""
+    try:
+        return int(load_checkpoint_state(run_dir)["round"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
+def resume_hint(run_dir: Path, commands: Commands, overrides: Sequence[str]) -> tuple[str, str | None, int | None]:
+    """(what to type to continue the run, the resume command or None, the checkpoint's round or None).
+
+    Without a checkpoint: the command that starts the run again (into the same directory when
+    nothing of it is there yet)."""
+    saved = checkpoint_round(run_dir)
+    if saved is None:
+        try:
+            refuse_existing_run(run_dir)
+            again = commands.start_line(overrides, run_dir)
+        except FileExistsError:  # rows but no checkpoint (checkpoint.every > rounds done): a new directory
+            again = commands.start_line(overrides, None)
+        return ("no checkpoint was written yet, so there is nothing to resume; start the run again with:\n"
+                f"  {again}", None, None)
+    command = commands.resume_line(run_dir)
+    return (f"the last complete checkpoint (round {saved}) is in {run_dir / CHECKPOINT_DIR}; "
+            f"resume the run with:\n  {command}", command, saved)
+
+
+class RunInterrupted(Interrupted):
+    """A run stopped by SIGINT / SIGTERM / SIGHUP, raised once every process it started is gone.
+
+    ``run_dir``; ``checkpoint_round`` (the last complete checkpoint, None when none was written);
+    ``resume_command`` (what continues it, in the caller's terms; None without a checkpoint);
+    ``exit_code`` 128 + the signal number (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP). ``str()`` is
+    the report the commands print. A :class:`KeyboardInterrupt`, as an interrupt should be."""
+
+    def __init__(self, signum: int, run_dir: Path, hint: str, resume_command: str | None,
+                 checkpoint_round: int | None) -> None:
+        super().__init__(signum)
+        self.run_dir, self.hint = run_dir, hint
+        self.resume_command, self.checkpoint_round = resume_command, checkpoint_round
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        return f"{name} received: stopped the Flower run and every process it started.\n{self.hint}"
+
+
+class RunFailed(RuntimeError):
+    """A run that did not complete: ``run_dir``, ``reason`` (one line: the ServerApp's exception
+    and/or the first client error found in Flower's output, None if it shows none), ``log``
+    (Flower's output), ``resume_command`` (None without a checkpoint). ``str()`` ends with the
+    reason's line."""
+
+    def __init__(self, message: str, run_dir: Path | None = None, reason: str | None = None,
+                 log: Path | None = None, resume_command: str | None = None) -> None:
+        self.message, self.run_dir, self.reason, self.log = message, run_dir, reason, log
+        self.resume_command = resume_command
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        lines = [self.message]
+        if self.resume_command:
+            lines.append(f"after fixing the cause, resume the run from its last checkpoint with: {self.resume_command}")
+        lines.append(f"why: {self.reason}" if self.reason else f"why: Flower's output names no error; see {self.log}")
+        return "\n".join(lines)
+
+
 def run_flower_job(job: FlowerJob, app: Path, run_config: Path, run_dir: Path, extra: Sequence[str] = (),
-                   timeout: float | None = None, see: str = "") -> dict[str, Any]:
+                   timeout: float | None = None, see: str = "", commands: Commands | None = None) -> dict[str, Any]:
     """Run ``job`` to its end and return the summary the run wrote.
 
-    Raises RuntimeError unless ``flwr run`` exited 0, this run's own status is
-    ``finished:completed`` and ``summary.json`` was written by this run. On a timeout or an
-    interrupt (Ctrl-C, :class:`Interrupted`) the Flower run is stopped first (``flwr stop``)."""
+    Raises :class:`RunFailed` unless ``flwr run`` exited 0, this run's own status is
+    ``finished:completed`` and ``summary.json`` was written by this run (with the first error of
+    the ServerApp or a client that Flower's output shows, and the resume command in ``commands``'
+    terms when a checkpoint is there). On a timeout or an interrupt (Ctrl-C, :class:`Interrupted`)
+    the Flower run is stopped first (``flwr stop``)."""
     started = time.time()
+
+    def failed(message: str) -> RunFailed:
+        resume = resume_hint(run_dir, commands, [])[1] if commands is not None else None
+        return RunFailed(f"{message}; Flower's output: {job.log_file}{see}", run_dir, job.errors.reason(),
+                         job.log_file, resume)
+
     try:
         code = job.run(app, run_config, extra, timeout)
     except TimeoutError as err:
         job.stop()
-        raise RuntimeError(f"{err}; see {job.log_file}{see}") from None
+        raise failed(str(err)) from None
     except KeyboardInterrupt:
         job.stop()
         raise
@@ -260,8 +455,8 @@ def run_flower_job(job: FlowerJob, app: Path, run_config: Path, run_dir: Path, e
     summary_file = run_dir / SUMMARY_FILE
     fresh = summary_file.is_file() and summary_file.stat().st_mtime >= started - 1
     if code != 0 or status != "finished:completed" or not fresh:
-        raise RuntimeError(f"the run did not complete (flwr run exit {code}, run {job.run_id}, status {status!r}, "
-                           f"summary {'written' if fresh else 'not written'} by this run); see {job.log_file}{see}")
+        raise failed(f"the run did not complete (flwr run exit {code}, run {job.run_id}, status {status!r}, "
+                     f"summary {'written' if fresh else 'not written'} by this run)")
     return dict(json.loads(summary_file.read_text()))
 
 
@@ -281,45 +476,33 @@ def warn_level_sizes(cfg: DictConfig) -> None:
         print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
-def resume_hint(run_dir: Path, command: Sequence[str], overrides: Sequence[str]) -> str:
-    """What to type to continue an interrupted run (``command --resume <run dir>``) or, without
-    a checkpoint, to start it again (``command <overrides> [--run-dir <run dir>]``)."""
-    try:
-        _, saved = load_checkpoint(run_dir)
-    except (FileNotFoundError, ValueError):
-        try:
-            refuse_existing_run(run_dir)
-            again = [*command, *overrides, "--run-dir", str(run_dir)]
-        except FileExistsError:  # rows but no checkpoint yet (checkpoint.every > rounds done): a new directory
-            again = [*command, *overrides]
-        return ("no checkpoint was written yet, so there is nothing to resume; start the run again with:\n"
-                f"  cd {shlex.quote(str(APP_DIR))} && {shlex.join(again)}")
-    return (f"the last complete checkpoint (round {saved.get('round')}) is in {run_dir / CHECKPOINT_DIR}; "
-            f"resume the run with:\n  cd {shlex.quote(str(APP_DIR))} && {shlex.join([*command, '--resume', str(run_dir)])}")
-
-
-def report_interrupt(stop: Interrupted, run_dir: Path, command: Sequence[str], overrides: Sequence[str]) -> None:
-    """After the cleanup: what happened, and the command that resumes the run (stderr)."""
-    print(f"\n{stop.args[0]} received: stopped the Flower run and every process it started.\n"
-          f"{resume_hint(run_dir, command, overrides)}", file=sys.stderr, flush=True)
-
-
-LAUNCH = (sys.executable, "-m", "fedhm_flwr.launch")
+def interrupted(stop: Interrupted, run_dir: Path, commands: Commands, overrides: Sequence[str]) -> RunInterrupted:
+    """The :class:`RunInterrupted` of a run whose processes are all stopped."""
+    hint, command, saved = resume_hint(run_dir, commands, overrides)
+    return RunInterrupted(stop.signum, run_dir, hint, command, saved)
 
 
 def require_checkpoint(run_dir: Path) -> None:
-    if not (run_dir / CHECKPOINT_DIR / STATE_FILE).is_file():
-        raise ConfigError("resume", str(run_dir), f"a run directory with a checkpoint ({CHECKPOINT_DIR}/{STATE_FILE}); "
-                          "this run stopped before its first one: start it again")
+    """A resume needs a checkpoint: refused (ConfigError naming the folder) before anything starts."""
+    if checkpoint_round(run_dir) is None:
+        raise ConfigError("resume", str(run_dir), f"a run directory with a checkpoint ({run_dir / CHECKPOINT_DIR} "
+                          "holds none: the run stopped before its first one): start it again")
 
 
 def run_job(overrides: list[str], run_dir: Path | None = None, resume: Path | None = None,
-            quiet: bool = False) -> dict[str, Any]:
+            quiet: bool = False, commands: Commands | None = None,
+            on_error: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Validate, run through ``flwr run``, verify; returns the run's summary.
 
     Raises ConfigError / FileExistsError (incl. RunDirectoryBusy) before anything starts,
-    RuntimeError when the run fails and :class:`Interrupted` (after the cleanup and the printed
-    resume command) on SIGINT / SIGTERM / SIGHUP."""
+    :class:`RunFailed` when the run fails and :class:`RunInterrupted` (after the cleanup) on
+    SIGINT / SIGTERM / SIGHUP; their resume command is in ``commands``' terms (default:
+    ``python -m fedhm_flwr.launch --resume DIR``). ``on_error`` is told the run's first ServerApp
+    error and first client error (one line each) as soon as Flower's output shows them."""
+    commands = commands or LAUNCH_COMMANDS
+    if resume is not None:
+        resume = resume.resolve()
+        require_checkpoint(resume)  # before anything else: a resume without a checkpoint is refused at once
     # refuse missing data and bad values before anything starts (the data check first: it needs no torch)
     if resume is None:
         check_data(compose_config(overrides))
@@ -338,14 +521,13 @@ def run_job(overrides: list[str], run_dir: Path | None = None, resume: Path | No
                 else:
                     require_checkpoint(run_dir)
                 with Processes(tag, keep_fds=[lock.fd] if lock.fd is not None else []) as procs:
-                    return _run(procs, cfg, overrides, run_dir, resume, quiet)
+                    return _run(procs, cfg, overrides, run_dir, resume, quiet, commands, on_error)
         except Interrupted as stop:
-            report_interrupt(stop, run_dir, LAUNCH, overrides)
-            raise
+            raise interrupted(stop, run_dir, commands, overrides if resume is None else []) from None
 
 
 def _run(procs: Processes, cfg: DictConfig, overrides: list[str], run_dir: Path, resume: Path | None,
-         quiet: bool) -> dict[str, Any]:
+         quiet: bool, commands: Commands, on_error: Callable[[str], None] | None = None) -> dict[str, Any]:
     flwr_home = run_dir / ".flwr"
     run_config = write_run_config(flwr_home / "run_config.toml", overrides, run_dir, resume)
     federation = (f"num-supernodes={int(cfg.num_clients)} backend=\"ray\" "
@@ -355,9 +537,19 @@ def _run(procs: Processes, cfg: DictConfig, overrides: list[str], run_dir: Path,
     env = start_superlink(procs, flwr_home, run_dir / "superlink.log",
                           ray_address=cfg.simulation.get("ray_address"))
     app = stage_app(flwr_home / "app")
-    job = FlowerJob(procs, env, CONNECTION, run_dir / "flwr_run.log", echo=not quiet)
+    job = FlowerJob(procs, env, CONNECTION, run_dir / "flwr_run.log", echo=not quiet, on_error=on_error)
     return run_flower_job(job, app, run_config, run_dir, ["--federation-config", federation],
-                          see=f" and {run_dir}/superlink.log")
+                          see=f" and {run_dir}/superlink.log", commands=commands)
+
+
+def report_stop(stop: KeyboardInterrupt) -> int:
+    """After an interrupt: the report (stderr) and the exit code, 128 + the signal number."""
+    if isinstance(stop, RunInterrupted):
+        print(f"\n{stop}", file=sys.stderr, flush=True)
+    elif isinstance(stop, Interrupted):
+        print(f"\n{signal.Signals(stop.signum).name} received before the run started: nothing was started.",
+              file=sys.stderr, flush=True)
+    return stop.exit_code if isinstance(stop, Interrupted) else 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,17 +560,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", type=Path, help="continue the run stored in this run directory")
     args = parser.parse_args(argv)
     try:
-        summary = run_job(split_overrides(args.overrides), args.run_dir, args.resume)
+        with on_signals():  # from here on SIGINT / SIGTERM / SIGHUP end the command cleanly
+            summary = run_job(split_overrides(args.overrides), args.run_dir, args.resume)
     except (ConfigError, FileExistsError) as err:  # FileExistsError includes RunDirectoryBusy
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except RuntimeError as err:
+    except RuntimeError as err:  # RunFailed: ends with the one line that says why
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except Interrupted as stop:
-        return stop.exit_code
-    except KeyboardInterrupt:  # before anything started
-        return 130
+    except KeyboardInterrupt as stop:  # RunInterrupted (everything stopped, resume command), or before the start
+        return report_stop(stop)
     acc = summary.get("final_acc/global")
     print(f"run complete: final global accuracy {acc if acc is None else f'{acc:.4f}'}; "
           f"outputs in {summary['output_dir']}")

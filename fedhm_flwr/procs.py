@@ -360,10 +360,17 @@ class Interrupted(KeyboardInterrupt):
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+_DEPTH = {"depth": 0, "raised": False}  # nested on_signals blocks share one "already interrupted" flag
+
+
 @contextlib.contextmanager
 def on_signals(say: Any = None) -> Iterator[None]:
     """Within the block the first SIGINT / SIGTERM / SIGHUP raises :class:`Interrupted`; later ones
     only print that the cleanup goes on (so a second Ctrl-C cannot cut the cleanup short).
+
+    Blocks may nest (an entry point's ``main`` and the launcher's ``run_job``): they share one
+    flag, so a signal that arrives while an outer block reports the first one only prints too;
+    the flag is reset when the outermost block ends (a notebook can run and interrupt again).
     Outside the main thread this does nothing (Python delivers signals to the main thread)."""
     import threading
 
@@ -371,19 +378,22 @@ def on_signals(say: Any = None) -> Iterator[None]:
         yield
         return
     say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    state = {"raised": False}
 
     def handler(signum: int, _frame: Any) -> None:
-        if state["raised"]:
+        if _DEPTH["raised"]:
             say(f"{signal.Signals(signum).name} received: still stopping the run's processes, please wait")
             return
-        state["raised"] = True
+        _DEPTH["raised"] = True
         raise Interrupted(signum)
 
     previous = {sig: signal.signal(sig, handler) for sig in SIGNALS}
+    _DEPTH["depth"] += 1
     try:
         yield
     finally:
+        _DEPTH["depth"] -= 1
+        if _DEPTH["depth"] == 0:
+            _DEPTH["raised"] = False
         for sig, old in previous.items():
             signal.signal(sig, old)
 
@@ -439,6 +449,22 @@ class RunLock:
         os.write(fd, json.dumps({"pid": os.getpid(), "tag": self.tag}).encode())
         self.fd = fd
         return self
+
+    @staticmethod
+    def is_held(run_dir: str | Path) -> bool:
+        """Whether a live process holds ``run_dir``'s lock (a probe: takes a shared lock for an
+        instant when it is free, writes nothing)."""
+        try:
+            fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # drops the probe's own lock
+        return False
 
     def release(self) -> None:
         if self.fd is not None:

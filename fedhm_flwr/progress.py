@@ -81,11 +81,22 @@ class Follower:
         self.seen = len(read_rows(self.path))  # a resumed run's earlier rounds are not this session's
         self.first = self.seen
         self.first_done_at: float | None = None  # when this session's first round was seen
+        self._lock = threading.Lock()  # the poller thread and say() write to one stream
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def say(self, line: str) -> None:
+        """A line of its own above the progress line (the run's first error, as soon as it is seen)."""
+        with self._lock:
+            self.stream.write(("\r" if self.tty else "") + f"{self.label}{line}" + ("\x1b[K\n" if self.tty else "\n"))
+            self.stream.flush()
+
     def poll(self) -> None:
         """Print what changed: a line per new round (plain) or the refreshed line (terminal)."""
+        with self._lock:
+            self._poll()
+
+    def _poll(self) -> None:
         rows = read_rows(self.path)
         now = self.clock()
         elapsed = now - self.start
@@ -121,11 +132,14 @@ class Follower:
 
 
 def run_with_progress(overrides: list[str], run_dir: Path | None = None, resume: Path | None = None,
-                      label: str = "", stream: TextIO | None = None) -> dict[str, Any]:
-    """One job through the launcher (``run_job(..., quiet=True)``) with a progress line; its summary."""
+                      label: str = "", stream: TextIO | None = None, commands: Any = None) -> dict[str, Any]:
+    """One job through the launcher (``run_job(..., quiet=True)``) with a progress line; its summary.
+    ``commands``: the terms of the resume command its RunInterrupted / RunFailed carry."""
     from fedhm_flwr.config import load_config, resume_config
-    from fedhm_flwr.launch import default_run_dir, run_job
+    from fedhm_flwr.launch import default_run_dir, require_checkpoint, run_job
 
+    if resume is not None:
+        require_checkpoint(resume.resolve())  # refused before anything else
     cfg = resume_config(resume, overrides) if resume is not None else load_config(overrides)
     if resume is not None:
         run_dir = resume
@@ -133,5 +147,5 @@ def run_with_progress(overrides: list[str], run_dir: Path | None = None, resume:
     out = stream or sys.stdout
     out.write(f"{label}{cfg.method.name} on {cfg.model.arch}/{cfg.dataset.name}, {cfg.rounds} rounds; "
               f"outputs in {run_dir} (Flower's log: flwr_run.log)\n")
-    with Follower(run_dir, int(cfg.rounds), out, label=label):
-        return run_job(overrides, run_dir=run_dir, resume=resume, quiet=True)
+    with Follower(run_dir, int(cfg.rounds), out, label=label) as follower:
+        return run_job(overrides, run_dir=run_dir, resume=resume, quiet=True, commands=commands, on_error=follower.say)

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ CONFIG_FILE = "config.yaml"
 METRICS_JSONL = "metrics.jsonl"
 METRICS_CSV = "metrics.csv"
 SUMMARY_FILE = "summary.json"
+STATUS_FILE = "status.json"  # the ServerApp's own account: running, completed or failed (with the error)
 PLOT_FILE = "accuracy.png"
 CHECKPOINT_DIR = "checkpoint"
 MODEL_FILE = "global_model.safetensors"
@@ -32,6 +34,8 @@ STATE_FILE = "strategy_state.json"
 #: the fixed norm statistics of every level's deployable model, from the federated pass at the
 #: end of the run (:func:`fedhm_flwr.evaluation.deployment_statistics`); metadata names the round
 BN_STATS_FILE = "bn_statistics.safetensors"
+BEST_DIR = "best"  # checkpoint/best/: the model of the best evaluated round (checkpoint.keep_best)
+STATE_KEY = "fedhm_state"  # the strategy state, JSON, in the model file's metadata (one file, one rename)
 
 
 def atomic_write(path: Path, data: bytes | str) -> None:
@@ -47,6 +51,22 @@ def atomic_write(path: Path, data: bytes | str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_status(out_dir: str | Path, status: str, **info: Any) -> None:
+    """``status.json``: ``running`` (written when the ServerApp starts), ``completed`` or ``failed``
+    (with ``error``, one line), the round reached and when; read by ``fedhm status``."""
+    import datetime as dt
+
+    record = {"status": status, "time": dt.datetime.now().isoformat(timespec="seconds"), "pid": os.getpid(), **info}
+    atomic_write(Path(out_dir) / STATUS_FILE, json.dumps(record, default=str, indent=1))
+
+
+def read_status(run_dir: str | Path) -> dict[str, Any] | None:
+    try:
+        return dict(json.loads((Path(run_dir) / STATUS_FILE).read_text()))
+    except (OSError, ValueError):
+        return None
 
 
 def _json_default(value: Any) -> Any:
@@ -116,23 +136,37 @@ class RunRecorder:
 
     # -- checkpoint
 
-    def save_checkpoint(self, state: Mapping[str, torch.Tensor], strategy_state: Mapping[str, Any]) -> None:
-        folder = self.out_dir / CHECKPOINT_DIR
-        folder.mkdir(parents=True, exist_ok=True)
-        from safetensors.torch import save_file
+    #: seconds spent writing checkpoints in this session (the summary's ``checkpoint_seconds``)
+    checkpoint_seconds = 0.0
 
-        tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{MODEL_FILE}.")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp)
-            os.replace(tmp, folder / MODEL_FILE)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        # the state names the round of the model it belongs to; written second, so a crash
-        # between the two leaves a model that is at least as new as the state says
-        atomic_write(folder / STATE_FILE, json.dumps(strategy_state, default=_json_default, indent=1))
+    def save_checkpoint(self, state: Mapping[str, torch.Tensor], strategy_state: Mapping[str, Any]) -> None:
+        """The last checkpoint: ``checkpoint/global_model.safetensors`` holding the model and, in
+        its metadata, the strategy state (round, history, method and node state), written to a
+        temporary file and renamed over the previous one, so the model and its state change
+        together, atomically: a kill at any moment leaves the previous or the new checkpoint,
+        whole. ``strategy_state.json`` (the same state, for reading) is written after it."""
+        t0 = time.perf_counter()
+        text = json.dumps(strategy_state, default=_json_default)
+        _save_model(self.out_dir / CHECKPOINT_DIR / MODEL_FILE, state, {STATE_KEY: text})
+        atomic_write(self.out_dir / CHECKPOINT_DIR / STATE_FILE, text)
+        self.checkpoint_seconds += time.perf_counter() - t0
+
+    def save_best(self, state: Mapping[str, torch.Tensor], row: Mapping[str, Any]) -> bool:
+        """``checkpoint.keep_best``: keep the model of the best round so far in ``checkpoint/best/``
+        (by the global model's accuracy on the server's test set, else the clients' federated
+        accuracy; rounds without either are skipped). The round, the metric and its value are in
+        the file's metadata. Returns whether this round's model was written."""
+        key = next((k for k in ("acc/global", "fed_acc/all") if row.get(k) is not None), None)
+        if key is None:
+            return False
+        path = self.out_dir / CHECKPOINT_DIR / BEST_DIR / MODEL_FILE
+        best = best_checkpoint_info(self.out_dir)
+        if best is not None and float(best["value"]) >= float(row[key]):
+            return False
+        t0 = time.perf_counter()
+        _save_model(path, state, {"round": str(row["round"]), "metric": key, "value": repr(float(row[key]))})
+        self.checkpoint_seconds += time.perf_counter() - t0
+        return True
 
     def save_bn_statistics(self, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
         """The deployable models' fixed norm statistics beside the checkpoint (atomically)."""
@@ -186,15 +220,50 @@ class RunRecorder:
         return self.out_dir / PLOT_FILE
 
 
-def load_checkpoint(run_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(global model state, strategy state) of a run directory's checkpoint."""
+def _save_model(path: Path, state: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file written to a temporary file in the same folder, flushed to disk, then
+    renamed over ``path`` (atomic)."""
+    from safetensors.torch import save
+
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    atomic_write(path, save(tensors, metadata=metadata))
+
+
+def _metadata(path: Path) -> dict[str, str]:
+    """A safetensors file's metadata (its header only: no tensor is read, no torch needed)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as fh:
+        return dict(fh.metadata() or {})
+
+
+def load_checkpoint_state(run_dir: str | Path) -> dict[str, Any]:
+    """The strategy state of a run directory's last checkpoint (round, history, ...), read from
+    the model file it belongs to; FileNotFoundError naming the folder when there is none."""
     folder = Path(run_dir) / CHECKPOINT_DIR
-    model, state = folder / MODEL_FILE, folder / STATE_FILE
-    if not model.is_file() or not state.is_file():
-        raise FileNotFoundError(f"no checkpoint in {folder} (expected {MODEL_FILE} and {STATE_FILE})")
+    model = folder / MODEL_FILE
+    if not model.is_file():
+        raise FileNotFoundError(f"no checkpoint in {folder} (expected {MODEL_FILE})")
+    text = _metadata(model).get(STATE_KEY)
+    if text is None:  # a checkpoint written before the state moved into the model file
+        if not (folder / STATE_FILE).is_file():
+            raise FileNotFoundError(f"no checkpoint in {folder} (expected {MODEL_FILE} and {STATE_FILE})")
+        text = (folder / STATE_FILE).read_text()
+    return dict(json.loads(text))
+
+
+def load_checkpoint(run_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(global model state, strategy state) of a run directory's last checkpoint."""
+    state = load_checkpoint_state(run_dir)
     from safetensors.torch import load_file
 
-    return load_file(str(model)), json.loads(state.read_text())
+    return load_file(str(Path(run_dir) / CHECKPOINT_DIR / MODEL_FILE)), state
+
+
+def best_checkpoint_info(run_dir: str | Path) -> dict[str, str] | None:
+    """``{"round", "metric", "value"}`` of ``checkpoint/best/`` (checkpoint.keep_best), None if absent."""
+    path = Path(run_dir) / CHECKPOINT_DIR / BEST_DIR / MODEL_FILE
+    return _metadata(path) if path.is_file() else None
 
 
 def load_bn_statistics(run_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:

@@ -23,7 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from fedhm_flwr.config import load_config, model_spec, resume_config, to_yaml
 from fedhm_flwr.evaluation import make_evaluator
 from fedhm_flwr.models import build_model
-from fedhm_flwr.results import RunRecorder, load_checkpoint, refuse_existing_run, summarize
+from fedhm_flwr.results import (METRICS_JSONL, RunRecorder, load_checkpoint, load_checkpoint_state, refuse_existing_run,
+                                summarize, write_status)
 from fedhm_flwr.procs import TAG_VAR, RunLock
 from fedhm_flwr.tracking import open_tracker
 from fedhm_flwr.train import pick_device
@@ -51,9 +52,24 @@ def run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None = None) 
     deploy-local, which hold the lock already, the process carries their tag and goes in."""
     lock = RunLock(out_dir, tag=os.environ.get(TAG_VAR)).acquire()
     try:
-        return _run(grid, cfg, out_dir, resume)
+        write_status(out_dir, "running", rounds=int(cfg.rounds), resumed=str(resume) if resume else None)
+        try:
+            summary = _run(grid, cfg, out_dir, resume)
+        except BaseException as exc:  # noqa: BLE001 - recorded, then raised as it was
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
+            write_status(out_dir, "failed", error=reason[:2000], rounds=int(cfg.rounds), round=_rounds_done(out_dir))
+            raise
+        write_status(out_dir, "completed", rounds=int(cfg.rounds), round=summary.get("rounds_completed"))
+        return summary
     finally:
         lock.release()
+
+
+def _rounds_done(out_dir: Path) -> int:
+    try:
+        return len((out_dir / METRICS_JSONL).read_text().splitlines())
+    except OSError:
+        return 0
 
 
 def _run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None) -> dict[str, Any]:
@@ -88,6 +104,7 @@ def _run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None) -> dic
         # what the last evaluation normalised with (a running-statistics model: running_averaged)
         "bn_stats": next((r["bn_stats"] for r in reversed(recorder.rows) if "bn_stats" in r), cfg.evaluation.bn_stats),
         "wall_seconds": time.perf_counter() - t0,
+        "checkpoint_seconds": recorder.checkpoint_seconds,  # this session's checkpoint writing (bench figure 7)
         **strategy.startup_info,  # start-up: nodes learnt before round 1 (seconds, asked, bytes)
         "output_dir": str(recorder.out_dir),
         **strategy.untrusted.summary(),  # attack, defence and DP (epsilon) totals, when configured
@@ -105,6 +122,8 @@ def main(grid: Grid, context: Context) -> None:
     run_config = context.run_config
     overrides = str(run_config.get("overrides", "") or "")
     resume = str(run_config.get("resume", "") or "") or None
+    if resume:
+        load_checkpoint_state(resume)  # FileNotFoundError naming the folder before anything is written there
     cfg = resume_config(resume, overrides) if resume else load_config(overrides)
     out = resume or str(run_config.get("output-dir", "") or "") or cfg.output_dir
     out_dir = Path(out).expanduser().resolve() if out else default_output_dir(cfg)

@@ -68,8 +68,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fedhm_flwr.config import ConfigError, load_config, resume_config, split_overrides
-from fedhm_flwr.launch import (FlowerJob, check_data, default_run_dir, free_port, report_interrupt, require_checkpoint,
-                               run_flower_job, stage_app, toml_string, write_run_config)
+from fedhm_flwr.launch import (Commands, FlowerJob, check_data, default_run_dir, free_port, interrupted, report_stop,
+                               require_checkpoint, run_flower_job, stage_app, toml_string, write_run_config)
 from fedhm_flwr.procs import TAG_VAR, Interrupted, Processes, RunLock, new_tag, on_signals, tagged_pids
 from fedhm_flwr.procs import alive as _alive
 from fedhm_flwr.results import refuse_existing_run
@@ -446,7 +446,7 @@ class LocalDeployment:
             time.sleep(2.0)
 
     def run_job(self, overrides: Sequence[str], run_dir: Path, timeout: float | None = None,
-                echo: bool = True, resume: Path | None = None) -> dict[str, Any]:
+                echo: bool = True, resume: Path | None = None, commands: Commands | None = None) -> dict[str, Any]:
         """The staged app through ``flwr run <app> <connection> --stream`` (the launcher's runner:
         own run id, final status, summary); returns ``summary.json``."""
         run_dir = run_dir.resolve()
@@ -455,7 +455,8 @@ class LocalDeployment:
         app = stage_app(self.work_dir / "app")  # the app's own files, not tests/ bench/ scripts/ docs/
         self.say(f"flwr run {app} {CONNECTION} --stream --run-config {run_config}  (outputs in {run_dir})")
         job = FlowerJob(self.processes, self.env(self.cli_home), CONNECTION, self.logs / "flwr-run.log", echo)
-        return run_flower_job(job, app, run_config, run_dir, timeout=timeout, see=f" and {self.logs}/superlink.log")
+        return run_flower_job(job, app, run_config, run_dir, timeout=timeout, see=f" and {self.logs}/superlink.log",
+                              commands=commands)
 
     def close(self) -> None:
         """Stop every process this deployment started (SuperNodes, then the SuperLink, then stragglers)."""
@@ -488,6 +489,8 @@ def deploy(num_nodes: int, overrides: Sequence[str], capabilities: Sequence[str]
     if resume is None and not any(o.lstrip("+~").split("=", 1)[0] == "num_clients" for o in overrides):
         overrides.insert(0, f"num_clients={num_nodes}")  # the config records the real federation size
     # a bad value or missing data stops here, before anything starts
+    if resume is not None:
+        require_checkpoint(resume.resolve())  # a resume without a checkpoint is refused at once, naming the folder
     cfg = resume_config(resume, overrides) if resume is not None else load_config(overrides)
     check_data(cfg, simulation=False)  # each node checks its own shard when it first answers
     levels = [float(x) for x in cfg.levels.ratios]
@@ -495,6 +498,7 @@ def deploy(num_nodes: int, overrides: Sequence[str], capabilities: Sequence[str]
     caps = [parse_capability(specs[i % len(specs)]) for i in range(num_nodes)]
     run_dir = (resume or run_dir or default_run_dir(f"{cfg.method.name}-deploy")).resolve()
     command = list(command or [sys.executable, str(Path(__file__).resolve()), "--nodes", str(num_nodes)])
+    commands = Commands((*command, "--resume"), tuple(command), APP_DIR)
     names = [f"node-{i}" for i in range(num_nodes)]
     tag = new_tag()
     with on_signals():
@@ -515,10 +519,9 @@ def deploy(num_nodes: int, overrides: Sequence[str], capabilities: Sequence[str]
                         dep.start_supernode(name, config)
                         dep.say(f"{name}: {' '.join(f'{k}={v}' for k, v in config.items())}")
                     dep.wait_online(names)
-                    return dep.run_job(overrides, run_dir, timeout=timeout, resume=resume)
-        except Interrupted as stop:
-            report_interrupt(stop, run_dir, command, overrides if resume is None else [])
-            raise
+                    return dep.run_job(overrides, run_dir, timeout=timeout, resume=resume, commands=commands)
+        except Interrupted as stop:  # everything is stopped: the report names the command that resumes the run
+            raise interrupted(stop, run_dir, commands, overrides if resume is None else []) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -557,18 +560,17 @@ def main(argv: list[str] | None = None) -> int:
         if capabilities:
             for spec in capabilities:
                 parse_capability(spec)
-        summary = deploy(args.nodes, split_overrides(args.overrides), capabilities, args.data_dir, args.run_dir,
-                         args.port, sans, args.timeout, args.resume, command)
+        with on_signals():  # SIGINT / SIGTERM / SIGHUP from the start: a clean stop, exit 128 + the signal
+            summary = deploy(args.nodes, split_overrides(args.overrides), capabilities, args.data_dir, args.run_dir,
+                             args.port, sans, args.timeout, args.resume, command)
     except (ConfigError, ValueError, FileExistsError) as err:  # FileExistsError includes a locked run directory
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except Interrupted as stop:  # everything was stopped; the resume command was printed
-        return stop.exit_code
-    except KeyboardInterrupt:  # before anything started
-        return 130
+    except KeyboardInterrupt as stop:  # RunInterrupted (everything stopped; the resume command) or before the start
+        return report_stop(stop)
     acc = summary.get("final_acc/global")
     _say(f"run complete: final global accuracy {acc if acc is None else f'{acc:.4f}'}; "
          f"outputs in {summary['output_dir']}; everything started has been stopped")

@@ -419,6 +419,8 @@ class HeteroStrategy(Strategy):
                 self.recorder.log_round(row)
                 if self._checkpoint_due(server_round, num_rounds):
                     self.recorder.save_checkpoint(self.state_of(arrays), self.checkpoint_state(server_round))
+                if self.cfg.checkpoint.get("keep_best", False):
+                    self.recorder.save_best(self.state_of(arrays), row)
         return result
 
     # ------------------------------------------------------------------ evaluation (fedhm_flwr/evaluation.py)

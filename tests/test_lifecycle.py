@@ -1,29 +1,35 @@
-"""The launcher's lifecycle, through real processes: ``python -m fedhm_flwr.launch`` in its own
-session, signalled while its run trains.
+"""Interrupts, kills and resumes through the README's commands and real processes: ``fedhm run``,
+``fedhm resume``, ``fedhm sweep`` (and ``fedhm status``), each started in a session of its own as a
+terminal starts a foreground job, and signalled as a terminal signals it (Ctrl-C: SIGINT to the
+process group) or outright (SIGKILL):
 
-* SIGINT, SIGTERM, SIGKILL to the launcher: within 10 s no process of the run is alive (checked
-  by PID: every process carrying the run's tag in ``/proc/<pid>/environ`` and every descendant
-  of the launcher, collected while the run trains, plus a last scan);
-* after SIGINT the launcher printed the resume command; running exactly that command exits 0
-  and ends with the same global model as an uninterrupted run with the same seed;
-* the resume of a run killed with SIGKILL goes on from its checkpoint, and the final resume exits 0
-  (the launcher judges its own run id, not the other runs in the reused state database, among
-  them the killed one that never finished); SIGKILL and SIGINT share one run (killed, resumed,
-  interrupted, resumed) so that the whole suite stays within its time budget;
-* a second launch into a live run's directory is refused at once (exit 2, naming the directory
-  and the live PID) and writes nothing there.
+* Ctrl-C to ``fedhm run`` after round 3 of 6: exit 130, no traceback, within 10 s no process of
+  the run is alive (checked by PID: every process carrying the run's tag in
+  ``/proc/<pid>/environ`` and every descendant of the command, collected while the run trains,
+  plus a last scan); the printed ``fedhm resume <run dir>`` finishes the run with exactly the
+  model of an uninterrupted run (max abs diff 0); while it trained, a second launch into its
+  directory was refused (exit 2, naming the directory and the live PID);
+* SIGKILL to ``fedhm run`` after round 3: the watchdog stops everything, ``fedhm status`` says
+  the run stopped (exit 1), and ``fedhm resume`` goes on from the checkpoint's round to the same
+  model;
+* Ctrl-C to a 2-job ``fedhm sweep`` in its second job: exit 130, the report names the finished
+  and the interrupted job, and its continue command runs only the missing rounds of the second
+  job; the sweep summary then covers both. Its jobs inject a client crash (a real exception in
+  the ClientApp): the console names it within 10 s of the round that saw it.
 
 The process scans here are written independently of ``fedhm_flwr.procs``.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,22 +37,33 @@ import pytest
 from safetensors.torch import load_file
 
 from fedhm_flwr.procs import RunDirectoryBusy, RunLock
+from fedhm_flwr.results import load_checkpoint_state
 
 ROOT = Path(__file__).resolve().parent.parent
-# 12 short rounds: ~12 s of Ray start-up, then ~0.5 s per round; checkpoint every round
-JOB = ["rounds=12", "num_clients=2", "fraction_train=1.0", "dataset.max_train_examples=3000",
-       "dataset.max_test_examples=300", "model.width=4", "evaluation.levels=false", "checkpoint.every=1"]
+# 6 short rounds: Ray's start-up, then about a second per round; a checkpoint every round (the default)
+JOB = ["rounds=6", "num_clients=2", "fraction_train=1.0", "dataset.max_train_examples=3000",
+       "dataset.max_test_examples=300", "model.width=4", "evaluation.levels=false"]
 MODEL = Path("checkpoint") / "global_model.safetensors"
 
 
+def _fedhm(run_dir: Path, *args: str, name: str = "run") -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """``fedhm ARGS`` as a terminal starts it: a session (and process group) of its own; stdout
+    and stderr to files next to the run directory. Returns (process, stdout file, stderr file)."""
+    out, err = run_dir.parent / f"{run_dir.name}-{name}.out", run_dir.parent / f"{run_dir.name}-{name}.err"
+    with out.open("wb") as o, err.open("wb") as e:
+        proc = subprocess.Popen([sys.executable, "-m", "fedhm_flwr", *args], cwd=ROOT, stdout=o, stderr=e,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    return proc, out, err
 
-def _launch(run_dir: Path, *args: str, name: str = "launcher") -> tuple[subprocess.Popen[bytes], Path]:
-    """The launcher as a user starts it, in a session of its own; output to a file."""
-    log = run_dir.parent / f"{run_dir.name}-{name}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "fedhm_flwr.launch", *args], cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    return proc, log
+
+def _ctrl_c(proc: subprocess.Popen[bytes]) -> None:
+    """What a terminal's Ctrl-C does: SIGINT to the foreground process group."""
+    os.killpg(proc.pid, signal.SIGINT)
+
+
+def _status(run_dir: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fedhm_flwr", "status", str(run_dir)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
 
 
 def _rounds_logged(run_dir: Path) -> int:
@@ -142,26 +159,6 @@ def _assert_all_gone(pids: set[int], run_dir: Path, since: float, limit: float =
         time.sleep(0.2)
 
 
-def _signal_mid_run(run_dir: Path, sig: signal.Signals, resume_after: int = 0
-                    ) -> tuple[subprocess.Popen[bytes], Path, int]:
-    """Start the job (or, with ``resume_after`` = the round of the checkpoint there, resume it),
-    signal the launcher once its run checkpointed a round of its own, check that everything is gone
-    in 10 s; returns (launcher, its log, round of the checkpoint left behind)."""
-    if resume_after:
-        proc, log = _launch(run_dir, "--resume", str(run_dir), name="resume")
-    else:
-        proc, log = _launch(run_dir, *JOB, "--run-dir", str(run_dir))
-    _wait_for_round(run_dir, proc, log, resume_after + 1, done=_checkpoint_round)
-    pids = _processes_of_the_run(run_dir, proc.pid)
-    t0 = time.monotonic()
-    proc.send_signal(sig)
-    _assert_all_gone(pids, run_dir, t0)
-    proc.wait(timeout=10)
-    saved = _checkpoint_round(run_dir)
-    assert resume_after < saved < 12, f"the signal did not reach the run in mid-course (checkpoint of round {saved})"
-    return proc, log, saved
-
-
 def _same_model(a: Path, b: Path) -> None:
     x, y = load_file(str(a / MODEL)), load_file(str(b / MODEL))
     assert x.keys() == y.keys()
@@ -246,73 +243,194 @@ def test_missing_cifar_fails_at_once_with_one_line_and_starts_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_error_scan_takes_the_serverapps_exception_from_flowers_own_log_lines():
+    """The line Flower's logger writes for a ServerApp that raised, then the traceback: the scan
+    keeps the exception's own line (what the console's `why:` shows)."""
+    import io
+    import logging
+
+    from flwr.common.logger import log
+
+    from fedhm_flwr.launch import ErrorScan
+
+    handler = next(h for h in logging.getLogger("flwr").handlers if isinstance(h, logging.StreamHandler))
+    buffer = io.StringIO()
+    stream = handler.setStream(buffer)  # Flower's own console handler and format, into a buffer
+    try:
+        try:
+            raise ValueError("dataset.path: /data/x/bad.png is not a readable image")
+        except ValueError as ex:
+            log(logging.ERROR, "ServerApp raised an exception", exc_info=ex)
+    finally:
+        handler.setStream(stream)
+    told: list[str] = []
+    scan = ErrorScan(told.append)
+    for line in buffer.getvalue().splitlines():
+        scan.feed(line)
+    assert "Traceback" in buffer.getvalue()
+    assert scan.server == "ValueError: dataset.path: /data/x/bad.png is not a readable image", buffer.getvalue()
+    assert told == [f"ServerApp error: {scan.server}"] and scan.reason() == f"ServerApp: {scan.server}"
+
+
+def test_resume_without_a_checkpoint_and_status_of_a_non_run_are_refused_at_once(tmp_path):
+    """`fedhm resume` of a run that stopped before its first checkpoint: exit 2 in seconds, one line
+    naming the folder, nothing started (no lock, no Flower state); `fedhm status` of a folder that
+    holds no run: exit 2."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("rounds: 2\n")  # what a run writes before its first round
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "fedhm_flwr", "resume", str(run_dir)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert str(run_dir / "checkpoint") in line and "holds none" in line, line
+    assert time.monotonic() - t0 < 15
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]
+    status = _status(tmp_path)
+    assert status.returncode == 2 and "not a run directory" in status.stderr
+
+
 # --------------------------------------------------------------------------- slow: whole runs
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    """The uninterrupted run with the same seed."""
+    """The uninterrupted run with the same seed; ``fedhm status`` says it completed."""
     run_dir = tmp_path_factory.mktemp("lifecycle") / "reference"
-    proc, log = _launch(run_dir, *JOB, "--run-dir", str(run_dir))
-    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
-    assert json.loads((run_dir / "summary.json").read_text())["rounds_completed"] == 12
-    assert "[round 12/12]" in log.read_text()  # the launcher shows Flower's round lines on its console
+    proc, out, err = _fedhm(run_dir, "run", *JOB, "--run-dir", str(run_dir))
+    assert proc.wait(timeout=900) == 0, err.read_text()[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["rounds_completed"] == 6
+    assert "round 6/6" in out.read_text()  # the progress line
+    status = _status(run_dir)
+    assert status.returncode == 0 and "completed (6/6 rounds)" in status.stdout, status.stdout + status.stderr
     return run_dir
 
 
+def _interrupt_after_round(run_dir: Path, proc: subprocess.Popen[bytes], err: Path, rounds: int,
+                           sig: signal.Signals | None) -> int:
+    """Wait for the run's checkpoint of ``rounds``, then Ctrl-C (``sig`` None) or ``sig`` to the
+    command; check that no process of the run is alive 10 s later; the checkpoint's round."""
+    _wait_for_round(run_dir, proc, err, rounds, timeout=900, done=_checkpoint_round)
+    pids = _processes_of_the_run(run_dir, proc.pid)
+    t0 = time.monotonic()
+    if sig is None:
+        _ctrl_c(proc)
+    else:
+        proc.send_signal(sig)
+    _assert_all_gone(pids, run_dir, t0)
+    proc.wait(timeout=10)
+    saved = int(load_checkpoint_state(run_dir)["round"])
+    assert rounds <= saved < 6, f"the signal did not reach the run in mid-course (checkpoint of round {saved})"
+    return saved
+
+
 @pytest.mark.slow
-def test_sigkill_then_ctrl_c_leave_nothing_behind_and_the_printed_resume_finishes_the_same_model(tmp_path,
-                                                                                                 reference):
+def test_ctrl_c_to_fedhm_run_exits_130_leaves_nothing_and_the_printed_resume_ends_as_an_uninterrupted_run(
+        tmp_path, reference):
     run_dir = tmp_path / "run"
-    proc, _, killed_at = _signal_mid_run(run_dir, signal.SIGKILL)
-    assert proc.returncode == -signal.SIGKILL
-    # the state database now holds a run that never finished; its resume goes on from the checkpoint
-    # (a round of its own, past the killed run's) until Ctrl-C
-    proc, log, saved = _signal_mid_run(run_dir, signal.SIGINT, resume_after=killed_at)
-    out = log.read_text()
-    assert proc.returncode == 130, out[-3000:]
-    match = re.search(r"resume the run with:\n  (.+)\n", out)
-    assert match, out[-3000:]
-    command = match.group(1)
-    assert f"--resume {run_dir}" in command and f"round {saved})" in out
-    # exactly the printed command: it judges its own run, not the killed one, and ends as the
-    # uninterrupted run ended
-    resumed = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=600,
-                             start_new_session=True)
+    proc, out, err = _fedhm(run_dir, "run", *JOB, "--run-dir", str(run_dir))
+    _wait_for_round(run_dir, proc, err, 1, timeout=900, done=_checkpoint_round)
+    # a second launch into the live run's directory (a new run, a resume) is refused at once
+    lock = (run_dir / ".lock").read_text()
+    for args in (["run", *JOB, "--run-dir", str(run_dir)], ["resume", str(run_dir)]):
+        other = subprocess.run([sys.executable, "-m", "fedhm_flwr", *args], cwd=ROOT, capture_output=True, text=True,
+                               timeout=300)
+        assert other.returncode == 2, other.stdout + other.stderr
+        (line,) = other.stderr.strip().splitlines()  # one line
+        assert str(run_dir) in line and f"PID {proc.pid}" in line, line
+    assert proc.poll() is None and (run_dir / ".lock").read_text() == lock
+
+    saved = _interrupt_after_round(run_dir, proc, err, 3, None)
+    stderr = err.read_text()
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr
+    match = re.search(r"round (\d+)\) is in .*; resume the run with:\n  (.+)\n", stderr)
+    assert match and int(match.group(1)) == saved, stderr
+    command = match.group(2)
+    assert re.fullmatch(rf"\S*fedhm resume {re.escape(str(run_dir))}", command), command
+    # exactly the printed command: it ends as the uninterrupted run ended
+    resumed = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=900, start_new_session=True)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "run complete" in resumed.stdout + resumed.stderr
+    assert "run complete" in resumed.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == list(range(1, 13))
+    assert [r["round"] for r in rows] == list(range(1, 7))
     _same_model(run_dir, reference)
 
 
 @pytest.mark.slow
-def test_a_live_run_keeps_its_directory_and_sigterm_stops_it(tmp_path):
+def test_sigkill_to_fedhm_run_the_watchdog_stops_it_status_says_so_and_resume_goes_on_from_its_checkpoint(
+        tmp_path, reference):
     run_dir = tmp_path / "run"
-    long_job = ["rounds=200" if o.startswith("rounds=") else o for o in JOB]
-    proc, log = _launch(run_dir, *long_job, "--run-dir", str(run_dir))
-    _wait_for_round(run_dir, proc, log)
-    pids = _processes_of_the_run(run_dir, proc.pid)
-    files = [run_dir / ".lock", run_dir / ".flwr" / "run_config.toml", run_dir / ".flwr" / "app"]
-    before = {f: f.stat().st_mtime_ns for f in files}
-    lock = (run_dir / ".lock").read_text()
-    t0 = time.monotonic()
-    second = [subprocess.Popen([sys.executable, "-m", "fedhm_flwr.launch", *args], cwd=ROOT, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-              for args in ([*JOB, "--run-dir", str(run_dir)], ["--resume", str(run_dir)])]
-    for other in second:
-        out, err = other.communicate(timeout=120)
-        assert other.returncode == 2, out + err
-        (line,) = err.strip().splitlines()  # one line
-        assert str(run_dir) in line and f"PID {proc.pid}" in line, line
-    took = time.monotonic() - t0
-    assert proc.poll() is None, "the live run ended before the check"
-    assert {f: f.stat().st_mtime_ns for f in files} == before and (run_dir / ".lock").read_text() == lock
-    assert _with_env(f"FLWR_HOME={run_dir / '.flwr'}") <= pids | _with_env(f"FEDHM_RUN_TAG={_run_tag(run_dir)}")
+    proc, out, err = _fedhm(run_dir, "run", *JOB, "--run-dir", str(run_dir))
+    saved = _interrupt_after_round(run_dir, proc, err, 3, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    before = (run_dir / "metrics.jsonl").read_text().splitlines()[:saved]
+    status = _status(run_dir)
+    assert status.returncode == 1 and "stopped" in status.stderr and f"last checkpoint: round {saved}" in status.stderr, (
+        status.stdout + status.stderr)
+    resumed, out, err = _fedhm(run_dir, "resume", str(run_dir), name="resume")
+    assert resumed.wait(timeout=900) == 0, err.read_text()[-3000:]
+    progress = [line for line in out.read_text().splitlines() if line.startswith("round ")]
+    assert progress[0].startswith(f"round {saved + 1}/6 "), progress  # went on after the checkpoint's round
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert rows[:saved] == before and [json.loads(r)["round"] for r in rows] == list(range(1, 7))
+    _same_model(run_dir, reference)
+    assert _status(run_dir).returncode == 0
 
+
+def _timed_lines(path: Path, proc: subprocess.Popen[bytes], stamps: dict[str, float]) -> threading.Thread:
+    """Note when each line first appears in ``path`` (the command's console) while ``proc`` runs."""
+    def follow() -> None:
+        while True:
+            running = proc.poll() is None
+            for line in path.read_text(errors="replace").splitlines():
+                stamps.setdefault(line, time.monotonic())
+            if not running:
+                return
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=follow, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_a_sweep_names_its_jobs_and_the_continue_command_runs_only_what_is_missing(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    # every sampled client raises in its ClientApp (failure injection): a real client error
+    args = ["seed=0,1", "rounds=4", *[o for o in JOB if not o.startswith("rounds=")], "failures.crash_probability=1.0",
+            f"hydra.sweep.dir={sweep_dir}"]
+    proc, out, err = _fedhm(sweep_dir, "sweep", *args)
+    stamps: dict[str, float] = {}
+    follower = _timed_lines(out, proc, stamps)
+    job0, job1 = sweep_dir / "job0", sweep_dir / "job1"
+    _wait_for_round(job1, proc, err, 2, timeout=1200, done=_checkpoint_round)
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    _assert_all_gone(pids, run_dir, t0)
-    assert proc.wait(timeout=10) == 143
-    assert "resume the run with:" in log.read_text()
-    print(f"second launches refused in {took:.1f} s")
+    pids = _processes_of_the_run(job1, proc.pid)
+    _ctrl_c(proc)
+    _assert_all_gone(pids, job1, t0)
+    assert proc.wait(timeout=10) == 130, err.read_text()[-3000:]
+    follower.join(timeout=10)
+    stderr = err.read_text()
+    assert "Traceback" not in stderr, stderr
+    assert "finished: job0; interrupted: job1; not started: 0" in stderr, stderr
+    command = re.search(r"continue the sweep .*with:\n  (.+)\n", stderr).group(1)
+    assert command.endswith(f"fedhm sweep --continue {sweep_dir}"), command
+    # the client's own exception on the console, within 10 s of the round that saw it
+    seen = [t for line, t in stamps.items() if line.startswith("job 0: first client error: round 1: node ")
+            and line.endswith("failed: clients.base.InjectedFailure: injected client crash")]
+    round_1 = [t for line, t in stamps.items() if line.startswith("job 0: round 1/4 ")]
+    assert seen and round_1 and seen[0] - round_1[0] < 10, sorted(stamps)
+    finished = {p: p.stat().st_mtime_ns for p in job0.iterdir() if p.is_file()}
+    resumed_from = _checkpoint_round(job1)
+
+    cont = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=1200, start_new_session=True)
+    assert cont.returncode == 0, cont.stdout[-3000:] + cont.stderr[-3000:]
+    assert "job 0: finished in an earlier session: kept" in cont.stdout
+    assert {p: p.stat().st_mtime_ns for p in job0.iterdir() if p.is_file()} == finished  # job 0 not run again
+    progress = [line for line in cont.stdout.splitlines() if line.startswith("job 1: round ")]
+    assert progress[0].startswith(f"job 1: round {resumed_from + 1}/4 "), progress
+    assert [json.loads(r)["round"] for r in (job1 / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    with (sweep_dir / "summary.csv").open() as fh:
+        assert sorted(row["run"] for row in csv.DictReader(fh)) == ["job0", "job1"]
