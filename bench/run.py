@@ -4,9 +4,10 @@ Figures (each in one process, compared things on the same machine state, medians
 
 1. server time per round (factorize, build messages, recover, aggregate) of FedHM against FedAvg
    on the same model and number of replies; FedHM's whole server round (configure + aggregate +
-   the evaluation's share of the factorization) against its floor (one fastest-method
-   decomposition per factorizable layer plus one weighted average of the replies by stacked
-   factor products, timed bare in the same process); and the server's share of a round's wall time;
+   the evaluation's share of the factorization) against its floor (bench/floors.py, plain torch:
+   one float32 ``eigh`` of the Gram matrix per factorizable layer plus one weighted average of the
+   replies by stacked factor products, timed bare in the same process); and the server's share of a
+   round's wall time;
 2. bytes per client per round for each level, measured from the serialized messages, against the
    full model, next to the parameter-count ratio;
 3. training-step time of each level's model against the full model (CPU at 1 thread and at all
@@ -41,7 +42,6 @@ from typing import Any
 import torch
 
 from fedhm_flwr.config import load_config, model_spec
-from fedhm_flwr.lowrank import compute_svds
 from fedhm_flwr.models import build_model, count_macs, count_parameters, input_shape
 
 REPORT_DIR = Path(__file__).resolve().parent / "reports"
@@ -71,6 +71,10 @@ def identity_query(msg: Any, context: Any) -> Any:
     from clients.base import node_info
 
     return Message(RecordDict({"config": node_info(context)}), reply_to=msg)
+
+
+#: FedHM's server round ÷ its independent floor must stay under this (issue 25)
+ROUND_OVER_FLOOR_TARGET = {"resnet18": 1.5, "cnn": 2.0}
 
 
 def figure_server_time(quick: bool) -> dict[str, Any]:
@@ -122,6 +126,7 @@ def figure_server_time(quick: bool) -> dict[str, Any]:
                 pieces = fedhm_round_against_floor(strategy, grid, state, repeats)
             row[method] = pieces
         row["fedhm_over_floor"] = row["fedhm"]["round / floor"]["median_s"]
+        row["floor_target"] = ROUND_OVER_FLOOR_TARGET[arch]
         row["fedhm_over_fedavg"] = (
             (row["fedhm"]["configure_train"]["median_s"] + row["fedhm"]["aggregate_train"]["median_s"])
             / (row["fedavg"]["configure_train"]["median_s"] + row["fedavg"]["aggregate_train"]["median_s"]))
@@ -142,7 +147,7 @@ def figure_server_time(quick: bool) -> dict[str, Any]:
 
 
 def fedhm_round_against_floor(strategy: Any, grid: Any, state: dict[str, Any], repeats: int) -> dict[str, Any]:
-    """FedHM's server work of whole rounds against its floor, measured in the same process.
+    """FedHM's server work of whole rounds against an independent floor, measured in the same process.
 
     A round (medians over ``repeats`` chained rounds, the first one not counted): ``configure_train``
     + ``aggregate_train`` + the evaluation's share of the factorization (every level's deployable
@@ -150,21 +155,21 @@ def fedhm_round_against_floor(strategy: Any, grid: Any, state: dict[str, Any], r
     counted). Each round hands out a new model version (the echoed replies are recovered from
     factors), so each pays its one decomposition per layer, wherever the cache puts it.
 
-    The floor: one fastest-method decomposition per factorizable layer of the merged state
-    (:func:`compute_svds` with the levels' ranks) plus one weighted average of the replies, the
-    fastest way known (:func:`fedhm_flwr.aggregation.average_hybrid`: per layer one product of the
-    stacked weighted factors, never a recovered full state, and one stacked weighted sum of the
-    rest), each timed bare on the deserialized replies right after the round it is compared with
-    (the machine is shared).
+    The floor (:mod:`bench.floors`, plain torch, nothing imported from the project): one float32
+    ``eigh`` of the smaller Gram matrix per factorizable layer of the merged state
+    (:func:`bench.floors.decomposition_floor`) plus one weighted average of the replies by stacked
+    factor products (:func:`bench.floors.average_floor`), each timed bare on the replies Flower
+    deserialised, right after the round it is compared with (the machine is shared).
     """
     from flwr.app import ArrayRecord
 
-    from fedhm_flwr.aggregation import average_hybrid, level_weights
+    from bench import floors
 
     arrays = ArrayRecord.from_torch_state_dict(state)
-    names, ranks = strategy.factorized, strategy.layer_ranks
+    names = strategy.factorized
+    cut = [max(strategy.layer_ranks[name]) for name in names]
     keys = ("configure_train", "aggregate_train", "evaluation's factorization", "server_round",
-            "floor: svd (fastest method, one per layer)", "floor: weighted average", "floor", "round / floor")
+            "floor: float32 eigh of the Gram, one per layer", "floor: weighted average", "floor", "round / floor")
     parts: dict[str, list[float]] = {key: [] for key in keys}
     for k in range(repeats + 1):  # the round and its floor alternate, so that both see the same machine
         t0 = time.perf_counter()
@@ -178,20 +183,21 @@ def fedhm_round_against_floor(strategy: Any, grid: Any, state: dict[str, Any], r
         for index in range(len(strategy.levels)):
             strategy.deployable(index, merged)
         t4 = time.perf_counter()
-        compute_svds(merged, names, ranks)
+        floors.decomposition_floor([merged[f"{name}.weight"] for name in names], cut)
         t5 = time.perf_counter()
         hybrid = [m.content["arrays"].to_torch_state_dict() for m in replies]
-        plans = [strategy.ranks[strategy.sent[m.metadata.src_node_id][0]] for m in replies]
-        weights = level_weights([1.0] * len(hybrid), 1.0)
+        weights = [1.0 / len(hybrid)] * len(hybrid)
         t6 = time.perf_counter()
-        average_hybrid(merged, hybrid, plans, weights)
+        floors.average_floor(merged, hybrid, weights)
         t7 = time.perf_counter()
         if k:  # the first round is a warm-up
             server, floor = (t1 - t0) + (t4 - t2), (t5 - t4) + (t7 - t6)
             for key, value in zip(keys, (t1 - t0, t3 - t2, t4 - t3, server, t5 - t4, t7 - t6, floor, server / floor)):
                 parts[key].append(value)
-    return {key: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "repeats": len(v)}
-            for key, v in parts.items()}
+    out: dict[str, Any] = {key: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "repeats": len(v)}
+                           for key, v in parts.items()}
+    out["floor_code"] = [floors.where(floors.decomposition_floor), floors.where(floors.average_floor)]
+    return out
 
 
 # ------------------------------------------------------------------------------------ figure 2
@@ -393,7 +399,6 @@ def train_step_markdown(f3: dict[str, Any]) -> list[str]:
 def figure_throughput(quick: bool) -> dict[str, Any]:
     from fedhm_flwr.data import client_dataset
     from fedhm_flwr.launch import run_job
-    from fedhm_flwr.train import TrainOptions, train_local
 
     n_train = 4000 if quick else 12000
     overrides = ["rounds=1", "num_clients=2", "fraction_train=1.0", "levels.ratios=[1]", f"dataset.max_train_examples={n_train}",
@@ -413,14 +418,22 @@ def figure_throughput(quick: bool) -> dict[str, Any]:
               "images_per_s_all_clients": examples / rows[-1]["client_seconds_max"],
               "round_seconds": rows[-1]["seconds"], "job_wall_seconds": wall,
               "final_acc": summary.get("final_acc/global")}
-    bare = {}
+    from bench import floors
+
+    data = []
+    for p in range(2):  # the partitions as tensors (the floor trains on tensors; loading is not timed)
+        ds = client_dataset(dspec, p)
+        xs, ys = zip(*(ds[i] for i in range(len(ds))))
+        data.append((torch.stack(xs), torch.as_tensor(ys)))
+    bare = {"floor_code": floors.where(floors.training_floor)}
     for threads in (1, 2):
         torch.set_num_threads(threads)
         t0 = time.perf_counter()
-        for p in range(2):
+        for images, labels in data:
             torch.manual_seed(0)
-            model = build_model(spec)
-            train_local(model, client_dataset(dspec, p), TrainOptions(local_epochs=2, batch_size=32), torch.device("cpu"))
+            floors.training_floor(build_model(spec), images, labels, epochs=2, batch_size=32,
+                                  lr=float(cfg.train.lr), momentum=float(cfg.train.momentum),
+                                  weight_decay=float(cfg.train.weight_decay))
         secs = time.perf_counter() - t0
         bare[f"{threads}_threads_sequential"] = {"seconds": secs, "images_per_s": examples / secs}
     torch.set_num_threads(os.cpu_count() or 1)
@@ -568,7 +581,7 @@ def markdown(report: dict[str, Any]) -> str:
             for method in ("fedhm", "fedavg"):
                 p = row[method]
                 pieces = ", ".join(f"{k} {v['median_s']:.3f}" for k, v in p.items()
-                                   if k not in ("configure_train", "aggregate_train", "round / floor"))
+                                   if k not in ("configure_train", "aggregate_train", "round / floor", "floor_code"))
                 L.append(f"| {model} | {method} | {p['configure_train']['median_s']:.3f} "
                          f"[{p['configure_train']['min_s']:.3f}–{p['configure_train']['max_s']:.3f}] | "
                          f"{p['aggregate_train']['median_s']:.3f} [{p['aggregate_train']['min_s']:.3f}–{p['aggregate_train']['max_s']:.3f}] | {pieces} |")
@@ -576,7 +589,13 @@ def markdown(report: dict[str, Any]) -> str:
             if "fedhm_over_floor" in row:
                 L.append(f"| {model} | FedHM round (configure + aggregate + evaluation's factorization) / floor | | | "
                          f"median of per-round ratios **{row['fedhm_over_floor']:.2f}×** "
-                         f"[{row['fedhm']['round / floor']['min_s']:.2f}–{row['fedhm']['round / floor']['max_s']:.2f}] |")
+                         f"[{row['fedhm']['round / floor']['min_s']:.2f}–{row['fedhm']['round / floor']['max_s']:.2f}]"
+                         + (f" (target ≤ {row['floor_target']:g}{'' if row['fedhm_over_floor'] <= row['floor_target'] else ' ✗'})"
+                            if "floor_target" in row else "") + " |")
+        floor_code = next((r["fedhm"]["floor_code"] for r in f1["models"].values() if "floor_code" in r["fedhm"]), None)
+        if floor_code:
+            L += ["", "Floor code (plain torch, imports nothing from `fedhm_flwr` or `strategies`): "
+                  + "; ".join(f"`{c}`" for c in floor_code) + "."]
         s = f1["round_share"]
         L += ["", f"Server share of a round (CNN, 10 clients, in-process): {s['server_seconds']:.2f} s of "
               f"{s['round_seconds']:.2f} s = {100 * s['server_share']:.1f} % (evaluation {s['eval_seconds']:.2f} s).", ""]
@@ -601,7 +620,8 @@ def markdown(report: dict[str, Any]) -> str:
               f"| bare loop, 1 thread, partitions one after another | {bare['1_threads_sequential']['images_per_s']:.0f} |",
               f"| bare loop, 2 threads, partitions one after another | {bare['2_threads_sequential']['images_per_s']:.0f} |",
               "", f"Flower round wall time {fl['round_seconds']:.1f} s; whole job (SuperLink, Ray start, evaluation) "
-              f"{fl['job_wall_seconds']:.1f} s.", ""]
+              f"{fl['job_wall_seconds']:.1f} s." + (f" Bare loop: `{bare['floor_code']}` (plain torch)."
+                                                   if "floor_code" in bare else ""), ""]
     f5 = report.get("figures", {}).get("5_scale")
     if f5:
         L += [f"## 5. Scale: {f5['clients']} simulated clients, {f5['per_round']} per round", "",

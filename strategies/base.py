@@ -511,12 +511,17 @@ class HeteroStrategy(Strategy):
         if expected != got:
             missing, extra = sorted(expected - got), sorted(got - expected)
             return None, f"keys do not match level {self.levels[index]:g}: missing {missing[:3]}, unexpected {extra[:3]}"
-        state = wire.from_wire(record.to_torch_state_dict(), self.wire_dtype)  # back to float32
-        for key, tensor in state.items():
-            if tuple(tensor.shape) != payload.shapes[key]:
-                return None, f"{key} has shape {tuple(tensor.shape)}, level {self.levels[index]:g} needs {payload.shapes[key]}"
-            if not torch.isfinite(tensor).all():
-                return None, f"{key} holds NaN or Inf"
+        for key, array in record.items():  # shapes before any tensor is read
+            if tuple(array.shape) != payload.shapes[key]:
+                return None, f"{key} has shape {tuple(array.shape)}, level {self.levels[index]:g} needs {payload.shapes[key]}"
+        state = wire.from_wire(wire.record_tensors(record), self.wire_dtype)  # back to float32
+        floats = [t for t in state.values() if t.is_floating_point()]
+        # a NaN or Inf anywhere makes the sum non-finite (one reduction per tensor, one check per
+        # reply); only then is each tensor looked at (a finite overflow of the sum is no reason)
+        if floats and not torch.isfinite(torch.stack([t.sum(dtype=torch.float32) for t in floats]).sum()):
+            for key, tensor in state.items():
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                    return None, f"{key} holds NaN or Inf"
         metrics = content[METRICS]
         n = metrics.get(wire.NUM_EXAMPLES)
         if not isinstance(n, (int, float)) or isinstance(n, bool) or not n > 0:
