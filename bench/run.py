@@ -179,7 +179,7 @@ def fedhm_round_against_floor(strategy: Any, grid: Any, state: dict[str, Any], r
         t2 = time.perf_counter()
         arrays, _ = strategy.aggregate_train(10_000 + k, replies)
         t3 = time.perf_counter()
-        merged = arrays.to_torch_state_dict()
+        merged = strategy.state_of(arrays)  # as the evaluation gets it
         for index in range(len(strategy.levels)):
             strategy.deployable(index, merged)
         t4 = time.perf_counter()
@@ -525,15 +525,74 @@ def scale_run(clients: int, per_round: int, rounds: int, query: str) -> dict[str
             "final_acc": summary.get("final_acc/global")}
 
 
+#: ``--scale-clients``: a second run of figure 5 at this many clients (100 per round), next to the 1000
+SCALE_CLIENTS: int | None = None
+
+
+def server_state_per_node(counts: tuple[int, ...], per_round: int = 100, rounds: int = 2) -> dict[str, Any]:
+    """The server's per-node state (node registry, caches: what ``strategies/`` allocates and keeps)
+    after the start-up and ``rounds`` rounds of ``per_round`` echoing clients (CNN, in process), for
+    each node count: traced bytes kept (tracemalloc, allocations made in ``strategies/``), per node."""
+    import gc
+    import tracemalloc
+
+    from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+
+    from fedhm_flwr.local_grid import LocalGrid
+    from fedhm_flwr.server_app import initial_state
+    from strategies import STRATEGIES
+
+    def echo(msg: Message, context: Any) -> Message:
+        metrics = MetricRecord({"num-examples": 100, "train-loss": 0.0, "class-counts": [10] * 10})
+        return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": metrics}), reply_to=msg)
+
+    rows = {}
+    for n in (counts[0], *counts):  # the first one warms up (imports, one-time caches) and is not kept
+        cfg = load_config([f"num_clients={n}", f"fraction_train={per_round / n}", "availability.query=all"])
+        spec = model_spec(cfg)
+        grid = LocalGrid(n, {MessageType.TRAIN: echo, MessageType.QUERY: identity_query})
+        arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg, spec))
+        gc.collect()
+        tracemalloc.start()
+        strategy = STRATEGIES["fedhm"](cfg, spec)
+        t0 = time.perf_counter()
+        strategy.registry.startup(grid, 1)
+        startup = time.perf_counter() - t0
+        for r in range(1, rounds + 1):
+            replies = grid.send_and_receive(list(strategy.configure_train(r, arrays, None, grid)))
+            arrays, _ = strategy.aggregate_train(r, replies)
+        gc.collect()
+        snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/strategies/*")])
+        tracemalloc.stop()
+        kept = sum(stat.size for stat in snapshot.statistics("filename"))
+        rows[str(n)] = {"nodes": n, "known": len(strategy.registry.nodes), "server_state_bytes": kept,
+                        "bytes_per_known_node": kept / max(1, len(strategy.registry.nodes)), "startup_seconds": startup}
+        del strategy, grid
+    base, top = rows[str(counts[0])], rows[str(counts[-1])]
+    slope = (top["server_state_bytes"] - base["server_state_bytes"]) / max(1, counts[-1] - counts[0])
+    return {"per_round": per_round, "rounds": rounds, "rows": rows, "bytes_per_node": slope,
+            "note": "allocations made in strategies/ and still held (tracemalloc), CNN, echoing clients, "
+                    "availability.query=all: every node known"}
+
+
 def figure_scale(quick: bool) -> dict[str, Any]:
     """1000 clients, 100 per round (``--quick``: 200, 20): round 1 ÷ round 2, query time ÷ round
     time, server time ÷ round time and peak memory, each measured in the same run; with
     ``availability.query=sampled`` (a round asks only its own new nodes), and, outside ``--quick``,
-    with ``all`` (every node asked when it connects) for comparison."""
+    with ``all`` (every node asked when it connects) for comparison. With ``--scale-clients N``:
+    also N clients, 100 per round (``sampled``), its round 2 against the 1000-client one's, and the
+    server's per-node state at 1000, N/2 and N nodes (:func:`server_state_per_node`)."""
     clients, per_round, rounds = (200, 20, 2) if quick else (1000, 100, 3)
     runs = {query: scale_run(clients, per_round, rounds, query) for query in (("sampled",) if quick else ("sampled", "all"))}
-    return {"clients": clients, "per_round": per_round, "rounds": rounds, "runs": runs,
-            "goal": "round 1 <= 1.5 x round 2; query time <= 5 % of every round; peak memory < 8 GiB"}
+    out: dict[str, Any] = {"clients": clients, "per_round": per_round, "rounds": rounds, "runs": runs,
+                           "goal": "round 1 <= 1.5 x round 2; query time <= 5 % of every round; peak memory < 8 GiB"}
+    if SCALE_CLIENTS:
+        big = scale_run(SCALE_CLIENTS, per_round, rounds, "sampled")
+        big["round2_over_small_round2"] = big["round_seconds"][1] / runs["sampled"]["round_seconds"][1]
+        out["large"] = {"clients": SCALE_CLIENTS, "run": big,
+                        "goal": f"peak memory < 8 GiB; round 2 <= 1.5 x the {clients}-client round 2",
+                        "server_state": server_state_per_node((clients, SCALE_CLIENTS // 2, SCALE_CLIENTS))}
+    return out
 
 
 # ------------------------------------------------------------------------------------ figure 6
@@ -646,6 +705,22 @@ def markdown(report: dict[str, Any]) -> str:
                          f"and the ClientApp; nodes find their data): {r['startup_seconds']:.1f} s, "
                          f"{r['startup_queried']} nodes asked." if r.get("startup_seconds") is not None else ""))
         L.append("")
+    large = (f5 or {}).get("large")
+    if large:
+        r, st = large["run"], large["server_state"]
+        L += [f"### {large['clients']:,} simulated clients, {f5['per_round']} per round (`availability.query=sampled`)", "",
+              f"Goal: {large['goal']}.", "",
+              "| round | seconds | server s | nodes asked | replies |", "|---|---|---|---|---|"]
+        for i, (sec, ss, na, n) in enumerate(zip(r["round_seconds"], r["server_seconds"], r["queried"], r["replies"]), 1):
+            L.append(f"| {i} | {sec:.1f} | {ss:.2f} | {na} | {n} |")
+        L += ["", f"- round 2 ÷ the {f5['clients']}-client round 2: **{r['round2_over_small_round2']:.2f}**; "
+              f"peak resident memory of the process tree **{r['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB**; "
+              f"start-up before round 1 {r['startup_seconds'] or 0:.1f} s ({r['startup_queried']} nodes asked); "
+              f"job {r['job_wall_seconds']:.0f} s.",
+              f"- The server's per-node state ({st['note']}): "
+              + ", ".join(f"{int(k):,} nodes {v['server_state_bytes'] / 2**20:.2f} MiB "
+                          f"({v['bytes_per_known_node']:.0f} B per known node)" for k, v in st["rows"].items())
+              + f"; **{st['bytes_per_node']:.0f} bytes per node** (slope).", ""]
     f6 = report.get("figures", {}).get("6_wire")
     if f6:
         L += [f"## 6. Wire dtype: bytes and accuracy cost (default job, {f6['rounds']} rounds, in process, same seed)", "",
@@ -669,7 +744,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     parser.add_argument("--only", default="1,2,3,4,5,6", help="comma-separated figure numbers")
     parser.add_argument("--out", type=Path, default=REPORT_DIR)
+    parser.add_argument("--scale-clients", type=int, default=None,
+                        help="figure 5 also runs this many clients, 100 per round (e.g. 10000; heavy)")
     args = parser.parse_args(argv)
+    global SCALE_CLIENTS
+    SCALE_CLIENTS = args.scale_clients
     report: dict[str, Any] = {
         "machine": f"{platform.node()} · {os.cpu_count()} CPUs · torch {torch.__version__} · "
                    f"{'CUDA ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}",
