@@ -110,9 +110,9 @@ def measure(seeds: list[int], overrides: list[str]) -> dict[str, Any]:
     for r in runs:
         ref = reference[r["seed"]]
         r["acc_minus_exact_pt"] = 100 * (r["final_acc"] - ref["final_acc"])
-        r["model_distance_to_exact"] = _distance(r.pop("model"), ref["model"])
-    for r in reference.values():
-        r.pop("model", None)
+        r["model_distance_to_exact"] = _distance(r["model"], ref["model"])
+    for r in runs:
+        del r["model"]
     return {"overrides": overrides, "seeds": seeds, "tolerances": list(TOLERANCES), "runs": runs}
 
 
