@@ -4,9 +4,10 @@ Figures (each in one process, compared things on the same machine state, medians
 
 1. server time per round (factorize, build messages, recover, aggregate) of FedHM against FedAvg
    on the same model and number of replies; FedHM's whole server round (configure + aggregate +
-   the evaluation's share of the factorization) against its floor (one fastest-method
-   decomposition per factorizable layer plus one weighted average of the replies by stacked
-   factor products, timed bare in the same process); and the server's share of a round's wall time;
+   the evaluation's share of the factorization) against its floor (bench/floors.py, plain torch:
+   one float32 ``eigh`` of the Gram matrix per factorizable layer plus one weighted average of the
+   replies by stacked factor products, timed bare in the same process); and the server's share of a
+   round's wall time;
 2. bytes per client per round for each level, measured from the serialized messages, against the
    full model, next to the parameter-count ratio;
 3. training-step time of each level's model against the full model (CPU at 1 thread and at all
@@ -42,7 +43,6 @@ from typing import Any
 import torch
 
 from fedhm_flwr.config import load_config, model_spec
-from fedhm_flwr.lowrank import compute_svds
 from fedhm_flwr.models import build_model, count_macs, count_parameters, input_shape
 
 REPORT_DIR = Path(__file__).resolve().parent / "reports"
@@ -72,6 +72,10 @@ def identity_query(msg: Any, context: Any) -> Any:
     from clients.base import node_info
 
     return Message(RecordDict({"config": node_info(context)}), reply_to=msg)
+
+
+#: FedHM's server round ÷ its independent floor must stay under this (issue 25)
+ROUND_OVER_FLOOR_TARGET = {"resnet18": 1.5, "cnn": 2.0}
 
 
 def figure_server_time(quick: bool) -> dict[str, Any]:
@@ -123,6 +127,7 @@ def figure_server_time(quick: bool) -> dict[str, Any]:
                 pieces = fedhm_round_against_floor(strategy, grid, state, repeats)
             row[method] = pieces
         row["fedhm_over_floor"] = row["fedhm"]["round / floor"]["median_s"]
+        row["floor_target"] = ROUND_OVER_FLOOR_TARGET[arch]
         row["fedhm_over_fedavg"] = (
             (row["fedhm"]["configure_train"]["median_s"] + row["fedhm"]["aggregate_train"]["median_s"])
             / (row["fedavg"]["configure_train"]["median_s"] + row["fedavg"]["aggregate_train"]["median_s"]))
@@ -143,7 +148,7 @@ def figure_server_time(quick: bool) -> dict[str, Any]:
 
 
 def fedhm_round_against_floor(strategy: Any, grid: Any, state: dict[str, Any], repeats: int) -> dict[str, Any]:
-    """FedHM's server work of whole rounds against its floor, measured in the same process.
+    """FedHM's server work of whole rounds against an independent floor, measured in the same process.
 
     A round (medians over ``repeats`` chained rounds, the first one not counted): ``configure_train``
     + ``aggregate_train`` + the evaluation's share of the factorization (every level's deployable
@@ -151,21 +156,21 @@ def fedhm_round_against_floor(strategy: Any, grid: Any, state: dict[str, Any], r
     counted). Each round hands out a new model version (the echoed replies are recovered from
     factors), so each pays its one decomposition per layer, wherever the cache puts it.
 
-    The floor: one fastest-method decomposition per factorizable layer of the merged state
-    (:func:`compute_svds` with the levels' ranks) plus one weighted average of the replies, the
-    fastest way known (:func:`fedhm_flwr.aggregation.average_hybrid`: per layer one product of the
-    stacked weighted factors, never a recovered full state, and one stacked weighted sum of the
-    rest), each timed bare on the deserialized replies right after the round it is compared with
-    (the machine is shared).
+    The floor (:mod:`bench.floors`, plain torch, nothing imported from the project): one float32
+    ``eigh`` of the smaller Gram matrix per factorizable layer of the merged state
+    (:func:`bench.floors.decomposition_floor`) plus one weighted average of the replies by stacked
+    factor products (:func:`bench.floors.average_floor`), each timed bare on the replies Flower
+    deserialised, right after the round it is compared with (the machine is shared).
     """
     from flwr.app import ArrayRecord
 
-    from fedhm_flwr.aggregation import average_hybrid, level_weights
+    from bench import floors
 
     arrays = ArrayRecord.from_torch_state_dict(state)
-    names, ranks = strategy.factorized, strategy.layer_ranks
+    names = strategy.factorized
+    cut = [max(strategy.layer_ranks[name]) for name in names]
     keys = ("configure_train", "aggregate_train", "evaluation's factorization", "server_round",
-            "floor: svd (fastest method, one per layer)", "floor: weighted average", "floor", "round / floor")
+            "floor: float32 eigh of the Gram, one per layer", "floor: weighted average", "floor", "round / floor")
     parts: dict[str, list[float]] = {key: [] for key in keys}
     for k in range(repeats + 1):  # the round and its floor alternate, so that both see the same machine
         t0 = time.perf_counter()
@@ -175,24 +180,25 @@ def fedhm_round_against_floor(strategy: Any, grid: Any, state: dict[str, Any], r
         t2 = time.perf_counter()
         arrays, _ = strategy.aggregate_train(10_000 + k, replies)
         t3 = time.perf_counter()
-        merged = arrays.to_torch_state_dict()
+        merged = strategy.state_of(arrays)  # as the evaluation gets it
         for index in range(len(strategy.levels)):
             strategy.deployable(index, merged)
         t4 = time.perf_counter()
-        compute_svds(merged, names, ranks)
+        floors.decomposition_floor([merged[f"{name}.weight"] for name in names], cut)
         t5 = time.perf_counter()
         hybrid = [m.content["arrays"].to_torch_state_dict() for m in replies]
-        plans = [strategy.ranks[strategy.sent[m.metadata.src_node_id][0]] for m in replies]
-        weights = level_weights([1.0] * len(hybrid), 1.0)
+        weights = [1.0 / len(hybrid)] * len(hybrid)
         t6 = time.perf_counter()
-        average_hybrid(merged, hybrid, plans, weights)
+        floors.average_floor(merged, hybrid, weights)
         t7 = time.perf_counter()
         if k:  # the first round is a warm-up
             server, floor = (t1 - t0) + (t4 - t2), (t5 - t4) + (t7 - t6)
             for key, value in zip(keys, (t1 - t0, t3 - t2, t4 - t3, server, t5 - t4, t7 - t6, floor, server / floor)):
                 parts[key].append(value)
-    return {key: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "repeats": len(v)}
-            for key, v in parts.items()}
+    out: dict[str, Any] = {key: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "repeats": len(v)}
+                           for key, v in parts.items()}
+    out["floor_code"] = [floors.where(floors.decomposition_floor), floors.where(floors.average_floor)]
+    return out
 
 
 # ------------------------------------------------------------------------------------ figure 2
@@ -394,7 +400,6 @@ def train_step_markdown(f3: dict[str, Any]) -> list[str]:
 def figure_throughput(quick: bool) -> dict[str, Any]:
     from fedhm_flwr.data import client_dataset
     from fedhm_flwr.launch import run_job
-    from fedhm_flwr.train import TrainOptions, train_local
 
     n_train = 4000 if quick else 12000
     overrides = ["rounds=1", "num_clients=2", "fraction_train=1.0", "levels.ratios=[1]", f"dataset.max_train_examples={n_train}",
@@ -414,14 +419,22 @@ def figure_throughput(quick: bool) -> dict[str, Any]:
               "images_per_s_all_clients": examples / rows[-1]["client_seconds_max"],
               "round_seconds": rows[-1]["seconds"], "job_wall_seconds": wall,
               "final_acc": summary.get("final_acc/global")}
-    bare = {}
+    from bench import floors
+
+    data = []
+    for p in range(2):  # the partitions as tensors (the floor trains on tensors; loading is not timed)
+        ds = client_dataset(dspec, p)
+        xs, ys = zip(*(ds[i] for i in range(len(ds))))
+        data.append((torch.stack(xs), torch.as_tensor(ys)))
+    bare = {"floor_code": floors.where(floors.training_floor)}
     for threads in (1, 2):
         torch.set_num_threads(threads)
         t0 = time.perf_counter()
-        for p in range(2):
+        for images, labels in data:
             torch.manual_seed(0)
-            model = build_model(spec)
-            train_local(model, client_dataset(dspec, p), TrainOptions(local_epochs=2, batch_size=32), torch.device("cpu"))
+            floors.training_floor(build_model(spec), images, labels, epochs=2, batch_size=32,
+                                  lr=float(cfg.train.lr), momentum=float(cfg.train.momentum),
+                                  weight_decay=float(cfg.train.weight_decay))
         secs = time.perf_counter() - t0
         bare[f"{threads}_threads_sequential"] = {"seconds": secs, "images_per_s": examples / secs}
     torch.set_num_threads(os.cpu_count() or 1)
@@ -513,15 +526,74 @@ def scale_run(clients: int, per_round: int, rounds: int, query: str) -> dict[str
             "final_acc": summary.get("final_acc/global")}
 
 
+#: ``--scale-clients``: a second run of figure 5 at this many clients (100 per round), next to the 1000
+SCALE_CLIENTS: int | None = None
+
+
+def server_state_per_node(counts: tuple[int, ...], per_round: int = 100, rounds: int = 2) -> dict[str, Any]:
+    """The server's per-node state (node registry, caches: what ``strategies/`` allocates and keeps)
+    after the start-up and ``rounds`` rounds of ``per_round`` echoing clients (CNN, in process), for
+    each node count: traced bytes kept (tracemalloc, allocations made in ``strategies/``), per node."""
+    import gc
+    import tracemalloc
+
+    from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+
+    from fedhm_flwr.local_grid import LocalGrid
+    from fedhm_flwr.server_app import initial_state
+    from strategies import STRATEGIES
+
+    def echo(msg: Message, context: Any) -> Message:
+        metrics = MetricRecord({"num-examples": 100, "train-loss": 0.0, "class-counts": [10] * 10})
+        return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": metrics}), reply_to=msg)
+
+    rows = {}
+    for n in (counts[0], *counts):  # the first one warms up (imports, one-time caches) and is not kept
+        cfg = load_config([f"num_clients={n}", f"fraction_train={per_round / n}", "availability.query=all"])
+        spec = model_spec(cfg)
+        grid = LocalGrid(n, {MessageType.TRAIN: echo, MessageType.QUERY: identity_query})
+        arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg, spec))
+        gc.collect()
+        tracemalloc.start()
+        strategy = STRATEGIES["fedhm"](cfg, spec)
+        t0 = time.perf_counter()
+        strategy.registry.startup(grid, 1)
+        startup = time.perf_counter() - t0
+        for r in range(1, rounds + 1):
+            replies = grid.send_and_receive(list(strategy.configure_train(r, arrays, None, grid)))
+            arrays, _ = strategy.aggregate_train(r, replies)
+        gc.collect()
+        snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/strategies/*")])
+        tracemalloc.stop()
+        kept = sum(stat.size for stat in snapshot.statistics("filename"))
+        rows[str(n)] = {"nodes": n, "known": len(strategy.registry.nodes), "server_state_bytes": kept,
+                        "bytes_per_known_node": kept / max(1, len(strategy.registry.nodes)), "startup_seconds": startup}
+        del strategy, grid
+    base, top = rows[str(counts[0])], rows[str(counts[-1])]
+    slope = (top["server_state_bytes"] - base["server_state_bytes"]) / max(1, counts[-1] - counts[0])
+    return {"per_round": per_round, "rounds": rounds, "rows": rows, "bytes_per_node": slope,
+            "note": "allocations made in strategies/ and still held (tracemalloc), CNN, echoing clients, "
+                    "availability.query=all: every node known"}
+
+
 def figure_scale(quick: bool) -> dict[str, Any]:
     """1000 clients, 100 per round (``--quick``: 200, 20): round 1 ÷ round 2, query time ÷ round
     time, server time ÷ round time and peak memory, each measured in the same run; with
     ``availability.query=sampled`` (a round asks only its own new nodes), and, outside ``--quick``,
-    with ``all`` (every node asked when it connects) for comparison."""
+    with ``all`` (every node asked when it connects) for comparison. With ``--scale-clients N``:
+    also N clients, 100 per round (``sampled``), its round 2 against the 1000-client one's, and the
+    server's per-node state at 1000, N/2 and N nodes (:func:`server_state_per_node`)."""
     clients, per_round, rounds = (200, 20, 2) if quick else (1000, 100, 3)
     runs = {query: scale_run(clients, per_round, rounds, query) for query in (("sampled",) if quick else ("sampled", "all"))}
-    return {"clients": clients, "per_round": per_round, "rounds": rounds, "runs": runs,
-            "goal": "round 1 <= 1.5 x round 2; query time <= 5 % of every round; peak memory < 8 GiB"}
+    out: dict[str, Any] = {"clients": clients, "per_round": per_round, "rounds": rounds, "runs": runs,
+                           "goal": "round 1 <= 1.5 x round 2; query time <= 5 % of every round; peak memory < 8 GiB"}
+    if SCALE_CLIENTS:
+        big = scale_run(SCALE_CLIENTS, per_round, rounds, "sampled")
+        big["round2_over_small_round2"] = big["round_seconds"][1] / runs["sampled"]["round_seconds"][1]
+        out["large"] = {"clients": SCALE_CLIENTS, "run": big,
+                        "goal": f"peak memory < 8 GiB; round 2 <= 1.5 x the {clients}-client round 2",
+                        "server_state": server_state_per_node((clients, SCALE_CLIENTS // 2, SCALE_CLIENTS))}
+    return out
 
 
 # ------------------------------------------------------------------------------------ figure 6
@@ -607,7 +679,7 @@ def markdown(report: dict[str, Any]) -> str:
             for method in ("fedhm", "fedavg"):
                 p = row[method]
                 pieces = ", ".join(f"{k} {v['median_s']:.3f}" for k, v in p.items()
-                                   if k not in ("configure_train", "aggregate_train", "round / floor"))
+                                   if k not in ("configure_train", "aggregate_train", "round / floor", "floor_code"))
                 L.append(f"| {model} | {method} | {p['configure_train']['median_s']:.3f} "
                          f"[{p['configure_train']['min_s']:.3f}–{p['configure_train']['max_s']:.3f}] | "
                          f"{p['aggregate_train']['median_s']:.3f} [{p['aggregate_train']['min_s']:.3f}–{p['aggregate_train']['max_s']:.3f}] | {pieces} |")
@@ -615,7 +687,13 @@ def markdown(report: dict[str, Any]) -> str:
             if "fedhm_over_floor" in row:
                 L.append(f"| {model} | FedHM round (configure + aggregate + evaluation's factorization) / floor | | | "
                          f"median of per-round ratios **{row['fedhm_over_floor']:.2f}×** "
-                         f"[{row['fedhm']['round / floor']['min_s']:.2f}–{row['fedhm']['round / floor']['max_s']:.2f}] |")
+                         f"[{row['fedhm']['round / floor']['min_s']:.2f}–{row['fedhm']['round / floor']['max_s']:.2f}]"
+                         + (f" (target ≤ {row['floor_target']:g}{'' if row['fedhm_over_floor'] <= row['floor_target'] else ' ✗'})"
+                            if "floor_target" in row else "") + " |")
+        floor_code = next((r["fedhm"]["floor_code"] for r in f1["models"].values() if "floor_code" in r["fedhm"]), None)
+        if floor_code:
+            L += ["", "Floor code (plain torch, imports nothing from `fedhm_flwr` or `strategies`): "
+                  + "; ".join(f"`{c}`" for c in floor_code) + "."]
         s = f1["round_share"]
         L += ["", f"Server share of a round (CNN, 10 clients, in-process): {s['server_seconds']:.2f} s of "
               f"{s['round_seconds']:.2f} s = {100 * s['server_share']:.1f} % (evaluation {s['eval_seconds']:.2f} s).", ""]
@@ -640,7 +718,8 @@ def markdown(report: dict[str, Any]) -> str:
               f"| bare loop, 1 thread, partitions one after another | {bare['1_threads_sequential']['images_per_s']:.0f} |",
               f"| bare loop, 2 threads, partitions one after another | {bare['2_threads_sequential']['images_per_s']:.0f} |",
               "", f"Flower round wall time {fl['round_seconds']:.1f} s; whole job (SuperLink, Ray start, evaluation) "
-              f"{fl['job_wall_seconds']:.1f} s.", ""]
+              f"{fl['job_wall_seconds']:.1f} s." + (f" Bare loop: `{bare['floor_code']}` (plain torch)."
+                                                   if "floor_code" in bare else ""), ""]
     f5 = report.get("figures", {}).get("5_scale")
     if f5:
         L += [f"## 5. Scale: {f5['clients']} simulated clients, {f5['per_round']} per round", "",
@@ -665,6 +744,22 @@ def markdown(report: dict[str, Any]) -> str:
                          f"and the ClientApp; nodes find their data): {r['startup_seconds']:.1f} s, "
                          f"{r['startup_queried']} nodes asked." if r.get("startup_seconds") is not None else ""))
         L.append("")
+    large = (f5 or {}).get("large")
+    if large:
+        r, st = large["run"], large["server_state"]
+        L += [f"### {large['clients']:,} simulated clients, {f5['per_round']} per round (`availability.query=sampled`)", "",
+              f"Goal: {large['goal']}.", "",
+              "| round | seconds | server s | nodes asked | replies |", "|---|---|---|---|---|"]
+        for i, (sec, ss, na, n) in enumerate(zip(r["round_seconds"], r["server_seconds"], r["queried"], r["replies"]), 1):
+            L.append(f"| {i} | {sec:.1f} | {ss:.2f} | {na} | {n} |")
+        L += ["", f"- round 2 ÷ the {f5['clients']}-client round 2: **{r['round2_over_small_round2']:.2f}**; "
+              f"peak resident memory of the process tree **{r['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB**; "
+              f"start-up before round 1 {r['startup_seconds'] or 0:.1f} s ({r['startup_queried']} nodes asked); "
+              f"job {r['job_wall_seconds']:.0f} s.",
+              f"- The server's per-node state ({st['note']}): "
+              + ", ".join(f"{int(k):,} nodes {v['server_state_bytes'] / 2**20:.2f} MiB "
+                          f"({v['bytes_per_known_node']:.0f} B per known node)" for k, v in st["rows"].items())
+              + f"; **{st['bytes_per_node']:.0f} bytes per node** (slope).", ""]
     f6 = report.get("figures", {}).get("6_wire")
     if f6:
         L += [f"## 6. Wire dtype: bytes and accuracy cost (default job, {f6['rounds']} rounds, in process, same seed)", "",
@@ -690,7 +785,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     parser.add_argument("--only", default="1,2,3,4,5,6,7", help="comma-separated figure numbers")
     parser.add_argument("--out", type=Path, default=REPORT_DIR)
+    parser.add_argument("--scale-clients", type=int, default=None,
+                        help="figure 5 also runs this many clients, 100 per round (e.g. 10000; heavy)")
     args = parser.parse_args(argv)
+    global SCALE_CLIENTS
+    SCALE_CLIENTS = args.scale_clients
     report: dict[str, Any] = {
         "machine": f"{platform.node()} · {os.cpu_count()} CPUs · torch {torch.__version__} · "
                    f"{'CUDA ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}",

@@ -198,6 +198,8 @@ def _validate_fedhm(cfg: DictConfig) -> None:
                  "method.add_previous_global"):
         value = OmegaConf.select(cfg, flag)
         _require(isinstance(value, bool), flag, value, "true or false")
+    if OmegaConf.select(cfg, "method.svd_tolerance") is not None:  # absent from configs saved before it existed
+        _num_in(cfg, "method.svd_tolerance", 0.0, 1.0, low_open=True, high_open=True)
 
 
 def _validate_width(cfg: DictConfig) -> None:

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "SVD",
-    "SVD_ERROR_BOUND",
+    "SVD_TOLERANCE",
     "FactorizedConv2d",
     "FactorizedLinear",
     "compute_svds",
@@ -42,7 +42,6 @@ __all__ = [
     "factorized_modules",
     "factor_matrices",
     "full_rank",
-    "gram_error_estimate",
     "layer_matrix",
     "layer_svd",
     "matrix_to_conv",
@@ -50,6 +49,7 @@ __all__ = [
     "rank_for",
     "recover_state",
     "split_factors",
+    "truncation_backward_errors",
 ]
 
 
@@ -204,7 +204,8 @@ class SVD(NamedTuple):
     """Thin (possibly truncated) SVD ``M ≈ U diag(S) Vh`` of a layer matrix.
 
     The exact path keeps all ``min(rows, cols)`` components in float64; the fast path keeps the
-    leading ``max(ranks)`` components in float32 (see :func:`layer_svd`).
+    leading ``max(ranks)`` components, in float32 unless the float32 ones fail the check of
+    :func:`layer_svd` (see there).
     """
 
     U: Tensor
@@ -212,30 +213,34 @@ class SVD(NamedTuple):
     Vh: Tensor
 
 
-#: Stated bound of the fast path: relative Frobenius error of every truncated product
-#: ``A_r B_r`` against the float64 SVD's, at each rank asked for.
-SVD_ERROR_BOUND = 2e-5
-#: Acceptance threshold of :func:`gram_error_estimate`: over 336 truncations of Gaussian, power-law
-#: and log-spaced (1 .. 1e-8) spectra, those it accepted erred by at most 8.4e-6 (1e-4 let 9.9e-5
-#: through); see tests/test_lowrank.py.
-_ESTIMATE_LIMIT = 1e-5
+#: Default tolerance of the fast path (``method.svd_tolerance``): every truncation it hands out is
+#: the exact truncated SVD of a weight within this relative Frobenius distance of the layer's
+#: (:func:`truncation_backward_errors`, checked after the fact). Chosen by the measured experiment
+#: in docs/METHODS.md#fedhm-svd-tolerance (``python -m bench.svd_tolerance``).
+SVD_TOLERANCE = 1e-4
 
 
-def gram_error_estimate(eigenvalues: Tensor, rank: int, unit_roundoff: float) -> float:
-    """A priori error of the rank-``rank`` truncation from an eigendecomposition of the Gram matrix.
+def truncation_backward_errors(matrix: Tensor, Q: Tensor, C: Tensor, ranks: Iterable[int]) -> dict[int, float]:
+    """A posteriori backward error of each rank-``r`` truncation ``Q_r Q_rᵀ M`` (``C = Q_kᵀ M``,
+    ``k = Q``'s columns ≥ every rank; ``Q`` orthonormal, from the side of ``M``'s rows).
 
-    ``eigenvalues`` are the Gram's, descending. The computed top-``rank`` subspace turns by about
-    ``u·λ_1 / (λ_r − λ_{r+1})`` (perturbation of an eigensolver with backward error ``u·λ_1``),
-    which moves the truncated product by that angle times ``σ_r``; relative to ``σ_1`` this is
-    ``u · sqrt(λ_r / λ_1) / ((λ_r − λ_{r+1}) / λ_1)``. Infinite when the gap vanishes.
+    The truncation is exactly the best rank-``r`` approximation of ``M − Δ``, where ``Δ`` removes
+    from the discarded directions what couples them to the kept ones: with ``E = Q_{>r}ᵀ M Mᵀ Q_r``
+    (the Gram residual of the kept subspace), ``‖Δ‖_F = ‖E diag(1/σ_i)‖_F``, ``σ_i = ‖C_i‖``. Returns
+    ``{r: ‖Δ‖_F / ‖M‖_F}``: the part of ``E`` outside ``span(Q_k)`` from one residual ``M Cᵀ − Q_k C Cᵀ``
+    (products with ``M`` itself, so that the Gram matrix's own rounding is seen), the part inside from
+    the off-diagonal of ``C Cᵀ``. Needs no spectral gap: where the gap is small the float64 truncation is
+    itself that sensitive to the weight, and the backward error is the honest measure.
     """
-    lam = eigenvalues.to(torch.float64)
-    top = float(lam[0])
-    if top <= 0:
-        return math.inf
-    gap = float(lam[rank - 1] - lam[rank]) / top if rank < lam.numel() else 1.0
-    cond = max(float(lam[rank - 1]) / top, 0.0)
-    return math.inf if gap <= 0 else unit_roundoff * math.sqrt(cond) / gap
+    H = C @ C.t()  # k × k: Q_kᵀ M Mᵀ Q_k
+    outside = (matrix @ C.t() - Q @ H).square().sum(dim=0)  # per kept column i: ‖(I − Q_k Q_kᵀ) M Mᵀ q_i‖²
+    lam = H.diagonal().clamp_min(torch.finfo(H.dtype).tiny)
+    total = float(matrix.square().sum())
+    out = {}
+    for r in ranks:
+        inside = H[r:, :r].square().sum(dim=0)  # couplings to the kept-but-cut components r+1 .. k
+        out[int(r)] = math.sqrt(float(((outside[:r] + inside) / lam[:r]).sum()) / total) if total > 0 else 0.0
+    return out
 
 
 def _exact_svd(matrix: Tensor) -> SVD:
@@ -243,9 +248,9 @@ def _exact_svd(matrix: Tensor) -> SVD:
     return SVD(U, S, Vh)
 
 
-def _gram_svd(matrix: Tensor, ranks: tuple[int, ...], dtype: torch.dtype) -> SVD | None:
+def _gram_svd(matrix: Tensor, ranks: tuple[int, ...], dtype: torch.dtype, tolerance: float) -> SVD | None:
     """Leading ``max(ranks)`` singular triplets from ``eigh`` of the smaller Gram matrix in ``dtype``,
-    or None when :func:`gram_error_estimate` exceeds the limit at one of ``ranks``.
+    or None when :func:`truncation_backward_errors` exceeds ``tolerance`` at one of ``ranks``.
 
     With ``Q`` the top eigenvectors, ``C = Qᵀ M`` (or ``M Q``); ``S`` is the row norms of ``C``,
     so ``U S Vh = Q Qᵀ M`` exactly whatever the accuracy of the eigenvalues, and both factors of
@@ -253,13 +258,12 @@ def _gram_svd(matrix: Tensor, ranks: tuple[int, ...], dtype: torch.dtype) -> SVD
     """
     M = matrix.to(dtype)
     wide = M.shape[0] <= M.shape[1]
-    lam, Q = torch.linalg.eigh(M @ M.t() if wide else M.t() @ M)
-    lam, Q = lam.flip(0), Q.flip(1)
-    u = torch.finfo(dtype).eps / 2
-    if any(gram_error_estimate(lam, r, u) > _ESTIMATE_LIMIT for r in ranks):
+    side = M if wide else M.t()  # rows × cols with rows <= cols: Q spans the rows' side
+    _, Q = torch.linalg.eigh(side @ side.t())
+    Q = Q[:, -max(ranks):].flip(1)
+    C = Q.t() @ side  # k × (other side)
+    if max(truncation_backward_errors(side, Q, C, ranks).values()) > tolerance:
         return None
-    Q = Q[:, : max(ranks)]
-    C = Q.t() @ M if wide else (M @ Q).t()  # s × (other side)
     S = C.norm(dim=1)
     order = S.argsort(descending=True)
     S, Q, C = S[order], Q[:, order], C[order]
@@ -267,15 +271,18 @@ def _gram_svd(matrix: Tensor, ranks: tuple[int, ...], dtype: torch.dtype) -> SVD
     return SVD(Q, S, other) if wide else SVD(other.t(), S, Q.t())
 
 
-def layer_svd(weight: Tensor, ranks: Iterable[int] = ()) -> SVD:
+def layer_svd(weight: Tensor, ranks: Iterable[int] = (), tolerance: float = SVD_TOLERANCE) -> SVD:
     """SVD of the layer matrix of ``weight``, good for truncation at each of ``ranks``.
 
     Without ``ranks``, with a float64 weight, or when a rank equals the full rank (the
-    truncation must then reproduce the layer): the exact path, a float64 full SVD. Otherwise the
-    fastest path that meets :data:`SVD_ERROR_BOUND` at every rank: ``eigh`` of the smaller Gram
-    matrix in float32, else in float64 (both judged by :func:`gram_error_estimate`), else the
-    exact path. The fast paths return only the leading ``max(ranks)`` components.
+    truncation must then reproduce the layer): the exact path, a float64 full SVD. Otherwise
+    ``eigh`` of the smaller Gram matrix in float32, checked after the fact: accepted when every
+    truncation is the exact one of a weight within relative distance ``tolerance``
+    (:func:`truncation_backward_errors`), else the same in float64, else the exact path. The fast
+    paths return only the leading ``max(ranks)`` components.
     """
+    if not (isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool) and tolerance > 0):
+        raise ValueError(f"tolerance must be a number > 0, got {tolerance!r}")
     matrix = layer_matrix(weight.detach())
     wanted = tuple(sorted({int(r) for r in ranks}))
     full = min(matrix.shape)
@@ -284,7 +291,7 @@ def layer_svd(weight: Tensor, ranks: Iterable[int] = ()) -> SVD:
     if not wanted or wanted[-1] == full or matrix.dtype == torch.float64 or matrix.is_meta:
         return _exact_svd(matrix)  # (on the meta device: shapes only, nothing computed)
     for dtype in (torch.float32, torch.float64):
-        svd = _gram_svd(matrix, wanted, dtype)
+        svd = _gram_svd(matrix, wanted, dtype, tolerance)
         if svd is not None:
             return svd
     return _exact_svd(matrix)
@@ -294,11 +301,12 @@ def compute_svds(
     full_state: Mapping[str, Tensor],
     names: Iterable[str],
     ranks: Mapping[str, Iterable[int]] | None = None,
+    tolerance: float = SVD_TOLERANCE,
 ) -> dict[str, SVD]:
     """One :func:`layer_svd` per layer name (``name.weight`` in ``full_state``); ``ranks[name]``
     are the truncation ranks that layer will be cut at (none: the exact float64 SVD)."""
     ranks = ranks or {}
-    return {name: layer_svd(full_state[f"{name}.weight"], ranks.get(name, ())) for name in names}
+    return {name: layer_svd(full_state[f"{name}.weight"], ranks.get(name, ()), tolerance) for name in names}
 
 
 def split_factors(svd: SVD, rank: int) -> tuple[Tensor, Tensor]:

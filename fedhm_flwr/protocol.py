@@ -9,6 +9,7 @@ writes replies; both import the names from here, so a key is spelled in one plac
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,36 @@ def wire_array(tensor: torch.Tensor, dtype: str = "float32") -> Array:
         if dtype == "bfloat16":
             tensor = tensor.view(torch.int16)
     return Array.from_torch_tensor(tensor.contiguous())
+
+
+def record_tensors(record: Any) -> dict[str, torch.Tensor]:
+    """An ArrayRecord's tensors, each copied once out of its Array's bytes.
+
+    Flower's ``to_torch_state_dict`` parses every array's ``.npy`` header with ``np.load`` (a third
+    of a round's aggregation at ResNet-18 size); here an array whose header declares the Array's own
+    dtype in C order is read from the end of its bytes (where ``np.save`` puts the data), anything
+    else goes through ``Array.numpy()``."""
+    import numpy as np
+    import torch
+
+    out = {}
+    for key, array in record.items():
+        tensor = None
+        if array.stype == "numpy.ndarray":
+            try:
+                dtype = np.dtype(array.dtype)
+            except TypeError:
+                dtype = None
+            if dtype is not None and not dtype.hasobject:
+                nbytes = dtype.itemsize * math.prod(array.shape)
+                offset = len(array.data) - nbytes
+                header = bytes(array.data[:min(max(offset, 0), 4096)])
+                if offset > 0 and header.startswith(b"\x93NUMPY") and b"'fortran_order': False" in header \
+                        and f"'descr': '{dtype.str}'".encode() in header and f"'shape': {tuple(array.shape)}".encode() in header:
+                    flat = np.frombuffer(array.data, dtype=dtype, count=math.prod(array.shape), offset=offset)
+                    tensor = torch.from_numpy(flat.copy()).view(tuple(array.shape))
+        out[key] = tensor if tensor is not None else torch.from_numpy(array.numpy())
+    return out
 
 
 def from_wire(state: Mapping[str, torch.Tensor], dtype: str = "float32") -> dict[str, torch.Tensor]:

@@ -246,7 +246,12 @@ def oversized(state: Mapping[str, Tensor], bound: float) -> str | None:
     whose L2 norm (float64) exceeds ``bound``. With every factor's norm at most ``bound``, a
     recovered product ``A·B`` has norm at most ``bound²`` (``‖AB‖_F <= ‖A‖_F ‖B‖_F``): a bound of
     1e6 (at most 1e15, as the config allows) keeps every recovery and every average far from
-    float32's overflow (3.4e38)."""
+    float32's overflow (3.4e38). One float32 norm per tensor first (NaN/inf make it non-finite;
+    a float32 overflow of the squares means a norm far above any allowed bound); each tensor is
+    looked at in detail only when that pass fails."""
+    floats = [v for v in state.values() if v.is_floating_point()]
+    if not floats or bool((torch.stack([torch.linalg.vector_norm(v.float()) for v in floats]) <= bound).all()):
+        return None
     for key, value in state.items():
         if not value.is_floating_point():
             continue

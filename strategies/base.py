@@ -494,6 +494,30 @@ class HeteroStrategy(Strategy):
     def _train_config(self, server_round: int, node_id: int, index: int, payload: Payload) -> ConfigRecord:
         cfg = self.cfg
         info = self.nodes[node_id]
+        # what every node of the round (of a payload, of a partition count) is told alike, built once
+        cache = self.__dict__.setdefault("_config_cache", {})
+        if cache.get("round") != server_round:
+            cache.clear()
+            cache["round"] = server_round
+        if ("train", id(payload)) not in cache:
+            cache[("train", id(payload))] = (payload, self._train_json(server_round, payload))
+        if ("data", info.num_partitions) not in cache:
+            cache[("data", info.num_partitions)] = json.dumps(data_spec(cfg, info.num_partitions))
+        return ConfigRecord({
+            wire.SERVER_ROUND: server_round,
+            wire.METHOD: self.name,
+            wire.LEVEL: self.levels[index],
+            wire.LEVEL_INDEX: index,
+            wire.MODEL_SPEC: cache[("train", id(payload))][1][0],
+            wire.TRAIN: cache[("train", id(payload))][1][1],
+            wire.DATA_SPEC: cache[("data", info.num_partitions)],
+            wire.SEED: lv.client_seed(int(cfg.seed), server_round, self._partition_key(node_id)),
+            **self.wire_config(),
+        })
+
+    def _train_json(self, server_round: int, payload: Payload) -> tuple[str, str]:
+        """(model spec, train options) of a payload this round, as the task config's JSON strings."""
+        cfg = self.cfg
         train = {
             "lr": learning_rate(cfg, server_round),
             "local_epochs": int(cfg.train.local_epochs),
@@ -506,17 +530,7 @@ class HeteroStrategy(Strategy):
             **distill_options(cfg.train.get("distill")),
             **payload.train,
         }
-        return ConfigRecord({
-            wire.SERVER_ROUND: server_round,
-            wire.METHOD: self.name,
-            wire.LEVEL: self.levels[index],
-            wire.LEVEL_INDEX: index,
-            wire.MODEL_SPEC: json.dumps(payload.spec),
-            wire.TRAIN: json.dumps(train),
-            wire.DATA_SPEC: json.dumps(data_spec(cfg, info.num_partitions)),
-            wire.SEED: lv.client_seed(int(cfg.seed), server_round, self._partition_key(node_id)),
-            **self.wire_config(),
-        })
+        return json.dumps(payload.spec), json.dumps(train)
 
     def wire_config(self) -> dict[str, str]:
         """The task-config entry telling a node the wire dtype (absent at the default float32)."""
@@ -535,10 +549,10 @@ class HeteroStrategy(Strategy):
         if expected != got:
             missing, extra = sorted(expected - got), sorted(got - expected)
             return None, f"keys do not match level {self.levels[index]:g}: missing {missing[:3]}, unexpected {extra[:3]}"
-        state = wire.from_wire(record.to_torch_state_dict(), self.wire_dtype)  # back to float32
-        for key, tensor in state.items():
-            if tuple(tensor.shape) != payload.shapes[key]:
-                return None, f"{key} has shape {tuple(tensor.shape)}, level {self.levels[index]:g} needs {payload.shapes[key]}"
+        for key, array in record.items():  # shapes before any tensor is read
+            if tuple(array.shape) != payload.shapes[key]:
+                return None, f"{key} has shape {tuple(array.shape)}, level {self.levels[index]:g} needs {payload.shapes[key]}"
+        state = wire.from_wire(wire.record_tensors(record), self.wire_dtype)  # back to float32
         too_big = self.untrusted.screen(state)  # NaN/inf, or a tensor above aggregation.max_norm
         if too_big:
             return None, too_big

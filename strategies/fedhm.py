@@ -3,8 +3,8 @@
 One decomposition per factorizable layer per model version, whoever asks (hand-out, evaluation
 of each level's deployable model, checkpoint): the cache is keyed by the layer's content, not by
 the state dict's identity. Every level's client model is a truncation of that one decomposition
-(:func:`fedhm_flwr.lowrank.layer_svd` picks the fastest method meeting its error bound at every
-level's rank). Replies are averaged with ``softmax(gamma / tau)`` weights, classifier rows per
+(:func:`fedhm_flwr.lowrank.layer_svd`: float32 ``eigh`` of the Gram matrix, checked after the fact
+against ``method.svd_tolerance`` at every level's rank). Replies are averaged with ``softmax(gamma / tau)`` weights, classifier rows per
 class, each factorized layer's recovery and average as one stacked matrix product.
 
 Official-code behaviour (off by default; for comparisons with the published code):
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from fedhm_flwr.aggregation import average_hybrid, level_weights, official_code_weights
-from fedhm_flwr.lowrank import SVD, compute_svds, factorize_state, plan_ranks
+from fedhm_flwr.lowrank import SVD, SVD_TOLERANCE, compute_svds, factorize_state, plan_ranks
 from fedhm_flwr.models import build_model
 
 from .base import HeteroStrategy, Reply, State
@@ -44,6 +44,8 @@ class FedHMStrategy(HeteroStrategy):
         self.classifier_keys = classifier_keys(model)
         self.tau = float(cfg.method.tau)
         self.layer_ranks = {name: sorted({r[name] for r in self.ranks if name in r}) for name in self.factorized}
+        tolerance = cfg.method.get("svd_tolerance")  # (absent from configs saved before it existed)
+        self.svd_tolerance = SVD_TOLERANCE if tolerance is None else float(tolerance)
         self._svd_cache: dict[str, tuple[torch.Tensor, SVD]] = {}  # layer -> (weight it was computed from, SVD)
 
     def level_spec(self, level_index: int) -> dict[str, Any]:
@@ -60,7 +62,7 @@ class FedHMStrategy(HeteroStrategy):
                 cached[0].shape == weight.shape and torch.equal(cached[0], weight)))
 
         stale = [name for name in self.factorized if not fresh(name)]
-        for name, svd in compute_svds(global_state, stale, self.layer_ranks).items():
+        for name, svd in compute_svds(global_state, stale, self.layer_ranks, self.svd_tolerance).items():
             self._svd_cache[name] = (global_state[f"{name}.weight"], svd)
         return {name: self._svd_cache[name][1] for name in self.factorized}
 

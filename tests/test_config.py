@@ -37,6 +37,8 @@ def test_uniform_weights_parse_as_infinity():
     [
         ("method.tau=0", "method.tau"),
         ("method.rho=-1", "method.rho"),
+        ("method.svd_tolerance=0", "method.svd_tolerance"),
+        ("method.svd_tolerance=1", "method.svd_tolerance"),
         ("levels.ratios=[0.5,1]", "levels.ratios"),
         ("levels.ratios=[1,1.5]", "levels.ratios"),
         ("levels.ratios=[]", "levels.ratios"),

@@ -1,0 +1,64 @@
+"""The bench's floors (bench/floors.py) are written apart from the code they bound: they import
+nothing from the project, and each computes what the code it is compared with computes."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench import floors
+from fedhm_flwr.aggregation import average_hybrid
+from fedhm_flwr.lowrank import factorize_state, layer_svd, plan_ranks, rank_for
+from fedhm_flwr.models import build_model
+
+FLOORS = Path(floors.__file__)
+
+
+def test_floor_code_imports_nothing_from_the_project():
+    tree = ast.parse(FLOORS.read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert imported and imported <= {"__future__", "inspect", "pathlib", "collections", "torch", "math"}, imported
+    assert floors.where(floors.average_floor).startswith("bench/floors.py:")
+
+
+def test_average_floor_equals_the_projects_hybrid_average():
+    torch.manual_seed(0)
+    spec = {"arch": "resnet18", "num_classes": 10, "in_channels": 3, "image_size": 32, "width": 8}
+    model = build_model(spec)
+    previous = {k: v.clone() for k, v in model.state_dict().items()}
+    plans = [plan_ranks(model, g) for g in (1.0, 0.5, 0.25, 0.5)]
+    replies = []
+    for plan in plans:
+        noisy = {k: (v + 0.01 * torch.randn_like(v)) if v.is_floating_point() else v for k, v in previous.items()}
+        replies.append(factorize_state(noisy, plan) if plan else noisy)
+    weights = [0.4, 0.3, 0.2, 0.1]
+    expected = average_hybrid(previous, replies, plans, np.asarray(weights))
+    got = floors.average_floor(previous, replies, weights)
+    assert list(got) == list(expected)
+    for key in expected:
+        torch.testing.assert_close(got[key].float(), expected[key].float(), rtol=1e-4, atol=1e-5)
+
+
+def test_decomposition_floor_cuts_the_same_subspace_as_layer_svd():
+    torch.manual_seed(0)
+    weight = torch.randn(32, 64, 3, 3) * 0.05  # a wide unrolling (96 × 192): both cut its rows' side
+    rank = rank_for(weight.shape, 0.25)
+    (Q,) = floors.decomposition_floor([weight], [rank])
+    svd = layer_svd(weight, [rank])
+    M = floors.unroll(weight).double()
+    ours = svd.U[:, :rank].double() @ (svd.U[:, :rank].double().t() @ M)
+    theirs = Q.double() @ (Q.double().t() @ M)
+    assert (torch.linalg.norm(ours - theirs) / torch.linalg.norm(M)).item() < 1e-4
+
+
+def test_training_floor_sees_every_example_each_epoch():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3))
+    images, labels = torch.randn(70, 1, 4, 4), torch.randint(0, 3, (70,))
+    before = [p.detach().clone() for p in model.parameters()]
+    assert floors.training_floor(model, images, labels, epochs=2, batch_size=32) == 140
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
