@@ -29,8 +29,9 @@ def _check_outputs(out_dir, rounds, levels, nodes):
     # every node was asked for its node info in the start-up before round 1, none in a round
     assert summary["startup_queried"] == nodes and summary["startup_seconds"] > 0 and summary["startup_bytes"] > 0
     assert all(r["queried"] == 0 for r in rows)
+    # (+ the norm statistics of every level gathered after the last round for deployment, when the model has sBN)
     assert summary["bytes_total"] == summary["startup_bytes"] + sum(
-        r["bytes_sent"] + r["bytes_received"] + r["bytes_queries"] for r in rows)
+        r["bytes_sent"] + r["bytes_received"] + r["bytes_queries"] + r.get("bytes_bn_stats", 0) for r in rows)
     state, saved = load_checkpoint(out_dir)
     assert saved["round"] == rounds and state
     assert (out_dir / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

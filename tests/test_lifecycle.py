@@ -41,7 +41,10 @@ from fedhm_flwr.results import load_checkpoint_state
 
 ROOT = Path(__file__).resolve().parent.parent
 # 6 short rounds: Ray's start-up, then about a second per round; a checkpoint every round (the default)
-JOB = ["rounds=6", "num_clients=2", "fraction_train=1.0", "dataset.max_train_examples=3000",
+# every client sleeps 4 s before it trains (seeded failure injection, numerics untouched): a round
+# takes at least that long on any machine, so a signal sent after round 3 lands before round 6
+JOB = ["failures.slow_probability=1.0", "failures.slow_seconds=4",
+       "rounds=6", "num_clients=2", "fraction_train=1.0", "dataset.max_train_examples=3000",
        "dataset.max_test_examples=300", "model.width=4", "evaluation.levels=false"]
 MODEL = Path("checkpoint") / "global_model.safetensors"
 
@@ -341,7 +344,7 @@ def test_ctrl_c_to_fedhm_run_exits_130_leaves_nothing_and_the_printed_resume_end
         assert str(run_dir) in line and f"PID {proc.pid}" in line, line
     assert proc.poll() is None and (run_dir / ".lock").read_text() == lock
 
-    saved = _interrupt_after_round(run_dir, proc, err, 3, None)
+    saved = _interrupt_after_round(run_dir, proc, err, max(3, _checkpoint_round(run_dir) + 1), None)
     stderr = err.read_text()
     assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr, stderr
