@@ -142,6 +142,11 @@ class BnUse:
         return out
 
 
+def spec_key(spec: dict[str, Any]) -> str:
+    """A model spec as a canonical string (a cache key)."""
+    return json.dumps(spec, sort_keys=True, default=str)
+
+
 @functools.lru_cache(maxsize=32)
 def _tracks_running_statistics(spec_json: str) -> bool:
     spec = json.loads(spec_json)
@@ -153,14 +158,9 @@ def statistics_label(configured: str, spec: dict[str, Any]) -> str:
     """What a model evaluated under ``evaluation.bn_stats=configured`` normalises with:
     ``running_averaged`` for a model whose norm layers keep running statistics (averaged over
     the clients as buffers; eval mode reads them, whatever the test batch), else ``configured``."""
-    if configured == "test_batch" and not spec.get("trainable_only") and _tracks_running_statistics(
-            json.dumps(spec, sort_keys=True, default=str)):
+    if configured == "test_batch" and not spec.get("trainable_only") and _tracks_running_statistics(spec_key(spec)):
         return "running_averaged"
     return configured
-
-
-def spec_key(spec: dict[str, Any]) -> str:
-    return json.dumps(spec, sort_keys=True, default=str)
 
 
 def evaluate_levels(strategy: HeteroStrategy, global_state: State, bn: BnUse | None = None) -> dict[str, Any]:

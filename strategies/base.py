@@ -146,6 +146,7 @@ class HeteroStrategy(Strategy):
         self._grid: Grid | None = None
         self._federated: ev.FederatedEvaluation | None = None  # this round's client-side evaluation
         self.federated_row: dict[str, Any] = {}
+        self._config_cache: dict[Any, Any] = {}  # this round's task-config parts shared by its nodes (_train_config)
         self._bn: ev.BnUse | None = None  # the last server evaluation's norm statistics (federated sums)
         self.untrusted = Untrusted(self)  # attacks, defences, client-level DP (failures.attack, aggregation, dp)
         self.wire_dtype = str(cfg.get("wire", {}).get("dtype", "float32"))  # arrays both ways (wire.dtype)
@@ -432,7 +433,7 @@ class HeteroStrategy(Strategy):
 
     def _save_deployment_statistics(self, server_round: int, global_state: State, row: dict[str, Any]) -> None:
         """The fixed norm statistics of every level's deployable model (the clients' sBN sums),
-        saved beside the final checkpoint for ``fedhm export`` (docs/METHODS.md#static-bn)."""
+        saved beside the final checkpoint for ``fedhm export`` (docs/METHODS.md#deployable-statistics)."""
         known = self._bn.sums if self._bn is not None else None  # the final round's evaluation asked already
         found = ev.deployment_statistics(self, global_state, known)
         if found is not None:
@@ -495,7 +496,7 @@ class HeteroStrategy(Strategy):
         cfg = self.cfg
         info = self.nodes[node_id]
         # what every node of the round (of a payload, of a partition count) is told alike, built once
-        cache = self.__dict__.setdefault("_config_cache", {})
+        cache = self._config_cache
         if cache.get("round") != server_round:
             cache.clear()
             cache["round"] = server_round
