@@ -42,10 +42,10 @@ WIDTHS = (64, 32, 16)
 
 def _fmnist(split: str) -> tuple[Tensor, Tensor]:
     """Normalised Fashion-MNIST ``(N, 1, 28, 28)`` float32 and int64 labels."""
-    from fedhm_flwr.data import DATASETS, _to_normalised_tensor, load_arrays
+    from fedhm_flwr.data import DATASETS, to_normalised_tensor, load_arrays
 
     images, labels = load_arrays("fashion_mnist", split)
-    return _to_normalised_tensor(images, DATASETS["fashion_mnist"]), torch.from_numpy(labels.copy())
+    return to_normalised_tensor(images, DATASETS["fashion_mnist"]), torch.from_numpy(labels.copy())
 
 
 def vit_spec(width: int, num_classes: int = 10) -> dict[str, Any]:
