@@ -8,10 +8,10 @@ catalog and specs only. The rules (:func:`require`, :func:`choice`, :func:`int_a
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from collections.abc import Iterable
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -227,5 +227,5 @@ def _validate_tracking(cfg: DictConfig) -> None:
     require(uri is None or (isinstance(uri, str) and uri != ""), "tracking.mlflow_uri", uri,
             "null (a file store in <run dir>/mlruns) or an MLflow tracking URI")
     if OmegaConf.select(cfg, "tracking.mlflow", default=False):  # refused before the run starts, not after round 1
-        require(find_spec("mlflow") is not None, "tracking.mlflow", True,
+        require(importlib.util.find_spec("mlflow") is not None, "tracking.mlflow", True,
                 "false, or true with MLflow installed: pip install 'fedhm-flwr[mlflow]'")
