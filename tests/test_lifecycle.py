@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from fedhm_flwr.procs import RunDirectoryBusy, RunLock
+from fedhm_flwr.runlock import RunDirectoryBusy, RunLock
 from fedhm_flwr.results import load_checkpoint_state
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,7 +173,7 @@ def _same_model(a: Path, b: Path) -> None:
 
 HOLDER = """
 import sys, time
-from fedhm_flwr.procs import RunLock
+from fedhm_flwr.runlock import RunLock
 lock = RunLock(sys.argv[1], tag="job-1").acquire()
 print("locked", flush=True)
 time.sleep(300)
