@@ -129,7 +129,7 @@ def _run(procs: Processes, cfg: DictConfig, overrides: list[str], run_dir: Path,
                   f"client-resources-num-gpus={float(cfg.simulation.num_gpus)} "
                   "init-args-logging-level=\"ERROR\" init-args-log-to-driver=true")
     env = start_simulation_superlink(procs, flwr_home, run_dir / "superlink.log",
-                          ray_address=cfg.simulation.get("ray_address"))
+                                     ray_address=cfg.simulation.get("ray_address"))
     app = stage_app(flwr_home / "app")
     job = FlowerJob(procs, env, SIMULATION_CONNECTION, run_dir / "flwr_run.log", echo=not quiet, on_error=on_error)
     return run_flower_job(job, app, run_config, run_dir, ["--federation-config", federation],
