@@ -124,7 +124,7 @@ def test_deploy_md_walkthrough_runs_as_written_on_loopback(tmp_path):
             except OSError:
                 time.sleep(0.5)
         # 4. the operator's connection (the guide's config.toml) and the registrations
-        (tmp_path / "operator").mkdir()
+        (tmp_path / "operator").mkdir(exist_ok=True)
         (tmp_path / "operator" / "config.toml").write_text(
             local(connection, **{"/abs/path/to/ca.pem": str(creds / "ca" / "ca.pem")}))
         bash(local(_only(walk, "flwr supernode register")))
