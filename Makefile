@@ -78,4 +78,4 @@ pretrain: setup data  ## ViT backbones of the transformer track -> $$FEDHM_CACHE
 
 .PHONY: deploy-local
 deploy-local: setup data  ## SuperLink with TLS + SuperNode auth and N SuperNodes on loopback, runs the job: N=2 CAPS="level=1 params=2e4 -" ARGS=overrides
-	$(BIN)/python scripts/deploy_local.py --nodes $(or $(N),2) $(if $(CAPS),--capabilities "$(CAPS)") $(ARGS)
+	$(FEDHM) deploy-local --nodes $(or $(N),2) $(if $(CAPS),--capabilities "$(CAPS)") $(ARGS)

@@ -29,8 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from fedhm_flwr.config import split_overrides
-from fedhm_flwr.launch import PythonCommands, RunFailed, RunInterrupted, run_job
+from fedhm_flwr.launch import run_job
+from fedhm_flwr.outcome import PythonCommands, RunFailed, RunInterrupted
 from fedhm_flwr.procs import on_signals
+from fedhm_flwr.progress import run_with_progress
 from fedhm_flwr.results import SUMMARY_FILE
 
 __all__ = ["RunFailed", "RunInterrupted", "Summary", "load", "resume", "run"]
@@ -62,8 +64,6 @@ API_COMMANDS = PythonCommands(("fedhm_flwr.api.resume",), ("fedhm_flwr.api.run",
 def _launch(items: list[str], run_dir: Path | None, resume: Path | None, progress: bool) -> Summary:
     with on_signals():  # SIGINT / SIGTERM / SIGHUP -> RunInterrupted once everything is stopped
         if progress:
-            from fedhm_flwr.progress import run_with_progress
-
             return Summary.from_summary(run_with_progress(items, run_dir=run_dir, resume=resume, commands=API_COMMANDS))
         return Summary.from_summary(run_job(items, run_dir=run_dir, resume=resume, quiet=True, commands=API_COMMANDS))
 

@@ -1,6 +1,6 @@
 """The processes of one job: start them tagged, stop them all, also when the launcher dies.
 
-Shared by ``fedhm_flwr.launch`` (simulation) and ``scripts/deploy_local.py`` (deployment):
+Shared by ``fedhm_flwr.launch`` (simulation) and ``fedhm deploy-local`` (deployment):
 
 * every process a job starts runs in its own session and carries ``FEDHM_RUN_TAG=<tag>`` in its
   environment; whatever it starts in turn (Flower's SuperExec, ``flwr-simulation``, Ray's
@@ -13,8 +13,7 @@ Shared by ``fedhm_flwr.launch`` (simulation) and ``scripts/deploy_local.py`` (de
   pipe closes and the watchdog stops every tagged process, then exits;
 * :func:`on_signals` turns SIGINT / SIGTERM / SIGHUP into one :class:`Interrupted` exception, so
   cleanup runs; a second signal during the cleanup only prints that the cleanup goes on;
-* :class:`RunLock` (``<run dir>/.lock``, an ``fcntl.flock``) keeps a second launch out of a run
-  directory that a live run is using.
+* the run directory's lock is :mod:`fedhm_flwr.runlock`.
 
 The tag scan needs Linux's ``/proc`` (what CI runs). Where there is none (macOS), the fallback is
 process groups: every process is started as the leader of its own group, :class:`Processes`
@@ -25,12 +24,11 @@ their group (Flower's SuperExec starts its own session) are then out of reach of
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -38,7 +36,6 @@ from pathlib import Path
 from typing import IO, Any
 
 TAG_VAR = "FEDHM_RUN_TAG"  # environment variable marking every process of one job
-LOCK_FILE = ".lock"
 HAVE_PROC = Path("/proc/self/environ").exists()
 
 
@@ -372,8 +369,6 @@ def on_signals(say: Any = None) -> Iterator[None]:
     flag, so a signal that arrives while an outer block reports the first one only prints too;
     the flag is reset when the outermost block ends (a notebook can run and interrupt again).
     Outside the main thread this does nothing (Python delivers signals to the main thread)."""
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -396,86 +391,6 @@ def on_signals(say: Any = None) -> Iterator[None]:
             _DEPTH["raised"] = False
         for sig, old in previous.items():
             signal.signal(sig, old)
-
-
-# --------------------------------------------------------------------------- the run lock
-
-
-class RunDirectoryBusy(FileExistsError):
-    """Another live process holds the run directory's lock."""
-
-
-class RunLock:
-    """An exclusive ``fcntl.flock`` on ``<run dir>/.lock``, held while a run uses the directory.
-
-    The lock file records the holder's PID and job tag (JSON). The kernel drops the lock when
-    every descriptor of it is closed, i.e. when the holder (and the watchdog it handed the
-    descriptor to) has exited: a lock file left by a dead process never blocks. A process of the
-    holder's own job (same ``FEDHM_RUN_TAG`` in its environment, e.g. the ServerApp started by
-    the launcher) is let in without locking: ``RunLock(out_dir, tag=os.environ.get(TAG_VAR))``.
-    """
-
-    def __init__(self, run_dir: str | Path, tag: str | None = None) -> None:
-        self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK_FILE
-        self.tag = tag
-        self.fd: int | None = None
-
-    def holder(self) -> dict[str, Any]:
-        try:
-            return dict(json.loads(self.path.read_text() or "{}"))
-        except (OSError, ValueError):
-            return {}
-
-    def acquire(self) -> RunLock:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            holder = self.holder()
-            if self.tag and holder.get("tag") == self.tag:
-                return self  # the run's own launcher holds it
-            pid = holder.get("pid")
-            if isinstance(pid, int) and alive(pid):
-                why = f"a live run (PID {pid}) is using it"
-            else:
-                why = f"the processes of a run whose launcher (PID {pid}) has died are still being stopped"
-            raise RunDirectoryBusy(f"run directory {self.run_dir} is locked: {why} ({self.path}); "
-                                   "wait for that run to end or stop it (Ctrl-C / kill -INT <PID>), "
-                                   "or choose another run directory") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "tag": self.tag}).encode())
-        self.fd = fd
-        return self
-
-    @staticmethod
-    def is_held(run_dir: str | Path) -> bool:
-        """Whether a live process holds ``run_dir``'s lock (a probe: takes a shared lock for an
-        instant when it is free, writes nothing)."""
-        try:
-            fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY)
-        except OSError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)  # drops the probe's own lock
-        return False
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing drops the flock; the file stays (harmless, see above)
-            self.fd = None
-
-    def __enter__(self) -> RunLock:
-        return self.acquire()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
 
 
 if __name__ == "__main__":

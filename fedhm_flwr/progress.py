@@ -16,6 +16,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from fedhm_flwr.config import load_config, resume_config
+from fedhm_flwr.launch import default_run_dir, run_job
+from fedhm_flwr.outcome import require_checkpoint
 from fedhm_flwr.results import METRICS_JSONL
 
 
@@ -135,9 +138,6 @@ def run_with_progress(overrides: list[str], run_dir: Path | None = None, resume:
                       label: str = "", stream: TextIO | None = None, commands: Any = None) -> dict[str, Any]:
     """One job through the launcher (``run_job(..., quiet=True)``) with a progress line; its summary.
     ``commands``: the terms of the resume command its RunInterrupted / RunFailed carry."""
-    from fedhm_flwr.config import load_config, resume_config
-    from fedhm_flwr.launch import default_run_dir, require_checkpoint, run_job
-
     if resume is not None:
         require_checkpoint(resume.resolve())  # refused before anything else
     cfg = resume_config(resume, overrides) if resume is not None else load_config(overrides)

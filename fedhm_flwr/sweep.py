@@ -25,13 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from fedhm_flwr.cli import CONTINUE_COMMAND_VAR, CONTINUE_VAR  # set by `fedhm sweep|compare --continue`
+from fedhm_flwr.multirun import CONTINUE_COMMAND_VAR, CONTINUE_VAR  # set by `fedhm sweep|compare --continue`
 from fedhm_flwr.config import validate
-from fedhm_flwr.launch import RunFailed, RunInterrupted, checkpoint_round, fedhm_commands, fedhm_program, report_stop
+from fedhm_flwr.outcome import RunFailed, RunInterrupted, checkpoint_round, fedhm_commands, fedhm_program, report_stop
 from fedhm_flwr.procs import on_signals
 from fedhm_flwr.progress import run_with_progress
 from fedhm_flwr.results import METRICS_CSV, METRICS_JSONL, SUMMARY_FILE
@@ -46,9 +48,6 @@ def continue_command(sweep_dir: Path) -> str:
 
 def sweep_jobs(sweep_dir: Path) -> int | None:
     """How many jobs the sweep stored in ``sweep_dir`` has (its ``multirun.yaml``), None if unknown."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     try:
         task = list(OmegaConf.load(sweep_dir / "multirun.yaml").hydra.overrides.task)
         batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(task), None)

@@ -55,7 +55,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "operations": ("fedhm_flwr.server_app", "fedhm_flwr.local_grid", "fedhm_flwr.launch", "fedhm_flwr.procs",
                    "fedhm_flwr.cli", "fedhm_flwr.__main__", "fedhm_flwr.api", "fedhm_flwr.status",
                    "fedhm_flwr.supernode", "fedhm_flwr.sweep", "fedhm_flwr.progress", "fedhm_flwr.inspect",
-                   "fedhm_flwr.export", "fedhm_flwr.pretrain", "fedhm_flwr.shards"),
+                   "fedhm_flwr.export", "fedhm_flwr.pretrain", "fedhm_flwr.shards", "fedhm_flwr.outcome",
+                   "fedhm_flwr.runlock", "fedhm_flwr.superlink", "fedhm_flwr.flower_job", "fedhm_flwr.multirun",
+                   "fedhm_flwr.credentials", "fedhm_flwr.deployment", "fedhm_flwr.deploy_local"),
 }
 
 #: third-party packages a function may import where it needs them: optional ones, and heavy ones
@@ -106,22 +108,13 @@ KNOWN_UPWARD = {
 
 #: (module, imported) inside functions, in files other parts of #26 own
 KNOWN_INNER = {
-    ("fedhm_flwr.api", "fedhm_flwr.export"), ("fedhm_flwr.api", "fedhm_flwr.progress"),
-    ("fedhm_flwr.cli", "fedhm_flwr.launch"), ("fedhm_flwr.cli", "fedhm_flwr.procs"),
-    ("fedhm_flwr.cli", "fedhm_flwr.progress"), ("fedhm_flwr.cli", "fedhm_flwr.status"),
-    ("fedhm_flwr.cli", "fedhm_flwr.summary"),
+    ("fedhm_flwr.api", "fedhm_flwr.export"),
     ("fedhm_flwr.launch", "fedhm_flwr.inspect"),
-    ("fedhm_flwr.progress", "fedhm_flwr.config"), ("fedhm_flwr.progress", "fedhm_flwr.launch"),
     ("fedhm_flwr.local_grid", "clients.base"),
     ("strategies.fedlora", "fedhm_flwr.config"), ("strategies.fedlora", "fedhm_flwr.models.text"),
     ("strategies.fedlora", "fedhm_flwr.models.vit"),
     ("strategies.heterotune", "fedhm_flwr.models.text"),
-    # standard library and small packages imported late in the deploy part's and reporting's files
-    ("fedhm_flwr.cli", "ctypes"), ("fedhm_flwr.cli", "json"), ("fedhm_flwr.cli", "omegaconf"),
-    ("fedhm_flwr.cli", "os"), ("fedhm_flwr.cli", "shlex"), ("fedhm_flwr.cli", "signal"),
-    ("fedhm_flwr.cli", "subprocess"), ("fedhm_flwr.launch", "shutil"), ("fedhm_flwr.procs", "threading"),
-    ("fedhm_flwr.sweep", "hydra._internal.core_plugins.basic_sweeper"),
-    ("fedhm_flwr.sweep", "hydra.core.override_parser.overrides_parser"),
+    # standard library and small packages imported late in reporting's files
     ("fedhm_flwr.results", "datetime"), ("fedhm_flwr.results", "safetensors"),
     ("fedhm_flwr.results", "safetensors.torch"),
 }
@@ -130,11 +123,7 @@ KNOWN_INNER = {
 KNOWN_LONG = {
     "strategies/base.py": "part B (the round driver apart from the method)",
     "strategies/nodes.py": "part B (node registry)",
-    "fedhm_flwr/launch.py": "deploy part (#26 item 3)",
-    "fedhm_flwr/procs.py": "deploy part",
-    "fedhm_flwr/cli.py": "deploy part",
     "fedhm_flwr/summary.py": "reporting (#27)",
-    "scripts/deploy_local.py": "deploy part (fedhm deploy-local sharing the launcher's SuperLink code)",
     "bench/run.py": "bench (#25)",
 }
 

@@ -15,7 +15,8 @@ from fedhm_flwr.cli import COMMANDS, compare_plan, main
 from fedhm_flwr.config import ConfigError
 from fedhm_flwr.progress import Follower, eta_seconds, format_seconds, progress_text
 
-SUBCOMMANDS = ["run", "resume", "sweep", "compare", "status", "inspect", "summary", "shards", "supernode", "export", "bench"]
+SUBCOMMANDS = ["run", "resume", "sweep", "compare", "status", "deploy-local", "inspect", "summary", "shards", "supernode",
+               "export", "bench"]
 
 # a recorded metrics.jsonl (the columns the progress line reads, as a run writes them)
 RECORDED = [

@@ -1,22 +1,24 @@
-"""Real deployment: TLS, SuperNode authentication, capability-declared levels (scripts/deploy_local.py).
+"""Real deployment: TLS, SuperNode authentication, capability-declared levels (``fedhm deploy-local``).
 
 Fast tests: credentials, node-config files, capability specs, the memory estimate and the
 budget -> level mapping through the in-process grid. Slow tests: a SuperLink with TLS and
-SuperNode authentication and real SuperNodes on loopback (``flwr run``, 1 round), the
-refusal of an unregistered key and of a node without the CA certificate, and the cleanup of
-every process, also when the script fails.
+SuperNode authentication and real SuperNodes on loopback (``flwr run``, 3 rounds), the
+refusal of an unregistered key and of a node without the CA certificate, a SuperLink stopped
+with SIGTERM mid-run (its ServerApp gone within seconds, ``fedhm status`` non-zero, the resume
+going on from the last checkpoint), and the cleanup of every process, also when the command fails.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,25 +32,19 @@ from flwr.common.config import parse_config_args
 from omegaconf import OmegaConf
 
 from fedhm_flwr import data as D
+from fedhm_flwr import deployment as dl
 from fedhm_flwr.config import load_config, model_spec
+from fedhm_flwr.credentials import add_node, create_credentials
 from fedhm_flwr.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.outcome import checkpoint_round
+from fedhm_flwr.procs import alive, command_name, tagged_pids
+from fedhm_flwr.runlock import RunLock
 from fedhm_flwr.server_app import initial_state
 from fedhm_flwr.models.costs import activation_elements, training_memory_bytes
 from strategies.fedhm import FedHMStrategy
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "deploy_local.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("deploy_local", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["deploy_local"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-dl = _load_script()
+FEDHM = [sys.executable, "-m", "fedhm_flwr"]  # the `fedhm` command of this checkout (run from ROOT)
 
 HAVE_FMNIST = bool(os.environ.get(D.DATA_DIR_ENV)) or (Path(D.FASHION_MNIST_SYSTEM_DIR) / "train-images-idx3-ubyte.gz").is_file()
 needs_fmnist = pytest.mark.skipif(not HAVE_FMNIST, reason="Fashion-MNIST not installed (make data)")
@@ -144,7 +140,7 @@ def test_capability_specs_and_node_config_files_round_trip_through_flowers_parse
 
 
 def test_credentials_form_a_chain_and_keys_are_what_flower_reads(tmp_path):
-    creds = dl.create_credentials(tmp_path, ["node-0"], sans=["localhost", "127.0.0.1", "10.1.2.3"])
+    creds = create_credentials(tmp_path, ["node-0"], sans=["localhost", "127.0.0.1", "10.1.2.3"])
     ca = x509.load_pem_x509_certificate(creds.ca_cert.read_bytes())
     server = x509.load_pem_x509_certificate((creds.server_dir / "server.pem").read_bytes())
     server.verify_directly_issued_by(ca)
@@ -164,10 +160,19 @@ def test_credentials_form_a_chain_and_keys_are_what_flower_reads(tmp_path):
 # --------------------------------------------------------------------------- slow
 
 
+#: the TLS test's job: TOY over 3 rounds, each client sleeping 3 s per round (seeded injection, numerics
+#: untouched) so that a SuperLink stopped right after round 1's checkpoint stops the run mid-round
+TLS_JOB = [*TOY, "rounds=3", "failures.slow_probability=1.0", "failures.slow_seconds=3"]
+
+
+def _serverapps(tag: str) -> list[int]:
+    return [p for p in tagged_pids(tag) if command_name(p) == "flwr-serverapp"]
+
+
 @pytest.mark.slow
 @needs_fmnist
-def test_tls_authenticated_deployment_trains_declared_levels_and_refuses_outsiders(tmp_path):
-    cfg = load_config(TOY)
+def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_after_a_superlink_sigterm(tmp_path):
+    cfg = load_config(TLS_JOB)
     strategy = FedHMStrategy(cfg, model_spec(cfg))
     cost = lambda i, kind: strategy.level_cost(i)[kind]  # noqa: E731
     declared = {  # two nodes, two kinds of budget, two different levels
@@ -183,11 +188,22 @@ def test_tls_authenticated_deployment_trains_declared_levels_and_refuses_outside
     run_dir = tmp_path / "run"
     dep = dl.LocalDeployment(work, say=lambda msg: print(f"[test] {msg}", flush=True))
     pids: list[int] = []
+    result: dict = {}
     t0 = time.monotonic()
+
+    def status() -> subprocess.CompletedProcess[str]:  # what docs/DEPLOY.md gives for a deployed run's outcome
+        return subprocess.run([*FEDHM, "status", str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+    def job() -> None:
+        try:
+            result["summary"] = dep.run_job(TLS_JOB, run_dir, timeout=600, echo=False)
+        except BaseException as err:  # reported by the main thread
+            result["error"] = err
+
     try:
         dep.make_credentials(["node-0", "node-1", "no-ca"])
-        dl.add_node(dep.creds, "intruder")  # a key pair the SuperLink never learns about
-        dep.start_superlink()
+        add_node(dep.creds, "intruder")  # a key pair the SuperLink never learns about
+        superlink = dep.start_superlink()
         for name in ("node-0", "node-1", "no-ca"):
             dep.register(name)
         for i, name in enumerate(("node-0", "node-1")):
@@ -204,29 +220,72 @@ def test_tls_authenticated_deployment_trains_declared_levels_and_refuses_outside
         assert "No SuperNode found with the given public key" in dep.log_tail("superlink", 400)
         assert "CERTIFICATE_VERIFY_FAILED" in dep.log_tail("no-ca", 200)
 
-        dep.run_job(TOY, run_dir, timeout=600, echo=False)
+        # the run; once round 1 is checkpointed, the SuperLink gets SIGTERM (an operator's `kill <pid>`)
+        runner = threading.Thread(target=job, daemon=True)
+        runner.start()
+        deadline = time.monotonic() + 400
+        while checkpoint_round(run_dir) is None:
+            assert runner.is_alive(), result
+            assert time.monotonic() < deadline, "no checkpoint in 400 s"
+            time.sleep(0.2)
+        os.kill(superlink.pid, signal.SIGTERM)
+        t_term = time.monotonic()
+        # its ServerApp notices within seconds, records why and exits, freeing the run directory's lock (it
+        # used to go on retrying the SuperLink, holding the lock, as long as the SuperLink took to exit)
+        while _serverapps(dep.tag) or RunLock.is_held(run_dir):
+            assert time.monotonic() - t_term < 20, f"ServerApp {_serverapps(dep.tag)} still there after 20 s"
+            time.sleep(0.2)
+        print(f"[test] ServerApp gone, lock free {time.monotonic() - t_term:.1f} s after the SuperLink's SIGTERM",
+              flush=True)
+        saved = checkpoint_round(run_dir)
+        assert saved is not None and saved < 3
+        stopped = status()
+        assert stopped.returncode == 1, stopped.stdout + stopped.stderr
+        assert f"last checkpoint: round {saved}" in stopped.stderr and "SuperLink" in stopped.stderr
+        # the operator's `flwr run --stream` ends (Ctrl-C): a SuperLink that got SIGTERM waits for its open
+        # streams before it exits
+        for name, proc, _ in dep.processes.started:
+            if name == "flwr-run" and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT)
+        runner.join(120)
+        assert not runner.is_alive() and "error" in result, result  # the run did not complete
+        assert superlink.wait(timeout=120) is not None
+
+        # the same SuperLink (its database) again; the SuperNodes reconnect; the documented resume
+        # (`flwr run ... --run-config "resume='<output-dir>'"`) goes on from the checkpoint's round
+        dep.start_superlink()
+        dep.wait_online(["node-0", "node-1"], timeout=180)
+        t_resume = time.monotonic()
+        summary = dep.run_job([], run_dir, timeout=600, echo=False, resume=run_dir)
+        print(f"[test] resumed run took {time.monotonic() - t_resume:.0f} s", flush=True)
+        assert summary["rounds_completed"] == 3
+        assert status().returncode == 0
 
         nodes = {n["node-id"]: n for n in dep.nodes()}
         assert set(nodes) == {str(dep.node_ids[n]) for n in ("node-0", "node-1", "no-ca")}  # no intruder
         assert nodes[str(dep.node_ids["no-ca"])]["online-at"] == "N/A"  # registered, never connected
+        log = dep.log_tail("flwr-run", 100000)
+        resumed = log[log.index(f"resuming {run_dir.resolve()} after round {saved}"):]
+        done = [int(r) for r in re.findall(r"\[round (\d+)/3\]", resumed)]
+        assert done == list(range(saved + 1, 4)), done  # the resumed session: round saved+1 on, each once
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert [r["round"] for r in rows] == [1]
+        assert [r["round"] for r in rows] == [1, 2, 3]
         for row in rows:
             assert json.loads(row["assignments"]) == expected  # each node trained the level it can afford
             assert row["replies"] == 2 and row["failures"] == 0 and row["rejected"] == 0
     finally:
         dep.close()
         print(f"[test] deployment test took {time.monotonic() - t0:.0f} s", flush=True)
-    assert not [p for p in pids if dl._alive(p)]
-    assert dl.tagged_pids(dep.tag) == []
+    assert not [p for p in pids if alive(p)]
+    assert tagged_pids(dep.tag) == []
     assert _processes_with(str(work)) == []  # anything with a FLWR_HOME of this deployment
 
 
 @pytest.mark.slow
 @needs_fmnist
-def test_script_stops_everything_it_started_when_the_job_fails(tmp_path):
+def test_fedhm_deploy_local_stops_everything_it_started_when_the_job_fails(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, str(SCRIPT), "--nodes", "1", "--capabilities", "level=0.25", "--run-dir", str(run_dir),
+    cmd = [*FEDHM, "deploy-local", "--nodes", "1", "--capabilities", "level=0.25", "--run-dir", str(run_dir),
            "--timeout", "1", *TOY]
     # as `make deploy-local` runs it: .venv/bin/python without an activated environment
     env = {**os.environ, "PATH": os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
@@ -296,11 +355,11 @@ def test_deploy_md_credential_commands_write_the_files_it_names(tmp_path):
                                 capture_output=True, text=True)
         assert verify.returncode == 0, verify.stdout + verify.stderr
         load_ssh_public_key((tmp_path / "node.key.pub").read_bytes())  # what `flwr supernode register` reads
-    (line,) = [ln for b in _deploy_md_blocks() for ln in b.splitlines() if "--credentials-only" in ln]
+    line = [ln for b in _deploy_md_blocks() for ln in b.splitlines() if "--credentials-only" in ln][0]
     args = line.split("#")[0].split()
-    assert args[:2] == ["python", "scripts/deploy_local.py"]
-    out = subprocess.run([sys.executable, str(SCRIPT), *args[2:]], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120)
+    assert args[:2] == ["fedhm", "deploy-local"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    out = subprocess.run([*FEDHM, *args[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     creds = tmp_path / args[args.index("--credentials-only") + 1]
     for path in re.findall(r"^\| `((?:ca|superlink|supernodes)/[^`]+)`", text, flags=re.M):
@@ -309,7 +368,7 @@ def test_deploy_md_credential_commands_write_the_files_it_names(tmp_path):
     registered = re.findall(r"flwr supernode register (\S+)", text)
     assert registered
     for path in registered:
-        path = path.replace("<i>", "0")
+        path = path.replace("<i>", "0").replace("$i", "0")
         assert (creds / path).is_file() or (tmp_path / path).is_file(), path
 
 

@@ -1,7 +1,7 @@
 """Real devices on loopback: TLS, SuperNode authentication, nodes that hold only their exported
 shard (every other data location pointed at an empty folder), client-side evaluation, a node that
 joins late, a node SIGKILLed mid-round and started again at once, and a node whose shard is broken
-(scripts/deploy_local.py's LocalDeployment, real flower-superlink / `fedhm supernode` processes)."""
+(fedhm_flwr.deployment's LocalDeployment, real flower-superlink / `fedhm supernode` processes)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from test_deploy import ROOT, dl, needs_fmnist
+from fedhm_flwr import deployment as dl
+from fedhm_flwr.procs import alive, tagged_pids
+from test_deploy import ROOT, needs_fmnist
 
 # Four devices, 4 rounds. node-3's shard is broken: it sits out from the start (asked once). Round 1:
 # node-0 and node-1 (node-2 starts during it). Round 2: three nodes; node-1 is SIGKILLed (its whole
@@ -148,5 +150,5 @@ def test_shard_only_nodes_keep_their_levels_through_a_late_join_and_a_restart(tm
         assert any(k.startswith("fed_acc/level_") for k in row)
     assert result["summary"]["final_fed_acc/all"] is not None
     time.sleep(1)
-    assert not [p for p in pids if dl._alive(p)]
-    assert dl.tagged_pids(dep.tag) == []
+    assert not [p for p in pids if alive(p)]
+    assert tagged_pids(dep.tag) == []

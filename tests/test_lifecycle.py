@@ -27,6 +27,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -36,8 +37,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from fedhm_flwr.procs import RunDirectoryBusy, RunLock
 from fedhm_flwr.results import load_checkpoint_state
+from fedhm_flwr.runlock import RunDirectoryBusy, RunLock
+from fedhm_flwr.server_app import runtime_address, watch_superlink
 
 ROOT = Path(__file__).resolve().parent.parent
 # 6 short rounds: Ray's start-up, then about a second per round; a checkpoint every round (the default)
@@ -173,7 +175,7 @@ def _same_model(a: Path, b: Path) -> None:
 
 HOLDER = """
 import sys, time
-from fedhm_flwr.procs import RunLock
+from fedhm_flwr.runlock import RunLock
 lock = RunLock(sys.argv[1], tag="job-1").acquire()
 print("locked", flush=True)
 time.sleep(300)
@@ -292,6 +294,23 @@ def test_resume_without_a_checkpoint_and_status_of_a_non_run_are_refused_at_once
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]
     status = _status(tmp_path)
     assert status.returncode == 2 and "not a run directory" in status.stderr
+
+
+def test_the_serverapp_watch_fires_only_once_its_superlinks_port_refuses_connections():
+    """The ServerApp's watch (server_app.watch_superlink): quiet while something listens on the
+    SuperLink's address (its own ``--runtime-api-address``), on_gone once the port refuses."""
+    assert runtime_address(["flwr-serverapp", "--runtime-api-address", "127.0.0.1:9091", "--token", "x"]) == (
+        "127.0.0.1", 9091)
+    assert runtime_address(["flwr-serverapp", "--runtime-api-address", "[::1]:9091"]) == ("::1", 9091)
+    assert runtime_address(["python", "-m", "pytest"]) is None
+    listener = socket.create_server(("127.0.0.1", 0))
+    gone = threading.Event()
+    watch_superlink(listener.getsockname()[:2], gone.set, every=0.1, misses=3)
+    assert not gone.wait(1.5)  # 15 checks while it listens
+    listener.close()
+    t0 = time.monotonic()
+    assert gone.wait(5)
+    assert time.monotonic() - t0 < 2
 
 
 # --------------------------------------------------------------------------- slow: whole runs
