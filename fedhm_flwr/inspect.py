@@ -69,13 +69,12 @@ def plan_rows(cfg: Any) -> list[dict[str, Any]] | None:
     """
     from fedhm_flwr.models.rules import select_layers
     from strategies import STRATEGIES
-    from strategies.fedhm import FedHMStrategy
+    from strategies.fedhm import FedHM
 
     spec = model_spec(cfg)
     with shape_device(spec):
-        strategy = STRATEGIES[cfg.method.name](cfg, spec)
-        inner = getattr(strategy, "inner", strategy)
-        if not isinstance(inner, FedHMStrategy):
+        inner = STRATEGIES[cfg.method.name](cfg, spec).method  # FedAvg of FedHM's family is a FedHM too
+        if not isinstance(inner, FedHM):
             return None
         model = build_model(spec, spectral_init=False)
     rows = []

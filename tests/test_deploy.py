@@ -34,7 +34,7 @@ from fedhm_flwr.config import load_config, model_spec
 from fedhm_flwr.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.server_app import initial_state
 from fedhm_flwr.models.costs import activation_elements, training_memory_bytes
-from strategies.fedhm import FedHMStrategy
+from strategies import FedHMStrategy
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "deploy_local.py"
