@@ -258,7 +258,7 @@ def _train_steps(spec: dict[str, Any], batch: int, device: torch.device, variant
     (:func:`fedhm_flwr.train.conv_layout`, :func:`fedhm_flwr.train.backward`, the CNN pooling
     before its ReLU); ``relu_then_pool``: the clients' step with the CNN's ReLU before its
     max-pool, i.e. ``train_local`` less that one change (the same function, bit for bit)."""
-    from fedhm_flwr.lowrank import plan_ranks
+    from fedhm_flwr.models.rules import plan_ranks
     from fedhm_flwr.train import backward, conv_layout, frobenius_penalty, parameter_groups
 
     base = build_model(spec)

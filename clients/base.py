@@ -33,9 +33,9 @@ import torch._dynamo  # noqa: F401
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 from flwr.supercore import log
 
-from fedhm_flwr import attacks, protocol, shards
+from fedhm_flwr import attacks, protocol
 from fedhm_flwr.bn_stats import bn_sums
-from fedhm_flwr.data import client_dataset, client_size
+from fedhm_flwr.data import client_dataset, client_size, shards
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.adapters import load_federated, trainable_state
 from fedhm_flwr.train import TrainOptions, evaluate, pick_device, train_local

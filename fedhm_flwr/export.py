@@ -21,6 +21,7 @@ import json
 import sys
 import warnings
 from fractions import Fraction
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from fedhm_flwr.bn_stats import apply_bn_statistics, batch_statistics_layers, bn_sums, norm_layers
-from fedhm_flwr.config import ConfigError, resume_config, to_yaml
+from fedhm_flwr.config import ConfigError, data_spec, model_spec, resume_config, to_yaml
+from fedhm_flwr.data import class_names, client_dataset, source_info, test_dataset
 from fedhm_flwr.models import build_model, count_macs, count_parameters, input_shape
+from fedhm_flwr.models.adapters import load_federated
 from fedhm_flwr.results import CONFIG_FILE, SUMMARY_FILE, load_bn_statistics, load_checkpoint
+from fedhm_flwr.train import evaluate
+from strategies import STRATEGIES
 
 SPEC_KEY = "fedhm.model_spec"
 EXPORT_KEYS = ("run", "level", "out")
@@ -54,9 +59,6 @@ def deployable_model(run_dir: Path, level: str | float) -> tuple[Any, float, dic
     """(config, level, spec, model with the level's weights and fixed normalisation statistics,
     strategy state, which statistics) from a run's checkpoint. The model predicts in eval mode
     independently of the batch (:func:`fix_statistics`)."""
-    from strategies import STRATEGIES
-    from fedhm_flwr.config import model_spec
-
     cfg = resume_config(run_dir)
     state, saved = load_checkpoint(run_dir)
     strategy = STRATEGIES[cfg.method.name](cfg, model_spec(cfg))
@@ -65,8 +67,6 @@ def deployable_model(run_dir: Path, level: str | float) -> tuple[Any, float, dic
     spec, level_state = strategy.deployable(index, state)
     model = build_model(spec, spectral_init=False)
     if spec.get("trainable_only"):  # a frozen local backbone + the federated tensors
-        from fedhm_flwr.models.adapters import load_federated
-
         load_federated(model, level_state)
     else:
         model.load_state_dict(level_state, strict=True)
@@ -103,9 +103,6 @@ def fix_statistics(run_dir: Path, cfg: Any, model: nn.Module, level: float, chec
             return {"statistics": "federated",
                     "data": f"the training data of the {saved[1].get('nodes_asked', '?')} clients asked after round "
                             f"{checkpoint_round} (sBN sums; no data left them)"}
-    from fedhm_flwr.config import data_spec
-    from fedhm_flwr.data import client_dataset
-
     try:
         train = client_dataset({**data_spec(cfg, 1), "scheme": "iid", "holdout": 0.0}, 0, cfg.dataset.get("data_dir"))
     except (OSError, ValueError) as err:
@@ -205,10 +202,6 @@ def export_level(run_dir: str | Path, level: str | float, out: str | Path | None
 def exported_test_accuracy(cfg: Any, path: Path, batch_size: int = 256) -> dict[str, float] | None:
     """Accuracy of the exported file (rebuilt by :func:`load_model`) on the run's test set, or None
     when the test set is not on this machine."""
-    from fedhm_flwr.config import data_spec
-    from fedhm_flwr.data import test_dataset
-    from fedhm_flwr.train import evaluate
-
     try:
         test = test_dataset(data_spec(cfg), data_dir=cfg.dataset.get("data_dir"))
     except (OSError, ValueError):
@@ -218,9 +211,6 @@ def exported_test_accuracy(cfg: Any, path: Path, batch_size: int = 256) -> dict[
 
 def preprocessing(cfg: Any, spec: dict[str, Any]) -> dict[str, Any]:
     """What a device does to a raw image before the model: size, channels, normalisation, classes."""
-    from fedhm_flwr.config import data_spec
-    from fedhm_flwr.data import class_names, source_info
-
     info = source_info(data_spec(cfg), cfg.dataset.get("data_dir"))
     channels = int(spec["in_channels"])
     return {
@@ -237,8 +227,6 @@ def preprocessing(cfg: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _export_onnx(model: nn.Module, spec: dict[str, Any], path: Path) -> bool:
-    from importlib.util import find_spec
-
     if find_spec("onnx") is None or find_spec("onnxscript") is None:
         return False
     with warnings.catch_warnings():

@@ -22,6 +22,10 @@ import torch
 
 from fedhm_flwr.config import ConfigError, load_config, model_spec
 from fedhm_flwr.models import build_model, count_parameters, shape_device
+from fedhm_flwr.models.matching import fedhm_level_params
+from fedhm_flwr.models.rules import select_layers
+from strategies import STRATEGIES  # the strategies define what a level's model is
+from strategies.fedhm import FedHM
 
 
 #: Methods whose level models and payloads are determined by shapes alone: counted on the meta device.
@@ -30,8 +34,6 @@ SHAPE_ONLY = frozenset({"fedhm", "heterofl", "fedrolex", "fedavg"})
 
 def level_rows(overrides: list[str]) -> tuple[Any, list[dict[str, Any]]]:
     """(config, one dict per level: level, params, macs, payload_bytes)."""
-    from strategies import STRATEGIES  # the strategies define what a level's model is
-
     cfg = load_config(overrides)
     spec = model_spec(cfg)
     if cfg.method.name not in SHAPE_ONLY:  # payloads that depend on values
@@ -67,10 +69,6 @@ def plan_rows(cfg: Any) -> list[dict[str, Any]] | None:
     A factorized layer's weight is ``A (rows × r)`` and ``B (r × cols)`` of its layer matrix
     (conv ``(n·k, m·k)``, linear ``(out, in)``): ``r · (rows + cols)`` parameters.
     """
-    from fedhm_flwr.models.rules import select_layers
-    from strategies import STRATEGIES
-    from strategies.fedhm import FedHM
-
     spec = model_spec(cfg)
     with shape_device(spec):
         inner = STRATEGIES[cfg.method.name](cfg, spec).method  # FedAvg of FedHM's family is a FedHM too
@@ -113,8 +111,6 @@ def size_warnings(cfg: Any) -> list[str]:
     ``model.factorize`` keys that change it. Counted from shapes (no weight, no SVD)."""
     if cfg.method.name != "fedhm":
         return []
-    from fedhm_flwr.width import fedhm_level_params
-
     gammas = [float(g) for g in cfg.levels.ratios]
     full, *params = fedhm_level_params(model_spec(cfg), [1.0, *gammas], cfg.method.get("rho"))
     fix = ("select more layers with model.factorize (include, exclude, types, pointwise, head, "

@@ -49,7 +49,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from fedhm_flwr.data_files import check_data_available
+from fedhm_flwr.data.files import check_data_available
 from fedhm_flwr.config import ConfigError, compose_config, load_config, resume_config, split_overrides
 from fedhm_flwr.procs import Interrupted, Processes, RunLock, kill_serverapp, killpg_quietly, new_tag, on_signals
 from fedhm_flwr.results import CHECKPOINT_DIR, SUMMARY_FILE, load_checkpoint_state, refuse_existing_run

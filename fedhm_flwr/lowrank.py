@@ -1,7 +1,9 @@
 """Low-rank factorization of conv and linear layers (FedHM, docs/METHODS.md#fedhm-factorization).
 
-Everything here is plain PyTorch and free of Flower, so that the server, the clients and the
-tests share one implementation.
+Pure math on tensors, free of Flower and of any model: the server, the clients and the tests share
+one implementation. The factorized layers built from these factors are in
+:mod:`fedhm_flwr.models.layers`; which layers a model factorizes, and at which rank
+(:func:`~fedhm_flwr.models.rules.plan_ranks`), is the rules module's.
 
 Conventions
 -----------
@@ -24,28 +26,28 @@ Conventions
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 __all__ = [
     "SVD",
     "SVD_TOLERANCE",
-    "FactorizedConv2d",
-    "FactorizedLinear",
     "compute_svds",
+    "check_gamma",
+    "conv_a_weight",
+    "conv_b_weight",
     "conv_to_matrix",
-    "factorize_modules",
     "factorize_state",
-    "factorized_modules",
     "factor_matrices",
+    "factors_fit",
+    "factors_frobenius_sq",
     "full_rank",
     "layer_matrix",
     "layer_svd",
     "matrix_to_conv",
-    "plan_ranks",
     "rank_for",
     "recover_state",
     "split_factors",
@@ -112,7 +114,7 @@ def full_rank(shape: tuple[int, ...] | torch.Size) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_gamma(gamma: float) -> float:
+def check_gamma(gamma: float) -> float:
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float)):
         raise ValueError(f"gamma must be a number in (0, 1], got {gamma!r}")
     gamma = float(gamma)
@@ -138,7 +140,7 @@ def rank_for(shape: tuple[int, ...] | torch.Size, gamma: float) -> int:
     ``round`` is round-half-up; the result is capped at :func:`full_rank`. ``gamma`` must lie in
     ``(0, 1]``.
     """
-    gamma = _check_gamma(gamma)
+    gamma = check_gamma(gamma)
     shape = tuple(shape)
     if len(shape) == 4:
         base = shape[0] if shape[2] > 1 else min(shape[:2])
@@ -156,43 +158,6 @@ def factors_fit(shape: tuple[int, ...] | torch.Size, rank: int) -> bool:
     shape = tuple(shape)
     rows, cols = (shape[0] * shape[2], shape[1] * shape[3]) if len(shape) == 4 else shape
     return rank * (rows + cols) <= rows * cols
-
-
-def _weight_shape(module: nn.Module) -> tuple[int, ...]:
-    """Full weight shape of a plain or already factorized layer."""
-    if isinstance(module, (FactorizedConv2d, FactorizedLinear)):
-        return module.full_shape
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, Tensor):
-        raise ValueError(f"{type(module).__name__} has no weight to factorize")
-    return tuple(weight.shape)
-
-
-def plan_ranks(model: nn.Module, gamma: float, rho: int | None = None) -> dict[str, int]:
-    """Ranks of the hybrid ``[rho, L, gamma]`` network: ``{layer name: rank}``.
-
-    The factorizable layers are those the model's rule selects, in forward order
-    (:func:`fedhm_flwr.models.rules.select_layers`; any ``nn.Module``); ``rho`` (default: the
-    rule's ``keep_first``, else the model's ``default_rho``) of them stay full rank, the rest get
-    :func:`rank_for`, except a layer whose factors would hold more parameters than the layer
-    (:func:`factors_fit`), which stays full at that level. ``gamma == 1`` means "send the model full rank": the plan is empty.
-    """
-    from .models.rules import keep_first, select_layers  # (models imports this module)
-
-    gamma = _check_gamma(gamma)
-    if rho is None:
-        rho = keep_first(model)
-    if isinstance(rho, bool) or not isinstance(rho, int) or rho < 0:
-        raise ValueError(f"rho must be an int >= 0, got {rho!r}")
-    if gamma == 1.0:
-        return {}
-    plan = {}
-    for name in select_layers(model)[rho:]:
-        shape = _weight_shape(model.get_submodule(name))
-        rank = rank_for(shape, gamma)
-        if factors_fit(shape, rank):  # else the layer stays full at this level (its factors would be larger)
-            plan[name] = rank
-    return plan
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,206 +284,19 @@ def split_factors(svd: SVD, rank: int) -> tuple[Tensor, Tensor]:
     return A, B
 
 
-def _frobenius_sq(A: Tensor, B: Tensor) -> Tensor:
+def factors_frobenius_sq(A: Tensor, B: Tensor) -> Tensor:
     """``‖A B‖_F²`` as ``sum((AᵀA) ⊙ (B Bᵀ))``: only r×r products, differentiable."""
     return ((A.t() @ A) * (B @ B.t())).sum()
 
 
-# --------------------------------------------------------------------------------------------
-# Factorized layers
-# --------------------------------------------------------------------------------------------
-
-
-def _pair(value: int | tuple[int, ...], what: str) -> int:
-    """A square int parameter (``3`` or ``(3, 3)``) as one int."""
-    if isinstance(value, int):
-        return value
-    if len(value) == 2 and value[0] == value[1]:
-        return int(value[0])
-    raise ValueError(f"only square {what} is supported, got {value}")
-
-
-def _conv_b_weight(B: Tensor, m: int, k: int) -> Tensor:
+def conv_b_weight(B: Tensor, m: int, k: int) -> Tensor:
     """``B (r, m·k)`` as the ``1×k`` conv weight ``(r, m, 1, k)``: ``B[t, c*k+j] -> w[t, c, 0, j]``."""
     return B.reshape(B.shape[0], m, 1, k)
 
 
-def _conv_a_weight(A: Tensor, n: int, k: int) -> Tensor:
+def conv_a_weight(A: Tensor, n: int, k: int) -> Tensor:
     """``A (n·k, r)`` as the ``k×1`` conv weight ``(n, r, k, 1)``: ``A[o*k+i, t] -> w[o, t, i, 0]``."""
     return A.reshape(n, k, A.shape[1]).permute(0, 2, 1).unsqueeze(-1)
-
-
-class FactorizedConv2d(nn.Module):
-    """Rank-``r`` factorized square-kernel conv: ``b`` (1×k, r filters) then ``a`` (k×1, n filters).
-
-    Replaces ``nn.Conv2d(m, n, k, stride=s, padding=p, bias=...)`` (groups 1, dilation 1). The
-    bias, if any, lives on ``a``.
-    """
-
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: int,
-        rank: int,
-        stride: int = 1,
-        padding: int = 0,
-        bias: bool = False,
-    ) -> None:
-        super().__init__()
-        k = kernel_size
-        if not (1 <= rank <= k * min(in_channels, out_channels)):
-            raise ValueError(f"rank must be in [1, {k * min(in_channels, out_channels)}], got {rank}")
-        self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, k
-        self.rank = rank
-        # Registration order b, a makes state_dict keys L.b.weight, L.a.weight, L.a.bias.
-        self.b = nn.Conv2d(in_channels, rank, (1, k), stride=(1, stride), padding=(0, padding), bias=False)
-        self.a = nn.Conv2d(rank, out_channels, (k, 1), stride=(stride, 1), padding=(padding, 0), bias=bias)
-
-    @classmethod
-    def from_conv(
-        cls, conv: nn.Conv2d, rank: int, svd: SVD | None = None, spectral_init: bool = True
-    ) -> FactorizedConv2d:
-        """Factorize ``conv`` at ``rank``, spectrally initialised from its weight (or ``svd``)."""
-        if conv.groups != 1 or _pair(conv.dilation, "dilation") != 1:
-            raise ValueError("only convs with groups=1 and dilation=1 can be factorized")
-        if not isinstance(conv.padding, tuple) or conv.padding_mode != "zeros":
-            raise ValueError(
-                f"only explicit zero padding is supported, got {conv.padding!r} ({conv.padding_mode})"
-            )
-        layer = cls(
-            conv.in_channels,
-            conv.out_channels,
-            _pair(conv.kernel_size, "kernel"),
-            rank,
-            stride=_pair(conv.stride, "stride"),
-            padding=_pair(conv.padding, "padding"),
-            bias=conv.bias is not None,
-        )
-        layer.to(device=conv.weight.device, dtype=conv.weight.dtype)
-        if spectral_init:
-            layer.load_factors(*split_factors(svd if svd is not None else layer_svd(conv.weight), rank))
-        if conv.bias is not None:
-            with torch.no_grad():
-                layer.a.bias.copy_(conv.bias)
-        return layer
-
-    @property
-    def full_shape(self) -> tuple[int, int, int, int]:
-        """Shape of the recovered weight ``(n, m, k, k)``."""
-        return (self.out_channels, self.in_channels, self.kernel_size, self.kernel_size)
-
-    def load_factors(self, A: Tensor, B: Tensor) -> None:
-        """Set the weights from ``A (n·k, r)`` and ``B (r, m·k)``."""
-        with torch.no_grad():
-            self.b.weight.copy_(_conv_b_weight(B, self.in_channels, self.kernel_size))
-            self.a.weight.copy_(_conv_a_weight(A, self.out_channels, self.kernel_size))
-
-    def factors(self) -> tuple[Tensor, Tensor]:
-        """``(A, B)`` as matrices (differentiable views of the weights)."""
-        n, k, r = self.out_channels, self.kernel_size, self.rank
-        A = self.a.weight.squeeze(-1).permute(0, 2, 1).reshape(n * k, r)
-        B = self.b.weight.reshape(r, self.in_channels * k)
-        return A, B
-
-    def product(self) -> Tensor:
-        """The recovered full weight ``A B`` folded to ``(n, m, k, k)`` (differentiable)."""
-        A, B = self.factors()
-        return matrix_to_conv(A @ B, self.out_channels, self.in_channels, self.kernel_size)
-
-    def frobenius_sq(self) -> Tensor:
-        """``‖A B‖_F²`` (for Frobenius decay), computed on r×r matrices."""
-        return _frobenius_sq(*self.factors())
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.a(self.b(x))
-
-
-class FactorizedLinear(nn.Module):
-    """Rank-``r`` factorized linear layer: ``b = Linear(in, r)`` then ``a = Linear(r, out)``."""
-
-    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = True) -> None:
-        super().__init__()
-        if not (1 <= rank <= min(in_features, out_features)):
-            raise ValueError(f"rank must be in [1, {min(in_features, out_features)}], got {rank}")
-        self.in_features, self.out_features, self.rank = in_features, out_features, rank
-        self.b = nn.Linear(in_features, rank, bias=False)
-        self.a = nn.Linear(rank, out_features, bias=bias)
-
-    @classmethod
-    def from_linear(
-        cls, linear: nn.Linear, rank: int, svd: SVD | None = None, spectral_init: bool = True
-    ) -> FactorizedLinear:
-        """Factorize ``linear`` at ``rank``, spectrally initialised from its weight (or ``svd``)."""
-        layer = cls(linear.in_features, linear.out_features, rank, bias=linear.bias is not None)
-        layer.to(device=linear.weight.device, dtype=linear.weight.dtype)
-        if spectral_init:
-            layer.load_factors(*split_factors(svd if svd is not None else layer_svd(linear.weight), rank))
-        if linear.bias is not None:
-            with torch.no_grad():
-                layer.a.bias.copy_(linear.bias)
-        return layer
-
-    @property
-    def full_shape(self) -> tuple[int, int]:
-        """Shape of the recovered weight ``(out, in)``."""
-        return (self.out_features, self.in_features)
-
-    def load_factors(self, A: Tensor, B: Tensor) -> None:
-        """Set the weights from ``A (out, r)`` and ``B (r, in)``."""
-        with torch.no_grad():
-            self.b.weight.copy_(B)
-            self.a.weight.copy_(A)
-
-    def factors(self) -> tuple[Tensor, Tensor]:
-        """``(A, B)`` (the weights themselves)."""
-        return self.a.weight, self.b.weight
-
-    def product(self) -> Tensor:
-        """The recovered full weight ``A B`` of shape ``(out, in)`` (differentiable)."""
-        return self.a.weight @ self.b.weight
-
-    def frobenius_sq(self) -> Tensor:
-        """``‖A B‖_F²`` (for Frobenius decay), computed on r×r matrices."""
-        return _frobenius_sq(*self.factors())
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.a(self.b(x))
-
-
-def factorized_modules(model: nn.Module) -> Iterator[tuple[str, FactorizedConv2d | FactorizedLinear]]:
-    """The ``(name, module)`` pairs of every factorized layer in ``model`` (e.g. for Frobenius decay)."""
-    for name, module in model.named_modules():
-        if isinstance(module, (FactorizedConv2d, FactorizedLinear)):
-            yield name, module
-
-
-def factorize_modules(
-    model: nn.Module,
-    ranks: Mapping[str, int],
-    svds: Mapping[str, SVD] | None = None,
-    spectral_init: bool = True,
-) -> nn.Module:
-    """Replace the named layers of ``model`` in place by factorized layers of the given ranks.
-
-    Factors are spectrally initialised from each layer's current weight (or from ``svds``).
-    ``spectral_init=False`` skips the SVDs and leaves PyTorch's default initialisation on the
-    factors: use it when a (hybrid) state dict is loaded right afterwards. Returns ``model``.
-    """
-    for name, rank in ranks.items():
-        module = model.get_submodule(name)
-        svd = svds.get(name) if svds is not None else None
-        if isinstance(module, nn.Conv2d):
-            new = FactorizedConv2d.from_conv(module, int(rank), svd, spectral_init)
-        elif isinstance(module, nn.Linear):
-            new = FactorizedLinear.from_linear(module, int(rank), svd, spectral_init)
-        else:
-            raise ValueError(
-                f"layer {name!r} is a {type(module).__name__}; only Conv2d and Linear can be factorized"
-            )
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-    return model
 
 
 # --------------------------------------------------------------------------------------------
@@ -560,8 +338,8 @@ def factorize_state(
             A, B = split_factors(svd, rank)
             if value.ndim == 4:
                 n, m, k, _ = value.shape
-                out[f"{layer}.b.weight"] = _as_wire(_conv_b_weight(B, m, k))
-                out[f"{layer}.a.weight"] = _as_wire(_conv_a_weight(A, n, k))
+                out[f"{layer}.b.weight"] = _as_wire(conv_b_weight(B, m, k))
+                out[f"{layer}.a.weight"] = _as_wire(conv_a_weight(A, n, k))
             else:
                 out[f"{layer}.b.weight"] = _as_wire(B)
                 out[f"{layer}.a.weight"] = _as_wire(A)

@@ -32,9 +32,21 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from fedhm_flwr.models.vit import DEFAULTS, arch_of, backbone_keys, cache_dir, checkpoint_name, new_vit
+from fedhm_flwr.data import DATASETS, client_dataset, load_arrays, make_data_spec, test_dataset, to_normalised_tensor
+from fedhm_flwr.models import build_model
+from fedhm_flwr.models.text import PACKAGE_BACKBONE
+from fedhm_flwr.models.vit import (
+    DEFAULTS,
+    arch_of,
+    backbone_keys,
+    cache_dir,
+    checkpoint_name,
+    checkpoint_ref,
+    new_vit,
+)
 
 SOURCE_CLASSES = (0, 1, 2, 3, 4)
 WIDTHS = (64, 32, 16)
@@ -42,10 +54,8 @@ WIDTHS = (64, 32, 16)
 
 def _fmnist(split: str) -> tuple[Tensor, Tensor]:
     """Normalised Fashion-MNIST ``(N, 1, 28, 28)`` float32 and int64 labels."""
-    from fedhm_flwr.data import DATASETS, _to_normalised_tensor, load_arrays
-
     images, labels = load_arrays("fashion_mnist", split)
-    return _to_normalised_tensor(images, DATASETS["fashion_mnist"]), torch.from_numpy(labels.copy())
+    return to_normalised_tensor(images, DATASETS["fashion_mnist"]), torch.from_numpy(labels.copy())
 
 
 def vit_spec(width: int, num_classes: int = 10) -> dict[str, Any]:
@@ -96,8 +106,6 @@ def pretrain_vit(width: int, epochs: int = 3, source: Sequence[int] = SOURCE_CLA
     meta = {k: str(v) for k, v in arch.items()}
     meta.update({"source_classes": ",".join(map(str, source)), "epochs": str(epochs), "seed": str(seed),
                  "source_test_accuracy": f"{source_acc:.4f}", "dataset": "fashion_mnist"})
-    from safetensors.torch import save_file
-
     state = model.state_dict()
     tmp = path.with_suffix(".tmp")
     save_file({k: state[k].contiguous() for k in backbone_keys(model)}, str(tmp), metadata=meta)
@@ -144,9 +152,6 @@ def linear_probe(train_f: Tensor, train_y: Tensor, test_f: Tensor, test_y: Tenso
 
 def probe_vit(widths: Sequence[int] = WIDTHS, train_size: int = 10000, seed: int = 0) -> list[dict[str, Any]]:
     """Linear-probe accuracy on all ten Fashion-MNIST classes: pre-trained vs random ViT backbones."""
-    from fedhm_flwr.models import build_model
-    from fedhm_flwr.models.vit import checkpoint_ref
-
     x, y = _fmnist("train")
     pick = torch.from_numpy(np.random.default_rng(seed).choice(len(y), size=min(train_size, len(y)), replace=False))
     x, y = x[pick], y[pick]
@@ -164,10 +169,6 @@ def probe_vit(widths: Sequence[int] = WIDTHS, train_size: int = 10000, seed: int
 
 def probe_minilm(train_size: int = 2000, test_size: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
     """Linear-probe accuracy on ``sentiment``: the packaged MiniLM vs a random BERT of its shape."""
-    from fedhm_flwr.data import client_dataset, make_data_spec, test_dataset
-    from fedhm_flwr.models import build_model
-    from fedhm_flwr.models.text import PACKAGE_BACKBONE
-
     spec = make_data_spec("sentiment", 1, seed=seed, max_train_examples=train_size, max_test_examples=test_size)
     train, test = client_dataset(spec, 0), test_dataset(spec)
     rows = []

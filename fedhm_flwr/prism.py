@@ -27,25 +27,25 @@ Functions: :func:`decompose` / :func:`compose` (the factored form and back), :fu
 (``ceil(keep·R)``), :func:`sampling_probabilities` (``p ∝ σ^κ``, uniform, softmax(σ)),
 :func:`draw` (sampling without replacement, seeded generator; OrthDrop's top-k),
 :func:`slice_layer` (a client's factors), :func:`aggregate_kernels` (per-kernel means,
-unsampled kernels and uncomputed rows unchanged), :func:`refresh` (re-decomposition).
+unsampled kernels and uncomputed rows unchanged), :func:`refresh` (re-decomposition). The
+sampled sub-layers a client trains are :class:`fedhm_flwr.models.layers.PrismConv2d` /
+``PrismLinear``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 __all__ = [
     "SAMPLINGS",
     "Draw",
     "Factored",
-    "PrismConv2d",
-    "PrismLinear",
     "aggregate_kernels",
     "compose",
     "decompose",
@@ -54,7 +54,6 @@ __all__ = [
     "keep_count",
     "layer_spec",
     "num_kernels",
-    "prismify_modules",
     "refresh",
     "reply_factors",
     "sampling_probabilities",
@@ -267,113 +266,8 @@ def aggregate_kernels(factored: Factored, replies: Sequence[tuple[Draw, Tensor, 
 
 
 # --------------------------------------------------------------------------------------------
-# The client's sub-layers
+# The client's sub-layers (the layers themselves: fedhm_flwr.models.layers.PrismConv2d / PrismLinear)
 # --------------------------------------------------------------------------------------------
-
-
-def _rows_buffer(rows: Sequence[int] | Tensor | None, out: int) -> Tensor | None:
-    if rows is None:
-        return None
-    values = sorted(int(j) for j in (rows.tolist() if isinstance(rows, Tensor) else rows))
-    if not values or len(set(values)) != len(values) or values[0] < 0 or values[-1] >= out:
-        raise ValueError(f"rows must be distinct indices in [0, {out}), got {values}")
-    return torch.tensor(values, dtype=torch.long)
-
-
-class _PrismLayer(nn.Module):
-    """Shared part of the sampled sub-layers: ``u(v(x))``, scattered into the full output when
-    only the ``rows`` are computed, plus the full-length ``bias``."""
-
-    out_features: int
-    rows: Tensor | None
-    bias: nn.Parameter | None
-    u: nn.Module
-    v: nn.Module
-
-    def _finish(self, y: Tensor, dim: int) -> Tensor:
-        if self.rows is not None:
-            shape = list(y.shape)
-            shape[dim] = self.out_features
-            y = y.new_zeros(shape).index_copy(dim, self.rows, y)
-        if self.bias is not None:
-            view = [1] * y.ndim
-            view[dim] = -1
-            y = y + self.bias.view(view)
-        return y
-
-    def factors(self) -> tuple[Tensor, Tensor]:
-        """``(U'_I[J], V'_I)`` as matrices (differentiable views of the weights)."""
-        return reply_factors(self.u.weight, self.v.weight)
-
-    def frobenius_sq(self) -> Tensor:
-        """``‖Σ_{i∈I} u'_i v'_iᵀ‖_F²`` over the trained factors (paper eq. 6), on r×r products."""
-        U, V = self.factors()
-        return ((U.t() @ U) * (V @ V.t())).sum()
-
-
-class PrismConv2d(_PrismLayer):
-    """A conv ``(n, m, k, k)`` restricted to ``rank`` principal kernels: ``v`` (k×k conv, ``rank``
-    filters, the original stride/padding) then ``u`` (1×1 conv, ``n`` filters, or ``|rows|``)."""
-
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, rank: int,
-                 stride: int | tuple[int, int] = 1, padding: int | tuple[int, int] = 0, bias: bool = False,
-                 rows: Sequence[int] | Tensor | None = None) -> None:
-        super().__init__()
-        R = min(out_channels, in_channels * kernel_size * kernel_size)
-        if not 1 <= rank <= R:
-            raise ValueError(f"rank must be in [1, {R}], got {rank}")
-        self.in_channels, self.out_features, self.kernel_size, self.rank = in_channels, out_channels, kernel_size, rank
-        self.register_buffer("rows", _rows_buffer(rows, out_channels), persistent=False)
-        computed = out_channels if self.rows is None else self.rows.numel()
-        self.v = nn.Conv2d(in_channels, rank, kernel_size, stride, padding, bias=False)
-        self.u = nn.Conv2d(rank, computed, 1, bias=False)
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(out_channels))
-        else:
-            self.register_parameter("bias", None)
-
-    @classmethod
-    def like(cls, conv: nn.Conv2d, rank: int, rows: Sequence[int] | Tensor | None = None) -> PrismConv2d:
-        """An (uninitialised) sub-layer of ``conv``'s geometry."""
-        if conv.groups != 1 or conv.dilation not in ((1, 1), 1) or conv.padding_mode != "zeros":
-            raise ValueError("only convs with groups=1, dilation=1 and zero padding can be decomposed")
-        k = conv.kernel_size[0]
-        if conv.kernel_size != (k, k) or not isinstance(conv.padding, tuple):
-            raise ValueError(f"only square kernels with explicit padding, got {conv.kernel_size}, {conv.padding!r}")
-        return cls(conv.in_channels, conv.out_channels, k, rank, conv.stride, conv.padding, conv.bias is not None,
-                   rows).to(device=conv.weight.device, dtype=conv.weight.dtype)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self._finish(self.u(self.v(x)), 1)
-
-
-class PrismLinear(_PrismLayer):
-    """A linear layer ``(out, in)`` restricted to ``rank`` principal kernels: ``v = Linear(in, rank)``
-    then ``u = Linear(rank, out)`` (or ``|rows|`` outputs)."""
-
-    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = True,
-                 rows: Sequence[int] | Tensor | None = None) -> None:
-        super().__init__()
-        if not 1 <= rank <= min(in_features, out_features):
-            raise ValueError(f"rank must be in [1, {min(in_features, out_features)}], got {rank}")
-        self.in_features, self.out_features, self.rank = in_features, out_features, rank
-        self.register_buffer("rows", _rows_buffer(rows, out_features), persistent=False)
-        computed = out_features if self.rows is None else self.rows.numel()
-        self.v = nn.Linear(in_features, rank, bias=False)
-        self.u = nn.Linear(rank, computed, bias=False)
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(out_features))
-        else:
-            self.register_parameter("bias", None)
-
-    @classmethod
-    def like(cls, linear: nn.Linear, rank: int, rows: Sequence[int] | Tensor | None = None) -> PrismLinear:
-        """An (uninitialised) sub-layer of ``linear``'s geometry."""
-        return cls(linear.in_features, linear.out_features, rank, linear.bias is not None, rows).to(
-            device=linear.weight.device, dtype=linear.weight.dtype)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self._finish(self.u(self.v(x)), -1)
 
 
 def layer_spec(sample: Draw) -> dict[str, Any]:
@@ -382,21 +276,3 @@ def layer_spec(sample: Draw) -> dict[str, Any]:
     if sample.rows is not None:
         out["rows"] = [int(j) for j in sample.rows]
     return out
-
-
-def prismify_modules(model: nn.Module, layers: Mapping[str, Mapping[str, Any]]) -> nn.Module:
-    """Replace the named ``Conv2d`` / ``Linear`` layers of ``model`` in place by sampled sub-layers
-    (``{name: {"rank": r, "rows": [...] (optional)}}``, the model spec's ``prism`` entry). The new
-    layers are uninitialised: a state dict is loaded right after. Returns ``model``."""
-    for name, entry in layers.items():
-        module = model.get_submodule(name)
-        rank, rows = int(entry["rank"]), entry.get("rows")
-        if isinstance(module, nn.Conv2d):
-            new: nn.Module = PrismConv2d.like(module, rank, rows)
-        elif isinstance(module, nn.Linear):
-            new = PrismLinear.like(module, rank, rows)
-        else:
-            raise ValueError(f"layer {name!r} is a {type(module).__name__}; only Conv2d and Linear can be decomposed")
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
-    return model

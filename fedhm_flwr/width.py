@@ -28,8 +28,9 @@ held it, classifier rows only over clients holding that class, elements nobody t
 values. The mean is plain (unweighted), as in HeteroFL's eq. (1)-(3) (``1/m Σ``, ``1/(m - m_p) Σ``);
 an optional per-client weight (e.g. the sample count) is supported.
 
-:class:`Scaler` is HeteroFL's Scaler: divides activations by the rate in training, identity in
-evaluation; the models put it right before each normalisation layer.
+HeteroFL's Scaler (divides activations by the rate in training, identity in evaluation; the models
+put it right before each normalisation layer) is :class:`fedhm_flwr.models.layers.Scaler`; the
+width rates matched to FedHM's parameter counts are :mod:`fedhm_flwr.models.matching`'s.
 """
 
 from __future__ import annotations
@@ -95,33 +96,6 @@ def channel_indices(channels: int, rate: float, mode: str = "static", server_rou
 
 
 # --------------------------------------------------------------------------------------------
-# The Scaler
-# --------------------------------------------------------------------------------------------
-
-
-class Scaler(nn.Module):
-    """HeteroFL's Scaler: ``x / rate`` in training, identity in evaluation (no parameters)."""
-
-    #: acts in training only; statistics gathered for evaluation must see it off (bn_stats)
-    training_only = True
-
-    def __init__(self, rate: float = 1.0) -> None:
-        super().__init__()
-        self.rate = check_rate(rate)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x / self.rate if self.training and self.rate != 1.0 else x
-
-    def extra_repr(self) -> str:
-        return f"rate={self.rate:g}"
-
-
-def make_scaler(rate: float, on: bool) -> nn.Module:
-    """A :class:`Scaler` when ``on``, else an identity (neither has a state dict entry)."""
-    return Scaler(rate) if on else nn.Identity()
-
-
-# --------------------------------------------------------------------------------------------
 # Index plans
 # --------------------------------------------------------------------------------------------
 
@@ -144,15 +118,6 @@ def submodel_spec(spec: Mapping[str, Any], rate: float, scaler: bool = True) -> 
     return {**base, "width_rate": rate, "scaler": bool(scaler)}
 
 
-def _full_model(model_or_spec: nn.Module | Mapping[str, Any]) -> nn.Module:
-    if isinstance(model_or_spec, nn.Module):
-        return model_or_spec
-    from fedhm_flwr.models import build_model  # late: the models import this module
-
-    with torch.device("meta"):  # shapes only, nothing allocated or initialised
-        return build_model(full_spec(model_or_spec))
-
-
 def _input_layer(model: nn.Module) -> str:
     """The layer that reads the input image: the first Conv2d/Linear registered (the stem)."""
     for name, module in model.named_modules():
@@ -162,12 +127,13 @@ def _input_layer(model: nn.Module) -> str:
 
 
 def index_plan(
-    model_or_spec: nn.Module | Mapping[str, Any],
+    model: nn.Module,
     rate: float,
     mode: str = "static",
     server_round: int = 1,
 ) -> Plan:
-    """The per-tensor index plan of the rate-``rate`` sub-model of a full model (or its spec).
+    """The per-tensor index plan of the rate-``rate`` sub-model of a full model (its shapes suffice:
+    a model built on the meta device will do).
 
     Every key of the full model's ``state_dict()`` gets one entry per dimension. Conv and hidden
     Linear weights ``(out, in, ...)``: out = the layer's kept channels, in = the kept channels of
@@ -176,7 +142,6 @@ def index_plan(
     keeps all its outputs and takes the last hidden layer's kept channels. Grouped convolutions
     and layer types other than Conv2d / Linear / BatchNorm are refused.
     """
-    model = _full_model(model_or_spec)
     check_rate(rate)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
@@ -353,66 +318,3 @@ def aggregate(
         holds = None if class_holds is None else class_holds[i]
         accumulate(sums, totals, state, plan, w[i], holds, classifier_keys)
     return finish(previous, sums, totals)
-
-
-# --------------------------------------------------------------------------------------------
-# Budget matching (``levels.match=fedhm_params``)
-# --------------------------------------------------------------------------------------------
-
-#: resolution of a matched width rate (finer than one channel of a 512-channel layer)
-MATCH_STEP = 1e-3
-
-
-def submodel_params(spec: Mapping[str, Any], rate: float) -> int:
-    """Trainable parameters of the rate-``rate`` sub-model of ``spec`` (counted on the meta device)."""
-    from fedhm_flwr.models import build_model
-    from fedhm_flwr.models.costs import count_parameters
-
-    with torch.device("meta"):
-        return count_parameters(build_model(submodel_spec(spec, rate)))
-
-
-def fedhm_level_params(spec: Mapping[str, Any], gammas: Sequence[float], rho: int | None = None) -> list[int]:
-    """Trainable parameters of FedHM's hybrid model at each rank ratio (``rho``: the model's default
-    when None), for the same model ``spec``."""
-    from fedhm_flwr.lowrank import plan_ranks
-    from fedhm_flwr.models import build_model, shape_device
-    from fedhm_flwr.models.costs import count_parameters
-
-    base = full_spec(spec)
-    with shape_device(base):
-        model = build_model(base)
-        out = []
-        for gamma in gammas:
-            ranks = plan_ranks(model, float(gamma), rho)
-            level = build_model({**base, "ranks": ranks}, spectral_init=False) if ranks else model
-            out.append(count_parameters(level))
-    return out
-
-
-def matched_rate(spec: Mapping[str, Any], target: int, step: float = MATCH_STEP) -> float:
-    """The width rate (a multiple of ``step`` in (0, 1]) whose sub-model's parameter count is the
-    closest to ``target`` (the smaller rate on a tie). The count never decreases with the rate, so
-    the rate is found by bisection over the grid."""
-    grid = int(round(1 / step))
-    lo, hi = 1, grid  # find the smallest grid index whose count reaches the target
-    if submodel_params(spec, hi * step) <= target:
-        return 1.0
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if submodel_params(spec, mid * step) >= target:
-            hi = mid
-        else:
-            lo = mid + 1
-    candidates = [i for i in (lo - 1, lo) if i >= 1]
-    best = min(candidates, key=lambda i: (abs(submodel_params(spec, i * step) - target), i))
-    return round(best * step, 6)
-
-
-def matched_rates(spec: Mapping[str, Any], gammas: Sequence[float], rho: int | None = None) -> tuple[list[float], list[int]]:
-    """(width rates, FedHM parameter counts): for every rank ratio ``gamma``, the width rate whose
-    sub-model has the parameter count closest to FedHM's level ``gamma`` on the same model (the
-    FedHM journal's budget matching: widths about 1 / 0.64 / 0.5 / 0.35 against gamma = 1, 1/2,
-    1/4, 1/8 on ResNet-18)."""
-    targets = fedhm_level_params(spec, gammas, rho)
-    return [matched_rate(spec, t) for t in targets], targets

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from fedhm_flwr.aggregation import average_hybrid, level_weights, official_code_weights
-from fedhm_flwr.lowrank import SVD, SVD_TOLERANCE, compute_svds, factorize_state, plan_ranks
+from fedhm_flwr.lowrank import SVD, SVD_TOLERANCE, compute_svds, factorize_state
 from fedhm_flwr.models import build_model
+from fedhm_flwr.models.rules import plan_ranks
 
 from .common import classifier_keys
 from .method import Method, Reply, State

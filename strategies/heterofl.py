@@ -11,7 +11,7 @@ global model (the Scaler is the identity in evaluation). The math is in :mod:`fe
 Budget matching (``levels.match=fedhm_params``): ``levels.ratios`` are then FedHM's rank ratios,
 which keep naming the levels (outputs, proportions, declared capabilities), and each level trains
 the width rate whose sub-model's parameter count is the closest to FedHM's level of the same ratio
-on the same model (:func:`fedhm_flwr.width.matched_rates`); ``level_cost`` also reports FedHM's
+on the same model (:func:`fedhm_flwr.models.matching.matched_rates`); ``level_cost`` also reports FedHM's
 count (``fedhm_params``).
 """
 
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from fedhm_flwr import width
+from fedhm_flwr.models import matching
 from fedhm_flwr.models import build_model
 
 from .common import classifier_keys
@@ -50,7 +51,7 @@ class HeteroFL(Method):
         #: each level's width rate: the level itself, or the rate matching FedHM's parameters
         self.rates, self.fedhm_params = list(self.levels), None
         if cfg.levels.get("match", "none") == "fedhm_params":
-            self.rates, self.fedhm_params = width.matched_rates(self.spec, self.levels)
+            self.rates, self.fedhm_params = matching.matched_rates(self.spec, self.levels)
         self.current_round = 1
         self._plans: dict[tuple[int, int], width.Plan] = {}
 

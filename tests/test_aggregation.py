@@ -74,7 +74,8 @@ def _reference_average(prev, full_states, weights, holds, classifier_keys):
 def test_hybrid_average_equals_recover_then_average_reference():
     """FedHM's stacked path (one product per layer over all replies, ranks mixed, full-rank replies
     included) equals recovering every reply and averaging key by key, to float32 tolerance."""
-    from fedhm_flwr.lowrank import factorize_state, plan_ranks, recover_state
+    from fedhm_flwr.lowrank import factorize_state, recover_state
+    from fedhm_flwr.models.rules import plan_ranks
     from fedhm_flwr.models import build_model
 
     torch.manual_seed(0)

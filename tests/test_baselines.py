@@ -13,7 +13,8 @@ from torch.utils.data import TensorDataset
 
 from fedhm_flwr.config import ConfigError, model_spec
 from fedhm_flwr.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.lowrank import plan_ranks, recover_state
+from fedhm_flwr.lowrank import recover_state
+from fedhm_flwr.models.rules import plan_ranks
 from fedhm_flwr.models import build_model
 from fedhm_flwr.server_app import initial_state, run
 from fedhm_flwr.train import TrainOptions, parameter_groups, train_local

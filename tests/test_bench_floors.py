@@ -11,7 +11,8 @@ import torch
 
 from bench import floors
 from fedhm_flwr.aggregation import average_hybrid
-from fedhm_flwr.lowrank import factorize_state, layer_svd, plan_ranks, rank_for
+from fedhm_flwr.lowrank import factorize_state, layer_svd, rank_for
+from fedhm_flwr.models.rules import plan_ranks
 from fedhm_flwr.models import build_model
 
 FLOORS = Path(floors.__file__)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fedhm_flwr import data as D
+from fedhm_flwr.data.idx import read_idx
 
 FMNIST_DIR = Path(D.FASHION_MNIST_SYSTEM_DIR)
 FMNIST_FILES = [
@@ -92,16 +93,16 @@ def test_read_idx_roundtrip_and_bad_files(tmp_path: Path, compress: bool) -> Non
     p2 = tmp_path / ("b.gz" if compress else "b")
     _write_idx(p1, img, 0x08, compress)
     _write_idx(p2, ints, 0x0C, compress)
-    np.testing.assert_array_equal(D._read_idx(p1), img)
-    np.testing.assert_array_equal(D._read_idx(p2), ints)
+    np.testing.assert_array_equal(read_idx(p1), img)
+    np.testing.assert_array_equal(read_idx(p2), ints)
     bad = tmp_path / "bad"
     bad.write_bytes(b"\x01\x02\x08\x01" + b"\x00" * 8)
     with pytest.raises(ValueError, match="magic"):
-        D._read_idx(bad)
+        read_idx(bad)
     short = tmp_path / "short"
     short.write_bytes(bytes([0, 0, 8, 1]) + np.asarray([10], dtype=">u4").tobytes() + b"x")
     with pytest.raises(ValueError, match="payload"):
-        D._read_idx(short)
+        read_idx(short)
 
 
 @needs_fmnist

@@ -10,22 +10,19 @@ from torch import nn
 
 from fedhm_flwr.lowrank import (
     SVD_TOLERANCE,
-    FactorizedConv2d,
-    FactorizedLinear,
     compute_svds,
     conv_to_matrix,
-    factorize_modules,
     factorize_state,
-    factorized_modules,
     full_rank,
     layer_matrix,
     layer_svd,
     matrix_to_conv,
-    plan_ranks,
     rank_for,
     recover_state,
     split_factors,
 )
+from fedhm_flwr.models.layers import FactorizedConv2d, FactorizedLinear, factorize_modules, factorized_modules
+from fedhm_flwr.models.rules import plan_ranks
 from fedhm_flwr.models import build_model
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord
 
-from fedhm_flwr import width
+from fedhm_flwr.models import matching
 from fedhm_flwr.config import ConfigError, model_spec
 from fedhm_flwr.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.server_app import initial_state
@@ -16,10 +16,10 @@ RESNET18 = {"arch": "resnet18", "num_classes": 10, "in_channels": 3, "image_size
 
 
 def test_resnet18_matches_the_papers_counts_near_the_journals_widths():
-    rates, fedhm = width.matched_rates(RESNET18, [1, 0.5, 0.25, 0.125])
+    rates, fedhm = matching.matched_rates(RESNET18, [1, 0.5, 0.25, 0.125])
     # FedHM's Table 2 (journal): 11.17M, 4.16M, 2.21M, 1.24M
     assert [round(p / 1e6, 2) for p in fedhm] == [11.17, 4.16, 2.21, 1.24]
-    counts = [width.submodel_params(RESNET18, r) for r in rates]
+    counts = [matching.submodel_params(RESNET18, r) for r in rates]
     assert all(abs(c - t) / t < 0.01 for c, t in zip(counts, fedhm))
     # the journal sets HeteroFL's widths to 1 / 0.64 / 0.5 / 0.35 "to reach a larger model size":
     # close to the matched ones, and never smaller
@@ -30,10 +30,10 @@ def test_resnet18_matches_the_papers_counts_near_the_journals_widths():
 
 def test_the_matched_rate_is_the_closest_on_its_grid():
     spec = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28, "width": 16}
-    (rate,), (target,) = width.matched_rates(spec, [0.25])
-    best = abs(width.submodel_params(spec, rate) - target)
-    for other in (rate - width.MATCH_STEP, rate + width.MATCH_STEP, rate - 0.01, rate + 0.01):
-        assert abs(width.submodel_params(spec, other) - target) >= best
+    (rate,), (target,) = matching.matched_rates(spec, [0.25])
+    best = abs(matching.submodel_params(spec, rate) - target)
+    for other in (rate - matching.MATCH_STEP, rate + matching.MATCH_STEP, rate - 0.01, rate + 0.01):
+        assert abs(matching.submodel_params(spec, other) - target) >= best
 
 
 @pytest.mark.parametrize("cls,method", [(HeteroFLStrategy, "heterofl"), (FedRolexStrategy, "fedrolex")])
@@ -47,7 +47,7 @@ def test_matched_strategy_sends_the_matched_width_and_reports_both_counts(toy_cf
     for index in range(len(strategy.levels)):
         cost = strategy.level_cost(index)
         assert cost["fedhm_params"] == fedhm.level_cost(index)["params"]
-        assert cost["params"] == width.submodel_params(strategy.spec, strategy.rates[index])
+        assert cost["params"] == matching.submodel_params(strategy.spec, strategy.rates[index])
         if index:  # matched widths differ from the unmatched width = gamma
             assert strategy.rates[index] != strategy.levels[index]
     state = initial_state(cfg, strategy.spec)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 
 from fedhm_flwr import prism
+from fedhm_flwr.models.layers import PrismConv2d, PrismLinear
 from fedhm_flwr.config import ConfigError, load_config, model_spec, resume_config
 from fedhm_flwr.inspect import format_table, level_rows
 from fedhm_flwr.local_grid import LocalGrid, client_handlers
@@ -124,7 +125,7 @@ def test_a_sub_layer_with_every_kernel_is_the_original_conv(stride, padding):
     conv = torch.nn.Conv2d(5, 7, 3, stride, padding, bias=False)
     factored = prism.decompose(conv.weight)
     assert factored.U.shape == (7, 7) and factored.Vh.shape == (7, 45)  # (n, m k k) unrolling, R = min
-    layer = _load(prism.PrismConv2d.like(conv, 7), factored, prism.Draw(torch.arange(7)))
+    layer = _load(PrismConv2d.like(conv, 7), factored, prism.Draw(torch.arange(7)))
     x = torch.randn(2, 5, 9, 9)
     assert torch.allclose(layer(x), conv(x), atol=1e-5)
 
@@ -134,7 +135,7 @@ def test_a_sub_layer_computes_exactly_its_sampled_kernels():
     conv = torch.nn.Conv2d(4, 6, 3, 1, 1, bias=True)
     factored = prism.decompose(conv.weight)
     kernels = torch.tensor([0, 2, 5])
-    layer = _load(prism.PrismConv2d.like(conv, 3), factored, prism.Draw(kernels))
+    layer = _load(PrismConv2d.like(conv, 3), factored, prism.Draw(kernels))
     with torch.no_grad():
         layer.bias.copy_(conv.bias)
     partial = sum(factored.S[i] * torch.outer(factored.U[:, i], factored.Vh[i]) for i in kernels.tolist())
@@ -148,7 +149,7 @@ def test_linear_sub_layer_and_its_frobenius_term():
     torch.manual_seed(2)
     linear = torch.nn.Linear(12, 5)
     factored = prism.decompose(linear.weight)
-    layer = _load(prism.PrismLinear.like(linear, 5), factored, prism.Draw(torch.arange(5)))
+    layer = _load(PrismLinear.like(linear, 5), factored, prism.Draw(torch.arange(5)))
     with torch.no_grad():
         layer.bias.copy_(linear.bias)
     x = torch.randn(3, 12)
@@ -340,7 +341,7 @@ def test_u_subset_changes_memory_not_the_layer_definition():
     assert torch.equal(s_on["conv3.v.weight"], s_off["conv3.v.weight"])
     assert torch.equal(s_on["conv3.u.weight"], s_off["conv3.u.weight"][rows])
     conv = build_model(on.spec).conv3
-    full, sub = (prism.PrismConv2d.like(conv, len(d_on["conv3"].kernels), r) for r in (None, rows))
+    full, sub = (PrismConv2d.like(conv, len(d_on["conv3"].kernels), r) for r in (None, rows))
     full.load_state_dict({"v.weight": s_off["conv3.v.weight"], "u.weight": s_off["conv3.u.weight"]})
     sub.load_state_dict({"v.weight": s_on["conv3.v.weight"], "u.weight": s_on["conv3.u.weight"]})
     x = torch.randn(2, conv.in_channels, 7, 7)

@@ -25,9 +25,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, R
 
 from clients import base
 from fedhm_flwr import data as D
-from fedhm_flwr import shards
+from fedhm_flwr.data import shards
+from fedhm_flwr.shards import main as export_main
 from fedhm_flwr.config import ConfigError, data_spec, load_config
-from fedhm_flwr.data_files import check_data_available, fashion_files
+from fedhm_flwr.data.files import check_data_available, fashion_files
 from fedhm_flwr.local_grid import LocalGrid, client_handlers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,7 +47,7 @@ def _no_env_data_dir(monkeypatch: pytest.MonkeyPatch) -> None:
 def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     """The small run's shards, written through the command line's entry point."""
     out = tmp_path_factory.mktemp("shards") / "out"
-    assert shards.main([*SMALL, f"out={out}"]) == 0
+    assert export_main([*SMALL, f"out={out}"]) == 0
     return D.check_data_spec(data_spec(load_config(SMALL))), out
 
 
@@ -129,15 +130,15 @@ def test_shards_are_written_with_the_standard_datasets_format(exported):
 
 
 def test_export_refuses_text_datasets_and_a_used_folder(tmp_path, capsys):
-    assert shards.main(["dataset=sentiment", "method=fedlora", f"out={tmp_path / 'x'}"]) == 2
+    assert export_main(["dataset=sentiment", "method=fedlora", f"out={tmp_path / 'x'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "dataset.name='sentiment'" in err and "fashion_mnist" in err
     assert not (tmp_path / "x").exists()
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "f").write_text("")
-    assert shards.main([*SMALL, "--out", str(tmp_path / "used")]) == 2
+    assert export_main([*SMALL, "--out", str(tmp_path / "used")]) == 2
     assert "out=" in capsys.readouterr().err
-    assert shards.main(SMALL) == 2
+    assert export_main(SMALL) == 2
     assert "out" in capsys.readouterr().err
 
 
@@ -278,7 +279,7 @@ CHECK_SCRIPT = textwrap.dedent("""
     t0 = time.perf_counter()
     import sys
     from fedhm_flwr.config import ConfigError, compose_config, load_config
-    from fedhm_flwr.data_files import check_data_available
+    from fedhm_flwr.data.files import check_data_available
 
     def check(cfg):
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fedhm_flwr.lowrank import FactorizedLinear
+from fedhm_flwr.models.layers import FactorizedLinear
 from fedhm_flwr.train import parameter_groups
 
 
@@ -24,7 +24,7 @@ def test_frobenius_decay_spares_the_factor_weights_but_not_the_biases():
 def test_closed_form_frobenius_gradient_equals_autograd_of_the_penalty():
     """``backward`` gives every parameter the gradient of ``objective + λ/2 Σ‖AB‖_F²`` (conv and
     linear pairs, whatever the memory layout), without building the penalty's graph."""
-    from fedhm_flwr.lowrank import FactorizedConv2d
+    from fedhm_flwr.models.layers import FactorizedConv2d
     from fedhm_flwr.train import backward, conv_layout, frobenius_penalty
 
     torch.manual_seed(0)

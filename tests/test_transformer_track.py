@@ -24,7 +24,7 @@ from fedhm_flwr.lora import lora_rank
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.adapters import federated_keys, load_federated, trainable_state
 from fedhm_flwr.server_app import run
-from fedhm_flwr.text_data import load_corpus, partition_indices, split_indices
+from fedhm_flwr.data.text import load_corpus, partition_indices, split_indices
 from strategies import STRATEGIES
 from strategies.base import Reply
 
@@ -53,7 +53,7 @@ def test_packaged_minilm_reproduces_the_sentence_transformers_reference_similari
     """The sentence-transformers documentation lists these cosine similarities for all-MiniLM-L6-v2
     (mean pooling): our hand-written encoder over the wheel's safetensors reproduces them."""
     from fedhm_flwr.models.text import PACKAGE_BACKBONE
-    from fedhm_flwr.text_data import tokenize
+    from fedhm_flwr.data.text import tokenize
 
     model = build_model({"arch": "minilm", "num_classes": 2, "backbone": PACKAGE_BACKBONE}).eval()
     pairs = [("The new movie is awesome", "The new movie is so great", 0.8939),

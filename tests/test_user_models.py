@@ -13,7 +13,8 @@ from torch import nn
 from fedhm_flwr.aggregation import average_hybrid
 from fedhm_flwr.config import SUPPORTED_MODELS, ConfigError, load_config, model_spec
 from fedhm_flwr.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.lowrank import factorize_state, plan_ranks, recover_state
+from fedhm_flwr.lowrank import factorize_state, recover_state
+from fedhm_flwr.models.rules import plan_ranks
 from fedhm_flwr.models import build_model, count_parameters
 from fedhm_flwr.models.rules import FactorizeRule, select_layers
 from fedhm_flwr.server_app import run

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fedhm_flwr.models import build_model, count_parameters
+from fedhm_flwr.models.layers import Scaler
 from fedhm_flwr.width import (
-    Scaler,
     aggregate,
     channel_indices,
     embed,
@@ -23,6 +23,8 @@ from fedhm_flwr.width import (
 )
 
 R18 = {"arch": "resnet18", "num_classes": 10, "in_channels": 3, "image_size": 32}
+with torch.device("meta"):  # the plans need the full model's shapes only
+    R18_SHAPES = build_model(R18)
 CNN4 = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28, "width": 4}
 
 #: HeteroFL's a..e and the FedHM journal's matched-size set, as exact fractions
@@ -106,7 +108,7 @@ def test_resnet18_submodel_shapes_and_exact_counts(rate, r18_state):
     }
     for key, shape in expected.items():
         assert tuple(sub_state[key].shape) == shape, key
-    sliced = slice_state(r18_state, index_plan(R18, rate))
+    sliced = slice_state(r18_state, index_plan(R18_SHAPES, rate))
     assert {k: tuple(v.shape) for k, v in sliced.items()} == {k: tuple(v.shape) for k, v in sub_state.items()}
 
 
@@ -129,7 +131,7 @@ def test_cnn_submodel_follows_the_rule_and_loads_its_slice():
 
 
 def test_static_plan_keeps_the_first_channels(r18_state):
-    plan = index_plan(R18, 0.25)
+    plan = index_plan(R18_SHAPES, 0.25)
     out, inp, kh, kw = plan["layer2.0.conv1.weight"]
     assert torch.equal(out, torch.arange(32)) and torch.equal(inp, torch.arange(16)) and kh is kw is None
     assert plan["conv1.weight"][1] is None  # the image channels
@@ -143,7 +145,7 @@ def test_static_plan_keeps_the_first_channels(r18_state):
 
 def test_full_rate_slice_is_the_full_state_copied(r18_state):
     for mode, rnd in (("static", 1), ("rolling", 37)):
-        sub = slice_state(r18_state, index_plan(R18, 1.0, mode, rnd))
+        sub = slice_state(r18_state, index_plan(R18_SHAPES, 1.0, mode, rnd))
         assert all(torch.equal(sub[k], r18_state[k]) for k in r18_state)
         assert all(sub[k].data_ptr() != r18_state[k].data_ptr() for k in r18_state)
 

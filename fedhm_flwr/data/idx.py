@@ -10,7 +10,7 @@ import numpy as np
 from fedhm_flwr.data.files import DATA_DIR_ENV, FASHION_FILES, FASHION_MNIST_SYSTEM_DIR, fashion_candidate_dirs, fashion_files
 
 
-def _read_idx(path: Path) -> np.ndarray:
+def read_idx(path: Path) -> np.ndarray:
     """Parse one IDX file (``.gz`` or plain) into a numpy array.
 
     Written by hand on purpose: IDX is a 4-byte magic (0, 0, dtype code, ndim),
@@ -41,13 +41,13 @@ def _read_idx(path: Path) -> np.ndarray:
     return arr.astype(dtype.newbyteorder("="), copy=True)
 
 
-def _load_fashion_mnist(split: str, data_dir: str | None) -> tuple[np.ndarray, np.ndarray]:
+def load_fashion_mnist(split: str, data_dir: str | None) -> tuple[np.ndarray, np.ndarray]:
     img_stem, lbl_stem = FASHION_FILES[split]
     found = fashion_files(split, data_dir)
     if found is not None:
         img, lbl = found
-        images = _read_idx(img)
-        labels = _read_idx(lbl).astype(np.int64)
+        images = read_idx(img)
+        labels = read_idx(lbl).astype(np.int64)
         if images.ndim != 3 or images.shape[0] != labels.shape[0]:
             raise ValueError(f"{img}, {lbl}: inconsistent Fashion-MNIST files")
         return images[..., None], labels  # NHWC, C = 1

@@ -9,14 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from fedhm_flwr.data.registry import _LOCK, _PARTITION_CACHE, _readonly
-from fedhm_flwr.data.spec import CLASS_ASSIGNMENTS, PARTITION_SCHEMES, _check_int
+from fedhm_flwr.data.cache import LOCK, PARTITION_CACHE, readonly
+from fedhm_flwr.data.spec import CLASS_ASSIGNMENTS, PARTITION_SCHEMES, check_int
 
 # Independent random streams derived from the spec's seed (SeedSequence entropy).
-_STREAM_TRAIN_SUBSET = 1
-_STREAM_TEST_SUBSET = 2
-_STREAM_PARTITION_ORDER = 3
-_STREAM_HOLDOUT = 4
+STREAM_TRAIN_SUBSET = 1
+STREAM_TEST_SUBSET = 2
+STREAM_PARTITION_ORDER = 3
+STREAM_HOLDOUT = 4
 
 
 _LABEL_DATASET_CLS: Any = None
@@ -86,16 +86,16 @@ def partition(
             f"partition.scheme: unknown scheme {scheme!r}; allowed values: "
             f"{list(PARTITION_SCHEMES)}"
         )
-    n = _check_int("partition.num_partitions", num_partitions, 1)
+    n = check_int("partition.num_partitions", num_partitions, 1)
     if n > len(labels):
         raise ValueError(
             f"partition.num_partitions ({n}) exceeds the number of examples ({len(labels)})"
         )
-    seed = _check_int("partition.seed", seed, 0)
+    seed = check_int("partition.seed", seed, 0)
     alpha = float(alpha)
     if scheme == "dirichlet" and not (alpha > 0 and math.isfinite(alpha)):
         raise ValueError(f"partition.alpha must be a finite number > 0, got {alpha}")
-    cpp = _check_int("partition.classes_per_partition", classes_per_partition, 1)
+    cpp = check_int("partition.classes_per_partition", classes_per_partition, 1)
     num_unique = len(np.unique(labels))
     if scheme == "pathological" and cpp > num_unique:
         raise ValueError(
@@ -107,7 +107,7 @@ def partition(
             f"partition.class_assignment: unknown value {class_assignment!r}; allowed "
             f"values: {list(CLASS_ASSIGNMENTS)}"
         )
-    min_size = _check_int("partition.min_partition_size", min_partition_size, 0)
+    min_size = check_int("partition.min_partition_size", min_partition_size, 0)
 
     # Only the parameters the scheme uses go into the key.
     params: tuple[Any, ...] = (scheme, n, seed)
@@ -117,8 +117,8 @@ def partition(
         params += (cpp, class_assignment)
     digest = hashlib.sha1(np.ascontiguousarray(labels).tobytes()).hexdigest()
     key = (digest, labels.dtype.str, len(labels)) + params
-    with _LOCK:
-        hit = _PARTITION_CACHE.get(key)
+    with LOCK:
+        hit = PARTITION_CACHE.get(key)
     if hit is not None:
         return list(hit)
 
@@ -130,7 +130,7 @@ def partition(
 
     # Seeded row order: the partitioners see the labels in this order and give back
     # row numbers, which ``order`` maps to indices into ``labels``.
-    order = np.random.default_rng([seed, _STREAM_PARTITION_ORDER]).permutation(len(labels))
+    order = np.random.default_rng([seed, STREAM_PARTITION_ORDER]).permutation(len(labels))
     ds = _label_dataset(labels[order])
     if scheme == "iid":
         partitioner: Any = IidPartitioner(num_partitions=n)
@@ -174,13 +174,13 @@ def partition(
             "_label_dataset needs updating for this flwr-datasets version"
         )
     parts = [np.sort(order[r]) for r in rows]
-    out = tuple(_readonly(p) for p in parts)
-    with _LOCK:
-        _PARTITION_CACHE[key] = out
+    out = tuple(readonly(p) for p in parts)
+    with LOCK:
+        PARTITION_CACHE[key] = out
     return list(out)
 
 
-def _seeded_subset(n: int, k: int, seed: int, stream: int) -> np.ndarray | None:
+def seeded_subset(n: int, k: int, seed: int, stream: int) -> np.ndarray | None:
     """Sorted random subset of ``range(n)`` of size ``k`` (None = take all)."""
     if k <= 0 or k >= n:
         return None
@@ -198,14 +198,14 @@ def holdout_split(
     arrays are sorted (the partition's order is kept), disjoint and cover every position.
     ``fraction = 0`` holds out nothing: train is ``arange(num_examples)``.
     """
-    n = _check_int("partition size", num_examples, 0)
+    n = check_int("partition size", num_examples, 0)
     fraction = float(fraction)
     if not 0.0 <= fraction < 1.0:
         raise ValueError(f"evaluation.holdout must be a fraction in [0, 1), got {fraction}")
     k = min(int(round(fraction * n)), max(n - 1, 0))
     if k == 0:
         return np.arange(n, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    perm = np.random.default_rng([seed, _STREAM_HOLDOUT, partition_id]).permutation(n)
+    perm = np.random.default_rng([seed, STREAM_HOLDOUT, partition_id]).permutation(n)
     return np.sort(perm[k:]).astype(np.int64), np.sort(perm[:k]).astype(np.int64)
 
 

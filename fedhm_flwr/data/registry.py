@@ -1,79 +1,42 @@
-"""The dataset registry (shapes, classes, normalisation), the per-process caches,
-:func:`load_arrays`, which reads a whole split of a built-in dataset (``idx``, ``cifar``), and
-:func:`source_arrays` / :func:`source_info`, which do the same from a data spec, for the built-in
-datasets and the folder sources (``imagefolder``, ``hf_disk``) alike."""
+"""The dataset registry's entry points: :func:`dataset_info`, :func:`load_arrays`, which reads a
+whole split of a built-in dataset (``idx``, ``cifar``), and :func:`source_arrays` /
+:func:`source_info` / :func:`class_names`, which do the same from a data spec, for the built-in
+datasets and the folder sources (``imagefolder``, ``hf_disk``) alike. The facts themselves are in
+:mod:`fedhm_flwr.data.catalog`, the caches in :mod:`fedhm_flwr.data.cache`."""
 
 from __future__ import annotations
 
-import importlib
 import os
-import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedhm_flwr.data.files import DATA_DIR_ENV, FOLDER_SOURCES
+from fedhm_flwr.data import hf_disk, imagefolder
+from fedhm_flwr.data.cache import ARRAY_CACHE, INFO_CACHE, LOCK, readonly
+from fedhm_flwr.data.catalog import (
+    CLASS_NAMES,
+    DATASETS,
+    EXTERNAL_DATASETS,
+    FOLDER_SOURCES,
+    SPLITS,
+    DatasetInfo,
+    image_info,
+    text_dataset_info,
+)
+from fedhm_flwr.data.cifar import load_cifar
+from fedhm_flwr.data.files import DATA_DIR_ENV, folder_source_layout
+from fedhm_flwr.data.idx import load_fashion_mnist
+from fedhm_flwr.data.spec import SOURCE_DEFAULTS, check_data_spec
 
-# --------------------------------------------------------------------------- registry
+__all__ = [
+    "CLASS_NAMES", "DATASETS", "EXTERNAL_DATASETS", "SPLITS", "DatasetInfo", "class_names", "dataset_info",
+    "load_arrays", "source_arrays", "source_info",
+]
 
-
-@dataclass(frozen=True)
-class DatasetInfo:
-    """Static facts about a dataset: shape, classes and normalisation constants."""
-
-    name: str
-    num_classes: int
-    in_channels: int
-    image_size: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    num_train: int
-    num_test: int
-
-
-DATASETS: dict[str, DatasetInfo] = {
-    # Mean/std measured on the respective training sets (true per-channel std, so that
-    # normalised data has std ~1; the often-quoted CIFAR std (0.2023, ...) is not that).
-    "fashion_mnist": DatasetInfo(
-        "fashion_mnist", 10, 1, 28, (0.2860,), (0.3530,), 60000, 10000
-    ),
-    "cifar10": DatasetInfo(
-        "cifar10", 10, 3, 32,
-        (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), 50000, 10000,
-    ),
-    "cifar100": DatasetInfo(
-        "cifar100", 100, 3, 32,
-        (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762), 50000, 10000,
-    ),
-}
-
-#: datasets served by another module with the same entry points (``dataset_info``,
-#: ``client_dataset``, ``test_dataset``) and the same data specs: name -> module.
-EXTERNAL_DATASETS: dict[str, str] = {"sentiment": "fedhm_flwr.data.text"}
-
-
-def _external(name: Any) -> Any:
-    """The module serving dataset ``name`` when it is not an image dataset of this file."""
-    module = EXTERNAL_DATASETS.get(name) if isinstance(name, str) else None
-    return importlib.import_module(module) if module else None
-
-SPLITS: tuple[str, ...] = ("train", "test")
-
-
-def _info(name: Any) -> DatasetInfo:
-    if not isinstance(name, str) or name not in DATASETS:
-        raise ValueError(
-            f"dataset.name: unknown dataset {name!r}; allowed values: "
-            f"{sorted(DATASETS) + sorted(EXTERNAL_DATASETS) + list(FOLDER_SOURCES)}"
-        )
-    return DATASETS[name]
-
-
-def _folder_module(name: str) -> Any:
-    """The loader module of folder source ``name`` (``fedhm_flwr.data.imagefolder`` / ``.hf_disk``)."""
-    return importlib.import_module(f"fedhm_flwr.data.{name}")
+#: folder source name -> its loader module (``num_classes``, ``load_splits``)
+FOLDER_LOADERS: dict[str, Any] = {"imagefolder": imagefolder, "hf_disk": hf_disk}
+assert set(FOLDER_LOADERS) == set(FOLDER_SOURCES)
 
 
 def dataset_info(name: str, spec: dict[str, Any] | None = None) -> dict[str, int]:
@@ -87,41 +50,17 @@ def dataset_info(name: str, spec: dict[str, Any] | None = None) -> dict[str, int
     if name in FOLDER_SOURCES:
         if spec is None:
             raise ValueError(f"dataset.name={name!r}: its classes depend on dataset.path; pass the data spec")
-        from fedhm_flwr.data.spec import check_data_spec
-
         spec = check_data_spec(spec)
-        return {"num_classes": _folder_module(name).num_classes(spec), "in_channels": spec["channels"],
+        return {"num_classes": FOLDER_LOADERS[name].num_classes(spec), "in_channels": spec["channels"],
                 "image_size": spec["image_size"]}
-    external = _external(name)
-    if external is not None:
-        return external.dataset_info(name)
-    info = _info(name)
+    if name in EXTERNAL_DATASETS:
+        return text_dataset_info(name)
+    info = image_info(name)
     return {
         "num_classes": info.num_classes,
         "in_channels": info.in_channels,
         "image_size": info.image_size,
     }
-
-
-# --------------------------------------------------------------------------- caches
-
-_LOCK = threading.RLock()
-_ARRAY_CACHE: dict[tuple[str, str, str], tuple[np.ndarray, np.ndarray]] = {}
-_PARTITION_CACHE: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = {}
-_INFO_CACHE: dict[tuple[Any, ...], DatasetInfo] = {}  # folder sources: facts measured on the data
-
-
-def clear_caches() -> None:
-    """Forget every array and partition cached in this process (tests, memory)."""
-    with _LOCK:
-        _ARRAY_CACHE.clear()
-        _PARTITION_CACHE.clear()
-        _INFO_CACHE.clear()
-
-
-def _readonly(a: np.ndarray) -> np.ndarray:
-    a.setflags(write=False)
-    return a
 
 
 def _resolved_key(data_dir: str | os.PathLike[str] | None) -> str:
@@ -143,27 +82,23 @@ def load_arrays(
     before modifying). Raises FileNotFoundError with a remedy when the files are
     missing; CIFAR is only downloaded when ``download`` is true.
     """
-    info = _info(name)
+    info = image_info(name)
     if split not in SPLITS:
         raise ValueError(f"split: unknown split {split!r}; allowed values: {list(SPLITS)}")
     key = (name, split, _resolved_key(data_dir))
-    with _LOCK:
-        hit = _ARRAY_CACHE.get(key)
+    with LOCK:
+        hit = ARRAY_CACHE.get(key)
         if hit is not None:
             return hit
         d = None if data_dir is None else str(data_dir)
         if name == "fashion_mnist":
-            from fedhm_flwr.data.idx import _load_fashion_mnist
-
-            images, labels = _load_fashion_mnist(split, d)
+            images, labels = load_fashion_mnist(split, d)
         else:
-            from fedhm_flwr.data.cifar import _load_cifar
-
-            images, labels = _load_cifar(name, split, d, download)
+            images, labels = load_cifar(name, split, d, download)
         if images.shape[1:] != (info.image_size, info.image_size, info.in_channels):
             raise ValueError(f"{name}/{split}: unexpected image shape {images.shape}")
-        out = (_readonly(images), _readonly(labels))
-        _ARRAY_CACHE[key] = out
+        out = (readonly(images), readonly(labels))
+        ARRAY_CACHE[key] = out
         return out
 
 
@@ -172,8 +107,6 @@ def load_arrays(
 
 def _source_key(spec: dict[str, Any], data_dir: str | os.PathLike[str] | None) -> tuple[Any, ...]:
     """Cache key of a folder source: its folder and every option that changes the arrays."""
-    from fedhm_flwr.data.spec import SOURCE_DEFAULTS
-
     root = data_dir or spec["path"]
     options = tuple((k, spec[k]) for k in sorted(SOURCE_DEFAULTS[spec["name"]]) if k != "path")
     return (spec["name"], str(Path(str(root)).expanduser().resolve())) + options
@@ -193,11 +126,11 @@ def source_arrays(
     if split not in SPLITS:
         raise ValueError(f"split: unknown split {split!r}; allowed values: {list(SPLITS)}")
     key = _source_key(spec, data_dir)
-    with _LOCK:
-        if (key, split) not in _ARRAY_CACHE:
-            for part, (images, labels) in _folder_module(name).load_splits(spec, data_dir).items():
-                _ARRAY_CACHE[(key, part)] = (_readonly(images), _readonly(labels))  # type: ignore[index]
-        return _ARRAY_CACHE[(key, split)]  # type: ignore[index]
+    with LOCK:
+        if (key, split) not in ARRAY_CACHE:
+            for part, (images, labels) in FOLDER_LOADERS[name].load_splits(spec, data_dir).items():
+                ARRAY_CACHE[(key, part)] = (readonly(images), readonly(labels))  # type: ignore[index]
+        return ARRAY_CACHE[(key, split)]  # type: ignore[index]
 
 
 def source_info(spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = None) -> DatasetInfo:
@@ -208,27 +141,19 @@ def source_info(spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = 
     """
     name = spec["name"]
     if name not in FOLDER_SOURCES:
-        return _info(name)
+        return image_info(name)
     key = _source_key(spec, data_dir)
-    with _LOCK:
-        if key not in _INFO_CACHE:
+    with LOCK:
+        if key not in INFO_CACHE:
             images, labels = source_arrays(spec, "train", data_dir)
             channels = [images[..., c].astype(np.float32) / 255.0 for c in range(images.shape[-1])]
-            _INFO_CACHE[key] = DatasetInfo(
-                name, _folder_module(name).num_classes(spec, data_dir), spec["channels"], spec["image_size"],
+            INFO_CACHE[key] = DatasetInfo(
+                name, FOLDER_LOADERS[name].num_classes(spec, data_dir), spec["channels"], spec["image_size"],
                 tuple(float(x.mean(dtype=np.float64)) for x in channels),
                 tuple(max(float(x.std(dtype=np.float64)), 1e-3) for x in channels),
                 len(labels), len(source_arrays(spec, "test", data_dir)[1]),
             )
-        return _INFO_CACHE[key]
-
-
-#: class names of the built-in datasets, in label order (the folder sources name theirs)
-CLASS_NAMES: dict[str, tuple[str, ...]] = {
-    "fashion_mnist": ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
-                      "Ankle boot"),
-    "cifar10": ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"),
-}
+        return INFO_CACHE[key]
 
 
 def class_names(spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = None) -> list[str] | None:
@@ -236,8 +161,6 @@ def class_names(spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = 
     class folders / ClassLabel names), or None where the project does not know them."""
     name = spec["name"]
     if name in FOLDER_SOURCES:
-        from fedhm_flwr.data.files import folder_source_layout
-
         layout = folder_source_layout(name, spec, data_dir)
         if "classes" in layout:
             return [str(c) for c in layout["classes"]]

@@ -25,30 +25,30 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedhm_flwr import data as D
+from fedhm_flwr.data.catalog import DATASETS, EXTERNAL_DATASETS, FOLDER_SOURCES, DatasetInfo
+from fedhm_flwr.data.clients import client_arrays
+from fedhm_flwr.data.registry import source_info
+from fedhm_flwr.data.spec import CLIENT_SPLITS, check_data_spec
+from fedhm_flwr.data.tensors import ImageTensorDataset, image_dataset
+from fedhm_flwr.errors import ShardError
 
 MANIFEST = "manifest.json"
 FORMAT = "fedhm-shard"
 FORMAT_VERSION = 1
-SPLITS = D.CLIENT_SPLITS
+SPLITS = CLIENT_SPLITS
 #: manifest keys a node needs to load a shard (the others describe where it came from)
 REQUIRED_KEYS = ("format", "format_version", "dataset", "num_classes", "in_channels", "image_size",
                  "mean", "std", "splits")
 
 _LOCK = threading.Lock()
 _VERIFIED: dict[tuple[str, str], tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]]] = {}
-
-
-class ShardError(ValueError):
-    """A shard folder is missing, incomplete or corrupted; the message names the folder."""
 
 
 def partition_dir(out: str | Path, partition_id: int) -> Path:
@@ -76,10 +76,10 @@ def partitioner_params(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_manifest(spec: dict[str, Any], partition_id: int,
-                  splits: dict[str, tuple[np.ndarray, np.ndarray]], info: D.DatasetInfo | None = None) -> dict[str, Any]:
+                  splits: dict[str, tuple[np.ndarray, np.ndarray]], info: DatasetInfo | None = None) -> dict[str, Any]:
     """The manifest of partition ``partition_id`` of a validated data spec, given its split arrays
     (``info``: the dataset's facts, :func:`fedhm_flwr.data.registry.source_info`; looked up when None)."""
-    info = info if info is not None else D.source_info(spec)
+    info = info if info is not None else source_info(spec)
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -131,17 +131,17 @@ def write_shard(folder: str | Path, splits: dict[str, tuple[np.ndarray, np.ndarr
 def export_shards(data_spec: dict[str, Any], out: str | Path, data_dir: str | None = None,
                   echo: Callable[[str], None] = print) -> list[Path]:
     """Write every partition of ``data_spec`` as ``out/partition-<i>/``; one line per shard."""
-    spec = D.check_data_spec(data_spec)
-    if spec["name"] in D.EXTERNAL_DATASETS:
+    spec = check_data_spec(data_spec)
+    if spec["name"] in EXTERNAL_DATASETS:
         raise ShardError(f"dataset.name={spec['name']!r}: shards hold image datasets only; "
-                         f"allowed values: {sorted(D.DATASETS) + list(D.FOLDER_SOURCES)}")
-    info = D.source_info(spec, data_dir)
+                         f"allowed values: {sorted(DATASETS) + list(FOLDER_SOURCES)}")
+    info = source_info(spec, data_dir)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ShardError(f"out={out}: exists and is not an empty folder; choose a new folder")
     written = []
     for pid in range(spec["num_partitions"]):
-        splits = {name: D.client_arrays(spec, pid, data_dir, name) for name in SPLITS}
+        splits = {name: client_arrays(spec, pid, data_dir, name) for name in SPLITS}
         manifest = make_manifest(spec, pid, splits, info)
         folder = write_shard(partition_dir(out, pid), splits, manifest)
         counts = {name: manifest["splits"][name]["num_examples"] for name in SPLITS}
@@ -226,9 +226,9 @@ def shard_arrays(folder: str | Path, split: str = "train") -> tuple[np.ndarray, 
         return arrays
 
 
-def shard_info(manifest: dict[str, Any]) -> D.DatasetInfo:
+def shard_info(manifest: dict[str, Any]) -> DatasetInfo:
     """The dataset facts a node needs (shape, classes, normalisation), from a manifest."""
-    return D.DatasetInfo(str(manifest["dataset"]), int(manifest["num_classes"]), int(manifest["in_channels"]),
+    return DatasetInfo(str(manifest["dataset"]), int(manifest["num_classes"]), int(manifest["in_channels"]),
                          int(manifest["image_size"]), tuple(float(m) for m in manifest["mean"]),
                          tuple(float(s) for s in manifest["std"]), 0, 0)
 
@@ -240,52 +240,8 @@ def verify_shard(folder: str | Path) -> dict[str, Any]:
     return read_manifest(folder)
 
 
-def load_shard(folder: str | Path, split: str = "train", augment: bool = False) -> D.ImageTensorDataset:
+def load_shard(folder: str | Path, split: str = "train", augment: bool = False) -> ImageTensorDataset:
     """One split of a shard as the dataset type ``client_dataset`` returns (normalised with the
     manifest's mean/std; CIFAR augmentation when ``augment``), after verifying its checksum."""
     images, labels = shard_arrays(folder, split)
-    return D.image_dataset(images, labels, shard_info(read_manifest(folder)), augment)
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def _parse_args(argv: Sequence[str]) -> tuple[list[str], str | None]:
-    overrides, out = [], None
-    args = list(argv)
-    while args:
-        arg = args.pop(0)
-        if arg in ("-h", "--help"):
-            print(__doc__)
-            raise SystemExit(0)
-        if arg == "--out":
-            if not args:
-                raise ShardError("--out needs a folder")
-            out = args.pop(0)
-        elif arg.startswith("--out="):
-            out = arg.split("=", 1)[1]
-        elif arg.startswith("out="):
-            out = arg.split("=", 1)[1]
-        else:
-            overrides.append(arg)
-    return overrides, out
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fedhm_flwr.shards <overrides> out=DIR``: exit 0, or 2 with one line on stderr."""
-    from fedhm_flwr.config import ConfigError, data_spec, load_config
-
-    try:
-        overrides, out = _parse_args(sys.argv[1:] if argv is None else argv)
-        if not out:
-            raise ConfigError("out", None, "a folder to write the shards into (out=DIR or --out DIR)")
-        cfg = load_config(overrides)
-        export_shards(data_spec(cfg), out, cfg.dataset.data_dir)
-    except (ConfigError, ShardError, FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return image_dataset(images, labels, shard_info(read_manifest(folder)), augment)

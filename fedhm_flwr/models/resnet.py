@@ -6,7 +6,8 @@ from collections.abc import Mapping
 
 from torch import Tensor, nn
 
-from ..width import make_scaler, scaled_channels
+from ..width import scaled_channels
+from .layers import make_scaler
 from .cnn import sbn
 from .rules import FactorizeRule, select_layers
 

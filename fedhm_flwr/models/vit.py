@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from .rules import FactorizeRule, select_layers
@@ -191,9 +193,6 @@ def backbone_keys(model: nn.Module) -> list[str]:
 
 def load_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     """A pre-trained backbone file: (tensors, metadata); cached per process."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     if not path.is_file():
         raise FileNotFoundError(
             f"pre-trained ViT backbone {path} not found: run `make pretrain` (python -m fedhm_flwr.pretrain) "
