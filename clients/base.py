@@ -56,10 +56,10 @@ def node_shard(context: Context) -> Path | None:
     one (NodeDataError naming ``data-dir`` and the fix otherwise).
     """
     node = context.node_config
-    data_dir = str(node.get("data-dir") or "")
+    data_dir = str(node.get(protocol.DATA_DIR) or "")
     if data_dir and (Path(data_dir).expanduser() / shards.MANIFEST).is_file():
         return Path(data_dir).expanduser()
-    if "partition-id" in node:
+    if protocol.PARTITION_ID in node:
         return None
     if not data_dir:
         raise NodeDataError("node config lacks data-dir: set data-dir=<this node's shard folder> (written by "
@@ -91,13 +91,13 @@ def check_shard_dataset(folder: Path, manifest: dict[str, Any], data_spec: dict[
 def node_partition(context: Context, data_spec: dict[str, Any]) -> tuple[int, str | None, dict[str, Any]]:
     """(partition id, local data folder, data spec with the node's partition count)."""
     node = context.node_config
-    if "partition-id" not in node:
+    if protocol.PARTITION_ID not in node:
         raise ValueError("node config lacks 'partition-id' (set it with --node-config on a SuperNode)")
     spec = dict(data_spec)
-    if "num-partitions" in node:
-        spec["num_partitions"] = int(node["num-partitions"])
-    data_dir = node.get("data-dir") or None
-    return int(node["partition-id"]), (str(data_dir) if data_dir else None), spec
+    if protocol.NUM_PARTITIONS in node:
+        spec["num_partitions"] = int(node[protocol.NUM_PARTITIONS])
+    data_dir = node.get(protocol.DATA_DIR) or None
+    return int(node[protocol.PARTITION_ID]), (str(data_dir) if data_dir else None), spec
 
 
 def received_model(msg: Message, device: torch.device) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -152,11 +152,11 @@ class InjectedFailure(RuntimeError):
 
 def obey_injection(config: ConfigRecord) -> None:
     """Crash or stall when the server's failure injection says so."""
-    what = str(config.get("inject", ""))
+    what = str(config.get(protocol.INJECT, ""))
     if what == "crash":
         raise InjectedFailure("injected client crash")
     if what == "slow":
-        time.sleep(float(config.get("inject-seconds", 0.0)))
+        time.sleep(float(config.get(protocol.INJECT_SECONDS, 0.0)))
 
 
 def ray_node_id() -> str | None:
@@ -171,9 +171,9 @@ def handle_train(msg: Message, context: Context) -> Message:
     """Train the received model on the node's partition and reply with arrays and metrics."""
     config = msg.content[CONFIG]
     obey_injection(config)
-    options = TrainOptions.from_dict(json.loads(str(config["train"])))
+    options = TrainOptions.from_dict(json.loads(str(config[protocol.TRAIN])))
     torch.set_num_threads(max(1, int(options.threads)))
-    torch.manual_seed(int(config["seed"]))
+    torch.manual_seed(int(config[protocol.SEED]))
     device = pick_device()
     model, spec = received_model(msg, device)
     dataset = local_dataset(config, context)
@@ -182,16 +182,16 @@ def handle_train(msg: Message, context: Context) -> Message:
         dataset = attacks.LabelFlipped(dataset, int(spec["num_classes"]))
     counts = dataset.class_counts()
     present = torch.as_tensor(counts > 0)
-    stats = train_local(model, dataset, options, device, present_classes=present, seed=int(config["seed"]))
-    metrics = protocol.train_metrics(stats["num-examples"], stats["train-loss"], stats["train-accuracy"],
-                                     stats["seconds"], float(config[protocol.LEVEL]), counts, ray_node_id())
+    stats = train_local(model, dataset, options, device, present_classes=present, seed=int(config[protocol.SEED]))
+    metrics = protocol.train_metrics(stats[protocol.NUM_EXAMPLES], stats[protocol.TRAIN_LOSS], stats[protocol.TRAIN_ACCURACY],
+                                     stats[protocol.SECONDS], float(config[protocol.LEVEL]), counts, ray_node_id())
     if spec.get("trainable_only"):  # only what this client trained travels back
         state = trainable_state(model)
     else:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if attack in attacks.UPDATE_ATTACKS:
         received = received_state(msg)
-        state = attacks.tamper(attack, received, state, float(config.get(protocol.ATTACK_SCALE, 1.0)), int(config["seed"]))
+        state = attacks.tamper(attack, received, state, float(config.get(protocol.ATTACK_SCALE, 1.0)), int(config[protocol.SEED]))
     dtype = wire_dtype(msg)  # the reply travels in the wire dtype too
     arrays = ArrayRecord.from_array_dict({k: protocol.wire_array(v, dtype) for k, v in state.items()})
     return Message(RecordDict({ARRAYS: arrays, METRICS: metrics}), reply_to=msg)
@@ -215,8 +215,8 @@ def handle_evaluate(msg: Message, context: Context) -> Message:
                                 "clients|both and evaluation.holdout > 0 (a shard: export it with those settings)")
     except NodeDataError as exc:
         return data_error(msg, exc)
-    stats = evaluate(model, dataset, int(msg.content[CONFIG].get("batch-size", 256)), device)
-    metrics = protocol.eval_metrics(stats["num-examples"], stats["loss"], stats["accuracy"])
+    stats = evaluate(model, dataset, int(msg.content[CONFIG].get(protocol.BATCH_SIZE, 256)), device)
+    metrics = protocol.eval_metrics(stats[protocol.NUM_EXAMPLES], stats["loss"], stats["accuracy"])
     return Message(RecordDict({METRICS: metrics}), reply_to=msg)
 
 
@@ -230,7 +230,7 @@ def node_info(context: Context, data_spec: dict[str, Any] | None = None) -> Conf
     (and the data is loaded once, before the first round, not during it). A node with neither
     still answers (identity only); its first training message gets that error."""
     node = context.node_config
-    folder = node_shard(context) if node.get("data-dir") or "partition-id" in node else None
+    folder = node_shard(context) if node.get(protocol.DATA_DIR) or protocol.PARTITION_ID in node else None
     examples = None
     if folder is not None:
         try:
@@ -264,7 +264,7 @@ def query_data_spec(msg: Message) -> dict[str, Any] | None:
 def bn_statistics(msg: Message, context: Context) -> RecordDict:
     """Per-layer input sums of the received model over this node's training split (sBN)."""
     model, dataset, device = _model_over_local_data(msg, context)
-    sums = bn_sums(model, dataset, int(msg.content[CONFIG].get("batch-size", 64)), device)
+    sums = bn_sums(model, dataset, int(msg.content[CONFIG].get(protocol.BATCH_SIZE, 64)), device)
     return RecordDict({ARRAYS: ArrayRecord.from_torch_state_dict({k: v.float() for k, v in sums.items()})})
 
 

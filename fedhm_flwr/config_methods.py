@@ -1,8 +1,10 @@
 """Per-method validation (the ``method`` group of each algorithm), the (method, model) pairs a run
 accepts and the user-model checks.
 
-PART B OF #26 MOVES THIS: each validator below goes onto its method (the Flower-free ``Method``
-classes); until then they live together here, registered in :data:`METHOD_VALIDATORS`.
+The validators stay here, one per method, registered in :data:`METHOD_VALIDATORS`, rather than on
+the ``Method`` classes (``strategies/method.py``): a method module imports torch, and the config
+check must not (the launcher checks a config before importing torch; ``tests/test_shards.py`` and
+``tests/test_user_models.py`` assert it).
 
 The config check's torch-free path: the launcher checks a config before importing torch, and
 ``fedhm_flwr.models`` imports torch, so the few checks that need a model (a ``model.factorize``

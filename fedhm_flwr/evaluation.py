@@ -1,6 +1,8 @@
 """Evaluation: the server's test set, federated (client-side) evaluation and sBN statistics.
 
-Three parts, each called by the shared round (``strategies/base.py``) on evaluation rounds:
+Three parts, each called by the shared round (``strategies/base.py``) on evaluation rounds, which
+hands them what they need as a :class:`RoundView` (the grid, the node registry, the method's models),
+never the strategy itself:
 
 * **Server test set** (``evaluation.where`` = ``server`` or ``both``): :func:`make_evaluator`
   scores a model on the server's test set; :func:`evaluate_levels` scores the global model and
@@ -22,10 +24,10 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from logging import WARNING
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,14 +41,11 @@ from fedhm_flwr.config import data_spec
 from fedhm_flwr.data import test_dataset
 from fedhm_flwr.models import build_model, shape_device
 from fedhm_flwr.models.adapters import load_federated
-from fedhm_flwr.train import evaluate
-
-if TYPE_CHECKING:
-    from strategies.base import HeteroStrategy
-
-State = dict[str, torch.Tensor]
 from fedhm_flwr import protocol as wire
 from fedhm_flwr.protocol import ARRAYS, CONFIG, METRICS, asked_nodes, error_reason, read_eval
+from fedhm_flwr.train import evaluate
+
+State = dict[str, torch.Tensor]
 WORST_FRACTION = 0.1  # fed_acc_clients/worst10: the mean accuracy of the worst ceil(10 %) clients
 
 
@@ -124,6 +123,24 @@ def make_evaluator(cfg: DictConfig, device: torch.device):
 
 
 @dataclass
+class RoundView:
+    """What an evaluation round is given by the round: the config, the method (its ``levels``,
+    ``global_model`` and ``deployable`` models), the server's test-set scorer, the grid and the node
+    registry (``nodes``, ``key``, ``label``, ``forget``), how a model goes on the wire (``arrays``:
+    its Arrays, serialised once; ``wire_config``: the task-config entry of the wire dtype) and the
+    round's number (seeds the choice of the clients asked for norm statistics)."""
+
+    cfg: DictConfig
+    method: Any
+    evaluate_fn: Callable[..., dict[str, float]] | None
+    grid: Any
+    registry: Any
+    arrays: Callable[[State], dict[str, Any]]
+    wire_config: dict[str, str]
+    server_round: int
+
+
+@dataclass
 class BnUse:
     """Which norm statistics one evaluation round used, what asking the clients cost, and the
     sums they gave per model (``spec_key``: reused by :func:`deployment_statistics`)."""
@@ -163,64 +180,64 @@ def statistics_label(configured: str, spec: dict[str, Any]) -> str:
     return configured
 
 
-def evaluate_levels(strategy: HeteroStrategy, global_state: State, bn: BnUse | None = None) -> dict[str, Any]:
+def evaluate_levels(view: RoundView, global_state: State, bn: BnUse | None = None) -> dict[str, Any]:
     """Test-set accuracy and loss of the global model and of each level's deployable model, with
     the row's ``bn_stats`` (and ``bytes_bn_stats``); ``bn`` collects the federated sums."""
-    if strategy.evaluate_fn is None:
+    if view.evaluate_fn is None:
         return {}
-    global_spec, global_model = strategy.global_model(global_state)
+    global_spec, global_model = view.method.global_model(global_state)
     bn = bn if bn is not None else BnUse("")
-    bn.configured = statistics_label(str(strategy.cfg.evaluation.bn_stats), global_spec)
+    bn.configured = statistics_label(str(view.cfg.evaluation.bn_stats), global_spec)
     out: dict[str, Any] = {}
-    metrics = evaluate_model(strategy, global_spec, global_model, bn)
+    metrics = evaluate_model(view, global_spec, global_model, bn)
     out["acc/global"], out["loss/global"] = metrics["accuracy"], metrics["loss"]
-    if strategy.cfg.evaluation.levels:
-        for index, level in enumerate(strategy.levels):
-            spec, state = strategy.deployable(index, global_state)
+    if view.cfg.evaluation.levels:
+        for index, level in enumerate(view.method.levels):
+            spec, state = view.method.deployable(index, global_state)
             same = spec == global_spec and state.keys() == global_model.keys() and all(
                 torch.equal(state[k], global_model[k]) for k in state)
-            m = metrics if same else evaluate_model(strategy, spec, state, bn)
+            m = metrics if same else evaluate_model(view, spec, state, bn)
             out[f"acc/level_{level:g}"], out[f"loss/level_{level:g}"] = m["accuracy"], m["loss"]
     out.update(bn.row())
     return out
 
 
-def evaluate_model(strategy: HeteroStrategy, spec: dict[str, Any], state: State, bn: BnUse) -> dict[str, float]:
+def evaluate_model(view: RoundView, spec: dict[str, Any], state: State, bn: BnUse) -> dict[str, float]:
     """Evaluate one model; with federated sBN its norm statistics come from the clients, or from
     the test batches when none answers (logged, counted in ``bn``)."""
-    assert strategy.evaluate_fn is not None
-    if strategy.cfg.evaluation.bn_stats != "federated" or spec.get("trainable_only"):
-        return strategy.evaluate_fn(spec, state)
-    sums, nbytes = federated_bn_sums(strategy, spec, state)
+    assert view.evaluate_fn is not None
+    if view.cfg.evaluation.bn_stats != "federated" or spec.get("trainable_only"):
+        return view.evaluate_fn(spec, state)
+    sums, nbytes = federated_bn_sums(view, spec, state)
     bn.bytes += nbytes
     if sums is not None:
         bn.sums[spec_key(spec)] = sums
     if sums is None:
         bn.fallbacks += 1
         log(WARNING, "bn-stats: no client answered; this model is evaluated with test-batch statistics")
-        return strategy.evaluate_fn(spec, state)
-    return strategy.evaluate_fn(spec, state, sums)
+        return view.evaluate_fn(spec, state)
+    return view.evaluate_fn(spec, state, sums)
 
 
-def federated_bn_sums(strategy: HeteroStrategy, spec: dict[str, Any], state: State) -> tuple[dict[str, torch.Tensor] | None, int]:
+def federated_bn_sums(view: RoundView, spec: dict[str, Any], state: State) -> tuple[dict[str, torch.Tensor] | None, int]:
     """(the clients' summed per-layer statistics or None when no client answered, bytes moved).
     Clients run the model over their local training data (docs/METHODS.md, sBN); the data never
     leaves them."""
-    grid = strategy._grid
+    grid, nodes = view.grid, view.registry.nodes
     if grid is None:
         raise RuntimeError("federated sBN statistics need the grid (configure_train runs first)")
-    cfg = strategy.cfg
-    node_ids = sorted(strategy.nodes, key=strategy._partition_key)
+    cfg = view.cfg
+    node_ids = sorted(nodes, key=view.registry.key)
     limit = int(cfg.evaluation.bn_clients)
     if 0 < limit < len(node_ids):
-        rng = lv.round_rng(int(cfg.seed), len(strategy.history) + 1, stream=3)
+        rng = lv.round_rng(int(cfg.seed), view.server_round, stream=3)
         node_ids = [node_ids[i] for i in sorted(rng.choice(len(node_ids), size=limit, replace=False))]
-    arrays = strategy.wire_arrays(state)  # the wire dtype, serialised once (strategies/base.py)
+    arrays = view.arrays(state)  # the wire dtype, serialised once (fedhm_flwr.protocol.ArrayCache)
     nbytes, messages = 0, []
     for node_id in node_ids:
         config = ConfigRecord({wire.QUERY: wire.BN_STATS, wire.MODEL_SPEC: json.dumps(spec),
-                               wire.DATA_SPEC: json.dumps(data_spec(cfg, strategy.nodes[node_id].num_partitions)),
-                               wire.BATCH_SIZE: int(cfg.train.batch_size), **strategy.wire_config()})
+                               wire.DATA_SPEC: json.dumps(data_spec(cfg, nodes[node_id].num_partitions)),
+                               wire.BATCH_SIZE: int(cfg.train.batch_size), **view.wire_config})
         record = ArrayRecord.from_array_dict(arrays)
         nbytes += record.count_bytes()
         messages.append(Message(content=RecordDict({ARRAYS: record, CONFIG: config}), dst_node_id=node_id,
@@ -228,14 +245,14 @@ def federated_bn_sums(strategy: HeteroStrategy, spec: dict[str, Any], state: Sta
     parts = []
     for reply in grid.send_and_receive(messages, timeout=float(cfg.timeout)):
         if reply.has_error() or ARRAYS not in reply.content:
-            log(WARNING, "bn-stats: node %s gave no statistics", strategy.node_label(reply.metadata.src_node_id))
+            log(WARNING, "bn-stats: node %s gave no statistics", view.registry.label(reply.metadata.src_node_id))
             continue
         nbytes += reply.content[ARRAYS].count_bytes()
         parts.append(reply.content[ARRAYS].to_torch_state_dict())
     return (combine_bn_sums(parts) if parts else None), nbytes
 
 
-def deployment_statistics(strategy: HeteroStrategy, global_state: State,
+def deployment_statistics(view: RoundView, global_state: State,
                           known: dict[str, dict[str, torch.Tensor]] | None = None,
                           ) -> tuple[dict[str, torch.Tensor], dict[str, str], int] | None:
     """Fixed norm statistics for every level's deployable model that normalises with batch
@@ -246,8 +263,8 @@ def deployment_statistics(strategy: HeteroStrategy, global_state: State,
     A deployed model predicts in eval mode with these, independently of the batch."""
     tensors: dict[str, torch.Tensor] = {}
     nbytes = 0
-    for index, level in enumerate(strategy.levels):
-        spec, state = strategy.deployable(index, global_state)
+    for index, level in enumerate(view.method.levels):
+        spec, state = view.method.deployable(index, global_state)
         if spec.get("trainable_only"):
             return None
         with shape_device(spec):
@@ -256,7 +273,7 @@ def deployment_statistics(strategy: HeteroStrategy, global_state: State,
             continue
         sums = (known or {}).get(spec_key(spec))
         if sums is None:
-            sums, moved = federated_bn_sums(strategy, spec, state)
+            sums, moved = federated_bn_sums(view, spec, state)
             nbytes += moved
         if sums is None:
             log(WARNING, "deployment statistics: no client answered for level %g; its export falls back", level)
@@ -264,8 +281,8 @@ def deployment_statistics(strategy: HeteroStrategy, global_state: State,
         tensors.update({f"level_{level:g}/{k}": v for k, v in sums.items()})
     if not tensors:
         return None
-    limit = int(strategy.cfg.evaluation.bn_clients)
-    asked = min(limit, len(strategy.nodes)) if limit > 0 else len(strategy.nodes)
+    limit = int(view.cfg.evaluation.bn_clients)
+    asked = min(limit, len(view.registry.nodes)) if limit > 0 else len(view.registry.nodes)
     return tensors, {"source": "federated", "nodes_asked": str(asked)}, nbytes
 
 
@@ -277,29 +294,31 @@ class FederatedEvaluation:
     training (each at its own level, one model cut per level and shared), then the figures of
     the replies (:meth:`collect`). Failures and timeouts are counted, logged, never fatal."""
 
-    def __init__(self, strategy: HeteroStrategy, server_round: int, global_state: State) -> None:
-        self.strategy = strategy
+    def __init__(self, view: RoundView, server_round: int, global_state: State, sent: dict[int, int]) -> None:
+        """``sent``: node id -> level index of the nodes sent a training task this round."""
+        self.registry = view.registry
+        self.levels = view.method.levels
         self.server_round = server_round
         self.level_of: dict[int, int] = {}  # node id -> level index
         self.bytes_sent = 0
         self.messages: list[Message] = []
-        cfg = strategy.cfg
+        cfg, nodes = view.cfg, view.registry.nodes
         models: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # level index -> (spec, arrays)
-        sent = {n: v for n, v in strategy.sent.items() if n in strategy.nodes}  # not those found gone
-        for node_id, (index, _) in sorted(sent.items(), key=lambda kv: strategy._partition_key(kv[0])):
+        sent = {n: v for n, v in sent.items() if n in nodes}  # not those found gone
+        for node_id, index in sorted(sent.items(), key=lambda kv: view.registry.key(kv[0])):
             if index not in models:
-                spec, state = strategy.deployable(index, global_state)
-                models[index] = (spec, strategy.wire_arrays(state))
+                spec, state = view.method.deployable(index, global_state)
+                models[index] = (spec, view.arrays(state))
             spec, arrays = models[index]
             record = ArrayRecord.from_array_dict(arrays)  # fresh record, shared bytes
             config = ConfigRecord({
-                "server-round": server_round,
-                "level": strategy.levels[index],
-                "level-index": index,
+                wire.SERVER_ROUND: server_round,
+                wire.LEVEL: self.levels[index],
+                wire.LEVEL_INDEX: index,
                 wire.MODEL_SPEC: json.dumps(spec),
-                wire.DATA_SPEC: json.dumps(data_spec(cfg, strategy.nodes[node_id].num_partitions)),
+                wire.DATA_SPEC: json.dumps(data_spec(cfg, nodes[node_id].num_partitions)),
                 wire.BATCH_SIZE: int(cfg.evaluation.batch_size),
-                **strategy.wire_config(),
+                **view.wire_config,
             })
             self.bytes_sent += record.count_bytes()
             self.level_of[node_id] = index
@@ -322,7 +341,7 @@ class FederatedEvaluation:
             return None, f"eval-accuracy missing or not in [0, 1] ({acc!r})"
         if not isinstance(loss, (int, float)) or not math.isfinite(loss):
             return None, f"eval-loss missing or not finite ({loss!r})"
-        return ClientScore(self.strategy.node_label(node_id), self.strategy.levels[self.level_of[node_id]],
+        return ClientScore(self.registry.label(node_id), self.levels[self.level_of[node_id]],
                            int(n), float(loss), float(acc)), ""
 
     def collect(self, replies: Iterable[Message]) -> dict[str, Any]:
@@ -335,18 +354,18 @@ class FederatedEvaluation:
             answered.add(node_id)
             score, why = self.score(node_id, msg)
             if score is None:
-                failures.append((self.strategy.node_label(node_id), why))
+                failures.append((self.registry.label(node_id), why))
                 if why == wire.NODE_UNAVAILABLE:  # gone: asked again (and logged back) when it reconnects
-                    self.strategy.registry.forget(node_id, self.server_round, why)
+                    self.registry.forget(node_id, self.server_round, why)
                 continue
             bytes_received += msg.content[METRICS].count_bytes()
             scores.append(score)
-        for node_id in sorted(set(self.level_of) - answered, key=self.strategy._partition_key):
-            failures.append((self.strategy.node_label(node_id), "no reply before the round timeout"))
+        for node_id in sorted(set(self.level_of) - answered, key=self.registry.key):
+            failures.append((self.registry.label(node_id), "no reply before the round timeout"))
         for label, why in failures:
             log(WARNING, "round %d: federated evaluation on node %s failed: %s", self.server_round, label, why)
         scores.sort(key=lambda s: s.node)
-        out: dict[str, Any] = federated_figures(scores, self.strategy.levels)
+        out: dict[str, Any] = federated_figures(scores, self.levels)
         out["fed_failures"] = len(failures)
         if failures:
             out["fed_failure_reasons"] = json.dumps([list(f) for f in failures])

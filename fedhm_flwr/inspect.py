@@ -25,7 +25,7 @@ from fedhm_flwr.models import build_model, count_parameters, shape_device
 from fedhm_flwr.models.matching import fedhm_level_params
 from fedhm_flwr.models.rules import select_layers
 from strategies import STRATEGIES  # the strategies define what a level's model is
-from strategies.fedhm import FedHMStrategy
+from strategies.fedhm import FedHM
 
 
 #: Methods whose level models and payloads are determined by shapes alone: counted on the meta device.
@@ -71,9 +71,8 @@ def plan_rows(cfg: Any) -> list[dict[str, Any]] | None:
     """
     spec = model_spec(cfg)
     with shape_device(spec):
-        strategy = STRATEGIES[cfg.method.name](cfg, spec)
-        inner = getattr(strategy, "inner", strategy)
-        if not isinstance(inner, FedHMStrategy):
+        inner = STRATEGIES[cfg.method.name](cfg, spec).method  # FedAvg of FedHM's family is a FedHM too
+        if not isinstance(inner, FedHM):
             return None
         model = build_model(spec, spectral_init=False)
     rows = []

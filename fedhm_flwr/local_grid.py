@@ -16,6 +16,9 @@ from flwr.app import Context, Error, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
+from clients import base
+from fedhm_flwr.protocol import NUM_PARTITIONS, PARTITION_ID
+
 Handler = Callable[[Message, Context], Message]
 
 
@@ -46,7 +49,7 @@ class LocalGrid(Grid):
         self.contexts: dict[int, Context] = {}
         for i in range(num_nodes):
             node_id = first_node_id + 7 * i
-            config: dict[str, Any] = {"partition-id": i, "num-partitions": num_nodes}
+            config: dict[str, Any] = {PARTITION_ID: i, NUM_PARTITIONS: num_nodes}
             if node_config is not None:
                 config.update(node_config(i))
             self.contexts[node_id] = Context(run_id=1, node_id=node_id, node_config=config,
@@ -112,7 +115,5 @@ class LocalGrid(Grid):
 
 def client_handlers() -> dict[str, Handler]:
     """The project's ClientApp handlers, keyed by message type."""
-    from clients import base
-
     return {MessageType.TRAIN: base.handle_train, MessageType.EVALUATE: base.handle_evaluate,
             MessageType.QUERY: base.handle_query}

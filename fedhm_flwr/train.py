@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from fedhm_flwr.protocol import NUM_EXAMPLES, SECONDS, TRAIN_ACCURACY, TRAIN_LOSS
+
 
 @dataclass
 class TrainOptions:
@@ -49,14 +51,6 @@ class TrainOptions:
     def from_dict(cls, values: Mapping[str, Any]) -> TrainOptions:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
-
-
-def distill_options(distill: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The train options of ``train.distill = {enabled, temperature, weight}`` (none: off)."""
-    if distill is None:
-        return {}
-    return {"distill": bool(distill["enabled"]), "distill_temperature": float(distill["temperature"]),
-            "distill_weight": float(distill["weight"])}
 
 
 def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -189,10 +183,10 @@ def train_local(
             seen += len(y)
     model.to(memory_format=torch.contiguous_format)  # the state sent back: plain layout
     return {
-        "num-examples": len(dataset),
-        "train-loss": total_loss / max(1, seen),
-        "train-accuracy": correct / max(1, seen),
-        "seconds": time.perf_counter() - t0,
+        NUM_EXAMPLES: len(dataset),
+        TRAIN_LOSS: total_loss / max(1, seen),
+        TRAIN_ACCURACY: correct / max(1, seen),
+        SECONDS: time.perf_counter() - t0,
     }
 
 
@@ -217,4 +211,4 @@ def evaluate(model: nn.Module, dataset: Dataset, batch_size: int, device: torch.
         total_loss += float(F.cross_entropy(logits, y, reduction="sum"))
         correct += int((logits.argmax(1) == y).sum())
         seen += len(y)
-    return {"loss": total_loss / max(1, seen), "accuracy": correct / max(1, seen), "num-examples": seen}
+    return {"loss": total_loss / max(1, seen), "accuracy": correct / max(1, seen), NUM_EXAMPLES: seen}

@@ -1,27 +1,32 @@
-"""The shared heterogeneous round on Flower's Message API.
+"""The shared heterogeneous round on Flower's Message API: one Strategy, whatever the method.
 
 One round, one path, for every method: sample nodes, give each node its level, ask the method
-for each level's payload, send one fresh message per node, validate the replies, ask the method
-to merge them, evaluate the global model and each level's deployable model, record, checkpoint.
-A method (``strategies/<name>.py``) only says how a client's model is cut out of the global
-model (:meth:`HeteroStrategy.level_payload`) and how replies are folded back in
-(:meth:`HeteroStrategy.merge`).
+for each level's (or node's) model, send one fresh message per node, validate the replies, let the
+method merge them (through the defences and DP, :class:`strategies.untrusted.Untrusted`, which wrap
+the merge as Flower's DP strategies wrap a strategy), evaluate the global model and each level's
+deployable model, record, checkpoint. The method (:class:`strategies.method.Method`) is Flower-free
+and says only how a client's model is cut out of the global model and how replies are folded back
+in. The round's collaborators are handed what they need and never reach back into it: the node
+registry (:mod:`strategies.nodes`, the levels' costs given as data), the wire
+(:mod:`fedhm_flwr.protocol`: array cache, task configs, reply checks), the evaluation
+(:mod:`fedhm_flwr.evaluation`, given the grid, the registry and the method) and the records
+(:mod:`strategies.reporting`).
+
+A strategy runs one method: ``HeteroStrategy(cfg, model_spec, evaluate_fn, recorder, method=...)``,
+or a method's binding (``FedHMStrategy(cfg, model_spec, ...)``, :data:`strategies.STRATEGIES`). The
+method's own attributes (``levels``, ``ranks``, ``level_payload``, ``deployable``, ``level_cost``,
+...) read through the strategy too, for callers that hold only the strategy (``inspect``, ``export``,
+the bench).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from abc import abstractmethod
-from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any
 
-import numpy as np
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
@@ -31,111 +36,37 @@ from omegaconf import DictConfig
 from fedhm_flwr import evaluation as ev
 from fedhm_flwr import levels as lv
 from fedhm_flwr import protocol as wire
-from fedhm_flwr.protocol import ARRAYS, CONFIG, METRICS, NODE_UNAVAILABLE, asked_nodes, error_reason
-from fedhm_flwr.aggregation import level_weights
 from fedhm_flwr.config import data_spec, learning_rate, level_proportions
-from fedhm_flwr.lowrank import recover_state
-from fedhm_flwr.train import distill_options
+from fedhm_flwr.protocol import (ARRAYS, CONFIG, NODE_UNAVAILABLE, ArrayCache, Payload, TaskConfigs, asked_nodes,
+                                 collect, content_bytes, error_reason, exchange, push)
 
-from . import common
-from .nodes import NodeInfo, NodeRegistry, collect, content_bytes, exchange, push
-from .untrusted import Untrusted
+from .method import Cut, Method, Reply, State
+from .nodes import NodeInfo, NodeRegistry
+from .reporting import RoundLog, progress_line, round_row, train_metrics
+from .untrusted import Attacks, Untrusted
 
-State = dict[str, torch.Tensor]
-
-
-
-@dataclass
-class Payload:
-    """One level's model for this round: its spec and its arrays (shared by its nodes)."""
-
-    spec: dict[str, Any]
-    arrays: dict[str, Any]  # name -> flwr Array (immutable, shared between fresh records)
-    shapes: dict[str, tuple[int, ...]]
-    train: dict[str, Any] = field(default_factory=dict)  # method-specific client options
-    returned: tuple[str, ...] | None = None  # keys a reply must hold (None: the keys sent)
-
-
-@dataclass
-class Reply:
-    """A validated training reply."""
-
-    node_id: int
-    level_index: int
-    level: float
-    state: State
-    num_examples: int
-    class_counts: np.ndarray
-    metrics: dict[str, float]
-
-
-@dataclass
-class RoundLog:
-    """Bookkeeping of one round (what becomes the round's output line)."""
-
-    sent_bytes: int = 0
-    received_bytes: int = 0
-    sampled: int = 0
-    failures: list[tuple[int, str]] = field(default_factory=list)
-    rejected: list[tuple[int, str]] = field(default_factory=list)
-    level_counts: dict[str, int] = field(default_factory=dict)
-    assignments: dict[str, float] = field(default_factory=dict)  # node (partition) -> level it trained
-    excluded: dict[str, str] = field(default_factory=dict)  # connected node that sits out -> why
-    server_seconds: float = 0.0
-    query_bytes: int = 0  # node-info queries and their answers (new nodes only)
-    query_seconds: float = 0.0  # wall time of those queries (part of server_seconds)
-    queried: int = 0  # nodes asked for their node info this round
-
-
-class ArrayCache:
-    """flwr Arrays of the tensors the server sends, serialised once per tensor and wire dtype.
-
-    The global state is serialised once per model version: the ArrayRecord ``aggregate_train``
-    returns, the levels' payloads and the evaluation's models all reuse the Arrays of the tensors
-    they share with it. A tensor is recognised by its storage (a detached view of a global tensor
-    counts as the same) and its version counter (an in-place change makes it new). Holds the last
-    tensor and Array per key and dtype."""
-
-    def __init__(self) -> None:
-        self._held: dict[tuple[str, str], tuple[torch.Tensor, int, Any]] = {}
-        self.serialized: Counter[str] = Counter()  # key -> times a tensor of it was serialised
-
-    @staticmethod
-    def _same(held: torch.Tensor, version: int, tensor: torch.Tensor) -> bool:
-        return held is tensor and held._version == version or (
-            held.data_ptr() == tensor.data_ptr() and held.dtype == tensor.dtype and held.device == tensor.device
-            and held.shape == tensor.shape and held.stride() == tensor.stride() and tensor._version == version)
-
-    def arrays(self, state: State, dtype: str = "float32") -> dict[str, Any]:
-        out = {}
-        for key, tensor in state.items():
-            held = self._held.get((key, dtype))
-            if held is None or not self._same(held[0], held[1], tensor):
-                held = self._held[(key, dtype)] = (tensor, tensor._version, wire.wire_array(tensor, dtype))
-                self.serialized[key] += 1
-            out[key] = held[2]
-        return out
+__all__ = ["HeteroStrategy", "Payload", "Reply", "RoundLog", "State", "content_bytes", "progress_line"]
 
 
 class HeteroStrategy(Strategy):
-    """Base of every method: the round; subclasses provide payloads and merging."""
+    """The round of every method (see the module docstring)."""
 
-    #: method name, as in ``method.name``
-    name = "base"
+    #: the method a binding runs (``FedHMStrategy.method_class = FedHM``)
+    method_class: Callable[[DictConfig, dict[str, Any]], Method] | None = None
 
-    def __init__(
-        self,
-        cfg: DictConfig,
-        model_spec: dict[str, Any],
-        evaluate_fn: Callable[[dict[str, Any], State], dict[str, float]] | None = None,
-        recorder: Any | None = None,
-    ) -> None:
-        self.cfg = cfg
-        self.spec = dict(model_spec)
-        self.levels: list[float] = [float(x) for x in cfg.levels.ratios]
+    def __init__(self, cfg: DictConfig, model_spec: dict[str, Any],
+                 evaluate_fn: Callable[..., dict[str, float]] | None = None, recorder: Any | None = None,
+                 method: Method | None = None) -> None:
+        if method is None:
+            assert self.method_class is not None, "HeteroStrategy needs a method (or use a method's binding)"
+            method = self.method_class(cfg, model_spec)
+        self.method = method
+        self.cfg = method.cfg  # the config as the method runs it (FedAvg: its family's, one level)
+        self.name = method.name
+        self.levels = method.levels
         self.evaluate_fn = evaluate_fn
         self.recorder = recorder
-        self.registry = NodeRegistry(cfg, self.levels, self.level_cost)
+        self.registry = NodeRegistry(self.cfg, self.levels, method.costs)
         self.startup_info: dict[str, Any] = {}  # what the start-up before round 1 took (NodeRegistry.startup)
         self.global_state: State | None = None
         self.sent: dict[int, tuple[int, Payload]] = {}  # node id -> (level index, payload) this round
@@ -146,29 +77,30 @@ class HeteroStrategy(Strategy):
         self._grid: Grid | None = None
         self._federated: ev.FederatedEvaluation | None = None  # this round's client-side evaluation
         self.federated_row: dict[str, Any] = {}
-        self._config_cache: dict[Any, Any] = {}  # this round's task-config parts shared by its nodes (_train_config)
         self._bn: ev.BnUse | None = None  # the last server evaluation's norm statistics (federated sums)
-        self.untrusted = Untrusted(self)  # attacks, defences, client-level DP (failures.attack, aggregation, dp)
-        self.wire_dtype = str(cfg.get("wire", {}).get("dtype", "float32"))  # arrays both ways (wire.dtype)
+        self.attacks = Attacks(self.cfg)  # failures.attack: which nodes attack
+        self.untrusted = Untrusted(method, self.history)  # the merge, defended / private (aggregation, dp)
+        self.wire_dtype = str(self.cfg.get("wire", {}).get("dtype", "float32"))  # arrays both ways (wire.dtype)
         self.array_cache = ArrayCache()
+        self.tasks = TaskConfigs()
         self._global_record: ArrayRecord | None = None  # the record last made of self.global_state
 
-    # ------------------------------------------------------------------ method hooks
+    def __getattr__(self, name: str) -> Any:
+        """The method's attributes, read through the strategy (see the module docstring)."""
+        method = self.__dict__.get("method")
+        if method is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(method, name)
 
-    def begin_round(self, server_round: int, global_state: State) -> None:
-        """Work done once per round before any payload (FedHM: one SVD per layer)."""
-
-    @abstractmethod
-    def level_payload(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State, dict[str, Any]]:
-        """(model spec, arrays, method train options) of one level's client model."""
-
-    @abstractmethod
-    def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
-        """Fold the validated replies back into a new global state."""
+    # ------------------------------------------------------------------ the wire
 
     def wire_arrays(self, state: State) -> dict[str, Any]:
         """A model the server sends (payload, evaluation), as Arrays in the wire dtype."""
         return self.array_cache.arrays(state, self.wire_dtype)
+
+    def wire_config(self) -> dict[str, str]:
+        """The task-config entry telling a node the wire dtype (absent at the default float32)."""
+        return wire.wire_config(self.wire_dtype)
 
     def global_record(self, state: State) -> ArrayRecord:
         """The global state as the round's ArrayRecord (float32: the server keeps float32)."""
@@ -182,77 +114,56 @@ class HeteroStrategy(Strategy):
             return self.global_state
         return arrays.to_torch_state_dict()
 
-    def reply_keys(self, level_index: int, spec: dict[str, Any], state: State) -> list[str] | None:
-        """Keys a client of this level sends back, when not all it received (e.g. only the trainable
-        ones of a partly frozen model); None: the keys it received."""
-        return None
+    def _payload(self, cut: Cut) -> Payload:
+        return Payload(cut.spec, self.wire_arrays(cut.state), {k: tuple(v.shape) for k, v in cut.state.items()},
+                       cut.train, cut.returned)
 
-    def initial_state(self, seed: int) -> State | None:
-        """The initial global state when it is not the spec's seeded model (None: that model)."""
-        return None
+    def node_payload(self, node_id: int, level_index: int, global_state: State,
+                     level_payloads: dict[int, Payload]) -> Payload:
+        """The payload sent to one node this round: the node's own cut when the method makes one
+        (PriSM), else its level's, cut once per level per round and shared (``level_payloads``)."""
+        cut = self.method.node_cut(node_id, self.registry.key(node_id), level_index, global_state)
+        if cut is not None:
+            return self._payload(cut)
+        if level_index not in level_payloads:
+            level_payloads[level_index] = self._payload(self.method.level_cut(level_index, global_state))
+        return level_payloads[level_index]
 
-    def global_model(self, global_state: State) -> tuple[dict[str, Any], State]:
-        """The model evaluated as ``global`` every round (default: the global state as it is)."""
-        return self.spec, global_state
+    def _train_options(self, server_round: int) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "lr": learning_rate(cfg, server_round),
+            "local_epochs": int(cfg.train.local_epochs),
+            "batch_size": int(cfg.train.batch_size),
+            "momentum": float(cfg.train.momentum),
+            "weight_decay": float(cfg.train.weight_decay),
+            "masked_ce": bool(cfg.train.masked_ce),
+            "grad_clip": float(cfg.train.grad_clip),
+            "threads": max(1, int(math.floor(float(cfg.simulation.num_cpus)))),
+            **wire.train_options(cfg.train.get("distill")),
+        }
 
-    def deployable(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State]:
-        """The model a client of this level would deploy (evaluated every round)."""
-        spec, state, _ = self.level_payload(level_index, global_state)
-        return spec, state
+    def _train_config(self, server_round: int, node_id: int, index: int, payload: Payload) -> ConfigRecord:
+        return self.tasks.train(
+            server_round, self.name, self.levels[index], index, payload, lambda: self._train_options(server_round),
+            self.nodes[node_id].num_partitions, lambda n: data_spec(self.cfg, n),
+            lv.client_seed(int(self.cfg.seed), server_round, self.registry.key(node_id)), self.wire_dtype)
 
-    def recovered(self, reply: Reply) -> tuple[State, dict[str, torch.Tensor] | None]:
-        """A reply as a full-shape model over the global state's keys, and its coverage (key ->
-        boolean mask of the elements it holds; None: every element of every key it has). Robust
-        aggregation and DP work on these (:mod:`strategies.untrusted`).
+    def _validate(self, node_id: int, msg: Message) -> tuple[Reply | None, str]:
+        """Check a reply against what was sent to that node; (None, reason) when malformed."""
+        if node_id not in self.sent:
+            return None, "reply from a node that was not sent a task this round"
+        index, payload = self.sent[node_id]
+        checked, why = wire.check_train_reply(msg.content, payload, self.levels[index], int(self.spec["num_classes"]),
+                                              self.wire_dtype, self.untrusted.screen)
+        if checked is None:
+            return None, why
+        state, n, counts, scalars = checked
+        return Reply(node_id, index, self.levels[index], state, n, counts, scalars,
+                     label=self.node_label(node_id), sent=payload), ""
 
-        Default (FedHM and every method whose replies are full-shape or hybrid low-rank): every
-        factorized layer ``L.a.weight``/``L.b.weight`` recovered to ``L.weight = A·B`` at the rank
-        the factors have, ``L.a.bias -> L.bias``; the reply covers everything it holds."""
-        ranks = {key[:-len(".b.weight")]: int(reply.state[key[:-len(".b.weight")] + ".a.weight"].shape[1])
-                 for key in reply.state if key.endswith(".b.weight")
-                 and key[:-len(".b.weight")] + ".a.weight" in reply.state}
-        return (recover_state(reply.state, ranks) if ranks else dict(reply.state)), None
-
-    def reply_weights(self, replies: list[Reply]) -> np.ndarray | None:
-        """The weight of each reply in the method's average over the clients covering an element
-        (used by the clipping defence and DP). Default: FedHM's ``softmax(γ/τ)`` (times the sample
-        counts with ``method.weight_by_samples``); None: the method's merge is not such an average."""
-        method = self.cfg.method
-        if method.get("tau") is None:
-            return None
-        counts = [r.num_examples for r in replies] if method.get("weight_by_samples") else None
-        return level_weights([r.level for r in replies], float(method.tau), counts)
-
-    def level_cost(self, level_index: int) -> dict[str, float]:
-        """Costs of a level's client model (parameters, MACs, bytes, memory, ...), computed once per
-        level, for budget-declared capabilities, ``inspect`` and the summary: the model
-        :meth:`cost_spec` names, counted by :func:`strategies.common.level_costs` and refined by
-        :meth:`extra_costs`. ``{}`` for a method that names no model."""
-        cache = self.__dict__.setdefault("_level_costs", {})
-        if level_index not in cache:
-            cache[level_index] = common.level_costs(
-                self.cost_spec(level_index), self.cfg, frozen_backbone=self.frozen_backbone,
-                head_keys=getattr(self, "classifier_keys", []),
-                extra=lambda model, costs: self.extra_costs(level_index, model, costs))
-        return cache[level_index]
-
-    #: the clients train part of a frozen model (the transformer track): costs count what they train
-    frozen_backbone = False
-
-    def cost_spec(self, level_index: int) -> dict[str, Any] | None:
-        """The spec of the model a client of this level trains, whose costs are the level's (None: no costs)."""
-        return None
-
-    def extra_costs(self, level_index: int, model: Any, costs: dict[str, float]) -> dict[str, float]:
-        """A level's costs as reported, from the counted ones (``model``: the counted model)."""
-        return costs
-
-    def strategy_state(self) -> dict[str, Any]:
-        """Method state beyond the global model that a checkpoint must keep."""
-        return {}
-
-    def load_strategy_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`strategy_state`."""
+    def is_attacker(self, node_id: int) -> bool:
+        return self.attacks.is_attacker(self.nodes.get(node_id), self.registry.key(node_id), node_id)
 
     # ------------------------------------------------------------------ Flower's Strategy API
 
@@ -261,20 +172,8 @@ class HeteroStrategy(Strategy):
             self.levels, level_proportions(self.cfg), self.cfg.levels.assignment)
         log(INFO, "\t└──> Sampling: fraction %.2f (min %d), seed %d", self.cfg.fraction_train,
             self.cfg.min_train_nodes, self.cfg.seed)
-
-    def node_payload(self, node_id: int, level_index: int, global_state: State,
-                     level_payloads: dict[int, Payload]) -> Payload:
-        """The payload sent to one node this round. Default: its level's payload, cut once per
-        level per round and shared (``level_payloads`` is the round's cache, level index ->
-        payload). A method that cuts a different model for every client (PriSM samples kernels
-        per client) overrides this; ``self.sent`` then remembers what each node got."""
-        if level_index not in level_payloads:
-            spec, state, options = self.level_payload(level_index, global_state)
-            returned = self.reply_keys(level_index, spec, state)
-            level_payloads[level_index] = Payload(spec, self.wire_arrays(state),
-                                                  {k: tuple(v.shape) for k, v in state.items()},
-                                                  options, None if returned is None else tuple(returned))
-        return level_payloads[level_index]
+        for level, fmt, args in self.method.summary_lines():
+            log(level, fmt, *args)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         t0 = time.perf_counter()
@@ -288,9 +187,11 @@ class HeteroStrategy(Strategy):
         self.round_log.queried = self.registry.queried
         self.round_log.excluded = {self.node_label(n): why for n, why in sorted(self.registry.excluded.items())}
         assignment = self.registry.assign(server_round, node_ids)
-        self.begin_round(server_round, self.global_state)
-        injected = self._injected_failures(server_round, node_ids)
-        self.untrusted.begin_round(node_ids)
+        self.method.begin_round(server_round, self.global_state)
+        injected = self.attacks.injected_failures(server_round, self.registry.by_key(node_ids))
+        self.untrusted.begin_round()
+        attackers = {n for n in node_ids if self.is_attacker(n)}
+        self.attacks.begin_round([self.node_label(n) for n in self.registry.by_key(list(attackers))])
         payloads: dict[int, Payload] = {}
         self.sent = {}
         messages = []
@@ -302,7 +203,8 @@ class HeteroStrategy(Strategy):
             if node_id in injected:
                 config[wire.INJECT] = injected[node_id]
                 config[wire.INJECT_SECONDS] = float(self.cfg.failures.slow_seconds)
-            config.update(self.untrusted.train_config(node_id))
+            if node_id in attackers:
+                config.update(self.attacks.train_config())
             content = RecordDict({ARRAYS: record, CONFIG: config})
             self.round_log.sent_bytes += content_bytes(content)
             self.sent[node_id] = (index, payload)
@@ -340,14 +242,15 @@ class HeteroStrategy(Strategy):
             self.round_log.failures.append((node_id, "no reply before the round timeout"))
             log(WARNING, "round %d: node %s sent no reply (timeout)", server_round, self.node_label(node_id))
         self.round_log.assignments = {self.node_label(r.node_id): r.level for r in valid}  # those that trained
-        metrics = self._train_metrics(valid)
+        metrics = train_metrics(valid)
         if not valid and not self.untrusted.merges_empty:  # DP: a round without replies still adds noise
             log(WARNING, "round %d: no valid reply; the global model stays as it was", server_round)
             self.round_log.server_seconds += time.perf_counter() - t0
             return None, MetricRecord(metrics)
         assert self.global_state is not None
-        valid.sort(key=lambda r: self._partition_key(r.node_id))  # arrival order must not matter
-        new_state = self.untrusted.merge(server_round, self.global_state, valid)  # self.merge unless defended
+        valid.sort(key=lambda r: self.registry.key(r.node_id))  # arrival order must not matter
+        new_state = self.untrusted.merge(server_round, self.global_state, valid)  # the method's merge, wrapped
+        self.round_log.rejected += self.untrusted.rejected
         self.global_state = new_state
         self.round_log.server_seconds += time.perf_counter() - t0
         return self.global_record(new_state), MetricRecord(metrics)
@@ -358,7 +261,8 @@ class HeteroStrategy(Strategy):
         if self.cfg.evaluation.where == "server":
             self._federated = None
             return []
-        self._federated = ev.FederatedEvaluation(self, server_round, self.state_of(arrays))
+        self._federated = ev.FederatedEvaluation(self._view(), server_round, self.state_of(arrays),
+                                                 {n: index for n, (index, _) in self.sent.items()})
         return self._federated.messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
@@ -379,12 +283,18 @@ class HeteroStrategy(Strategy):
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
         """The run: the same round for every method, evaluated on the server's test set per level
-        and/or by the sampled clients (``evaluation.where``)."""
+        and/or by the sampled clients (``evaluation.where``). As in Flower's ``Strategy.start``, an
+        ``evaluate_fn`` is called before the first round and after each round; its metrics join the
+        round's row and ``evaluate_metrics_serverapp``."""
         self.summary()
         result = Result()
         self.startup_info = self.registry.startup(grid, self.start_round)  # before the first round's clock
         arrays = initial_arrays
         result.arrays = arrays
+        if evaluate_fn is not None:
+            first = evaluate_fn(self.start_round - 1, arrays)
+            if first is not None:
+                result.evaluate_metrics_serverapp[self.start_round - 1] = first
         for server_round in range(self.start_round, num_rounds + 1):
             t_round = time.perf_counter()
             messages = list(self.configure_train(server_round, arrays, train_config or ConfigRecord(), grid))
@@ -411,6 +321,12 @@ class HeteroStrategy(Strategy):
                     result.evaluate_metrics_clientapp[server_round] = self.aggregate_evaluate(server_round, replies)
                     row.update(self.federated_row)
                 row["eval_seconds"] = time.perf_counter() - t_eval
+            if evaluate_fn is not None:
+                given = evaluate_fn(server_round, arrays)
+                if given is not None:
+                    row.update(dict(given))
+                    result.evaluate_metrics_serverapp[server_round] = MetricRecord(
+                        {**dict(result.evaluate_metrics_serverapp.get(server_round, {})), **dict(given)})
             if server_round == num_rounds and self.recorder is not None and self.cfg.evaluation.get("deploy_stats", True):
                 self._save_deployment_statistics(server_round, self.state_of(arrays), row)
             row["seconds"] = time.perf_counter() - t_round
@@ -424,18 +340,27 @@ class HeteroStrategy(Strategy):
                     self.recorder.save_best(self.state_of(arrays), row)
         return result
 
+    def _round_row(self, server_round: int, metrics: MetricRecord | None) -> dict[str, Any]:
+        return round_row(server_round, learning_rate(self.cfg, server_round), self.round_log, metrics,
+                         {**self.attacks.columns, **self.untrusted.columns}, self.node_label)
+
     # ------------------------------------------------------------------ evaluation (fedhm_flwr/evaluation.py)
+
+    def _view(self) -> ev.RoundView:
+        """What the evaluation is given of this round (never the strategy itself)."""
+        return ev.RoundView(self.cfg, self.method, self.evaluate_fn, self._grid, self.registry, self.wire_arrays,
+                            self.wire_config(), len(self.history) + 1)
 
     def evaluate_levels(self, global_state: State) -> dict[str, Any]:
         """Server test-set accuracy and loss of the global model and each level's deployable model."""
         self._bn = ev.BnUse("")  # the federated sums of this model version (reused by the deployment statistics)
-        return ev.evaluate_levels(self, global_state, self._bn)
+        return ev.evaluate_levels(self._view(), global_state, self._bn)
 
     def _save_deployment_statistics(self, server_round: int, global_state: State, row: dict[str, Any]) -> None:
         """The fixed norm statistics of every level's deployable model (the clients' sBN sums),
         saved beside the final checkpoint for ``fedhm export`` (docs/METHODS.md#deployable-statistics)."""
         known = self._bn.sums if self._bn is not None else None  # the final round's evaluation asked already
-        found = ev.deployment_statistics(self, global_state, known)
+        found = ev.deployment_statistics(self._view(), global_state, known)
         if found is not None:
             tensors, metadata, nbytes = found
             self.recorder.save_bn_statistics(tensors, {**metadata, "round": str(server_round)})
@@ -449,14 +374,14 @@ class HeteroStrategy(Strategy):
         return server_round == num_rounds or (every > 0 and server_round % every == 0)
 
     def checkpoint_state(self, server_round: int) -> dict[str, Any]:
-        return {"round": server_round, "history": self.history, "method": self.strategy_state(),
+        return {"round": server_round, "history": self.history, "method": self.method.strategy_state(),
                 "method_name": self.name, "nodes": self.registry.state()}
 
     def restore(self, checkpoint: dict[str, Any]) -> None:
         """Continue after the checkpoint's round (draws are derived from seed and round)."""
         self.start_round = int(checkpoint["round"]) + 1
-        self.history = list(checkpoint.get("history", []))
-        self.load_strategy_state(checkpoint.get("method", {}))
+        self.history[:] = list(checkpoint.get("history", []))  # the same list: the defences read it
+        self.method.load_strategy_state(checkpoint.get("method", {}))
         self.registry.load_state(checkpoint.get("nodes", {}))
 
     # ------------------------------------------------------------------ nodes and levels
@@ -471,166 +396,5 @@ class HeteroStrategy(Strategy):
         return self.registry.label(node_id)
 
     def _partition_key(self, node_id: int) -> int:
-        """The node's stable key (its partition id, or a hash of its name): orders replies,
-        seeds its training, samples it."""
+        """The node's stable key (:meth:`strategies.nodes.NodeRegistry.key`)."""
         return self.registry.key(node_id)
-
-    # ------------------------------------------------------------------ messages
-
-    def _injected_failures(self, server_round: int, node_ids: list[int]) -> dict[int, str]:
-        """Seeded failure injection: node -> 'crash' or 'slow' for this round."""
-        fail = self.cfg.failures
-        if not (fail.crash_probability or fail.slow_probability):
-            return {}
-        rng = lv.round_rng(int(self.cfg.seed), server_round, stream=2)
-        out = {}
-        for node_id in sorted(node_ids, key=self._partition_key):
-            crash, slow = rng.random(), rng.random()
-            if crash < float(fail.crash_probability):
-                out[node_id] = "crash"
-            elif slow < float(fail.slow_probability):
-                out[node_id] = "slow"
-        return out
-
-    def _train_config(self, server_round: int, node_id: int, index: int, payload: Payload) -> ConfigRecord:
-        cfg = self.cfg
-        info = self.nodes[node_id]
-        # what every node of the round (of a payload, of a partition count) is told alike, built once
-        cache = self._config_cache
-        if cache.get("round") != server_round:
-            cache.clear()
-            cache["round"] = server_round
-        if ("train", id(payload)) not in cache:
-            cache[("train", id(payload))] = (payload, self._train_json(server_round, payload))
-        if ("data", info.num_partitions) not in cache:
-            cache[("data", info.num_partitions)] = json.dumps(data_spec(cfg, info.num_partitions))
-        return ConfigRecord({
-            wire.SERVER_ROUND: server_round,
-            wire.METHOD: self.name,
-            wire.LEVEL: self.levels[index],
-            wire.LEVEL_INDEX: index,
-            wire.MODEL_SPEC: cache[("train", id(payload))][1][0],
-            wire.TRAIN: cache[("train", id(payload))][1][1],
-            wire.DATA_SPEC: cache[("data", info.num_partitions)],
-            wire.SEED: lv.client_seed(int(cfg.seed), server_round, self._partition_key(node_id)),
-            **self.wire_config(),
-        })
-
-    def _train_json(self, server_round: int, payload: Payload) -> tuple[str, str]:
-        """(model spec, train options) of a payload this round, as the task config's JSON strings."""
-        cfg = self.cfg
-        train = {
-            "lr": learning_rate(cfg, server_round),
-            "local_epochs": int(cfg.train.local_epochs),
-            "batch_size": int(cfg.train.batch_size),
-            "momentum": float(cfg.train.momentum),
-            "weight_decay": float(cfg.train.weight_decay),
-            "masked_ce": bool(cfg.train.masked_ce),
-            "grad_clip": float(cfg.train.grad_clip),
-            "threads": max(1, int(math.floor(float(cfg.simulation.num_cpus)))),
-            **distill_options(cfg.train.get("distill")),
-            **payload.train,
-        }
-        return json.dumps(payload.spec), json.dumps(train)
-
-    def wire_config(self) -> dict[str, str]:
-        """The task-config entry telling a node the wire dtype (absent at the default float32)."""
-        return {} if self.wire_dtype == "float32" else {wire.WIRE_DTYPE: self.wire_dtype}
-
-    def _validate(self, node_id: int, msg: Message) -> tuple[Reply | None, str]:
-        """Check a reply against what was sent to that node; (None, reason) when malformed."""
-        if node_id not in self.sent:
-            return None, "reply from a node that was not sent a task this round"
-        index, payload = self.sent[node_id]
-        content = msg.content
-        if ARRAYS not in content or METRICS not in content:
-            return None, f"reply lacks '{ARRAYS}' or '{METRICS}'"
-        record = content[ARRAYS]
-        expected, got = set(payload.returned if payload.returned is not None else payload.shapes), set(record.keys())
-        if expected != got:
-            missing, extra = sorted(expected - got), sorted(got - expected)
-            return None, f"keys do not match level {self.levels[index]:g}: missing {missing[:3]}, unexpected {extra[:3]}"
-        for key, array in record.items():  # shapes before any tensor is read
-            if tuple(array.shape) != payload.shapes[key]:
-                return None, f"{key} has shape {tuple(array.shape)}, level {self.levels[index]:g} needs {payload.shapes[key]}"
-        state = wire.from_wire(wire.record_tensors(record), self.wire_dtype)  # back to float32
-        too_big = self.untrusted.screen(state)  # NaN/inf, or a tensor above aggregation.max_norm
-        if too_big:
-            return None, too_big
-        metrics = content[METRICS]
-        n = metrics.get(wire.NUM_EXAMPLES)
-        if not isinstance(n, (int, float)) or isinstance(n, bool) or not n > 0:
-            return None, f"num-examples missing or not positive ({n!r})"
-        counts = np.asarray(metrics.get(wire.CLASS_COUNTS, []), dtype=np.int64)
-        num_classes = int(self.spec["num_classes"])
-        if counts.shape != (num_classes,) or np.any(counts < 0):
-            return None, f"class-counts must hold {num_classes} non-negative counts"
-        scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        return Reply(node_id, index, self.levels[index], state, int(n), counts, scalars), ""
-
-    def _train_metrics(self, valid: list[Reply]) -> dict[str, float]:
-        out: dict[str, float] = {"replies": float(len(valid))}
-        if valid:
-            n = np.array([r.num_examples for r in valid], dtype=np.float64)
-            for key in (wire.TRAIN_LOSS, wire.TRAIN_ACCURACY):
-                vals = [r.metrics.get(key, math.nan) for r in valid]
-                out[key] = float(np.dot(n, vals) / n.sum())
-            out["client-seconds-max"] = max(r.metrics.get(wire.SECONDS, 0.0) for r in valid)
-            ray_nodes = {r.metrics[wire.RAY_NODE] for r in valid if wire.RAY_NODE in r.metrics}
-            if ray_nodes:  # Ray simulation: on how many Ray nodes this round's clients trained
-                out["ray-nodes"] = float(len(ray_nodes))
-        return out
-
-    def _round_row(self, server_round: int, train_metrics: MetricRecord | None) -> dict[str, Any]:
-        log_ = self.round_log
-        row: dict[str, Any] = {
-            "round": server_round,
-            "lr": learning_rate(self.cfg, server_round),
-            "sampled": log_.sampled,
-            "replies": int(train_metrics["replies"]) if train_metrics is not None else 0,
-            "failures": len(log_.failures),
-            "rejected": len(log_.rejected),
-            "bytes_sent": log_.sent_bytes,
-            "bytes_received": log_.received_bytes,
-            "bytes_queries": log_.query_bytes,
-            "server_seconds": log_.server_seconds,
-            "query_seconds": log_.query_seconds,
-            "queried": log_.queried,
-        }
-        if train_metrics is not None:
-            for key in ("train-loss", "train-accuracy", "client-seconds-max"):
-                if key in train_metrics:
-                    row[key.replace("-", "_")] = float(train_metrics[key])
-            if "ray-nodes" in train_metrics:
-                row["ray_nodes"] = int(train_metrics["ray-nodes"])
-        for level, count in log_.level_counts.items():
-            row[f"clients/level_{level}"] = count
-        row["assignments"] = json.dumps(log_.assignments, sort_keys=True)
-        if log_.excluded:
-            row["excluded"] = json.dumps(log_.excluded, sort_keys=True)
-        row.update(self.untrusted.columns)
-        if log_.failures or log_.rejected:
-            row["failure_reasons"] = json.dumps(
-                [[self.node_label(n), why] for n, why in log_.failures + log_.rejected])
-        return row
-
-
-def progress_line(row: dict[str, Any], num_rounds: int, levels: list[float]) -> str:
-    """The one console line of a round."""
-    parts = [f"[round {row['round']}/{num_rounds}]"]
-    if "acc/global" in row:
-        parts.append(f"global acc {row['acc/global']:.4f} loss {row['loss/global']:.4f}")
-        per_level = [f"{lvl:g}:{row[f'acc/level_{lvl:g}']:.3f}" for lvl in levels if f"acc/level_{lvl:g}" in row]
-        if per_level:
-            parts.append("levels " + " ".join(per_level))
-    if "fed_acc/all" in row:
-        parts.append(f"clients acc {row['fed_acc/all']:.4f} (worst10 {row['fed_acc_clients/worst10']:.3f}, "
-                     f"{row['fed_clients']} clients)")
-    if "train_loss" in row:
-        parts.append(f"train loss {row['train_loss']:.4f}")
-    parts.append(f"replies {row['replies']}/{row['sampled']}")
-    if row["failures"] or row["rejected"]:
-        parts.append(f"failures {row['failures']} rejected {row['rejected']}")
-    parts.append(f"sent {row['bytes_sent'] / 1e6:.2f}MB recv {row['bytes_received'] / 1e6:.2f}MB")
-    parts.append(f"{row.get('seconds', 0.0):.1f}s")
-    return " | ".join(parts)

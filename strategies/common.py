@@ -1,8 +1,8 @@
 """Helpers every method uses: the classifier's state keys and the costs of a level's model.
 
-:meth:`strategies.base.HeteroStrategy.level_cost` is the one place a level's
-costs are computed (once per level); a method only names the model its clients of a level train
-(``cost_spec``) and adds its own figures (``extra_costs``).
+:class:`strategies.method.LevelCosts` is the one place a level's costs are computed (once per
+level); a method only names the model its clients of a level train (``cost_spec``) and adds its own
+figures (``extra_costs``).
 """
 
 from __future__ import annotations

@@ -19,11 +19,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from fedhm_flwr import evaluation as ev
-
-from .base import HeteroStrategy, Reply, State
-from .fedhm import FedHMStrategy
-from .heterofl import HeteroFLStrategy
+from .fedhm import FedHM
+from .heterofl import HeteroFL
+from .method import Method, State
 
 
 def _one_level_config(cfg: DictConfig, level: float, method: dict[str, Any]) -> DictConfig:
@@ -34,64 +32,47 @@ def _one_level_config(cfg: DictConfig, level: float, method: dict[str, Any]) -> 
     return OmegaConf.create(plain)
 
 
-class FedAvgStrategy(HeteroStrategy):
-    """One level for everyone; the work is done by a FedHM or HeteroFL strategy with that level."""
+def family_config(cfg: DictConfig) -> DictConfig:
+    """The run's config as the family's method sees it: one level (1, or the smallest of
+    ``levels.ratios``) and the family's method group (FedHM at ``tau = inf`` weighted by samples,
+    or HeteroFL weighted by samples) with ``method.*``'s client options."""
+    m = cfg.method
+    level = 1.0 if str(m.variant) == "full" else min(float(r) for r in cfg.levels.ratios)
+    if str(m.family) == "fedhm":
+        inner = {"name": "fedhm", "tau": float("inf"), "weight_by_samples": True, "rho": m.rho,
+                 "frobenius_decay": bool(m.frobenius_decay)}
+    else:
+        inner = {"name": "heterofl", "scaler": bool(m.scaler), "grad_clip": float(m.grad_clip),
+                 "weight_by_samples": True}
+    return _one_level_config(cfg, level, inner)
+
+
+class FedAvgFedHM(FedHM):
+    """FedAvg of FedHM's family: FedHM with one level."""
 
     name = "fedavg"
 
-    def __init__(self, cfg, model_spec, evaluate_fn=None, recorder=None) -> None:
-        m = cfg.method
-        self.variant, self.family = str(m.variant), str(m.family)
-        level = 1.0 if self.variant == "full" else min(float(r) for r in cfg.levels.ratios)
-        if self.family == "fedhm":
-            inner_method = {"name": "fedhm", "tau": float("inf"), "weight_by_samples": True, "rho": m.rho,
-                            "frobenius_decay": bool(m.frobenius_decay)}
-            inner_cls: type[HeteroStrategy] = FedHMStrategy
-        else:
-            inner_method = {"name": "heterofl", "scaler": bool(m.scaler), "grad_clip": float(m.grad_clip),
-                            "weight_by_samples": True}
-            inner_cls = HeteroFLStrategy
-        own_method = OmegaConf.to_container(m, resolve=True)
-        super().__init__(_one_level_config(cfg, level, own_method), model_spec, evaluate_fn, recorder)
-        self.inner = inner_cls(_one_level_config(cfg, level, inner_method), model_spec)
-        self.spec = dict(self.inner.spec)
-        self.classifier_keys = self.inner.classifier_keys
-        #: the global model is the small width model itself (see the module docstring)
-        self.global_is_level = self.family == "heterofl" and level < 1.0
+    def __init__(self, cfg: DictConfig, model_spec: dict[str, Any]) -> None:
+        self.variant, self.family = str(cfg.method.variant), str(cfg.method.family)
+        super().__init__(family_config(cfg), model_spec)
 
-    def begin_round(self, server_round: int, global_state: State) -> None:
-        self.inner.begin_round(server_round, global_state)
 
-    def level_payload(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State, dict[str, Any]]:
-        return self.inner.level_payload(level_index, global_state)
+class FedAvgHeteroFL(HeteroFL):
+    """FedAvg of HeteroFL's family: HeteroFL with one level; below rate 1 the global model is the
+    small width model itself (see the module docstring)."""
 
-    def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
-        return self.inner.merge(server_round, global_state, replies)
+    name = "fedavg"
 
-    def deployable(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State]:
-        return self.inner.deployable(level_index, global_state)
+    def __init__(self, cfg: DictConfig, model_spec: dict[str, Any]) -> None:
+        self.variant, self.family = str(cfg.method.variant), str(cfg.method.family)
+        super().__init__(family_config(cfg), model_spec)
 
-    def recovered(self, reply: Reply) -> tuple[State, dict[str, Any] | None]:
-        self.inner.global_state = self.global_state
-        return self.inner.recovered(reply)
+    def global_model(self, global_state: State) -> tuple[dict[str, Any], State]:
+        if self.levels[0] < 1.0:
+            return self.deployable(0, global_state)
+        return super().global_model(global_state)
 
-    def reply_weights(self, replies: list[Reply]) -> Any:
-        return self.inner.reply_weights(replies)
 
-    def cost_spec(self, level_index: int) -> dict[str, Any] | None:
-        return self.inner.cost_spec(level_index)
-
-    def extra_costs(self, level_index: int, model: Any, costs: dict[str, float]) -> dict[str, float]:
-        return self.inner.extra_costs(level_index, model, costs)
-
-    def evaluate_levels(self, global_state: State) -> dict[str, Any]:
-        if not self.global_is_level:
-            return super().evaluate_levels(global_state)
-        if self.evaluate_fn is None:
-            return {}
-        bn = ev.BnUse(str(self.cfg.evaluation.bn_stats))
-        m = ev.evaluate_model(self, *self.deployable(0, global_state), bn)
-        out: dict[str, Any] = {"acc/global": m["accuracy"], "loss/global": m["loss"]}
-        if self.cfg.evaluation.levels:
-            out[f"acc/level_{self.levels[0]:g}"], out[f"loss/level_{self.levels[0]:g}"] = m["accuracy"], m["loss"]
-        return {**out, **bn.row()}
+def FedAvg(cfg: DictConfig, model_spec: dict[str, Any]) -> Method:  # noqa: N802 (builds a method, like a class)
+    """The FedAvg method ``method.family`` names."""
+    return (FedAvgFedHM if str(cfg.method.family) == "fedhm" else FedAvgHeteroFL)(cfg, model_spec)

@@ -27,17 +27,17 @@ from fedhm_flwr.lowrank import SVD, SVD_TOLERANCE, compute_svds, factorize_state
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.rules import plan_ranks
 
-from .base import HeteroStrategy, Reply, State
 from .common import classifier_keys
+from .method import Method, Reply, State
 
 
-class FedHMStrategy(HeteroStrategy):
+class FedHM(Method):
     """Levels are rank ratios gamma; level 1 is the full model."""
 
     name = "fedhm"
 
-    def __init__(self, cfg, model_spec, evaluate_fn=None, recorder=None) -> None:
-        super().__init__(cfg, model_spec, evaluate_fn, recorder)
+    def __init__(self, cfg, model_spec) -> None:
+        super().__init__(cfg, model_spec)
         model = build_model(self.spec)
         rho = cfg.method.rho
         self.ranks: list[dict[str, int]] = [plan_ranks(model, g, rho) for g in self.levels]

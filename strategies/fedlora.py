@@ -27,17 +27,19 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord
 from omegaconf import DictConfig
 
 from fedhm_flwr.aggregation import average_states, level_weights
+from fedhm_flwr.config import backbone_choice, learning_rate
 from fedhm_flwr.lora import LORA_DELTA, aggregate_products, handout_state, lora_rank, merge_lora_replies, random_rows
 from fedhm_flwr.lowrank import SVD, layer_svd
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.adapters import federated_keys
+from fedhm_flwr.models.text import PACKAGE_BACKBONE, package_config
+from fedhm_flwr.models.vit import DEFAULTS, arch_of, checkpoint_ref
 
-from .base import HeteroStrategy, Reply, State
 from .common import classifier_keys
+from .method import Method, Reply, State
 
 TRANSFORMER_ARCHS = ("minilm", "vit")
 
@@ -48,10 +50,6 @@ TRANSFORMER_ARCHS = ("minilm", "vit")
 def transformer_spec(cfg: DictConfig, spec: dict[str, Any]) -> dict[str, Any]:
     """The model spec of ``cfg.model`` over its backbone (package weights, a ``make pretrain``
     checkpoint named by its cache path, or a seeded random init), without adaptation keys."""
-    from fedhm_flwr.config import backbone_choice
-    from fedhm_flwr.models.text import PACKAGE_BACKBONE
-    from fedhm_flwr.models.vit import DEFAULTS, arch_of, checkpoint_ref
-
     m = cfg.model
     out = dict(spec)
     backbone = backbone_choice(cfg)
@@ -73,9 +71,6 @@ def transformer_spec(cfg: DictConfig, spec: dict[str, Any]) -> dict[str, Any]:
 def type_spec(spec: dict[str, Any], gamma: float, scale: str) -> dict[str, Any]:
     """The model type of level ``gamma``: ``depth`` → the first ``ceil(γ · depth)`` blocks of the
     same backbone; ``width`` → the pre-trained size of width ``round(γ · width)`` (ViT)."""
-    from fedhm_flwr.models.text import package_config
-    from fedhm_flwr.models.vit import arch_of, checkpoint_ref
-
     out = dict(spec)
     if scale == "depth":
         full = int(spec.get("depth") or (package_config()["num_hidden_layers"] if spec["arch"] == "minilm" else 4))
@@ -94,8 +89,6 @@ def type_spec(spec: dict[str, Any], gamma: float, scale: str) -> dict[str, Any]:
 def client_options(cfg: DictConfig, server_round: int) -> dict[str, Any]:
     """Train options of the transformer track: ``method.optimizer`` and, when ``method.lr`` is set,
     that learning rate under ``train.lr_schedule`` (``method.lr × schedule(round) / train.lr``)."""
-    from fedhm_flwr.config import learning_rate
-
     m = cfg.method
     out: dict[str, Any] = {"optimizer": str(m.optimizer)}
     if m.get("lr") is not None:
@@ -106,13 +99,13 @@ def client_options(cfg: DictConfig, server_round: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ strategy
 
 
-class FedLoRAStrategy(HeteroStrategy):
+class FedLoRA(Method):
     """Levels are LoRA ranks ``max(1, round(γ · max_rank))``; the global model holds the dense ΔW."""
 
     name = "fedlora"
 
-    def __init__(self, cfg, model_spec, evaluate_fn=None, recorder=None) -> None:
-        super().__init__(cfg, model_spec, evaluate_fn, recorder)
+    def __init__(self, cfg, model_spec) -> None:
+        super().__init__(cfg, model_spec)
         m = cfg.method
         self.mode = str(m.mode)
         self.max_rank = int(m.max_rank)
@@ -183,7 +176,7 @@ class FedLoRAStrategy(HeteroStrategy):
             new.update(merge_lora_replies(global_state, [r.state for r in replies], weights))
         return new
 
-    def recovered(self, reply: Reply) -> tuple[State, None]:
+    def recovered(self, reply: Reply, global_state: State) -> tuple[State, None]:
         """LoRA replies as ``L.lora_delta = B·A`` (full shape) and the head; full mode as it is."""
         if self.mode == "full":
             return dict(reply.state), None

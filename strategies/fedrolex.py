@@ -10,10 +10,10 @@ the round just trained (the model its clients would hold).
 
 from __future__ import annotations
 
-from .heterofl import HeteroFLStrategy
+from .heterofl import HeteroFL
 
 
-class FedRolexStrategy(HeteroFLStrategy):
+class FedRolex(HeteroFL):
     """HeteroFL with a rolling channel window."""
 
     name = "fedrolex"

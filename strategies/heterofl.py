@@ -23,25 +23,24 @@ from logging import INFO
 
 import numpy as np
 import torch
-from flwr.supercore import log
 
 from fedhm_flwr import width
 from fedhm_flwr.models import matching
 from fedhm_flwr.models import build_model
 
-from .base import HeteroStrategy, Reply, State
 from .common import classifier_keys
+from .method import Method, Reply, State
 
 
-class HeteroFLStrategy(HeteroStrategy):
+class HeteroFL(Method):
     """Levels are width rates; level 1 is the full model."""
 
     name = "heterofl"
     #: how a level's channels are chosen: "static" (first k) or "rolling" (FedRolex's window)
     mode = "static"
 
-    def __init__(self, cfg, model_spec, evaluate_fn=None, recorder=None) -> None:
-        super().__init__(cfg, model_spec, evaluate_fn, recorder)
+    def __init__(self, cfg, model_spec) -> None:
+        super().__init__(cfg, model_spec)
         self.spec = width.full_spec(self.spec)
         with torch.device("meta"):  # shapes only
             self._shapes_model = build_model(self.spec)
@@ -56,11 +55,11 @@ class HeteroFLStrategy(HeteroStrategy):
         self.current_round = 1
         self._plans: dict[tuple[int, int], width.Plan] = {}
 
-    def summary(self) -> None:
-        super().summary()
-        if self.fedhm_params is not None:
-            log(INFO, "\t└──> Budget-matched widths (levels.match=fedhm_params): %s",
-                ", ".join(f"level {g:g} -> rate {r:g}" for g, r in zip(self.levels, self.rates)))
+    def summary_lines(self) -> list[tuple[int, str, tuple[Any, ...]]]:
+        if self.fedhm_params is None:
+            return []
+        return [(INFO, "\t└──> Budget-matched widths (levels.match=fedhm_params): %s",
+                 (", ".join(f"level {g:g} -> rate {r:g}" for g, r in zip(self.levels, self.rates)),))]
 
     # -- plans
 
@@ -97,11 +96,10 @@ class HeteroFLStrategy(HeteroStrategy):
         return width.aggregate(global_state, [r.state for r in replies], plans, weights, holds,
                                self.classifier_keys)
 
-    def recovered(self, reply: Reply) -> tuple[State, State]:
+    def recovered(self, reply: Reply, global_state: State) -> tuple[State, State]:
         """The reply's width slice scattered into the global shapes (zeros elsewhere: uncovered
         elements are never read), with its coverage mask."""
-        assert self.global_state is not None
-        shapes = {k: v.shape for k, v in self.global_state.items()}
+        shapes = {k: v.shape for k, v in global_state.items()}
         return width.embed(reply.state, self.plan(reply.level_index), shapes)
 
     def reply_weights(self, replies: list[Reply]) -> np.ndarray:

@@ -45,10 +45,11 @@ from fedhm_flwr.aggregation import average_states
 from fedhm_flwr.cmga import cmga
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.adapters import federated_keys, merge_dema
+from fedhm_flwr.models.text import package_config
 
-from .base import HeteroStrategy, Reply, State
 from .common import classifier_keys, record_bytes
 from .fedlora import client_options, transformer_spec, type_spec
+from .method import Method, Reply, State
 
 SITES = ("pre", "post")
 
@@ -66,13 +67,13 @@ def slot_of(key: str) -> int:
     return int(key.split(".")[1])
 
 
-class HeteroTuneStrategy(HeteroStrategy):
+class HeteroTune(Method):
     """Levels are model types (largest first); DeMA adapters with a share-adapter bank; CMGA."""
 
     name = "heterotune"
 
-    def __init__(self, cfg, model_spec, evaluate_fn=None, recorder=None) -> None:
-        super().__init__(cfg, model_spec, evaluate_fn, recorder)
+    def __init__(self, cfg, model_spec) -> None:
+        super().__init__(cfg, model_spec)
         m = cfg.method
         self.h = int(m.bottleneck)
         self.bank = bool(m.bank)
@@ -97,8 +98,6 @@ class HeteroTuneStrategy(HeteroStrategy):
     def _depth(spec: dict[str, Any]) -> int:
         if spec.get("depth"):
             return int(spec["depth"])
-        from fedhm_flwr.models.text import package_config
-
         return int(package_config()["num_hidden_layers"])
 
     # -- specs
@@ -186,7 +185,7 @@ class HeteroTuneStrategy(HeteroStrategy):
             new.update(self._merge_shares(global_state, share_means))
         return new
 
-    def recovered(self, reply: Reply) -> tuple[State, None]:
+    def recovered(self, reply: Reply, global_state: State) -> tuple[State, None]:
         """The reply under the global state's names (its type's tensors and its own share-adapters;
         the rest of the global state is not covered). Used by the norm filter; CMGA is not an
         element-wise mean, so the value defences are refused in the config check."""

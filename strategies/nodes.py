@@ -33,21 +33,20 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from logging import INFO, WARNING
 from typing import Any
 
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import Message
 from flwr.serverapp import Grid
 from flwr.supercore import log
 from omegaconf import DictConfig
 
 from fedhm_flwr import levels as lv
-from fedhm_flwr import protocol
 from fedhm_flwr.config import data_spec, level_proportions
 from fedhm_flwr.privacy import poisson_sample, secret_uniform
-from fedhm_flwr.protocol import NODE_UNAVAILABLE, error_reason
+from fedhm_flwr.protocol import (NODE_UNAVAILABLE, NodeInfo, collect, content_bytes, node_info_queries, parse_node_info,
+                                 push)
 
 
 #: keys of nodes without a unique partition id start here (partition ids stay below)
@@ -56,92 +55,18 @@ _HASHED_KEY_BASE = 1 << 40
 _JOIN_LINES = 10
 
 
-@dataclass
-class NodeInfo(protocol.NodeInfo):
-    """What the server learnt of a node: its ``node-info`` answer (:class:`protocol.NodeInfo`), under
-    its node id, or the error it answered with."""
-
-    node_id: int = 0
-    error: str | None = None  # the node's answer to node-info was an error (e.g. a broken shard)
-
-    def identity(self) -> str:
-        """What identifies the node across restarts (its name, else its partition, else its id)."""
-        if self.name:
-            return f"name:{self.name}"
-        if self.partition_id is not None:
-            return f"partition:{self.partition_id}"
-        return f"node:{self.node_id}"
-
-
-def content_bytes(content: RecordDict) -> int:
-    """Bytes of a message's records (arrays, config and metrics alike)."""
-    return sum(record.count_bytes() for record in content.values())
-
-
 def hashed_key(identity: str) -> int:
     """A stable integer key for an identity string (above every partition id)."""
     return _HASHED_KEY_BASE + int(hashlib.sha256(identity.encode()).hexdigest()[:12], 16)
 
 
-def parse_node_info(node_id: int, msg: Message | None) -> NodeInfo:
-    """A node's NodeInfo from its ``node-info`` reply (an error reply is kept as ``error``)."""
-    if msg is None:
-        return NodeInfo(node_id=node_id, error="no answer to the node-info query")
-    if msg.has_error():
-        why = error_reason(msg)
-        return NodeInfo(node_id=node_id, error=why if why == NODE_UNAVAILABLE else msg.error.reason)
-    if protocol.CONFIG not in msg.content:
-        return NodeInfo(node_id=node_id)
-    return NodeInfo(**vars(protocol.NodeInfo.decode(msg.content[protocol.CONFIG])), node_id=node_id)
-
-
-def node_info_queries(node_ids: list[int], data_spec: str | None = None) -> list[Message]:
-    """One ``node-info`` query per node; with the run's data spec (JSON), each node also reports
-    how many training examples it holds for it (and finds its data before the first round)."""
-    config = {protocol.QUERY: protocol.NODE_INFO, **({protocol.DATA_SPEC: data_spec} if data_spec else {})}
-    return [Message(content=RecordDict({protocol.CONFIG: ConfigRecord(config)}), dst_node_id=n,
-                    message_type=MessageType.QUERY) for n in node_ids]
-
-
-def exchange(grid: Grid, messages: list[Message], timeout: float, poll: float = 0.01,
-             max_poll: float = 0.1) -> list[Message]:
-    """Push all ``messages`` at once, then pull their replies until all came or ``timeout``
-    seconds passed. Like ``Grid.send_and_receive``, but polling from ``poll`` seconds, doubling
-    up to ``max_poll`` (Flower's loop sleeps 3 s between pulls: every exchange ends up to 3 s
-    after its last reply)."""
-    return collect(grid, push(grid, messages), timeout, poll, max_poll)
-
-
-def push(grid: Grid, messages: list[Message]) -> list[str]:
-    """Push ``messages`` (none: no call); the ids of those the grid took."""
-    return [mid for mid in grid.push_messages(messages) if mid] if messages else []
-
-
-def collect(grid: Grid, message_ids: list[str], timeout: float, poll: float = 0.01,
-            max_poll: float = 0.1) -> list[Message]:
-    """Pull the replies to these pushed messages until all came or ``timeout`` seconds passed."""
-    pending = set(message_ids)
-    replies: list[Message] = []
-    end = time.monotonic() + timeout
-    while pending:
-        got = list(grid.pull_messages(list(pending)))
-        replies += got
-        pending -= {m.metadata.reply_to_message_id for m in got}
-        if not pending or time.monotonic() >= end:
-            break
-        time.sleep(poll)
-        poll = min(2 * poll, max_poll)
-    return replies
-
-
 class NodeRegistry:
     """Connected nodes, their cached node info, stable keys and levels."""
 
-    def __init__(self, cfg: DictConfig, levels: list[float],
-                 level_cost: Callable[[int], dict[str, float]]) -> None:
+    def __init__(self, cfg: DictConfig, levels: list[float], costs: Sequence[Mapping[str, float]]) -> None:
         self.cfg = cfg
         self.levels = levels
-        self.level_cost = level_cost
+        self.costs = costs  # level index -> its costs (what a declared budget is compared with)
         self.nodes: dict[int, NodeInfo] = {}
         self.keys: dict[int, int] = {}  # node id -> stable key (sorting, seeds, sampling)
         self.levels_of: dict[int, int] = {}  # node id -> level index for the run (fixed/declared)
@@ -421,7 +346,7 @@ class NodeRegistry:
             return index
         for budget in ("params", "macs", "memory"):
             if budget in cap:
-                costs = [self.level_cost(i).get(budget, math.inf) for i in range(len(self.levels))]
+                costs = [self.costs[i].get(budget, math.inf) for i in range(len(self.levels))]
                 index = lv.level_for_budget(cap[budget], costs)
                 if index is None:
                     index = len(self.levels) - 1

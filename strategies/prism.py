@@ -41,20 +41,20 @@ from fedhm_flwr.aggregation import average_states
 from fedhm_flwr.models import build_model, input_shape
 from fedhm_flwr.models.costs import activation_elements
 
-from .base import HeteroStrategy, Payload, Reply, State
 from .common import classifier_keys
+from .method import Cut, Method, Reply, State
 
 #: random-stream id of the kernel draws (the base uses 0: node sampling, 1: levels, 2: failures)
 DRAW_STREAM = 3
 
 
-class PriSMStrategy(HeteroStrategy):
+class PriSM(Method):
     """Levels are keep ratios; every client trains a sub-model of sampled principal kernels."""
 
     name = "prism"
 
-    def __init__(self, cfg, model_spec, evaluate_fn=None, recorder=None) -> None:
-        super().__init__(cfg, model_spec, evaluate_fn, recorder)
+    def __init__(self, cfg, model_spec) -> None:
+        super().__init__(cfg, model_spec)
         method = cfg.method
         with torch.device("meta"):  # shapes only
             model = build_model(self.spec, spectral_init=False)
@@ -157,13 +157,12 @@ class PriSMStrategy(HeteroStrategy):
         spec, state = self.submodel(self.top_k(level_index), global_state)
         return spec, state, self._options()
 
-    def node_payload(self, node_id: int, level_index: int, global_state: State,
-                     level_payloads: dict[int, Payload]) -> Payload:
+    def node_cut(self, node_id: int, key: int, level_index: int, global_state: State) -> Cut:
         """The node's own sub-model: its kernels are drawn for it (remembered for :meth:`merge`)."""
-        draws = self.sample(self.current_round, self._partition_key(node_id), level_index)
+        draws = self.sample(self.current_round, key, level_index)
         self.draws[node_id] = draws
         spec, state = self.submodel(draws, global_state)
-        return Payload(spec, self.wire_arrays(state), {k: tuple(v.shape) for k, v in state.items()}, self._options())
+        return Cut(spec, state, self._options())
 
     def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
         factored = self.factored_form(global_state)
@@ -184,13 +183,12 @@ class PriSMStrategy(HeteroStrategy):
         self.factored_form(new)  # orthogonal space refresh: re-decompose the new weights
         return new
 
-    def recovered(self, reply: Reply) -> tuple[State, None]:
+    def recovered(self, reply: Reply, global_state: State) -> tuple[State, None]:
         """The reply's full-shape model: every decomposed layer ``U'V'`` with the reply's kernels
         (and rows) in place of the server's (:func:`prism.aggregate_kernels` over this one reply),
         the other tensors as sent. Used by the norm filter; PriSM's merge is per kernel, not an
         element-wise mean, so the value defences are refused in the config check."""
-        assert self.global_state is not None
-        factored = self.factored_form(self.global_state)
+        factored = self.factored_form(global_state)
         out = {k: v for k, v in reply.state.items() if not k.endswith((".u.weight", ".v.weight"))}
         for name in self.layers:
             u, v = prism.reply_factors(reply.state[f"{name}.u.weight"], reply.state[f"{name}.v.weight"])

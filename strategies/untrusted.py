@@ -1,9 +1,13 @@
 """Untrusted clients in the shared round: attack injection, defences and client-level DP.
 
-Used by :class:`strategies.base.HeteroStrategy` in two places: ``configure_train`` tells the
-malicious nodes to attack (:meth:`Untrusted.train_config`), and ``aggregate_train`` merges
-through :meth:`Untrusted.merge`, which falls back to the method's own merge when nothing is
-configured. The math is in :mod:`fedhm_flwr.robust` (defences), :mod:`fedhm_flwr.attacks` (what
+A wrapper around the method's merge, the way Flower wraps a strategy for DP
+(``flwr.serverapp.strategy.DifferentialPrivacyServerSideFixedClipping``): :class:`Untrusted` holds
+the method and offers the same ``merge(server_round, global_state, replies)``, defended or made
+private as configured, falling back to the method's own merge when nothing is. It never reaches
+into the round: the replies carry what it needs (their node's label, the payload they were sent),
+and what it refuses or measures it keeps (:attr:`Untrusted.rejected`, :attr:`Untrusted.columns`)
+for the round to record. :class:`Attacks` says which nodes attack (the round adds it to their
+task config). The math is in :mod:`fedhm_flwr.robust` (defences), :mod:`fedhm_flwr.attacks` (what
 a malicious client does) and :mod:`fedhm_flwr.privacy` (the accountant).
 
 Every reply first passes :meth:`Untrusted.screen` (in the reply checks of ``aggregate_train``): a
@@ -13,7 +17,7 @@ that small a recovered product cannot overflow. A recovered update that is still
 refused the same way in :meth:`Untrusted.merge`, before any defence runs.
 
 Defences work on each reply's *recovered* full-shape model ``v_p`` and coverage
-(:meth:`HeteroStrategy.recovered`) and its update ``Δ_p = v_p - r_p`` against the model the node
+(:meth:`strategies.method.Method.recovered`) and its update ``Δ_p = v_p - r_p`` against the model the node
 received, recovered the same way (``r_p``; for FedHM the truncation of the global model at the
 node's rank, so the truncation error is not counted as the client's update):
 
@@ -23,7 +27,7 @@ node's rank, so the truncation error is not counted as the client's update):
   own merge then folds in (methods whose replies cover the whole model);
 * ``clip``: ``v_p ← r_p + min(1, c / ‖Δ_p‖) Δ_p`` with ``c`` fixed (``clip_norm``) or the
   ``clip_quantile`` of the round's norms, then the method's weighted mean over the covering
-  clients (:meth:`HeteroStrategy.reply_weights`, classifier rows over the clients holding the class);
+  clients (:meth:`strategies.method.Method.reply_weights`, classifier rows over the clients holding the class);
 * ``median`` / ``trimmed_mean``: coordinate-wise, over the clients covering each element.
 
 ``dp.enabled`` (DP-FedAvg, client level; the math in :mod:`fedhm_flwr.privacy`): the nodes are
@@ -46,18 +50,19 @@ import hashlib
 import json
 import math
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord
+from omegaconf import DictConfig
 
+from fedhm_flwr import levels as lv
 from fedhm_flwr import privacy, robust
 from fedhm_flwr import protocol as wire
 from fedhm_flwr.privacy import RdpAccountant
 
-if TYPE_CHECKING:
-    from .base import HeteroStrategy, Reply, State
+from .method import Method, Reply, State
 
 #: random-stream id of the attackers' draw (levels.round_rng uses 0-3 elsewhere)
 ATTACK_STREAM = 4451
@@ -80,17 +85,67 @@ def hashed_attacker(identity: str, fraction: float, seed: int) -> bool:
     return int.from_bytes(digest[:8], "big") / 2.0**64 < fraction
 
 
-class Untrusted:
-    """Attacks, defences and DP of one strategy (see the module docstring)."""
+class Attacks:
+    """Which nodes attack (``failures.attack``) and what their task config adds; which nodes the
+    seeded failure injection makes crash or dawdle (``failures.*_probability``)."""
 
-    def __init__(self, strategy: HeteroStrategy) -> None:
-        self.strategy = strategy
-        cfg = strategy.cfg
+    def __init__(self, cfg: DictConfig) -> None:
+        self.failures = cfg.failures
+        self.attack = cfg.failures.attack
+        self.seed = int(cfg.seed)
+        self.columns: dict[str, Any] = {}
+
+    def is_attacker(self, info: Any, key: int, node_id: int) -> bool:
+        """``info``: the node's :class:`fedhm_flwr.protocol.NodeInfo` (None: unknown); ``key``: its stable key."""
+        kind, fraction = str(self.attack.kind), float(self.attack.fraction)
+        if kind == "none" or fraction <= 0:
+            return False
+        if info is not None and info.partition_id is not None and info.num_partitions and key == info.partition_id:
+            return info.partition_id in attacker_partitions(int(info.num_partitions), fraction, self.seed)
+        return hashed_attacker(info.identity() if info is not None else f"node:{node_id}", fraction, self.seed)
+
+    def begin_round(self, attackers: list[str]) -> None:
+        """The round's columns: the sampled nodes that attack (their labels, in key order)."""
+        self.columns = {}
+        if str(self.attack.kind) != "none":
+            self.columns.update({"attackers": json.dumps(attackers), "attackers_count": len(attackers)})
+
+    def train_config(self) -> dict[str, Any]:
+        """What the server adds to a malicious node's train config."""
+        return {wire.ATTACK: str(self.attack.kind), wire.ATTACK_SCALE: float(self.attack.scale)}
+
+    def injected_failures(self, server_round: int, node_ids: list[int]) -> dict[int, str]:
+        """Seeded failure injection (``failures.*``): node -> 'crash' or 'slow' for this round
+        (``node_ids`` in key order)."""
+        fail = self.failures
+        if not (fail.crash_probability or fail.slow_probability):
+            return {}
+        rng = lv.round_rng(self.seed, server_round, stream=2)
+        out = {}
+        for node_id in node_ids:
+            crash, slow = rng.random(), rng.random()
+            if crash < float(fail.crash_probability):
+                out[node_id] = "crash"
+            elif slow < float(fail.slow_probability):
+                out[node_id] = "slow"
+        return out
+
+
+class Untrusted:
+    """The method's merge, defended or made private (see the module docstring)."""
+
+    def __init__(self, method: Method, history: list[dict[str, Any]]) -> None:
+        self.method = method
+        cfg = method.cfg
+        self.cfg = cfg
         self.attack = cfg.failures.attack
         self.agg = cfg.aggregation
         self.dp = cfg.dp
+        self.history = history  # the run's rows (a resumed run's accountant replays them; the summary)
+        self.wire_dtype = str(cfg.get("wire", {}).get("dtype", "float32"))
         self.accountant = RdpAccountant() if self.dp.enabled else None
         self.columns: dict[str, Any] = {}
+        self.rejected: list[tuple[int, str]] = []  # this round's replies refused here (node id, why)
         self._references: dict[int, tuple[Any, State]] = {}
 
     @property
@@ -109,63 +164,42 @@ class Untrusted:
     @property
     def expected_clients(self) -> float:
         """DP's fixed denominator ``m``: the expected number of Poisson-sampled clients."""
-        return float(self.strategy.cfg.fraction_train) * int(self.strategy.cfg.num_clients)
+        return float(self.cfg.fraction_train) * int(self.cfg.num_clients)
 
-    # ------------------------------------------------------------------ attacks
-
-    def is_attacker(self, node_id: int) -> bool:
-        kind, fraction = str(self.attack.kind), float(self.attack.fraction)
-        if kind == "none" or fraction <= 0:
-            return False
-        s = self.strategy
-        info, key, seed = s.nodes.get(node_id), s._partition_key(node_id), int(s.cfg.seed)
-        if info is not None and info.partition_id is not None and info.num_partitions and key == info.partition_id:
-            return info.partition_id in attacker_partitions(int(info.num_partitions), fraction, seed)
-        return hashed_attacker(info.identity() if info is not None else f"node:{node_id}", fraction, seed)
-
-    def begin_round(self, node_ids: list[int]) -> None:
-        """Reset the round's columns; log which sampled nodes attack."""
+    def begin_round(self) -> None:
+        """Reset the round's columns and refusals."""
         self._references = {}
         self.columns = {}
-        if str(self.attack.kind) != "none":
-            s = self.strategy
-            labels = [s.node_label(n) for n in sorted(node_ids, key=s._partition_key) if self.is_attacker(n)]
-            self.columns.update({"attackers": json.dumps(labels), "attackers_count": len(labels)})
-
-    def train_config(self, node_id: int) -> dict[str, Any]:
-        """What the server adds to a malicious node's train config."""
-        if not self.is_attacker(node_id):
-            return {}
-        return {wire.ATTACK: str(self.attack.kind), wire.ATTACK_SCALE: float(self.attack.scale)}
+        self.rejected = []
 
     # ------------------------------------------------------------------ merge
 
-    def reference(self, reply: Reply) -> State:
-        """The recovered model the node received (cached per payload)."""
-        index, payload = self.strategy.sent[reply.node_id]
+    def reference(self, reply: Reply, global_state: State) -> State:
+        """The recovered model the node received (``reply.sent``: its payload; cached per payload)."""
+        payload = reply.sent
         cached = self._references.get(id(payload))
         if cached is None or cached[0] is not payload:
             sent = wire.from_wire(ArrayRecord.from_array_dict(payload.arrays).to_torch_state_dict(),
-                                  self.strategy.wire_dtype)
+                                  self.wire_dtype)
             sent = {k: sent[k] for k in reply.state}
-            state, _ = self.strategy.recovered(dataclasses.replace(reply, state=sent))
+            state, _ = self.method.recovered(dataclasses.replace(reply, state=sent), global_state)
             cached = self._references[id(payload)] = (payload, state)
         return cached[1]
 
     def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
-        s = self.strategy
+        s = self.method
         if not self.active:
             return s.merge(server_round, global_state, replies)
-        recovered = [s.recovered(r) for r in replies]
+        recovered = [s.recovered(r, global_state) for r in replies]
         values = [v for v, _ in recovered]
         coverages = [c for _, c in recovered]
-        refs = [global_state] * len(replies) if self.dp.enabled else [self.reference(r) for r in replies]
+        refs = [global_state] * len(replies) if self.dp.enabled else [self.reference(r, global_state) for r in replies]
         updates = [{k: v[k].to(torch.float64) - ref[k].to(torch.float64) for k in v if v[k].is_floating_point()}
                    for v, ref in zip(values, refs)]
         finite = robust.finite_updates(updates)
         if not finite.all():  # refused like a malformed reply, before any defence
             for r in (r for r, ok in zip(replies, finite) if not ok):
-                s.round_log.rejected.append((r.node_id, "recovered update holds NaN or Inf"))
+                self.rejected.append((r.node_id, "recovered update holds NaN or Inf"))
             replies, values, coverages, refs, updates = ([x for x, k in zip(seq, finite) if k] for seq in
                                                          (replies, values, coverages, refs, updates))
         norms = robust.update_norms(updates, coverages)
@@ -177,7 +211,7 @@ class Untrusted:
             return global_state
         if float(self.agg.outlier_z) > 0:
             keep = robust.outlier_keep(norms, float(self.agg.outlier_z))
-            dropped = [s.node_label(r.node_id) for r, k in zip(replies, keep) if not k]
+            dropped = [r.label for r, k in zip(replies, keep) if not k]
             self.columns.update({"robust_rejected": len(dropped), "robust_rejected_nodes": json.dumps(dropped)})
             replies, values, coverages, refs, updates = ([x for x, k in zip(seq, keep) if k] for seq in
                                                          (replies, values, coverages, refs, updates))
@@ -189,7 +223,7 @@ class Untrusted:
             keys = [k for k, v in global_state.items() if v.is_floating_point()]
             vectors = torch.stack([robust.flatten(v, keys) for v in values])
             picked = robust.krum_select(vectors, int(self.agg.krum_f), min(int(self.agg.krum_m), len(replies)))
-            self.columns["krum_selected"] = json.dumps([s.node_label(replies[i].node_id) for i in picked])
+            self.columns["krum_selected"] = json.dumps([replies[i].label for i in picked])
             return s.merge(server_round, global_state, [replies[i] for i in picked]) if picked else global_state
         if mode == "clip":
             bound = float(self.agg.clip_norm) or robust.quantile_bound(norms, float(self.agg.clip_quantile))
@@ -211,7 +245,7 @@ class Untrusted:
         seed = self.dp.get("seed")
         new = privacy.add_noise(new, std, privacy.noise_generator(None if seed is None else int(seed), server_round))
         self._replay(server_round)
-        q = float(self.strategy.cfg.fraction_train)
+        q = float(self.cfg.fraction_train)
         assert self.accountant is not None
         self.accountant.step(q, sigma)
         self.columns.update({"dp_clipped": int((scales < 1).sum()), "dp_noise_std": std, "dp_q": q,
@@ -223,13 +257,13 @@ class Untrusted:
         """A resumed run's accountant: the earlier rounds' rates, from their metrics rows."""
         assert self.accountant is not None
         if self.accountant.steps == 0:
-            for row in self.strategy.history:
+            for row in self.history:
                 if row.get("dp_q") is not None and int(row["round"]) < server_round:
                     self.accountant.step(float(row["dp_q"]), float(row["dp_sigma"]))
 
     def summary(self) -> dict[str, Any]:
         """What the run's summary adds: attack and defence totals, final ε."""
-        rows = self.strategy.history
+        rows = self.history
         out: dict[str, Any] = {}
         if str(self.attack.kind) != "none":
             out.update({"attack": str(self.attack.kind), "attack_fraction": float(self.attack.fraction),

@@ -45,11 +45,12 @@ LAYERS: dict[str, tuple[str, ...]] = {
              "fedhm_flwr.data.tensors", "fedhm_flwr.data.text", "fedhm_flwr.data.clients", "fedhm_flwr.data.shards"),
     "config": ("fedhm_flwr.config", "fedhm_flwr.config_checks", "fedhm_flwr.config_methods", "fedhm_flwr.specs"),
     "reporting": ("fedhm_flwr.results", "fedhm_flwr.summary", "fedhm_flwr.tracking"),
-    # a method: cut a level, merge replies, recover, costs (Flower-free once #26 part B lands)
-    "method": ("strategies.common", "strategies.fedhm", "strategies.heterofl", "strategies.fedrolex",
+    # a method: cut a level, merge replies, recover, costs (no Flower strategy, no messages)
+    "method": ("strategies.method", "strategies.common", "strategies.fedhm", "strategies.heterofl", "strategies.fedrolex",
                "strategies.prism", "strategies.fedavg", "strategies.fedlora", "strategies.heterotune"),
     # the server's round: the Flower strategy driving a method, its collaborators, the registry
-    "round": ("strategies", "strategies.base", "strategies.nodes", "strategies.untrusted", "fedhm_flwr.evaluation"),
+    "round": ("strategies", "strategies.base", "strategies.nodes", "strategies.untrusted", "strategies.reporting",
+              "fedhm_flwr.evaluation"),
     "client": ("clients", "clients.base", "fedhm_flwr.client_app"),
     # entry points and processes: the Flower apps, the CLI, launcher, sweep, tools
     "operations": ("fedhm_flwr.server_app", "fedhm_flwr.local_grid", "fedhm_flwr.launch", "fedhm_flwr.procs",
@@ -92,28 +93,16 @@ PURE_MATH_LONG: dict[str, str] = {}
 
 # --------------------------------------------------------------------------- known, to shrink
 
-#: circle 2 of #26: evaluation and the untrusted-client helpers take the whole strategy (part B)
-KNOWN_CIRCLES = [frozenset({"fedhm_flwr.evaluation", "strategies.base", "strategies.untrusted"})]
+#: circles still to break (none)
+KNOWN_CIRCLES: list[frozenset[str]] = []
 
-#: imports pointing up; part B separates the Flower-free methods from the round driver
-KNOWN_UPWARD = {
-    ("strategies.fedhm", "strategies.base"): "part B: the method apart from the round",
-    ("strategies.heterofl", "strategies.base"): "part B",
-    ("strategies.prism", "strategies.base"): "part B",
-    ("strategies.fedavg", "strategies.base"): "part B",
-    ("strategies.fedavg", "fedhm_flwr.evaluation"): "part B",
-    ("strategies.fedlora", "strategies.base"): "part B",
-    ("strategies.heterotune", "strategies.base"): "part B",
-}
+#: imports pointing up (none)
+KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 
 #: (module, imported) inside functions, in files other parts of #26 own
 KNOWN_INNER = {
     ("fedhm_flwr.api", "fedhm_flwr.export"),
     ("fedhm_flwr.launch", "fedhm_flwr.inspect"),
-    ("fedhm_flwr.local_grid", "clients.base"),
-    ("strategies.fedlora", "fedhm_flwr.config"), ("strategies.fedlora", "fedhm_flwr.models.text"),
-    ("strategies.fedlora", "fedhm_flwr.models.vit"),
-    ("strategies.heterotune", "fedhm_flwr.models.text"),
     # standard library and small packages imported late in reporting's files
     ("fedhm_flwr.results", "datetime"), ("fedhm_flwr.results", "safetensors"),
     ("fedhm_flwr.results", "safetensors.torch"),
@@ -121,8 +110,6 @@ KNOWN_INNER = {
 
 #: files over MAX_LINES that other parts of #26 split
 KNOWN_LONG = {
-    "strategies/base.py": "part B (the round driver apart from the method)",
-    "strategies/nodes.py": "part B (node registry)",
     "fedhm_flwr/summary.py": "reporting (#27)",
     "bench/run.py": "bench (#25)",
 }

@@ -20,9 +20,9 @@ from fedhm_flwr.server_app import initial_state, run
 from fedhm_flwr.train import TrainOptions, parameter_groups, train_local
 from strategies import STRATEGIES
 from strategies.base import Reply
-from strategies.fedavg import FedAvgStrategy
-from strategies.fedrolex import FedRolexStrategy
-from strategies.heterofl import HeteroFLStrategy
+from strategies import FedAvgStrategy
+from strategies import FedRolexStrategy
+from strategies import HeteroFLStrategy
 
 
 @pytest.fixture(autouse=True)

@@ -41,7 +41,7 @@ from fedhm_flwr.procs import alive, command_name, tagged_pids
 from fedhm_flwr.runlock import RunLock
 from fedhm_flwr.server_app import initial_state
 from fedhm_flwr.models.costs import activation_elements, training_memory_bytes
-from strategies.fedhm import FedHMStrategy
+from strategies import FedHMStrategy
 
 ROOT = Path(__file__).resolve().parent.parent
 FEDHM = [sys.executable, "-m", "fedhm_flwr"]  # the `fedhm` command of this checkout (run from ROOT)

@@ -14,7 +14,7 @@ from fedhm_flwr.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.models import build_model
 from fedhm_flwr.server_app import initial_state
 from fedhm_flwr.train import TrainOptions, train_local
-from strategies.fedhm import FedHMStrategy
+from strategies import FedHMStrategy
 
 SPEC = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28, "width": 4}
 

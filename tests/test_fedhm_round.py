@@ -16,7 +16,7 @@ from fedhm_flwr.data import client_dataset
 from fedhm_flwr.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.models import build_model
 from fedhm_flwr.server_app import initial_state, run
-from strategies.fedhm import FedHMStrategy
+from strategies import FedHMStrategy
 
 
 def _strategy(cfg):
@@ -216,3 +216,28 @@ def test_one_decomposition_per_layer_per_model_version_evaluation_included(toy_c
                                   for r in rows)
     factorized = _strategy(cfg).factorized
     assert len(factorized) > 0 and len(calls) == (2 + 1) * len(factorized)
+
+
+def test_start_honours_flowers_evaluate_fn_before_the_first_round_and_after_each(toy_cfg):
+    """Flower's ``Strategy.start`` contract: a given ``evaluate_fn(round, arrays)`` is called with the
+    initial arrays (round 0) and after every round with that round's global model; what it returns
+    is kept in ``evaluate_metrics_serverapp`` and joins the round's row."""
+    cfg = toy_cfg("rounds=2 evaluation.levels=false")
+    strategy = _strategy(cfg)
+    initial = ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.spec))
+    seen = []
+
+    def evaluate_fn(server_round, arrays):
+        seen.append((server_round, arrays.to_torch_state_dict()))
+        return MetricRecord({"extra-metric": float(10 + server_round)})
+
+    result = strategy.start(LocalGrid(6, client_handlers()), initial, num_rounds=2, evaluate_fn=evaluate_fn)
+    assert [r for r, _ in seen] == [0, 1, 2]
+    assert all(torch.equal(seen[0][1][k], v) for k, v in initial.to_torch_state_dict().items())
+    final = result.arrays.to_torch_state_dict()
+    assert all(torch.equal(seen[2][1][k], v) for k, v in final.items())
+    assert any(not torch.equal(seen[1][1][k], seen[0][1][k]) for k in final)  # round 1's model, not the initial one
+    assert result.evaluate_metrics_serverapp[0]["extra-metric"] == 10.0
+    assert result.evaluate_metrics_serverapp[2]["extra-metric"] == 12.0
+    assert "acc/global" in result.evaluate_metrics_serverapp[2] or strategy.evaluate_fn is None
+    assert [row["extra-metric"] for row in strategy.history] == [11.0, 12.0]

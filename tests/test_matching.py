@@ -8,9 +8,9 @@ from fedhm_flwr.models import matching
 from fedhm_flwr.config import ConfigError, model_spec
 from fedhm_flwr.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.server_app import initial_state
-from strategies.fedhm import FedHMStrategy
-from strategies.fedrolex import FedRolexStrategy
-from strategies.heterofl import HeteroFLStrategy
+from strategies import FedHMStrategy
+from strategies import FedRolexStrategy
+from strategies import HeteroFLStrategy
 
 RESNET18 = {"arch": "resnet18", "num_classes": 10, "in_channels": 3, "image_size": 32, "width": 64}
 

@@ -14,7 +14,7 @@ from fedhm_flwr import levels as lv
 from fedhm_flwr.config import model_spec
 from fedhm_flwr.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.server_app import initial_state
-from strategies.fedhm import FedHMStrategy
+from strategies import FedHMStrategy
 
 
 def _round(strategy, grid, rnd):

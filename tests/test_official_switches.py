@@ -12,7 +12,7 @@ from fedhm_flwr.config import ConfigError, model_spec
 from fedhm_flwr.lowrank import recover_state
 from fedhm_flwr.server_app import initial_state
 from strategies.base import Reply
-from strategies.fedhm import FedHMStrategy
+from strategies import FedHMStrategy
 
 
 def test_official_weights_dynamic_are_softmax_of_minus_inverse_gamma_over_tau():

@@ -21,7 +21,7 @@ from fedhm_flwr.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.models import build_model
 from fedhm_flwr.results import load_checkpoint
 from fedhm_flwr.server_app import initial_state, run
-from strategies.prism import PriSMStrategy
+from strategies import PriSMStrategy
 
 SIGMA = torch.tensor([4.0, 3.0, 2.0, 1.5, 1.0, 0.5], dtype=torch.float64)
 

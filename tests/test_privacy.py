@@ -159,7 +159,7 @@ def test_the_noise_of_a_dp_round_is_not_reproducible_from_any_seed_a_client_rece
         valid = [r for r in (strategy._validate(m.metadata.src_node_id, m)[0] for m in replies) if r is not None]
         noisy = strategy.aggregate_train(1, replies)[0].to_torch_state_dict()
         std = strategy.untrusted.columns["dp_noise_std"]
-        mean, _ = privacy.dp_mean(state, [strategy.recovered(r)[0] for r in valid], float(cfg.dp.clip),
+        mean, _ = privacy.dp_mean(state, [strategy.method.recovered(r, state)[0] for r in valid], float(cfg.dp.clip),
                                   strategy.untrusted.expected_clients)
         keys = [k for k, v in state.items() if v.is_floating_point()]
         noise = torch.cat([(noisy[k].double() - mean[k].double()).flatten() for k in keys]) / std

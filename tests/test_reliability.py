@@ -15,7 +15,7 @@ from fedhm_flwr.config import model_spec, resume_config
 from fedhm_flwr.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.results import load_checkpoint
 from fedhm_flwr.server_app import initial_state, run
-from strategies.fedhm import FedHMStrategy
+from strategies import FedHMStrategy
 
 # (a resumed server process asks every node for its node info again, in its start-up: no round's row differs)
 TIMING = ("seconds", "server_seconds", "query_seconds", "eval_seconds", "client_seconds_max")

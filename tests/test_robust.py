@@ -156,7 +156,7 @@ def scaled_round():
     """FedHM, 6 clients of 4 levels, one of them (20 %) sending 100 x its update."""
     cfg = load_config(f"{TOY} failures.attack.kind=scale failures.attack.fraction=0.2")
     strategy, state, grid, _, replies = _trained_round(cfg)
-    attackers = {n for n in strategy.sent if strategy.untrusted.is_attacker(n)}
+    attackers = {n for n in strategy.sent if strategy.is_attacker(n)}
     return cfg, state, grid, replies, attackers
 
 
@@ -171,9 +171,9 @@ def test_an_attack_changes_exactly_the_chosen_clients_replies_in_the_chosen_way(
     cfg = load_config(f"{TOY} failures.attack.kind={kind} failures.attack.fraction=0.34 failures.attack.scale=7")
     clean = clean_replies
     strategy, _, _, messages, attacked = _trained_round(cfg)
-    attackers = {n for n in strategy.sent if strategy.untrusted.is_attacker(n)}
+    attackers = {n for n in strategy.sent if strategy.is_attacker(n)}
     assert len(attackers) == 2  # round(0.34 * 6) partitions, fixed for the run
-    assert json.loads(strategy.untrusted.columns["attackers"]) == sorted(
+    assert json.loads(strategy.attacks.columns["attackers"]) == sorted(
         (strategy.node_label(n) for n in attackers), key=lambda s: int(s[1:]))
     received = {m.metadata.dst_node_id: m.content["arrays"].to_torch_state_dict() for m in messages}
     clean_by = {m.metadata.src_node_id: m for m in clean}
@@ -268,7 +268,7 @@ def test_dp_adds_calibrated_noise_to_the_clipped_mean_and_reports_epsilon(tmp_pa
     assert messages  # Poisson sampling, q = 0.9 over 6 nodes
     noisy_strategy, noisy = _aggregate(cfg, state, grid, replies)
     valid = [noisy_strategy._validate(m.metadata.src_node_id, m)[0] for m in replies]
-    mean, scales = privacy.dp_mean(state, [noisy_strategy.recovered(r)[0] for r in valid], 0.5, 0.9 * 6)
+    mean, scales = privacy.dp_mean(state, [noisy_strategy.method.recovered(r, state)[0] for r in valid], 0.5, 0.9 * 6)
     noise = torch.cat([(noisy[k].double() - mean[k].double()).flatten() for k in state if state[k].is_floating_point()])
     columns = noisy_strategy.untrusted.columns
     assert columns["dp_noise_std"] == pytest.approx(1.0 * 0.5 / (0.9 * 6))  # sigma C / m, m = q x clients
@@ -361,7 +361,7 @@ def test_a_reply_of_huge_factors_is_rejected_and_counted_and_every_defence_stays
     valid = [strategy._validate(m.metadata.src_node_id, m)[0] for m in replies if m.metadata.src_node_id != bad]
     broken = dataclasses.replace(valid[0], state={k: v.clone() for k, v in valid[0].state.items()})
     next(v for v in broken.state.values() if v.is_floating_point()).view(-1)[0] = math.inf
-    strategy.round_log.rejected.clear()
+    strategy.untrusted.rejected.clear()
     new = strategy.untrusted.merge(1, state, valid[1:] + [broken])
-    assert strategy.round_log.rejected == [(broken.node_id, "recovered update holds NaN or Inf")]
+    assert strategy.untrusted.rejected == [(broken.node_id, "recovered update holds NaN or Inf")]
     assert all(torch.isfinite(new[k]).all() for k in new if new[k].is_floating_point())

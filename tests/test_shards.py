@@ -220,7 +220,7 @@ NODE_SCRIPT = textwrap.dedent("""
     from fedhm_flwr.config import load_config, model_spec
     from fedhm_flwr.local_grid import LocalGrid, client_handlers
     from fedhm_flwr.server_app import initial_state
-    from strategies.fedhm import FedHMStrategy
+    from strategies import FedHMStrategy
     folders, overrides = json.loads(sys.argv[1]), sys.argv[2:]
     cfg = load_config(overrides)
     strategy = FedHMStrategy(cfg, model_spec(cfg))
@@ -372,7 +372,7 @@ def test_a_shard_written_by_hand_as_docs_deploy_describes_loads(tmp_path):
 def _train_messages(cfg, grid):
     from fedhm_flwr.config import model_spec
     from fedhm_flwr.server_app import initial_state
-    from strategies.fedhm import FedHMStrategy
+    from strategies import FedHMStrategy
 
     strategy = FedHMStrategy(cfg, model_spec(cfg))
     state = ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.spec))
