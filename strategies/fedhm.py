@@ -47,6 +47,7 @@ class FedHMStrategy(HeteroStrategy):
         tolerance = cfg.method.get("svd_tolerance")  # (absent from configs saved before it existed)
         self.svd_tolerance = SVD_TOLERANCE if tolerance is None else float(tolerance)
         self._svd_cache: dict[str, tuple[torch.Tensor, SVD]] = {}  # layer -> (weight it was computed from, SVD)
+        self._level_states: dict[int, tuple[list[tuple[str, torch.Tensor, int]], State]] = {}  # _level_state
 
     def level_spec(self, level_index: int) -> dict[str, Any]:
         ranks = self.ranks[level_index]
@@ -71,8 +72,22 @@ class FedHMStrategy(HeteroStrategy):
 
     def level_payload(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State, dict[str, Any]]:
         ranks = self.ranks[level_index]
-        state = factorize_state(global_state, ranks, self._svds(global_state)) if ranks else dict(global_state)
+        state = self._level_state(level_index, global_state) if ranks else dict(global_state)
         return self.level_spec(level_index), state, {"frobenius_decay": bool(self.cfg.method.frobenius_decay)}
+
+    def _level_state(self, level_index: int, global_state: State) -> State:
+        """A level's hybrid state, cut once per model version: the evaluation's deployable model and
+        the next round's payload are the same tensors (so the payload's Arrays are serialised once
+        too). Recognised by the global state's tensors themselves (held, so never confused with
+        later ones) and their version counters (an in-place change makes them new)."""
+        held = self._level_states.get(level_index)
+        if held is not None and len(held[0]) == len(global_state) and all(
+                key == k and tensor is t and tensor._version == v
+                for (key, tensor), (k, t, v) in zip(global_state.items(), held[0])):
+            return dict(held[1])
+        state = factorize_state(global_state, self.ranks[level_index], self._svds(global_state))
+        self._level_states[level_index] = ([(k, t, t._version) for k, t in global_state.items()], state)
+        return dict(state)
 
     def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
         states = [r.state for r in replies]
