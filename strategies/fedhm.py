@@ -46,7 +46,8 @@ class FedHMStrategy(HeteroStrategy):
         self.layer_ranks = {name: sorted({r[name] for r in self.ranks if name in r}) for name in self.factorized}
         tolerance = cfg.method.get("svd_tolerance")  # (absent from configs saved before it existed)
         self.svd_tolerance = SVD_TOLERANCE if tolerance is None else float(tolerance)
-        self._svd_cache: dict[str, tuple[torch.Tensor, SVD]] = {}  # layer -> (weight it was computed from, SVD)
+        # layer -> (weight it was computed from, SVD, that weight's version counter: an in-place change voids it)
+        self._svd_cache: dict[str, tuple[torch.Tensor, SVD, int]] = {}
         self._level_states: dict[int, tuple[list[tuple[str, torch.Tensor, int]], State]] = {}  # _level_state
 
     def level_spec(self, level_index: int) -> dict[str, Any]:
@@ -56,15 +57,16 @@ class FedHMStrategy(HeteroStrategy):
     def _svds(self, global_state: State) -> dict[str, SVD]:
         """One SVD per factorizable layer of this global state, reused while the layer's weight is
         unchanged (same tensor, or equal content: the evaluation and the next round receive the
-        merged state through a fresh ArrayRecord)."""
+        merged state through a fresh ArrayRecord; a tensor changed in place since is not)."""
         def fresh(name: str) -> bool:
             cached, weight = self._svd_cache.get(name), global_state[f"{name}.weight"]
-            return cached is not None and (cached[0] is weight or (
+            return cached is not None and cached[0]._version == cached[2] and (cached[0] is weight or (
                 cached[0].shape == weight.shape and torch.equal(cached[0], weight)))
 
         stale = [name for name in self.factorized if not fresh(name)]
         for name, svd in compute_svds(global_state, stale, self.layer_ranks, self.svd_tolerance).items():
-            self._svd_cache[name] = (global_state[f"{name}.weight"], svd)
+            weight = global_state[f"{name}.weight"]
+            self._svd_cache[name] = (weight, svd, weight._version)
         return {name: self._svd_cache[name][1] for name in self.factorized}
 
     def begin_round(self, server_round: int, global_state: State) -> None:
