@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import json
-import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.common import echo, identity_query, timed
+import torch
+
+from bench.common import echo, identity_query, spread, timed
 from fedhm_flwr.config import load_config, model_spec
 
 # ------------------------------------------------------------------------------------ figure 1
@@ -62,9 +64,21 @@ def figure_server_time(quick: bool) -> dict[str, Any]:
             t_agg = timed(aggregate, repeats, warmup=0)
             pieces: dict[str, Any] = {"configure_train": t_conf, "aggregate_train": t_agg}
             if method == "fedhm":  # chained rounds: each hands out a new model version (no cache hit)
-                pieces = fedhm_round_against_floor(strategy, grid, state, repeats)
+                chain = repeats if arch.startswith("resnet") else 15
+                pieces = fedhm_round_against_floor(strategy, grid, state, chain)
+                # and at one thread, timed by the thread's CPU time: on a shared machine the wall
+                # clock of 2 OpenMP threads waits on other processes (an eigh of 96 × 96 took 0.3 ms
+                # at one thread and 20–40 ms at two, the cores busy), the floor's and the round's alike
+                threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+                try:
+                    row["fedhm_1thread"] = fedhm_round_against_floor(strategy, grid, state, 2 * chain, time.thread_time)
+                finally:
+                    torch.set_num_threads(threads)
             row[method] = pieces
         row["fedhm_over_floor"] = row["fedhm"]["round / floor"]["median_s"]
+        row["fedhm_over_floor_1thread"] = row["fedhm_1thread"]["round / floor"]["median_s"]
+        row["threads"] = torch.get_num_threads()
         row["floor_target"] = ROUND_OVER_FLOOR_TARGET[arch]
         row["fedhm_over_fedavg"] = (
             (row["fedhm"]["configure_train"]["median_s"] + row["fedhm"]["aggregate_train"]["median_s"])
@@ -85,7 +99,8 @@ def figure_server_time(quick: bool) -> dict[str, Any]:
     return out
 
 
-def fedhm_round_against_floor(strategy: Any, grid: Any, state: dict[str, Any], repeats: int) -> dict[str, Any]:
+def fedhm_round_against_floor(strategy: Any, grid: Any, state: dict[str, Any], repeats: int,
+                              clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """FedHM's server work of whole rounds against an independent floor, measured in the same process.
 
     A round (medians over ``repeats`` chained rounds, the first one not counted): ``configure_train``
@@ -98,7 +113,8 @@ def fedhm_round_against_floor(strategy: Any, grid: Any, state: dict[str, Any], r
     ``eigh`` of the smaller Gram matrix per factorizable layer of the merged state
     (:func:`bench.floors.decomposition_floor`) plus one weighted average of the replies by stacked
     factor products (:func:`bench.floors.average_floor`), each timed bare on the replies Flower
-    deserialised, right after the round it is compared with (the machine is shared).
+    deserialised, right after the round it is compared with (the machine is shared). ``clock``: the
+    wall clock, or ``time.thread_time`` (the thread's CPU time: all of a round at one torch thread).
     """
     from flwr.app import ArrayRecord
 
@@ -111,30 +127,30 @@ def fedhm_round_against_floor(strategy: Any, grid: Any, state: dict[str, Any], r
             "floor: float32 eigh of the Gram, one per layer", "floor: weighted average", "floor", "round / floor")
     parts: dict[str, list[float]] = {key: [] for key in keys}
     for k in range(repeats + 1):  # the round and its floor alternate, so that both see the same machine
-        t0 = time.perf_counter()
+        t0 = clock()
         msgs = list(strategy.configure_train(10_000 + k, arrays, None, grid))
-        t1 = time.perf_counter()
+        t1 = clock()
         replies = grid.send_and_receive(msgs)
-        t2 = time.perf_counter()
+        t2 = clock()
         arrays, _ = strategy.aggregate_train(10_000 + k, replies)
-        t3 = time.perf_counter()
+        t3 = clock()
         merged = strategy.state_of(arrays)  # as the evaluation gets it
         for index in range(len(strategy.levels)):
             strategy.deployable(index, merged)
-        t4 = time.perf_counter()
+        t4 = clock()
         floors.decomposition_floor([merged[f"{name}.weight"] for name in names], cut)
-        t5 = time.perf_counter()
+        t5 = clock()
         hybrid = [m.content["arrays"].to_torch_state_dict() for m in replies]
         weights = [1.0 / len(hybrid)] * len(hybrid)
-        t6 = time.perf_counter()
+        t6 = clock()
         floors.average_floor(merged, hybrid, weights)
-        t7 = time.perf_counter()
+        t7 = clock()
         if k:  # the first round is a warm-up
             server, floor = (t1 - t0) + (t4 - t2), (t5 - t4) + (t7 - t6)
             for key, value in zip(keys, (t1 - t0, t3 - t2, t4 - t3, server, t5 - t4, t7 - t6, floor, server / floor)):
                 parts[key].append(value)
-    out: dict[str, Any] = {key: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "repeats": len(v)}
-                           for key, v in parts.items()}
+    out: dict[str, Any] = {key: spread(v) for key, v in parts.items()}
+    out["clock"] = "thread CPU time" if clock is time.thread_time else "wall clock"
     out["floor_code"] = [floors.where(floors.decomposition_floor), floors.where(floors.average_floor)]
     return out
 
@@ -189,16 +205,23 @@ def server_time_markdown(f1: dict[str, Any]) -> list[str]:
         for method in ("fedhm", "fedavg"):
             p = row[method]
             pieces = ", ".join(f"{k} {v['median_s']:.3f}" for k, v in p.items()
-                               if k not in ("configure_train", "aggregate_train", "round / floor", "floor_code"))
+                               if k not in ("configure_train", "aggregate_train", "round / floor", "floor_code", "clock"))
             L.append(f"| {model} | {method} | {p['configure_train']['median_s']:.3f} "
                      f"[{p['configure_train']['min_s']:.3f}–{p['configure_train']['max_s']:.3f}] | "
                      f"{p['aggregate_train']['median_s']:.3f} [{p['aggregate_train']['min_s']:.3f}–{p['aggregate_train']['max_s']:.3f}] | {pieces} |")
         L.append(f"| {model} | FedHM / FedAvg | | | {row['fedhm_over_fedavg']:.2f}× |")
-        if "fedhm_over_floor" in row:
-            L.append(f"| {model} | FedHM round (configure + aggregate + evaluation's factorization) / floor | | | "
-                     f"median of per-round ratios **{row['fedhm_over_floor']:.2f}×** "
-                     f"[{row['fedhm']['round / floor']['min_s']:.2f}–{row['fedhm']['round / floor']['max_s']:.2f}]"
-                     + (f" (target ≤ {row['floor_target']:g}{'' if row['fedhm_over_floor'] <= row['floor_target'] else ' ✗'})"
+        for key, how in (("fedhm", f"{row.get('threads', '')} threads, wall clock"),
+                         ("fedhm_1thread", "1 thread, thread CPU time")):
+            ratio = row.get(key, {}).get("round / floor")
+            if ratio is None:
+                continue
+            parts = row[key]
+            L.append(f"| {model} | FedHM round (configure + aggregate + evaluation's factorization) / floor, {how} | "
+                     f"{parts['configure_train']['median_s']:.4f} | {parts['aggregate_train']['median_s']:.4f} | "
+                     f"round {parts['server_round']['median_s']:.4f} s, floor {parts['floor']['median_s']:.4f} s; "
+                     f"median of {ratio['repeats']} per-round ratios **{ratio['median_s']:.2f}×** "
+                     f"[{ratio['min_s']:.2f}–{ratio['max_s']:.2f}]"
+                     + (f" (target ≤ {row['floor_target']:g}{'' if ratio['median_s'] <= row['floor_target'] else ' ✗'})"
                         if "floor_target" in row else "") + " |")
     floor_code = next((r["fedhm"]["floor_code"] for r in f1["models"].values() if "floor_code" in r["fedhm"]), None)
     if floor_code:

@@ -146,7 +146,7 @@ class HeteroStrategy(Strategy):
         self._grid: Grid | None = None
         self._federated: ev.FederatedEvaluation | None = None  # this round's client-side evaluation
         self.federated_row: dict[str, Any] = {}
-        self._config_cache: dict[Any, Any] = {}  # this round's task-config parts shared by its nodes (_train_config)
+        self._config_cache: dict[Any, Any] = {}  # task-config parts shared by a round's nodes, or by all rounds' (_train_config)
         self._bn: ev.BnUse | None = None  # the last server evaluation's norm statistics (federated sums)
         self.untrusted = Untrusted(self)  # attacks, defences, client-level DP (failures.attack, aggregation, dp)
         self.wire_dtype = str(cfg.get("wire", {}).get("dtype", "float32"))  # arrays both ways (wire.dtype)
@@ -497,9 +497,10 @@ class HeteroStrategy(Strategy):
         info = self.nodes[node_id]
         # what every node of the round (of a payload, of a partition count) is told alike, built once
         cache = self._config_cache
-        if cache.get("round") != server_round:
+        if cache.get("round") != server_round:  # the run's parts (data specs, fixed train options) stay
+            kept = {k: v for k, v in cache.items() if isinstance(k, tuple) and k[0] in ("data", "fixed")}
             cache.clear()
-            cache["round"] = server_round
+            cache.update(kept, round=server_round, lr=learning_rate(cfg, server_round), seed=int(cfg.seed))
         if ("train", id(payload)) not in cache:
             cache[("train", id(payload))] = (payload, self._train_json(server_round, payload))
         if ("data", info.num_partitions) not in cache:
@@ -512,25 +513,26 @@ class HeteroStrategy(Strategy):
             wire.MODEL_SPEC: cache[("train", id(payload))][1][0],
             wire.TRAIN: cache[("train", id(payload))][1][1],
             wire.DATA_SPEC: cache[("data", info.num_partitions)],
-            wire.SEED: lv.client_seed(int(cfg.seed), server_round, self._partition_key(node_id)),
+            wire.SEED: lv.client_seed(cache["seed"], server_round, self._partition_key(node_id)),
             **self.wire_config(),
         })
 
     def _train_json(self, server_round: int, payload: Payload) -> tuple[str, str]:
         """(model spec, train options) of a payload this round, as the task config's JSON strings."""
-        cfg = self.cfg
-        train = {
-            "lr": learning_rate(cfg, server_round),
-            "local_epochs": int(cfg.train.local_epochs),
-            "batch_size": int(cfg.train.batch_size),
-            "momentum": float(cfg.train.momentum),
-            "weight_decay": float(cfg.train.weight_decay),
-            "masked_ce": bool(cfg.train.masked_ce),
-            "grad_clip": float(cfg.train.grad_clip),
-            "threads": max(1, int(math.floor(float(cfg.simulation.num_cpus)))),
-            **distill_options(cfg.train.get("distill")),
-            **payload.train,
-        }
+        cfg, cache = self.cfg, self._config_cache
+        if ("fixed",) not in cache:  # the same every round (read once: a config lookup costs microseconds)
+            cache[("fixed",)] = {
+                "local_epochs": int(cfg.train.local_epochs),
+                "batch_size": int(cfg.train.batch_size),
+                "momentum": float(cfg.train.momentum),
+                "weight_decay": float(cfg.train.weight_decay),
+                "masked_ce": bool(cfg.train.masked_ce),
+                "grad_clip": float(cfg.train.grad_clip),
+                "threads": max(1, int(math.floor(float(cfg.simulation.num_cpus)))),
+                **distill_options(cfg.train.get("distill")),
+            }
+        lr = cache["lr"] if cache.get("round") == server_round else learning_rate(cfg, server_round)
+        train = {"lr": lr, **cache[("fixed",)], **payload.train}
         return json.dumps(payload.spec), json.dumps(train)
 
     def wire_config(self) -> dict[str, str]:

@@ -43,6 +43,7 @@ class FedHMStrategy(HeteroStrategy):
         self.factorized = sorted({name for ranks in self.ranks for name in ranks})
         self.classifier_keys = classifier_keys(model)
         self.tau = float(cfg.method.tau)
+        self.frobenius_decay = bool(cfg.method.frobenius_decay)
         self.layer_ranks = {name: sorted({r[name] for r in self.ranks if name in r}) for name in self.factorized}
         tolerance = cfg.method.get("svd_tolerance")  # (absent from configs saved before it existed)
         self.svd_tolerance = SVD_TOLERANCE if tolerance is None else float(tolerance)
@@ -75,7 +76,7 @@ class FedHMStrategy(HeteroStrategy):
     def level_payload(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State, dict[str, Any]]:
         ranks = self.ranks[level_index]
         state = self._level_state(level_index, global_state) if ranks else dict(global_state)
-        return self.level_spec(level_index), state, {"frobenius_decay": bool(self.cfg.method.frobenius_decay)}
+        return self.level_spec(level_index), state, {"frobenius_decay": self.frobenius_decay}
 
     def _level_state(self, level_index: int, global_state: State) -> State:
         """A level's hybrid state, cut once per model version: the evaluation's deployable model and

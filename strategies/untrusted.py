@@ -89,6 +89,7 @@ class Untrusted:
         self.attack = cfg.failures.attack
         self.agg = cfg.aggregation
         self.dp = cfg.dp
+        self._no_attack = str(self.attack.kind) == "none" or float(self.attack.fraction) <= 0  # (asked per node)
         self.accountant = RdpAccountant() if self.dp.enabled else None
         self.columns: dict[str, Any] = {}
         self._references: dict[int, tuple[Any, State]] = {}
@@ -114,9 +115,9 @@ class Untrusted:
     # ------------------------------------------------------------------ attacks
 
     def is_attacker(self, node_id: int) -> bool:
-        kind, fraction = str(self.attack.kind), float(self.attack.fraction)
-        if kind == "none" or fraction <= 0:
+        if self._no_attack:
             return False
+        fraction = float(self.attack.fraction)
         s = self.strategy
         info, key, seed = s.nodes.get(node_id), s._partition_key(node_id), int(s.cfg.seed)
         if info is not None and info.partition_id is not None and info.num_partitions and key == info.partition_id:
