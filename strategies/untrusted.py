@@ -89,7 +89,9 @@ class Untrusted:
         self.attack = cfg.failures.attack
         self.agg = cfg.aggregation
         self.dp = cfg.dp
-        self._no_attack = str(self.attack.kind) == "none" or float(self.attack.fraction) <= 0  # (asked per node)
+        # read once, asked per node and per reply
+        self._no_attack = str(self.attack.kind) == "none" or float(self.attack.fraction) <= 0
+        self._max_norm = float(self.agg.get("max_norm", MAX_NORM))
         self.accountant = RdpAccountant() if self.dp.enabled else None
         self.columns: dict[str, Any] = {}
         self._references: dict[int, tuple[Any, State]] = {}
@@ -105,7 +107,7 @@ class Untrusted:
 
     def screen(self, state: State) -> str | None:
         """Why a reply's tensors are refused before any merge, or None (:func:`robust.oversized`)."""
-        return robust.oversized(state, float(self.agg.get("max_norm", MAX_NORM)))
+        return robust.oversized(state, self._max_norm)
 
     @property
     def expected_clients(self) -> float:
