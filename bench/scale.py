@@ -23,6 +23,9 @@ from fedhm_flwr.config import load_config, model_spec
 #: where ``--scale-clients`` keeps its figure (tracked, unlike bench/reports)
 SCALE_DIR = Path(__file__).resolve().parent / "scale"
 
+#: training examples per client in the large run and its reference (Fashion-MNIST's 60,000 / 10,000)
+LARGE_EXAMPLES_PER_CLIENT = 6
+
 
 class TreeMemory:
     """Samples the resident memory of this process and all its descendants (Linux /proc)."""
@@ -71,13 +74,14 @@ class TreeMemory:
         self._thread.join()
 
 
-def scale_run(clients: int, per_round: int, rounds: int, query: str) -> dict[str, Any]:
+def scale_run(clients: int, per_round: int, rounds: int, query: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """One ``flwr run`` of ``clients`` simulated clients, ``per_round`` sampled per round, with
-    ``availability.query`` = ``query``: per-round times and the ratios measured in that run."""
+    ``availability.query`` = ``query`` (and the ``extra`` overrides): per-round times and the ratios
+    measured in that run."""
     from fedhm_flwr.launch import run_job
 
     overrides = [f"num_clients={clients}", f"fraction_train={per_round / clients}", f"rounds={rounds}",
-                 "evaluation.levels=false", "dataset.max_test_examples=2000", f"availability.query={query}"]
+                 "evaluation.levels=false", "dataset.max_test_examples=2000", f"availability.query={query}", *extra]
     with tempfile.TemporaryDirectory() as tmp, TreeMemory() as mem:
         t0 = time.perf_counter()
         summary = run_job(overrides, Path(tmp) / "run", quiet=True)
@@ -152,18 +156,26 @@ def figure_scale(quick: bool, scale_clients: int | None = None) -> dict[str, Any
     time, server time ÷ round time and peak memory, each measured in the same run; with
     ``availability.query=sampled`` (a round asks only its own new nodes), and, outside ``--quick``,
     with ``all`` (every node asked when it connects) for comparison. With ``scale_clients`` N
-    (``--scale-clients``): also N clients, 100 per round (``sampled``), its round 2 against the
-    1000-client one's, and the server's per-node state at 1000, N/2 and N nodes
-    (:func:`server_state_per_node`), saved to ``bench/scale/scale-N.json``. Without it, the newest
-    saved figure is attached as ``large_saved``."""
+    (``--scale-clients``): the ``sampled`` runs only, and N clients, 100 per round (``sampled``), its
+    round 2 against a 1000-client reference run with the same examples per client, both split IID,
+    and the server's per-node state at 1000, N/2 and N nodes (:func:`server_state_per_node`), saved
+    to ``bench/scale/scale-N.json``. Without it, the newest saved figure is attached as ``large_saved``."""
     clients, per_round, rounds = (200, 20, 2) if quick else (1000, 100, 3)
-    runs = {query: scale_run(clients, per_round, rounds, query) for query in (("sampled",) if quick else ("sampled", "all"))}
+    queries = ("sampled",) if quick or scale_clients else ("sampled", "all")
+    runs = {query: scale_run(clients, per_round, rounds, query) for query in queries}
     out: dict[str, Any] = {"clients": clients, "per_round": per_round, "rounds": rounds, "runs": runs,
                            "goal": "round 1 <= 1.5 x round 2; query time <= 5 % of every round; peak memory < 8 GiB"}
     if scale_clients:
-        big = scale_run(scale_clients, per_round, rounds, "sampled")
-        big["round2_over_small_round2"] = big["round_seconds"][1] / runs["sampled"]["round_seconds"][1]
-        out["large"] = {"clients": scale_clients, "run": big,
+        # like for like: the same examples per client at both sizes, split IID (a Dirichlet split of
+        # Fashion-MNIST's 60,000 images cannot give 10,000 clients two examples each)
+        same = ("partition.scheme=iid",)
+        ref = scale_run(clients, per_round, rounds, "sampled",
+                        same + (f"dataset.max_train_examples={LARGE_EXAMPLES_PER_CLIENT * clients}",))
+        big = scale_run(scale_clients, per_round, rounds, "sampled",
+                        same + (f"dataset.max_train_examples={LARGE_EXAMPLES_PER_CLIENT * scale_clients}",))
+        big["round2_over_small_round2"] = big["round_seconds"][1] / ref["round_seconds"][1]
+        out["large"] = {"clients": scale_clients, "run": big, "reference": ref,
+                        "overrides": [*same, f"{LARGE_EXAMPLES_PER_CLIENT} training examples per client"],
                         "goal": f"peak memory < 8 GiB; round 2 <= 1.5 x the {clients}-client round 2",
                         "server_state": server_state_per_node((clients, scale_clients // 2, scale_clients))}
         if not quick:
@@ -244,6 +256,11 @@ def large_markdown(large: dict[str, Any], f5: dict[str, Any]) -> list[str]:
           "| round | seconds | server s | nodes asked | replies |", "|---|---|---|---|---|"]
     for i, (sec, ss, na, n) in enumerate(zip(r["round_seconds"], r["server_seconds"], r["queried"], r["replies"]), 1):
         L.append(f"| {i} | {sec:.1f} | {ss:.2f} | {na} | {n} |")
+    ref = large.get("reference")
+    if ref:
+        L += ["", f"Both runs: {', '.join(large['overrides'])}. The {f5['clients']}-client reference's rounds: "
+              + ", ".join(f"{sec:.1f} s" for sec in ref["round_seconds"]) + f" (peak memory "
+              f"{ref['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB, start-up {ref['startup_seconds'] or 0:.1f} s)."]
     L += ["", f"- round 2 ÷ the {f5['clients']}-client round 2: **{r['round2_over_small_round2']:.2f}**; "
           f"peak resident memory of the process tree **{r['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB**; "
           f"start-up before round 1 {r['startup_seconds'] or 0:.1f} s ({r['startup_queried']} nodes asked); "
