@@ -2,9 +2,9 @@
 they measure.
 
 Nothing here imports ``fedhm_flwr`` or ``strategies`` (tests/test_bench_floors.py checks the
-imports, and that each floor computes what the code it bounds computes). The harness in
-``bench/run.py`` hands the floors plain tensors and modules; each report row names the floor's
-code path (:func:`where`).
+imports, and that each floor computes what the code it bounds computes). The harnesses
+(``bench/server.py``, ``bench/training.py``) hand the floors plain tensors and modules; each report
+row names the floor's code path (:func:`where`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from fedhm_flwr.lowrank import factor_matrices, layer_matrix, matrix_to_conv
+from fedhm_flwr.lowrank import factor_matrices, matrix_to_conv
 
 State = dict[str, torch.Tensor]
 
@@ -107,7 +107,7 @@ def stacked_average(tensors: Sequence[Sequence[torch.Tensor]], weights: torch.Te
     """``sum_i weights[i] * tensors[i][j]`` for every position ``j``, as one product of the
     (clients x values) matrix of the flattened float32 tensors."""
     shapes = [t.shape for t in tensors[0]]
-    matrix = torch.stack([torch.cat([t.reshape(-1) for t in client]) for client in tensors])
+    matrix = torch.cat([t.reshape(-1) for client in tensors for t in client]).view(len(tensors), -1)
     flat = weights.to(matrix.dtype) @ matrix
     return [part.view(shape) for part, shape in zip(flat.split([math.prod(s) for s in shapes]), shapes)]
 
@@ -149,12 +149,20 @@ def _layer_sum(previous: torch.Tensor, states: Sequence[Mapping[str, torch.Tenso
     full = [i for i, r in enumerate(ranks) if name not in r]
     total = None
     if factored:
-        pairs = [factor_matrices(states[i][f"{name}.a.weight"], states[i][f"{name}.b.weight"])[:2] for i in factored]
-        A = torch.cat([a.to(torch.float32) * float(w[i]) for (a, _), i in zip(pairs, factored)], dim=1)
-        B = torch.cat([b.to(torch.float32) for _, b in pairs], dim=0)
-        total = A @ B
+        # the clients' factors side by side first, unrolled once (the same matrices as unrolling
+        # each client's and joining them), each client's columns times its weight in float32
+        a_weights = [states[i][f"{name}.a.weight"].to(torch.float32) for i in factored]
+        b_weights = [states[i][f"{name}.b.weight"].to(torch.float32) for i in factored]
+        A, B, _ = factor_matrices(torch.cat(a_weights, dim=1), torch.cat(b_weights, dim=0))
+        scale = torch.cat([torch.full((a.shape[1],), float(w[i]), dtype=torch.float32)
+                           for a, i in zip(a_weights, factored)])
+        total = (A * scale) @ B
     if full:
-        stacked = torch.stack([layer_matrix(states[i][f"{name}.weight"]).to(torch.float32) for i in full])
+        weights = [states[i][f"{name}.weight"].to(torch.float32) for i in full]
+        stacked = torch.stack(weights)  # (clients, n, m, k, k) or (clients, out, in): unrolled at once
+        if stacked.ndim == 5:
+            c, n, m, k, _ = stacked.shape
+            stacked = stacked.permute(0, 1, 3, 2, 4).reshape(c, n * k, m * k)
         part = torch.tensordot(torch.as_tensor(w[full], dtype=torch.float32), stacked, dims=1)
         total = part if total is None else total + part
     shape = tuple(previous.shape)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -19,8 +18,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from flwr.app import Array, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
+
+# arrays on the wire, re-exported as part of the contract (wire.wire_array, wire.record_tensors, ...)
+from fedhm_flwr.wire_arrays import (WIRE_DTYPES, array_record, from_wire, npy_header,  # noqa: F401
+                                    record_tensors, wire_array)
 
 if TYPE_CHECKING:  # torch is imported where tensors are converted: the config check imports this module
     import torch
@@ -48,66 +51,6 @@ NUM_EXAMPLES, CLASS_COUNTS, SECONDS = "num-examples", "class-counts", "seconds"
 TRAIN_LOSS, TRAIN_ACCURACY = "train-loss", "train-accuracy"
 EVAL_LOSS, EVAL_ACCURACY = "eval-loss", "eval-accuracy"
 RAY_NODE = "ray-node"  # simulation: the first 12 hex digits of the Ray node id the client ran on, as an int
-
-
-# arrays on the wire (wire.dtype): floating tensors travel in this dtype, the rest as they are.
-# Flower's Array holds numpy data and numpy has no bfloat16: a bfloat16 tensor travels as its
-# raw 16 bits in an int16 array, which the receiver (told the wire dtype) reinterprets.
-WIRE_DTYPES = ("float32", "float16", "bfloat16")
-
-
-def wire_array(tensor: torch.Tensor, dtype: str = "float32") -> Array:
-    """One tensor as a flwr Array in the wire dtype (floating tensors cast, others unchanged)."""
-    import torch
-
-    tensor = tensor.detach()
-    if tensor.is_floating_point():
-        tensor = tensor.to(getattr(torch, dtype))
-        if dtype == "bfloat16":
-            tensor = tensor.view(torch.int16)
-    return Array.from_torch_tensor(tensor.contiguous())
-
-
-def record_tensors(record: Any) -> dict[str, torch.Tensor]:
-    """An ArrayRecord's tensors, each copied once out of its Array's bytes.
-
-    Flower's ``to_torch_state_dict`` parses every array's ``.npy`` header with ``np.load`` (a third
-    of a round's aggregation at ResNet-18 size); here an array whose header declares the Array's own
-    dtype in C order is read from the end of its bytes (where ``np.save`` puts the data), anything
-    else goes through ``Array.numpy()``."""
-    import numpy as np
-    import torch
-
-    out = {}
-    for key, array in record.items():
-        tensor = None
-        if array.stype == "numpy.ndarray":
-            try:
-                dtype = np.dtype(array.dtype)
-            except TypeError:
-                dtype = None
-            if dtype is not None and not dtype.hasobject:
-                nbytes = dtype.itemsize * math.prod(array.shape)
-                offset = len(array.data) - nbytes
-                header = bytes(array.data[:min(max(offset, 0), 4096)])
-                if offset > 0 and header.startswith(b"\x93NUMPY") and b"'fortran_order': False" in header \
-                        and f"'descr': '{dtype.str}'".encode() in header and f"'shape': {tuple(array.shape)}".encode() in header:
-                    flat = np.frombuffer(array.data, dtype=dtype, count=math.prod(array.shape), offset=offset)
-                    tensor = torch.from_numpy(flat.copy()).view(tuple(array.shape))
-        out[key] = tensor if tensor is not None else torch.from_numpy(array.numpy())
-    return out
-
-
-def from_wire(state: Mapping[str, torch.Tensor], dtype: str = "float32") -> dict[str, torch.Tensor]:
-    """A state dict received in the wire dtype, back in float32 (other tensors unchanged)."""
-    import torch
-
-    out = {}
-    for key, tensor in state.items():
-        if dtype == "bfloat16" and tensor.dtype == torch.int16:
-            tensor = tensor.view(torch.bfloat16)
-        out[key] = tensor.float() if tensor.is_floating_point() else tensor
-    return out
 
 
 @dataclass
@@ -302,8 +245,8 @@ class TaskConfigs:
               options: Callable[[], dict[str, Any]], num_partitions: int | None,
               data_spec: Callable[[int | None], dict[str, Any]], seed: int, dtype: str) -> ConfigRecord:
         """The TRAIN task config of one node (``options()``: the round's train options)."""
-        if self._round != server_round:
-            self._round, self._train, self._data = server_round, {}, {}
+        if self._round != server_round:  # the data specs stay: they do not change with the round
+            self._round, self._train = server_round, {}
         if id(payload) not in self._train:
             self._train[id(payload)] = (payload, (json.dumps(payload.spec), json.dumps({**options(), **payload.train})))
         if num_partitions not in self._data:

@@ -249,8 +249,8 @@ def oversized(state: Mapping[str, Tensor], bound: float) -> str | None:
     float32's overflow (3.4e38). One float32 norm per tensor first (NaN/inf make it non-finite;
     a float32 overflow of the squares means a norm far above any allowed bound); each tensor is
     looked at in detail only when that pass fails."""
-    floats = [v for v in state.values() if v.is_floating_point()]
-    if not floats or bool((torch.stack([torch.linalg.vector_norm(v.float()) for v in floats]) <= bound).all()):
+    floats = [v.float() for v in state.values() if v.is_floating_point()]
+    if not floats or bool((torch.stack(torch._foreach_norm(floats)) <= bound).all()):  # one call for all
         return None
     for key, value in state.items():
         if not value.is_floating_point():

@@ -104,7 +104,7 @@ class HeteroStrategy(Strategy):
 
     def global_record(self, state: State) -> ArrayRecord:
         """The global state as the round's ArrayRecord (float32: the server keeps float32)."""
-        self._global_record = ArrayRecord.from_array_dict(self.array_cache.arrays(state, "float32"))
+        self._global_record = wire.array_record(self.array_cache.arrays(state, "float32"))
         return self._global_record
 
     def state_of(self, arrays: ArrayRecord) -> State:
@@ -147,7 +147,7 @@ class HeteroStrategy(Strategy):
         return self.tasks.train(
             server_round, self.name, self.levels[index], index, payload, lambda: self._train_options(server_round),
             self.nodes[node_id].num_partitions, lambda n: data_spec(self.cfg, n),
-            lv.client_seed(int(self.cfg.seed), server_round, self.registry.key(node_id)), self.wire_dtype)
+            lv.client_seed(self.attacks.seed, server_round, self.registry.key(node_id)), self.wire_dtype)
 
     def _validate(self, node_id: int, msg: Message) -> tuple[Reply | None, str]:
         """Check a reply against what was sent to that node; (None, reason) when malformed."""
@@ -198,7 +198,7 @@ class HeteroStrategy(Strategy):
         for node_id in node_ids:
             index = assignment[node_id]
             payload = self.node_payload(node_id, index, self.global_state, payloads)
-            record = ArrayRecord.from_array_dict(payload.arrays)  # fresh record, shared bytes
+            record = wire.array_record(payload.arrays)  # fresh record, shared Arrays
             config = self._train_config(server_round, node_id, index, payload)
             if node_id in injected:
                 config[wire.INJECT] = injected[node_id]

@@ -44,10 +44,13 @@ class FedHM(Method):
         self.factorized = sorted({name for ranks in self.ranks for name in ranks})
         self.classifier_keys = classifier_keys(model)
         self.tau = float(cfg.method.tau)
+        self.frobenius_decay = bool(cfg.method.frobenius_decay)
         self.layer_ranks = {name: sorted({r[name] for r in self.ranks if name in r}) for name in self.factorized}
         tolerance = cfg.method.get("svd_tolerance")  # (absent from configs saved before it existed)
         self.svd_tolerance = SVD_TOLERANCE if tolerance is None else float(tolerance)
-        self._svd_cache: dict[str, tuple[torch.Tensor, SVD]] = {}  # layer -> (weight it was computed from, SVD)
+        # layer -> (weight it was computed from, SVD, that weight's version counter: an in-place change voids it)
+        self._svd_cache: dict[str, tuple[torch.Tensor, SVD, int]] = {}
+        self._level_states: dict[int, tuple[list[tuple[str, torch.Tensor, int]], State]] = {}  # _level_state
 
     def level_spec(self, level_index: int) -> dict[str, Any]:
         ranks = self.ranks[level_index]
@@ -56,15 +59,16 @@ class FedHM(Method):
     def _svds(self, global_state: State) -> dict[str, SVD]:
         """One SVD per factorizable layer of this global state, reused while the layer's weight is
         unchanged (same tensor, or equal content: the evaluation and the next round receive the
-        merged state through a fresh ArrayRecord)."""
+        merged state through a fresh ArrayRecord; a tensor changed in place since is not)."""
         def fresh(name: str) -> bool:
             cached, weight = self._svd_cache.get(name), global_state[f"{name}.weight"]
-            return cached is not None and (cached[0] is weight or (
+            return cached is not None and cached[0]._version == cached[2] and (cached[0] is weight or (
                 cached[0].shape == weight.shape and torch.equal(cached[0], weight)))
 
         stale = [name for name in self.factorized if not fresh(name)]
         for name, svd in compute_svds(global_state, stale, self.layer_ranks, self.svd_tolerance).items():
-            self._svd_cache[name] = (global_state[f"{name}.weight"], svd)
+            weight = global_state[f"{name}.weight"]
+            self._svd_cache[name] = (weight, svd, weight._version)
         return {name: self._svd_cache[name][1] for name in self.factorized}
 
     def begin_round(self, server_round: int, global_state: State) -> None:
@@ -72,8 +76,22 @@ class FedHM(Method):
 
     def level_payload(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State, dict[str, Any]]:
         ranks = self.ranks[level_index]
-        state = factorize_state(global_state, ranks, self._svds(global_state)) if ranks else dict(global_state)
-        return self.level_spec(level_index), state, {"frobenius_decay": bool(self.cfg.method.frobenius_decay)}
+        state = self._level_state(level_index, global_state) if ranks else dict(global_state)
+        return self.level_spec(level_index), state, {"frobenius_decay": self.frobenius_decay}
+
+    def _level_state(self, level_index: int, global_state: State) -> State:
+        """A level's hybrid state, cut once per model version: the evaluation's deployable model and
+        the next round's payload are the same tensors (so the payload's Arrays are serialised once
+        too). Recognised by the global state's tensors themselves (held, so never confused with
+        later ones) and their version counters (an in-place change makes them new)."""
+        held = self._level_states.get(level_index)
+        if held is not None and len(held[0]) == len(global_state) and all(
+                key == k and tensor is t and tensor._version == v
+                for (key, tensor), (k, t, v) in zip(global_state.items(), held[0])):
+            return dict(held[1])
+        state = factorize_state(global_state, self.ranks[level_index], self._svds(global_state))
+        self._level_states[level_index] = ([(k, t, t._version) for k, t in global_state.items()], state)
+        return dict(state)
 
     def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
         states = [r.state for r in replies]

@@ -93,13 +93,15 @@ class Attacks:
         self.failures = cfg.failures
         self.attack = cfg.failures.attack
         self.seed = int(cfg.seed)
+        # read once, asked per node
+        self._no_attack = str(self.attack.kind) == "none" or float(self.attack.fraction) <= 0
         self.columns: dict[str, Any] = {}
 
     def is_attacker(self, info: Any, key: int, node_id: int) -> bool:
         """``info``: the node's :class:`fedhm_flwr.protocol.NodeInfo` (None: unknown); ``key``: its stable key."""
-        kind, fraction = str(self.attack.kind), float(self.attack.fraction)
-        if kind == "none" or fraction <= 0:
+        if self._no_attack:
             return False
+        fraction = float(self.attack.fraction)
         if info is not None and info.partition_id is not None and info.num_partitions and key == info.partition_id:
             return info.partition_id in attacker_partitions(int(info.num_partitions), fraction, self.seed)
         return hashed_attacker(info.identity() if info is not None else f"node:{node_id}", fraction, self.seed)
@@ -141,6 +143,7 @@ class Untrusted:
         self.attack = cfg.failures.attack
         self.agg = cfg.aggregation
         self.dp = cfg.dp
+        self._max_norm = float(self.agg.get("max_norm", MAX_NORM))  # read once, asked per reply
         self.history = history  # the run's rows (a resumed run's accountant replays them; the summary)
         self.wire_dtype = str(cfg.get("wire", {}).get("dtype", "float32"))
         self.accountant = RdpAccountant() if self.dp.enabled else None
@@ -159,7 +162,7 @@ class Untrusted:
 
     def screen(self, state: State) -> str | None:
         """Why a reply's tensors are refused before any merge, or None (:func:`robust.oversized`)."""
-        return robust.oversized(state, float(self.agg.get("max_norm", MAX_NORM)))
+        return robust.oversized(state, self._max_norm)
 
     @property
     def expected_clients(self) -> float:

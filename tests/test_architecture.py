@@ -31,7 +31,7 @@ SIBLINGS = {("round", "client"), ("client", "round")}
 
 LAYERS: dict[str, tuple[str, ...]] = {
     # the wire contract and the project's errors: everything may use them
-    "base": ("fedhm_flwr", "fedhm_flwr.errors", "fedhm_flwr.protocol"),
+    "base": ("fedhm_flwr", "fedhm_flwr.errors", "fedhm_flwr.protocol", "fedhm_flwr.wire_arrays"),
     # pure functions on tensors and numbers, no Flower, no model registry
     "math": ("fedhm_flwr.lowrank", "fedhm_flwr.width", "fedhm_flwr.prism", "fedhm_flwr.lora", "fedhm_flwr.cmga",
              "fedhm_flwr.aggregation", "fedhm_flwr.robust", "fedhm_flwr.privacy", "fedhm_flwr.attacks",
@@ -84,8 +84,7 @@ TORCH_FREE_PATH = {
     ("fedhm_flwr.config_methods", "fedhm_flwr.models"): "a user's model (model.target)",
     ("fedhm_flwr.config_methods", "fedhm_flwr.models.vit"): "a pre-trained ViT's checkpoint",
     ("fedhm_flwr.specs", "fedhm_flwr.models.vit"): "a ViT's model spec",
-    ("fedhm_flwr.protocol", "torch"): "the wire dtypes, read by the config check",
-    ("fedhm_flwr.protocol", "numpy"): "the wire dtypes, read by the config check",
+    ("fedhm_flwr.wire_arrays", "torch"): "the wire dtypes, read by the config check (through protocol)",
 }
 
 #: pure-math files allowed over MAX_LINES (none today: lowrank.py, the longest, is under it)
@@ -111,7 +110,6 @@ KNOWN_INNER = {
 #: files over MAX_LINES that other parts of #26 split
 KNOWN_LONG = {
     "fedhm_flwr/summary.py": "reporting (#27)",
-    "bench/run.py": "bench (#25)",
 }
 
 

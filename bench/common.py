@@ -1,0 +1,44 @@
+"""What the bench's figures share: a median timer and the instant clients of the server figures."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median and spread (min, max) of ``fn``'s wall time in seconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return spread(times)
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """``{median_s, min_s, max_s, repeats}`` of measured values (seconds, or ratios of them)."""
+    return {"median_s": statistics.median(values), "min_s": min(values), "max_s": max(values), "repeats": len(values)}
+
+
+def identity_query(msg: Any, context: Any) -> Any:
+    """The node-info answer of a node that holds no data (the server figures never train on any,
+    and ResNet's CIFAR-10 need not be on this machine): its identity, without the example count the
+    run's data spec would ask for (:func:`clients.base.node_info`)."""
+    from flwr.app import Message, RecordDict
+
+    from clients.base import node_info
+
+    return Message(RecordDict({"config": node_info(context)}), reply_to=msg)
+
+
+def echo(msg: Any, context: Any) -> Any:
+    """A client that trains instantly: it sends back the arrays it received, 100 examples, every class."""
+    from flwr.app import Message, MetricRecord, RecordDict
+
+    metrics = MetricRecord({"num-examples": 100, "train-loss": 0.0, "class-counts": [10] * 10})
+    return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": metrics}), reply_to=msg)

@@ -1,0 +1,272 @@
+"""Figure 5: many simulated clients through ``flwr run`` (round times, node queries, start-up,
+peak memory of the process tree) and the server's per-node state.
+
+The 1000-client runs are part of every ``make bench``. ``--scale-clients N`` adds an N-client run
+(100 per round) and the per-node state at three node counts; that run takes long, so its figure is
+also written to ``bench/scale/scale-N.json`` (kept in the repository) and every later report
+shows the newest such file, with the machine, date and command that produced it."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from bench.common import echo, identity_query
+from fedhm_flwr.config import load_config, model_spec
+
+#: where ``--scale-clients`` keeps its figure (tracked, unlike bench/reports)
+SCALE_DIR = Path(__file__).resolve().parent / "scale"
+
+#: training examples per client in the large run and its reference (Fashion-MNIST's 60,000 / 10,000)
+LARGE_EXAMPLES_PER_CLIENT = 6
+
+
+class TreeMemory:
+    """Samples the resident memory of this process and all its descendants (Linux /proc)."""
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+
+    @staticmethod
+    def _children() -> dict[int, list[int]]:
+        kids: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as fh:
+                        ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+                    kids.setdefault(ppid, []).append(int(entry))
+                except (OSError, ValueError, IndexError):
+                    continue
+        return kids
+
+    def _rss(self) -> int:
+        kids, total, todo = self._children(), 0, [os.getpid()]
+        while todo:
+            pid = todo.pop()
+            todo += kids.get(pid, [])
+            try:
+                with open(f"/proc/{pid}/status") as fh:
+                    for line in fh:
+                        if line.startswith("VmRSS:"):
+                            total += int(line.split()[1]) * 1024
+            except OSError:
+                continue
+        return total
+
+    def __enter__(self) -> TreeMemory:
+        def loop() -> None:
+            while not self._stop.is_set():
+                self.peak = max(self.peak, self._rss())
+                self._stop.wait(self.interval)
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def scale_run(clients: int, per_round: int, rounds: int, query: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One ``flwr run`` of ``clients`` simulated clients, ``per_round`` sampled per round, with
+    ``availability.query`` = ``query`` (and the ``extra`` overrides): per-round times and the ratios
+    measured in that run."""
+    from fedhm_flwr.launch import run_job
+
+    overrides = [f"num_clients={clients}", f"fraction_train={per_round / clients}", f"rounds={rounds}",
+                 "evaluation.levels=false", "dataset.max_test_examples=2000", f"availability.query={query}", *extra]
+    with tempfile.TemporaryDirectory() as tmp, TreeMemory() as mem:
+        t0 = time.perf_counter()
+        summary = run_job(overrides, Path(tmp) / "run", quiet=True)
+        wall = time.perf_counter() - t0
+        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    seconds = [r["seconds"] for r in rows]
+    queries = [r.get("query_seconds", 0.0) for r in rows]
+    servers = [r["server_seconds"] for r in rows]
+    asked = [r.get("queried", 0) for r in rows]
+    # blocking query time per asked node in the rounds that asked any (warm workers; with
+    # ``sampled`` mostly asked ahead, during the previous round's evaluation)
+    later = [(q, n) for q, n in zip(queries, asked) if n]
+    per_node = sum(q for q, _ in later) / sum(n for _, n in later) if later else None
+    return {"query": query, "round_seconds": seconds, "server_seconds": servers, "query_seconds": queries,
+            "replies": [r["replies"] for r in rows], "bytes_queries": [r.get("bytes_queries", 0) for r in rows],
+            "queried": asked, "query_seconds_per_node": per_node,
+            # the start-up before round 1 (NodeRegistry.startup): the simulation's workers start on
+            # their first message (importing torch and the ClientApp) and the nodes find their data
+            "startup_seconds": summary.get("startup_seconds"), "startup_queried": summary.get("startup_queried"),
+            "round1_over_round2": seconds[0] / seconds[1] if len(seconds) > 1 else None,
+            "query_share": [q / s for q, s in zip(queries, seconds)],
+            "max_query_share": max(q / s for q, s in zip(queries, seconds)),
+            "server_share": [v / s for v, s in zip(servers, seconds)],
+            "job_wall_seconds": wall, "peak_rss_bytes_process_tree": mem.peak,
+            "final_acc": summary.get("final_acc/global")}
+
+
+def server_state_per_node(counts: tuple[int, ...], per_round: int = 100, rounds: int = 2) -> dict[str, Any]:
+    """The server's per-node state (node registry, caches: what ``strategies/`` allocates and keeps)
+    after the start-up and ``rounds`` rounds of ``per_round`` echoing clients (CNN, in process), for
+    each node count: traced bytes kept (tracemalloc, allocations made in ``strategies/``), per node."""
+    import gc
+    import tracemalloc
+
+    from flwr.app import ArrayRecord, MessageType
+
+    from fedhm_flwr.local_grid import LocalGrid
+    from fedhm_flwr.server_app import initial_state
+    from strategies import STRATEGIES
+
+    rows = {}
+    for n in (counts[0], *counts):  # the first one warms up (imports, one-time caches) and is not kept
+        cfg = load_config([f"num_clients={n}", f"fraction_train={per_round / n}", "availability.query=all"])
+        spec = model_spec(cfg)
+        grid = LocalGrid(n, {MessageType.TRAIN: echo, MessageType.QUERY: identity_query})
+        arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg, spec))
+        gc.collect()
+        tracemalloc.start()
+        strategy = STRATEGIES["fedhm"](cfg, spec)
+        t0 = time.perf_counter()
+        strategy.registry.startup(grid, 1)
+        startup = time.perf_counter() - t0
+        for r in range(1, rounds + 1):
+            replies = grid.send_and_receive(list(strategy.configure_train(r, arrays, None, grid)))
+            arrays, _ = strategy.aggregate_train(r, replies)
+        gc.collect()
+        snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/strategies/*")])
+        tracemalloc.stop()
+        kept = sum(stat.size for stat in snapshot.statistics("filename"))
+        rows[str(n)] = {"nodes": n, "known": len(strategy.registry.nodes), "server_state_bytes": kept,
+                        "bytes_per_known_node": kept / max(1, len(strategy.registry.nodes)), "startup_seconds": startup}
+        del strategy, grid
+    base, top = rows[str(counts[0])], rows[str(counts[-1])]
+    slope = (top["server_state_bytes"] - base["server_state_bytes"]) / max(1, counts[-1] - counts[0])
+    return {"per_round": per_round, "rounds": rounds, "rows": rows, "bytes_per_node": slope,
+            "note": "allocations made in strategies/ and still held (tracemalloc), CNN, echoing clients, "
+                    "availability.query=all: every node known"}
+
+
+def figure_scale(quick: bool, scale_clients: int | None = None) -> dict[str, Any]:
+    """1000 clients, 100 per round (``--quick``: 200, 20): round 1 ÷ round 2, query time ÷ round
+    time, server time ÷ round time and peak memory, each measured in the same run; with
+    ``availability.query=sampled`` (a round asks only its own new nodes), and, outside ``--quick``,
+    with ``all`` (every node asked when it connects) for comparison. With ``scale_clients`` N
+    (``--scale-clients``): the ``sampled`` runs only, and N clients, 100 per round (``sampled``), its
+    round 2 against a 1000-client reference run with the same examples per client, both split IID,
+    and the server's per-node state at 1000, N/2 and N nodes (:func:`server_state_per_node`), saved
+    to ``bench/scale/scale-N.json``. Without it, the newest saved figure is attached as ``large_saved``."""
+    clients, per_round, rounds = (200, 20, 2) if quick else (1000, 100, 3)
+    queries = ("sampled",) if quick or scale_clients else ("sampled", "all")
+    runs = {query: scale_run(clients, per_round, rounds, query) for query in queries}
+    out: dict[str, Any] = {"clients": clients, "per_round": per_round, "rounds": rounds, "runs": runs,
+                           "goal": "round 1 <= 1.5 x round 2; query time <= 5 % of every round; peak memory < 8 GiB"}
+    if scale_clients:
+        # like for like: the same examples per client at both sizes, split IID (a Dirichlet split of
+        # Fashion-MNIST's 60,000 images cannot give 10,000 clients two examples each)
+        same = ("partition.scheme=iid",)
+        ref = scale_run(clients, per_round, rounds, "sampled",
+                        same + (f"dataset.max_train_examples={LARGE_EXAMPLES_PER_CLIENT * clients}",))
+        big = scale_run(scale_clients, per_round, rounds, "sampled",
+                        same + (f"dataset.max_train_examples={LARGE_EXAMPLES_PER_CLIENT * scale_clients}",))
+        big["round2_over_small_round2"] = big["round_seconds"][1] / ref["round_seconds"][1]
+        out["large"] = {"clients": scale_clients, "run": big, "reference": ref,
+                        "overrides": [*same, f"{LARGE_EXAMPLES_PER_CLIENT} training examples per client"],
+                        "goal": f"peak memory < 8 GiB; round 2 <= 1.5 x the {clients}-client round 2",
+                        "server_state": server_state_per_node((clients, scale_clients // 2, scale_clients))}
+        if not quick:
+            save_large(out, scale_clients)
+    else:
+        out["large_saved"] = load_large()
+    return out
+
+
+def save_large(figure: dict[str, Any], clients: int) -> Path:
+    """``bench/scale/scale-N.json``: the whole figure 5 of a ``--scale-clients N`` run (its 1000-client
+    reference included), with the machine, commit, date and command, and its section of the report as
+    ``scale-N.md`` beside it."""
+    from bench.results import commit, machine
+
+    SCALE_DIR.mkdir(exist_ok=True)
+    saved = {"machine": machine(), "commit": commit(),
+             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+             "command": f"python -m bench.run --only 5 --scale-clients {clients}", "figure": figure}
+    path = SCALE_DIR / f"scale-{clients}.json"
+    path.write_text(json.dumps(saved, indent=1))
+    path.with_suffix(".md").write_text("\n".join(saved_markdown(saved)) + "\n")
+    return path
+
+
+def load_large() -> dict[str, Any] | None:
+    """The saved ``--scale-clients`` figure with the most clients, or None."""
+    found = sorted(SCALE_DIR.glob("scale-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    return json.loads(found[-1].read_text()) if found else None
+
+
+def scale_markdown(f5: dict[str, Any]) -> list[str]:
+    """Figure 5's section of the report (with the saved large-run figure when this run made none)."""
+    L: list[str] = []
+    L += [f"## 5. Scale: {f5['clients']} simulated clients, {f5['per_round']} per round", "",
+          f"Goal: {f5['goal']}.", "",
+          "| availability.query | round | seconds | server s | nodes asked | query s | query ÷ round | server ÷ round | replies |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    for query, r in f5["runs"].items():
+        for i, (s, ss, na, qs, n) in enumerate(zip(r["round_seconds"], r["server_seconds"], r["queried"],
+                                                   r["query_seconds"], r["replies"]), 1):
+            L.append(f"| {query} | {i} | {s:.1f} | {ss:.2f} | {na} | {qs:.2f} | {100 * qs / s:.1f} % | "
+                     f"{100 * ss / s:.1f} % | {n} |")
+    L.append("")
+    for query, r in f5["runs"].items():
+        ratio = r["round1_over_round2"]
+        L.append(f"- `{query}`: round 1 ÷ round 2 **{ratio:.2f}**; largest query share "
+                 f"**{100 * r['max_query_share']:.1f} %**; peak resident memory of the process tree (launcher, "
+                 f"SuperLink, ServerApp, Ray) **{r['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB**; "
+                 f"job {r['job_wall_seconds']:.0f} s." + (
+                     f" Blocking query time per asked node {1000 * r['query_seconds_per_node']:.1f} ms."
+                     if r.get("query_seconds_per_node") else "") + (
+                     f" Start-up before round 1 (Ray workers start on their first message, importing torch "
+                     f"and the ClientApp; nodes find their data): {r['startup_seconds']:.1f} s, "
+                     f"{r['startup_queried']} nodes asked." if r.get("startup_seconds") is not None else ""))
+    L.append("")
+    if "large" in f5:
+        L += large_markdown(f5["large"], f5)
+    elif f5.get("large_saved"):
+        L += saved_markdown(f5["large_saved"])
+    return L
+
+
+def saved_markdown(saved: dict[str, Any]) -> list[str]:
+    """The section of a saved ``--scale-clients`` figure, saying where, when and how it was measured."""
+    figure = saved["figure"]
+    return large_markdown(figure["large"], figure) + [
+        f"(Saved figure `bench/scale/scale-{figure['large']['clients']}.json`: measured {saved['date']} on "
+        f"{saved['machine']} at commit {saved['commit']} by `{saved['command']}`, next to that run's own {figure['clients']}-client rounds.)", ""]
+
+
+def large_markdown(large: dict[str, Any], f5: dict[str, Any]) -> list[str]:
+    """The large run's rows, its ratios against the 1000-client run and the per-node state."""
+    L: list[str] = []
+    r, st = large["run"], large["server_state"]
+    L += [f"### {large['clients']:,} simulated clients, {f5['per_round']} per round (`availability.query=sampled`)", "",
+          f"Goal: {large['goal']}.", "",
+          "| round | seconds | server s | nodes asked | replies |", "|---|---|---|---|---|"]
+    for i, (sec, ss, na, n) in enumerate(zip(r["round_seconds"], r["server_seconds"], r["queried"], r["replies"]), 1):
+        L.append(f"| {i} | {sec:.1f} | {ss:.2f} | {na} | {n} |")
+    ref = large.get("reference")
+    if ref:
+        L += ["", f"Both runs: {', '.join(large['overrides'])}. The {f5['clients']}-client reference's rounds: "
+              + ", ".join(f"{sec:.1f} s" for sec in ref["round_seconds"]) + f" (peak memory "
+              f"{ref['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB, start-up {ref['startup_seconds'] or 0:.1f} s)."]
+    L += ["", f"- round 2 ÷ the {f5['clients']}-client round 2: **{r['round2_over_small_round2']:.2f}**; "
+          f"peak resident memory of the process tree **{r['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB**; "
+          f"start-up before round 1 {r['startup_seconds'] or 0:.1f} s ({r['startup_queried']} nodes asked); "
+          f"job {r['job_wall_seconds']:.0f} s.",
+          f"- The server's per-node state ({st['note']}): "
+          + ", ".join(f"{int(k):,} nodes {v['server_state_bytes'] / 2**20:.2f} MiB "
+                      f"({v['bytes_per_known_node']:.0f} B per known node)" for k, v in st["rows"].items())
+          + f"; **{st['bytes_per_node']:.0f} bytes per node** (slope).", ""]
+    return L

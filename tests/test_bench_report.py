@@ -1,0 +1,61 @@
+"""The bench's report (bench/run.py): a saved ``--scale-clients`` figure appears in every later
+report with where it came from, the newest size first; bad figure numbers are refused up front."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import run, scale
+
+
+def _run(seconds: list[float]) -> dict:
+    return {"round_seconds": seconds, "server_seconds": [0.1] * len(seconds), "queried": [100] * len(seconds),
+            "query_seconds": [0.01] * len(seconds), "replies": [100] * len(seconds), "round1_over_round2": 1.0,
+            "max_query_share": 0.01, "peak_rss_bytes_process_tree": 3 * 2**30, "job_wall_seconds": 60.0,
+            "startup_seconds": 4.0, "startup_queried": 100}
+
+
+def _saved(clients: int, ratio: float) -> dict:
+    large = {"clients": clients, "run": {**_run([9.0, 6.0, 6.0]), "round2_over_small_round2": ratio},
+             "reference": _run([5.5, 4.5, 4.5]), "overrides": ["partition.scheme=iid"], "goal": "g",
+             "server_state": {"note": "n", "bytes_per_node": 321.0,
+                              "rows": {"1000": {"server_state_bytes": 2**20, "bytes_per_known_node": 1048.6}}}}
+    figure = {"clients": 1000, "per_round": 100, "rounds": 3, "runs": {"sampled": _run([5.0, 4.0, 4.0])},
+              "goal": "g", "large": large}
+    return {"machine": "m", "commit": "abc1234", "date": "2026-01-01 00:00 UTC",
+            "command": f"python -m bench.run --only 5 --scale-clients {clients}", "figure": figure}
+
+
+def test_the_newest_largest_saved_figure_reaches_every_report(tmp_path, monkeypatch):
+    monkeypatch.setattr(scale, "SCALE_DIR", tmp_path)
+    assert scale.load_large() is None
+    for clients, ratio in ((2000, 1.11), (10000, 1.37)):  # 10000 sorts before 2000 as text
+        (tmp_path / f"scale-{clients}.json").write_text(json.dumps(_saved(clients, ratio)))
+    figure = {k: v for k, v in _saved(10000, 0.0)["figure"].items() if k != "large"}
+    figure["large_saved"] = scale.load_large()
+    text = run.markdown({"machine": "here", "figures": {"5_scale": figure}})
+    assert "### 10,000 simulated clients" in text and "**1.37**" in text and "1.11" not in text
+    assert "`bench/scale/scale-10000.json`" in text and "abc1234" in text and "--scale-clients 10000" in text
+    assert "**321 bytes per node**" in text and "5.5 s, 4.5 s, 4.5 s" in text  # the reference's rounds
+
+
+def test_save_writes_the_figure_and_its_section(tmp_path, monkeypatch):
+    monkeypatch.setattr(scale, "SCALE_DIR", tmp_path)
+    saved = _saved(3000, 1.2)
+    path = scale.save_large(saved["figure"], 3000)
+    assert json.loads(path.read_text())["figure"] == saved["figure"]
+    assert "**1.20**" in path.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("argv, needle", [(["--only", "1,9"], "--only"), (["--scale-clients", "50"], "--scale-clients")])
+def test_bad_arguments_are_refused_before_any_figure(argv, needle, capsys, monkeypatch):
+    monkeypatch.setattr(run, "FIGURES", {k: (n, _fail, md) for k, (n, _, md) in run.FIGURES.items()})
+    with pytest.raises(SystemExit):
+        run.main(argv)
+    assert needle in capsys.readouterr().err
+
+
+def _fail(*args, **kwargs):
+    raise AssertionError("a figure ran despite a bad argument")
