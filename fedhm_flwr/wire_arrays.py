@@ -38,7 +38,7 @@ def wire_array(tensor: torch.Tensor, dtype: str = "float32") -> Array:
         if dtype == "bfloat16":
             tensor = tensor.view(torch.int16)
     ndarray = tensor.contiguous().cpu().numpy()
-    name, shape = str(ndarray.dtype), tuple(ndarray.shape)
+    name, shape = ndarray.dtype.name, tuple(ndarray.shape)  # (a tensor's numpy dtype is native: name == str)
     header = npy_header(name, shape)
     if header is None:
         return Array.from_numpy_ndarray(ndarray)
@@ -110,7 +110,7 @@ def record_tensors(record: Any) -> dict[str, torch.Tensor]:
                         offset = -1
                 if offset >= 0:
                     flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
-                    tensor = torch.from_numpy(flat.copy()).view(shape)
+                    tensor = torch.from_numpy(flat.reshape(shape).copy())  # (C order: as the Array's)
         out[key] = tensor if tensor is not None else torch.from_numpy(array.numpy())
     return out
 
