@@ -221,7 +221,7 @@ class Payload:
     shapes: dict[str, tuple[int, ...]]
     train: dict[str, Any] = field(default_factory=dict)  # method-specific client options
     returned: tuple[str, ...] | None = None  # keys a reply must hold (None: the keys sent)
-    _record: Any = field(default=None, repr=False, compare=False)  # the ArrayRecord record() copies
+    _record: Any = field(default=None, init=False, repr=False, compare=False)  # what record() copies
 
     def record(self) -> Any:
         """A fresh ArrayRecord of the payload's Arrays: a copy (``ArrayRecord.copy``) of one made once
@@ -249,7 +249,7 @@ class TaskConfigs:
     def __init__(self) -> None:
         self._round: int | None = None
         self._options: dict[str, Any] | None = None
-        self._train: dict[tuple[int, int | None], tuple[Payload, ConfigRecord]] = {}
+        self._train: dict[tuple[int, int | None, int], tuple[Payload, ConfigRecord]] = {}
         self._data: dict[int | None, str] = {}
 
     def train(self, server_round: int, method: str, level: float, level_index: int, payload: Payload,
@@ -258,7 +258,7 @@ class TaskConfigs:
         """The TRAIN task config of one node (``options()``: the round's train options)."""
         if self._round != server_round:  # the data specs stay: they do not change with the round
             self._round, self._options, self._train = server_round, None, {}
-        held = self._train.get((id(payload), num_partitions))
+        held = self._train.get((id(payload), num_partitions, level_index))
         if held is None or held[0] is not payload:
             if self._options is None:
                 self._options = options()
@@ -267,7 +267,7 @@ class TaskConfigs:
             record = ConfigRecord({SERVER_ROUND: server_round, METHOD: method, LEVEL: level, LEVEL_INDEX: level_index,
                                    MODEL_SPEC: json.dumps(payload.spec), TRAIN: json.dumps({**self._options, **payload.train}),
                                    DATA_SPEC: self._data[num_partitions], SEED: seed, **wire_config(dtype)})
-            held = self._train[(id(payload), num_partitions)] = (payload, record)
+            held = self._train[(id(payload), num_partitions, level_index)] = (payload, record)
         config = held[1].copy()
         config[SEED] = seed
         return config

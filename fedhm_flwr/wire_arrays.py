@@ -97,7 +97,7 @@ def record_tensors(record: Any) -> dict[str, torch.Tensor]:
     for key, array in record.items():
         tensor = None
         if array.stype == "numpy.ndarray":
-            dtype = _NUMPY_DTYPES.get(array.dtype)
+            dtype = _NUMPY_DTYPES.get(array.dtype) if isinstance(array.dtype, str) else None
             if dtype is None:
                 try:
                     dtype = np.dtype(array.dtype)
