@@ -231,7 +231,8 @@ def _gram_svd(matrix: Tensor, ranks: tuple[int, ...], dtype: torch.dtype, tolera
         return None
     S = C.norm(dim=1)
     order = S.argsort(descending=True)
-    S, Q, C = S[order], Q[:, order], C[order]
+    if not torch.equal(order, torch.arange(len(order))):  # (mostly in order already: no copies then)
+        S, Q, C = S[order], Q[:, order], C[order]
     other = C / S.clamp_min(torch.finfo(dtype).tiny).unsqueeze(1)
     return SVD(Q, S, other) if wide else SVD(other.t(), S, Q.t())
 

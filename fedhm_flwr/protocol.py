@@ -221,6 +221,14 @@ class Payload:
     shapes: dict[str, tuple[int, ...]]
     train: dict[str, Any] = field(default_factory=dict)  # method-specific client options
     returned: tuple[str, ...] | None = None  # keys a reply must hold (None: the keys sent)
+    _record: Any = field(default=None, init=False, repr=False, compare=False)  # what record() copies
+
+    def record(self) -> Any:
+        """A fresh ArrayRecord of the payload's Arrays: a copy (``ArrayRecord.copy``) of one made once
+        (Flower checks every entry it is given; the Arrays themselves are shared, never changed)."""
+        if self._record is None:
+            self._record = array_record(self.arrays)
+        return self._record.copy()
 
 
 def train_options(distill: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -233,12 +241,15 @@ def train_options(distill: Mapping[str, Any] | None) -> dict[str, Any]:
 
 class TaskConfigs:
     """One round's training task configs. What every node of a payload (or of a partition count) is
-    told alike is encoded once per round: the model spec and train options as JSON per payload, the
-    data spec per partition count."""
+    told alike is encoded once per round: the train options once, the model spec and train options
+    as JSON per payload, the data spec per partition count, and the whole record once per payload
+    and partition count (Flower checks every entry it is given): each node gets a copy of it
+    (``ConfigRecord.copy``, no second check) with its own seed."""
 
     def __init__(self) -> None:
         self._round: int | None = None
-        self._train: dict[int, tuple[Payload, tuple[str, str]]] = {}
+        self._options: dict[str, Any] | None = None
+        self._train: dict[tuple[int, int | None, int], tuple[Payload, ConfigRecord]] = {}
         self._data: dict[int | None, str] = {}
 
     def train(self, server_round: int, method: str, level: float, level_index: int, payload: Payload,
@@ -246,15 +257,20 @@ class TaskConfigs:
               data_spec: Callable[[int | None], dict[str, Any]], seed: int, dtype: str) -> ConfigRecord:
         """The TRAIN task config of one node (``options()``: the round's train options)."""
         if self._round != server_round:  # the data specs stay: they do not change with the round
-            self._round, self._train = server_round, {}
-        if id(payload) not in self._train:
-            self._train[id(payload)] = (payload, (json.dumps(payload.spec), json.dumps({**options(), **payload.train})))
-        if num_partitions not in self._data:
-            self._data[num_partitions] = json.dumps(data_spec(num_partitions))
-        spec_json, train_json = self._train[id(payload)][1]
-        return ConfigRecord({SERVER_ROUND: server_round, METHOD: method, LEVEL: level, LEVEL_INDEX: level_index,
-                             MODEL_SPEC: spec_json, TRAIN: train_json, DATA_SPEC: self._data[num_partitions],
-                             SEED: seed, **wire_config(dtype)})
+            self._round, self._options, self._train = server_round, None, {}
+        held = self._train.get((id(payload), num_partitions, level_index))
+        if held is None or held[0] is not payload:
+            if self._options is None:
+                self._options = options()
+            if num_partitions not in self._data:
+                self._data[num_partitions] = json.dumps(data_spec(num_partitions))
+            record = ConfigRecord({SERVER_ROUND: server_round, METHOD: method, LEVEL: level, LEVEL_INDEX: level_index,
+                                   MODEL_SPEC: json.dumps(payload.spec), TRAIN: json.dumps({**self._options, **payload.train}),
+                                   DATA_SPEC: self._data[num_partitions], SEED: seed, **wire_config(dtype)})
+            held = self._train[(id(payload), num_partitions, level_index)] = (payload, record)
+        config = held[1].copy()
+        config[SEED] = seed
+        return config
 
 
 def check_train_reply(content: RecordDict, payload: Payload, level: float, num_classes: int, dtype: str,

@@ -38,7 +38,7 @@ def wire_array(tensor: torch.Tensor, dtype: str = "float32") -> Array:
         if dtype == "bfloat16":
             tensor = tensor.view(torch.int16)
     ndarray = tensor.contiguous().cpu().numpy()
-    name, shape = str(ndarray.dtype), tuple(ndarray.shape)
+    name, shape = ndarray.dtype.name, tuple(ndarray.shape)  # (a tensor's numpy dtype is native: name == str)
     header = npy_header(name, shape)
     if header is None:
         return Array.from_numpy_ndarray(ndarray)
@@ -46,6 +46,9 @@ def wire_array(tensor: torch.Tensor, dtype: str = "float32") -> Array:
 
 
 _NPY_HEADERS: dict[tuple[str, tuple[int, ...]], bytes | None] = {}
+#: the numpy dtypes of the names the wire uses, parsed once (any other name is parsed per array)
+_NUMPY_DTYPES = {name: np.dtype(name) for name in ("float32", "float16", "float64", "int16", "int32", "int64",
+                                                   "uint8", "int8", "bool")}
 
 
 def npy_header(dtype: str, shape: tuple[int, ...]) -> bytes | None:
@@ -94,15 +97,17 @@ def record_tensors(record: Any) -> dict[str, torch.Tensor]:
     for key, array in record.items():
         tensor = None
         if array.stype == "numpy.ndarray":
-            try:
-                dtype = np.dtype(array.dtype)
-            except TypeError:
-                dtype = None
+            dtype = _NUMPY_DTYPES.get(array.dtype) if isinstance(array.dtype, str) else None
+            if dtype is None:
+                try:
+                    dtype = np.dtype(array.dtype)
+                except TypeError:
+                    dtype = None
             if dtype is not None and not dtype.hasobject:
                 shape, data = tuple(array.shape), array.data
                 count = math.prod(shape)
                 offset = len(data) - dtype.itemsize * count
-                known = npy_header(array.dtype, shape)
+                known = _NPY_HEADERS.get((array.dtype, shape)) or npy_header(array.dtype, shape)
                 if not (known is not None and offset == len(known) and data.startswith(known)):
                     header = bytes(data[:min(max(offset, 0), 4096)])
                     if not (offset > 0 and header.startswith(b"\x93NUMPY") and b"'fortran_order': False" in header
@@ -110,7 +115,7 @@ def record_tensors(record: Any) -> dict[str, torch.Tensor]:
                         offset = -1
                 if offset >= 0:
                     flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
-                    tensor = torch.from_numpy(flat.copy()).view(shape)
+                    tensor = torch.from_numpy(flat.reshape(shape).copy())  # (C order: as the Array's)
         out[key] = tensor if tensor is not None else torch.from_numpy(array.numpy())
     return out
 

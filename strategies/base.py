@@ -83,6 +83,7 @@ class HeteroStrategy(Strategy):
         self.wire_dtype = str(self.cfg.get("wire", {}).get("dtype", "float32"))  # arrays both ways (wire.dtype)
         self.array_cache = ArrayCache()
         self.tasks = TaskConfigs()
+        self._fixed_options: dict[str, Any] | None = None  # the train options but the round's lr
         self._global_record: ArrayRecord | None = None  # the record last made of self.global_state
 
     def __getattr__(self, name: str) -> Any:
@@ -130,18 +131,15 @@ class HeteroStrategy(Strategy):
         return level_payloads[level_index]
 
     def _train_options(self, server_round: int) -> dict[str, Any]:
-        cfg = self.cfg
-        return {
-            "lr": learning_rate(cfg, server_round),
-            "local_epochs": int(cfg.train.local_epochs),
-            "batch_size": int(cfg.train.batch_size),
-            "momentum": float(cfg.train.momentum),
-            "weight_decay": float(cfg.train.weight_decay),
-            "masked_ce": bool(cfg.train.masked_ce),
-            "grad_clip": float(cfg.train.grad_clip),
-            "threads": max(1, int(math.floor(float(cfg.simulation.num_cpus)))),
-            **wire.train_options(cfg.train.get("distill")),
-        }
+        if self._fixed_options is None:  # read once: a config lookup costs more than a small layer's work
+            train = self.cfg.train
+            self._fixed_options = {
+                "local_epochs": int(train.local_epochs), "batch_size": int(train.batch_size),
+                "momentum": float(train.momentum), "weight_decay": float(train.weight_decay),
+                "masked_ce": bool(train.masked_ce), "grad_clip": float(train.grad_clip),
+                "threads": max(1, int(math.floor(float(self.cfg.simulation.num_cpus)))),
+                **wire.train_options(train.get("distill"))}
+        return {"lr": learning_rate(self.cfg, server_round), **self._fixed_options}
 
     def _train_config(self, server_round: int, node_id: int, index: int, payload: Payload) -> ConfigRecord:
         return self.tasks.train(
@@ -198,7 +196,7 @@ class HeteroStrategy(Strategy):
         for node_id in node_ids:
             index = assignment[node_id]
             payload = self.node_payload(node_id, index, self.global_state, payloads)
-            record = wire.array_record(payload.arrays)  # fresh record, shared Arrays
+            record = payload.record()  # fresh record, shared Arrays
             config = self._train_config(server_round, node_id, index, payload)
             if node_id in injected:
                 config[wire.INJECT] = injected[node_id]

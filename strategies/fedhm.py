@@ -48,6 +48,11 @@ class FedHM(Method):
         self.layer_ranks = {name: sorted({r[name] for r in self.ranks if name in r}) for name in self.factorized}
         tolerance = cfg.method.get("svd_tolerance")  # (absent from configs saved before it existed)
         self.svd_tolerance = SVD_TOLERANCE if tolerance is None else float(tolerance)
+        # the merge's switches, read once (a config lookup costs more than a small layer's average)
+        self.weight_by_samples = bool(cfg.method.get("weight_by_samples", False))
+        self.add_previous_global = bool(cfg.method.get("add_previous_global", False))
+        self.official_weights = bool(cfg.method.get("official_weights", False))
+        self.dynamic = cfg.levels.assignment == "dynamic"
         # layer -> (weight it was computed from, SVD, that weight's version counter: an in-place change voids it)
         self._svd_cache: dict[str, tuple[torch.Tensor, SVD, int]] = {}
         self._level_states: dict[int, tuple[list[tuple[str, torch.Tensor, int]], State]] = {}  # _level_state
@@ -97,9 +102,9 @@ class FedHM(Method):
         states = [r.state for r in replies]
         ranks = [self.ranks[r.level_index] for r in replies]
         levels = [r.level for r in replies]
-        counts = [r.num_examples for r in replies] if self.cfg.method.weight_by_samples else None
+        counts = [r.num_examples for r in replies] if self.weight_by_samples else None
         holds = [r.class_counts > 0 for r in replies]
-        if self.cfg.method.get("add_previous_global", False) and 1.0 not in levels:
+        if self.add_previous_global and 1.0 not in levels:
             states.append(global_state)  # the previous global model as one more full-rank reply
             ranks.append({})
             levels.append(1.0)
@@ -112,8 +117,8 @@ class FedHM(Method):
     def weights(self, levels: list[float], counts: list[int] | None) -> np.ndarray:
         """The round's aggregation weights: the journal's ``softmax(gamma / tau)``, or the
         official code's (``method.official_weights``)."""
-        if self.cfg.method.get("official_weights", False):
-            return official_code_weights(levels, self.tau, self.cfg.levels.assignment == "dynamic", counts)
+        if self.official_weights:
+            return official_code_weights(levels, self.tau, self.dynamic, counts)
         return level_weights(levels, self.tau, counts)
 
     def cost_spec(self, level_index: int) -> dict[str, Any]:

@@ -29,6 +29,7 @@ simulation engine draws anew each run).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -55,6 +56,7 @@ _HASHED_KEY_BASE = 1 << 40
 _JOIN_LINES = 10
 
 
+@functools.lru_cache(maxsize=1 << 17)  # each node's key hashed once, not at every draw (bounded)
 def hashed_key(identity: str) -> int:
     """A stable integer key for an identity string (above every partition id)."""
     return _HASHED_KEY_BASE + int(hashlib.sha256(identity.encode()).hexdigest()[:12], 16)

@@ -95,6 +95,8 @@ class Attacks:
         self.seed = int(cfg.seed)
         # read once, asked per node
         self._no_attack = str(self.attack.kind) == "none" or float(self.attack.fraction) <= 0
+        self._attack_kind = str(self.attack.kind)
+        self._no_failures = not (self.failures.crash_probability or self.failures.slow_probability)
         self.columns: dict[str, Any] = {}
 
     def is_attacker(self, info: Any, key: int, node_id: int) -> bool:
@@ -109,7 +111,7 @@ class Attacks:
     def begin_round(self, attackers: list[str]) -> None:
         """The round's columns: the sampled nodes that attack (their labels, in key order)."""
         self.columns = {}
-        if str(self.attack.kind) != "none":
+        if self._attack_kind != "none":
             self.columns.update({"attackers": json.dumps(attackers), "attackers_count": len(attackers)})
 
     def train_config(self) -> dict[str, Any]:
@@ -120,7 +122,7 @@ class Attacks:
         """Seeded failure injection (``failures.*``): node -> 'crash' or 'slow' for this round
         (``node_ids`` in key order)."""
         fail = self.failures
-        if not (fail.crash_probability or fail.slow_probability):
+        if self._no_failures:
             return {}
         rng = lv.round_rng(self.seed, server_round, stream=2)
         out = {}
@@ -144,6 +146,7 @@ class Untrusted:
         self.agg = cfg.aggregation
         self.dp = cfg.dp
         self._max_norm = float(self.agg.get("max_norm", MAX_NORM))  # read once, asked per reply
+        self._active = self.agg.robust != "none" or float(self.agg.outlier_z) > 0 or bool(self.dp.enabled)
         self.history = history  # the run's rows (a resumed run's accountant replays them; the summary)
         self.wire_dtype = str(cfg.get("wire", {}).get("dtype", "float32"))
         self.accountant = RdpAccountant() if self.dp.enabled else None
@@ -153,7 +156,8 @@ class Untrusted:
 
     @property
     def active(self) -> bool:
-        return self.agg.robust != "none" or float(self.agg.outlier_z) > 0 or bool(self.dp.enabled)
+        """Any defence or DP (read once: asked every round)."""
+        return self._active
 
     @property
     def merges_empty(self) -> bool:

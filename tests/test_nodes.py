@@ -225,3 +225,27 @@ def test_a_node_that_sits_out_is_recorded_and_asked_again_only_when_it_reconnect
     assert queries() == 3  # the run's one, this start-up's one, the one after it reconnected
     assert strategy.round_log.excluded == {f"n{bad}": json.loads(rows[0]["excluded"])[f"n{bad}"]}
     assert any(f"node {bad}, which sat out, left" in r.getMessage() for r in caplog.records)
+
+
+def test_sampling_nodes_not_yet_queried_draws_the_same_sets_and_hashes_each_node_once(toy_cfg, monkeypatch):
+    """``availability.query = sampled``: a node not queried yet takes part by the hash of its node
+    id. The draws are the documented ones (sha256 key, the round's generator over the sorted keys),
+    and a node's key is hashed once however many rounds draw it."""
+    import hashlib
+
+    import strategies.nodes as nodes
+
+    cfg = toy_cfg("num_clients=40 fraction_train=0.3 seed=11 availability.query=sampled")
+    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    grid = LocalGrid(40, client_handlers())
+    hashed = []
+    real = hashlib.sha256
+    monkeypatch.setattr(nodes.hashlib, "sha256", lambda data: hashed.append(data) or real(data))
+    nodes.hashed_key.cache_clear()
+    for rnd in (1, 2, 3, 2):
+        strategy.registry.refresh(grid, rnd)
+        assert sorted(strategy.registry.unknown) == sorted(grid.get_node_ids())  # none queried yet
+        keys = {(1 << 40) + int(real(f"node:{n}".encode()).hexdigest()[:12], 16): n for n in grid.get_node_ids()}
+        expected = np.random.default_rng([11, rnd, 0]).choice(sorted(keys), size=12, replace=False)
+        assert sorted(strategy.registry.sample(rnd)) == sorted(keys[int(k)] for k in expected)
+    assert len(hashed) == 40  # one hash per node, not one per node and draw
