@@ -18,8 +18,9 @@ run directory (holding ``summary.json``) or a folder of them (a Hydra sweep dire
   with the plain method like any other method.
 * plots: ``accuracy_by_round.png`` (mean curve per configuration, band = 95 % CI over seeds),
   ``accuracy_vs_bytes.png`` (final global accuracy against cumulative bytes moved),
-  ``accuracy_vs_params.png`` and ``accuracy_vs_macs.png`` (final accuracy of each level's model
-  against its parameters / MACs); error bars are the 95 % CIs over seeds.
+  ``accuracy_vs_params.png``, ``accuracy_vs_macs.png`` and ``accuracy_vs_memory.png`` (final
+  accuracy of each level's model against its parameters / MACs / estimated training memory,
+  :func:`fedhm_flwr.models.costs.training_memory_bytes`); error bars are the 95 % CIs over seeds.
 
 :func:`write_summary` is the function a results page builds on: it tabulates whatever finished
 run directories it is given. The statistics over seeds live in :mod:`fedhm_flwr.summary_stats`, the
@@ -118,7 +119,7 @@ def collect(run_dirs: list[Path]) -> tuple[list[str], list[dict[str, Any]]]:
                 row[key] = value
         row.update(tail_accuracies(read_metrics(run_dir)))
         for level, cost in summary.get("level_costs", {}).items():
-            for name in ("params", "fedhm_params", "macs"):
+            for name in ("params", "fedhm_params", "macs", "memory"):
                 if name in cost:
                     row[f"{name}/level_{level}"] = int(cost[name])
         row["bytes_total"] = summary.get("bytes_total")
@@ -177,7 +178,7 @@ def _columns(rows: list[dict[str, Any]]) -> list[str]:
     kinds = ("final_acc/", "best_acc/", "tail_acc/", "final_fed_acc/", "best_fed_acc/", "final_fed_acc_clients/")
     accs = sorted((c for c in cols if c.startswith(kinds)),
                   key=lambda c: ("fed_" in c, level_of(c), [c.startswith(k) for k in kinds].index(True)))
-    costs = ("params/", "fedhm_params/", "macs/")
+    costs = ("params/", "fedhm_params/", "macs/", "memory/")
     params = sorted((c for c in cols if c.startswith(costs)),
                     key=lambda c: ([c.startswith(k) for k in costs].index(True), level_of(c)))
     tail = [c for c in ("bytes_total", "wall_seconds", "rounds", "dir") if c in cols]

@@ -1,5 +1,5 @@
 """The plots of a summary: mean accuracy by round with 95 % CI bands, and accuracy against bytes
-moved, parameters and MACs with 95 % CI error bars over seeds."""
+moved, parameters, MACs and estimated training memory with 95 % CI error bars over seeds."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def _half(values: list[float]) -> float:
 
 
 def write_plots(swept: list[str], rows: list[dict[str, Any]], out: Path) -> None:
-    """Mean curves with 95 % CI bands, and accuracy against bytes, parameters and MACs with 95 % CI
-    error bars over seeds (one colour per configuration)."""
+    """Mean curves with 95 % CI bands, and accuracy against bytes, parameters, MACs and training
+    memory with 95 % CI error bars over seeds (one colour per configuration)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,7 +92,8 @@ def write_plots(swept: list[str], rows: list[dict[str, Any]], out: Path) -> None
         ax.legend(fontsize=7)
     _save(fig, out / "accuracy_vs_bytes.png")
 
-    for cost, name in (("params", "parameters"), ("macs", "MACs per input")):
+    for cost, name in (("params", "parameters"), ("macs", "MACs per input"),
+                       ("memory", "estimated training memory, bytes")):
         fig, ax = plt.subplots(figsize=(6.5, 4.5))
         for members in groups:
             points = []

@@ -75,7 +75,7 @@ def seed_statistics(swept: list[str], rows: list[dict[str, Any]]) -> list[dict[s
             stat["seeds"] = ",".join(str(r.get("seed")) for r in members if r.get(f"final_acc/{model}") is not None)
             stat.update(_estimate_fields("final", mean_ci(final)))
             stat.update(_estimate_fields("tail", mean_ci(tail) if tail else None))
-            for cost in ("params", "fedhm_params", "macs"):
+            for cost in ("params", "fedhm_params", "macs", "memory"):
                 if model != "global" and members[0].get(f"{cost}/{model}") is not None:
                     stat[cost] = members[0][f"{cost}/{model}"]
             bytes_moved = column_values(members, "bytes_total")
@@ -130,7 +130,7 @@ def statistics_markdown(stats: list[dict[str, Any]], paired: list[dict[str, Any]
     lines = ["## Accuracy over seeds (mean ± std, 95 % Student-t CI)", ""]
     if stats:
         keys = [k for k in stats[0] if k not in ("model", "n", "seeds") and not k.startswith(
-            ("final_", "tail_", "params", "fedhm_params", "macs", "bytes_total"))]
+            ("final_", "tail_", "params", "fedhm_params", "macs", "memory", "bytes_total"))]
         view = [{**{k: s.get(k) for k in keys}, "model": s["model"], "n": s["n"], "seeds": s["seeds"],
                  "final": _pm(s.get("final_mean"), s.get("final_std")),
                  "final 95% CI": _ci(s.get("final_ci_low"), s.get("final_ci_high")),
