@@ -66,7 +66,7 @@ def report(root: Path, names: list[str], seeds: tuple[int, ...], rounds: int | N
                 if R.finished(path):
                     info = json.loads((path / "summary.json").read_text())
                     acc[m][k] = float(info["final_acc/global"])
-                    secs[m].append(float(info["wall_seconds"]))
+                    secs[m].append(float(info.get("job_seconds", info["wall_seconds"])))
         both = sorted(set(acc["fedavg"]) & set(acc["fedavg_smallest"]))
         entry: dict[str, Any] = {"overrides": st.common, "description": DESCRIPTIONS[name], "seeds": both,
                                  "fedavg": [acc["fedavg"][k] for k in both],

@@ -163,7 +163,9 @@ def one_run(job: Job) -> dict[str, Any]:
             shutil.copy2(out / name, staged / name)
         with open(staged / "summary.json") as f:
             data = json.load(f)
+        # job_seconds: the whole job as make results waits for it (Ray's start-up and shut-down included)
         data.update(machine=machine(), commit=commit(), transport=job.transport,
+                    job_seconds=round(time.perf_counter() - t0, 1),
                     finished_at=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
         with open(staged / "summary.json", "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
@@ -208,7 +210,8 @@ def missing(root: Path, studies: list[Study]) -> list[Job]:
 
 
 def measured_seconds(root: Path) -> dict[tuple[str, str, str], list[float]]:
-    """(study, variant, transport) -> the wall seconds of every finished run of every study."""
+    """(study, variant, transport) -> the seconds of every finished run of every study: the whole
+    job's (``job_seconds``, Ray's start-up included) where recorded, else the run's ``wall_seconds``."""
     out: dict[tuple[str, str, str], list[float]] = {}
     for st in STUDIES.values():
         for s in st.settings:
@@ -217,7 +220,7 @@ def measured_seconds(root: Path) -> dict[tuple[str, str, str], list[float]]:
                     if finished(path):
                         info = json.loads((path / "summary.json").read_text())
                         out.setdefault((st.key, v, info.get("transport", "grid")), []).append(
-                            float(info["wall_seconds"]))
+                            float(info.get("job_seconds", info["wall_seconds"])))
     return out
 
 
@@ -260,9 +263,11 @@ def plan(root: Path, todo: list[Job], jobs: int) -> list[str]:
         total += math.fsum(known)
         unknown += len(estimates) - len(known)
         ray = sum(j.transport == "ray" for j in members)
+        ray_unmeasured = ray and not any(k[0] == study and k[2] == "ray" for k in measured)
         lines.append(f"  {study} {setting}: {len(members)} run(s) missing ({ray} on Ray), estimated "
-                     f"{_hours(math.fsum(known))} of run time" + (f" + {len(estimates) - len(known)} run(s) "
-                                                                 "with nothing measured yet" if len(known) < len(estimates) else ""))
+                     f"{_hours(math.fsum(known))} of run time"
+                     + (f" + {len(estimates) - len(known)} run(s) with nothing measured yet" if len(known) < len(estimates) else "")
+                     + (" (Ray runs from in-process times: no Ray run of this study measured yet)" if ray_unmeasured else ""))
     lines.append(f"make results: {len(todo)} run(s) missing under {root}; estimated {_hours(total)} of run time, "
                  f"about {_hours(total / max(1, jobs))} on {jobs} worker process(es)"
                  + (f" (+ {unknown} run(s) not estimated)" if unknown else ""))
