@@ -16,7 +16,7 @@ from typing import Any
 from bench.results import (FIGURES, LABELS, PAGE, STUDIES, TITLES, TRANSPORTS, VARIANTS, Study, finished, missing,
                            plan, run_dir)
 from fedhm_flwr.stats import mean_ci
-from fedhm_flwr.verdicts import RULE, judge
+from fedhm_flwr.verdicts import RULE, judge, smallest_level
 
 README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
 PROBE_REPORT = Path("probe") / "capacity.json"
@@ -238,7 +238,8 @@ def render(root: Path, studies: list[Study] | None = None, figures: Path = FIGUR
         "",
         "## Verdicts",
         "",
-        f"Rule (`fedhm_flwr/verdicts.py`): {RULE}. The smallest level is γ = 1/8.",
+        f"Rule (`fedhm_flwr/verdicts.py`): {RULE}. The smallest level is the smallest γ present in the runs "
+        f"(γ = {smallest_level(runs)}).",
         "",
         *verdict_table(all_rows),
         "",
