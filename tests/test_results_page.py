@@ -194,3 +194,23 @@ def test_readme_block_is_replaced_and_nothing_else(runs: Path, tmp_path: Path):
     readme.write_text("no block\n")
     with pytest.raises(SystemExit, match="results:start"):
         page_mod.update_readme(readme, "x")
+
+
+def test_capacity_probe_reports_the_gap_and_the_criterion(tmp_path: Path):
+    from bench import capacity_probe as probe
+
+    root = tmp_path / "results"
+    study = probe.candidate_study("w8", (0, 1, 2))
+    full, small = [0.82, 0.80, 0.81], [0.78, 0.775, 0.77]  # full − smallest: 4, 2.5, 4 pt
+    for seed in range(3):
+        fake_run(root, "fedavg", seed, full[seed], None, study=study, seconds=80.0)
+        fake_run(root, "fedavg_smallest", seed, small[seed], None, study=study, seconds=120.0)
+    entry = probe.report(root, ["w8"], (0, 1, 2))["candidates"]["w8"]
+    mean, low, high = hand_ci(pt(full, small))  # 3.5, [1.35, 5.65]
+    assert entry["seeds"] == [0, 1, 2]
+    assert entry["gap_mean"] * 100 == pytest.approx(mean) and entry["gap_low"] * 100 == pytest.approx(low)
+    assert entry["gap_high"] * 100 == pytest.approx(high)
+    assert entry["meets"] is True  # 3.5 pt ≥ 3 pt and the interval excludes 0
+    assert entry["seconds_per_run"] == {"fedavg": 80.0, "fedavg_smallest": 120.0}
+    table = probe.markdown(probe.report(root, ["w8"], (0, 1, 2)))
+    assert f"| {mean:+.2f} | [{low:+.2f}, {high:+.2f}] | yes | 80, 120 |" in table
