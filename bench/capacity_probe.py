@@ -40,11 +40,12 @@ DESCRIPTIONS = {"w8": "CNN width 8, 6,000 examples", "w4": "CNN width 4, 6,000 e
 METHODS = ("fedavg", "fedavg_smallest")
 
 
-def candidate_study(name: str, seeds: tuple[int, ...], rounds: int | None = None) -> R.Study:
+def candidate_study(name: str, seeds: tuple[int, ...], rounds: int | None = None,
+                    ray_seeds: tuple[int, ...] = ()) -> R.Study:
     common = CANDIDATES[name] if rounds is None else CANDIDATES[name].replace("rounds=30", f"rounds={rounds}")
     folder = f"probe/{name}" if rounds is None else f"probe/{name}-r{rounds}"
-    return R.Study(f"probe-{name}", DESCRIPTIONS[name], folder, common, seeds, settings=("dir0.5",),
-                   variants=METHODS)
+    return R.Study(f"probe-{name}", DESCRIPTIONS[name], folder, common, seeds, ray_seeds=ray_seeds,
+                   settings=("dir0.5",), variants=METHODS)
 
 
 def report(root: Path, names: list[str], seeds: tuple[int, ...], rounds: int | None = None) -> dict[str, Any]:
@@ -60,50 +61,66 @@ def report(root: Path, names: list[str], seeds: tuple[int, ...], rounds: int | N
         st = candidate_study(name, seeds, rounds)
         acc: dict[str, dict[int, float]] = {m: {} for m in METHODS}
         secs: dict[str, list[float]] = {m: [] for m in METHODS}
+        ray_secs: dict[str, list[float]] = {m: [] for m in METHODS}
         for m in METHODS:
             for k in seeds:
                 path = R.run_dir(st, "dir0.5", m, k, root)
                 if R.finished(path):
                     info = json.loads((path / "summary.json").read_text())
                     acc[m][k] = float(info["final_acc/global"])
-                    secs[m].append(float(info.get("job_seconds", info["wall_seconds"])))
+                    (ray_secs if info.get("transport") == "ray" else secs)[m].append(
+                        float(info.get("job_seconds", info["wall_seconds"])))
         both = sorted(set(acc["fedavg"]) & set(acc["fedavg_smallest"]))
         entry: dict[str, Any] = {"overrides": st.common, "description": DESCRIPTIONS[name], "seeds": both,
                                  "fedavg": [acc["fedavg"][k] for k in both],
                                  "fedavg_smallest": [acc["fedavg_smallest"][k] for k in both],
-                                 "seconds_per_run": {m: (math.fsum(v) / len(v) if v else None) for m, v in secs.items()}}
+                                 "seconds_per_run": {m: (math.fsum(v) / len(v) if v else None) for m, v in secs.items()},
+                                 "ray_seconds_per_run": {m: (math.fsum(v) / len(v) if v else None)
+                                                         for m, v in ray_secs.items()},
+                                 "ray_seeds": sorted({k for m in METHODS for k in acc[m]
+                                                      if R.finished(R.run_dir(st, "dir0.5", m, k, root))
+                                                      and json.loads((R.run_dir(st, "dir0.5", m, k, root) / "summary.json")
+                                                                     .read_text()).get("transport") == "ray"})}
         if len(both) >= 2:
             est = mean_ci([acc["fedavg"][k] - acc["fedavg_smallest"][k] for k in both])
             entry.update(gap_mean=est.mean, gap_std=est.std, gap_low=est.low, gap_high=est.high,
                          meets=bool(est.mean >= MIN_GAP and est.low > 0))
         # the whole second study on this candidate: every method's time scaled from the cheap study
         probe_measured = {("capacity", m, "grid"): v for m, v in secs.items() if v}
-        per_run = {v: R.estimate_seconds({**measured, **probe_measured}, "capacity", v) for v in R.VARIANTS}
-        runs = len(full_study.settings) * len(full_study.seeds)
+        probe_measured.update({("capacity", m, "ray"): v for m, v in ray_secs.items() if v})
+        # the whole study as make results would run it: each (method, seed, α) on its planned transport
+        per_run = {(v, t): R.estimate_seconds({**measured, **probe_measured}, "capacity", v, t)
+                   for v in R.VARIANTS for t in ("grid", "ray")}
         if all(x is not None for x in per_run.values()):
-            entry["estimated_study_seconds"] = math.fsum(x * runs for x in per_run.values())  # type: ignore[operator]
-            entry["estimated_seconds_per_method"] = per_run
+            entry["estimated_study_seconds"] = math.fsum(
+                per_run[(v, full_study.transport(k))] for v in R.VARIANTS for k in full_study.seeds
+                for _ in full_study.settings)  # type: ignore[misc]
+            entry["estimated_seconds_per_method"] = {v: per_run[(v, "grid")] for v in R.VARIANTS}
         out["candidates"][name] = entry
     return out
 
 
 def markdown(data: dict[str, Any]) -> str:
     lines = [f"Capacity probe (`python -m bench.capacity_probe`, {data['generated']}): FedAvg on the full model "
-             f"against FedAvg on FedHM's smallest model (γ = 1/8), Dirichlet α = {data['alpha']}, paired by seed. "
-             f"Criterion: {data['criterion']}.", "",
+             f"against FedAvg on FedHM's smallest model (γ = 1/8), Dirichlet α = {data['alpha']}, paired by seed; "
+             "seconds per run are the whole job's, measured on the shared 2-core machine; the study's estimate "
+             "sums every (method, seed, α) on its planned transport, each method's time scaled from the cheap "
+             f"study's by the probe's ratio. Criterion: {data['criterion']}.", "",
              "| candidate | overrides changed | seeds | FedAvg full (%) | FedAvg smallest (%) | full − smallest (pt) "
-             "| 95 % CI | meets | s per run (full, smallest) | estimated run time of the second study |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| 95 % CI | meets | s per run (full, smallest) | s per run on Ray (full, smallest) "
+             "| estimated run time of the second study |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, e in data["candidates"].items():
         changed = " ".join(sorted(set(e["overrides"].split()) - set(R.COMMON.split())))
         gap = f"{e['gap_mean'] * 100:+.2f}" if "gap_mean" in e else "n/a"
         ci = f"[{e['gap_low'] * 100:+.2f}, {e['gap_high'] * 100:+.2f}]" if "gap_low" in e else "n/a"
-        s = e["seconds_per_run"]
+        s, r = e["seconds_per_run"], e.get("ray_seconds_per_run", {})
         est = e.get("estimated_study_seconds")
         lines.append(f"| {name} ({e['description']}) | `{changed}` | {len(e['seeds'])} | "
                      + " | ".join(", ".join(f"{a * 100:.2f}" for a in e[m]) for m in METHODS)
                      + f" | {gap} | {ci} | {'yes' if e.get('meets') else 'no'} | "
-                     + ", ".join("-" if s[m] is None else f"{s[m]:.0f}" for m in METHODS)
+                     + ", ".join("-" if s[m] is None else f"{s[m]:.0f}" for m in METHODS) + " | "
+                     + ", ".join("-" if r.get(m) is None else f"{r[m]:.0f}" for m in METHODS)
                      + f" | {'-' if est is None else f'{est / 3600:.1f} h'} |")
     return "\n".join(lines) + "\n"
 
@@ -118,7 +135,8 @@ def adopt(root: Path, name: str, seeds: tuple[int, ...]) -> int:
     for m in METHODS:
         for k in seeds:
             src, dest = R.run_dir(st, "dir0.5", m, k, root), R.run_dir(target, "dir0.5", m, k, root)
-            if R.finished(src) and not R.finished(dest) and target.transport(k) == "grid":
+            transport = json.loads((src / "summary.json").read_text()).get("transport", "grid") if R.finished(src) else None
+            if transport == target.transport(k) and not R.finished(dest):
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copytree(src, dest)
                 copied += 1
@@ -130,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), default=["w8"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rounds", type=int, help="fewer rounds than the study's 30 (a cheaper first look)")
+    parser.add_argument("--ray-seeds", type=int, nargs="*", default=[], help="seeds run through flwr run on Ray")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--runs", type=Path, default=R.RUNS)
     parser.add_argument("--no-run", action="store_true", help="report the finished probe runs only")
@@ -140,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"copied {adopt(args.runs, args.adopt, seeds)} run(s) into {args.runs / 'capacity'}")
         return 0
     if not args.no_run:
-        R.run_missing(args.runs, [candidate_study(n, seeds, args.rounds) for n in args.candidates], args.jobs)
+        R.run_missing(args.runs, [candidate_study(n, seeds, args.rounds, tuple(args.ray_seeds))
+                                  for n in args.candidates], args.jobs)
     data = report(args.runs, args.candidates, seeds, args.rounds)
     from fedhm_flwr.results import atomic_write
 
