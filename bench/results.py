@@ -101,7 +101,7 @@ class Study:
 
 
 #: the second study's work: the probe's chosen candidate (bench/capacity_probe.py, results/probe/)
-CAPACITY_COMMON = COMMON.replace("model=cnn", "model=cnn model.width=8")
+CAPACITY_COMMON = COMMON.replace("model=cnn", "model=cnn model.width=4")
 STUDIES = {
     "cheap": Study(
         "cheap", "the cheap setting (6,000 examples, CNN width 16)", "", COMMON, (0, 1, 2),
@@ -110,9 +110,9 @@ STUDIES = {
              "level per client, equal shares), 10 clients sampled per round, 1 local epoch, 30 rounds with a "
              "cosine learning rate"),
     "capacity": Study(
-        "capacity", "the capacity setting (6,000 examples, CNN width 8)", "capacity", CAPACITY_COMMON,
+        "capacity", "the capacity setting (6,000 examples, CNN width 4)", "capacity", CAPACITY_COMMON,
         (0, 1, 2, 3, 4), ray_seeds=(4,),
-        work="as the cheap setting but the CNN at width 8 (hidden sizes 8, 16, 32, 64), where the smallest "
+        work="as the cheap setting but the CNN at width 4 (hidden sizes 4, 8, 16, 32), where the smallest "
              "level's model holds too little of what the data can teach (see \"Why this setting\")"),
 }
 
