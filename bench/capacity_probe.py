@@ -8,7 +8,7 @@ model and FedAvg on FedHM's smallest model (γ = 1/8) for each candidate setting
 accuracies, the paired difference full − smallest with its 95 % Student-t interval, whether it
 meets the criterion (at least :data:`MIN_GAP` with an interval excluding 0), the measured wall
 time per run and the estimated run time of the whole second study (5 seeds × 6 methods × 2 α)
-from those times and the cheap study's per-method times (:func:`bench.results.estimate_seconds`).
+from those times and the cheap study's per-method times (:func:`bench.studies.estimate_seconds`).
 The results page quotes that file; nothing in it is typed by hand.
 """
 
@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import results as R
+from bench import studies as R
+from bench.results import run_missing
 
 PROBE = R.RUNS / "probe"
 REPORT = "capacity.json"
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"copied {adopt(args.runs, args.adopt, seeds)} run(s) into {args.runs / 'capacity'}")
         return 0
     if not args.no_run:
-        R.run_missing(args.runs, [candidate_study(n, seeds, args.rounds, tuple(args.ray_seeds))
+        run_missing(args.runs, [candidate_study(n, seeds, args.rounds, tuple(args.ray_seeds))
                                   for n in args.candidates], args.jobs)
     data = report(args.runs, args.candidates, seeds, args.rounds)
     from fedhm_flwr.results import atomic_write

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from bench.results import (FIGURES, LABELS, PAGE, STUDIES, TITLES, TRANSPORTS, VARIANTS, Study, finished, missing,
+from bench.studies import (FIGURES, LABELS, PAGE, STUDIES, TITLES, TRANSPORTS, VARIANTS, Study, finished, missing,
                            plan, run_dir)
 from fedhm_flwr.stats import mean_ci
 from fedhm_flwr.verdicts import RULE, judge, smallest_level
@@ -172,10 +172,9 @@ def probe_section(root: Path) -> list[str]:
     if not path.is_file():
         return ["No capacity probe report yet (`python -m bench.capacity_probe`)."]
     data = json.loads(path.read_text())
-    from bench.capacity_probe import markdown
-
     chosen = [n for n, e in data["candidates"].items() if e["overrides"] == STUDIES["capacity"].common]
-    lines = [markdown(data).rstrip(), ""]
+    table = path.with_suffix(".md")  # the probe's own table, written with the JSON
+    lines = [table.read_text().rstrip() if table.is_file() else "", ""]
     if chosen:
         e = data["candidates"][chosen[0]]
         gap = (f"full − smallest {e['gap_mean'] * 100:+.2f} pt, 95 % CI [{e['gap_low'] * 100:+.2f}, "

@@ -1,4 +1,4 @@
-"""The generated results page (bench/results.py, bench/results_page.py) reports what the runs say.
+"""The generated results page (bench/studies.py, bench/results_page.py) reports what the runs say.
 
 Fake finished runs with hand-picked accuracies stand in for the real ones; the page's verdicts,
 its FedHM − HeteroFL sentence, its tables, the README block and the missing-run plan are checked
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import results
+from bench import studies as results
 from bench import results_page as page_mod
 from fedhm_flwr.stats import Estimate
 from fedhm_flwr.verdicts import verdict
