@@ -181,10 +181,21 @@ def probe_section(root: Path) -> list[str]:
                f"{e['gap_high'] * 100:+.2f}] over {len(e['seeds'])} seeds" if "gap_mean" in e else "no interval yet")
         lines.append(f"The capacity study uses candidate **{chosen[0]}** ({e['description']}): {gap}, "
                      f"{'which meets' if e.get('meets') else 'which does NOT meet'} the criterion; estimated run "
-                     f"time of the whole study {e.get('estimated_study_seconds', float('nan')) / 3600:.1f} h.")
+                     f"time of the whole study {e.get('estimated_study_seconds', float('nan')) / 3600:.1f} h (summed "
+                     f"over its runs; about {e.get('estimated_study_seconds', float('nan')) / 7200:.1f} h on 2 worker "
+                     f"processes). {adopted(root, chosen[0])} of its runs are the probe's own, copied unchanged "
+                     "(`python -m bench.capacity_probe --adopt`).")
     else:
         lines.append("The capacity study's setting is none of the probed candidates.")
     return lines
+
+
+def adopted(root: Path, candidate: str) -> int:
+    """How many of the capacity study's runs are byte-identical copies of the probe's runs."""
+    probe, study = root / "probe" / candidate, root / STUDIES["capacity"].folder
+    return sum(1 for src in probe.rglob("summary.json")
+               if (study / src.relative_to(probe)).is_file()
+               and (study / src.relative_to(probe)).read_bytes() == src.read_bytes())
 
 
 def setting_section(rows: list[dict[str, Any]], title: str, out: Path, page: Path) -> list[str]:
