@@ -240,7 +240,8 @@ def render(root: Path, studies: list[Study] | None = None, figures: Path = FIGUR
         "`summary.json`); page generated " + dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         f"- machine: {'; '.join(machines)}; runs made {min(str(r.get('finished_at')) for r in runs) if runs else '-'}"
         f" to {max(str(r.get('finished_at')) for r in runs) if runs else '-'}; total wall time of the runs "
-        f"{hours:.2f} h (2 worker processes, one thread each; wall time of each run below)",
+        f"{hours:.2f} h (one thread per run, up to `--jobs` runs at a time on a machine shared with other work; "
+        "wall time of each run below)",
         "- methods: " + "; ".join(f"{LABELS[v]}: `{o}`" for v, o in VARIANTS.items()),
         "- statistics: mean ± sample standard deviation over seeds, 95 % confidence intervals from the "
         "Student-t distribution (`fedhm_flwr/stats.py`); paired differences are taken seed by seed (same "
