@@ -60,7 +60,7 @@ compare: setup data  ## FedHM vs HeteroFL, FedRolex (budget-matched), FedAvg-ful
 	$(FEDHM) compare --seeds $(SEEDS) --match $(COMPARE_MATCH) --ablations "$(COMPARE_ABLATIONS)" \
 	    $(if $(COMPARE_METHODS),method=$(COMPARE_METHODS)) $(COMPARE_ARGS) $(ARGS)
 
-results: setup data  ## docs/RESULTS.md (+ README block) from the runs under results/, running the missing ones (~2 h on 2 cores)
+results: setup data  ## docs/RESULTS.md (+ README block) from the runs under results/; first prints the missing runs and their estimated time, then runs them (ARGS=--plan: print only; --no-run: tabulate only)
 	$(BIN)/python -m bench.results $(ARGS)
 
 summary: setup  ## table + plots over finished runs: make summary RUNS="outputs/multirun/..."

@@ -7,6 +7,7 @@ an interrupted run never leaves a partial checkpoint or a truncated table behind
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import io
 import json
 import math
@@ -15,9 +16,9 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from typing import TYPE_CHECKING
+from safetensors import safe_open  # the format's reader (no torch: the launcher reads checkpoint headers)
 
 if TYPE_CHECKING:  # torch is imported where tensors are handled: the launcher's checks stay light
     import torch
@@ -56,8 +57,6 @@ def atomic_write(path: Path, data: bytes | str) -> None:
 def write_status(out_dir: str | Path, status: str, **info: Any) -> None:
     """``status.json``: ``running`` (written when the ServerApp starts), ``completed`` or ``failed``
     (with ``error``, one line), the round reached and when; read by ``fedhm status``."""
-    import datetime as dt
-
     record = {"status": status, "time": dt.datetime.now().isoformat(timespec="seconds"), "pid": os.getpid(), **info}
     atomic_write(Path(out_dir) / STATUS_FILE, json.dumps(record, default=str, indent=1))
 
@@ -231,8 +230,6 @@ def _save_model(path: Path, state: Mapping[str, torch.Tensor], metadata: dict[st
 
 def _metadata(path: Path) -> dict[str, str]:
     """A safetensors file's metadata (its header only: no tensor is read, no torch needed)."""
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="numpy") as fh:
         return dict(fh.metadata() or {})
 
@@ -271,8 +268,6 @@ def load_bn_statistics(run_dir: str | Path) -> tuple[dict[str, torch.Tensor], di
     path = Path(run_dir) / CHECKPOINT_DIR / BN_STATS_FILE
     if not path.is_file():
         return None
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as fh:
         return {k: fh.get_tensor(k) for k in fh.keys()}, dict(fh.metadata() or {})
 

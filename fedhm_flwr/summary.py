@@ -18,11 +18,13 @@ run directory (holding ``summary.json``) or a folder of them (a Hydra sweep dire
   with the plain method like any other method.
 * plots: ``accuracy_by_round.png`` (mean curve per configuration, band = 95 % CI over seeds),
   ``accuracy_vs_bytes.png`` (final global accuracy against cumulative bytes moved),
-  ``accuracy_vs_params.png`` and ``accuracy_vs_macs.png`` (final accuracy of each level's model
-  against its parameters / MACs); error bars are the 95 % CIs over seeds.
+  ``accuracy_vs_params.png``, ``accuracy_vs_macs.png`` and ``accuracy_vs_memory.png`` (final
+  accuracy of each level's model against its parameters / MACs / estimated training memory,
+  :func:`fedhm_flwr.models.costs.training_memory_bytes`); error bars are the 95 % CIs over seeds.
 
 :func:`write_summary` is the function a results page builds on: it tabulates whatever finished
-run directories it is given.
+run directories it is given. The statistics over seeds live in :mod:`fedhm_flwr.summary_stats`, the
+plots in :mod:`fedhm_flwr.summary_plots`.
 """
 
 from __future__ import annotations
@@ -31,23 +33,22 @@ import argparse
 import csv
 import io
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from fedhm_flwr.results import CONFIG_FILE, METRICS_JSONL, SUMMARY_FILE, atomic_write
-from fedhm_flwr.stats import Estimate, mean_ci
+from fedhm_flwr.results import CONFIG_FILE, SUMMARY_FILE, atomic_write
+from fedhm_flwr.summary_plots import write_plots
+# the statistics over seeds (re-exported: the names callers have used from this module)
+from fedhm_flwr.summary_stats import (METHOD_OPTIONS, TAIL_FRACTION, group_keys, group_runs, models_of,  # noqa: F401
+                                      paired_differences, read_metrics, seed_statistics, setting_keys,
+                                      statistics_markdown, tail_accuracies)
 
 IGNORED = ("output_dir", "dataset.data_dir", "timeout")
 # summary keys shown as accuracy columns: the server's test set, then the clients' federated figures
 ACC_PREFIXES = ("final_acc/", "best_acc/", "final_fed_acc/", "best_fed_acc/", "final_fed_acc_clients/")
-#: swept keys that are options of a method (ablations): named in the method's label, not a setting
-METHOD_OPTIONS = ("method.", "train.distill.")
-#: the share of the last rounds averaged in the ``tail_acc/*`` columns
-TAIL_FRACTION = 0.1
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
@@ -116,9 +117,9 @@ def collect(run_dirs: list[Path]) -> tuple[list[str], list[dict[str, Any]]]:
         for key, value in summary.items():
             if key.startswith(ACC_PREFIXES):
                 row[key] = value
-        row.update(tail_accuracies(_read_metrics(run_dir)))
+        row.update(tail_accuracies(read_metrics(run_dir)))
         for level, cost in summary.get("level_costs", {}).items():
-            for name in ("params", "fedhm_params", "macs"):
+            for name in ("params", "fedhm_params", "macs", "memory"):
                 if name in cost:
                     row[f"{name}/level_{level}"] = int(cost[name])
         row["bytes_total"] = summary.get("bytes_total")
@@ -130,9 +131,6 @@ def collect(run_dirs: list[Path]) -> tuple[list[str], list[dict[str, Any]]]:
     for row in rows:
         row["method"] = method_label(row, options)
     return swept, rows
-
-
-# ------------------------------------------------------------------ statistics over seeds
 
 
 def ablation_keys(swept: list[str], rows: list[dict[str, Any]]) -> list[str]:
@@ -157,153 +155,6 @@ def method_label(row: dict[str, Any], options: list[str]) -> str:
     return " ".join([str(row.get("method")), *named])
 
 
-def setting_keys(swept: list[str]) -> list[str]:
-    """What the methods are compared on: the swept values other than seed, method and its options."""
-    return [k for k in swept if k not in ("seed", "method") and not k.startswith(METHOD_OPTIONS)]
-
-
-def group_keys(swept: list[str]) -> list[str]:
-    """What identifies a configuration: the method and the swept values, without the seed."""
-    return ["method"] + [k for k in swept if k not in ("seed", "method")]
-
-
-def _key(row: dict[str, Any], keys: list[str]) -> tuple[str, ...]:
-    return tuple(json.dumps(row.get(k), sort_keys=True, default=str) for k in keys)
-
-
-def group_runs(rows: list[dict[str, Any]], keys: list[str]) -> dict[tuple[str, ...], list[dict[str, Any]]]:
-    """Rows grouped by their values of ``keys`` (first-seen order)."""
-    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault(_key(row, keys), []).append(row)
-    return groups
-
-
-def models_of(rows: list[dict[str, Any]]) -> list[str]:
-    """``global`` then the levels present in the rows' final accuracies, largest first."""
-    levels = sorted({k.split("/", 1)[1] for r in rows for k in r if k.startswith("final_acc/level_")},
-                    key=lambda m: -float(m.rsplit("_", 1)[1]))
-    return ["global", *levels]
-
-
-def _estimate_fields(prefix: str, est: Estimate | None) -> dict[str, Any]:
-    if est is None:
-        return {}
-    return {f"{prefix}_mean": est.mean, f"{prefix}_std": est.std, f"{prefix}_ci_low": est.low,
-            f"{prefix}_ci_high": est.high}
-
-
-def _values(rows: list[dict[str, Any]], column: str) -> list[float]:
-    return [float(r[column]) for r in rows if r.get(column) is not None]
-
-
-def seed_statistics(swept: list[str], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per configuration (without the seed) and per model (global, each level): n, mean, std and
-    95 % t confidence interval of the final accuracy and of the last-10 % mean accuracy, with the
-    model's parameters (FedHM's at that level for budget-matched runs) and MACs."""
-    keys = group_keys(swept)
-    out = []
-    for members in group_runs(rows, keys).values():
-        for model in models_of(members):
-            final, tail = _values(members, f"final_acc/{model}"), _values(members, f"tail_acc/{model}")
-            if not final:
-                continue
-            stat: dict[str, Any] = {k: members[0].get(k) for k in keys}
-            stat["model"] = model
-            stat["n"] = len(final)
-            stat["seeds"] = ",".join(str(r.get("seed")) for r in members if r.get(f"final_acc/{model}") is not None)
-            stat.update(_estimate_fields("final", mean_ci(final)))
-            stat.update(_estimate_fields("tail", mean_ci(tail) if tail else None))
-            for cost in ("params", "fedhm_params", "macs"):
-                if model != "global" and members[0].get(f"{cost}/{model}") is not None:
-                    stat[cost] = members[0][f"{cost}/{model}"]
-            bytes_moved = _values(members, "bytes_total")
-            if bytes_moved:
-                stat["bytes_total_mean"] = math.fsum(bytes_moved) / len(bytes_moved)
-            out.append(stat)
-    return out
-
-
-def paired_differences(swept: list[str], rows: list[dict[str, Any]], reference: str = "fedhm") -> list[dict[str, Any]]:
-    """Per setting (the configuration without seed and method), every method minus ``reference``
-    on the same seed: the per-seed differences of the final and last-10 % accuracy of each model,
-    their mean, std and 95 % t confidence interval. Seeds only one side ran are left out."""
-    setting = setting_keys(swept)
-    out = []
-    for members in group_runs(rows, setting).values():
-        ref = {r.get("seed"): r for r in members if r.get("method") == reference}
-        if not ref:
-            continue
-        for method, runs in group_runs([r for r in members if r.get("method") != reference], ["method"]).items():
-            for model in models_of(runs):
-                for metric in ("final", "tail"):
-                    column = f"{metric}_acc/{model}"
-                    pairs = [(r.get("seed"), float(r[column]) - float(ref[r.get("seed")][column]))
-                             for r in runs if r.get("seed") in ref and r.get(column) is not None
-                             and ref[r.get("seed")].get(column) is not None]
-                    if not pairs:
-                        continue
-                    diff: dict[str, Any] = {k: members[0].get(k) for k in setting}
-                    diff.update({"method": runs[0].get("method"), "reference": reference, "model": model,
-                                 "metric": metric, "n": len(pairs),
-                                 "per_seed": " ".join(f"{seed}:{d:+.4f}" for seed, d in pairs)})
-                    est = mean_ci([d for _, d in pairs])
-                    diff.update({"mean": est.mean, "std": est.std, "ci_low": est.low, "ci_high": est.high})
-                    out.append(diff)
-    return out
-
-
-def _pm(mean: Any, std: Any) -> str:
-    if mean is None:
-        return ""
-    return f"{mean:.4f}" if std is None or math.isnan(std) else f"{mean:.4f} ± {std:.4f}"
-
-
-def _ci(low: Any, high: Any) -> str:
-    return "" if low is None or math.isnan(low) else f"[{low:.4f}, {high:.4f}]"
-
-
-def statistics_markdown(stats: list[dict[str, Any]], paired: list[dict[str, Any]], reference: str) -> str:
-    """The two tables of ``statistics.md``, rendered for reading (the CSVs keep the numbers)."""
-    lines = ["## Accuracy over seeds (mean ± std, 95 % Student-t CI)", ""]
-    if stats:
-        keys = [k for k in stats[0] if k not in ("model", "n", "seeds") and not k.startswith(
-            ("final_", "tail_", "params", "fedhm_params", "macs", "bytes_total"))]
-        view = [{**{k: s.get(k) for k in keys}, "model": s["model"], "n": s["n"], "seeds": s["seeds"],
-                 "final": _pm(s.get("final_mean"), s.get("final_std")),
-                 "final 95% CI": _ci(s.get("final_ci_low"), s.get("final_ci_high")),
-                 "last 10%": _pm(s.get("tail_mean"), s.get("tail_std")),
-                 "last 10% 95% CI": _ci(s.get("tail_ci_low"), s.get("tail_ci_high")),
-                 "params": s.get("params"), "FedHM params": s.get("fedhm_params")} for s in stats]
-        lines.append(_plain_table(view))
-    lines += ["", f"## Paired differences against {reference} (same seed; method − {reference})", ""]
-    if paired:
-        view = [{**{k: p[k] for k in p if k not in ("mean", "std", "ci_low", "ci_high", "reference")},
-                 "mean ± std": _pm(p["mean"], p["std"]), "95% CI": _ci(p["ci_low"], p["ci_high"])}
-                for p in paired]
-        lines.append(_plain_table(view))
-    else:
-        lines.append(f"(no run of the reference method {reference!r} shares a setting and seed with another method)")
-    return "\n".join(lines) + "\n"
-
-
-def _plain_table(rows: list[dict[str, Any]]) -> str:
-    cols: list[str] = []
-    for r in rows:
-        cols += [k for k in r if k not in cols and any(x.get(k) is not None for x in rows)]
-
-    def cell(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.4f}"
-        if isinstance(v, int) and not isinstance(v, bool):
-            return f"{v:,}"
-        return "" if v is None else str(v)
-
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def _csv(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
     cols = columns or list(dict.fromkeys(k for r in rows for k in r))
     buf = io.StringIO()
@@ -311,28 +162,6 @@ def _csv(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
     writer.writeheader()
     writer.writerows(rows)
     return buf.getvalue()
-
-
-def _read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / METRICS_JSONL
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
-def tail_accuracies(metrics: list[dict[str, Any]], fraction: float = TAIL_FRACTION) -> dict[str, float]:
-    """``tail_acc/<model>``: the mean accuracy over the evaluations of the last ``ceil(fraction ·
-    rounds)`` rounds (at least one round; the last evaluation when none fell in that window)."""
-    if not metrics:
-        return {}
-    last = max(int(r["round"]) for r in metrics)
-    window = max(1, math.ceil(fraction * last - 1e-9))
-    out: dict[str, float] = {}
-    for key in sorted({k for r in metrics for k in r if k.startswith("acc/")}):
-        series = [(int(r["round"]), float(r[key])) for r in metrics if r.get(key) is not None]
-        if not series:
-            continue
-        tail = [v for rnd, v in series if rnd > last - window] or [series[-1][1]]
-        out[f"tail_acc/{key.split('/', 1)[1]}"] = math.fsum(tail) / len(tail)
-    return out
 
 
 def _columns(rows: list[dict[str, Any]]) -> list[str]:
@@ -349,7 +178,7 @@ def _columns(rows: list[dict[str, Any]]) -> list[str]:
     kinds = ("final_acc/", "best_acc/", "tail_acc/", "final_fed_acc/", "best_fed_acc/", "final_fed_acc_clients/")
     accs = sorted((c for c in cols if c.startswith(kinds)),
                   key=lambda c: ("fed_" in c, level_of(c), [c.startswith(k) for k in kinds].index(True)))
-    costs = ("params/", "fedhm_params/", "macs/")
+    costs = ("params/", "fedhm_params/", "macs/", "memory/")
     params = sorted((c for c in cols if c.startswith(costs)),
                     key=lambda c: ([c.startswith(k) for k in costs].index(True), level_of(c)))
     tail = [c for c in ("bytes_total", "wall_seconds", "rounds", "dir") if c in cols]
@@ -370,107 +199,6 @@ def markdown_table(rows: list[dict[str, Any]], skip: tuple[str, ...] = ("dir",))
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
-
-
-def _label(row: dict[str, Any], keys: list[str]) -> str:
-    """A configuration's name in plot legends: the method and its other swept values."""
-    parts = [f"{k.split('.')[-1]}={row.get(k)}" for k in keys if k != "method"]
-    return " ".join([str(row.get("method")), *parts])
-
-
-def _save(fig: Any, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write(path, buf.getvalue())
-
-
-def _half(values: list[float]) -> float:
-    est = mean_ci(values)
-    return 0.0 if math.isnan(est.half_width) else est.half_width
-
-
-def write_plots(swept: list[str], rows: list[dict[str, Any]], out: Path) -> None:
-    """Mean curves with 95 % CI bands, and accuracy against bytes, parameters and MACs with 95 % CI
-    error bars over seeds (one colour per configuration)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = group_keys(swept)
-    groups = list(group_runs(rows, keys).values())
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for members in groups:
-        by_round: dict[int, list[float]] = {}
-        for row in members:
-            for r in _read_metrics(Path(row["dir"])):
-                if r.get("acc/global") is not None:
-                    by_round.setdefault(int(r["round"]), []).append(float(r["acc/global"]))
-        rounds = sorted(by_round)
-        if not rounds:
-            continue
-        est = [mean_ci(by_round[x]) for x in rounds]
-        line, = ax.plot(rounds, [e.mean for e in est], marker="o", ms=3,
-                        label=f"{_label(members[0], keys)} (n={len(members)})")
-        if len(members) > 1:
-            ax.fill_between(rounds, [max(0.0, e.low) if e.n > 1 else e.mean for e in est],  # accuracies: [0, 1]
-                            [min(1.0, e.high) if e.n > 1 else e.mean for e in est], color=line.get_color(), alpha=0.2)
-    ax.set_xlabel("round")
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_ylabel("global model test accuracy (mean, 95 % CI band)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    _save(fig, out / "accuracy_by_round.png")
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    markers = "sv^<>dph"
-    for members in groups:
-        moved = _values(members, "bytes_total")
-        if not moved:
-            continue
-        x, xerr = math.fsum(moved) / len(moved) / 1e6, _half(moved) / 1e6
-        colour = None
-        for i, model in enumerate(models_of(members)):  # global filled, each level hollow
-            acc = _values(members, f"final_acc/{model}")
-            if not acc:
-                continue
-            bar = ax.errorbar(x, math.fsum(acc) / len(acc), yerr=_half(acc), xerr=xerr, capsize=3, color=colour,
-                              fmt="o" if i == 0 else markers[(i - 1) % len(markers)],
-                              mfc=None if i == 0 else "none",
-                              label=_label(members[0], keys) if i == 0 else None)
-            colour = bar.lines[0].get_color()
-    ax.set_xlabel("cumulative bytes moved, both directions (MB)")
-    ax.set_ylabel("final accuracy (global: filled; levels, largest first: s v ^ < >)")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
-    _save(fig, out / "accuracy_vs_bytes.png")
-
-    for cost, name in (("params", "parameters"), ("macs", "MACs per input")):
-        fig, ax = plt.subplots(figsize=(6.5, 4.5))
-        for members in groups:
-            points = []
-            for model in models_of(members)[1:]:
-                acc = _values(members, f"final_acc/{model}")
-                x = members[0].get(f"{cost}/{model}")
-                if acc and x:
-                    points.append((float(x), math.fsum(acc) / len(acc), _half(acc)))
-            if points:
-                points.sort()
-                ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points],
-                            fmt="o-", ms=4, capsize=3, label=_label(members[0], keys))
-        ax.set_xscale("log")
-        ax.set_xlabel(f"{name} of the level's model (log)")
-        ax.set_ylabel("final accuracy of the level's model")
-        ax.grid(alpha=0.3, which="both")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-        _save(fig, out / f"accuracy_vs_{cost}.png")
 
 
 def write_summary(paths: list[Path], out: Path, reference: str = "fedhm") -> list[dict[str, Any]]:

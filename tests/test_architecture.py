@@ -44,7 +44,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
              "fedhm_flwr.data.imagefolder", "fedhm_flwr.data.hf_disk", "fedhm_flwr.data.registry",
              "fedhm_flwr.data.tensors", "fedhm_flwr.data.text", "fedhm_flwr.data.clients", "fedhm_flwr.data.shards"),
     "config": ("fedhm_flwr.config", "fedhm_flwr.config_checks", "fedhm_flwr.config_methods", "fedhm_flwr.specs"),
-    "reporting": ("fedhm_flwr.results", "fedhm_flwr.summary", "fedhm_flwr.tracking"),
+    "reporting": ("fedhm_flwr.results", "fedhm_flwr.summary", "fedhm_flwr.summary_stats", "fedhm_flwr.summary_plots",
+                  "fedhm_flwr.verdicts", "fedhm_flwr.tracking"),
     # a method: cut a level, merge replies, recover, costs (no Flower strategy, no messages)
     "method": ("strategies.method", "strategies.common", "strategies.fedhm", "strategies.heterofl", "strategies.fedrolex",
                "strategies.prism", "strategies.fedavg", "strategies.fedlora", "strategies.heterotune"),
@@ -84,6 +85,9 @@ TORCH_FREE_PATH = {
     ("fedhm_flwr.config_methods", "fedhm_flwr.models"): "a user's model (model.target)",
     ("fedhm_flwr.config_methods", "fedhm_flwr.models.vit"): "a pre-trained ViT's checkpoint",
     ("fedhm_flwr.specs", "fedhm_flwr.models.vit"): "a ViT's model spec",
+    ("fedhm_flwr.api", "fedhm_flwr.export"): "api.load_model builds a model (importing fedhm_flwr.api stays light)",
+    ("fedhm_flwr.launch", "fedhm_flwr.inspect"): "FedHM's level sizes, counted on a model before round 1",
+    ("fedhm_flwr.results", "safetensors.torch"): "checkpoints as torch tensors (the launcher reads their headers)",
     ("fedhm_flwr.wire_arrays", "torch"): "the wire dtypes, read by the config check (through protocol)",
 }
 
@@ -99,18 +103,10 @@ KNOWN_CIRCLES: list[frozenset[str]] = []
 KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 
 #: (module, imported) inside functions, in files other parts of #26 own
-KNOWN_INNER = {
-    ("fedhm_flwr.api", "fedhm_flwr.export"),
-    ("fedhm_flwr.launch", "fedhm_flwr.inspect"),
-    # standard library and small packages imported late in reporting's files
-    ("fedhm_flwr.results", "datetime"), ("fedhm_flwr.results", "safetensors"),
-    ("fedhm_flwr.results", "safetensors.torch"),
-}
+KNOWN_INNER: set[tuple[str, str]] = set()
 
 #: files over MAX_LINES that other parts of #26 split
-KNOWN_LONG = {
-    "fedhm_flwr/summary.py": "reporting (#27)",
-}
+KNOWN_LONG: dict[str, str] = {}
 
 
 # --------------------------------------------------------------------------- the source

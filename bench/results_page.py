@@ -1,0 +1,311 @@
+"""``docs/RESULTS.md`` (and the README's results block) from the finished runs of :mod:`bench.results`.
+
+No number on the page is typed by hand: the tables, the verdicts (:mod:`fedhm_flwr.verdicts`), the
+reason for the second setting (the probe's ``results/probe/capacity.json``) and the plots
+(:func:`fedhm_flwr.summary_plots.write_plots`) all come from the run folders.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from bench.studies import (FIGURES, LABELS, PAGE, STUDIES, TITLES, TRANSPORTS, VARIANTS, Study, finished, missing,
+                           plan, run_dir)
+from fedhm_flwr.stats import mean_ci
+from fedhm_flwr.verdicts import RULE, judge, smallest_level
+
+README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
+PROBE_REPORT = Path("probe") / "capacity.json"
+
+
+def variant_rows(root: Path, study: Study, setting: str) -> list[dict[str, Any]]:
+    """One row per finished run of ``setting`` (as :func:`fedhm_flwr.summary.collect` reads it),
+    named by its variant (``fedavg_smallest`` rather than ``fedavg method.variant=smallest``), with
+    the run's commit, machine, finishing time and transport."""
+    from fedhm_flwr.summary import collect
+
+    dirs = [run_dir(study, setting, v, k, root) for v in study.variants for k in study.seeds
+            if finished(run_dir(study, setting, v, k, root))]
+    if not dirs:
+        return []
+    _, rows = collect(dirs)
+    for row in rows:
+        path = Path(row["dir"])
+        row["method"] = path.parent.name
+        info = json.loads((path / "summary.json").read_text())
+        row.update({k: info.get(k) for k in ("commit", "machine", "finished_at")})
+        row["transport"] = info.get("transport", "grid")
+    return rows
+
+
+def _pct(est: Any) -> str:
+    """``80.12 ± 0.34`` (percent; the std only from two values on)."""
+    return f"{est.mean * 100:.2f}" + ("" if est.n < 2 else f" ± {est.std * 100:.2f}")
+
+
+def _pct_ci(est: Any, sign: str = "") -> str:
+    return "n/a (one seed)" if est.n < 2 else f"[{est.low * 100:{sign}.2f}, {est.high * 100:{sign}.2f}]"
+
+
+def paired(rows: list[dict[str, Any]], method: str, reference: str, column: str = "final_acc/global") -> Any:
+    """``method − reference`` on the same seeds (an :class:`~fedhm_flwr.stats.Estimate`), or None."""
+    from fedhm_flwr.verdicts import paired as paired_diffs
+
+    return paired_diffs(rows, method, column, reference, column)[1]
+
+
+def headline(rows: list[dict[str, Any]]) -> list[str]:
+    """The headline table of one setting: per method, final and last-10 % global accuracy over
+    seeds, the smallest level's accuracy and size, bytes moved and wall time per run."""
+    smallest = min((k.rsplit("_", 1)[1] for r in rows for k in r if k.startswith("final_acc/level_")),
+                   key=float, default=None)
+    lines = ["| method | n | final accuracy (%) | 95 % CI | last 10 % of rounds (%) | "
+             f"smallest level (γ = {smallest}): accuracy (%) | its parameters | MB moved | minutes per run |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for variant in VARIANTS:
+        runs = [r for r in rows if r["method"] == variant]
+        if not runs:
+            continue
+        final = mean_ci([float(r["final_acc/global"]) for r in runs])
+        tail = mean_ci([float(r["tail_acc/global"]) for r in runs])
+        small = [float(r[f"final_acc/level_{smallest}"]) for r in runs if r.get(f"final_acc/level_{smallest}") is not None]
+        params = runs[0].get(f"params/level_{smallest}")
+        if variant in ("fedavg", "fedavg_smallest"):  # one model for every client: no levels to evaluate
+            small_cell, params = "", runs[0].get("params/level_1") if variant == "fedavg" else params
+        else:
+            small_cell = _pct(mean_ci(small)) if small else ""
+        mb = mean_ci([float(r["bytes_total"]) / 1e6 for r in runs])
+        minutes = mean_ci([float(r["wall_seconds"]) / 60 for r in runs])
+        params_cell = f"{params:,}" if params else ""
+        lines.append(f"| {LABELS[variant]} | {final.n} | {_pct(final)} | {_pct_ci(final)} | {_pct(tail)} | "
+                     f"{small_cell} | {params_cell} | {mb.mean:,.1f} | {minutes.mean:.1f} |")
+    return lines
+
+
+def level_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Per method and level: the level model's parameters (FedHM's at that level beside a
+    budget-matched width), MACs and final accuracy over seeds."""
+    lines = ["| method | level | parameters | FedHM's parameters | MACs | final accuracy (%) | 95 % CI |",
+             "|---|---|---|---|---|---|---|"]
+    for variant in VARIANTS:
+        runs = [r for r in rows if r["method"] == variant]
+        levels = sorted({k.rsplit("_", 1)[1] for r in runs for k in r if k.startswith("final_acc/level_")},
+                        key=lambda x: -float(x))
+        for level in levels:
+            acc = mean_ci([float(r[f"final_acc/level_{level}"]) for r in runs
+                           if r.get(f"final_acc/level_{level}") is not None])
+            first = runs[0]
+            cells = [first.get(f"{c}/level_{level}") for c in ("params", "fedhm_params", "macs")]
+            lines.append(f"| {LABELS[variant]} | {level} | " + " | ".join("" if c is None else f"{c:,}" for c in cells)
+                         + f" | {_pct(acc)} | {_pct_ci(acc)} |")
+    return lines
+
+
+def paired_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| method − FedHM | n | final accuracy (pt) | 95 % CI | last 10 % (pt) | 95 % CI | per seed (pt) |",
+             "|---|---|---|---|---|---|---|"]
+    for variant in VARIANTS:
+        if variant == "fedhm":
+            continue
+        final, tail = paired(rows, variant, "fedhm"), paired(rows, variant, "fedhm", "tail_acc/global")
+        if final is None:
+            continue
+        ref = {r["seed"]: float(r["final_acc/global"]) for r in rows if r["method"] == "fedhm"}
+        per_seed = ", ".join(f"{r['seed']}: {(float(r['final_acc/global']) - ref[r['seed']]) * 100:+.2f}"
+                             for r in sorted(rows, key=lambda r: r["seed"])
+                             if r["method"] == variant and r["seed"] in ref)
+        lines.append(f"| {LABELS[variant]} | {final.n} | {final.mean * 100:+.2f} | {_pct_ci(final, '+')} | "
+                     f"{tail.mean * 100:+.2f} | {_pct_ci(tail, '+')} | {per_seed} |")
+    return lines
+
+
+def fedhm_vs_heterofl(rows: list[dict[str, Any]]) -> str:
+    """The sentence the page owes its reader: FedHM − HeteroFL with its 95 % CI, whatever its sign."""
+    est = paired(rows, "fedhm", "heterofl")
+    if est is None:
+        return "FedHM − HeteroFL: no seed with both runs yet."
+    if est.n < 2:
+        return f"FedHM − HeteroFL (budget-matched), final global accuracy: {est.mean * 100:+.2f} pt on one seed (no CI)."
+    verdict = ("the interval excludes 0: FedHM is ahead" if est.low > 0 else
+               "the interval excludes 0: HeteroFL is ahead" if est.high < 0 else
+               "the interval contains 0: no difference can be claimed at this number of seeds")
+    return (f"**FedHM − HeteroFL (budget-matched), final global accuracy: {est.mean * 100:+.2f} pt, 95 % CI "
+            f"[{est.low * 100:+.2f}, {est.high * 100:+.2f}] over {est.n} paired seeds** ({verdict}).")
+
+
+def verdict_table(all_rows: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
+    """One line per claim, study and setting (see :data:`fedhm_flwr.verdicts.RULE`)."""
+    lines = ["| claim | study | setting | n | difference (pt) | 95 % CI | verdict |", "|---|---|---|---|---|---|---|"]
+    for (study, setting), rows in all_rows.items():
+        if not rows:
+            continue
+        for j in judge(rows):
+            est = j["estimate"]
+            diff = "" if est is None else f"{est.mean * 100:+.2f}"
+            ci = "" if est is None else _pct_ci(est, "+")
+            lines.append(f"| {j['claim']} | {study} | {TITLES[setting]} | {j['n']} | {diff} | {ci} | **{j['verdict']}** |")
+    return lines
+
+
+def transport_line(study: Study, rows: list[dict[str, Any]]) -> str:
+    """Which finished runs used which transport (from each run's ``summary.json``)."""
+    parts = []
+    for transport, what in TRANSPORTS.items():
+        runs = [r for r in rows if r["transport"] == transport]
+        if runs:
+            seeds = sorted({int(r["seed"]) for r in runs})
+            parts.append(f"{what}: {len(runs)} run(s), seed(s) {', '.join(map(str, seeds))}")
+    planned = (f" (planned: seed(s) {', '.join(map(str, study.ray_seeds))} of every method on Ray, the others "
+               "on the in-process grid)" if study.ray_seeds else " (every run planned on the in-process grid)")
+    return "- transport: " + ("; ".join(parts) or "no finished run yet") + planned + (
+        "; both run the project's server loop (strategy, messages, ClientApp handlers): the transport is the only "
+        "difference")
+
+
+def probe_section(root: Path) -> list[str]:
+    """Why the capacity setting: the probe's figures, read from ``results/probe/capacity.json``."""
+    path = root / PROBE_REPORT
+    if not path.is_file():
+        return ["No capacity probe report yet (`python -m bench.capacity_probe`)."]
+    data = json.loads(path.read_text())
+    chosen = [n for n, e in data["candidates"].items() if e["overrides"] == STUDIES["capacity"].common]
+    table = path.with_suffix(".md")  # the probe's own table, written with the JSON
+    lines = [table.read_text().rstrip() if table.is_file() else "", ""]
+    if chosen:
+        e = data["candidates"][chosen[0]]
+        gap = (f"full − smallest {e['gap_mean'] * 100:+.2f} pt, 95 % CI [{e['gap_low'] * 100:+.2f}, "
+               f"{e['gap_high'] * 100:+.2f}] over {len(e['seeds'])} seeds" if "gap_mean" in e else "no interval yet")
+        lines.append(f"The capacity study uses candidate **{chosen[0]}** ({e['description']}): {gap}, "
+                     f"{'which meets' if e.get('meets') else 'which does NOT meet'} the criterion; estimated run "
+                     f"time of the whole study {e.get('estimated_study_seconds', float('nan')) / 3600:.1f} h (summed "
+                     f"over its runs; about {e.get('estimated_study_seconds', float('nan')) / 7200:.1f} h on 2 worker "
+                     f"processes). {adopted(root, chosen[0])} of its runs are the probe's own, copied unchanged "
+                     "(`python -m bench.capacity_probe --adopt`).")
+    else:
+        lines.append("The capacity study's setting is none of the probed candidates.")
+    return lines
+
+
+def adopted(root: Path, candidate: str) -> int:
+    """How many of the capacity study's runs are byte-identical copies of the probe's runs."""
+    probe, study = root / "probe" / candidate, root / STUDIES["capacity"].folder
+    return sum(1 for src in probe.rglob("summary.json")
+               if (study / src.relative_to(probe)).is_file()
+               and (study / src.relative_to(probe)).read_bytes() == src.read_bytes())
+
+
+def setting_section(rows: list[dict[str, Any]], title: str, out: Path, page: Path) -> list[str]:
+    from fedhm_flwr.summary_plots import write_plots
+
+    if not rows:
+        return [f"### {title}", "", "No finished run yet.", ""]
+    write_plots(["method", "seed"], rows, out)
+    rel = os.path.relpath(out, page.parent)
+    return [f"### {title}", "", fedhm_vs_heterofl(rows), "",
+            "#### Headline: final global accuracy", "", *headline(rows), "",
+            "#### Paired differences against FedHM (same seed)", "", *paired_table(rows), "",
+            "#### Per level", "", *level_table(rows), "",
+            f"![accuracy by round]({rel}/accuracy_by_round.png)", "",
+            f"![accuracy against bytes moved]({rel}/accuracy_vs_bytes.png) "
+            f"![accuracy against parameters]({rel}/accuracy_vs_params.png)", "",
+            f"![accuracy against MACs]({rel}/accuracy_vs_macs.png) "
+            f"![accuracy against training memory]({rel}/accuracy_vs_memory.png)", ""]
+
+
+def render(root: Path, studies: list[Study] | None = None, figures: Path = FIGURES, page: Path = PAGE) -> str:
+    """The Markdown of ``docs/RESULTS.md`` from the finished runs under ``root``; writes the plots
+    into ``figures`` (``figures/<setting>`` for the cheap study, ``figures/<study>/<setting>`` otherwise)."""
+    studies = studies or list(STUDIES.values())
+    all_rows = {(st.key, s): variant_rows(root, st, s) for st in studies for s in st.settings}
+    runs = [r for rows in all_rows.values() for r in rows]
+    expected = sum(len(st.settings) * len(st.variants) * len(st.seeds) for st in studies)
+    commits = sorted({str(r.get("commit")) for r in runs})
+    machines = sorted({str(r.get("machine")) for r in runs})
+    hours = sum(float(r["wall_seconds"]) for r in runs) / 3600
+    lines = [
+        "# Results: FedHM against its baselines on Fashion-MNIST",
+        "",
+        "Generated by `make results` (`python -m bench.results`) from the runs kept under `results/`; "
+        "do not edit by hand. `make results` prints the missing runs with their estimated time, runs them, "
+        "then rebuilds this page and the headline block of the README.",
+        "",
+        f"- command: `make results` (runs {len(runs)} of {expected}: "
+        + "; ".join(f"{st.key}: {len(st.settings)} settings × {len(st.variants)} methods × seeds "
+                    f"{', '.join(map(str, st.seeds))}" for st in studies) + ")",
+        f"- code: commit(s) {', '.join(f'`{c}`' for c in commits)} (the commit each run was made with is in its "
+        "`summary.json`); page generated " + dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        f"- machine: {'; '.join(machines)}; runs made {min(str(r.get('finished_at')) for r in runs) if runs else '-'}"
+        f" to {max(str(r.get('finished_at')) for r in runs) if runs else '-'}; total wall time of the runs "
+        f"{hours:.2f} h (one thread per run, up to `--jobs` runs at a time on a machine shared with other work; "
+        "wall time of each run below)",
+        "- methods: " + "; ".join(f"{LABELS[v]}: `{o}`" for v, o in VARIANTS.items()),
+        "- statistics: mean ± sample standard deviation over seeds, 95 % confidence intervals from the "
+        "Student-t distribution (`fedhm_flwr/stats.py`); paired differences are taken seed by seed (same "
+        "partitions, sampling and initial model)",
+        "",
+        "## Verdicts",
+        "",
+        f"Rule (`fedhm_flwr/verdicts.py`): {RULE}. The smallest level is the smallest γ present in the runs "
+        f"(γ = {smallest_level(runs)}).",
+        "",
+        *verdict_table(all_rows),
+        "",
+    ]
+    for st in studies:
+        rows_of = {s: all_rows[(st.key, s)] for s in st.settings}
+        study_runs = [r for rows in rows_of.values() for r in rows]
+        lines += [f"## Study `{st.key}`: {st.title}", "",
+                  f"- work: `{st.common}` with `partition.alpha` 0.5 and 0.1 (Dirichlet over labels), i.e. {st.work}",
+                  transport_line(st, study_runs), ""]
+        if st.key == "capacity":
+            lines += ["### Why this setting", "", *probe_section(root), ""]
+        for s in st.settings:
+            out = figures / st.folder / s
+            lines += setting_section(rows_of[s], TITLES[s], out, page)
+    todo = missing(root, studies)
+    lines += ["## Missing runs", "", "```", *(plan(root, todo, 2) if todo else ["none"]), "```", "",
+              "## Every run", "",
+              "| study | setting | method | seed | transport | final accuracy (%) | wall time (s) | commit | finished |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for (study, setting), rows in all_rows.items():
+        for r in sorted(rows, key=lambda r: (list(VARIANTS).index(r["method"]), r["seed"])):
+            lines.append(f"| {study} | {setting} | {r['method']} | {r['seed']} | {r['transport']} | "
+                         f"{float(r['final_acc/global']) * 100:.2f} | {float(r['wall_seconds']):.0f} | "
+                         f"{r.get('commit')} | {r.get('finished_at')} |")
+    return "\n".join(lines) + "\n"
+
+
+def readme_block(root: Path, studies: list[Study] | None = None) -> str:
+    """The README's quote of the page: per study and setting, the FedHM − HeteroFL sentence and the
+    headline table."""
+    lines = [README_START, ""]
+    for st in studies or list(STUDIES.values()):
+        for setting in st.settings:
+            rows = variant_rows(root, st, setting)
+            if rows:
+                lines += [f"**{st.key}, {TITLES[setting]}**: {fedhm_vs_heterofl(rows).replace('**', '')}", "",
+                          *headline(rows), ""]
+    lines += ["Generated by `make results`; verdicts, details, plots and every run in "
+              "[docs/RESULTS.md](docs/RESULTS.md).", "", README_END]
+    return "\n".join(lines)
+
+
+def update_readme(readme: Path, block: str) -> None:
+    text = readme.read_text()
+    if README_START not in text or README_END not in text:
+        raise SystemExit(f"{readme}: no {README_START} ... {README_END} block to update")
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    readme.write_text(head + block + tail)
+
+
+def write_page(root: Path, page: Path = PAGE, figures: Path = FIGURES, readme: Path | None = None) -> None:
+    from fedhm_flwr.results import atomic_write
+
+    atomic_write(page, render(root, None, figures, page))
+    if readme is not None:
+        update_readme(readme, readme_block(root))
