@@ -54,7 +54,7 @@ from fedhm_flwr.config import ConfigError, load_config, resume_config, split_ove
 from fedhm_flwr.credentials import DEFAULT_SANS, create_credentials
 from fedhm_flwr.deployment import LocalDeployment, node_config, parse_capability, say
 from fedhm_flwr.launch import check_data, default_run_dir
-from fedhm_flwr.outcome import Commands, fedhm_program, interrupted, report_stop, require_checkpoint
+from fedhm_flwr.outcome import Commands, fedhm_program, interrupted, require_checkpoint, run_command
 from fedhm_flwr.procs import Interrupted, new_tag, on_signals
 from fedhm_flwr.results import refuse_existing_run
 from fedhm_flwr.runlock import RunLock
@@ -138,22 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     command += ["--capabilities", args.capabilities] if args.capabilities else []
     command += ["--data-dir", args.data_dir] if args.data_dir else []
     command += [item for san in args.san for item in ("--san", san)]
-    try:
-        capabilities = args.capabilities.split() if args.capabilities else None
-        if capabilities:
-            for spec in capabilities:
-                parse_capability(spec)
-        with on_signals():  # SIGINT / SIGTERM / SIGHUP from the start: a clean stop, exit 128 + the signal
-            summary = deploy(args.nodes, split_overrides(args.overrides), capabilities, args.data_dir, args.run_dir,
-                             args.port, sans, args.timeout, args.resume, command)
-    except (ConfigError, ValueError, FileExistsError) as err:  # FileExistsError includes a locked run directory
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except RuntimeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as stop:  # RunInterrupted (everything stopped; the resume command) or before the start
-        return report_stop(stop)
+    capabilities = args.capabilities.split() if args.capabilities else None
+
+    def job() -> dict[str, Any]:
+        for spec in capabilities or ():
+            parse_capability(spec)  # a bad capability is refused before anything starts
+        return deploy(args.nodes, split_overrides(args.overrides), capabilities, args.data_dir, args.run_dir,
+                      args.port, sans, args.timeout, args.resume, command)
+
+    code, summary = run_command(job, refused=(ConfigError, ValueError, FileExistsError))
+    if summary is None:
+        return code
     acc = summary.get("final_acc/global")
     say(f"run complete: final global accuracy {acc if acc is None else f'{acc:.4f}'}; "
          f"outputs in {summary['output_dir']}; everything started has been stopped")

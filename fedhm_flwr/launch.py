@@ -42,10 +42,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from fedhm_flwr.data.files import check_data_available
-from fedhm_flwr.config import ConfigError, compose_config, load_config, resume_config, split_overrides
+from fedhm_flwr.config import compose_config, load_config, resume_config, split_overrides
 from fedhm_flwr.flower_job import ErrorScan, FlowerJob, run_flower_job
 from fedhm_flwr.outcome import (Commands, PythonCommands, RunFailed, RunInterrupted, checkpoint_round, fedhm_commands,
-                                fedhm_program, interrupted, report_stop, require_checkpoint, resume_hint)
+                                fedhm_program, interrupted, report_stop, require_checkpoint, resume_hint, run_command)
 from fedhm_flwr.procs import Interrupted, Processes, new_tag, on_signals
 from fedhm_flwr.results import refuse_existing_run
 from fedhm_flwr.runlock import RunLock
@@ -143,17 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, help="absolute run directory (default: outputs/<date>/<time>-<method>)")
     parser.add_argument("--resume", type=Path, help="continue the run stored in this run directory")
     args = parser.parse_args(argv)
-    try:
-        with on_signals():  # from here on SIGINT / SIGTERM / SIGHUP end the command cleanly
-            summary = run_job(split_overrides(args.overrides), args.run_dir, args.resume)
-    except (ConfigError, FileExistsError) as err:  # FileExistsError includes RunDirectoryBusy
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except RuntimeError as err:  # RunFailed: ends with the one line that says why
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as stop:  # RunInterrupted (everything stopped, resume command), or before the start
-        return report_stop(stop)
+    code, summary = run_command(lambda: run_job(split_overrides(args.overrides), args.run_dir, args.resume))
+    if summary is None:
+        return code
     acc = summary.get("final_acc/global")
     print(f"run complete: final global accuracy {acc if acc is None else f'{acc:.4f}'}; "
           f"outputs in {summary['output_dir']}")

@@ -12,12 +12,12 @@ import shlex
 import shutil
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from fedhm_flwr.config import ConfigError
-from fedhm_flwr.procs import Interrupted
+from fedhm_flwr.procs import Interrupted, on_signals
 from fedhm_flwr.results import CHECKPOINT_DIR, load_checkpoint_state, refuse_existing_run
 
 
@@ -157,3 +157,22 @@ def report_stop(stop: KeyboardInterrupt) -> int:
         print(f"\n{signal.Signals(stop.signum).name} received before the run started: nothing was started.",
               file=sys.stderr, flush=True)
     return stop.exit_code if isinstance(stop, Interrupted) else 130
+
+
+def run_command(job: Callable[[], Mapping], refused: tuple[type[Exception], ...] = (ConfigError, FileExistsError),
+                ) -> tuple[int, Mapping | None]:
+    """A command's job under the one signal handler, as (exit code, its summary or None): 0 when it
+    ended; 2 when it was refused before anything ran (``refused``: a bad config, a used or locked run
+    directory); 1 when it failed (:class:`RunFailed`, ending with the line that says why); 128 + the
+    signal number on an interrupt, after the report and the resume command (:func:`report_stop`)."""
+    try:
+        with on_signals():  # SIGINT / SIGTERM / SIGHUP from here on: a clean stop
+            return 0, job()
+    except refused as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2, None
+    except RuntimeError as err:  # RunFailed
+        print(f"error: {err}", file=sys.stderr)
+        return 1, None
+    except KeyboardInterrupt as stop:  # RunInterrupted (everything stopped), or before the start
+        return report_stop(stop), None
