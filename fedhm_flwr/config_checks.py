@@ -56,6 +56,13 @@ def choice(cfg: DictConfig, field: str, allowed: Iterable[str]) -> None:
     require(value in allowed, field, value, f"one of {list(allowed)}")
 
 
+def flags(cfg: DictConfig, *fields: str) -> None:
+    """Each field must be a boolean."""
+    for field in fields:
+        value = OmegaConf.select(cfg, field)
+        require(isinstance(value, bool), field, value, "true or false")
+
+
 def int_at_least(cfg: DictConfig, field: str, low: int) -> None:
     value = OmegaConf.select(cfg, field)
     require(is_int(value) and value >= low, field, value, f"an integer >= {low}")

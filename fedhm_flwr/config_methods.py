@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from fedhm_flwr.config_checks import ROBUST, choice, int_at_least, is_int, is_num, num_in, require
+from fedhm_flwr.config_checks import ROBUST, choice, flags, int_at_least, is_int, is_num, num_in, require
 from fedhm_flwr.data.registry import dataset_info
 from fedhm_flwr.errors import ConfigError
 from fedhm_flwr.specs import backbone_choice, model_spec
@@ -39,21 +39,17 @@ def _validate_fedhm(cfg: DictConfig) -> None:
     rho = OmegaConf.select(cfg, "method.rho")
     require(rho is None or (is_int(rho) and rho >= 0), "method.rho", rho,
             "null (the model's default) or an integer >= 0")
-    for flag in ("method.weight_by_samples", "method.frobenius_decay", "method.official_weights",
-                 "method.add_previous_global"):
-        value = OmegaConf.select(cfg, flag)
-        require(isinstance(value, bool), flag, value, "true or false")
+    flags(cfg, "method.weight_by_samples", "method.frobenius_decay", "method.official_weights",
+          "method.add_previous_global")
     if OmegaConf.select(cfg, "method.svd_tolerance") is not None:  # absent from configs saved before it existed
         num_in(cfg, "method.svd_tolerance", 0.0, 1.0, low_open=True, high_open=True)
 
 
 def _validate_width(cfg: DictConfig) -> None:
     """HeteroFL / FedRolex: levels are width rates in (0, 1] (checked with ``levels``)."""
-    value = OmegaConf.select(cfg, "method.scaler")
-    require(isinstance(value, bool), "method.scaler", value, "true or false")
+    flags(cfg, "method.scaler")
     num_in(cfg, "method.grad_clip", 0.0, math.inf, high_open=True)
-    value = OmegaConf.select(cfg, "method.weight_by_samples")
-    require(isinstance(value, bool), "method.weight_by_samples", value, "true or false")
+    flags(cfg, "method.weight_by_samples")
 
 
 def _validate_fedavg(cfg: DictConfig) -> None:
@@ -63,9 +59,7 @@ def _validate_fedavg(cfg: DictConfig) -> None:
     rho = OmegaConf.select(cfg, "method.rho")
     require(rho is None or (is_int(rho) and rho >= 0), "method.rho", rho,
             "null (the model's default) or an integer >= 0")
-    for flag in ("method.frobenius_decay", "method.scaler"):
-        value = OmegaConf.select(cfg, flag)
-        require(isinstance(value, bool), flag, value, "true or false")
+    flags(cfg, "method.frobenius_decay", "method.scaler")
     num_in(cfg, "method.grad_clip", 0.0, math.inf, high_open=True)
 
 
@@ -101,8 +95,7 @@ def _validate_fedlora(cfg: DictConfig) -> None:
     choice(cfg, "method.mode", ("lora", "full"))
     int_at_least(cfg, "method.max_rank", 1)
     _validate_tau(cfg)
-    value = OmegaConf.select(cfg, "method.weight_by_samples")
-    require(isinstance(value, bool), "method.weight_by_samples", value, "true or false")
+    flags(cfg, "method.weight_by_samples")
 
 
 def _validate_heterotune(cfg: DictConfig) -> None:
@@ -113,9 +106,7 @@ def _validate_heterotune(cfg: DictConfig) -> None:
     if cfg.model.arch == "minilm":
         choice(cfg, "method.scale", ("auto", "depth"))  # the packaged MiniLM has one width
     int_at_least(cfg, "method.bottleneck", 1)
-    for flag in ("method.bank", "method.cmga"):
-        value = OmegaConf.select(cfg, flag)
-        require(isinstance(value, bool), flag, value, "true or false")
+    flags(cfg, "method.bank", "method.cmga")
     num_in(cfg, "method.cmga_eps", 0.0, math.inf, high_open=True)
     scale = OmegaConf.select(cfg, "method.cmga_scale")
     require(scale is None or (is_num(scale) and scale > 0), "method.cmga_scale", scale,
@@ -129,9 +120,7 @@ def _validate_prism(cfg: DictConfig) -> None:
     rho = OmegaConf.select(cfg, "method.rho")
     require(rho is None or (is_int(rho) and rho >= 0), "method.rho", rho,
             "null (the model's FedHM default) or an integer >= 0 (0: every factorizable layer)")
-    for flag in ("method.u_subset", "method.frobenius_decay"):
-        value = OmegaConf.select(cfg, flag)
-        require(isinstance(value, bool), flag, value, "true or false")
+    flags(cfg, "method.u_subset", "method.frobenius_decay")
     choice(cfg, "method.u_subset_rows", ("first", "random"))
 
 

@@ -54,7 +54,7 @@ from fedhm_flwr.config import ConfigError, load_config, resume_config, split_ove
 from fedhm_flwr.credentials import DEFAULT_SANS, create_credentials
 from fedhm_flwr.deployment import LocalDeployment, node_config, parse_capability, say
 from fedhm_flwr.launch import check_data, default_run_dir
-from fedhm_flwr.outcome import Commands, fedhm_program, interrupted, require_checkpoint, run_command
+from fedhm_flwr.outcome import Commands, completed, fedhm_program, interrupted, require_checkpoint, run_command
 from fedhm_flwr.procs import Interrupted, new_tag, on_signals
 from fedhm_flwr.results import refuse_existing_run
 from fedhm_flwr.runlock import RunLock
@@ -149,9 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     code, summary = run_command(job, refused=(ConfigError, ValueError, FileExistsError))
     if summary is None:
         return code
-    acc = summary.get("final_acc/global")
-    say(f"run complete: final global accuracy {acc if acc is None else f'{acc:.4f}'}; "
-         f"outputs in {summary['output_dir']}; everything started has been stopped")
+    say(f"{completed(summary)}; everything started has been stopped")
     return 0
 
 

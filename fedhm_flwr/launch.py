@@ -44,8 +44,9 @@ from omegaconf import DictConfig
 from fedhm_flwr.data.files import check_data_available
 from fedhm_flwr.config import compose_config, load_config, resume_config, split_overrides
 from fedhm_flwr.flower_job import ErrorScan, FlowerJob, run_flower_job
-from fedhm_flwr.outcome import (Commands, PythonCommands, RunFailed, RunInterrupted, checkpoint_round, fedhm_commands,
-                                fedhm_program, interrupted, report_stop, require_checkpoint, resume_hint, run_command)
+from fedhm_flwr.outcome import (Commands, PythonCommands, RunFailed, RunInterrupted, checkpoint_round, completed,
+                                fedhm_commands, fedhm_program, interrupted, report_stop, require_checkpoint,
+                                resume_hint, run_command)
 from fedhm_flwr.procs import Interrupted, Processes, new_tag, on_signals
 from fedhm_flwr.results import refuse_existing_run
 from fedhm_flwr.runlock import RunLock
@@ -146,9 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     code, summary = run_command(lambda: run_job(split_overrides(args.overrides), args.run_dir, args.resume))
     if summary is None:
         return code
-    acc = summary.get("final_acc/global")
-    print(f"run complete: final global accuracy {acc if acc is None else f'{acc:.4f}'}; "
-          f"outputs in {summary['output_dir']}")
+    print(completed(summary))
     return 0
 
 

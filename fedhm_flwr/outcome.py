@@ -159,6 +159,13 @@ def report_stop(stop: KeyboardInterrupt) -> int:
     return stop.exit_code if isinstance(stop, Interrupted) else 130
 
 
+def completed(summary: Mapping) -> str:
+    """The line a command ends a finished run with: the final accuracy and where the outputs are."""
+    acc = summary.get("final_acc/global")
+    return (f"run complete: final global accuracy {acc if acc is None else f'{acc:.4f}'}; "
+            f"outputs in {summary['output_dir']}")
+
+
 def run_command(job: Callable[[], Mapping], refused: tuple[type[Exception], ...] = (ConfigError, FileExistsError),
                 ) -> tuple[int, Mapping | None]:
     """A command's job under the one signal handler, as (exit code, its summary or None): 0 when it

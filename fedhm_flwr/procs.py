@@ -68,10 +68,11 @@ def alive(pid: int) -> bool:
 _SESSIONS: dict[str, set[int]] = {}  # tag -> sessions its processes were seen in
 
 
-def _session(pid: int) -> int | None:
+def stat_field(pid: int, index: int) -> int | None:
+    """Field ``index`` of ``/proc/<pid>/stat`` after the name (1: parent, 3: session); None if gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat[stat.rfind(")") + 2:].split()[3])
+        return int(stat[stat.rfind(")") + 2:].split()[index])
     except (OSError, IndexError, ValueError):
         return None
 
@@ -101,10 +102,10 @@ def tagged_pids(tag: str) -> list[int]:
             environ = (entry / "environ").read_bytes()
         except OSError:
             continue
-        sid = _session(pid)
+        sid = stat_field(pid, 3)
         if needle in environ.split(b"\0"):
             found.add(pid)
-            if sid is not None and sid != _session(me):
+            if sid is not None and sid != stat_field(me, 3):
                 sessions.add(sid)
         else:
             others[pid] = sid

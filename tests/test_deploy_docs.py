@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from fedhm_flwr.procs import Processes, alive, command_name, tagged_pids
+from fedhm_flwr.procs import Processes, alive, command_name, stat_field, tagged_pids
 from fedhm_flwr.superlink import flower_env, free_port, stage_app
 from fedhm_flwr.supernode import children
 from test_deploy import ROOT, needs_fmnist
@@ -206,8 +206,4 @@ def _until_gone(pids: list[int], timeout: float) -> None:
 
 
 def _parent(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat[stat.rfind(")") + 2:].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+    return stat_field(pid, 1)

@@ -45,6 +45,18 @@ def _pair(value: int | tuple[int, ...], what: str) -> int:
     raise ValueError(f"only square {what} is supported, got {value}")
 
 
+def _initialised(layer: nn.Module, full: nn.Module, rank: int, svd: SVD | None, spectral_init: bool) -> nn.Module:
+    """``layer`` (the factorized form of ``full``) on ``full``'s device and dtype, its factors the
+    rank-``rank`` cut of ``full``'s weight (or of ``svd``) when ``spectral_init``, its bias ``full``'s."""
+    layer.to(device=full.weight.device, dtype=full.weight.dtype)
+    if spectral_init:
+        layer.load_factors(*split_factors(svd if svd is not None else layer_svd(full.weight), rank))
+    if full.bias is not None:
+        with torch.no_grad():
+            layer.a.bias.copy_(full.bias)
+    return layer
+
+
 class FactorizedConv2d(nn.Module):
     """Rank-``r`` factorized square-kernel conv: ``b`` (1×k, r filters) then ``a`` (k×1, n filters).
 
@@ -92,13 +104,7 @@ class FactorizedConv2d(nn.Module):
             padding=_pair(conv.padding, "padding"),
             bias=conv.bias is not None,
         )
-        layer.to(device=conv.weight.device, dtype=conv.weight.dtype)
-        if spectral_init:
-            layer.load_factors(*split_factors(svd if svd is not None else layer_svd(conv.weight), rank))
-        if conv.bias is not None:
-            with torch.no_grad():
-                layer.a.bias.copy_(conv.bias)
-        return layer
+        return _initialised(layer, conv, rank, svd, spectral_init)
 
     @property
     def full_shape(self) -> tuple[int, int, int, int]:
@@ -148,13 +154,7 @@ class FactorizedLinear(nn.Module):
     ) -> FactorizedLinear:
         """Factorize ``linear`` at ``rank``, spectrally initialised from its weight (or ``svd``)."""
         layer = cls(linear.in_features, linear.out_features, rank, bias=linear.bias is not None)
-        layer.to(device=linear.weight.device, dtype=linear.weight.dtype)
-        if spectral_init:
-            layer.load_factors(*split_factors(svd if svd is not None else layer_svd(linear.weight), rank))
-        if linear.bias is not None:
-            with torch.no_grad():
-                layer.a.bias.copy_(linear.bias)
-        return layer
+        return _initialised(layer, linear, rank, svd, spectral_init)
 
     @property
     def full_shape(self) -> tuple[int, int]:
