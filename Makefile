@@ -20,7 +20,7 @@ COMPARE_MATCH ?= fedhm_params
 COMPARE_ABLATIONS ?= train.distill.enabled=true method.official_weights=true method.add_previous_global=true
 COMPARE_ARGS ?= rounds=8 dataset.max_train_examples=30000
 
-# The other targets are aliases of the `fedhm` command (fedhm_flwr/cli.py, run as `python -m fedhm_flwr`).
+# The other targets are aliases of the `fedhm` command (fedhm_flwr/ops/cli.py, run as `python -m fedhm_flwr`).
 FEDHM  := $(BIN)/python -m fedhm_flwr
 
 .PHONY: setup data run test test-fast inspect sweep summary bench compare results
@@ -74,7 +74,7 @@ inspect: setup  ## per-level parameters / MACs / bytes; ARGS= Hydra overrides
 
 .PHONY: pretrain
 pretrain: setup data  ## ViT backbones of the transformer track -> $$FEDHM_CACHE/vit (default ~/.cache/fedhm-flwr/vit); minutes on a CPU
-	$(BIN)/python -m fedhm_flwr.pretrain vit $(ARGS)
+	$(BIN)/python -m fedhm_flwr.ops.pretrain vit $(ARGS)
 
 .PHONY: deploy-local
 deploy-local: setup data  ## SuperLink with TLS + SuperNode auth and N SuperNodes on loopback, runs the job: N=2 CAPS="level=1 params=2e4 -" ARGS=overrides

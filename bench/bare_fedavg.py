@@ -9,7 +9,7 @@ that the two final models can be compared (``tests/test_bare_fedavg.py``):
 * initialisation: ``torch.manual_seed(seed)``, then the model is built (as the ServerApp does);
 * client sampling per round: ``max(min_train_nodes, int(fraction_train · N))`` partitions drawn
   without replacement by ``numpy.random.default_rng([seed, round, 0])`` from the sorted ids;
-* per client and round: seed ``fedhm_flwr.levels.client_seed(seed, round, partition)`` for the
+* per client and round: seed ``fedhm_flwr.math.levels.client_seed(seed, round, partition)`` for the
   torch RNG and the batch order (a ``DataLoader`` shuffled by its own generator), SGD with
   momentum and weight decay re-created at the round's learning rate (constant / cosine / step),
   masked cross-entropy (logits of classes absent from the partition set to 0), static batch norm
@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 
 from fedhm_flwr.config import data_spec, load_config, model_spec
 from fedhm_flwr.data import client_dataset, test_dataset
-from fedhm_flwr.levels import client_seed
+from fedhm_flwr.math.levels import client_seed
 from fedhm_flwr.models import build_model
 
 State = dict[str, torch.Tensor]

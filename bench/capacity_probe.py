@@ -51,7 +51,7 @@ def candidate_study(name: str, seeds: tuple[int, ...], rounds: int | None = None
 
 def report(root: Path, names: list[str], seeds: tuple[int, ...], rounds: int | None = None) -> dict[str, Any]:
     """The probe's figures from its finished runs (see the module docstring)."""
-    from fedhm_flwr.stats import mean_ci
+    from fedhm_flwr.math.stats import mean_ci
 
     measured = R.measured_seconds(root)
     full_study = R.STUDIES["capacity"]
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         run_missing(args.runs, [candidate_study(n, seeds, args.rounds, tuple(args.ray_seeds))
                                   for n in args.candidates], args.jobs)
     data = report(args.runs, args.candidates, seeds, args.rounds)
-    from fedhm_flwr.results import atomic_write
+    from fedhm_flwr.reporting.results import atomic_write
 
     out = args.runs / "probe"
     stem = "capacity" if args.rounds is None else f"capacity-r{args.rounds}"

@@ -28,10 +28,10 @@ def spread(values: list[float]) -> dict[str, float]:
 def identity_query(msg: Any, context: Any) -> Any:
     """The node-info answer of a node that holds no data (the server figures never train on any,
     and ResNet's CIFAR-10 need not be on this machine): its identity, without the example count the
-    run's data spec would ask for (:func:`clients.base.node_info`)."""
+    run's data spec would ask for (:func:`fedhm_flwr.client.handlers.node_info`)."""
     from flwr.app import Message, RecordDict
 
-    from clients.base import node_info
+    from fedhm_flwr.client.handlers import node_info
 
     return Message(RecordDict({"config": node_info(context)}), reply_to=msg)
 

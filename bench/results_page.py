@@ -1,8 +1,8 @@
 """``docs/RESULTS.md`` (and the README's results block) from the finished runs of :mod:`bench.results`.
 
-No number on the page is typed by hand: the tables, the verdicts (:mod:`fedhm_flwr.verdicts`), the
+No number on the page is typed by hand: the tables, the verdicts (:mod:`fedhm_flwr.reporting.verdicts`), the
 reason for the second setting (the probe's ``results/probe/capacity.json``) and the plots
-(:func:`fedhm_flwr.summary_plots.write_plots`) all come from the run folders.
+(:func:`fedhm_flwr.reporting.summary_plots.write_plots`) all come from the run folders.
 """
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ from typing import Any
 
 from bench.studies import (FIGURES, LABELS, PAGE, STUDIES, TITLES, TRANSPORTS, VARIANTS, Study, finished, missing,
                            plan, run_dir)
-from fedhm_flwr.stats import mean_ci
-from fedhm_flwr.verdicts import RULE, judge, smallest_level
+from fedhm_flwr.math.stats import mean_ci
+from fedhm_flwr.reporting.verdicts import RULE, judge, smallest_level
 
 README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
 PROBE_REPORT = Path("probe") / "capacity.json"
 
 
 def variant_rows(root: Path, study: Study, setting: str) -> list[dict[str, Any]]:
-    """One row per finished run of ``setting`` (as :func:`fedhm_flwr.summary.collect` reads it),
+    """One row per finished run of ``setting`` (as :func:`fedhm_flwr.reporting.summary.collect` reads it),
     named by its variant (``fedavg_smallest`` rather than ``fedavg method.variant=smallest``), with
     the run's commit, machine, finishing time and transport."""
-    from fedhm_flwr.summary import collect
+    from fedhm_flwr.reporting.summary import collect
 
     dirs = [run_dir(study, setting, v, k, root) for v in study.variants for k in study.seeds
             if finished(run_dir(study, setting, v, k, root))]
@@ -52,8 +52,8 @@ def _pct_ci(est: Any, sign: str = "") -> str:
 
 
 def paired(rows: list[dict[str, Any]], method: str, reference: str, column: str = "final_acc/global") -> Any:
-    """``method − reference`` on the same seeds (an :class:`~fedhm_flwr.stats.Estimate`), or None."""
-    from fedhm_flwr.verdicts import paired as paired_diffs
+    """``method − reference`` on the same seeds (an :class:`~fedhm_flwr.math.stats.Estimate`), or None."""
+    from fedhm_flwr.reporting.verdicts import paired as paired_diffs
 
     return paired_diffs(rows, method, column, reference, column)[1]
 
@@ -138,7 +138,7 @@ def fedhm_vs_heterofl(rows: list[dict[str, Any]]) -> str:
 
 
 def verdict_table(all_rows: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
-    """One line per claim, study and setting (see :data:`fedhm_flwr.verdicts.RULE`)."""
+    """One line per claim, study and setting (see :data:`fedhm_flwr.reporting.verdicts.RULE`)."""
     lines = ["| claim | study | setting | n | difference (pt) | 95 % CI | verdict |", "|---|---|---|---|---|---|---|"]
     for (study, setting), rows in all_rows.items():
         if not rows:
@@ -199,7 +199,7 @@ def adopted(root: Path, candidate: str) -> int:
 
 
 def setting_section(rows: list[dict[str, Any]], title: str, out: Path, page: Path) -> list[str]:
-    from fedhm_flwr.summary_plots import write_plots
+    from fedhm_flwr.reporting.summary_plots import write_plots
 
     if not rows:
         return [f"### {title}", "", "No finished run yet.", ""]
@@ -244,12 +244,12 @@ def render(root: Path, studies: list[Study] | None = None, figures: Path = FIGUR
         "wall time of each run below)",
         "- methods: " + "; ".join(f"{LABELS[v]}: `{o}`" for v, o in VARIANTS.items()),
         "- statistics: mean ± sample standard deviation over seeds, 95 % confidence intervals from the "
-        "Student-t distribution (`fedhm_flwr/stats.py`); paired differences are taken seed by seed (same "
+        "Student-t distribution (`fedhm_flwr/math/stats.py`); paired differences are taken seed by seed (same "
         "partitions, sampling and initial model)",
         "",
         "## Verdicts",
         "",
-        f"Rule (`fedhm_flwr/verdicts.py`): {RULE}. The smallest level is the smallest γ present in the runs "
+        f"Rule (`fedhm_flwr/reporting/verdicts.py`): {RULE}. The smallest level is the smallest γ present in the runs "
         f"(γ = {smallest_level(runs)}).",
         "",
         *verdict_table(all_rows),
@@ -304,7 +304,7 @@ def update_readme(readme: Path, block: str) -> None:
 
 
 def write_page(root: Path, page: Path = PAGE, figures: Path = FIGURES, readme: Path | None = None) -> None:
-    from fedhm_flwr.results import atomic_write
+    from fedhm_flwr.reporting.results import atomic_write
 
     atomic_write(page, render(root, None, figures, page))
     if readme is not None:

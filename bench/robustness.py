@@ -8,7 +8,7 @@ The grid (:func:`cells`): FedHM and HeteroFL, the scaling and sign-flip attacks 
 of the clients malicious, under every defence the method takes (Krum: FedHM only), plus the clean
 run (no attack) under every defence; and FedHM with client-level DP (``dp.enabled``) at
 ``σ ∈ {0.5, 1, 2}``. Every run is a whole job of the project's own server loop (strategy, messages,
-ClientApp handlers) on the in-process grid (:mod:`fedhm_flwr.local_grid`: Flower's transport
+ClientApp handlers) on the in-process grid (:mod:`fedhm_flwr.ops.local_grid`: Flower's transport
 replaced, nothing else), in the reduced setting :data:`COMMON` stated on the page.
 
 A finished run is a folder ``results/robustness/<method>/<condition>/<defence>/seed<k>/`` holding
@@ -17,7 +17,7 @@ a run is staged in a hidden ``.partial`` folder and renamed into place only when
 so an interrupted grid leaves no half run behind and the next call runs only what is missing (as
 ``bench/results.py`` does for docs/RESULTS.md). The page is built from those folders alone:
 mean and 95 % Student-t interval per cell over seeds, and the paired (same seed) difference to
-the method's clean undefended run with its own interval (:mod:`fedhm_flwr.stats`). Nothing on it is
+the method's clean undefended run with its own interval (:mod:`fedhm_flwr.math.stats`). Nothing on it is
 typed by hand.
 """
 
@@ -141,8 +141,8 @@ def one_run(job: tuple[Cell, int, str]) -> dict[str, Any]:
     logging.getLogger("flwr").setLevel(logging.WARNING)
     from bench.results import commit, machine
     from fedhm_flwr.config import load_config
-    from fedhm_flwr.local_grid import LocalGrid, client_handlers
-    from fedhm_flwr.server_app import run
+    from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+    from fedhm_flwr.ops.server_app import run
 
     overrides = cell.overrides(seed)
     cfg = load_config(overrides)
@@ -208,7 +208,7 @@ def accuracy(run: dict[str, Any]) -> float:
 
 
 def estimate(values: list[float]) -> Any:
-    from fedhm_flwr.stats import mean_ci
+    from fedhm_flwr.math.stats import mean_ci
 
     return mean_ci(values, CONFIDENCE)
 
@@ -250,7 +250,7 @@ def resolution(runs: dict[Cell, dict[int, dict[str, Any]]]) -> tuple[float, floa
 
 
 def render(root: Path, seeds: tuple[int, ...], command: str = "python -m bench.robustness") -> str:
-    from fedhm_flwr.stats import t_quantile
+    from fedhm_flwr.math.stats import t_quantile
 
     runs = load(root, seeds)
     flat = [r for v in runs.values() for r in v.values()]
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.no_run:
         run_missing(args.runs, seeds, args.jobs, args.limit, dp=not args.no_dp)
-    from fedhm_flwr.results import atomic_write
+    from fedhm_flwr.reporting.results import atomic_write
 
     atomic_write(args.page, render(args.runs, seeds))
     print(f"bench.robustness: wrote {args.page}; {status(args.runs, seeds, args.jobs)}")

@@ -78,7 +78,7 @@ def scale_run(clients: int, per_round: int, rounds: int, query: str, extra: tupl
     """One ``flwr run`` of ``clients`` simulated clients, ``per_round`` sampled per round, with
     ``availability.query`` = ``query`` (and the ``extra`` overrides): per-round times and the ratios
     measured in that run."""
-    from fedhm_flwr.launch import run_job
+    from fedhm_flwr.ops.launch import run_job
 
     overrides = [f"num_clients={clients}", f"fraction_train={per_round / clients}", f"rounds={rounds}",
                  "evaluation.levels=false", "dataset.max_test_examples=2000", f"availability.query={query}", *extra]
@@ -110,17 +110,17 @@ def scale_run(clients: int, per_round: int, rounds: int, query: str, extra: tupl
 
 
 def server_state_per_node(counts: tuple[int, ...], per_round: int = 100, rounds: int = 2) -> dict[str, Any]:
-    """The server's per-node state (node registry, caches: what ``strategies/`` allocates and keeps)
+    """The server's per-node state (node registry, caches: what ``fedhm_flwr/server/`` allocates and keeps)
     after the start-up and ``rounds`` rounds of ``per_round`` echoing clients (CNN, in process), for
-    each node count: traced bytes kept (tracemalloc, allocations made in ``strategies/``), per node."""
+    each node count: traced bytes kept (tracemalloc, allocations made in ``fedhm_flwr/server/``), per node."""
     import gc
     import tracemalloc
 
     from flwr.app import ArrayRecord, MessageType
 
-    from fedhm_flwr.local_grid import LocalGrid
-    from fedhm_flwr.server_app import initial_state
-    from strategies import STRATEGIES
+    from fedhm_flwr.ops.local_grid import LocalGrid
+    from fedhm_flwr.ops.server_app import initial_state
+    from fedhm_flwr.server.registry import STRATEGIES
 
     rows = {}
     for n in (counts[0], *counts):  # the first one warms up (imports, one-time caches) and is not kept
@@ -138,7 +138,7 @@ def server_state_per_node(counts: tuple[int, ...], per_round: int = 100, rounds:
             replies = grid.send_and_receive(list(strategy.configure_train(r, arrays, None, grid)))
             arrays, _ = strategy.aggregate_train(r, replies)
         gc.collect()
-        snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/strategies/*")])
+        snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/fedhm_flwr/server/*")])
         tracemalloc.stop()
         kept = sum(stat.size for stat in snapshot.statistics("filename"))
         rows[str(n)] = {"nodes": n, "known": len(strategy.registry.nodes), "server_state_bytes": kept,
@@ -147,7 +147,7 @@ def server_state_per_node(counts: tuple[int, ...], per_round: int = 100, rounds:
     base, top = rows[str(counts[0])], rows[str(counts[-1])]
     slope = (top["server_state_bytes"] - base["server_state_bytes"]) / max(1, counts[-1] - counts[0])
     return {"per_round": per_round, "rounds": rounds, "rows": rows, "bytes_per_node": slope,
-            "note": "allocations made in strategies/ and still held (tracemalloc), CNN, echoing clients, "
+            "note": "allocations made in fedhm_flwr/server/ and still held (tracemalloc), CNN, echoing clients, "
                     "availability.query=all: every node known"}
 
 

@@ -26,9 +26,9 @@ def figure_server_time(quick: bool) -> dict[str, Any]:
     """configure_train + aggregate_train of FedHM vs FedAvg(full) with echoing clients."""
     from flwr.app import ArrayRecord, MessageType
 
-    from fedhm_flwr.local_grid import LocalGrid, client_handlers
-    from fedhm_flwr.server_app import initial_state, run
-    from strategies import STRATEGIES
+    from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+    from fedhm_flwr.ops.server_app import initial_state, run
+    from fedhm_flwr.server.registry import STRATEGIES
 
     replies_n = 10
     repeats = 2 if quick else 5
@@ -168,9 +168,9 @@ def serialized_bytes(msg: Any) -> int:
 def figure_bytes(quick: bool) -> dict[str, Any]:
     from flwr.app import ArrayRecord, MessageType
 
-    from fedhm_flwr.local_grid import LocalGrid
-    from fedhm_flwr.server_app import initial_state
-    from strategies import STRATEGIES
+    from fedhm_flwr.ops.local_grid import LocalGrid
+    from fedhm_flwr.ops.server_app import initial_state
+    from fedhm_flwr.server.registry import STRATEGIES
 
     out = {}
     for arch, width, dataset in [("cnn", 16, "fashion_mnist")] + ([] if quick else [("resnet18", 64, "cifar10")]):

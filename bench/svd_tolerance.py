@@ -42,12 +42,12 @@ def one_run(seed: int, tolerance: float, mode: str, overrides: list[str]) -> dic
     import torch
     from safetensors.torch import load_file
 
-    import strategies.fedhm as fedhm_module
-    from fedhm_flwr import lowrank
+    import fedhm_flwr.server.methods.fedhm as fedhm_module
     from fedhm_flwr.config import load_config
-    from fedhm_flwr.local_grid import LocalGrid, client_handlers
-    from fedhm_flwr.results import CHECKPOINT_DIR, MODEL_FILE
-    from fedhm_flwr.server_app import run
+    from fedhm_flwr.math import lowrank
+    from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+    from fedhm_flwr.ops.server_app import run
+    from fedhm_flwr.reporting.results import CHECKPOINT_DIR, MODEL_FILE
 
     paths = {"float32": 0, "float64": 0, "exact": 0}
     real = fedhm_module.compute_svds

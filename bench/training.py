@@ -30,11 +30,11 @@ def _train_steps(spec: dict[str, Any], batch: int, device: torch.device, variant
 
     ``variant`` ``before``: the step as it was (contiguous layout, the penalty added to the loss,
     the CNN's ReLU before its max-pool); ``train_local``: the clients' step
-    (:func:`fedhm_flwr.train.conv_layout`, :func:`fedhm_flwr.train.backward`, the CNN pooling
+    (:func:`fedhm_flwr.math.train.conv_layout`, :func:`fedhm_flwr.math.train.backward`, the CNN pooling
     before its ReLU); ``relu_then_pool``: the clients' step with the CNN's ReLU before its
     max-pool, i.e. ``train_local`` less that one change (the same function, bit for bit)."""
+    from fedhm_flwr.math.train import backward, conv_layout, frobenius_penalty, parameter_groups
     from fedhm_flwr.models.rules import plan_ranks
-    from fedhm_flwr.train import backward, conv_layout, frobenius_penalty, parameter_groups
 
     base = build_model(spec)
     shape = input_shape(spec)
@@ -174,7 +174,7 @@ def train_step_markdown(f3: dict[str, Any]) -> list[str]:
 
 def figure_throughput(quick: bool) -> dict[str, Any]:
     from fedhm_flwr.data import client_dataset
-    from fedhm_flwr.launch import run_job
+    from fedhm_flwr.ops.launch import run_job
 
     n_train = 4000 if quick else 12000
     overrides = ["rounds=1", "num_clients=2", "fraction_train=1.0", "levels.ratios=[1]", f"dataset.max_train_examples={n_train}",

@@ -2,6 +2,6 @@
 
 import sys
 
-from fedhm_flwr.cli import main
+from fedhm_flwr.ops.cli import main
 
 sys.exit(main())

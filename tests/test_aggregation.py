@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedhm_flwr.aggregation import average_hybrid, average_states, level_weights
+from fedhm_flwr.math.aggregation import average_hybrid, average_states, level_weights
 
 
 def test_weights_are_softmax_of_gamma_over_tau():
@@ -74,9 +74,9 @@ def _reference_average(prev, full_states, weights, holds, classifier_keys):
 def test_hybrid_average_equals_recover_then_average_reference():
     """FedHM's stacked path (one product per layer over all replies, ranks mixed, full-rank replies
     included) equals recovering every reply and averaging key by key, to float32 tolerance."""
-    from fedhm_flwr.lowrank import factorize_state, recover_state
-    from fedhm_flwr.models.rules import plan_ranks
+    from fedhm_flwr.math.lowrank import factorize_state, recover_state
     from fedhm_flwr.models import build_model
+    from fedhm_flwr.models.rules import plan_ranks
 
     torch.manual_seed(0)
     model = build_model({"arch": "resnet18", "width": 8, "num_classes": 10, "in_channels": 3, "image_size": 32})

@@ -1,14 +1,11 @@
 """The import layering of docs/ARCHITECTURE.md, checked on the source (AST, nothing imported).
 
-Every module of ``fedhm_flwr/``, ``strategies/`` and ``clients/`` is assigned to a layer in
-:data:`LAYERS`; a module may import its own layer and the layers below, never one above. The
+Every module of ``fedhm_flwr/``, ``strategies/`` and ``clients/`` lies in a layer's folder
+(:data:`LAYERS`); a module may import its own layer and the layers below, never one above. The
 test also refuses import circles (imports inside functions counted), imports inside functions
 (except optional or heavy third-party packages and the config check's torch-free path) and
-files over 400 lines (except pure math).
-
-The work of #26 lands in parts: what the other parts still have to remove is listed in the
-``KNOWN_*`` tables below, each entry with the reason. Every entry must still occur (a test fails
-when one no longer does), so the lists can only shrink.
+files over 400 lines (except pure math). An exception listed here must still occur (a test
+fails when one no longer does), so the lists only shrink.
 """
 
 from __future__ import annotations
@@ -25,42 +22,45 @@ PACKAGES = ("fedhm_flwr", "strategies", "clients")
 MAX_LINES = 400
 
 #: the layers, bottom first (docs/ARCHITECTURE.md, "Rooms"); a module imports its layer and below
-ORDER = ("base", "math", "models", "data", "config", "reporting", "method", "round", "client", "operations")
+ORDER = ("base", "math", "models", "data", "config", "reporting", "method", "round", "client", "operations",
+         "faces")
 #: layers of the same height that must not import each other (the server's round and the client)
 SIBLINGS = {("round", "client"), ("client", "round")}
 
+#: each layer is a package (its modules and subpackages) or, where marked exact, one module: a
+#: module's layer is its folder's; the longest listed package it lies in decides
 LAYERS: dict[str, tuple[str, ...]] = {
     # the wire contract and the project's errors: everything may use them
-    "base": ("fedhm_flwr", "fedhm_flwr.errors", "fedhm_flwr.protocol", "fedhm_flwr.wire_arrays"),
+    "base": ("fedhm_flwr.core", "=fedhm_flwr"),
     # pure functions on tensors and numbers, no Flower, no model registry
-    "math": ("fedhm_flwr.lowrank", "fedhm_flwr.width", "fedhm_flwr.prism", "fedhm_flwr.lora", "fedhm_flwr.cmga",
-             "fedhm_flwr.aggregation", "fedhm_flwr.robust", "fedhm_flwr.privacy", "fedhm_flwr.attacks",
-             "fedhm_flwr.bn_stats", "fedhm_flwr.stats", "fedhm_flwr.levels", "fedhm_flwr.train"),
-    "models": ("fedhm_flwr.models", "fedhm_flwr.models.layers", "fedhm_flwr.models.rules", "fedhm_flwr.models.costs",
-               "fedhm_flwr.models.cnn", "fedhm_flwr.models.resnet", "fedhm_flwr.models.vit", "fedhm_flwr.models.text",
-               "fedhm_flwr.models.transformer", "fedhm_flwr.models.adapters", "fedhm_flwr.models.matching"),
-    "data": ("fedhm_flwr.data", "fedhm_flwr.data.catalog", "fedhm_flwr.data.files", "fedhm_flwr.data.cache",
-             "fedhm_flwr.data.spec", "fedhm_flwr.data.partitioning", "fedhm_flwr.data.idx", "fedhm_flwr.data.cifar",
-             "fedhm_flwr.data.imagefolder", "fedhm_flwr.data.hf_disk", "fedhm_flwr.data.registry",
-             "fedhm_flwr.data.tensors", "fedhm_flwr.data.text", "fedhm_flwr.data.clients", "fedhm_flwr.data.shards"),
-    "config": ("fedhm_flwr.config", "fedhm_flwr.config_checks", "fedhm_flwr.config_methods", "fedhm_flwr.specs"),
-    "reporting": ("fedhm_flwr.results", "fedhm_flwr.summary", "fedhm_flwr.summary_stats", "fedhm_flwr.summary_plots",
-                  "fedhm_flwr.verdicts", "fedhm_flwr.tracking"),
+    "math": ("fedhm_flwr.math",),
+    "models": ("fedhm_flwr.models",),
+    "data": ("fedhm_flwr.data",),
+    "config": ("fedhm_flwr.config",),
+    "reporting": ("fedhm_flwr.reporting",),
     # a method: cut a level, merge replies, recover, costs (no Flower strategy, no messages)
-    "method": ("strategies.method", "strategies.common", "strategies.fedhm", "strategies.heterofl", "strategies.fedrolex",
-               "strategies.prism", "strategies.fedavg", "strategies.fedlora", "strategies.heterotune"),
+    "method": ("fedhm_flwr.server.methods",),
     # the server's round: the Flower strategy driving a method, its collaborators, the registry
-    "round": ("strategies", "strategies.base", "strategies.nodes", "strategies.untrusted", "strategies.reporting",
-              "fedhm_flwr.evaluation"),
-    "client": ("clients", "clients.base", "fedhm_flwr.client_app"),
-    # entry points and processes: the Flower apps, the CLI, launcher, sweep, tools
-    "operations": ("fedhm_flwr.server_app", "fedhm_flwr.local_grid", "fedhm_flwr.launch", "fedhm_flwr.procs",
-                   "fedhm_flwr.cli", "fedhm_flwr.__main__", "fedhm_flwr.api", "fedhm_flwr.status",
-                   "fedhm_flwr.supernode", "fedhm_flwr.sweep", "fedhm_flwr.progress", "fedhm_flwr.inspect",
-                   "fedhm_flwr.export", "fedhm_flwr.pretrain", "fedhm_flwr.shards", "fedhm_flwr.outcome",
-                   "fedhm_flwr.runlock", "fedhm_flwr.superlink", "fedhm_flwr.flower_job", "fedhm_flwr.multirun",
-                   "fedhm_flwr.credentials", "fedhm_flwr.deployment", "fedhm_flwr.deploy_local"),
+    "round": ("fedhm_flwr.server",),
+    "client": ("fedhm_flwr.client",),
+    # entry points and processes: the Flower apps, the CLI, launcher, sweep, tools; the Python API
+    "operations": ("fedhm_flwr.ops", "=fedhm_flwr.api", "=fedhm_flwr.__main__"),
+    # the design card's top-level names, re-exporting the server and the client for users' scripts
+    "faces": ("strategies", "clients"),
 }
+
+
+def layer_of(module: str) -> str | None:
+    """The layer of ``module``: an exact entry, else the longest listed package it lies in."""
+    best, length = None, -1
+    for layer, entries in LAYERS.items():
+        for entry in entries:
+            exact = entry.startswith("=")
+            name = entry.lstrip("=")
+            if (module == name or (not exact and module.startswith(name + "."))) and len(name) > length:
+                best, length = layer, len(name)
+    return best
+
 
 #: third-party packages a function may import where it needs them: optional ones, and heavy ones
 #: (seconds to import) that most processes never use
@@ -80,34 +80,19 @@ OPTIONAL_IMPORTS = {
 #: the config check's torch-free path: the launcher checks a config before importing torch, and
 #: importing anything of fedhm_flwr.models imports torch; these checks need a model
 TORCH_FREE_PATH = {
-    ("fedhm_flwr.config_methods", "fedhm_flwr.models.rules"): "a model.factorize rule",
-    ("fedhm_flwr.config_methods", "torch"): "a user's model, run on a batch",
-    ("fedhm_flwr.config_methods", "fedhm_flwr.models"): "a user's model (model.target)",
-    ("fedhm_flwr.config_methods", "fedhm_flwr.models.vit"): "a pre-trained ViT's checkpoint",
-    ("fedhm_flwr.specs", "fedhm_flwr.models.vit"): "a ViT's model spec",
-    ("fedhm_flwr.api", "fedhm_flwr.export"): "api.load_model builds a model (importing fedhm_flwr.api stays light)",
-    ("fedhm_flwr.launch", "fedhm_flwr.inspect"): "FedHM's level sizes, counted on a model before round 1",
-    ("fedhm_flwr.results", "safetensors.torch"): "checkpoints as torch tensors (the launcher reads their headers)",
-    ("fedhm_flwr.wire_arrays", "torch"): "the wire dtypes, read by the config check (through protocol)",
+    ("fedhm_flwr.config.methods", "fedhm_flwr.models.rules"): "a model.factorize rule",
+    ("fedhm_flwr.config.methods", "torch"): "a user's model, run on a batch",
+    ("fedhm_flwr.config.methods", "fedhm_flwr.models"): "a user's model (model.target)",
+    ("fedhm_flwr.config.methods", "fedhm_flwr.models.vit"): "a pre-trained ViT's checkpoint",
+    ("fedhm_flwr.config.specs", "fedhm_flwr.models.vit"): "a ViT's model spec",
+    ("fedhm_flwr.api", "fedhm_flwr.ops.export"): "api.load_model builds a model (importing fedhm_flwr.api stays light)",
+    ("fedhm_flwr.ops.launch", "fedhm_flwr.ops.inspect"): "FedHM's level sizes, counted on a model before round 1",
+    ("fedhm_flwr.reporting.results", "safetensors.torch"): "checkpoints as torch tensors (the launcher reads their headers)",
+    ("fedhm_flwr.core.wire_arrays", "torch"): "the wire dtypes, read by the config check (through protocol)",
 }
 
 #: pure-math files allowed over MAX_LINES (none today: lowrank.py, the longest, is under it)
 PURE_MATH_LONG: dict[str, str] = {}
-
-# --------------------------------------------------------------------------- known, to shrink
-
-#: circles still to break (none)
-KNOWN_CIRCLES: list[frozenset[str]] = []
-
-#: imports pointing up (none)
-KNOWN_UPWARD: dict[tuple[str, str], str] = {}
-
-#: (module, imported) inside functions, in files other parts of #26 own
-KNOWN_INNER: set[tuple[str, str]] = set()
-
-#: files over MAX_LINES that other parts of #26 split
-KNOWN_LONG: dict[str, str] = {}
-
 
 # --------------------------------------------------------------------------- the source
 
@@ -166,7 +151,7 @@ def _imports() -> tuple[dict[str, set[str]], list[tuple[str, str]]]:
 
 
 EDGES, INNER = _imports()
-LAYER_OF = {m: layer for layer, modules in LAYERS.items() for m in modules}
+LAYER_OF = {m: layer_of(m) for m in MODULES}
 
 
 def _rank(module: str) -> int:
@@ -229,42 +214,48 @@ def _long_files() -> set[str]:
 # --------------------------------------------------------------------------- the rules
 
 
-def test_every_module_has_exactly_one_layer():
-    listed = [m for modules in LAYERS.values() for m in modules]
-    assert sorted(m for m in set(listed) if listed.count(m) > 1) == []
-    assert sorted(set(MODULES) - set(listed)) == [], "new module: give it a layer here and in docs/ARCHITECTURE.md"
-    assert sorted(set(listed) - set(MODULES)) == [], "listed modules that no longer exist"
+def test_every_module_has_a_layer():
+    """A module lies in a layer's package (a new top-level module of ``fedhm_flwr`` has none: it
+    belongs in a group), and every listed package exists."""
+    assert sorted(m for m, layer in LAYER_OF.items() if layer is None) == [], \
+        "new module: put it in its layer's package (docs/ARCHITECTURE.md)"
+    listed = [e.lstrip("=") for entries in LAYERS.values() for e in entries]
+    assert sorted(set(listed) - set(MODULES)) == [], "listed packages that no longer exist"
     assert set(LAYERS) == set(ORDER)
 
 
+def test_project_modules_never_import_the_faces():
+    """``strategies`` and ``clients`` are faces for users' scripts; the package imports ``fedhm_flwr``."""
+    faces = {m for m in MODULES if LAYER_OF[m] == "faces"}
+    assert sorted((m, t) for m, targets in EDGES.items() if LAYER_OF[m] != "faces" for t in targets & faces) == []
+
+
 def test_no_import_circle():
-    assert sorted(map(sorted, _circles())) == sorted(map(sorted, KNOWN_CIRCLES))
+    assert sorted(map(sorted, _circles())) == []
 
 
 def test_no_upward_import():
     upward = _upward()
-    assert sorted(upward - set(KNOWN_UPWARD)) == [], "an import points up a layer (docs/ARCHITECTURE.md)"
-    assert sorted(set(KNOWN_UPWARD) - upward) == [], "fixed: remove it from KNOWN_UPWARD"
+    assert sorted(upward) == [], "an import points up a layer (docs/ARCHITECTURE.md)"
 
 
 def test_no_import_inside_functions():
     bad = _bad_inner()
-    assert sorted(bad - KNOWN_INNER) == [], "import at module level (or list an optional dependency)"
-    assert sorted(KNOWN_INNER - bad) == [], "fixed: remove it from KNOWN_INNER"
+    assert sorted(bad) == [], "import at module level (or list an optional dependency)"
     used = {(m, t) for m, t in INNER if (m, t) in TORCH_FREE_PATH}
     assert sorted(set(TORCH_FREE_PATH) - used) == [], "no longer imported inside a function: drop the exception"
 
 
 def test_no_file_over_the_limit():
     long = _long_files()
-    assert sorted(long - set(KNOWN_LONG) - set(PURE_MATH_LONG)) == [], f"split files over {MAX_LINES} lines"
-    assert sorted((set(KNOWN_LONG) | set(PURE_MATH_LONG)) - long) == [], "under the limit now: drop the exception"
+    assert sorted(long - set(PURE_MATH_LONG)) == [], f"split files over {MAX_LINES} lines"
+    assert sorted(set(PURE_MATH_LONG) - long) == [], "under the limit now: drop the exception"
 
 
 def test_data_modules_never_import_their_own_facade():
     """``fedhm_flwr.data`` imports its submodules lazily on first use of a name; a submodule importing
     it back would hide a circle from the checks above."""
-    assert sorted(m for m in LAYERS["data"] if m != "fedhm_flwr.data" and "fedhm_flwr.data" in EDGES[m]) == []
+    assert sorted(m for m in MODULES if m.startswith("fedhm_flwr.data.") and "fedhm_flwr.data" in EDGES[m]) == []
 
 
 @pytest.mark.parametrize("rule", [_circles, _upward, _bad_inner])
@@ -272,6 +263,6 @@ def test_the_checks_see_a_violation(rule, monkeypatch):
     """The checks can fail: an import of the CLI added to the bottom layer is a circle, an upward
     import and (inside a function) a forbidden import."""
     before = rule()
-    monkeypatch.setitem(EDGES, "fedhm_flwr.errors", EDGES["fedhm_flwr.errors"] | {"fedhm_flwr.cli"})
-    monkeypatch.setattr(sys.modules[__name__], "INNER", [*INNER, ("fedhm_flwr.errors", "fedhm_flwr.cli")])
+    monkeypatch.setitem(EDGES, "fedhm_flwr.core.errors", EDGES["fedhm_flwr.core.errors"] | {"fedhm_flwr.ops.cli"})
+    monkeypatch.setattr(sys.modules[__name__], "INNER", [*INNER, ("fedhm_flwr.core.errors", "fedhm_flwr.ops.cli")])
     assert rule() != before

@@ -14,9 +14,9 @@ from bench.bare_fedavg import run_bare_fedavg, sample
 from fedhm_flwr.config import data_spec
 from fedhm_flwr.config import model_spec as flower_spec
 from fedhm_flwr.data import client_dataset
-from fedhm_flwr.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.results import load_checkpoint
-from fedhm_flwr.server_app import initial_state, run
+from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.server_app import initial_state, run
+from fedhm_flwr.reporting.results import load_checkpoint
 
 # non-IID (Dir(0.1): clients miss classes, so masked CE and per-class classifier rows matter),
 # half the clients per round, a cosine schedule, two local epochs

@@ -12,17 +12,14 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from torch.utils.data import TensorDataset
 
 from fedhm_flwr.config import ConfigError, model_spec
-from fedhm_flwr.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.lowrank import recover_state
-from fedhm_flwr.models.rules import plan_ranks
+from fedhm_flwr.math.lowrank import recover_state
+from fedhm_flwr.math.train import TrainOptions, parameter_groups, train_local
 from fedhm_flwr.models import build_model
-from fedhm_flwr.server_app import initial_state, run
-from fedhm_flwr.train import TrainOptions, parameter_groups, train_local
-from strategies import STRATEGIES
-from strategies.base import Reply
-from strategies import FedAvgStrategy
-from strategies import FedRolexStrategy
-from strategies import HeteroFLStrategy
+from fedhm_flwr.models.rules import plan_ranks
+from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.server_app import initial_state, run
+from fedhm_flwr.server.registry import STRATEGIES, FedAvgStrategy, FedRolexStrategy, HeteroFLStrategy
+from fedhm_flwr.server.strategy import Reply
 
 
 @pytest.fixture(autouse=True)

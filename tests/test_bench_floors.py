@@ -10,10 +10,10 @@ import numpy as np
 import torch
 
 from bench import floors
-from fedhm_flwr.aggregation import average_hybrid
-from fedhm_flwr.lowrank import factorize_state, layer_svd, rank_for
-from fedhm_flwr.models.rules import plan_ranks
+from fedhm_flwr.math.aggregation import average_hybrid
+from fedhm_flwr.math.lowrank import factorize_state, layer_svd, rank_for
 from fedhm_flwr.models import build_model
+from fedhm_flwr.models.rules import plan_ranks
 
 FLOORS = Path(floors.__file__)
 

@@ -7,10 +7,10 @@ import json
 import torch
 from torch.utils.data import TensorDataset
 
-from fedhm_flwr.bn_stats import apply_bn_statistics, bn_sums, combine_bn_sums, norm_layers, statistics
-from fedhm_flwr.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.math.bn_stats import apply_bn_statistics, bn_sums, combine_bn_sums, norm_layers, statistics
 from fedhm_flwr.models import build_model
-from fedhm_flwr.server_app import run
+from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.server_app import run
 
 SPEC = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28, "width": 4}
 

@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from fedhm_flwr import api
-from fedhm_flwr.cli import COMMANDS, compare_plan, main
 from fedhm_flwr.config import ConfigError
-from fedhm_flwr.progress import Follower, eta_seconds, format_seconds, progress_text
+from fedhm_flwr.ops.cli import COMMANDS, compare_plan, main
+from fedhm_flwr.ops.progress import Follower, eta_seconds, format_seconds, progress_text
 
 SUBCOMMANDS = ["run", "resume", "sweep", "compare", "status", "deploy-local", "inspect", "summary", "shards", "supernode",
                "export", "bench"]

@@ -32,16 +32,16 @@ from flwr.common.config import parse_config_args
 from omegaconf import OmegaConf
 
 from fedhm_flwr import data as D
-from fedhm_flwr import deployment as dl
 from fedhm_flwr.config import load_config, model_spec
-from fedhm_flwr.credentials import add_node, create_credentials
-from fedhm_flwr.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.outcome import checkpoint_round
-from fedhm_flwr.procs import alive, command_name, tagged_pids
-from fedhm_flwr.runlock import RunLock
-from fedhm_flwr.server_app import initial_state
 from fedhm_flwr.models.costs import activation_elements, training_memory_bytes
-from strategies import FedHMStrategy
+from fedhm_flwr.ops import deployment as dl
+from fedhm_flwr.ops.credentials import add_node, create_credentials
+from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.outcome import checkpoint_round
+from fedhm_flwr.ops.procs import alive, command_name, tagged_pids
+from fedhm_flwr.ops.runlock import RunLock
+from fedhm_flwr.ops.server_app import initial_state
+from fedhm_flwr.server.registry import FedHMStrategy
 
 ROOT = Path(__file__).resolve().parent.parent
 FEDHM = [sys.executable, "-m", "fedhm_flwr"]  # the `fedhm` command of this checkout (run from ROOT)
@@ -301,7 +301,7 @@ def test_fedhm_deploy_local_stops_everything_it_started_when_the_job_fails(tmp_p
 
 
 def test_the_supernode_wrapper_starts_again_only_after_a_refused_activation(tmp_path, capsys):
-    from fedhm_flwr import supernode
+    from fedhm_flwr.ops import supernode
 
     assert supernode.HEARTBEAT_WINDOW == 60 and supernode.ACTIVATION_FAILED == "[code: 2004]"  # Flower 1.41
     runs = tmp_path / "runs"

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from fedhm_flwr.procs import Processes, alive, command_name, stat_field, tagged_pids
-from fedhm_flwr.superlink import flower_env, free_port, stage_app
-from fedhm_flwr.supernode import children
+from fedhm_flwr.ops.procs import Processes, alive, command_name, stat_field, tagged_pids
+from fedhm_flwr.ops.superlink import flower_env, free_port, stage_app
+from fedhm_flwr.ops.supernode import children
 from test_deploy import ROOT, needs_fmnist
 
 DOC = ROOT / "docs" / "DEPLOY.md"

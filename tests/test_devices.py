@@ -1,7 +1,7 @@
 """Real devices on loopback: TLS, SuperNode authentication, nodes that hold only their exported
 shard (every other data location pointed at an empty folder), client-side evaluation, a node that
 joins late, a node SIGKILLed mid-round and started again at once, and a node whose shard is broken
-(fedhm_flwr.deployment's LocalDeployment, real flower-superlink / `fedhm supernode` processes)."""
+(fedhm_flwr.ops.deployment's LocalDeployment, real flower-superlink / `fedhm supernode` processes)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from fedhm_flwr import deployment as dl
-from fedhm_flwr.procs import alive, tagged_pids
+from fedhm_flwr.ops import deployment as dl
+from fedhm_flwr.ops.procs import alive, tagged_pids
 from test_deploy import ROOT, needs_fmnist
 
 # Four devices, 4 rounds. node-3's shard is broken: it sits out from the start (asked once). Round 1:
@@ -46,7 +46,7 @@ def _until(what, condition, timeout: float, failed=lambda: None) -> None:
 @needs_fmnist
 def test_shard_only_nodes_keep_their_levels_through_a_late_join_and_a_restart(tmp_path):
     shards = tmp_path / "shards"
-    export = subprocess.run([sys.executable, "-m", "fedhm_flwr.shards", *JOB, f"out={shards}"], cwd=ROOT,
+    export = subprocess.run([sys.executable, "-m", "fedhm_flwr.ops.shards", *JOB, f"out={shards}"], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert export.returncode == 0, export.stderr[-2000:]
     broken = shutil.copytree(shards / "partition-0", tmp_path / "broken")  # a shard whose data was altered

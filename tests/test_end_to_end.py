@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from fedhm_flwr.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.results import CHECKPOINT_DIR, load_checkpoint
-from fedhm_flwr.server_app import run
+from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.reporting.results import CHECKPOINT_DIR, load_checkpoint
 
 OUTPUTS = {"config.yaml", "metrics.jsonl", "metrics.csv", "summary.json", "accuracy.png", CHECKPOINT_DIR}
 
@@ -83,7 +83,7 @@ def test_fedhm_run_of_the_vit_writes_outputs_progress_and_tensorboard_and_leaves
 @pytest.mark.slow
 def test_launch_refuses_bad_config_before_starting_anything(tmp_path):
     out = tmp_path / "never"
-    proc = subprocess.run([sys.executable, "-m", "fedhm_flwr.launch", "partition.scheme=shards", "--run-dir", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "fedhm_flwr.ops.launch", "partition.scheme=shards", "--run-dir", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "partition.scheme" in proc.stderr and "dirichlet" in proc.stderr

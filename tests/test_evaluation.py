@@ -13,12 +13,12 @@ from flwr.app import MessageType
 from torch.utils.data import TensorDataset
 
 import fedhm_flwr.data
-import fedhm_flwr.evaluation as ev
-from fedhm_flwr.bn_stats import bn_sums
-from fedhm_flwr.local_grid import LocalGrid, client_handlers
+import fedhm_flwr.server.evaluation as ev
+from fedhm_flwr.math.bn_stats import bn_sums
 from fedhm_flwr.models import build_model
-from fedhm_flwr.server_app import run
-from fedhm_flwr.summary import collect, markdown_table
+from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.reporting.summary import collect, markdown_table
 
 FED_KEYS = ("fed_acc/all", "fed_loss/all", "fed_clients", "fed_acc_clients/mean", "fed_acc_clients/std",
             "fed_acc_clients/worst10", "fed_failures", "bytes_eval_sent", "bytes_eval_received")

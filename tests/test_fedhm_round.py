@@ -9,14 +9,14 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 
-import fedhm_flwr.lowrank as lowrank
-from fedhm_flwr.aggregation import level_weights
+import fedhm_flwr.math.lowrank as lowrank
 from fedhm_flwr.config import model_spec
 from fedhm_flwr.data import client_dataset
-from fedhm_flwr.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.math.aggregation import level_weights
 from fedhm_flwr.models import build_model
-from fedhm_flwr.server_app import initial_state, run
-from strategies import FedHMStrategy
+from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.server_app import initial_state, run
+from fedhm_flwr.server.registry import FedHMStrategy
 
 
 def _strategy(cfg):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fedhm_flwr.config import load_config, model_spec
-from fedhm_flwr.inspect import SHAPE_ONLY, _rows, level_rows
-from strategies import STRATEGIES
+from fedhm_flwr.ops.inspect import SHAPE_ONLY, _rows, level_rows
+from fedhm_flwr.server.registry import STRATEGIES
 
 
 def _allocating_rows(overrides: list[str]):
@@ -23,7 +23,7 @@ def _allocating_rows(overrides: list[str]):
     ["method=fedrolex", "model=resnet18", "model.width=8", "dataset=cifar100"],
 ])
 def test_meta_counts_equal_the_allocating_path(overrides, monkeypatch):
-    import fedhm_flwr.lowrank as lowrank
+    import fedhm_flwr.math.lowrank as lowrank
 
     computed = []
     real = lowrank._gram_svd

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from fedhm_flwr import levels as lv
+from fedhm_flwr.math import levels as lv
 
 
 def test_fixed_levels_match_proportions_and_ignore_connection_order():

@@ -17,7 +17,7 @@ process group) or outright (SIGKILL):
   job; the sweep summary then covers both. Its jobs inject a client crash (a real exception in
   the ClientApp): the console names it within 10 s of the round that saw it.
 
-The process scans here are written independently of ``fedhm_flwr.procs``.
+The process scans here are written independently of ``fedhm_flwr.ops.procs``.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from fedhm_flwr.results import load_checkpoint_state
-from fedhm_flwr.runlock import RunDirectoryBusy, RunLock
-from fedhm_flwr.server_app import runtime_address, watch_superlink
+from fedhm_flwr.ops.runlock import RunDirectoryBusy, RunLock
+from fedhm_flwr.ops.server_app import runtime_address, watch_superlink
+from fedhm_flwr.reporting.results import load_checkpoint_state
 
 ROOT = Path(__file__).resolve().parent.parent
 # 6 short rounds: Ray's start-up, then about a second per round; a checkpoint every round (the default)
@@ -175,7 +175,7 @@ def _same_model(a: Path, b: Path) -> None:
 
 HOLDER = """
 import sys, time
-from fedhm_flwr.runlock import RunLock
+from fedhm_flwr.ops.runlock import RunLock
 lock = RunLock(sys.argv[1], tag="job-1").acquire()
 print("locked", flush=True)
 time.sleep(300)
@@ -200,7 +200,7 @@ def test_run_lock_refuses_a_live_holder_lets_its_own_job_in_and_ignores_a_dead_o
 
 LAUNCHER = """
 import os, sys, time
-from fedhm_flwr.procs import Processes
+from fedhm_flwr.ops.procs import Processes
 procs = Processes()
 own = procs.start("own", ["sleep", "300"], dict(os.environ), None)
 # a child that leaves its session, and one in a tagged session whose environment lost the tag
@@ -237,7 +237,7 @@ def test_missing_cifar_fails_at_once_with_one_line_and_starts_nothing(tmp_path):
     empty.mkdir()
     env = {**os.environ, "FEDHM_DATA_DIR": str(empty)}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "fedhm_flwr.launch", "dataset=cifar10", f"dataset.data_dir={empty}",
+    proc = subprocess.run([sys.executable, "-m", "fedhm_flwr.ops.launch", "dataset=cifar10", f"dataset.data_dir={empty}",
                            "--run-dir", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=60)
     elapsed = time.monotonic() - t0
@@ -256,7 +256,7 @@ def test_error_scan_takes_the_serverapps_exception_from_flowers_own_log_lines():
 
     from flwr.common.logger import log
 
-    from fedhm_flwr.launch import ErrorScan
+    from fedhm_flwr.ops.launch import ErrorScan
 
     handler = next(h for h in logging.getLogger("flwr").handlers if isinstance(h, logging.StreamHandler))
     buffer = io.StringIO()
@@ -441,7 +441,7 @@ def test_ctrl_c_to_a_sweep_names_its_jobs_and_the_continue_command_runs_only_wha
     assert command.endswith(f"fedhm sweep --continue {sweep_dir}"), command
     # the client's own exception on the console, within 10 s of the round that saw it
     seen = [t for line, t in stamps.items() if line.startswith("job 0: first client error: round 1: node ")
-            and line.endswith("failed: clients.base.InjectedFailure: injected client crash")]
+            and line.endswith("failed: fedhm_flwr.client.handlers.InjectedFailure: injected client crash")]
     round_1 = [t for line, t in stamps.items() if line.startswith("job 0: round 1/4 ")]
     assert seen and round_1 and seen[0] - round_1[0] < 10, sorted(stamps)
     finished = {p: p.stat().st_mtime_ns for p in job0.iterdir() if p.is_file()}

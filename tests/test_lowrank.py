@@ -8,22 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from fedhm_flwr.lowrank import (
-    SVD_TOLERANCE,
-    compute_svds,
-    conv_to_matrix,
-    factorize_state,
-    full_rank,
-    layer_matrix,
-    layer_svd,
-    matrix_to_conv,
-    rank_for,
-    recover_state,
-    split_factors,
-)
+from fedhm_flwr.math.lowrank import (SVD_TOLERANCE, compute_svds, conv_to_matrix, factorize_state, full_rank,
+                                     layer_matrix, layer_svd, matrix_to_conv, rank_for, recover_state, split_factors)
+from fedhm_flwr.models import build_model
 from fedhm_flwr.models.layers import FactorizedConv2d, FactorizedLinear, factorize_modules, factorized_modules
 from fedhm_flwr.models.rules import plan_ranks
-from fedhm_flwr.models import build_model
 
 
 @pytest.fixture(autouse=True)

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, Context, RecordDict
 
-from fedhm_flwr import levels as lv
 from fedhm_flwr.config import model_spec
-from fedhm_flwr.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.server_app import initial_state
-from strategies import FedHMStrategy
+from fedhm_flwr.math import levels as lv
+from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.server_app import initial_state
+from fedhm_flwr.server.registry import FedHMStrategy
 
 
 def _round(strategy, grid, rnd):
@@ -127,7 +127,7 @@ def test_client_seeds_are_distinct_across_rounds_and_many_partitions():
 
 
 def test_node_info_travels_through_the_one_wire_contract():
-    from fedhm_flwr import protocol
+    from fedhm_flwr.core import protocol
 
     sent = protocol.NodeInfo(partition_id=3, num_partitions=8, name="ward-3", capability={"memory": 6.5e6},
                              examples=120)
@@ -197,7 +197,7 @@ def test_the_start_up_waits_for_round_1_once_and_later_rounds_wait_again(toy_cfg
 def test_a_node_that_sits_out_is_recorded_and_asked_again_only_when_it_reconnects(toy_cfg, tmp_path, caplog):
     from flwr.app import MessageType
 
-    from fedhm_flwr.server_app import run
+    from fedhm_flwr.ops.server_app import run
 
     cfg = toy_cfg("rounds=3 num_clients=4 evaluation.levels=false")
     # node 3 claims a partition the run does not have (its data cannot serve the run)
@@ -233,7 +233,7 @@ def test_sampling_nodes_not_yet_queried_draws_the_same_sets_and_hashes_each_node
     and a node's key is hashed once however many rounds draw it."""
     import hashlib
 
-    import strategies.nodes as nodes
+    import fedhm_flwr.server.nodes as nodes
 
     cfg = toy_cfg("num_clients=40 fraction_train=0.3 seed=11 availability.query=sampled")
     strategy = FedHMStrategy(cfg, model_spec(cfg))

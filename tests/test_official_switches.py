@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedhm_flwr.aggregation import official_code_weights
 from fedhm_flwr.config import ConfigError, model_spec
-from fedhm_flwr.lowrank import recover_state
-from fedhm_flwr.server_app import initial_state
-from strategies.base import Reply
-from strategies import FedHMStrategy
+from fedhm_flwr.math.aggregation import official_code_weights
+from fedhm_flwr.math.lowrank import recover_state
+from fedhm_flwr.ops.server_app import initial_state
+from fedhm_flwr.server.registry import FedHMStrategy
+from fedhm_flwr.server.strategy import Reply
 
 
 def test_official_weights_dynamic_are_softmax_of_minus_inverse_gamma_over_tau():

@@ -13,15 +13,15 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 
-from fedhm_flwr import prism
-from fedhm_flwr.models.layers import PrismConv2d, PrismLinear
 from fedhm_flwr.config import ConfigError, load_config, model_spec, resume_config
-from fedhm_flwr.inspect import format_table, level_rows
-from fedhm_flwr.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.math import prism
 from fedhm_flwr.models import build_model
-from fedhm_flwr.results import load_checkpoint
-from fedhm_flwr.server_app import initial_state, run
-from strategies import PriSMStrategy
+from fedhm_flwr.models.layers import PrismConv2d, PrismLinear
+from fedhm_flwr.ops.inspect import format_table, level_rows
+from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.server_app import initial_state, run
+from fedhm_flwr.reporting.results import load_checkpoint
+from fedhm_flwr.server.registry import PriSMStrategy
 
 SIGMA = torch.tensor([4.0, 3.0, 2.0, 1.5, 1.0, 0.5], dtype=torch.float64)
 

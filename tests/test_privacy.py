@@ -11,13 +11,13 @@ import pytest
 import torch
 from flwr.app import ArrayRecord
 
-from fedhm_flwr import privacy
-from fedhm_flwr import protocol as wire
 from fedhm_flwr.config import load_config, model_spec
-from fedhm_flwr.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.server_app import initial_state
-from strategies import STRATEGIES
-from strategies.base import Reply
+from fedhm_flwr.core import protocol as wire
+from fedhm_flwr.math import privacy
+from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.server_app import initial_state
+from fedhm_flwr.server.registry import STRATEGIES
+from fedhm_flwr.server.strategy import Reply
 
 TOY = ("num_clients=6 dataset.max_train_examples=1200 dataset.max_test_examples=300 "
        "model.width=4 train.batch_size=64 evaluation.batch_size=300")

@@ -12,10 +12,10 @@ from flwr.app import ArrayRecord, Error, Message, MessageType, MetricRecord, Rec
 from flwr.common.constant import ErrorCode
 
 from fedhm_flwr.config import model_spec, resume_config
-from fedhm_flwr.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.results import load_checkpoint
-from fedhm_flwr.server_app import initial_state, run
-from strategies import FedHMStrategy
+from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.server_app import initial_state, run
+from fedhm_flwr.reporting.results import load_checkpoint
+from fedhm_flwr.server.registry import FedHMStrategy
 
 # (a resumed server process asks every node for its node info again, in its start-up: no round's row differs)
 TIMING = ("seconds", "server_seconds", "query_seconds", "eval_seconds", "client_seconds_max")
@@ -164,7 +164,7 @@ def test_a_new_run_never_overwrites_an_earlier_one(toy_cfg, tmp_path):
 
 
 def test_bytes_moved_count_configs_queries_and_rejected_replies(toy_cfg):
-    from strategies.base import content_bytes
+    from fedhm_flwr.server.strategy import content_bytes
 
     cfg = toy_cfg()
     strategy = FedHMStrategy(cfg, model_spec(cfg))

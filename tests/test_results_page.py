@@ -3,7 +3,7 @@
 Fake finished runs with hand-picked accuracies stand in for the real ones; the page's verdicts,
 its FedHM − HeteroFL sentence, its tables, the README block and the missing-run plan are checked
 against values computed here by hand (the t quantile is a literal from a t table, not the
-project's own fedhm_flwr.stats)."""
+project's own fedhm_flwr.math.stats)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 
 from bench import studies as results
 from bench import results_page as page_mod
-from fedhm_flwr.stats import Estimate
-from fedhm_flwr.verdicts import verdict
+from fedhm_flwr.math.stats import Estimate
+from fedhm_flwr.reporting.verdicts import verdict
 
 CHEAP = results.STUDIES["cheap"]
 CAPACITY = results.STUDIES["capacity"]
@@ -144,8 +144,8 @@ def test_page_states_the_paired_difference_with_its_t_interval(runs: Path, tmp_p
         assert (tmp_path / "fig" / "dir0.5" / f"{plot}.png").stat().st_size > 1000
         assert f"fig/dir0.5/{plot}.png" in page
     # which runs used which transport, from each run's summary.json (seed 2 said "ray")
-    assert "in-process grid (`fedhm_flwr/local_grid.py`): 12 run(s), seed(s) 0, 1" in page
-    assert "Ray simulation engine (`fedhm_flwr/launch.py`): 6 run(s), seed(s) 2" in page
+    assert "in-process grid (`fedhm_flwr/ops/local_grid.py`): 12 run(s), seed(s) 0, 1" in page
+    assert "Ray simulation engine (`fedhm_flwr/ops/launch.py`): 6 run(s), seed(s) 2" in page
     assert "| cheap | dir0.5 | fedhm | 2 | ray | 84.00 |" in page
     assert "## Study `capacity`" in page and "No finished run yet." in page
 

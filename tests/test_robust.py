@@ -13,11 +13,11 @@ from flwr.app import ArrayRecord, RecordDict
 from flwr.serverapp.strategy.fedtrimmedavg import trim_mean
 from flwr.serverapp.strategy.multikrum import select_multikrum
 
-from fedhm_flwr import privacy, robust
 from fedhm_flwr.config import ConfigError, load_config, model_spec, robust_modes
-from fedhm_flwr.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.server_app import initial_state, run
-from strategies import STRATEGIES
+from fedhm_flwr.math import privacy, robust
+from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.server_app import initial_state, run
+from fedhm_flwr.server.registry import STRATEGIES
 
 TOY = ("num_clients=6 fraction_train=1.0 dataset.max_train_examples=1200 dataset.max_test_examples=300 "
        "model.width=4 train.batch_size=64 evaluation.batch_size=300")

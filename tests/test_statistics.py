@@ -6,8 +6,9 @@ import math
 
 import pytest
 
-from fedhm_flwr.stats import mean_ci, t_cdf, t_quantile
-from fedhm_flwr.summary import collect, find_runs, paired_differences, seed_statistics, tail_accuracies, write_summary
+from fedhm_flwr.math.stats import mean_ci, t_cdf, t_quantile
+from fedhm_flwr.reporting.summary import (collect, find_runs, paired_differences, seed_statistics, tail_accuracies,
+                                          write_summary)
 
 # Two-sided 95 % and 99 % critical values of Student's t (any printed table, 3 decimals)
 T_TABLE = {1: (12.706, 63.657), 2: (4.303, 9.925), 3: (3.182, 5.841), 4: (2.776, 4.604), 5: (2.571, 4.032),

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from fedhm_flwr.launch import free_port
-from fedhm_flwr.procs import Processes, tagged_pids
-from fedhm_flwr.summary import write_summary
+from fedhm_flwr.ops.launch import free_port
+from fedhm_flwr.ops.procs import Processes, tagged_pids
+from fedhm_flwr.reporting.summary import write_summary
 from test_ray_cluster import RAY, ray_start
 
 
@@ -35,7 +35,7 @@ def test_two_by_two_sweep_on_a_two_node_ray_cluster_has_one_row_per_job(tmp_path
         ray_start(procs, temp_dir, "--head", f"--port={gcs}", "--include-dashboard=false",
                   f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}")
         ray_start(procs, temp_dir, f"--address=127.0.0.1:{gcs}")
-        cmd = [sys.executable, "-m", "fedhm_flwr.sweep", "-m", "levels.ratios=[1,0.25],[0.5,0.125]", "seed=0,1",
+        cmd = [sys.executable, "-m", "fedhm_flwr.ops.sweep", "-m", "levels.ratios=[1,0.25],[0.5,0.125]", "seed=0,1",
                "rounds=2", "num_clients=4", "fraction_train=1.0", "dataset.max_train_examples=800",
                "dataset.max_test_examples=200", "model.width=4", f"simulation.ray_address=127.0.0.1:{gcs}",
                f"hydra.sweep.dir={sweep_dir}"]

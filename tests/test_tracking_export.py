@@ -10,12 +10,12 @@ import torch
 from safetensors import safe_open
 
 from fedhm_flwr.config import ConfigError, load_config, model_spec
-from fedhm_flwr.export import SPEC_KEY, export_level, load_model, main as export_main, parse_level
-from fedhm_flwr.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.results import load_checkpoint
-from fedhm_flwr.server_app import run
-from fedhm_flwr.tracking import TB_DIR, flat_config, scalars
-from strategies import STRATEGIES
+from fedhm_flwr.ops.export import SPEC_KEY, export_level, load_model, main as export_main, parse_level
+from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.reporting.results import load_checkpoint
+from fedhm_flwr.reporting.tracking import TB_DIR, flat_config, scalars
+from fedhm_flwr.server.registry import STRATEGIES
 
 HAS_MLFLOW = __import__("importlib").util.find_spec("mlflow") is not None
 
@@ -143,9 +143,9 @@ def test_export_is_the_in_run_cut_with_the_federated_statistics_fixed(tiny_run, 
     state, saved = load_checkpoint(out)
     strategy = STRATEGIES["fedhm"](cfg, model_spec(cfg))
     spec, level_state = strategy.deployable(3, state)
-    from fedhm_flwr.bn_stats import apply_bn_statistics
+    from fedhm_flwr.math.bn_stats import apply_bn_statistics
     from fedhm_flwr.models import build_model
-    from fedhm_flwr.results import load_bn_statistics
+    from fedhm_flwr.reporting.results import load_bn_statistics
 
     tensors, metadata = load_bn_statistics(out)
     assert metadata["round"] == str(saved["round"]) and metadata["source"] == "federated"
@@ -176,9 +176,9 @@ def test_export_is_the_in_run_cut_with_the_federated_statistics_fixed(tiny_run, 
     assert card["macs_per_input"] == int(summary["level_costs"]["0.125"]["macs"])
     assert card["final_accuracy"] == summary["final_acc/level_0.125"] == rows[-1]["acc/level_0.125"]
     assert card["run_bn_stats"] == "test_batch" and card["normalisation"]["statistics"] == "federated"
-    from fedhm_flwr.data import test_dataset
     from fedhm_flwr.config import data_spec
-    from fedhm_flwr.train import evaluate
+    from fedhm_flwr.data import test_dataset
+    from fedhm_flwr.math.train import evaluate
 
     test = test_dataset(data_spec(cfg))
     assert card["test_examples"] == len(test) == 200
@@ -206,7 +206,7 @@ def test_api_load_model_is_the_exported_model(tiny_run, tmp_path):
 def test_export_without_saved_statistics_uses_the_local_training_set_and_says_so(tiny_run, tmp_path):
     import shutil
 
-    from fedhm_flwr.results import BN_STATS_FILE, CHECKPOINT_DIR
+    from fedhm_flwr.reporting.results import BN_STATS_FILE, CHECKPOINT_DIR
 
     out, _, _ = tiny_run
     copy = tmp_path / "run"

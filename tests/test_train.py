@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from fedhm_flwr.math.train import parameter_groups
 from fedhm_flwr.models.layers import FactorizedLinear
-from fedhm_flwr.train import parameter_groups
 
 
 def test_frobenius_decay_spares_the_factor_weights_but_not_the_biases():
@@ -24,8 +24,8 @@ def test_frobenius_decay_spares_the_factor_weights_but_not_the_biases():
 def test_closed_form_frobenius_gradient_equals_autograd_of_the_penalty():
     """``backward`` gives every parameter the gradient of ``objective + λ/2 Σ‖AB‖_F²`` (conv and
     linear pairs, whatever the memory layout), without building the penalty's graph."""
+    from fedhm_flwr.math.train import backward, conv_layout, frobenius_penalty
     from fedhm_flwr.models.layers import FactorizedConv2d
-    from fedhm_flwr.train import backward, conv_layout, frobenius_penalty
 
     torch.manual_seed(0)
     conv = FactorizedConv2d.from_conv(torch.nn.Conv2d(3, 8, 3, 2, 1, bias=True), rank=4)
@@ -48,8 +48,8 @@ def test_closed_form_frobenius_gradient_equals_autograd_of_the_penalty():
 
 
 def test_local_training_runs_channels_last_and_hands_back_a_plain_layout():
+    from fedhm_flwr.math.train import TrainOptions, train_local
     from fedhm_flwr.models import build_model
-    from fedhm_flwr.train import TrainOptions, train_local
 
     class Data(torch.utils.data.Dataset):
         def __len__(self):

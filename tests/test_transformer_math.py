@@ -7,15 +7,8 @@ import math
 import pytest
 import torch
 
-from fedhm_flwr.cmga import cmga, default_scale
-from fedhm_flwr.lora import (
-    aggregate_products,
-    handout,
-    handout_state,
-    lora_rank,
-    merge_lora_replies,
-    random_rows,
-)
+from fedhm_flwr.math.cmga import cmga, default_scale
+from fedhm_flwr.math.lora import aggregate_products, handout, handout_state, lora_rank, merge_lora_replies, random_rows
 from fedhm_flwr.models.adapters import DeMAAdapter, LoRALinear, merge_dema
 
 

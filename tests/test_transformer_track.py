@@ -15,18 +15,18 @@ import pytest
 import torch
 from flwr.app import ArrayRecord
 
-from fedhm_flwr.aggregation import level_weights
-from fedhm_flwr.cmga import default_scale
 from fedhm_flwr.config import ConfigError, load_config, model_spec
 from fedhm_flwr.data import client_dataset, make_data_spec, test_dataset
-from fedhm_flwr.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.lora import lora_rank
+from fedhm_flwr.data.text import load_corpus, partition_indices, split_indices
+from fedhm_flwr.math.aggregation import level_weights
+from fedhm_flwr.math.cmga import default_scale
+from fedhm_flwr.math.lora import lora_rank
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.adapters import federated_keys, load_federated, trainable_state
-from fedhm_flwr.server_app import run
-from fedhm_flwr.data.text import load_corpus, partition_indices, split_indices
-from strategies import STRATEGIES
-from strategies.base import Reply
+from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.server.registry import STRATEGIES
+from fedhm_flwr.server.strategy import Reply
 
 TINY_TEXT = ("model=minilm dataset=sentiment model.backbone=random model.width=32 model.depth=2 model.heads=2 "
              "num_clients=4 fraction_train=1.0 dataset.max_train_examples=160 dataset.max_test_examples=64 "
@@ -52,8 +52,8 @@ def _configure(strategy, grid, state, rnd=1):
 def test_packaged_minilm_reproduces_the_sentence_transformers_reference_similarities():
     """The sentence-transformers documentation lists these cosine similarities for all-MiniLM-L6-v2
     (mean pooling): our hand-written encoder over the wheel's safetensors reproduces them."""
-    from fedhm_flwr.models.text import PACKAGE_BACKBONE
     from fedhm_flwr.data.text import tokenize
+    from fedhm_flwr.models.text import PACKAGE_BACKBONE
 
     model = build_model({"arch": "minilm", "num_classes": 2, "backbone": PACKAGE_BACKBONE}).eval()
     pairs = [("The new movie is awesome", "The new movie is so great", 0.8939),
@@ -352,7 +352,7 @@ def test_config_refuses_a_transformer_method_on_a_cnn_naming_the_field():
 
 
 def test_inspect_prints_exact_trainable_parameters_and_bytes(capsys):
-    from fedhm_flwr.inspect import main
+    from fedhm_flwr.ops.inspect import main
 
     assert main(["method=fedlora", *TINY_IMAGE.split(), "method.max_rank=4"]) == 0
     out = capsys.readouterr().out
@@ -373,7 +373,7 @@ def test_flwr_run_finishes(method, track, tmp_path):
     base = TINY_TEXT if track == "text" else TINY_IMAGE
     extra = HETERO if method == "heterotune" else "method.max_rank=4"
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "fedhm_flwr.launch", f"method={method}", *base.split(), *extra.split(), "rounds=2",
+    cmd = [sys.executable, "-m", "fedhm_flwr.ops.launch", f"method={method}", *base.split(), *extra.split(), "rounds=2",
            "--run-dir", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -10,14 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from fedhm_flwr.aggregation import average_hybrid
 from fedhm_flwr.config import SUPPORTED_MODELS, ConfigError, load_config, model_spec
-from fedhm_flwr.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.lowrank import factorize_state, recover_state
-from fedhm_flwr.models.rules import plan_ranks
+from fedhm_flwr.math.aggregation import average_hybrid
+from fedhm_flwr.math.lowrank import factorize_state, recover_state
 from fedhm_flwr.models import build_model, count_parameters
-from fedhm_flwr.models.rules import FactorizeRule, select_layers
-from fedhm_flwr.server_app import run
+from fedhm_flwr.models.rules import plan_ranks, FactorizeRule, select_layers
+from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.server_app import run
 
 GREY = "model.target=tests.tv_models:grey model.kwargs.name=mobilenet_v3_small model.kwargs.num_classes=10"
 TINY = ("num_clients=2 fraction_train=1.0 dataset.max_train_examples=40 dataset.max_test_examples=20 rounds=1 "
@@ -196,7 +195,7 @@ def test_static_bn_replaces_running_statistics_by_batch_statistics():
 
 
 def test_one_fedhm_round_on_a_torchvision_model(tmp_path):
-    from fedhm_flwr.results import load_checkpoint
+    from fedhm_flwr.reporting.results import load_checkpoint
 
     cfg = load_config(f"{TINY} {GREY} model.static_bn=false")  # running statistics kept, averaged as buffers
     run(LocalGrid(2, client_handlers()), cfg, tmp_path / "run")
@@ -225,7 +224,7 @@ def test_vit_is_factorized_in_blocks_and_exact_at_full_rank():
 
 
 def test_inspect_prints_the_plan_of_a_torchvision_model(capsys):
-    from fedhm_flwr.inspect import main
+    from fedhm_flwr.ops.inspect import main
 
     assert main(["model.target=torchvision.models:resnet18", "model.kwargs.num_classes=10", "dataset=cifar10"]) == 0
     out = capsys.readouterr().out
@@ -315,8 +314,8 @@ def test_bad_targets_and_rules_are_refused_naming_the_field():
 
 
 def test_inspect_counts_the_vit_levels_from_shapes_as_the_allocating_path_does():
-    from fedhm_flwr.inspect import _rows, level_rows, plan_rows
-    from strategies import STRATEGIES
+    from fedhm_flwr.ops.inspect import _rows, level_rows, plan_rows
+    from fedhm_flwr.server.registry import STRATEGIES
 
     overrides = ["method=fedhm", "model=vit", "model.backbone=random", "model.width=16", "model.depth=2"]
     cfg, rows = level_rows(overrides)
@@ -333,6 +332,6 @@ def test_a_rule_factorizing_the_head_ends_its_per_class_averaging():
     with torch.device("meta"):
         model = build_model(tv_spec("mobilenet_v3_small", factorize={"head": True}))
     assert select_layers(model)[-1] == "classifier.3" and model.classifier_name == ""
-    from strategies.fedhm import classifier_keys
+    from fedhm_flwr.server.methods.fedhm import classifier_keys
 
     assert classifier_keys(model) == []

@@ -9,18 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from fedhm_flwr.math.width import (aggregate, channel_indices, embed, index_plan, scaled_channels, slice_state,
+                                   submodel_spec, window_start)
 from fedhm_flwr.models import build_model, count_parameters
 from fedhm_flwr.models.layers import Scaler
-from fedhm_flwr.width import (
-    aggregate,
-    channel_indices,
-    embed,
-    index_plan,
-    scaled_channels,
-    slice_state,
-    submodel_spec,
-    window_start,
-)
 
 R18 = {"arch": "resnet18", "num_classes": 10, "in_channels": 3, "image_size": 32}
 with torch.device("meta"):  # the plans need the full model's shapes only

@@ -10,9 +10,9 @@ import torch
 from flwr.app import ArrayRecord, MessageType
 
 from fedhm_flwr.config import ConfigError, load_config, model_spec
-from fedhm_flwr.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.server_app import initial_state
-from strategies import FedHMStrategy
+from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.server_app import initial_state
+from fedhm_flwr.server.registry import FedHMStrategy
 
 
 def _start(cfg):
@@ -128,7 +128,7 @@ def test_sampled_queries_ask_only_the_round_s_nodes_and_levels_stay_put(toy_cfg)
 def test_exchange_polls_until_every_reply_came_or_the_timeout():
     from flwr.app import Message, RecordDict
 
-    from fedhm_flwr.protocol import exchange
+    from fedhm_flwr.core.protocol import exchange
 
     class SlowGrid:  # replies show up after a few pulls, like a SuperLink's
         def __init__(self, pulls_needed):

@@ -1,4 +1,4 @@
-"""The server's own encode/decode of arrays (fedhm_flwr/protocol.py) against Flower's and numpy's:
+"""The server's own encode/decode of arrays (fedhm_flwr/core/protocol.py) against Flower's and numpy's:
 the bytes it sends are the ones ``Array.from_torch_tensor`` would send, what it reads is what
 ``Array.numpy()`` reads, whatever numpy wrote the header; and FedHM's per-version cut of a level's
 state is recut when the global state changes, in place included."""
@@ -12,10 +12,10 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fedhm_flwr import protocol
 from fedhm_flwr.config import model_spec
-from fedhm_flwr.server_app import initial_state
-from strategies import FedHMStrategy
+from fedhm_flwr.core import protocol
+from fedhm_flwr.ops.server_app import initial_state
+from fedhm_flwr.server.registry import FedHMStrategy
 
 TENSORS = [torch.randn(3, 4), torch.randn(()), torch.zeros(0, 5), torch.randint(-9, 9, (7,)),
            torch.rand(4) > 0.5, torch.randn(16, 8, 3, 3), torch.randn(5, 3).t(), torch.randn(2, 3, dtype=torch.float64)]

@@ -96,7 +96,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from fedhm_flwr.errors import DataSourceError
+from fedhm_flwr.core.errors import DataSourceError
 
 #: public name -> the submodule defining it
 _EXPORTS: dict[str, str] = {
@@ -112,7 +112,7 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("client_arrays", "client_dataset", "client_indices", "client_labels", "client_size", "partition_indices",
                      "partition_summary", "test_dataset"), "clients"),
 }
-__all__ = sorted([*_EXPORTS, "DataSourceError"])  # the error is defined in fedhm_flwr.errors
+__all__ = sorted([*_EXPORTS, "DataSourceError"])  # the error is defined in fedhm_flwr.core.errors
 
 
 def __getattr__(name: str) -> Any:

@@ -27,8 +27,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from fedhm_flwr.core.errors import ConfigError, DataSourceError
 from fedhm_flwr.data.catalog import FOLDER_SOURCES, TEXT_DATASETS, text_info
-from fedhm_flwr.errors import ConfigError, DataSourceError
 
 FASHION_MNIST_SYSTEM_DIR = "/usr/share/datasets/fashion-mnist"
 DATA_DIR_ENV = "FEDHM_DATA_DIR"
@@ -331,7 +331,7 @@ def _fix(name: str, server: bool) -> str:
 
 
 def check_data_available(cfg: Any, simulation: bool = True) -> None:
-    """Raise one :class:`~fedhm_flwr.errors.ConfigError` line when the run's data is not there.
+    """Raise one :class:`~fedhm_flwr.core.errors.ConfigError` line when the run's data is not there.
 
     ``cfg`` is the validated run config (``dataset.name``, ``dataset.data_dir``,
     ``dataset.download``, ``evaluation.where``). Checked, by file names only:

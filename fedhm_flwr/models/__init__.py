@@ -16,7 +16,7 @@ the same ones):
 * ``static_bn`` (true): every BatchNorm with running statistics becomes static BN (batch
   statistics always, as the papers use);
 * ``ranks`` (``{layer name: rank}``; when non-empty the named layers are factorized, giving the
-  hybrid model whose state dict keys match :func:`fedhm_flwr.lowrank.factorize_state`);
+  hybrid model whose state dict keys match :func:`fedhm_flwr.math.lowrank.factorize_state`);
 * ``prism`` (``{layer: {"rank": r, "rows": [...]}}``): PriSM's sampled sub-layers;
 * ``bn_fixed`` (true): every static norm layer gets running-statistics buffers that eval mode
   uses: a deployable model whose fixed statistics are in its state dict (``fedhm export``).
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..bn_stats import fixed_bn
+from fedhm_flwr.math.bn_stats import fixed_bn
 from .cnn import CNN, build_cnn
 from .costs import count_macs, count_parameters
 from .layers import factorize_modules, prismify_modules

@@ -1,7 +1,7 @@
 """Layers the models are built from beyond PyTorch's own: FedHM's factorized conv and linear layers
-(docs/METHODS.md#fedhm-factorization; the factor math is :mod:`fedhm_flwr.lowrank`'s) and
-PriSM's sampled sub-layers (docs/METHODS.md#prism; the kernel math is :mod:`fedhm_flwr.prism`'s) and
-HeteroFL's :class:`Scaler` (docs/METHODS.md#heterofl; the width rules are :mod:`fedhm_flwr.width`'s).
+(docs/METHODS.md#fedhm-factorization; the factor math is :mod:`fedhm_flwr.math.lowrank`'s) and
+PriSM's sampled sub-layers (docs/METHODS.md#prism; the kernel math is :mod:`fedhm_flwr.math.prism`'s) and
+HeteroFL's :class:`Scaler` (docs/METHODS.md#heterofl; the width rules are :mod:`fedhm_flwr.math.width`'s).
 No Flower import.
 """
 
@@ -13,17 +13,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedhm_flwr.lowrank import (
-    SVD,
-    conv_a_weight,
-    conv_b_weight,
-    factors_frobenius_sq,
-    layer_svd,
-    matrix_to_conv,
-    split_factors,
-)
-from fedhm_flwr.prism import reply_factors
-from fedhm_flwr.width import check_rate
+from fedhm_flwr.math.lowrank import (SVD, conv_a_weight, conv_b_weight, factors_frobenius_sq, layer_svd, matrix_to_conv,
+                                     split_factors)
+from fedhm_flwr.math.prism import reply_factors
+from fedhm_flwr.math.width import check_rate
 
 __all__ = [
     "FactorizedConv2d", "FactorizedLinear", "PrismConv2d", "PrismLinear", "Scaler", "factorize_modules",
@@ -246,7 +239,7 @@ def make_scaler(rate: float, on: bool) -> nn.Module:
 
 
 # --------------------------------------------------------------------------------------------
-# PriSM's sampled sub-layers (docs/METHODS.md#prism; the kernel math is fedhm_flwr.prism's)
+# PriSM's sampled sub-layers (docs/METHODS.md#prism; the kernel math is fedhm_flwr.math.prism's)
 # --------------------------------------------------------------------------------------------
 
 

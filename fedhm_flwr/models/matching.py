@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
+from fedhm_flwr.math.width import full_spec, submodel_spec
 from fedhm_flwr.models import build_model, shape_device
 from fedhm_flwr.models.costs import count_parameters
 from fedhm_flwr.models.rules import plan_ranks
-from fedhm_flwr.width import full_spec, submodel_spec
 
 __all__ = ["MATCH_STEP", "fedhm_level_params", "matched_rate", "matched_rates", "submodel_params"]
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..lowrank import check_gamma, factors_fit, rank_for
+from fedhm_flwr.math.lowrank import check_gamma, factors_fit, rank_for
 from .layers import FactorizedConv2d, FactorizedLinear
 
 #: Layer classes a rule may name in ``types``.

@@ -1,0 +1,289 @@
+"""The client side of every method: receive -> build the described model -> train -> reply.
+
+Clients are told, not configured: the message carries the model spec (architecture, level,
+per-layer ranks), the arrays, the training hyperparameters and the data spec. The node itself
+only knows where its data is and what it can afford (its node config):
+
+* ``data-dir``: the node's **shard** (a folder holding ``manifest.json``, written by
+  ``python -m fedhm_flwr.ops.shards``, see ``docs/DEPLOY.md``): the node trains on its ``train``
+  split, evaluates on its ``heldout`` split and never looks for any other data;
+* or ``partition-id`` / ``num-partitions``: which partition of the data spec is this node's
+  (set by the simulation engine), cut out of a full local copy of the dataset in ``data-dir``
+  (optional; default: ``$FEDHM_DATA_DIR`` / the system copy);
+* ``node-name``: a stable name for the node (optional, reported to the server);
+* ``capability-level`` or ``capability-params`` / ``capability-macs`` / ``capability-memory``:
+  what the node declares it can train (optional).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from logging import WARNING
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# torch.optim imports torch._dynamo when it builds its first optimizer (~1.7 s of CPU): importing it
+# with the handlers puts that once-per-process cost at the node's start (its first message, the
+# node-info query) instead of inside its first training round.
+import torch._dynamo  # noqa: F401
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
+from flwr.supercore import log
+
+from fedhm_flwr.core import protocol
+from fedhm_flwr.data import client_dataset, client_size, shards
+from fedhm_flwr.math import attacks
+from fedhm_flwr.math.bn_stats import bn_sums
+from fedhm_flwr.math.train import TrainOptions, evaluate, pick_device, train_local
+from fedhm_flwr.models import build_model
+from fedhm_flwr.models.adapters import load_federated, trainable_state
+
+ARRAYS, CONFIG, METRICS = protocol.ARRAYS, protocol.CONFIG, protocol.METRICS  # the one wire contract
+#: the error code of the replies a node sends when its data cannot serve the request
+NODE_DATA_ERROR = 2  # flwr ErrorCode.CLIENT_APP_RAISED_EXCEPTION, the code of any failing ClientApp
+
+
+class NodeDataError(ValueError):
+    """The node's data (its shard or partition) cannot serve the request; the message says the fix."""
+
+
+def node_shard(context: Context) -> Path | None:
+    """The node's shard folder, or None when the node cuts a partition out of a full dataset copy.
+
+    ``data-dir`` is a shard when it holds ``manifest.json``; without ``partition-id`` it must be
+    one (NodeDataError naming ``data-dir`` and the fix otherwise).
+    """
+    node = context.node_config
+    data_dir = str(node.get(protocol.DATA_DIR) or "")
+    if data_dir and (Path(data_dir).expanduser() / shards.MANIFEST).is_file():
+        return Path(data_dir).expanduser()
+    if protocol.PARTITION_ID in node:
+        return None
+    if not data_dir:
+        raise NodeDataError("node config lacks data-dir: set data-dir=<this node's shard folder> (written by "
+                            "`python -m fedhm_flwr.ops.shards <overrides> out=DIR`) in --node-config")
+    raise NodeDataError(f"node config data-dir={data_dir}: no shard there (no {shards.MANIFEST}); point data-dir "
+                        f"at this node's shard folder (e.g. DIR/partition-0 written by `python -m "
+                        f"fedhm_flwr.ops.shards <overrides> out=DIR`), or give partition-id with a full dataset copy")
+
+
+def shard_manifest(folder: Path, data_spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The shard's manifest; NodeDataError naming ``data-dir`` when it is broken or names another
+    dataset than the server's data spec."""
+    try:
+        manifest = shards.read_manifest(folder)
+    except shards.ShardError as exc:
+        raise NodeDataError(f"node config data-dir={folder}: {exc}") from None
+    if data_spec is not None:
+        check_shard_dataset(folder, manifest, data_spec)
+    return manifest
+
+
+def check_shard_dataset(folder: Path, manifest: dict[str, Any], data_spec: dict[str, Any]) -> None:
+    """NodeDataError naming ``data-dir`` when the shard holds another dataset than the data spec's."""
+    if manifest["dataset"] != data_spec.get("name"):
+        raise NodeDataError(f"node config data-dir={folder}: the shard holds {manifest['dataset']!r}, the server's "
+                            f"run uses dataset.name={data_spec.get('name')!r}; give this node a shard of that dataset")
+
+
+def node_partition(context: Context, data_spec: dict[str, Any]) -> tuple[int, str | None, dict[str, Any]]:
+    """(partition id, local data folder, data spec with the node's partition count)."""
+    node = context.node_config
+    if protocol.PARTITION_ID not in node:
+        raise ValueError("node config lacks 'partition-id' (set it with --node-config on a SuperNode)")
+    spec = dict(data_spec)
+    if protocol.NUM_PARTITIONS in node:
+        spec["num_partitions"] = int(node[protocol.NUM_PARTITIONS])
+    data_dir = node.get(protocol.DATA_DIR) or None
+    return int(node[protocol.PARTITION_ID]), (str(data_dir) if data_dir else None), spec
+
+
+def received_model(msg: Message, device: torch.device) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Build the model the message describes and load its arrays (strictly: same keys, shapes; with
+    ``trainable_only`` in the spec: exactly the non-backbone keys over the locally loaded backbone)."""
+    config = msg.content[CONFIG]
+    spec = json.loads(str(config[protocol.MODEL_SPEC]))
+    model = build_model(spec, spectral_init=False)
+    state = received_state(msg)
+    if spec.get("trainable_only"):
+        # frozen backbone loaded by this node itself; the message holds exactly the other tensors
+        load_federated(model, state)
+    else:
+        model.load_state_dict(state, strict=True)
+    return model.to(device), spec
+
+
+def wire_dtype(msg: Message) -> str:
+    """The dtype arrays travel in both ways (the server's ``wire.dtype``; absent: float32)."""
+    return str(msg.content[CONFIG].get(protocol.WIRE_DTYPE, "float32"))
+
+
+def received_state(msg: Message) -> dict[str, torch.Tensor]:
+    """The message's arrays in float32 (clients train in float32 whatever the wire dtype)."""
+    return protocol.from_wire(msg.content[ARRAYS].to_torch_state_dict(), wire_dtype(msg))
+
+
+def local_dataset(config: ConfigRecord, context: Context, augment: bool = True, split: str = "train") -> Any:
+    """One split ("train" | "heldout") of this node's data: its shard when ``data-dir`` is one, else its
+    partition of the dataset the message's data spec names."""
+    data_spec = json.loads(str(config[protocol.DATA_SPEC]))
+    augment = augment and bool(data_spec.get("augment", False))
+    folder = node_shard(context)
+    if folder is not None:
+        shard_manifest(folder, data_spec)
+        try:
+            return shards.load_shard(folder, split, augment)
+        except shards.ShardError as exc:
+            raise NodeDataError(f"node config data-dir={folder}: {exc}") from None
+    pid, data_dir, data_spec = node_partition(context, data_spec)
+    return client_dataset({**data_spec, "augment": augment}, pid, data_dir, split)
+
+
+def data_error(msg: Message, exc: Exception) -> Message:
+    """The error reply of a node whose data cannot serve ``msg``."""
+    return Message(Error(code=NODE_DATA_ERROR, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
+
+
+class InjectedFailure(RuntimeError):
+    """A failure the server asked for (``failures.*`` in the config), to test robustness."""
+
+
+def obey_injection(config: ConfigRecord) -> None:
+    """Crash or stall when the server's failure injection says so."""
+    what = str(config.get(protocol.INJECT, ""))
+    if what == "crash":
+        raise InjectedFailure("injected client crash")
+    if what == "slow":
+        time.sleep(float(config.get(protocol.INJECT_SECONDS, 0.0)))
+
+
+def ray_node_id() -> str | None:
+    """The id of the Ray node this client runs on (Flower's Ray simulation engine), None outside Ray."""
+    ray = sys.modules.get("ray")  # never imported here: a deployed node has no Ray
+    if ray is None or not ray.is_initialized():
+        return None
+    return str(ray.get_runtime_context().get_node_id())
+
+
+def handle_train(msg: Message, context: Context) -> Message:
+    """Train the received model on the node's partition and reply with arrays and metrics."""
+    config = msg.content[CONFIG]
+    obey_injection(config)
+    options = TrainOptions.from_dict(json.loads(str(config[protocol.TRAIN])))
+    torch.set_num_threads(max(1, int(options.threads)))
+    torch.manual_seed(int(config[protocol.SEED]))
+    device = pick_device()
+    model, spec = received_model(msg, device)
+    dataset = local_dataset(config, context)
+    attack = str(config.get(protocol.ATTACK, "none"))  # the server's attack injection (failures.attack)
+    if attack == "label_flip":
+        dataset = attacks.LabelFlipped(dataset, int(spec["num_classes"]))
+    counts = dataset.class_counts()
+    present = torch.as_tensor(counts > 0)
+    stats = train_local(model, dataset, options, device, present_classes=present, seed=int(config[protocol.SEED]))
+    metrics = protocol.train_metrics(stats[protocol.NUM_EXAMPLES], stats[protocol.TRAIN_LOSS], stats[protocol.TRAIN_ACCURACY],
+                                     stats[protocol.SECONDS], float(config[protocol.LEVEL]), counts, ray_node_id())
+    if spec.get("trainable_only"):  # only what this client trained travels back
+        state = trainable_state(model)
+    else:
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if attack in attacks.UPDATE_ATTACKS:
+        received = received_state(msg)
+        state = attacks.tamper(attack, received, state, float(config.get(protocol.ATTACK_SCALE, 1.0)), int(config[protocol.SEED]))
+    dtype = wire_dtype(msg)  # the reply travels in the wire dtype too
+    arrays = ArrayRecord.from_array_dict({k: protocol.wire_array(v, dtype) for k, v in state.items()})
+    return Message(RecordDict({ARRAYS: arrays, METRICS: metrics}), reply_to=msg)
+
+
+def _model_over_local_data(msg: Message, context: Context, split: str = "train") -> tuple[torch.nn.Module, Any, torch.device]:
+    """The received model and one split of this node's data without augmentation (evaluation passes)."""
+    dataset = local_dataset(msg.content[CONFIG], context, augment=False, split=split)
+    device = pick_device()
+    model, _ = received_model(msg, device)
+    return model, dataset, device
+
+
+def handle_evaluate(msg: Message, context: Context) -> Message:
+    """Evaluate the received model on the node's held-out examples (federated evaluation); an error
+    reply when the node has none or its data is broken."""
+    try:
+        model, dataset, device = _model_over_local_data(msg, context, split="heldout")
+        if len(dataset) == 0:
+            raise NodeDataError("this node has no held-out examples to evaluate on: run with evaluation.where="
+                                "clients|both and evaluation.holdout > 0 (a shard: export it with those settings)")
+    except NodeDataError as exc:
+        return data_error(msg, exc)
+    stats = evaluate(model, dataset, int(msg.content[CONFIG].get(protocol.BATCH_SIZE, 256)), device)
+    metrics = protocol.eval_metrics(stats[protocol.NUM_EXAMPLES], stats["loss"], stats["accuracy"])
+    return Message(RecordDict({METRICS: metrics}), reply_to=msg)
+
+
+def node_info(context: Context, data_spec: dict[str, Any] | None = None) -> ConfigRecord:
+    """What the server may know of the node: partition (from its shard's manifest when it has one),
+    ``node-name``, declared capability and, when the query carries the run's data spec, how many
+    training examples the node holds for it. A node given a ``data-dir`` without a ``partition-id``
+    checks its shard completely here (the first message a node gets): NodeDataError naming
+    ``data-dir`` and the fix when it is missing, broken or of another dataset; a simulated node
+    finds its partition here, so a node whose data cannot serve the run sits out from the start
+    (and the data is loaded once, before the first round, not during it). A node with neither
+    still answers (identity only); its first training message gets that error."""
+    node = context.node_config
+    folder = node_shard(context) if node.get(protocol.DATA_DIR) or protocol.PARTITION_ID in node else None
+    examples = None
+    if folder is not None:
+        try:
+            manifest = shards.verify_shard(folder)
+        except shards.ShardError as exc:
+            raise NodeDataError(f"node config data-dir={folder}: {exc}") from None
+        if data_spec is not None:
+            check_shard_dataset(folder, manifest, data_spec)
+            examples = int(manifest["splits"]["train"]["num_examples"])
+        pid, count = manifest.get("partition_id"), manifest.get("num_partitions")
+    else:
+        pid, count = node.get(protocol.PARTITION_ID), node.get(protocol.NUM_PARTITIONS)
+        if data_spec is not None and pid is not None:
+            partition, data_dir, spec = node_partition(context, data_spec)
+            examples = client_size(spec, partition, data_dir)
+    info = protocol.NodeInfo(
+        partition_id=None if pid is None else int(pid), num_partitions=None if count is None else int(count),
+        name=str(node[protocol.NODE_NAME]) if node.get(protocol.NODE_NAME) else None,
+        capability={k[len(protocol.CAPABILITY):]: float(v) for k, v in node.items()
+                    if k.startswith(protocol.CAPABILITY)},
+        examples=examples)
+    return info.encode()
+
+
+def query_data_spec(msg: Message) -> dict[str, Any] | None:
+    """The run's data spec a query carries (None when it carries none)."""
+    spec = msg.content[CONFIG].get(protocol.DATA_SPEC)
+    return None if spec is None else json.loads(str(spec))
+
+
+def bn_statistics(msg: Message, context: Context) -> RecordDict:
+    """Per-layer input sums of the received model over this node's training split (sBN)."""
+    model, dataset, device = _model_over_local_data(msg, context)
+    sums = bn_sums(model, dataset, int(msg.content[CONFIG].get(protocol.BATCH_SIZE, 64)), device)
+    return RecordDict({ARRAYS: ArrayRecord.from_torch_state_dict({k: v.float() for k, v in sums.items()})})
+
+
+QUERIES = {
+    protocol.NODE_INFO: lambda msg, context: RecordDict({CONFIG: node_info(context, query_data_spec(msg))}),
+    protocol.BN_STATS: bn_statistics,
+}
+
+
+def handle_query(msg: Message, context: Context) -> Message:
+    """Answer the server's questions about this node (``config['query']`` names which)."""
+    what = str(msg.content[CONFIG][protocol.QUERY])
+    if what not in QUERIES:
+        raise ValueError(f"unknown query {what!r}; known: {sorted(QUERIES)}")
+    try:
+        return Message(QUERIES[what](msg, context), reply_to=msg)
+    except NodeDataError as exc:
+        if what == protocol.NODE_INFO:  # the device owner sees why, in the SuperNode's own log
+            log(WARNING, "this node sits out of the run: %s", " ".join(str(exc).split()))
+        return data_error(msg, exc)
+

@@ -1,0 +1,125 @@
+"""Compose the Hydra tree in ``conf/``, apply overrides and validate with clear errors.
+
+Every entry point (the ServerApp, ``launch``, ``sweep``, ``inspect``) goes through
+:func:`load_config`, so a bad value is refused the same way everywhere: one
+:class:`~fedhm_flwr.core.errors.ConfigError` naming the field and the allowed values, before any
+expensive work (Ray, data loading, training) starts. No Flower import here, and no torch import
+on the way to a valid config of a built-in model (the launcher checks a config first).
+
+The pieces: :mod:`fedhm_flwr.config.checks` (field rules, the shared sections),
+:mod:`fedhm_flwr.config.methods` (per-method validation and the supported (method, model)
+pairs), :mod:`fedhm_flwr.config.specs` (model and data specs derived from a config). Their public
+names are importable from here too.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from fedhm_flwr.config.checks import (ASSIGNMENTS, ATTACKS, BN_STATS, EVALUATION_WHERE, LEVEL_MATCH, LR_SCHEDULES,
+                                      PARTITION_SCHEMES, RAY_ADDRESS, ROBUST, choice, validate_common)
+from fedhm_flwr.config.methods import (ARCH_NAMES, METHOD_VALIDATORS, SUPPORTED_MODELS, method_key, robust_modes,
+                                       supported_pairs, validate_pair, validate_user_model)
+from fedhm_flwr.config.specs import (backbone_choice, data_spec, holdout_fraction, learning_rate, level_proportions,
+                                     model_spec, source_options)
+from fedhm_flwr.core.errors import ConfigError
+
+CONF_DIR = Path(os.environ.get("FEDHM_CONF_DIR", Path(__file__).resolve().parents[2] / "conf"))
+
+
+def split_overrides(overrides: str | Sequence[str] | None) -> list[str]:
+    """Accept overrides as one shell-like string (run-config) or as a list (command line)."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, str):
+        return shlex.split(overrides)
+    return [o for item in overrides for o in shlex.split(item)]
+
+
+def _open_kwargs(item: str) -> str:
+    """``model.kwargs.<key>=v`` adds the key without Hydra's ``+``: the factory's keyword arguments
+    are the user's, not keys of ``conf/``."""
+    return f"++{item}" if item.startswith("model.kwargs.") else item
+
+
+def compose_config(overrides: str | Sequence[str] | None = None) -> DictConfig:
+    """Compose ``conf/config.yaml`` with Hydra overrides (no validation)."""
+    override_list = [_open_kwargs(o) for o in split_overrides(overrides)]
+    if not CONF_DIR.is_dir():
+        raise FileNotFoundError(f"Hydra config tree not found at {CONF_DIR} (set FEDHM_CONF_DIR)")
+    try:
+        if GlobalHydra.instance().is_initialized():  # inside a Hydra app (the sweep): same tree
+            cfg = compose(config_name="config", overrides=override_list)
+        else:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                cfg = compose(config_name="config", overrides=override_list)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise _override_error(err, override_list) from None
+    return cfg
+
+
+def _override_error(err: Exception, overrides: list[str]) -> ConfigError:
+    """Turn Hydra's override errors into a ConfigError naming the offending key."""
+    text = str(err).splitlines()[0]
+    for item in overrides:
+        key = item.lstrip("+~").split("=", 1)[0]
+        if key and key in str(err):
+            group = key.split(".")[0]
+            options = _group_options(group)
+            allowed = f"one of {options}" if options else "an existing key of conf/config.yaml"
+            return ConfigError(key, item.split("=", 1)[-1], f"{allowed} ({text})")
+    return ConfigError("overrides", " ".join(overrides), f"valid Hydra overrides ({text})")
+
+
+def _group_options(group: str) -> list[str]:
+    folder = CONF_DIR / group
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def load_config(overrides: str | Sequence[str] | None = None) -> DictConfig:
+    """Compose and validate: the one way every entry point obtains its configuration."""
+    cfg = compose_config(overrides)
+    validate(cfg)
+    return cfg
+
+
+def resume_config(run_dir: str | Path, overrides: str | Sequence[str] | None = None) -> DictConfig:
+    """The configuration saved in ``run_dir`` (a run being resumed), with plain ``key=value``
+    overrides on top (e.g. ``rounds=20`` to extend it), validated."""
+    saved = Path(run_dir) / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError("resume", str(run_dir), "a run directory holding config.yaml and checkpoint/")
+    cfg = OmegaConf.load(saved)
+    items = split_overrides(overrides)
+    if items:
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(items))
+        except OmegaConfBaseException as err:
+            raise ConfigError("overrides", " ".join(items), f"key=value pairs of existing keys ({err})") from None
+    assert isinstance(cfg, DictConfig)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: DictConfig) -> None:
+    """Refuse the first invalid value with a :class:`ConfigError` naming the field."""
+    choice(cfg, "method.name", METHOD_VALIDATORS)
+    validate_user_model(cfg)
+    METHOD_VALIDATORS[cfg.method.name](cfg)
+    choice(cfg, "model.arch", ARCH_NAMES)
+    validate_pair(cfg)
+    validate_common(cfg, robust_modes(cfg))
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)

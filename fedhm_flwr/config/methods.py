@@ -1,0 +1,282 @@
+"""Per-method validation (the ``method`` group of each algorithm), the (method, model) pairs a run
+accepts and the user-model checks.
+
+The validators stay here, one per method, registered in :data:`METHOD_VALIDATORS`, rather than on
+the ``Method`` classes (``fedhm_flwr/server/methods/method.py``): a method module imports torch, and the config
+check must not (the launcher checks a config before importing torch; ``tests/test_shards.py`` and
+``tests/test_user_models.py`` assert it).
+
+The config check's torch-free path: the launcher checks a config before importing torch, and
+``fedhm_flwr.models`` imports torch, so the few checks that need a model (a ``model.factorize``
+rule, a user's ``model.target``, a pre-trained ViT checkpoint) import the models inside the
+function, only on that path. These are the only imports inside functions of the config check.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+from fedhm_flwr.config.checks import ROBUST, choice, flags, int_at_least, is_int, is_num, num_in, require
+from fedhm_flwr.config.specs import backbone_choice, model_spec
+from fedhm_flwr.core.errors import ConfigError
+from fedhm_flwr.data.registry import dataset_info
+
+
+def _validate_tau(cfg: DictConfig) -> None:
+    """``method.tau`` > 0; YAML's ``.inf`` (a string to Hydra's override grammar) means infinity."""
+    tau = OmegaConf.select(cfg, "method.tau")
+    if isinstance(tau, str) and tau.strip().lower() in (".inf", "+.inf"):
+        tau = math.inf
+        OmegaConf.update(cfg, "method.tau", tau)
+    require(is_num(tau) and tau > 0, "method.tau", tau, "a number > 0 (inf or .inf for uniform weights)")
+
+
+def _validate_fedhm(cfg: DictConfig) -> None:
+    _validate_tau(cfg)
+    rho = OmegaConf.select(cfg, "method.rho")
+    require(rho is None or (is_int(rho) and rho >= 0), "method.rho", rho,
+            "null (the model's default) or an integer >= 0")
+    flags(cfg, "method.weight_by_samples", "method.frobenius_decay", "method.official_weights",
+          "method.add_previous_global")
+    if OmegaConf.select(cfg, "method.svd_tolerance") is not None:  # absent from configs saved before it existed
+        num_in(cfg, "method.svd_tolerance", 0.0, 1.0, low_open=True, high_open=True)
+
+
+def _validate_width(cfg: DictConfig) -> None:
+    """HeteroFL / FedRolex: levels are width rates in (0, 1] (checked with ``levels``)."""
+    flags(cfg, "method.scaler")
+    num_in(cfg, "method.grad_clip", 0.0, math.inf, high_open=True)
+    flags(cfg, "method.weight_by_samples")
+
+
+def _validate_fedavg(cfg: DictConfig) -> None:
+    """Homogeneous FedAvg: the full model, or the smallest level of FedHM or HeteroFL."""
+    choice(cfg, "method.variant", ("full", "smallest"))
+    choice(cfg, "method.family", ("fedhm", "heterofl"))
+    rho = OmegaConf.select(cfg, "method.rho")
+    require(rho is None or (is_int(rho) and rho >= 0), "method.rho", rho,
+            "null (the model's default) or an integer >= 0")
+    flags(cfg, "method.frobenius_decay", "method.scaler")
+    num_in(cfg, "method.grad_clip", 0.0, math.inf, high_open=True)
+
+
+def _validate_transformer(cfg: DictConfig, method: str) -> None:
+    """FedLoRA / HeteroTune: a transformer over a frozen pre-trained (or seeded random) backbone."""
+    arch = OmegaConf.select(cfg, "model.arch")
+    require(arch in ("minilm", "vit"), "model.arch", arch,
+            f"one of ['minilm', 'vit'] (method={method} fine-tunes a transformer: add "
+            "model=minilm dataset=sentiment, or model=vit dataset=fashion_mnist). "
+            f"Supported pairs: {supported_pairs()}")
+    choice(cfg, "model.backbone", ("auto", "pretrained", "random"))
+    int_at_least(cfg, "model.backbone_seed", 0)
+    for field in ("model.depth", "model.heads"):
+        value = OmegaConf.select(cfg, field)
+        require(value is None or (is_int(value) and value >= 1), field, value,
+                "null (the architecture's default) or an integer >= 1")
+    text = cfg.model.arch == "minilm"
+    require(text == (cfg.dataset.name == "sentiment"), "dataset.name", cfg.dataset.name,
+            f"'sentiment' with model=minilm, an image dataset with model=vit (method={method})")
+
+
+def _validate_client_optimizer(cfg: DictConfig) -> None:
+    choice(cfg, "method.optimizer", ("adamw", "sgd"))
+    lr = OmegaConf.select(cfg, "method.lr")
+    require(lr is None or (is_num(lr) and 0 < lr < math.inf), "method.lr", lr,
+            "null (train.lr) or a number > 0")
+
+
+def _validate_fedlora(cfg: DictConfig) -> None:
+    """FedLoRA: LoRA ranks per level (or full fine-tuning), FedHM's softmax(gamma/tau) weights."""
+    _validate_transformer(cfg, "fedlora")
+    _validate_client_optimizer(cfg)
+    choice(cfg, "method.mode", ("lora", "full"))
+    int_at_least(cfg, "method.max_rank", 1)
+    _validate_tau(cfg)
+    flags(cfg, "method.weight_by_samples")
+
+
+def _validate_heterotune(cfg: DictConfig) -> None:
+    """HeteroTune: model types by depth or width, DeMA bottleneck, bank and CMGA switches."""
+    _validate_transformer(cfg, "heterotune")
+    _validate_client_optimizer(cfg)
+    choice(cfg, "method.scale", ("auto", "depth", "width"))
+    if cfg.model.arch == "minilm":
+        choice(cfg, "method.scale", ("auto", "depth"))  # the packaged MiniLM has one width
+    int_at_least(cfg, "method.bottleneck", 1)
+    flags(cfg, "method.bank", "method.cmga")
+    num_in(cfg, "method.cmga_eps", 0.0, math.inf, high_open=True)
+    scale = OmegaConf.select(cfg, "method.cmga_scale")
+    require(scale is None or (is_num(scale) and scale > 0), "method.cmga_scale", scale,
+            "null (c = ||G||_F / sqrt(N)) or a number > 0")
+
+
+def _validate_prism(cfg: DictConfig) -> None:
+    """PriSM / OrthDrop: kernel selection rule, kappa, rho, the U-subset option (levels: keep ratios)."""
+    choice(cfg, "method.sampling", ("prism", "orthdrop", "uniform", "softmax"))
+    num_in(cfg, "method.kappa", 0.0, math.inf, high_open=True)
+    rho = OmegaConf.select(cfg, "method.rho")
+    require(rho is None or (is_int(rho) and rho >= 0), "method.rho", rho,
+            "null (the model's FedHM default) or an integer >= 0 (0: every factorizable layer)")
+    flags(cfg, "method.u_subset", "method.frobenius_decay")
+    choice(cfg, "method.u_subset_rows", ("first", "random"))
+
+
+CONV_ARCHS = ("cnn", "resnet18", "resnet34")
+#: The (method, model) pairs a run accepts: method (``fedavg/heterofl``: fedavg with
+#: ``method.family=heterofl``) -> ``model.arch`` values (``custom``: a ``model.target``).
+SUPPORTED_MODELS: dict[str, tuple[str, ...]] = {
+    "fedhm": (*CONV_ARCHS, "vit", "custom"),
+    "fedavg": (*CONV_ARCHS, "vit", "custom"),
+    "fedavg/heterofl": CONV_ARCHS,
+    "heterofl": CONV_ARCHS,
+    "fedrolex": CONV_ARCHS,
+    "prism": CONV_ARCHS,
+    "fedlora": ("minilm", "vit"),
+    "heterotune": ("minilm", "vit"),
+}
+#: What a method refusing a model would need from it.
+_NEEDS = {
+    "fedavg/heterofl": "a model built by width (a constructor slicing channels by width_rate, as the built-in "
+                       "cnn/resnet18/resnet34), since method.family=heterofl slices widths",
+    "heterofl": "a model built by width (a constructor slicing channels by width_rate, as the built-in "
+                "cnn/resnet18/resnet34), since HeteroFL slices channel widths",
+    "fedrolex": "a model built by width (a constructor slicing channels by width_rate, as the built-in "
+                "cnn/resnet18/resnet34), since FedRolex rolls channel windows",
+    "prism": "the built-in conv nets' kernel layout (cnn/resnet18/resnet34), since PriSM samples conv kernels",
+    "fedlora": "a transformer with LoRA targets (minilm, vit)",
+    "heterotune": "a transformer with DeMA slots (minilm, vit)",
+    "fedhm": "Conv2d/Linear layers to factorize (cnn, resnet18, resnet34, vit, or a model.target)",
+    "fedavg": "an image classifier (cnn, resnet18, resnet34, vit, or a model.target)",
+}
+
+
+def method_key(cfg: DictConfig) -> str:
+    """The key of :data:`SUPPORTED_MODELS` for ``cfg``'s method."""
+    name = str(cfg.method.name)
+    return "fedavg/heterofl" if name == "fedavg" and cfg.method.get("family") == "heterofl" else name
+
+
+def supported_pairs() -> str:
+    return "; ".join(f"{m}: {list(a)}" for m, a in SUPPORTED_MODELS.items())
+
+
+def validate_user_model(cfg: DictConfig) -> None:
+    """``model.target`` (any model group): the user's model replaces the group's arch
+    (``model.arch`` becomes ``custom``); ``model.kwargs``, ``model.static_bn``, ``model.factorize``."""
+    target = OmegaConf.select(cfg, "model.target", default=None)
+    arch = OmegaConf.select(cfg, "model.arch")
+    if target is not None:
+        OmegaConf.update(cfg, "model.arch", "custom")
+        OmegaConf.update(cfg, "model.width", None, force_add=True)
+    elif arch == "custom":
+        require(False, "model.target", None, "'package.module:factory' with model=custom, "
+                "e.g. model.target=torchvision.models:resnet18 model.kwargs.num_classes=10")
+    kwargs = OmegaConf.select(cfg, "model.kwargs", default={})
+    require(kwargs is None or OmegaConf.is_dict(kwargs) or isinstance(kwargs, dict), "model.kwargs", kwargs,
+            "a mapping of the factory's keyword arguments")
+    value = OmegaConf.select(cfg, "model.static_bn", default=False)
+    require(isinstance(value, bool), "model.static_bn", value, "true or false")
+    rule = OmegaConf.select(cfg, "model.factorize", default=None)
+    if rule is not None:
+        require(OmegaConf.is_dict(rule), "model.factorize", rule, "a mapping (include, exclude, types, ...)")
+        values = OmegaConf.to_container(rule, resolve=True)
+        if all(v is None for v in values.values()):  # the model's defaults: nothing to check (and no torch import)
+            return
+        from fedhm_flwr.models.rules import rule_problem  # torch-free path: only a factorize rule imports the models
+
+        problem = rule_problem(values)
+        if problem is not None:
+            key, bad, allowed = problem
+            raise ConfigError(f"model.factorize.{key}", bad, allowed)
+
+
+def _check_custom_output(cfg: DictConfig) -> None:
+    """A user model must give one logit per class of the dataset: built and run on a batch of 2,
+    on the meta device (no weights allocated) where its constructor runs there, else on the CPU
+    with real weights (the meta device refuses some constructors that run anywhere else); a model
+    that fails is reported with the error it raised."""
+    try:
+        spec = model_spec(cfg)
+    except (OSError, ValueError, KeyError):  # data that cannot be read: the data check names it
+        return
+    import torch  # torch-free path: only a user's model is built during the check
+
+    from fedhm_flwr.models import build_model, input_shape, shape_device
+
+    try:
+        with shape_device(spec):
+            out = build_model(spec, spectral_init=False)(torch.zeros(2, *input_shape(spec)))
+    except Exception as err:  # noqa: BLE001 - any failure of the user's model is reported as such
+        raise ConfigError("model.target", cfg.model.target,
+                          f"a factory whose model takes a batch of shape (N, {', '.join(map(str, input_shape(spec)))}) "
+                          f"(dataset.name={cfg.dataset.name}); it failed with {type(err).__name__}: {err}") from None
+    if isinstance(out, torch.Tensor) and out.shape[-1] != spec["num_classes"]:
+        raise ConfigError("model.kwargs.num_classes", OmegaConf.select(cfg, "model.kwargs.num_classes"),
+                          f"{spec['num_classes']}: dataset.name={cfg.dataset.name} has {spec['num_classes']} classes "
+                          f"and the model gives {out.shape[-1]} outputs")
+
+
+def validate_pair(cfg: DictConfig) -> None:
+    """Refuse a (method, model) pair outside :data:`SUPPORTED_MODELS`, listing the supported pairs."""
+    key, arch = method_key(cfg), str(cfg.model.arch)
+    allowed = SUPPORTED_MODELS[key]
+    if arch not in allowed:
+        field = "model.target" if arch == "custom" else "model.arch"
+        value = cfg.model.target if arch == "custom" else arch
+        what = "no model.target" if arch == "custom" else f"one of {list(allowed)}"
+        method = "fedavg method.family=heterofl" if key == "fedavg/heterofl" else key
+        raise ConfigError(field, value, f"for method={method}, {what}: it needs {_NEEDS[key]}. "
+                          f"Supported pairs: {supported_pairs()}")
+    if arch == "custom":
+        from fedhm_flwr.models import resolve_target  # torch-free path; imports the user's module, calls nothing
+
+        try:
+            resolve_target(cfg.model.target)
+        except ValueError as err:
+            raise ConfigError("model.target", cfg.model.target, str(err).split("; allowed: ", 1)[-1]) from None
+        require(cfg.dataset.name != "sentiment", "dataset.name", cfg.dataset.name,
+                "an image dataset with a model.target")
+        _check_custom_output(cfg)
+    if arch == "vit" and key in ("fedhm", "fedavg"):
+        choice(cfg, "model.backbone", ("auto", "pretrained", "random"))
+        if backbone_choice(cfg) == "pretrained":  # the server builds the initial model from it
+            from fedhm_flwr.models.vit import DEFAULTS, arch_of, checkpoint_ref, resolve_ref  # torch-free path
+
+            info = {k: cfg.model.get(k) or v for k, v in DEFAULTS.items()}
+            path = resolve_ref(checkpoint_ref(arch_of({**info, **dataset_info(cfg.dataset.name)})))
+            require(path.is_file(), "model.backbone", "pretrained",
+                    f"random (FedHM from scratch), or pretrained once `make pretrain` wrote {path}")
+        require(cfg.dataset.name != "sentiment", "dataset.name", cfg.dataset.name, "an image dataset with model=vit")
+
+
+#: method name -> validator of the ``method`` group (every method adds itself here).
+METHOD_VALIDATORS: dict[str, Callable[[DictConfig], None]] = {
+    "prism": _validate_prism,
+    "fedhm": _validate_fedhm,
+    "heterofl": _validate_width,
+    "fedrolex": _validate_width,
+    "fedavg": _validate_fedavg,
+    "fedlora": _validate_fedlora,
+    "heterotune": _validate_heterotune,
+}
+
+
+def robust_modes(cfg: DictConfig) -> tuple[str, ...]:
+    """The ``aggregation.robust`` values a method accepts. Clipping, median and trimmed mean need
+    a merge that is an element-wise (weighted) mean over the clients covering an element; Krum
+    (and DP) need replies that all cover the whole model, as FedHM's recovered updates do."""
+    name = cfg.method.name
+    full_model = name in ("fedhm", "fedlora") or (name == "fedavg" and (
+        cfg.method.variant == "full" or cfg.method.family == "fedhm"))
+    if full_model:
+        return ROBUST
+    if name in ("heterofl", "fedrolex", "fedavg"):
+        return ("none", "clip", "median", "trimmed_mean")
+    return ("none",)  # prism, heterotune: the norm filter (aggregation.outlier_z) only
+
+
+#: the keys of ``fedhm_flwr.models.ARCHS``, named here so that checking a config imports no torch
+ARCH_NAMES = ("cnn", "resnet18", "resnet34", "minilm", "vit", "custom")

@@ -1,0 +1,132 @@
+"""Model tensors on the wire: a tensor as a Flower ``Array`` in the wire dtype (``wire.dtype``) and
+back, byte for byte what Flower itself would write and read. Part of the wire contract
+(:mod:`fedhm_flwr.core.protocol` re-exports these names); torch is imported where tensors are converted,
+since the config check imports the protocol without torch.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord
+
+if TYPE_CHECKING:
+    import torch
+
+# arrays on the wire (wire.dtype): floating tensors travel in this dtype, the rest as they are.
+# Flower's Array holds numpy data and numpy has no bfloat16: a bfloat16 tensor travels as its
+# raw 16 bits in an int16 array, which the receiver (told the wire dtype) reinterprets.
+WIRE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def wire_array(tensor: torch.Tensor, dtype: str = "float32") -> Array:
+    """One tensor as a flwr Array in the wire dtype (floating tensors cast, others unchanged).
+
+    The bytes are what Flower's ``Array.from_torch_tensor`` writes (``np.save``: a ``.npy`` header,
+    then the data in C order), put together here from the header of the tensor's dtype and shape
+    (:func:`npy_header`, made once per dtype and shape) and the tensor's bytes: ``np.save`` costs a
+    header formatted per call, several times the copy at the CNN's sizes."""
+    import torch
+
+    tensor = tensor.detach()
+    if tensor.is_floating_point():
+        tensor = tensor.to(getattr(torch, dtype))
+        if dtype == "bfloat16":
+            tensor = tensor.view(torch.int16)
+    ndarray = tensor.contiguous().cpu().numpy()
+    name, shape = ndarray.dtype.name, tuple(ndarray.shape)  # (a tensor's numpy dtype is native: name == str)
+    header = npy_header(name, shape)
+    if header is None:
+        return Array.from_numpy_ndarray(ndarray)
+    return Array(dtype=name, shape=shape, stype="numpy.ndarray", data=header + ndarray.tobytes())
+
+
+_NPY_HEADERS: dict[tuple[str, tuple[int, ...]], bytes | None] = {}
+#: the numpy dtypes of the names the wire uses, parsed once (any other name is parsed per array)
+_NUMPY_DTYPES = {name: np.dtype(name) for name in ("float32", "float16", "float64", "int16", "int32", "int64",
+                                                   "uint8", "int8", "bool")}
+
+
+def npy_header(dtype: str, shape: tuple[int, ...]) -> bytes | None:
+    """The ``.npy`` header ``np.save`` writes before a C-ordered array of this dtype (numpy's name,
+    as an Array holds it) and shape (format 1.0, numpy's own writer), or None for a dtype it would
+    pickle or a header that needs a later format. Cached: one per dtype and shape (a model has a
+    few dozen)."""
+    key = (dtype, shape)
+    if key not in _NPY_HEADERS:
+        dtype = np.dtype(dtype)
+        header = None
+        if not dtype.hasobject:
+            buffer = io.BytesIO()
+            try:
+                np.lib.format.write_array_header_1_0(
+                    buffer, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape})
+                header = buffer.getvalue()
+            except ValueError:  # a header too long for format 1.0: np.save's own choice decides
+                header = None
+        _NPY_HEADERS[key] = header
+    return _NPY_HEADERS[key]
+
+
+def array_record(arrays: Mapping[str, Array]) -> ArrayRecord:
+    """A fresh ArrayRecord holding these Arrays themselves (an Array is never changed once made, so
+    records of one payload share its Arrays and their bytes; Flower's ``from_array_dict`` rebuilds
+    every Array, with its argument checks, for every record)."""
+    record = ArrayRecord()
+    for key, array in arrays.items():
+        record[key] = array
+    return record
+
+
+def record_tensors(record: Any) -> dict[str, torch.Tensor]:
+    """An ArrayRecord's tensors, each copied once out of its Array's bytes.
+
+    Flower's ``to_torch_state_dict`` parses every array's ``.npy`` header with ``np.load`` (a third
+    of a round's aggregation at ResNet-18 size); here an array whose bytes are the header
+    :func:`npy_header` makes for its own dtype and shape followed by the data is read from after
+    that header; an array whose header differs only in its padding or form (another numpy's
+    ``np.save``) but declares the Array's dtype in C order is read from the end of its bytes (where
+    ``np.save`` puts the data); anything else goes through ``Array.numpy()``."""
+    import torch
+
+    out = {}
+    for key, array in record.items():
+        tensor = None
+        if array.stype == "numpy.ndarray":
+            dtype = _NUMPY_DTYPES.get(array.dtype) if isinstance(array.dtype, str) else None
+            if dtype is None:
+                try:
+                    dtype = np.dtype(array.dtype)
+                except TypeError:
+                    dtype = None
+            if dtype is not None and not dtype.hasobject:
+                shape, data = tuple(array.shape), array.data
+                count = math.prod(shape)
+                offset = len(data) - dtype.itemsize * count
+                known = _NPY_HEADERS.get((array.dtype, shape)) or npy_header(array.dtype, shape)
+                if not (known is not None and offset == len(known) and data.startswith(known)):
+                    header = bytes(data[:min(max(offset, 0), 4096)])
+                    if not (offset > 0 and header.startswith(b"\x93NUMPY") and b"'fortran_order': False" in header
+                            and f"'descr': '{dtype.str}'".encode() in header and f"'shape': {shape}".encode() in header):
+                        offset = -1
+                if offset >= 0:
+                    flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
+                    tensor = torch.from_numpy(flat.reshape(shape).copy())  # (C order: as the Array's)
+        out[key] = tensor if tensor is not None else torch.from_numpy(array.numpy())
+    return out
+
+
+def from_wire(state: Mapping[str, torch.Tensor], dtype: str = "float32") -> dict[str, torch.Tensor]:
+    """A state dict received in the wire dtype, back in float32 (other tensors unchanged)."""
+    import torch
+
+    out = {}
+    for key, tensor in state.items():
+        if dtype == "bfloat16" and tensor.dtype == torch.int16:
+            tensor = tensor.view(torch.bfloat16)
+        out[key] = tensor.float() if tensor.is_floating_point() else tensor
+    return out

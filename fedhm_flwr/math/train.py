@@ -1,0 +1,214 @@
+"""Local training and evaluation loops and their losses. No Flower import.
+
+* Frobenius decay ``lambda/2 * ||A B||_F^2`` on each factorized pair *instead of* weight decay
+  (ordinary weight decay stays on the full-rank parameters), ``lambda`` = the weight decay.
+* Masked cross-entropy: logits of classes absent from the client's local data are set to 0
+  before the loss (training only).
+* Static batch norm: the models' norms keep no running statistics, so training normalises with
+  batch statistics and nothing about the client's data distribution leaks into the weights sent.
+* SGD with momentum, re-created every round at the round's learning rate (``optimizer="adamw"``:
+  AdamW instead, the transformer track's choice for LoRA / adapters; also re-created every round).
+* Self-distillation (FedHM conference paper, non-IID; ``distill``): the teacher is the received
+  model, frozen for the local epochs; the loss is ``CE + weight · T² · KL(teacher_T || student_T)``
+  on the unmasked logits softened by ``T`` (the reported train loss is this whole loss).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from fedhm_flwr.core.protocol import NUM_EXAMPLES, SECONDS, TRAIN_ACCURACY, TRAIN_LOSS
+
+
+@dataclass
+class TrainOptions:
+    """Everything a client's local training needs; it arrives in the message."""
+
+    lr: float = 0.05
+    local_epochs: int = 1
+    batch_size: int = 32
+    momentum: float = 0.9
+    optimizer: str = "sgd"  # "sgd" (with momentum) | "adamw"
+    weight_decay: float = 5e-4
+    frobenius_decay: bool = False
+    masked_ce: bool = True
+    grad_clip: float = 0.0
+    threads: int = 1
+    distill: bool = False
+    distill_temperature: float = 2.0
+    distill_weight: float = 0.5
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> TrainOptions:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``T² · KL(softmax(teacher/T) || softmax(student/T))``, averaged over the batch."""
+    t = float(temperature)
+    return t * t * F.kl_div(F.log_softmax(student_logits / t, dim=1), F.log_softmax(teacher_logits / t, dim=1),
+                            reduction="batchmean", log_target=True)
+
+
+def pick_device() -> torch.device:
+    """CUDA when present (the GPU share Ray gave this client), CPU otherwise."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def factorized_modules(model: nn.Module) -> list[nn.Module]:
+    """Modules that carry a low-rank pair (they expose ``frobenius_sq``)."""
+    return [m for m in model.modules() if hasattr(m, "frobenius_sq")]
+
+
+def parameter_groups(model: nn.Module, weight_decay: float, frobenius_decay: bool) -> list[dict[str, Any]]:
+    """Weight decay on full-rank parameters; none on the factor weights of factorized pairs when
+    Frobenius decay is on (their biases are full-rank parameters and keep ordinary weight decay)."""
+    low_rank: set[int] = set()
+    if frobenius_decay:
+        low_rank = {id(p) for m in factorized_modules(model) for name, p in m.named_parameters()
+                    if not name.endswith("bias")}
+    decayed = [p for p in model.parameters() if p.requires_grad and id(p) not in low_rank]
+    pairs = [p for p in model.parameters() if p.requires_grad and id(p) in low_rank]
+    groups = [{"params": decayed, "weight_decay": weight_decay}]
+    if pairs:
+        groups.append({"params": pairs, "weight_decay": 0.0})
+    return groups
+
+
+def frobenius_penalty(model: nn.Module, weight_decay: float) -> torch.Tensor | float:
+    """``lambda/2 * sum ||A B||_F^2`` over the factorized pairs."""
+    mods = factorized_modules(model)
+    if not mods or weight_decay == 0:
+        return 0.0
+    return 0.5 * weight_decay * sum(m.frobenius_sq() for m in mods)
+
+
+def backward(objective: torch.Tensor, model: nn.Module, frobenius_decay: float = 0.0) -> None:
+    """``(objective + frobenius_penalty(model, frobenius_decay)).backward()``, with the penalty's
+    gradient given in closed form: ``lambda A (B Bᵀ)`` and ``lambda (AᵀA) B`` for each pair's
+    ``factors()`` ``(A, B)`` (every ``frobenius_sq`` is ``‖A B‖_F²``). One backward pass; the
+    penalty's own graph (about twenty small ops per pair, forward and backward) is never built
+    (docs/METHODS.md#fedhm-client-training)."""
+    mods = factorized_modules(model) if frobenius_decay else []
+    if not mods:
+        objective.backward()
+        return
+    tensors, grads = [objective], [None]
+    for m in mods:
+        A, B = m.factors()  # views of the weights: their gradients flow back into the weights
+        with torch.no_grad():
+            a, b = A.detach(), B.detach()
+            grads += [frobenius_decay * (a @ (b @ b.t())), frobenius_decay * ((a.t() @ a) @ b)]
+        tensors += [A, B]
+    torch.autograd.backward(tensors, grads)
+
+
+def conv_layout(model: nn.Module, device: torch.device) -> torch.memory_format:
+    """``channels_last`` for a model with 2-D convolutions on the CPU (its batch norm, ReLU and
+    max-pool run vectorised over channels, several times faster there, and a factorized conv's
+    1×k and k×1 halves too: bench figure 3), else contiguous (GPUs: not measured yet)."""
+    has_conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
+    return torch.channels_last if has_conv and device.type == "cpu" else torch.contiguous_format
+
+
+def mask_absent_classes(logits: torch.Tensor, present: torch.Tensor | None) -> torch.Tensor:
+    """Set the logits of classes absent from the local data to 0 (masked cross-entropy)."""
+    if present is None:
+        return logits
+    return logits.masked_fill(~present.to(logits.device), 0.0)
+
+
+def train_local(
+    model: nn.Module,
+    dataset: Dataset,
+    options: TrainOptions,
+    device: torch.device,
+    present_classes: torch.Tensor | None = None,
+    seed: int = 0,
+    loss_extra: Any = None,
+) -> dict[str, float]:
+    """Train ``model`` in place; returns num-examples, mean loss and accuracy, seconds.
+
+    ``present_classes`` is a boolean mask over classes (the client's label set) for masked
+    cross-entropy; ``loss_extra(model, x, logits) -> tensor`` adds a method-specific term.
+    """
+    t0 = time.perf_counter()
+    generator = torch.Generator().manual_seed(int(seed))
+    loader = DataLoader(dataset, batch_size=options.batch_size, shuffle=True, generator=generator, drop_last=False)
+    layout = conv_layout(model, device)
+    model.to(device, memory_format=layout).train()
+    groups = parameter_groups(model, options.weight_decay, options.frobenius_decay)
+    if options.optimizer == "adamw":
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=options.lr)
+    elif options.optimizer == "sgd":
+        optimizer = torch.optim.SGD(groups, lr=options.lr, momentum=options.momentum)
+    else:
+        raise ValueError(f"train option optimizer={options.optimizer!r}; allowed: 'sgd', 'adamw'")
+    mask = present_classes if options.masked_ce else None
+    teacher = _frozen_copy(model) if options.distill else None
+    total_loss, correct, seen = 0.0, 0, 0
+    for _ in range(options.local_epochs):
+        for x, y in loader:
+            if len(y) < 2:  # batch norm needs two samples
+                continue
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            if x.ndim == 4:
+                x = x.contiguous(memory_format=layout)
+            logits = model(x)
+            loss = F.cross_entropy(mask_absent_classes(logits, mask), y)
+            if teacher is not None:
+                with torch.no_grad():
+                    teacher_logits = teacher(x)
+                loss = loss + options.distill_weight * distillation_kl(logits, teacher_logits, options.distill_temperature)
+            objective = loss
+            if loss_extra is not None:
+                objective = objective + loss_extra(model, x, logits)
+            optimizer.zero_grad(set_to_none=True)
+            backward(objective, model, options.weight_decay if options.frobenius_decay else 0.0)
+            if options.grad_clip > 0:
+                nn.utils.clip_grad_norm_(model.parameters(), options.grad_clip)
+            optimizer.step()
+            total_loss += float(loss.detach()) * len(y)
+            correct += int((logits.detach().argmax(1) == y).sum())
+            seen += len(y)
+    model.to(memory_format=torch.contiguous_format)  # the state sent back: plain layout
+    return {
+        NUM_EXAMPLES: len(dataset),
+        TRAIN_LOSS: total_loss / max(1, seen),
+        TRAIN_ACCURACY: correct / max(1, seen),
+        SECONDS: time.perf_counter() - t0,
+    }
+
+
+def _frozen_copy(model: nn.Module) -> nn.Module:
+    """The received model as a teacher: a copy in the student's mode (same normalisation and
+    Scaler behaviour, so it agrees with the student before the first step), no gradients."""
+    teacher = copy.deepcopy(model)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset: Dataset, batch_size: int, device: torch.device) -> dict[str, float]:
+    """Top-1 accuracy and mean cross-entropy (no masking) on ``dataset``."""
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
+    model.to(device).eval()
+    total_loss, correct, seen = 0.0, 0, 0
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        total_loss += float(F.cross_entropy(logits, y, reduction="sum"))
+        correct += int((logits.argmax(1) == y).sum())
+        seen += len(y)
+    return {"loss": total_loss / max(1, seen), "accuracy": correct / max(1, seen), NUM_EXAMPLES: seen}

@@ -1,0 +1,379 @@
+"""Evaluation: the server's test set, federated (client-side) evaluation and sBN statistics.
+
+Three parts, each called by the shared round (``fedhm_flwr/server/strategy.py``) on evaluation rounds, which
+hands them what they need as a :class:`RoundView` (the grid, the node registry, the method's models),
+never the strategy itself:
+
+* **Server test set** (``evaluation.where`` = ``server`` or ``both``): :func:`make_evaluator`
+  scores a model on the server's test set; :func:`evaluate_levels` scores the global model and
+  each level's deployable model. Keys ``acc/global``, ``loss/global``, ``acc/level_<γ>``,
+  ``loss/level_<γ>``. With ``evaluation.bn_stats=federated`` the norm statistics come from the
+  clients (:func:`federated_bn_sums`); when no client answers, test-batch statistics are used
+  and the row's ``bn_stats`` says so (``test_batch_fallback``).
+* **Federated** (``clients`` or ``both``): :class:`FederatedEvaluation` sends the nodes sampled
+  for training this round an EVALUATE message with the global model at their own level, and
+  :func:`federated_figures` turns the replies into ``fed_acc/all``, ``fed_loss/all``,
+  ``fed_acc/level_<γ>``, ``fed_loss/level_<γ>``, ``fed_clients/level_<γ>``, ``fed_clients`` and
+  the spread over clients ``fed_acc_clients/mean|std|worst10`` (:func:`client_spread`).
+* The pure statistics (:func:`weighted_mean`, :func:`client_spread`, :func:`federated_figures`)
+  import no Flower.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from logging import WARNING
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.supercore import log
+from omegaconf import DictConfig
+
+from fedhm_flwr.config import data_spec
+from fedhm_flwr.core import protocol as wire
+from fedhm_flwr.core.protocol import ARRAYS, CONFIG, METRICS, asked_nodes, error_reason, read_eval
+from fedhm_flwr.data import test_dataset
+from fedhm_flwr.math import levels as lv
+from fedhm_flwr.math.bn_stats import apply_bn_statistics, batch_statistics_layers, combine_bn_sums, norm_layers
+from fedhm_flwr.math.train import evaluate
+from fedhm_flwr.models import build_model, shape_device
+from fedhm_flwr.models.adapters import load_federated
+
+State = dict[str, torch.Tensor]
+WORST_FRACTION = 0.1  # fed_acc_clients/worst10: the mean accuracy of the worst ceil(10 %) clients
+
+
+# ---------------------------------------------------------------------- pure statistics
+
+
+def weighted_mean(values: Sequence[float], weights: Sequence[float]) -> float:
+    """sum(w * v) / sum(w); NaN when there is no weight."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.size == 0 or w.sum() <= 0:
+        return math.nan
+    return float(np.dot(w, np.asarray(values, dtype=np.float64)) / w.sum())
+
+
+def client_spread(accuracies: Sequence[float], worst_fraction: float = WORST_FRACTION) -> dict[str, float]:
+    """The spread of the clients' accuracies, each client counting once (not by examples):
+    ``mean``, ``std`` (population, ddof 0) and ``worst10``, the mean accuracy of the
+    ``ceil(worst_fraction * n)`` clients with the lowest accuracy (at least one client)."""
+    acc = np.sort(np.asarray(accuracies, dtype=np.float64))
+    if acc.size == 0:
+        return {}
+    k = max(1, math.ceil(worst_fraction * acc.size - 1e-9))
+    return {"mean": float(acc.mean()), "std": float(acc.std()), "worst10": float(acc[:k].mean())}
+
+
+@dataclass(frozen=True)
+class ClientScore:
+    """One client's evaluation reply."""
+
+    node: str  # the node's label (p<partition> or n<node id>)
+    level: float
+    num_examples: int
+    loss: float
+    accuracy: float
+
+
+def federated_figures(scores: Sequence[ClientScore], levels: Sequence[float]) -> dict[str, float]:
+    """The federated row entries of one evaluation round (see the module docstring)."""
+    out: dict[str, float] = {"fed_clients": len(scores)}
+    if not scores:
+        return out
+    n = [s.num_examples for s in scores]
+    out["fed_acc/all"] = weighted_mean([s.accuracy for s in scores], n)
+    out["fed_loss/all"] = weighted_mean([s.loss for s in scores], n)
+    for level in levels:
+        mine = [s for s in scores if s.level == float(level)]
+        out[f"fed_clients/level_{level:g}"] = len(mine)
+        if mine:
+            w = [s.num_examples for s in mine]
+            out[f"fed_acc/level_{level:g}"] = weighted_mean([s.accuracy for s in mine], w)
+            out[f"fed_loss/level_{level:g}"] = weighted_mean([s.loss for s in mine], w)
+    out.update({f"fed_acc_clients/{k}": v for k, v in client_spread([s.accuracy for s in scores]).items()})
+    return out
+
+
+# ---------------------------------------------------------------------- the server's test set
+
+
+def make_evaluator(cfg: DictConfig, device: torch.device):
+    """Server-side evaluation on the test set: (model spec, state[, sBN sums]) -> {accuracy, loss}."""
+    test = test_dataset(data_spec(cfg), data_dir=cfg.dataset.data_dir)
+    batch = int(cfg.evaluation.batch_size)
+
+    def evaluate_fn(spec: dict[str, Any], state: State, bn_sums: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+        model = build_model(spec, spectral_init=False)
+        if spec.get("trainable_only"):  # a frozen backbone loaded locally + the federated tensors
+            load_federated(model, state)
+        else:
+            model.load_state_dict(state, strict=True)
+        if bn_sums is not None:  # federated sBN statistics; else test-batch statistics
+            apply_bn_statistics(model, bn_sums)
+        return evaluate(model, test, batch, device)
+
+    return evaluate_fn
+
+
+@dataclass
+class RoundView:
+    """What an evaluation round is given by the round: the config, the method (its ``levels``,
+    ``global_model`` and ``deployable`` models), the server's test-set scorer, the grid and the node
+    registry (``nodes``, ``key``, ``label``, ``forget``), how a model goes on the wire (``arrays``:
+    its Arrays, serialised once; ``wire_config``: the task-config entry of the wire dtype) and the
+    round's number (seeds the choice of the clients asked for norm statistics)."""
+
+    cfg: DictConfig
+    method: Any
+    evaluate_fn: Callable[..., dict[str, float]] | None
+    grid: Any
+    registry: Any
+    arrays: Callable[[State], dict[str, Any]]
+    wire_config: dict[str, str]
+    server_round: int
+
+
+@dataclass
+class BnUse:
+    """Which norm statistics one evaluation round used, what asking the clients cost, and the
+    sums they gave per model (``spec_key``: reused by :func:`deployment_statistics`)."""
+
+    configured: str
+    fallbacks: int = 0
+    bytes: int = 0
+    sums: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def row(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"bn_stats": "test_batch_fallback" if self.fallbacks else self.configured}
+        if self.fallbacks:
+            out["bn_fallbacks"] = self.fallbacks
+        if self.bytes:
+            out["bytes_bn_stats"] = self.bytes
+        return out
+
+
+def spec_key(spec: dict[str, Any]) -> str:
+    """A model spec as a canonical string (a cache key)."""
+    return json.dumps(spec, sort_keys=True, default=str)
+
+
+@functools.lru_cache(maxsize=32)
+def _tracks_running_statistics(spec_json: str) -> bool:
+    spec = json.loads(spec_json)
+    with shape_device(spec):
+        return any(m.track_running_stats for m in norm_layers(build_model(spec, spectral_init=False)).values())
+
+
+def statistics_label(configured: str, spec: dict[str, Any]) -> str:
+    """What a model evaluated under ``evaluation.bn_stats=configured`` normalises with:
+    ``running_averaged`` for a model whose norm layers keep running statistics (averaged over
+    the clients as buffers; eval mode reads them, whatever the test batch), else ``configured``."""
+    if configured == "test_batch" and not spec.get("trainable_only") and _tracks_running_statistics(spec_key(spec)):
+        return "running_averaged"
+    return configured
+
+
+def evaluate_levels(view: RoundView, global_state: State, bn: BnUse | None = None) -> dict[str, Any]:
+    """Test-set accuracy and loss of the global model and of each level's deployable model, with
+    the row's ``bn_stats`` (and ``bytes_bn_stats``); ``bn`` collects the federated sums."""
+    if view.evaluate_fn is None:
+        return {}
+    global_spec, global_model = view.method.global_model(global_state)
+    bn = bn if bn is not None else BnUse("")
+    bn.configured = statistics_label(str(view.cfg.evaluation.bn_stats), global_spec)
+    out: dict[str, Any] = {}
+    metrics = evaluate_model(view, global_spec, global_model, bn)
+    out["acc/global"], out["loss/global"] = metrics["accuracy"], metrics["loss"]
+    if view.cfg.evaluation.levels:
+        for index, level in enumerate(view.method.levels):
+            spec, state = view.method.deployable(index, global_state)
+            same = spec == global_spec and state.keys() == global_model.keys() and all(
+                torch.equal(state[k], global_model[k]) for k in state)
+            m = metrics if same else evaluate_model(view, spec, state, bn)
+            out[f"acc/level_{level:g}"], out[f"loss/level_{level:g}"] = m["accuracy"], m["loss"]
+    out.update(bn.row())
+    return out
+
+
+def evaluate_model(view: RoundView, spec: dict[str, Any], state: State, bn: BnUse) -> dict[str, float]:
+    """Evaluate one model; with federated sBN its norm statistics come from the clients, or from
+    the test batches when none answers (logged, counted in ``bn``)."""
+    assert view.evaluate_fn is not None
+    if view.cfg.evaluation.bn_stats != "federated" or spec.get("trainable_only"):
+        return view.evaluate_fn(spec, state)
+    sums, nbytes = federated_bn_sums(view, spec, state)
+    bn.bytes += nbytes
+    if sums is not None:
+        bn.sums[spec_key(spec)] = sums
+    if sums is None:
+        bn.fallbacks += 1
+        log(WARNING, "bn-stats: no client answered; this model is evaluated with test-batch statistics")
+        return view.evaluate_fn(spec, state)
+    return view.evaluate_fn(spec, state, sums)
+
+
+def federated_bn_sums(view: RoundView, spec: dict[str, Any], state: State) -> tuple[dict[str, torch.Tensor] | None, int]:
+    """(the clients' summed per-layer statistics or None when no client answered, bytes moved).
+    Clients run the model over their local training data (docs/METHODS.md, sBN); the data never
+    leaves them."""
+    grid, nodes = view.grid, view.registry.nodes
+    if grid is None:
+        raise RuntimeError("federated sBN statistics need the grid (configure_train runs first)")
+    cfg = view.cfg
+    node_ids = sorted(nodes, key=view.registry.key)
+    limit = int(cfg.evaluation.bn_clients)
+    if 0 < limit < len(node_ids):
+        rng = lv.round_rng(int(cfg.seed), view.server_round, stream=3)
+        node_ids = [node_ids[i] for i in sorted(rng.choice(len(node_ids), size=limit, replace=False))]
+    arrays = view.arrays(state)  # the wire dtype, serialised once (fedhm_flwr.core.protocol.ArrayCache)
+    nbytes, messages = 0, []
+    for node_id in node_ids:
+        config = ConfigRecord({wire.QUERY: wire.BN_STATS, wire.MODEL_SPEC: json.dumps(spec),
+                               wire.DATA_SPEC: json.dumps(data_spec(cfg, nodes[node_id].num_partitions)),
+                               wire.BATCH_SIZE: int(cfg.train.batch_size), **view.wire_config})
+        record = ArrayRecord.from_array_dict(arrays)
+        nbytes += record.count_bytes()
+        messages.append(Message(content=RecordDict({ARRAYS: record, CONFIG: config}), dst_node_id=node_id,
+                                message_type=MessageType.QUERY))
+    parts = []
+    for reply in grid.send_and_receive(messages, timeout=float(cfg.timeout)):
+        if reply.has_error() or ARRAYS not in reply.content:
+            log(WARNING, "bn-stats: node %s gave no statistics", view.registry.label(reply.metadata.src_node_id))
+            continue
+        nbytes += reply.content[ARRAYS].count_bytes()
+        parts.append(reply.content[ARRAYS].to_torch_state_dict())
+    return (combine_bn_sums(parts) if parts else None), nbytes
+
+
+def deployment_statistics(view: RoundView, global_state: State,
+                          known: dict[str, dict[str, torch.Tensor]] | None = None,
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, str], int] | None:
+    """Fixed norm statistics for every level's deployable model that normalises with batch
+    statistics (static BN): the clients' sums over their training data (the sBN query), keyed
+    ``level_<γ>/<layer>.<sum|sumsq|count>``, with metadata and the bytes moved; None when no
+    model needs them (no static norm layer, or running statistics) or nobody answered. ``known``:
+    sums this model version's evaluation already asked for (by :func:`spec_key`), not asked again.
+    A deployed model predicts in eval mode with these, independently of the batch."""
+    tensors: dict[str, torch.Tensor] = {}
+    nbytes = 0
+    for index, level in enumerate(view.method.levels):
+        spec, state = view.method.deployable(index, global_state)
+        if spec.get("trainable_only"):
+            return None
+        with shape_device(spec):
+            layers = batch_statistics_layers(build_model(spec, spectral_init=False))
+        if not layers:
+            continue
+        sums = (known or {}).get(spec_key(spec))
+        if sums is None:
+            sums, moved = federated_bn_sums(view, spec, state)
+            nbytes += moved
+        if sums is None:
+            log(WARNING, "deployment statistics: no client answered for level %g; its export falls back", level)
+            continue
+        tensors.update({f"level_{level:g}/{k}": v for k, v in sums.items()})
+    if not tensors:
+        return None
+    limit = int(view.cfg.evaluation.bn_clients)
+    asked = min(limit, len(view.registry.nodes)) if limit > 0 else len(view.registry.nodes)
+    return tensors, {"source": "federated", "nodes_asked": str(asked)}, nbytes
+
+
+# ---------------------------------------------------------------------- federated evaluation
+
+
+class FederatedEvaluation:
+    """One round's client-side evaluation: the EVALUATE messages to the nodes sampled for
+    training (each at its own level, one model cut per level and shared), then the figures of
+    the replies (:meth:`collect`). Failures and timeouts are counted, logged, never fatal."""
+
+    def __init__(self, view: RoundView, server_round: int, global_state: State, sent: dict[int, int]) -> None:
+        """``sent``: node id -> level index of the nodes sent a training task this round."""
+        self.registry = view.registry
+        self.levels = view.method.levels
+        self.server_round = server_round
+        self.level_of: dict[int, int] = {}  # node id -> level index
+        self.bytes_sent = 0
+        self.messages: list[Message] = []
+        cfg, nodes = view.cfg, view.registry.nodes
+        models: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # level index -> (spec, arrays)
+        sent = {n: v for n, v in sent.items() if n in nodes}  # not those found gone
+        for node_id, index in sorted(sent.items(), key=lambda kv: view.registry.key(kv[0])):
+            if index not in models:
+                spec, state = view.method.deployable(index, global_state)
+                models[index] = (spec, view.arrays(state))
+            spec, arrays = models[index]
+            record = ArrayRecord.from_array_dict(arrays)  # fresh record, shared bytes
+            config = ConfigRecord({
+                wire.SERVER_ROUND: server_round,
+                wire.LEVEL: self.levels[index],
+                wire.LEVEL_INDEX: index,
+                wire.MODEL_SPEC: json.dumps(spec),
+                wire.DATA_SPEC: json.dumps(data_spec(cfg, nodes[node_id].num_partitions)),
+                wire.BATCH_SIZE: int(cfg.evaluation.batch_size),
+                **view.wire_config,
+            })
+            self.bytes_sent += record.count_bytes()
+            self.level_of[node_id] = index
+            self.messages.append(Message(content=RecordDict({ARRAYS: record, CONFIG: config}), dst_node_id=node_id,
+                                         message_type=MessageType.EVALUATE))
+
+    def score(self, node_id: int, msg: Message) -> tuple[ClientScore | None, str]:
+        """Node ``node_id``'s reply as a :class:`ClientScore`, or (None, why it is refused)."""
+        if node_id not in self.level_of:
+            return None, "reply from a node that was not asked to evaluate"
+        if msg.has_error():
+            return None, error_reason(msg)
+        if METRICS not in msg.content:
+            return None, f"reply lacks '{METRICS}'"
+        m = msg.content[METRICS]
+        n, loss, acc = read_eval(m)
+        if not isinstance(n, (int, float)) or isinstance(n, bool) or not n > 0:
+            return None, f"num-examples missing or not positive ({n!r})"
+        if not isinstance(acc, (int, float)) or not 0.0 <= acc <= 1.0:
+            return None, f"eval-accuracy missing or not in [0, 1] ({acc!r})"
+        if not isinstance(loss, (int, float)) or not math.isfinite(loss):
+            return None, f"eval-loss missing or not finite ({loss!r})"
+        return ClientScore(self.registry.label(node_id), self.levels[self.level_of[node_id]],
+                           int(n), float(loss), float(acc)), ""
+
+    def collect(self, replies: Iterable[Message]) -> dict[str, Any]:
+        """The round's federated row entries: figures, failures (with reasons) and bytes."""
+        scores: list[ClientScore] = []
+        failures: list[tuple[str, str]] = []
+        answered: set[int] = set()
+        bytes_received = 0
+        for node_id, msg in asked_nodes(self.messages, list(replies)):  # keyed by the node asked
+            answered.add(node_id)
+            score, why = self.score(node_id, msg)
+            if score is None:
+                failures.append((self.registry.label(node_id), why))
+                if why == wire.NODE_UNAVAILABLE:  # gone: asked again (and logged back) when it reconnects
+                    self.registry.forget(node_id, self.server_round, why)
+                continue
+            bytes_received += msg.content[METRICS].count_bytes()
+            scores.append(score)
+        for node_id in sorted(set(self.level_of) - answered, key=self.registry.key):
+            failures.append((self.registry.label(node_id), "no reply before the round timeout"))
+        for label, why in failures:
+            log(WARNING, "round %d: federated evaluation on node %s failed: %s", self.server_round, label, why)
+        scores.sort(key=lambda s: s.node)
+        out: dict[str, Any] = federated_figures(scores, self.levels)
+        out["fed_failures"] = len(failures)
+        if failures:
+            out["fed_failure_reasons"] = json.dumps([list(f) for f in failures])
+        out["bytes_eval_sent"], out["bytes_eval_received"] = self.bytes_sent, bytes_received
+        return out
+
+
+def numeric(row: dict[str, Any], prefixes: tuple[str, ...]) -> dict[str, float]:
+    """The row's finite numbers whose key starts with one of ``prefixes`` (for a MetricRecord)."""
+    return {k: float(v) for k, v in row.items() if k.startswith(prefixes) and isinstance(v, (int, float))
+            and not isinstance(v, bool) and math.isfinite(v)}

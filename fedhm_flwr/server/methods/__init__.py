@@ -1,0 +1,2 @@
+"""One Flower-free method per algorithm (``method.Method``): FedHM, HeteroFL, FedRolex, PriSM, FedAvg,
+FedLoRA, HeteroTune. See docs/METHODS.md."""

@@ -1,0 +1,400 @@
+"""The node registry: who is connected, what each node declared, and its level for the run.
+
+A node's level depends only on that node (issue "levels that stay put"):
+
+1. the capability it declares in its node config (``capability-level``, or a ``capability-params``
+   / ``-macs`` / ``-memory`` budget mapped to the largest level that fits), else
+2. ``levels.default`` when set, else
+3. a stable function of its identity for the configured proportions: its partition id (a
+   simulated node's, or the one recorded in its data shard's manifest) indexes a seeded pool of
+   ``num_partitions`` levels; a node known only by its ``node-name`` (or, failing that, its node
+   id) draws its level from a seeded hash of that name.
+
+Never from how many nodes are connected or in what order they arrived: a node that leaves and
+comes back keeps its level. Flower 1.41 keeps a SuperNode's node id across restarts only with
+SuperNode authentication (the id belongs to the registered public key); without it a restarted
+node gets a new id, which is why the level never depends on the id when a partition id or a
+``node-name`` is known.
+
+The registry queries a node's node config once (``node-info`` query, carrying the run's data
+spec: the node answers with its number of training examples), when the node is new or
+reconnects, and caches it: all new nodes in one push and one pull loop. The start-up before round
+1 (:meth:`NodeRegistry.startup`) asks the nodes round 1 will use, so that no round pays for the
+first contact (under the simulation engine, the workers' start). With
+``availability.query = sampled`` a new node is asked only when a round first samples it (a node
+not yet asked is sampled by a hash of its node id, then by its stable key): no round pays for
+nodes that are not in it, at the price of a first-contact sample that follows node ids (which the
+simulation engine draws anew each run).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import time
+from collections.abc import Mapping, Sequence
+from logging import INFO, WARNING
+from typing import Any
+
+from flwr.app import Message
+from flwr.serverapp import Grid
+from flwr.supercore import log
+from omegaconf import DictConfig
+
+from fedhm_flwr.config import data_spec, level_proportions
+from fedhm_flwr.core.protocol import (NODE_UNAVAILABLE, NodeInfo, collect, content_bytes, node_info_queries,
+                                      parse_node_info, push)
+from fedhm_flwr.math import levels as lv
+from fedhm_flwr.math.privacy import poisson_sample, secret_uniform
+
+
+#: keys of nodes without a unique partition id start here (partition ids stay below)
+_HASHED_KEY_BASE = 1 << 40
+#: more nodes than this joining at once are logged as one line (level counts), not one line each
+_JOIN_LINES = 10
+
+
+@functools.lru_cache(maxsize=1 << 17)  # each node's key hashed once, not at every draw (bounded)
+def hashed_key(identity: str) -> int:
+    """A stable integer key for an identity string (above every partition id)."""
+    return _HASHED_KEY_BASE + int(hashlib.sha256(identity.encode()).hexdigest()[:12], 16)
+
+
+class NodeRegistry:
+    """Connected nodes, their cached node info, stable keys and levels."""
+
+    def __init__(self, cfg: DictConfig, levels: list[float], costs: Sequence[Mapping[str, float]]) -> None:
+        self.cfg = cfg
+        self.levels = levels
+        self.costs = costs  # level index -> its costs (what a declared budget is compared with)
+        self.nodes: dict[int, NodeInfo] = {}
+        self.keys: dict[int, int] = {}  # node id -> stable key (sorting, seeds, sampling)
+        self.levels_of: dict[int, int] = {}  # node id -> level index for the run (fixed/declared)
+        self.declared: dict[int, int] = {}  # node id -> level the node itself declared (or the default)
+        self.seen: dict[str, int] = {}  # identity -> level index it had (survives leaving)
+        self.unknown: list[int] = []  # connected nodes not queried yet (availability.query = sampled)
+        #: connected nodes that sit out (their node-info answer was an error, e.g. a broken shard) ->
+        #: why; asked again only once they were seen gone and reconnect
+        self.excluded: dict[int, str] = {}
+        self._former: dict[int, str] = {}  # node id -> label of a node that left (its failures keep its name)
+        self.query_seconds = 0.0  # this round's wall time in node-info queries
+        self.queried = 0  # nodes asked this round
+        self._ahead: dict[int, str] = {}  # node id -> id of a node-info query pushed ahead (prefetch)
+        self._answers: dict[int, Message] = {}  # node id -> answer to a query pushed ahead, not read yet
+        self._ahead_bytes, self._ahead_seconds = 0, 0.0
+        self._waited_for: int | None = None  # the round the start-up waited for nodes for
+        self.data_spec = json.dumps(data_spec(cfg))  # each node reports its example count for it
+        self._draws: dict[int, dict[int, float]] = {}  # DP: round -> key -> its secret uniform draw
+
+    # ------------------------------------------------------------------ discovery
+
+    def refresh(self, grid: Grid, server_round: int) -> int:
+        """Learn the connected nodes: forget the ones gone, query the new ones (``availability.query
+        = all``) or leave them for the round that samples them (``sampled``); returns the bytes the
+        queries and their answers moved."""
+        self.query_seconds, self.queried, self._ahead_seconds = self._ahead_seconds, 0, 0.0
+        if server_round != self._waited_for:  # the start-up waited for its first round already
+            self.wait_for_nodes(grid, server_round)
+        connected = set(grid.get_node_ids())
+        for node_id in sorted(set(self.nodes) - connected):
+            self.forget(node_id, server_round)
+        for node_id in sorted(set(self.excluded) - connected):  # asked again when it reconnects
+            log(INFO, "round %d: node %d, which sat out, left", server_round, node_id)
+            del self.excluded[node_id]
+        new = sorted(connected - set(self.nodes) - set(self.excluded))
+        if self.cfg.availability.get("query", "all") == "sampled":
+            self.unknown = new
+            return 0
+        self.unknown = []
+        return self.query(grid, server_round, new)
+
+    def query(self, grid: Grid, server_round: int, new: list[int]) -> int:
+        """Ask these nodes for their node info: one push of all the queries not pushed ahead, one
+        pull loop (:func:`collect`); cache the answers, key and settle the nodes; returns the bytes
+        moved."""
+        if not new:
+            return 0
+        t0 = time.perf_counter()
+        answers = {n: self._answers.pop(n) for n in new if n in self._answers}  # came in ahead (startup)
+        counted = len(new) - len(answers)  # the start-up counted its own
+        ahead = {n: self._ahead.pop(n) for n in new if n in self._ahead}  # pushed ahead (prefetch)
+        query = node_info_queries([n for n in new if n not in ahead and n not in answers], self.data_spec)
+        moved = sum(content_bytes(msg.content) for msg in query)
+        pushed = push(grid, query)
+        if pushed or ahead:
+            by_id = {m.metadata.message_id: m.metadata.dst_node_id for m in query if m.metadata.message_id}
+            by_id.update({mid: n for n, mid in ahead.items()})
+            came = {by_id.get(m.metadata.reply_to_message_id, m.metadata.src_node_id): m
+                    for m in collect(grid, pushed + list(ahead.values()), float(self.cfg.timeout))}
+            moved += sum(content_bytes(m.content) for m in came.values() if m.has_content())
+            answers.update(came)
+        for node_id in new:
+            info = parse_node_info(node_id, answers.get(node_id))
+            if info.error == NODE_UNAVAILABLE or node_id not in answers:
+                log(WARNING, "round %d: node %d did not answer its node-info query (%s)", server_round, node_id,
+                    info.error)
+                continue  # asked again at the next round that finds it connected
+            if info.error is not None:
+                self.excluded[node_id] = info.error
+                log(WARNING, "round %d: node %d cannot take part and sits out until it reconnects: %s", server_round,
+                    node_id, info.error)
+                continue
+            self.nodes[node_id] = info
+        asked = set(new)
+        self.unknown = [n for n in self.unknown if n not in asked]
+        self._rekey()
+        self._log_joined(server_round, [n for n in new if n in self.nodes and self._settle(n, server_round)])
+        self.query_seconds += time.perf_counter() - t0
+        self.queried += counted
+        return moved
+
+    def startup(self, grid: Grid, server_round: int) -> dict[str, Any]:
+        """Before the first round's clock starts: wait for the nodes, then learn the ones that round
+        will use: every connected node (``availability.query = all``), or the round's sample, asked
+        ahead and answered now but read only when the round samples (``sampled``, as
+        :meth:`prefetch`). What it took is the run's start-up (the simulation engine's workers start
+        on their first message and nodes find their data), not a round's; returns
+        ``{"startup_seconds", "startup_queried", "startup_bytes"}``."""
+        t0 = time.perf_counter()
+        moved = self.refresh(grid, server_round)
+        self._waited_for = server_round
+        queried = self.queried
+        self.prefetch(grid, server_round)
+        if self._ahead:
+            replies = collect(grid, list(self._ahead.values()), float(self.cfg.timeout))
+            by_id = {mid: n for n, mid in self._ahead.items()}
+            self._answers = {by_id[m.metadata.reply_to_message_id]: m for m in replies}
+            queried += len(self._ahead)
+            self._ahead = {n: mid for n, mid in self._ahead.items() if n not in self._answers}
+        moved += self._ahead_bytes + sum(content_bytes(m.content) for m in self._answers.values() if m.has_content())
+        self._ahead_bytes, self._ahead_seconds, self.query_seconds, self.queried = 0, 0.0, 0.0, 0
+        seconds = time.perf_counter() - t0
+        told = [*self.nodes.values(), *(parse_node_info(n, m) for n, m in self._answers.items())]
+        examples = sorted(info.examples for info in told if info.examples is not None)
+        log(INFO, "start-up: %d node(s) connected, %d asked for their node info in %.1fs%s",
+            len(list(grid.get_node_ids())), queried, seconds,
+            f"; training examples per node {examples[0]}..{examples[-1]}" if examples else "")
+        return {"startup_seconds": seconds, "startup_queried": queried, "startup_bytes": moved}
+
+    def query_sampled(self, grid: Grid, server_round: int, node_ids: list[int]) -> tuple[list[int], int]:
+        """(the sampled nodes that can train, bytes moved): with ``availability.query = sampled``
+        the sampled nodes not yet known are asked now, all at once; a node whose answer is an error
+        sits the round out."""
+        ask = [n for n in node_ids if n not in self.nodes]
+        moved = (self.query(grid, server_round, ask) if ask else 0) + self._ahead_bytes
+        self._ahead.clear()  # asked ahead for a sample that did not come (nodes came or went): unread
+        self._answers.clear()
+        self._ahead_bytes = 0
+        return [n for n in node_ids if n in self.nodes], moved
+
+    def prefetch(self, grid: Grid, next_round: int) -> None:
+        """``availability.query = sampled``: push now the node-info queries of the next round's new
+        nodes, so that they are answered behind this round's training (``start()`` pushes them right
+        after the round's training messages) and evaluation. That round's sample is
+        drawn here as the round will draw it (the same knowledge, if no node comes or goes in
+        between); the answers are read, and the nodes learnt, only after it sampled
+        (:meth:`query_sampled`), so the sample never depends on them."""
+        if self.cfg.availability.get("query", "all") != "sampled":
+            return
+        t0 = time.perf_counter()
+        connected = set(grid.get_node_ids())
+        nodes, unknown = self.nodes, self.unknown
+        self.nodes = {n: info for n, info in nodes.items() if n in connected}  # as refresh will see them
+        self.unknown = sorted(connected - set(nodes))
+        try:
+            picked = self.sample(next_round)
+        finally:
+            self.nodes, self.unknown = nodes, unknown
+        ask = [n for n in picked if n not in nodes and n not in self._ahead]
+        query = node_info_queries(ask, self.data_spec)
+        if query:
+            self._ahead.update({n: mid for n, mid in zip(ask, grid.push_messages(query)) if mid})
+            self._ahead_bytes += sum(content_bytes(msg.content) for msg in query)
+        self._ahead_seconds += time.perf_counter() - t0
+
+    def wait_for_nodes(self, grid: Grid, server_round: int) -> None:
+        """Wait (bounded) until ``availability.min_nodes`` nodes are connected (not counting those
+        that sit out); then go on with the nodes present or stop, as ``availability.on_timeout`` says."""
+        avail = self.cfg.availability
+        minimum = int(avail.min_nodes) or int(self.cfg.min_train_nodes)
+        usable = lambda: len(set(grid.get_node_ids()) - set(self.excluded))  # noqa: E731 (not those sitting out)
+        count = usable()
+        if count >= minimum:
+            return
+        log(INFO, "round %d: %d node(s) connected, waiting up to %gs for at least %d", server_round, count,
+            float(avail.wait_seconds), minimum)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < float(avail.wait_seconds):
+            time.sleep(min(1.0, float(avail.poll_seconds)))
+            count = usable()
+            if count >= minimum:
+                log(INFO, "round %d: %d node(s) connected after %.1fs; going on", server_round, count,
+                    time.monotonic() - t0)
+                return
+        if avail.on_timeout == "stop":
+            raise RuntimeError(f"round {server_round}: only {count} of the {minimum} nodes needed "
+                               f"(availability.min_nodes) connected within {float(avail.wait_seconds):g}s "
+                               "(availability.wait_seconds); stopping as availability.on_timeout=stop says")
+        log(WARNING, "round %d: still %d node(s) of %d after %gs; going on with the nodes present", server_round,
+            count, minimum, float(avail.wait_seconds))
+
+    def forget(self, node_id: int, server_round: int, why: str = "") -> None:
+        """A node left (no longer connected, or the SuperLink answered for it: node unavailable):
+        log it and forget it; if it reconnects it is asked again and logged as back."""
+        if node_id not in self.nodes:
+            return
+        self._former[node_id] = self.label(node_id)
+        log(INFO, "round %d: node %s (node id %d) left%s", server_round, self.label(node_id), node_id,
+            f" ({why})" if why else "")
+        del self.nodes[node_id]
+        self.keys.pop(node_id, None)
+
+    # ------------------------------------------------------------------ keys and labels
+
+    def _rekey(self) -> None:
+        """Node -> key: its partition id when no other node claims the same one, else a stable
+        hash of its name (or node id)."""
+        owners: dict[int, list[int]] = {}
+        for n, info in sorted(self.nodes.items()):
+            if info.partition_id is not None:
+                owners.setdefault(info.partition_id, []).append(n)
+        shared = {pid: ns for pid, ns in owners.items() if len(ns) > 1}
+        if shared:
+            log(WARNING, "nodes %s declare the same partition-id; each node config needs its own "
+                "(they still train, keyed by name or node id)", shared)
+        self.keys = {}
+        for n, info in self.nodes.items():
+            if info.partition_id is not None and info.partition_id not in shared:
+                self.keys[n] = info.partition_id
+            else:
+                self.keys[n] = hashed_key(f"name:{info.name}" if info.name else f"node:{n}")
+
+    def key(self, node_id: int) -> int:
+        return self.keys[node_id]
+
+    def label(self, node_id: int) -> str:
+        """How outputs name a node: ``p<partition id>``, else its node-name, else ``n<node id>``."""
+        info = self.nodes.get(node_id)
+        if info is None:
+            return self._former.get(node_id, f"n{node_id}")
+        if self.keys.get(node_id) == info.partition_id and info.partition_id is not None:
+            return f"p{info.partition_id}"
+        return info.name or f"n{node_id}"
+
+    def by_key(self, node_ids: list[int]) -> list[int]:
+        return sorted(node_ids, key=self.key)
+
+    # ------------------------------------------------------------------ levels
+
+    def _settle(self, node_id: int, server_round: int) -> bool:
+        """Fix a newly connected node's level for the run (and log a returning node's); True when
+        the node is new to the run."""
+        info = self.nodes[node_id]
+        index = self._declared_level(info)
+        if index is not None:
+            self.declared[node_id] = index
+        elif self.cfg.levels.default is not None:
+            index = lv.level_index_of(float(self.cfg.levels.default), self.levels)
+            self.declared[node_id] = index  # type: ignore[assignment]
+        else:
+            index = self._stable_level(info)
+        self.levels_of[node_id] = index  # type: ignore[assignment]
+        identity = info.identity()
+        before = self.seen.get(identity)
+        if before is not None:
+            log(INFO, "round %d: node %s is back (node id %d) -> level %g (was %g)", server_round,
+                self.label(node_id), node_id, self.levels[index], self.levels[before])  # type: ignore[index]
+        self.seen[identity] = index  # type: ignore[assignment]
+        return before is None
+
+    def _log_joined(self, server_round: int, joined: list[int]) -> None:
+        """One line per node that joined, or one line of level counts when many joined at once."""
+        if len(joined) > _JOIN_LINES:
+            counts: dict[float, int] = {}
+            for node_id in joined:
+                level = self.levels[self.levels_of[node_id]]
+                counts[level] = counts.get(level, 0) + 1
+            log(INFO, "round %d: %d nodes joined -> %s", server_round, len(joined),
+                ", ".join(f"level {level:g}: {n}" for level, n in sorted(counts.items(), reverse=True)))
+            return
+        for node_id in joined:
+            examples = self.nodes[node_id].examples
+            log(INFO, "round %d: node %s joined (node id %d) -> level %g%s", server_round, self.label(node_id),
+                node_id, self.levels[self.levels_of[node_id]],
+                "" if examples is None else f", {examples} training examples")
+
+    def _stable_level(self, info: NodeInfo) -> int:
+        proportions = level_proportions(self.cfg)
+        seed = int(self.cfg.seed)
+        key = self.keys[info.node_id]
+        if info.partition_id is not None and key == info.partition_id:
+            total = int(info.num_partitions or self.cfg.num_clients)
+            if 0 <= info.partition_id < total:
+                return lv.partition_level(info.partition_id, total, proportions, seed)
+        if info.name is None:
+            log(WARNING, "node %d has neither a partition-id nor a node-name; its level follows its node id, "
+                "which survives a restart only with SuperNode authentication", info.node_id)
+        return lv.hashed_level(info.identity() if info.name else f"node:{info.node_id}", proportions, seed)
+
+    def _declared_level(self, info: NodeInfo) -> int | None:
+        cap = info.capability
+        if "level" in cap:
+            index = lv.level_index_of(cap["level"], self.levels)
+            if index is None:
+                log(WARNING, "node %s declares level %s, not among %s; ignored", self.label(info.node_id),
+                    cap["level"], self.levels)
+            return index
+        for budget in ("params", "macs", "memory"):
+            if budget in cap:
+                costs = [self.costs[i].get(budget, math.inf) for i in range(len(self.levels))]
+                index = lv.level_for_budget(cap[budget], costs)
+                if index is None:
+                    index = len(self.levels) - 1
+                    log(WARNING, "node %s: %s budget %g fits no level; it gets the smallest",
+                        self.label(info.node_id), budget, cap[budget])
+                log(INFO, "node %s: %s budget %g -> level %g", self.label(info.node_id), budget, cap[budget],
+                    self.levels[index])
+                return index
+        return None
+
+    def assign(self, server_round: int, node_ids: list[int]) -> dict[int, int]:
+        """Level index of each sampled node this round (fixed: the node's own; dynamic: drawn)."""
+        if self.cfg.levels.assignment == "fixed":
+            return {n: self.levels_of[n] for n in node_ids}
+        rng = lv.round_rng(int(self.cfg.seed), server_round, stream=1)
+        drawn = lv.dynamic_levels(len(node_ids), level_proportions(self.cfg), rng)
+        out = dict(zip(node_ids, drawn))
+        out.update({n: self.declared[n] for n in node_ids if n in self.declared})
+        return out
+
+    def sample(self, server_round: int) -> list[int]:
+        """The nodes that train this round (seeded by round, over the stable keys; a node not yet
+        queried (``availability.query = sampled``) takes part by a hash of its node id)."""
+        keys = {self.key(n): n for n in self.nodes}
+        keys.update({hashed_key(f"node:{n}"): n for n in self.unknown})
+        if self.cfg.dp.enabled:  # the accountant's Poisson sampling, from a stream no client knows
+            return [keys[k] for k in self._poisson(server_round, list(keys))]
+        rng = lv.round_rng(int(self.cfg.seed), server_round, stream=0)
+        picked = lv.sample_clients(list(keys), float(self.cfg.fraction_train), int(self.cfg.min_train_nodes), rng)
+        return [keys[k] for k in picked]
+
+    def _poisson(self, server_round: int, keys: list[int]) -> list[int]:
+        """DP runs: each key in with probability ``fraction_train`` (no minimum), drawn once per
+        round and key (:func:`fedhm_flwr.math.privacy.secret_uniform`; kept, so that the prefetch and
+        the round see the same draw)."""
+        seed = self.cfg.dp.get("seed")
+        for old in [r for r in self._draws if r < server_round - 1]:
+            del self._draws[old]
+        mine = self._draws.setdefault(server_round, {})
+        uniform = secret_uniform(None if seed is None else int(seed), server_round)
+        return poisson_sample(keys, float(self.cfg.fraction_train),
+                              lambda k: mine[k] if k in mine else mine.setdefault(k, uniform(k)))
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the level each identity had."""
+        return {"levels_by_identity": dict(self.seen)}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.seen = {str(k): int(v) for k, v in state.get("levels_by_identity", {}).items()}

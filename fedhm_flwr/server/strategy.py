@@ -1,0 +1,398 @@
+"""The shared heterogeneous round on Flower's Message API: one Strategy, whatever the method.
+
+One round, one path, for every method: sample nodes, give each node its level, ask the method
+for each level's (or node's) model, send one fresh message per node, validate the replies, let the
+method merge them (through the defences and DP, :class:`fedhm_flwr.server.untrusted.Untrusted`, which wrap
+the merge as Flower's DP strategies wrap a strategy), evaluate the global model and each level's
+deployable model, record, checkpoint. The method (:class:`fedhm_flwr.server.methods.method.Method`) is Flower-free
+and says only how a client's model is cut out of the global model and how replies are folded back
+in. The round's collaborators are handed what they need and never reach back into it: the node
+registry (:mod:`fedhm_flwr.server.nodes`, the levels' costs given as data), the wire
+(:mod:`fedhm_flwr.core.protocol`: array cache, task configs, reply checks), the evaluation
+(:mod:`fedhm_flwr.server.evaluation`, given the grid, the registry and the method) and the records
+(:mod:`fedhm_flwr.server.report`).
+
+A strategy runs one method: ``HeteroStrategy(cfg, model_spec, evaluate_fn, recorder, method=...)``,
+or a method's binding (``FedHMStrategy(cfg, model_spec, ...)``, :data:`strategies.STRATEGIES`). The
+method's own attributes (``levels``, ``ranks``, ``level_payload``, ``deployable``, ``level_cost``,
+...) read through the strategy too, for callers that hold only the strategy (``inspect``, ``export``,
+the bench).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from logging import INFO, WARNING
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+from flwr.supercore import log
+from omegaconf import DictConfig
+
+from fedhm_flwr.config import data_spec, learning_rate, level_proportions
+from fedhm_flwr.core import protocol as wire
+from fedhm_flwr.core.protocol import (ARRAYS, CONFIG, NODE_UNAVAILABLE, ArrayCache, Payload, TaskConfigs, asked_nodes,
+                                      collect, content_bytes, error_reason, exchange, push)
+from fedhm_flwr.math import levels as lv
+from fedhm_flwr.server import evaluation as ev
+
+from fedhm_flwr.server.methods.method import Cut, Method, Reply, State
+from fedhm_flwr.server.nodes import NodeInfo, NodeRegistry
+from fedhm_flwr.server.report import RoundLog, progress_line, round_row, train_metrics
+from fedhm_flwr.server.untrusted import Attacks, Untrusted
+
+__all__ = ["HeteroStrategy", "Payload", "Reply", "RoundLog", "State", "content_bytes", "progress_line"]
+
+
+class HeteroStrategy(Strategy):
+    """The round of every method (see the module docstring)."""
+
+    #: the method a binding runs (``FedHMStrategy.method_class = FedHM``)
+    method_class: Callable[[DictConfig, dict[str, Any]], Method] | None = None
+
+    def __init__(self, cfg: DictConfig, model_spec: dict[str, Any],
+                 evaluate_fn: Callable[..., dict[str, float]] | None = None, recorder: Any | None = None,
+                 method: Method | None = None) -> None:
+        if method is None:
+            assert self.method_class is not None, "HeteroStrategy needs a method (or use a method's binding)"
+            method = self.method_class(cfg, model_spec)
+        self.method = method
+        self.cfg = method.cfg  # the config as the method runs it (FedAvg: its family's, one level)
+        self.name = method.name
+        self.levels = method.levels
+        self.evaluate_fn = evaluate_fn
+        self.recorder = recorder
+        self.registry = NodeRegistry(self.cfg, self.levels, method.costs)
+        self.startup_info: dict[str, Any] = {}  # what the start-up before round 1 took (NodeRegistry.startup)
+        self.global_state: State | None = None
+        self.sent: dict[int, tuple[int, Payload]] = {}  # node id -> (level index, payload) this round
+        self._train_messages: list[Message] = []  # this round's training messages (their ids: who was asked)
+        self.round_log = RoundLog()
+        self.history: list[dict[str, Any]] = []
+        self.start_round = 1
+        self._grid: Grid | None = None
+        self._federated: ev.FederatedEvaluation | None = None  # this round's client-side evaluation
+        self.federated_row: dict[str, Any] = {}
+        self._bn: ev.BnUse | None = None  # the last server evaluation's norm statistics (federated sums)
+        self.attacks = Attacks(self.cfg)  # failures.attack: which nodes attack
+        self.untrusted = Untrusted(method, self.history)  # the merge, defended / private (aggregation, dp)
+        self.wire_dtype = str(self.cfg.get("wire", {}).get("dtype", "float32"))  # arrays both ways (wire.dtype)
+        self.array_cache = ArrayCache()
+        self.tasks = TaskConfigs()
+        self._fixed_options: dict[str, Any] | None = None  # the train options but the round's lr
+        self._global_record: ArrayRecord | None = None  # the record last made of self.global_state
+
+    def __getattr__(self, name: str) -> Any:
+        """The method's attributes, read through the strategy (see the module docstring)."""
+        method = self.__dict__.get("method")
+        if method is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(method, name)
+
+    # ------------------------------------------------------------------ the wire
+
+    def wire_arrays(self, state: State) -> dict[str, Any]:
+        """A model the server sends (payload, evaluation), as Arrays in the wire dtype."""
+        return self.array_cache.arrays(state, self.wire_dtype)
+
+    def wire_config(self) -> dict[str, str]:
+        """The task-config entry telling a node the wire dtype (absent at the default float32)."""
+        return wire.wire_config(self.wire_dtype)
+
+    def global_record(self, state: State) -> ArrayRecord:
+        """The global state as the round's ArrayRecord (float32: the server keeps float32)."""
+        self._global_record = wire.array_record(self.array_cache.arrays(state, "float32"))
+        return self._global_record
+
+    def state_of(self, arrays: ArrayRecord) -> State:
+        """The state an ArrayRecord holds: the global state itself when the record was made of it
+        (no second deserialisation), else the record's tensors in float32."""
+        if arrays is self._global_record and self.global_state is not None:
+            return self.global_state
+        return arrays.to_torch_state_dict()
+
+    def _payload(self, cut: Cut) -> Payload:
+        return Payload(cut.spec, self.wire_arrays(cut.state), {k: tuple(v.shape) for k, v in cut.state.items()},
+                       cut.train, cut.returned)
+
+    def node_payload(self, node_id: int, level_index: int, global_state: State,
+                     level_payloads: dict[int, Payload]) -> Payload:
+        """The payload sent to one node this round: the node's own cut when the method makes one
+        (PriSM), else its level's, cut once per level per round and shared (``level_payloads``)."""
+        cut = self.method.node_cut(node_id, self.registry.key(node_id), level_index, global_state)
+        if cut is not None:
+            return self._payload(cut)
+        if level_index not in level_payloads:
+            level_payloads[level_index] = self._payload(self.method.level_cut(level_index, global_state))
+        return level_payloads[level_index]
+
+    def _train_options(self, server_round: int) -> dict[str, Any]:
+        if self._fixed_options is None:  # read once: a config lookup costs more than a small layer's work
+            train = self.cfg.train
+            self._fixed_options = {
+                "local_epochs": int(train.local_epochs), "batch_size": int(train.batch_size),
+                "momentum": float(train.momentum), "weight_decay": float(train.weight_decay),
+                "masked_ce": bool(train.masked_ce), "grad_clip": float(train.grad_clip),
+                "threads": max(1, int(math.floor(float(self.cfg.simulation.num_cpus)))),
+                **wire.train_options(train.get("distill"))}
+        return {"lr": learning_rate(self.cfg, server_round), **self._fixed_options}
+
+    def _train_config(self, server_round: int, node_id: int, index: int, payload: Payload) -> ConfigRecord:
+        return self.tasks.train(
+            server_round, self.name, self.levels[index], index, payload, lambda: self._train_options(server_round),
+            self.nodes[node_id].num_partitions, lambda n: data_spec(self.cfg, n),
+            lv.client_seed(self.attacks.seed, server_round, self.registry.key(node_id)), self.wire_dtype)
+
+    def _validate(self, node_id: int, msg: Message) -> tuple[Reply | None, str]:
+        """Check a reply against what was sent to that node; (None, reason) when malformed."""
+        if node_id not in self.sent:
+            return None, "reply from a node that was not sent a task this round"
+        index, payload = self.sent[node_id]
+        checked, why = wire.check_train_reply(msg.content, payload, self.levels[index], int(self.spec["num_classes"]),
+                                              self.wire_dtype, self.untrusted.screen)
+        if checked is None:
+            return None, why
+        state, n, counts, scalars = checked
+        return Reply(node_id, index, self.levels[index], state, n, counts, scalars,
+                     label=self.node_label(node_id), sent=payload), ""
+
+    def is_attacker(self, node_id: int) -> bool:
+        return self.attacks.is_attacker(self.nodes.get(node_id), self.registry.key(node_id), node_id)
+
+    # ------------------------------------------------------------------ Flower's Strategy API
+
+    def summary(self) -> None:
+        log(INFO, "\t├──> Method: %s, levels %s, proportions %s, %s assignment", self.name,
+            self.levels, level_proportions(self.cfg), self.cfg.levels.assignment)
+        log(INFO, "\t└──> Sampling: fraction %.2f (min %d), seed %d", self.cfg.fraction_train,
+            self.cfg.min_train_nodes, self.cfg.seed)
+        for level, fmt, args in self.method.summary_lines():
+            log(level, fmt, *args)
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        t0 = time.perf_counter()
+        self.round_log = RoundLog()
+        self._grid = grid
+        self.global_state = self.state_of(arrays)
+        self.round_log.query_bytes = self.registry.refresh(grid, server_round)
+        node_ids, moved = self.registry.query_sampled(grid, server_round, self.registry.sample(server_round))
+        self.round_log.query_bytes += moved
+        self.round_log.query_seconds = self.registry.query_seconds
+        self.round_log.queried = self.registry.queried
+        self.round_log.excluded = {self.node_label(n): why for n, why in sorted(self.registry.excluded.items())}
+        assignment = self.registry.assign(server_round, node_ids)
+        self.method.begin_round(server_round, self.global_state)
+        injected = self.attacks.injected_failures(server_round, self.registry.by_key(node_ids))
+        self.untrusted.begin_round()
+        attackers = {n for n in node_ids if self.is_attacker(n)}
+        self.attacks.begin_round([self.node_label(n) for n in self.registry.by_key(list(attackers))])
+        payloads: dict[int, Payload] = {}
+        self.sent = {}
+        messages = []
+        for node_id in node_ids:
+            index = assignment[node_id]
+            payload = self.node_payload(node_id, index, self.global_state, payloads)
+            record = payload.record()  # fresh record, shared Arrays
+            config = self._train_config(server_round, node_id, index, payload)
+            if node_id in injected:
+                config[wire.INJECT] = injected[node_id]
+                config[wire.INJECT_SECONDS] = float(self.cfg.failures.slow_seconds)
+            if node_id in attackers:
+                config.update(self.attacks.train_config())
+            content = RecordDict({ARRAYS: record, CONFIG: config})
+            self.round_log.sent_bytes += content_bytes(content)
+            self.sent[node_id] = (index, payload)
+            messages.append(Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN))
+        self.round_log.sampled = len(messages)
+        self.round_log.level_counts = lv.describe_assignment({n: assignment[n] for n in node_ids}, self.levels)
+        self.round_log.assignments = {self.node_label(n): self.levels[assignment[n]] for n in node_ids}
+        self.round_log.server_seconds += time.perf_counter() - t0
+        self._train_messages = messages
+        return messages
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        t0 = time.perf_counter()
+        valid: list[Reply] = []
+        for node_id, msg in asked_nodes(self._train_messages, list(replies)):  # keyed by the node asked
+            if msg.has_content():  # every reply that arrived counts, rejected ones included
+                self.round_log.received_bytes += content_bytes(msg.content)
+            if msg.has_error():
+                why = error_reason(msg)
+                self.round_log.failures.append((node_id, why))
+                log(WARNING, "round %d: node %s failed: %s", server_round, self.node_label(node_id),
+                    why if why == NODE_UNAVAILABLE else msg.error.reason)
+                if why == NODE_UNAVAILABLE:  # the SuperLink knows it is gone: it is asked again when back
+                    self.registry.forget(node_id, server_round, why)
+                continue
+            reply, reason = self._validate(node_id, msg)
+            if reply is None:
+                self.round_log.rejected.append((node_id, reason))
+                log(WARNING, "round %d: reply of node %d rejected: %s", server_round, node_id, reason)
+                continue
+            valid.append(reply)
+        missing = set(self.sent) - {r.node_id for r in valid} - {n for n, _ in self.round_log.failures} - {
+            n for n, _ in self.round_log.rejected}
+        for node_id in sorted(missing):
+            self.round_log.failures.append((node_id, "no reply before the round timeout"))
+            log(WARNING, "round %d: node %s sent no reply (timeout)", server_round, self.node_label(node_id))
+        self.round_log.assignments = {self.node_label(r.node_id): r.level for r in valid}  # those that trained
+        metrics = train_metrics(valid)
+        if not valid and not self.untrusted.merges_empty:  # DP: a round without replies still adds noise
+            log(WARNING, "round %d: no valid reply; the global model stays as it was", server_round)
+            self.round_log.server_seconds += time.perf_counter() - t0
+            return None, MetricRecord(metrics)
+        assert self.global_state is not None
+        valid.sort(key=lambda r: self.registry.key(r.node_id))  # arrival order must not matter
+        new_state = self.untrusted.merge(server_round, self.global_state, valid)  # the method's merge, wrapped
+        self.round_log.rejected += self.untrusted.rejected
+        self.global_state = new_state
+        self.round_log.server_seconds += time.perf_counter() - t0
+        return self.global_record(new_state), MetricRecord(metrics)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        """Federated evaluation (``evaluation.where`` clients or both): the nodes sampled for
+        training this round evaluate the global model at their own level."""
+        if self.cfg.evaluation.where == "server":
+            self._federated = None
+            return []
+        self._federated = ev.FederatedEvaluation(self._view(), server_round, self.state_of(arrays),
+                                                 {n: index for n, (index, _) in self.sent.items()})
+        return self._federated.messages
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """The federated figures (the whole row entries stay in ``self.federated_row``)."""
+        if self._federated is None:
+            return None
+        self.federated_row = self._federated.collect(replies)
+        return MetricRecord(ev.numeric(self.federated_row, ("fed_",)))
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """The run: the same round for every method, evaluated on the server's test set per level
+        and/or by the sampled clients (``evaluation.where``). As in Flower's ``Strategy.start``, an
+        ``evaluate_fn`` is called before the first round and after each round; its metrics join the
+        round's row and ``evaluate_metrics_serverapp``."""
+        self.summary()
+        result = Result()
+        self.startup_info = self.registry.startup(grid, self.start_round)  # before the first round's clock
+        arrays = initial_arrays
+        result.arrays = arrays
+        if evaluate_fn is not None:
+            first = evaluate_fn(self.start_round - 1, arrays)
+            if first is not None:
+                result.evaluate_metrics_serverapp[self.start_round - 1] = first
+        for server_round in range(self.start_round, num_rounds + 1):
+            t_round = time.perf_counter()
+            messages = list(self.configure_train(server_round, arrays, train_config or ConfigRecord(), grid))
+            pushed = push(grid, messages)
+            if server_round < num_rounds:  # the next round's new nodes answer behind this round's training
+                self.registry.prefetch(grid, server_round + 1)
+            replies = collect(grid, pushed, timeout, max_poll=0.5) if pushed else []
+            new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+            if new_arrays is not None:
+                arrays = new_arrays
+                result.arrays = arrays
+            if train_metrics is not None:
+                result.train_metrics_clientapp[server_round] = train_metrics
+            row = self._round_row(server_round, train_metrics)
+            if self._evaluation_due(server_round, num_rounds):
+                t_eval = time.perf_counter()
+                if self.cfg.evaluation.where != "clients":
+                    row.update(self.evaluate_levels(self.state_of(arrays)))
+                    row.setdefault("bn_stats", self.cfg.evaluation.bn_stats)
+                    result.evaluate_metrics_serverapp[server_round] = MetricRecord(ev.numeric(row, ("acc", "loss")))
+                messages = list(self.configure_evaluate(server_round, arrays, evaluate_config or ConfigRecord(), grid))
+                if messages:
+                    replies = exchange(grid, messages, timeout, max_poll=0.5)
+                    result.evaluate_metrics_clientapp[server_round] = self.aggregate_evaluate(server_round, replies)
+                    row.update(self.federated_row)
+                row["eval_seconds"] = time.perf_counter() - t_eval
+            if evaluate_fn is not None:
+                given = evaluate_fn(server_round, arrays)
+                if given is not None:
+                    row.update(dict(given))
+                    result.evaluate_metrics_serverapp[server_round] = MetricRecord(
+                        {**dict(result.evaluate_metrics_serverapp.get(server_round, {})), **dict(given)})
+            if server_round == num_rounds and self.recorder is not None and self.cfg.evaluation.get("deploy_stats", True):
+                self._save_deployment_statistics(server_round, self.state_of(arrays), row)
+            row["seconds"] = time.perf_counter() - t_round
+            self.history.append(row)
+            log(INFO, "%s", progress_line(row, num_rounds, self.levels))
+            if self.recorder is not None:
+                self.recorder.log_round(row)
+                if self._checkpoint_due(server_round, num_rounds):
+                    self.recorder.save_checkpoint(self.state_of(arrays), self.checkpoint_state(server_round))
+                if self.cfg.checkpoint.get("keep_best", False):
+                    self.recorder.save_best(self.state_of(arrays), row)
+        return result
+
+    def _round_row(self, server_round: int, metrics: MetricRecord | None) -> dict[str, Any]:
+        return round_row(server_round, learning_rate(self.cfg, server_round), self.round_log, metrics,
+                         {**self.attacks.columns, **self.untrusted.columns}, self.node_label)
+
+    # ------------------------------------------------------------------ evaluation (fedhm_flwr/server/evaluation.py)
+
+    def _view(self) -> ev.RoundView:
+        """What the evaluation is given of this round (never the strategy itself)."""
+        return ev.RoundView(self.cfg, self.method, self.evaluate_fn, self._grid, self.registry, self.wire_arrays,
+                            self.wire_config(), len(self.history) + 1)
+
+    def evaluate_levels(self, global_state: State) -> dict[str, Any]:
+        """Server test-set accuracy and loss of the global model and each level's deployable model."""
+        self._bn = ev.BnUse("")  # the federated sums of this model version (reused by the deployment statistics)
+        return ev.evaluate_levels(self._view(), global_state, self._bn)
+
+    def _save_deployment_statistics(self, server_round: int, global_state: State, row: dict[str, Any]) -> None:
+        """The fixed norm statistics of every level's deployable model (the clients' sBN sums),
+        saved beside the final checkpoint for ``fedhm export`` (docs/METHODS.md#deployable-statistics)."""
+        known = self._bn.sums if self._bn is not None else None  # the final round's evaluation asked already
+        found = ev.deployment_statistics(self._view(), global_state, known)
+        if found is not None:
+            tensors, metadata, nbytes = found
+            self.recorder.save_bn_statistics(tensors, {**metadata, "round": str(server_round)})
+            row["bytes_bn_stats"] = row.get("bytes_bn_stats", 0) + nbytes
+
+    def _evaluation_due(self, server_round: int, num_rounds: int) -> bool:
+        return server_round == num_rounds or server_round % int(self.cfg.evaluation.every) == 0
+
+    def _checkpoint_due(self, server_round: int, num_rounds: int) -> bool:
+        every = int(self.cfg.checkpoint.every)
+        return server_round == num_rounds or (every > 0 and server_round % every == 0)
+
+    def checkpoint_state(self, server_round: int) -> dict[str, Any]:
+        return {"round": server_round, "history": self.history, "method": self.method.strategy_state(),
+                "method_name": self.name, "nodes": self.registry.state()}
+
+    def restore(self, checkpoint: dict[str, Any]) -> None:
+        """Continue after the checkpoint's round (draws are derived from seed and round)."""
+        self.start_round = int(checkpoint["round"]) + 1
+        self.history[:] = list(checkpoint.get("history", []))  # the same list: the defences read it
+        self.method.load_strategy_state(checkpoint.get("method", {}))
+        self.registry.load_state(checkpoint.get("nodes", {}))
+
+    # ------------------------------------------------------------------ nodes and levels
+
+    @property
+    def nodes(self) -> dict[int, NodeInfo]:
+        """The connected nodes the server knows (see :class:`fedhm_flwr.server.nodes.NodeRegistry`)."""
+        return self.registry.nodes
+
+    def node_label(self, node_id: int) -> str:
+        """How outputs name a node: ``p<partition id>``, else its node-name, else ``n<node id>``."""
+        return self.registry.label(node_id)
+
+    def _partition_key(self, node_id: int) -> int:
+        """The node's stable key (:meth:`fedhm_flwr.server.nodes.NodeRegistry.key`)."""
+        return self.registry.key(node_id)

@@ -1,0 +1,298 @@
+"""Untrusted clients in the shared round: attack injection, defences and client-level DP.
+
+A wrapper around the method's merge, the way Flower wraps a strategy for DP
+(``flwr.serverapp.strategy.DifferentialPrivacyServerSideFixedClipping``): :class:`Untrusted` holds
+the method and offers the same ``merge(server_round, global_state, replies)``, defended or made
+private as configured, falling back to the method's own merge when nothing is. It never reaches
+into the round: the replies carry what it needs (their node's label, the payload they were sent),
+and what it refuses or measures it keeps (:attr:`Untrusted.rejected`, :attr:`Untrusted.columns`)
+for the round to record. :class:`Attacks` says which nodes attack (the round adds it to their
+task config). The math is in :mod:`fedhm_flwr.math.robust` (defences), :mod:`fedhm_flwr.math.attacks` (what
+a malicious client does) and :mod:`fedhm_flwr.math.privacy` (the accountant).
+
+Every reply first passes :meth:`Untrusted.screen` (in the reply checks of ``aggregate_train``): a
+floating tensor holding NaN/inf, or of L2 norm above ``aggregation.max_norm`` (1e6), is refused
+like any malformed reply (counted in ``rejected``, reason in ``failure_reasons``); with factors
+that small a recovered product cannot overflow. A recovered update that is still not finite is
+refused the same way in :meth:`Untrusted.merge`, before any defence runs.
+
+Defences work on each reply's *recovered* full-shape model ``v_p`` and coverage
+(:meth:`fedhm_flwr.server.methods.method.Method.recovered`) and its update ``Δ_p = v_p - r_p`` against the model the node
+received, recovered the same way (``r_p``; for FedHM the truncation of the global model at the
+node's rank, so the truncation error is not counted as the client's update):
+
+* ``aggregation.outlier_z`` (any method): replies whose ``‖Δ_p‖`` has a robust z-score above it
+  are dropped (counted in ``robust_rejected``) before anything else;
+* ``krum``: Krum / Multi-Krum on the recovered models picks ``krum_m`` replies, which the method's
+  own merge then folds in (methods whose replies cover the whole model);
+* ``clip``: ``v_p ← r_p + min(1, c / ‖Δ_p‖) Δ_p`` with ``c`` fixed (``clip_norm``) or the
+  ``clip_quantile`` of the round's norms, then the method's weighted mean over the covering
+  clients (:meth:`fedhm_flwr.server.methods.method.Method.reply_weights`, classifier rows over the clients holding the class);
+* ``median`` / ``trimmed_mean``: coordinate-wise, over the clients covering each element.
+
+``dp.enabled`` (DP-FedAvg, client level; the math in :mod:`fedhm_flwr.math.privacy`): the nodes are
+Poisson-sampled with ``q = fraction_train`` from a stream no client knows
+(:meth:`fedhm_flwr.server.nodes.NodeRegistry.sample`); each reply's whole recovered model minus the
+global model (not minus its own truncation) is clipped to ``dp.clip`` ``C``, summed, divided by
+the expected number of sampled clients ``m = fraction_train × num_clients`` (fixed in advance: no
+level or example-count weight), and Gaussian noise of standard deviation ``σ · C / m`` is added to
+every element, drawn from OS entropy (``dp.seed`` set: reproducible and not private). A round
+without any reply still adds its noise. ε at ``dp.delta`` from the RDP accountant. Trust model:
+the server still sees every client's individual update (central DP, not local DP); the guarantee
+covers the global models only, not the per-round metrics (``update_norm_max``, the clients'
+training figures, ``dp_clipped``, failure reasons), which are computed from individual replies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord
+from omegaconf import DictConfig
+
+from fedhm_flwr.core import protocol as wire
+from fedhm_flwr.math import levels as lv
+from fedhm_flwr.math import privacy, robust
+from fedhm_flwr.math.privacy import RdpAccountant
+
+from fedhm_flwr.server.methods.method import Method, Reply, State
+
+#: random-stream id of the attackers' draw (levels.round_rng uses 0-3 elsewhere)
+ATTACK_STREAM = 4451
+#: aggregation.max_norm of a config saved before the key existed
+MAX_NORM = 1.0e6
+
+
+@lru_cache(maxsize=64)
+def attacker_partitions(num_partitions: int, fraction: float, seed: int) -> frozenset[int]:
+    """The malicious partitions of a run: ``round(fraction · num_partitions)`` of them, drawn by a
+    seeded permutation (a constant of the run, whoever is connected)."""
+    count = int(math.floor(fraction * num_partitions + 0.5))
+    order = np.random.default_rng([int(seed), ATTACK_STREAM]).permutation(int(num_partitions))
+    return frozenset(int(p) for p in order[:count])
+
+
+def hashed_attacker(identity: str, fraction: float, seed: int) -> bool:
+    """A node known only by a name is malicious with probability ``fraction`` (seeded hash)."""
+    digest = hashlib.sha256(f"{int(seed)}:attack:{identity}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64 < fraction
+
+
+class Attacks:
+    """Which nodes attack (``failures.attack``) and what their task config adds; which nodes the
+    seeded failure injection makes crash or dawdle (``failures.*_probability``)."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.failures = cfg.failures
+        self.attack = cfg.failures.attack
+        self.seed = int(cfg.seed)
+        # read once, asked per node
+        self._no_attack = str(self.attack.kind) == "none" or float(self.attack.fraction) <= 0
+        self._attack_kind = str(self.attack.kind)
+        self._no_failures = not (self.failures.crash_probability or self.failures.slow_probability)
+        self.columns: dict[str, Any] = {}
+
+    def is_attacker(self, info: Any, key: int, node_id: int) -> bool:
+        """``info``: the node's :class:`fedhm_flwr.core.protocol.NodeInfo` (None: unknown); ``key``: its stable key."""
+        if self._no_attack:
+            return False
+        fraction = float(self.attack.fraction)
+        if info is not None and info.partition_id is not None and info.num_partitions and key == info.partition_id:
+            return info.partition_id in attacker_partitions(int(info.num_partitions), fraction, self.seed)
+        return hashed_attacker(info.identity() if info is not None else f"node:{node_id}", fraction, self.seed)
+
+    def begin_round(self, attackers: list[str]) -> None:
+        """The round's columns: the sampled nodes that attack (their labels, in key order)."""
+        self.columns = {}
+        if self._attack_kind != "none":
+            self.columns.update({"attackers": json.dumps(attackers), "attackers_count": len(attackers)})
+
+    def train_config(self) -> dict[str, Any]:
+        """What the server adds to a malicious node's train config."""
+        return {wire.ATTACK: str(self.attack.kind), wire.ATTACK_SCALE: float(self.attack.scale)}
+
+    def injected_failures(self, server_round: int, node_ids: list[int]) -> dict[int, str]:
+        """Seeded failure injection (``failures.*``): node -> 'crash' or 'slow' for this round
+        (``node_ids`` in key order)."""
+        fail = self.failures
+        if self._no_failures:
+            return {}
+        rng = lv.round_rng(self.seed, server_round, stream=2)
+        out = {}
+        for node_id in node_ids:
+            crash, slow = rng.random(), rng.random()
+            if crash < float(fail.crash_probability):
+                out[node_id] = "crash"
+            elif slow < float(fail.slow_probability):
+                out[node_id] = "slow"
+        return out
+
+
+class Untrusted:
+    """The method's merge, defended or made private (see the module docstring)."""
+
+    def __init__(self, method: Method, history: list[dict[str, Any]]) -> None:
+        self.method = method
+        cfg = method.cfg
+        self.cfg = cfg
+        self.attack = cfg.failures.attack
+        self.agg = cfg.aggregation
+        self.dp = cfg.dp
+        self._max_norm = float(self.agg.get("max_norm", MAX_NORM))  # read once, asked per reply
+        self._active = self.agg.robust != "none" or float(self.agg.outlier_z) > 0 or bool(self.dp.enabled)
+        self.history = history  # the run's rows (a resumed run's accountant replays them; the summary)
+        self.wire_dtype = str(cfg.get("wire", {}).get("dtype", "float32"))
+        self.accountant = RdpAccountant() if self.dp.enabled else None
+        self.columns: dict[str, Any] = {}
+        self.rejected: list[tuple[int, str]] = []  # this round's replies refused here (node id, why)
+        self._references: dict[int, tuple[Any, State]] = {}
+
+    @property
+    def active(self) -> bool:
+        """Any defence or DP (read once: asked every round)."""
+        return self._active
+
+    @property
+    def merges_empty(self) -> bool:
+        """DP merges a round without replies too (its noise does not depend on who replied)."""
+        return bool(self.dp.enabled)
+
+    def screen(self, state: State) -> str | None:
+        """Why a reply's tensors are refused before any merge, or None (:func:`robust.oversized`)."""
+        return robust.oversized(state, self._max_norm)
+
+    @property
+    def expected_clients(self) -> float:
+        """DP's fixed denominator ``m``: the expected number of Poisson-sampled clients."""
+        return float(self.cfg.fraction_train) * int(self.cfg.num_clients)
+
+    def begin_round(self) -> None:
+        """Reset the round's columns and refusals."""
+        self._references = {}
+        self.columns = {}
+        self.rejected = []
+
+    # ------------------------------------------------------------------ merge
+
+    def reference(self, reply: Reply, global_state: State) -> State:
+        """The recovered model the node received (``reply.sent``: its payload; cached per payload)."""
+        payload = reply.sent
+        cached = self._references.get(id(payload))
+        if cached is None or cached[0] is not payload:
+            sent = wire.from_wire(ArrayRecord.from_array_dict(payload.arrays).to_torch_state_dict(),
+                                  self.wire_dtype)
+            sent = {k: sent[k] for k in reply.state}
+            state, _ = self.method.recovered(dataclasses.replace(reply, state=sent), global_state)
+            cached = self._references[id(payload)] = (payload, state)
+        return cached[1]
+
+    def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
+        s = self.method
+        if not self.active:
+            return s.merge(server_round, global_state, replies)
+        recovered = [s.recovered(r, global_state) for r in replies]
+        values = [v for v, _ in recovered]
+        coverages = [c for _, c in recovered]
+        refs = [global_state] * len(replies) if self.dp.enabled else [self.reference(r, global_state) for r in replies]
+        updates = [{k: v[k].to(torch.float64) - ref[k].to(torch.float64) for k in v if v[k].is_floating_point()}
+                   for v, ref in zip(values, refs)]
+        finite = robust.finite_updates(updates)
+        if not finite.all():  # refused like a malformed reply, before any defence
+            for r in (r for r, ok in zip(replies, finite) if not ok):
+                self.rejected.append((r.node_id, "recovered update holds NaN or Inf"))
+            replies, values, coverages, refs, updates = ([x for x, k in zip(seq, finite) if k] for seq in
+                                                         (replies, values, coverages, refs, updates))
+        norms = robust.update_norms(updates, coverages)
+        if len(norms):
+            self.columns["update_norm_max"] = float(norms.max())  # not private (see the module docstring)
+        if self.dp.enabled:
+            return self._dp_merge(server_round, global_state, values)
+        if not replies:
+            return global_state
+        if float(self.agg.outlier_z) > 0:
+            keep = robust.outlier_keep(norms, float(self.agg.outlier_z))
+            dropped = [r.label for r, k in zip(replies, keep) if not k]
+            self.columns.update({"robust_rejected": len(dropped), "robust_rejected_nodes": json.dumps(dropped)})
+            replies, values, coverages, refs, updates = ([x for x, k in zip(seq, keep) if k] for seq in
+                                                         (replies, values, coverages, refs, updates))
+            norms = norms[keep]
+        mode = str(self.agg.robust)
+        if mode == "none":
+            return s.merge(server_round, global_state, replies)
+        if mode == "krum":
+            keys = [k for k, v in global_state.items() if v.is_floating_point()]
+            vectors = torch.stack([robust.flatten(v, keys) for v in values])
+            picked = robust.krum_select(vectors, int(self.agg.krum_f), min(int(self.agg.krum_m), len(replies)))
+            self.columns["krum_selected"] = json.dumps([replies[i].label for i in picked])
+            return s.merge(server_round, global_state, [replies[i] for i in picked]) if picked else global_state
+        if mode == "clip":
+            bound = float(self.agg.clip_norm) or robust.quantile_bound(norms, float(self.agg.clip_quantile))
+            scales = robust.clip_scales(norms, max(bound, 1e-12))
+            self.columns.update({"clip_bound": bound, "clipped": int((scales < 1).sum())})
+            values = [_shifted(v, ref, u, a) for v, ref, u, a in zip(values, refs, updates, scales)]
+        masks = [robust.with_class_rows(v, c, r.class_counts > 0, s.classifier_keys)
+                 for v, c, r in zip(values, coverages, replies)]
+        rule = "mean" if mode == "clip" else mode
+        weights = s.reply_weights(replies) if rule == "mean" else None
+        return robust.combine(global_state, values, masks, rule, weights, float(self.agg.trim_fraction))
+
+    def _dp_merge(self, server_round: int, global_state: State, values: list[State]) -> State:
+        """DP-FedAvg (:func:`privacy.dp_mean`): whole recovered models minus the global, clipped to
+        C, summed over ``m`` (fixed), plus Gaussian noise σ·C/m from a secret stream."""
+        clip, sigma, m = float(self.dp.clip), float(self.dp.noise_multiplier), self.expected_clients
+        new, scales = privacy.dp_mean(global_state, values, clip, m)
+        std = privacy.noise_std(sigma, clip, m)
+        seed = self.dp.get("seed")
+        new = privacy.add_noise(new, std, privacy.noise_generator(None if seed is None else int(seed), server_round))
+        self._replay(server_round)
+        q = float(self.cfg.fraction_train)
+        assert self.accountant is not None
+        self.accountant.step(q, sigma)
+        self.columns.update({"dp_clipped": int((scales < 1).sum()), "dp_noise_std": std, "dp_q": q,
+                             "dp_sigma": sigma, "dp_expected_clients": m,
+                             "dp_epsilon": self.accountant.epsilon(float(self.dp.delta))})
+        return new
+
+    def _replay(self, server_round: int) -> None:
+        """A resumed run's accountant: the earlier rounds' rates, from their metrics rows."""
+        assert self.accountant is not None
+        if self.accountant.steps == 0:
+            for row in self.history:
+                if row.get("dp_q") is not None and int(row["round"]) < server_round:
+                    self.accountant.step(float(row["dp_q"]), float(row["dp_sigma"]))
+
+    def summary(self) -> dict[str, Any]:
+        """What the run's summary adds: attack and defence totals, final ε."""
+        rows = self.history
+        out: dict[str, Any] = {}
+        if str(self.attack.kind) != "none":
+            out.update({"attack": str(self.attack.kind), "attack_fraction": float(self.attack.fraction),
+                        "attackers_sampled": int(sum(r.get("attackers_count", 0) for r in rows))})
+        if self.active:
+            out.update({"robust": str(self.agg.robust),
+                        "robust_rejected": int(sum(r.get("robust_rejected", 0) for r in rows))})
+        if self.dp.enabled:
+            eps = [r["dp_epsilon"] for r in rows if r.get("dp_epsilon") is not None]
+            out.update({"dp_epsilon": eps[-1] if eps else 0.0, "dp_delta": float(self.dp.delta),
+                        "dp_noise_multiplier": float(self.dp.noise_multiplier), "dp_clip": float(self.dp.clip)})
+        return out
+
+
+def _shifted(value: State, reference: State, update: State, scale: float) -> State:
+    """``reference + scale · update`` on the update's keys (the others as in ``value``); scale 0
+    gives the reference itself (never ``0 · inf``)."""
+    if scale >= 1.0:
+        return value
+    out = dict(value)
+    for key, delta in update.items():
+        moved = reference[key].to(torch.float64) + (float(scale) * delta if scale > 0 else 0.0)
+        out[key] = moved.to(value[key].dtype)
+    return out
+
