@@ -7,9 +7,10 @@ expensive work (Ray, data loading, training) starts. No Flower import here, and 
 on the way to a valid config of a built-in model (the launcher checks a config first).
 
 The pieces: :mod:`fedhm_flwr.config.checks` (field rules, the shared sections),
-:mod:`fedhm_flwr.config.methods` (per-method validation and the supported (method, model)
-pairs), :mod:`fedhm_flwr.config.specs` (model and data specs derived from a config). Their public
-names are importable from here too.
+:mod:`fedhm_flwr.config.methods` (per-method validation, one ``MethodOptions`` class per method
+that the method declares as ``Method.options``, and the supported (method, model) pairs),
+:mod:`fedhm_flwr.config.specs` (model and data specs derived from a config). Their public names
+are importable from here too.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fedhm_flwr.config.checks import (ASSIGNMENTS, ATTACKS, BN_STATS, EVALUATION_WHERE, LEVEL_MATCH, LR_SCHEDULES,
                                       PARTITION_SCHEMES, RAY_ADDRESS, ROBUST, choice, validate_common)
-from fedhm_flwr.config.methods import (ARCH_NAMES, METHOD_VALIDATORS, SUPPORTED_MODELS, method_key, robust_modes,
+from fedhm_flwr.config.methods import (ARCH_NAMES, OPTIONS, SUPPORTED_MODELS, MethodOptions, method_key, robust_modes,
                                        supported_pairs, validate_pair, validate_user_model)
 from fedhm_flwr.config.specs import (backbone_choice, data_spec, holdout_fraction, learning_rate, level_proportions,
                                      model_spec, source_options)
@@ -113,9 +114,9 @@ def resume_config(run_dir: str | Path, overrides: str | Sequence[str] | None = N
 
 def validate(cfg: DictConfig) -> None:
     """Refuse the first invalid value with a :class:`ConfigError` naming the field."""
-    choice(cfg, "method.name", METHOD_VALIDATORS)
+    choice(cfg, "method.name", OPTIONS)
     validate_user_model(cfg)
-    METHOD_VALIDATORS[cfg.method.name](cfg)
+    OPTIONS[cfg.method.name].check(cfg)
     choice(cfg, "model.arch", ARCH_NAMES)
     validate_pair(cfg)
     validate_common(cfg, robust_modes(cfg))
