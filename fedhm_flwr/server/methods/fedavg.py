@@ -19,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from fedhm_flwr.config.methods import FedAvgOptions
 from fedhm_flwr.server.methods.fedhm import FedHM
 from fedhm_flwr.server.methods.heterofl import HeteroFL
 from fedhm_flwr.server.methods.method import Method, State
@@ -51,6 +52,7 @@ class FedAvgFedHM(FedHM):
     """FedAvg of FedHM's family: FedHM with one level."""
 
     name = "fedavg"
+    options = FedAvgOptions
 
     def __init__(self, cfg: DictConfig, model_spec: dict[str, Any]) -> None:
         self.variant, self.family = str(cfg.method.variant), str(cfg.method.family)
@@ -62,6 +64,7 @@ class FedAvgHeteroFL(HeteroFL):
     small width model itself (see the module docstring)."""
 
     name = "fedavg"
+    options = FedAvgOptions
 
     def __init__(self, cfg: DictConfig, model_spec: dict[str, Any]) -> None:
         self.variant, self.family = str(cfg.method.variant), str(cfg.method.family)
@@ -73,6 +76,18 @@ class FedAvgHeteroFL(HeteroFL):
         return super().global_model(global_state)
 
 
-def FedAvg(cfg: DictConfig, model_spec: dict[str, Any]) -> Method:  # noqa: N802 (builds a method, like a class)
-    """The FedAvg method ``method.family`` names."""
-    return (FedAvgFedHM if str(cfg.method.family) == "fedhm" else FedAvgHeteroFL)(cfg, model_spec)
+class FedAvg:
+    """The FedAvg method ``method.family`` names: ``FedAvg(cfg, model_spec)`` builds a
+    :class:`FedAvgFedHM` or a :class:`FedAvgHeteroFL`. It declares the validation both share, as a
+    :class:`~fedhm_flwr.server.methods.method.Method` does."""
+
+    name = "fedavg"
+    options = FedAvgOptions
+
+    def __new__(cls, cfg: DictConfig, model_spec: dict[str, Any]) -> Method:  # type: ignore[misc]
+        return (FedAvgFedHM if str(cfg.method.family) == "fedhm" else FedAvgHeteroFL)(cfg, model_spec)
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig) -> None:
+        """Refuse a bad ``method`` group of ``cfg`` (what :func:`fedhm_flwr.config.load_config` runs)."""
+        cls.options.check(cfg)

@@ -22,6 +22,7 @@ import numpy as np
 
 import torch
 
+from fedhm_flwr.config.methods import FedHMOptions
 from fedhm_flwr.math.aggregation import average_hybrid, level_weights, official_code_weights
 from fedhm_flwr.math.lowrank import SVD, SVD_TOLERANCE, compute_svds, factorize_state
 from fedhm_flwr.models import build_model
@@ -35,6 +36,7 @@ class FedHM(Method):
     """Levels are rank ratios gamma; level 1 is the full model."""
 
     name = "fedhm"
+    options = FedHMOptions
 
     def __init__(self, cfg, model_spec) -> None:
         super().__init__(cfg, model_spec)

@@ -30,6 +30,7 @@ import torch
 from omegaconf import DictConfig
 
 from fedhm_flwr.config import backbone_choice, learning_rate
+from fedhm_flwr.config.methods import FedLoRAOptions
 from fedhm_flwr.math.aggregation import average_states, level_weights
 from fedhm_flwr.math.lora import (LORA_DELTA, aggregate_products, handout_state, lora_rank, merge_lora_replies,
                                   random_rows)
@@ -104,6 +105,7 @@ class FedLoRA(Method):
     """Levels are LoRA ranks ``max(1, round(γ · max_rank))``; the global model holds the dense ΔW."""
 
     name = "fedlora"
+    options = FedLoRAOptions
 
     def __init__(self, cfg, model_spec) -> None:
         super().__init__(cfg, model_spec)

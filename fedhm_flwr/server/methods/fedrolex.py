@@ -10,6 +10,7 @@ the round just trained (the model its clients would hold).
 
 from __future__ import annotations
 
+from fedhm_flwr.config.methods import FedRolexOptions
 from fedhm_flwr.server.methods.heterofl import HeteroFL
 
 
@@ -17,4 +18,5 @@ class FedRolex(HeteroFL):
     """HeteroFL with a rolling channel window."""
 
     name = "fedrolex"
+    options = FedRolexOptions
     mode = "rolling"

@@ -24,6 +24,7 @@ from logging import INFO
 import numpy as np
 import torch
 
+from fedhm_flwr.config.methods import HeteroFLOptions
 from fedhm_flwr.math import width
 from fedhm_flwr.models import matching, build_model
 
@@ -35,6 +36,7 @@ class HeteroFL(Method):
     """Levels are width rates; level 1 is the full model."""
 
     name = "heterofl"
+    options = HeteroFLOptions
     #: how a level's channels are chosen: "static" (first k) or "rolling" (FedRolex's window)
     mode = "static"
 

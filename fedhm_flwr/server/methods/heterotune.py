@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedhm_flwr.config.methods import HeteroTuneOptions
 from fedhm_flwr.math.aggregation import average_states
 from fedhm_flwr.math.cmga import cmga
 from fedhm_flwr.models import build_model
@@ -71,6 +72,7 @@ class HeteroTune(Method):
     """Levels are model types (largest first); DeMA adapters with a share-adapter bank; CMGA."""
 
     name = "heterotune"
+    options = HeteroTuneOptions
 
     def __init__(self, cfg, model_spec) -> None:
         super().__init__(cfg, model_spec)

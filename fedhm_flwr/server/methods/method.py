@@ -12,12 +12,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from fedhm_flwr.config.methods import MethodOptions
 from fedhm_flwr.math.aggregation import level_weights
 from fedhm_flwr.math.lowrank import recover_state
 
@@ -78,6 +79,9 @@ class Method(ABC):
 
     #: method name, as in ``method.name``
     name = "base"
+    #: what the method accepts of a config (its ``method`` group, its models): a torch-free class
+    #: of :mod:`fedhm_flwr.config.methods`, the one the config check uses for ``name``
+    options: ClassVar[type[MethodOptions]]
     #: the clients train part of a frozen model (the transformer track): costs count what they train
     frozen_backbone = False
 
@@ -87,6 +91,11 @@ class Method(ABC):
         self.levels: list[float] = [float(x) for x in cfg.levels.ratios]
         self.classifier_keys: list[str] = []
         self.costs = LevelCosts(self)
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig) -> None:
+        """Refuse a bad ``method`` group of ``cfg`` (what :func:`fedhm_flwr.config.load_config` runs)."""
+        cls.options.check(cfg)
 
     # ------------------------------------------------------------------ per round
 

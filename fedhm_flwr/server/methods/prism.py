@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedhm_flwr.config.methods import PriSMOptions
 from fedhm_flwr.math import prism
 from fedhm_flwr.math.aggregation import average_states
 from fedhm_flwr.models import build_model, input_shape
@@ -52,6 +53,7 @@ class PriSM(Method):
     """Levels are keep ratios; every client trains a sub-model of sampled principal kernels."""
 
     name = "prism"
+    options = PriSMOptions
 
     def __init__(self, cfg, model_spec) -> None:
         super().__init__(cfg, model_spec)
