@@ -302,6 +302,15 @@ def test_the_key_check_sees_a_literal_key(snippet):
     assert literal_record_keys(snippet, protocol_keys()) != []
 
 
+def test_the_key_check_sees_a_key_planted_in_a_project_module():
+    """bench/server.py reads a task config's level by protocol's constant; spelled out, it is refused."""
+    source = (ROOT / "bench" / "server.py").read_text()
+    planted = source.replace("msg.content[CONFIG][LEVEL]", 'msg.content[CONFIG]["level"]')
+    line = next(i for i, text in enumerate(planted.splitlines(), 1) if '["level"]' in text)
+    assert planted != source and literal_record_keys(source, protocol_keys()) == []
+    assert literal_record_keys(planted, protocol_keys()) == [(line, "level")]
+
+
 @pytest.mark.parametrize("snippet", [
     'row["seed"] = 1',  # a metric row's column, not a record key
     'spec.get("level")',
