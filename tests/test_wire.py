@@ -189,8 +189,8 @@ def protocol_keys() -> set[str]:
 
 
 def _annotation_names(annotation: ast.expr | None) -> set[str]:
-    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(annotation) if isinstance(n, (ast.Name, ast.Attribute))} \
-        if annotation is not None else set()
+    nodes = ast.walk(annotation) if annotation is not None else ()
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in nodes if isinstance(n, (ast.Name, ast.Attribute))}
 
 
 def _constructor(node: ast.expr) -> bool:
