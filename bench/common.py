@@ -32,13 +32,16 @@ def identity_query(msg: Any, context: Any) -> Any:
     from flwr.app import Message, RecordDict
 
     from fedhm_flwr.client.handlers import node_info
+    from fedhm_flwr.core.protocol import CONFIG
 
-    return Message(RecordDict({"config": node_info(context)}), reply_to=msg)
+    return Message(RecordDict({CONFIG: node_info(context)}), reply_to=msg)
 
 
 def echo(msg: Any, context: Any) -> Any:
     """A client that trains instantly: it sends back the arrays it received, 100 examples, every class."""
     from flwr.app import Message, MetricRecord, RecordDict
 
-    metrics = MetricRecord({"num-examples": 100, "train-loss": 0.0, "class-counts": [10] * 10})
-    return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": metrics}), reply_to=msg)
+    from fedhm_flwr.core.protocol import ARRAYS, CLASS_COUNTS, METRICS, NUM_EXAMPLES, TRAIN_LOSS
+
+    metrics = MetricRecord({NUM_EXAMPLES: 100, TRAIN_LOSS: 0.0, CLASS_COUNTS: [10] * 10})
+    return Message(RecordDict({ARRAYS: msg.content[ARRAYS], METRICS: metrics}), reply_to=msg)

@@ -14,6 +14,7 @@ import torch
 
 from bench.common import echo, identity_query, spread, timed
 from fedhm_flwr.config import load_config, model_spec
+from fedhm_flwr.core.protocol import ARRAYS, CONFIG, LEVEL, LEVEL_INDEX
 
 # ------------------------------------------------------------------------------------ figure 1
 
@@ -140,7 +141,7 @@ def fedhm_round_against_floor(strategy: Any, grid: Any, state: dict[str, Any], r
         t4 = clock()
         floors.decomposition_floor([merged[f"{name}.weight"] for name in names], cut)
         t5 = clock()
-        hybrid = [m.content["arrays"].to_torch_state_dict() for m in replies]
+        hybrid = [m.content[ARRAYS].to_torch_state_dict() for m in replies]
         weights = [1.0 / len(hybrid)] * len(hybrid)
         t6 = clock()
         floors.average_floor(merged, hybrid, weights)
@@ -181,12 +182,12 @@ def figure_bytes(quick: bool) -> dict[str, Any]:
         msgs = list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(initial_state(cfg, spec)), None, grid))
         rows = {}
         for msg in msgs:
-            level = float(msg.content["config"]["level"])
+            level = float(msg.content[CONFIG][LEVEL])
             if level in rows:
                 continue
-            index = int(msg.content["config"]["level-index"])
+            index = int(msg.content[CONFIG][LEVEL_INDEX])
             rows[level] = {"serialized_bytes": serialized_bytes(msg),
-                           "array_bytes": msg.content["arrays"].count_bytes(),
+                           "array_bytes": msg.content[ARRAYS].count_bytes(),
                            "params": int(strategy.level_cost(index)["params"])}
         full = rows[max(rows)]
         for r in rows.values():

@@ -16,3 +16,12 @@ def toy_cfg():
     def make(extra: str = ""):
         return load_config(f"{TOY} {extra}")
     return make
+
+
+@pytest.fixture
+def no_env_data_dir(monkeypatch):
+    """No ``$FEDHM_DATA_DIR`` from the caller's shell: the data tests see only the folders they name
+    (tests/test_shards.py and tests/test_node_data.py use it for every test)."""
+    from fedhm_flwr.data import DATA_DIR_ENV
+
+    monkeypatch.delenv(DATA_DIR_ENV, raising=False)

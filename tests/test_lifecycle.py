@@ -17,7 +17,9 @@ process group) or outright (SIGKILL):
   job; the sweep summary then covers both. Its jobs inject a client crash (a real exception in
   the ClientApp): the console names it within 10 s of the round that saw it.
 
-The process scans here are written independently of ``fedhm_flwr.ops.procs``.
+The process scans here (and in tests/lifecycle_helpers.py) are written independently of
+``fedhm_flwr.ops.procs``. The parts (run lock, watchdog, refusals, error scan) are in
+tests/test_lifecycle_parts.py.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -35,13 +36,11 @@ import time
 from pathlib import Path
 
 import pytest
+from lifecycle_helpers import ROOT, descendants, fedhm_status, is_alive, process_state
 from safetensors.torch import load_file
 
-from fedhm_flwr.ops.runlock import RunDirectoryBusy, RunLock
-from fedhm_flwr.ops.server_app import runtime_address, watch_superlink
 from fedhm_flwr.reporting.results import load_checkpoint_state
 
-ROOT = Path(__file__).resolve().parent.parent
 # 6 short rounds: Ray's start-up, then about a second per round; a checkpoint every round (the default)
 # every client sleeps 4 s before it trains (seeded failure injection, numerics untouched): a round
 # takes at least that long on any machine, so a signal sent after round 3 lands before round 6
@@ -64,11 +63,6 @@ def _fedhm(run_dir: Path, *args: str, name: str = "run") -> tuple[subprocess.Pop
 def _ctrl_c(proc: subprocess.Popen[bytes]) -> None:
     """What a terminal's Ctrl-C does: SIGINT to the foreground process group."""
     os.killpg(proc.pid, signal.SIGINT)
-
-
-def _status(run_dir: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fedhm_flwr", "status", str(run_dir)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
 
 
 def _rounds_logged(run_dir: Path) -> int:
@@ -94,18 +88,6 @@ def _wait_for_round(run_dir: Path, proc: subprocess.Popen[bytes], log: Path, rou
         time.sleep(0.1)
 
 
-def _state(pid: int) -> str | None:
-    """One-letter state of a process, None when it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def _is_alive(pid: int) -> bool:
-    return _state(pid) not in (None, "Z", "X")
-
-
 def _with_env(needle: str) -> set[int]:
     found = set()
     for entry in Path("/proc").iterdir():
@@ -115,25 +97,7 @@ def _with_env(needle: str) -> set[int]:
                     found.add(int(entry.name))
             except OSError:
                 pass
-    return {p for p in found if _is_alive(p)}
-
-
-def _descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
+    return {p for p in found if is_alive(p)}
 
 
 def _run_tag(run_dir: Path) -> str:
@@ -142,7 +106,7 @@ def _run_tag(run_dir: Path) -> str:
 
 def _processes_of_the_run(run_dir: Path, launcher: int) -> set[int]:
     tag = f"FEDHM_RUN_TAG={_run_tag(run_dir)}"
-    pids = _with_env(tag) | _descendants(launcher)
+    pids = _with_env(tag) | descendants(launcher)
     assert len(pids) >= 6, pids  # watchdog, SuperLink, SuperExec, flwr-simulation, flwr run, Ray, ...
     return pids
 
@@ -150,11 +114,11 @@ def _processes_of_the_run(run_dir: Path, launcher: int) -> set[int]:
 def _assert_all_gone(pids: set[int], run_dir: Path, since: float, limit: float = 10.0) -> None:
     tag = f"FEDHM_RUN_TAG={_run_tag(run_dir)}"
     while True:
-        alive = {p for p in pids if _is_alive(p)} | _with_env(tag)
+        alive = {p for p in pids if is_alive(p)} | _with_env(tag)
         if not alive:
             return
         if time.monotonic() - since > limit:
-            names = {p: Path(f"/proc/{p}/cmdline").read_bytes()[:120] for p in alive if _state(p)}
+            names = {p: Path(f"/proc/{p}/cmdline").read_bytes()[:120] for p in alive if process_state(p)}
             for p in alive:  # leave nothing behind for the next test
                 try:
                     os.kill(p, signal.SIGKILL)
@@ -170,149 +134,6 @@ def _same_model(a: Path, b: Path) -> None:
     assert max(float((x[k].double() - y[k].double()).abs().max()) for k in x) == 0.0
 
 
-# --------------------------------------------------------------------------- fast: the parts
-
-
-HOLDER = """
-import sys, time
-from fedhm_flwr.ops.runlock import RunLock
-lock = RunLock(sys.argv[1], tag="job-1").acquire()
-print("locked", flush=True)
-time.sleep(300)
-"""
-
-
-def test_run_lock_refuses_a_live_holder_lets_its_own_job_in_and_ignores_a_dead_ones_file(tmp_path):
-    (tmp_path / ".lock").write_text(json.dumps({"pid": 2 ** 22 + 7, "tag": "old"}))  # left by a dead run
-    RunLock(tmp_path).acquire().release()
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(RunDirectoryBusy) as refused:
-            RunLock(tmp_path, tag="job-2").acquire()
-        assert str(tmp_path) in str(refused.value) and f"PID {holder.pid}" in str(refused.value)
-        assert RunLock(tmp_path, tag="job-1").acquire().fd is None  # the holder's own job (its ServerApp)
-    finally:
-        holder.kill()
-        holder.wait()
-    RunLock(tmp_path, tag="job-2").acquire().release()  # the kernel dropped the dead holder's lock
-
-
-LAUNCHER = """
-import os, sys, time
-from fedhm_flwr.ops.procs import Processes
-procs = Processes()
-own = procs.start("own", ["sleep", "300"], dict(os.environ), None)
-# a child that leaves its session, and one in a tagged session whose environment lost the tag
-shell = procs.start("shell", ["sh", "-c", "setsid sleep 301 & env -i /bin/sleep 302 & wait"], dict(os.environ), None)
-print(procs.tag, procs.watchdog.pid, flush=True)
-time.sleep(300)
-"""
-
-
-def test_the_watchdog_stops_every_process_of_a_launcher_killed_outright(tmp_path):
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                                start_new_session=True)
-    tag, watchdog = launcher.stdout.readline().split()
-    deadline = time.monotonic() + 30
-    pids: set[int] = set()
-    while len(pids) < 5:  # the watchdog, sleep 300, sh, sleep 301 (own session), sleep 302 (no tag)
-        assert time.monotonic() < deadline, pids
-        time.sleep(0.1)
-        pids = {p for p in _descendants(launcher.pid) if _is_alive(p)}
-    assert int(watchdog) in pids
-    assert f"FEDHM_RUN_TAG={tag}".encode() not in Path(f"/proc/{watchdog}/environ").read_bytes()  # not a target
-    t0 = time.monotonic()
-    launcher.kill()
-    launcher.wait()
-    while any(_is_alive(p) for p in pids):
-        assert time.monotonic() - t0 < 10, {p: _state(p) for p in pids if _is_alive(p)}
-        time.sleep(0.1)
-
-
-def test_missing_cifar_fails_at_once_with_one_line_and_starts_nothing(tmp_path):
-    """dataset=cifar10 with no CIFAR data: the real launcher exits 2 within seconds, one line
-    naming dataset.data_dir / FEDHM_DATA_DIR, no run directory, no process (nothing tagged)."""
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    env = {**os.environ, "FEDHM_DATA_DIR": str(empty)}
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "fedhm_flwr.ops.launch", "dataset=cifar10", f"dataset.data_dir={empty}",
-                           "--run-dir", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=60)
-    elapsed = time.monotonic() - t0
-    assert proc.returncode == 2, proc.stderr
-    (line,) = proc.stderr.strip().splitlines()
-    assert "dataset.data_dir" in line and "FEDHM_DATA_DIR" in line and "Traceback" not in proc.stderr
-    assert elapsed < 5, f"took {elapsed:.1f} s"
-    assert not (tmp_path / "run").exists()
-
-
-def test_error_scan_takes_the_serverapps_exception_from_flowers_own_log_lines():
-    """The line Flower's logger writes for a ServerApp that raised, then the traceback: the scan
-    keeps the exception's own line (what the console's `why:` shows)."""
-    import io
-    import logging
-
-    from flwr.common.logger import log
-
-    from fedhm_flwr.ops.launch import ErrorScan
-
-    handler = next(h for h in logging.getLogger("flwr").handlers if isinstance(h, logging.StreamHandler))
-    buffer = io.StringIO()
-    stream = handler.setStream(buffer)  # Flower's own console handler and format, into a buffer
-    try:
-        try:
-            raise ValueError("dataset.path: /data/x/bad.png is not a readable image")
-        except ValueError as ex:
-            log(logging.ERROR, "ServerApp raised an exception", exc_info=ex)
-    finally:
-        handler.setStream(stream)
-    told: list[str] = []
-    scan = ErrorScan(told.append)
-    for line in buffer.getvalue().splitlines():
-        scan.feed(line)
-    assert "Traceback" in buffer.getvalue()
-    assert scan.server == "ValueError: dataset.path: /data/x/bad.png is not a readable image", buffer.getvalue()
-    assert told == [f"ServerApp error: {scan.server}"] and scan.reason() == f"ServerApp: {scan.server}"
-
-
-def test_resume_without_a_checkpoint_and_status_of_a_non_run_are_refused_at_once(tmp_path):
-    """`fedhm resume` of a run that stopped before its first checkpoint: exit 2 in seconds, one line
-    naming the folder, nothing started (no lock, no Flower state); `fedhm status` of a folder that
-    holds no run: exit 2."""
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "config.yaml").write_text("rounds: 2\n")  # what a run writes before its first round
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "fedhm_flwr", "resume", str(run_dir)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    (line,) = proc.stderr.strip().splitlines()
-    assert str(run_dir / "checkpoint") in line and "holds none" in line, line
-    assert time.monotonic() - t0 < 15
-    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]
-    status = _status(tmp_path)
-    assert status.returncode == 2 and "not a run directory" in status.stderr
-
-
-def test_the_serverapp_watch_fires_only_once_its_superlinks_port_refuses_connections():
-    """The ServerApp's watch (server_app.watch_superlink): quiet while something listens on the
-    SuperLink's address (its own ``--runtime-api-address``), on_gone once the port refuses."""
-    assert runtime_address(["flwr-serverapp", "--runtime-api-address", "127.0.0.1:9091", "--token", "x"]) == (
-        "127.0.0.1", 9091)
-    assert runtime_address(["flwr-serverapp", "--runtime-api-address", "[::1]:9091"]) == ("::1", 9091)
-    assert runtime_address(["python", "-m", "pytest"]) is None
-    listener = socket.create_server(("127.0.0.1", 0))
-    gone = threading.Event()
-    watch_superlink(listener.getsockname()[:2], gone.set, every=0.1, misses=3)
-    assert not gone.wait(1.5)  # 15 checks while it listens
-    listener.close()
-    t0 = time.monotonic()
-    assert gone.wait(5)
-    assert time.monotonic() - t0 < 2
-
-
 # --------------------------------------------------------------------------- slow: whole runs
 
 
@@ -324,7 +145,7 @@ def reference(tmp_path_factory) -> Path:
     assert proc.wait(timeout=900) == 0, err.read_text()[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["rounds_completed"] == 6
     assert "round 6/6" in out.read_text()  # the progress line
-    status = _status(run_dir)
+    status = fedhm_status(run_dir)
     assert status.returncode == 0 and "completed (6/6 rounds)" in status.stdout, status.stdout + status.stderr
     return run_dir
 
@@ -388,7 +209,7 @@ def test_sigkill_to_fedhm_run_the_watchdog_stops_it_status_says_so_and_resume_go
     saved = _interrupt_after_round(run_dir, proc, err, 3, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL
     before = (run_dir / "metrics.jsonl").read_text().splitlines()[:saved]
-    status = _status(run_dir)
+    status = fedhm_status(run_dir)
     assert status.returncode == 1 and "stopped" in status.stderr and f"last checkpoint: round {saved}" in status.stderr, (
         status.stdout + status.stderr)
     resumed, out, err = _fedhm(run_dir, "resume", str(run_dir), name="resume")
@@ -398,7 +219,7 @@ def test_sigkill_to_fedhm_run_the_watchdog_stops_it_status_says_so_and_resume_go
     rows = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert rows[:saved] == before and [json.loads(r)["round"] for r in rows] == list(range(1, 7))
     _same_model(run_dir, reference)
-    assert _status(run_dir).returncode == 0
+    assert fedhm_status(run_dir).returncode == 0
 
 
 def _timed_lines(path: Path, proc: subprocess.Popen[bytes], stamps: dict[str, float]) -> threading.Thread:

@@ -4,6 +4,10 @@ wire dtype (``wire.dtype``) both ways, node-info queries only for the sampled no
 
 from __future__ import annotations
 
+import ast
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -152,3 +156,167 @@ def test_exchange_polls_until_every_reply_came_or_the_timeout():
     msgs = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in (1, 2, 3)]
     grid = SlowGrid(10**9)
     assert exchange(grid, msgs, timeout=0.2) == [] and grid.pulls >= 2  # gave up at the timeout
+
+
+# --------------------------------------------------------------------------- every record key from protocol
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTOCOL = ROOT / "fedhm_flwr" / "core" / "protocol.py"
+#: where a record key must be protocol's constant (protocol.py itself spells them)
+KEYED_SOURCES = ("fedhm_flwr", "bench", "scripts")
+#: what holds records or record keys: a message's ``content`` (and its records), a node's
+#: ``node_config``, and the records built by these constructors (or names bound to any of them)
+RECORD_ATTRIBUTES = {"content", "node_config"}
+RECORD_TYPES = {"RecordDict", "ConfigRecord", "MetricRecord", "Context"}
+_KEY = re.compile(r"[a-z]+(-[a-z]+)*-?")
+
+
+def protocol_keys() -> set[str]:
+    """The values of protocol's module-level string constants that are record names or keys
+    (lower-case words joined by hyphens; a trailing hyphen: a prefix such as ``capability-``)."""
+    out = set()
+    for node in ast.parse(PROTOCOL.read_text()).body:
+        if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+            continue
+        target, value = node.targets[0], node.value
+        names = target.elts if isinstance(target, ast.Tuple) else [target]
+        values = value.elts if isinstance(value, ast.Tuple) else [value]
+        for name, v in zip(names, values):
+            if (isinstance(name, ast.Name) and name.id.isupper() and isinstance(v, ast.Constant)
+                    and isinstance(v.value, str) and _KEY.fullmatch(v.value)):
+                out.add(v.value)
+    return out
+
+
+def _annotation_names(annotation: ast.expr | None) -> set[str]:
+    nodes = ast.walk(annotation) if annotation is not None else ()
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in nodes if isinstance(n, (ast.Name, ast.Attribute))}
+
+
+def _constructor(node: ast.expr) -> bool:
+    return isinstance(node, ast.Call) and (getattr(node.func, "id", None) in RECORD_TYPES
+                                           or getattr(node.func, "attr", None) in RECORD_TYPES)
+
+
+class _KeyScan(ast.NodeVisitor):
+    """Literal record keys of one module: a protocol key spelled as a subscript, a ``.get``/``.pop``/
+    ``.setdefault`` argument, an ``in`` test or a dict literal's key. A hyphenated key counts
+    anywhere (no other dict in the project has such keys); a one-word key ("level", "seed") only
+    where it keys a record (other dicts, e.g. metric rows and data specs, use the same words)."""
+
+    def __init__(self, keys: set[str]):
+        self.keys = keys
+        self.prefixes = tuple(k for k in keys if k.endswith("-"))
+        self.scopes: list[set[str]] = [set()]  # names bound to records, per function
+        self.found: list[tuple[int, str]] = []
+
+    def _record(self, node: ast.expr) -> bool:
+        if isinstance(node, ast.Attribute):
+            return node.attr in RECORD_ATTRIBUTES or self._record(node.value)
+        if isinstance(node, ast.Subscript):
+            return self._record(node.value)
+        if isinstance(node, ast.Name):
+            return node.id in self.scopes[-1]
+        return _constructor(node)
+
+    def _key(self, key: ast.expr | None, holder: ast.expr | None) -> None:
+        if isinstance(key, ast.JoinedStr) and key.values and isinstance(key.values[0], ast.Constant):
+            if str(key.values[0].value).startswith(self.prefixes):
+                self.found.append((key.lineno, f"f-string {key.values[0].value!r}..."))
+            return
+        if not (isinstance(key, ast.Constant) and isinstance(key.value, str) and key.value in self.keys):
+            return
+        if "-" in key.value or (holder is not None and self._record(holder)):
+            self.found.append((key.lineno, key.value))
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+        self.scopes.append({a.arg for a in args if _annotation_names(a.annotation) & RECORD_TYPES})
+        self.generic_visit(node)
+        self.scopes.pop()
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        if self._record(node.value):
+            self.scopes[-1].update(t.id for t in node.targets if isinstance(t, ast.Name))
+        self.generic_visit(node)
+
+    def visit_Subscript(self, node: ast.Subscript) -> None:
+        self._key(node.slice, node.value)
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        if isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "pop", "setdefault") and node.args:
+            self._key(node.args[0], node.func.value)
+        if _constructor(node):
+            for arg in [*node.args, *(k.value for k in node.keywords)]:
+                if isinstance(arg, ast.Dict):
+                    for key in arg.keys:
+                        self._key(key, node)
+        self.generic_visit(node)
+
+    def visit_Compare(self, node: ast.Compare) -> None:
+        if len(node.ops) == 1 and isinstance(node.ops[0], (ast.In, ast.NotIn)):
+            self._key(node.left, node.comparators[0])
+        self.generic_visit(node)
+
+    def visit_Dict(self, node: ast.Dict) -> None:
+        for key in node.keys:  # a one-word key only in a record constructor's dict (visit_Call)
+            if isinstance(key, ast.JoinedStr) or isinstance(key, ast.Constant) and "-" in str(key.value):
+                self._key(key, None)
+        self.generic_visit(node)
+
+
+def literal_record_keys(source: str, keys: set[str]) -> list[tuple[int, str]]:
+    scan = _KeyScan(keys)
+    scan.visit(ast.parse(source))
+    return sorted(set(scan.found))
+
+
+def _keyed_files() -> list[Path]:
+    return [p for folder in KEYED_SOURCES for p in sorted((ROOT / folder).rglob("*.py")) if p != PROTOCOL]
+
+
+def test_every_record_key_comes_from_protocol():
+    """No module but protocol spells a record name or key: each uses protocol's constant, so a key
+    is written once (``fedhm_flwr/core/protocol.py``)."""
+    keys = protocol_keys()
+    assert {"arrays", "config", "metrics", "level", "num-examples", "partition-id", "capability-"} <= keys
+    found = {f"{p.relative_to(ROOT)}:{line}: {key}" for p in _keyed_files()
+             for line, key in literal_record_keys(p.read_text(), keys)}
+    assert sorted(found) == [], "use fedhm_flwr.core.protocol's constant for these keys"
+
+
+@pytest.mark.parametrize("snippet", [
+    'x = msg.content["arrays"]',
+    'level = float(msg.content[CONFIG]["level"])',
+    'n = metrics.get("num-examples")',
+    'r = RecordDict({"metrics": MetricRecord({"seconds": 1.0})})',
+    'def f(config: ConfigRecord):\n    return config["seed"]',
+    'def f(context):\n    node = context.node_config\n    return "data-dir" in node',
+    'config = {"partition-id": 0}',
+    'cap = {f"capability-{kind}": 1.0}',
+])
+def test_the_key_check_sees_a_literal_key(snippet):
+    assert literal_record_keys(snippet, protocol_keys()) != []
+
+
+def test_the_key_check_sees_a_key_planted_in_a_project_module():
+    """bench/server.py reads a task config's level by protocol's constant; spelled out, it is refused."""
+    source = (ROOT / "bench" / "server.py").read_text()
+    planted = source.replace("msg.content[CONFIG][LEVEL]", 'msg.content[CONFIG]["level"]')
+    line = next(i for i, text in enumerate(planted.splitlines(), 1) if '["level"]' in text)
+    assert planted != source and literal_record_keys(source, protocol_keys()) == []
+    assert literal_record_keys(planted, protocol_keys()) == [(line, "level")]
+
+
+@pytest.mark.parametrize("snippet", [
+    'row["seed"] = 1',  # a metric row's column, not a record key
+    'spec.get("level")',
+    'card = {"config": text, "method": name}',
+    'parser.add_argument("--data-dir")',
+    'print("num-examples")',
+])
+def test_the_key_check_leaves_other_strings(snippet):
+    assert literal_record_keys(snippet, protocol_keys()) == []

@@ -44,6 +44,8 @@ ATTACK, ATTACK_SCALE = "attack", "attack-scale"  # attack injection (failures.at
 # node config keys (a node's own settings) and its node-info reply
 PARTITION_ID, NUM_PARTITIONS, NODE_NAME, DATA_DIR = "partition-id", "num-partitions", "node-name", "data-dir"
 CAPABILITY = "capability-"  # prefix: capability-level, -params, -macs, -memory
+#: what a node may declare after the prefix: its level, or a budget (a cost of methods.common.level_costs)
+CAPABILITY_LEVEL, CAPABILITY_BUDGETS = "level", ("params", "macs", "memory")
 
 # reply metric keys (node -> server)
 NUM_EXAMPLES, CLASS_COUNTS, SECONDS = "num-examples", "class-counts", "seconds"

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fedhm_flwr.core.errors import ConfigError, DataSourceError
+from fedhm_flwr.core.protocol import DATA_DIR
 from fedhm_flwr.data.catalog import FOLDER_SOURCES, TEXT_DATASETS, text_info
 
 FASHION_MNIST_SYSTEM_DIR = "/usr/share/datasets/fashion-mnist"
@@ -123,7 +124,7 @@ _TEST_SPLIT_ALLOWED = (f"null (the first of {list(TEST_SPLIT_NAMES)} present, el
 def source_root(spec: dict[str, Any], data_dir: Any, expected: str) -> tuple[str, Path]:
     """(config field, folder) of a folder source: a node's ``data-dir`` when given, else ``dataset.path``."""
     if data_dir:
-        return "data-dir", Path(data_dir).expanduser()
+        return DATA_DIR, Path(data_dir).expanduser()
     path = spec.get("path")
     if not path:
         raise DataSourceError("dataset.path", path, "not set", expected)

@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedhm_flwr.core.protocol import (CAPABILITY, CAPABILITY_BUDGETS, CAPABILITY_LEVEL, DATA_DIR, NUM_PARTITIONS,
+                                      PARTITION_ID)
 from fedhm_flwr.ops.credentials import DEFAULT_SANS, Credentials, create_credentials
 from fedhm_flwr.ops.flower_job import FlowerJob, run_flower_job
 from fedhm_flwr.ops.outcome import Commands
@@ -32,7 +34,7 @@ from fedhm_flwr.ops.superlink import (APP_DIR, Tls, bin_path, flower_env, free_p
                                       start_superlink, toml_string, write_connection, write_run_config)
 
 CONNECTION = "fedhm-local"  # name of the SuperLink connection in the CLI's config.toml
-CAPABILITY_KINDS = ("level", "params", "macs", "memory")
+CAPABILITY_KINDS = (CAPABILITY_LEVEL, *CAPABILITY_BUDGETS)
 
 
 def say(message: str) -> None:
@@ -63,15 +65,15 @@ def parse_capability(spec: str) -> dict[str, float]:
         raise ValueError(f"capability {spec!r}: {raw!r} is not a number") from None
     if not value > 0:
         raise ValueError(f"capability {spec!r}: the value must be positive")
-    return {f"capability-{kind}": value}
+    return {CAPABILITY + kind: value}
 
 
 def node_config(partition_id: int, num_partitions: int, capability: dict[str, float] | None = None,
                 data_dir: str | None = None) -> dict[str, Any]:
     """The node config of one SuperNode (what ``fedhm_flwr/client/handlers.py`` reads)."""
-    config: dict[str, Any] = {"partition-id": int(partition_id), "num-partitions": int(num_partitions)}
+    config: dict[str, Any] = {PARTITION_ID: int(partition_id), NUM_PARTITIONS: int(num_partitions)}
     if data_dir:
-        config["data-dir"] = str(data_dir)
+        config[DATA_DIR] = str(data_dir)
     config.update(capability or {})
     return config
 

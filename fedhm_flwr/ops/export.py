@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from fedhm_flwr.config import ConfigError, data_spec, model_spec, resume_config, to_yaml
+from fedhm_flwr.core.protocol import NUM_EXAMPLES
 from fedhm_flwr.data import class_names, client_dataset, source_info, test_dataset
 from fedhm_flwr.math.bn_stats import apply_bn_statistics, batch_statistics_layers, bn_sums, norm_layers
 from fedhm_flwr.math.train import evaluate
@@ -179,7 +180,7 @@ def export_level(run_dir: str | Path, level: str | float, out: str | Path | None
         "macs_per_input": count_macs(model, input_shape(spec)) if image else None,
         # the exported file itself on the run's test set, eval mode, fixed statistics (any batch size)
         "test_accuracy": None if test is None else test["accuracy"],
-        "test_examples": None if test is None else test["num-examples"],
+        "test_examples": None if test is None else test[NUM_EXAMPLES],
         "normalisation": statistics,
         "preprocessing": preprocessing(cfg, spec) if image else None,
         # the run's own figures, with the statistics its evaluation used (summary's bn_stats)

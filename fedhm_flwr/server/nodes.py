@@ -44,7 +44,7 @@ from flwr.supercore import log
 from omegaconf import DictConfig
 
 from fedhm_flwr.config import data_spec, level_proportions
-from fedhm_flwr.core.protocol import (NODE_UNAVAILABLE, NodeInfo, collect, content_bytes, node_info_queries,
+from fedhm_flwr.core.protocol import (CAPABILITY_BUDGETS, CAPABILITY_LEVEL, NODE_UNAVAILABLE, NodeInfo, collect, content_bytes, node_info_queries,
                                       parse_node_info, push)
 from fedhm_flwr.math import levels as lv
 from fedhm_flwr.math.privacy import poisson_sample, secret_uniform
@@ -340,13 +340,13 @@ class NodeRegistry:
 
     def _declared_level(self, info: NodeInfo) -> int | None:
         cap = info.capability
-        if "level" in cap:
-            index = lv.level_index_of(cap["level"], self.levels)
+        if CAPABILITY_LEVEL in cap:
+            index = lv.level_index_of(cap[CAPABILITY_LEVEL], self.levels)
             if index is None:
                 log(WARNING, "node %s declares level %s, not among %s; ignored", self.label(info.node_id),
-                    cap["level"], self.levels)
+                    cap[CAPABILITY_LEVEL], self.levels)
             return index
-        for budget in ("params", "macs", "memory"):
+        for budget in CAPABILITY_BUDGETS:
             if budget in cap:
                 costs = [self.costs[i].get(budget, math.inf) for i in range(len(self.levels))]
                 index = lv.level_for_budget(cap[budget], costs)

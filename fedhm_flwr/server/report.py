@@ -67,7 +67,7 @@ def round_row(server_round: int, lr: float, log_: RoundLog, metrics: Mapping[str
         "queried": log_.queried,
     }
     if metrics is not None:
-        for key in ("train-loss", "train-accuracy", "client-seconds-max"):
+        for key in (wire.TRAIN_LOSS, wire.TRAIN_ACCURACY, "client-seconds-max"):
             if key in metrics:
                 row[key.replace("-", "_")] = float(metrics[key])
         if "ray-nodes" in metrics:
