@@ -169,7 +169,7 @@ class SVD(NamedTuple):
     """Thin (possibly truncated) SVD ``M ≈ U diag(S) Vh`` of a layer matrix.
 
     The exact path keeps all ``min(rows, cols)`` components in float64; the fast path keeps the
-    leading ``max(ranks)`` components, in float32 unless the float32 ones fail the check of
+    leading ``max(ranks)`` components, in float32 unless the float32 ones (refined once) fail the check of
     :func:`layer_svd` (see there).
     """
 
@@ -213,12 +213,15 @@ def _exact_svd(matrix: Tensor) -> SVD:
     return SVD(U, S, Vh)
 
 
-def _gram_svd(matrix: Tensor, ranks: tuple[int, ...], dtype: torch.dtype, tolerance: float) -> SVD | None:
+def _gram_svd(matrix: Tensor, ranks: tuple[int, ...], dtype: torch.dtype, tolerance: float,
+              refine: bool = False) -> SVD | None:
     """Leading ``max(ranks)`` singular triplets from ``eigh`` of the smaller Gram matrix in ``dtype``,
     or None when :func:`truncation_backward_errors` exceeds ``tolerance`` at one of ``ranks``.
 
-    With ``Q`` the top eigenvectors, ``C = Qᵀ M`` (or ``M Q``); ``S`` is the row norms of ``C``,
-    so ``U S Vh = Q Qᵀ M`` exactly whatever the accuracy of the eigenvalues, and both factors of
+    With ``refine``, a result that fails the check gets one step of subspace iteration from its
+    own eigenvectors (:func:`_subspace_step`) and the same check again before None. With ``Q`` the
+    top eigenvectors, ``C = Qᵀ M`` (or ``M Q``); ``S`` is the row norms of ``C``, so
+    ``U S Vh = Q Qᵀ M`` exactly whatever the accuracy of the eigenvalues, and both factors of
     :func:`split_factors` stay balanced.
     """
     M = matrix.to(dtype)
@@ -228,13 +231,34 @@ def _gram_svd(matrix: Tensor, ranks: tuple[int, ...], dtype: torch.dtype, tolera
     Q = Q[:, -max(ranks):].flip(1)
     C = Q.t() @ side  # k × (other side)
     if max(truncation_backward_errors(side, Q, C, ranks).values()) > tolerance:
-        return None
+        if not refine:
+            return None
+        Q, C = _subspace_step(side, Q)
+        if max(truncation_backward_errors(side, Q, C, ranks).values()) > tolerance:
+            return None
     S = C.norm(dim=1)
     order = S.argsort(descending=True)
     if not torch.equal(order, torch.arange(len(order))):  # (mostly in order already: no copies then)
         S, Q, C = S[order], Q[:, order], C[order]
     other = C / S.clamp_min(torch.finfo(dtype).tiny).unsqueeze(1)
     return SVD(Q, S, other) if wide else SVD(other.t(), S, Q.t())
+
+
+def _subspace_step(side: Tensor, Q: Tensor) -> tuple[Tensor, Tensor]:
+    """One step of subspace iteration from ``Q`` (rows × k, orthonormal): ``Q₁ = qr(M Mᵀ Q)``, then
+    Rayleigh–Ritz in ``span(Q₁)`` (``eigh`` of the k × k ``C₁ C₁ᵀ``, ``C₁ = Q₁ᵀ M``); returns the
+    rotated ``(Q₁ V, Vᵀ C₁)``, leading direction first.
+
+    Why it helps where the Gram's ``eigh`` fails the check: the Gram matrix rounds its entries at
+    ``u·σ₁²``, so directions with ``σᵢ`` below about ``√u·σ₁`` (3e-4 in float32) come out of it
+    mixed with the discarded ones. The step multiplies every discarded component of the kept
+    subspace by ``(σⱼ/σᵢ)²`` (the Gram never formed: ``Mᵀ Q`` first), and the Householder QR keeps
+    each column's relative accuracy whatever its scale."""
+    Q1, _ = torch.linalg.qr(side @ (side.t() @ Q))
+    C1 = Q1.t() @ side
+    _, V = torch.linalg.eigh(C1 @ C1.t())
+    V = V.flip(1)
+    return Q1 @ V, V.t() @ C1
 
 
 def layer_svd(weight: Tensor, ranks: Iterable[int] = (), tolerance: float = SVD_TOLERANCE) -> SVD:
@@ -244,8 +268,9 @@ def layer_svd(weight: Tensor, ranks: Iterable[int] = (), tolerance: float = SVD_
     truncation must then reproduce the layer): the exact path, a float64 full SVD. Otherwise
     ``eigh`` of the smaller Gram matrix in float32, checked after the fact: accepted when every
     truncation is the exact one of a weight within relative distance ``tolerance``
-    (:func:`truncation_backward_errors`), else the same in float64, else the exact path. The fast
-    paths return only the leading ``max(ranks)`` components.
+    (:func:`truncation_backward_errors`), else after one float32 step of subspace iteration from
+    it (:func:`_subspace_step`, checked the same way), else ``eigh`` in float64, else the exact
+    path. The fast paths return only the leading ``max(ranks)`` components.
     """
     if not (isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool) and tolerance > 0):
         raise ValueError(f"tolerance must be a number > 0, got {tolerance!r}")
@@ -257,7 +282,7 @@ def layer_svd(weight: Tensor, ranks: Iterable[int] = (), tolerance: float = SVD_
     if not wanted or wanted[-1] == full or matrix.dtype == torch.float64 or matrix.is_meta:
         return _exact_svd(matrix)  # (on the meta device: shapes only, nothing computed)
     for dtype in (torch.float32, torch.float64):
-        svd = _gram_svd(matrix, wanted, dtype, tolerance)
+        svd = _gram_svd(matrix, wanted, dtype, tolerance, refine=dtype == torch.float32)
         if svd is not None:
             return svd
     return _exact_svd(matrix)

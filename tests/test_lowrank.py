@@ -10,6 +10,8 @@ from torch import nn
 
 from fedhm_flwr.lowrank import (
     SVD_TOLERANCE,
+    _gram_svd,
+    _subspace_step,
     compute_svds,
     conv_to_matrix,
     factorize_state,
@@ -288,7 +290,8 @@ def _excess_error(M: torch.Tensor, svd, r: int) -> float:
     ("gaussian", (1 / 16, 1 / 24, 1 / 32), True),  # a freshly initialised layer: float32 eigh of the Gram
     ("gaussian", (1 / 2, 1 / 4, 1 / 8), True),  # flat spectrum, small gaps: float32 all the same
     ("power", (1 / 2, 1 / 4, 1 / 8), True),  # sigma_i = i^-1/2: small gaps deep in the spectrum
-    ("log", (1 / 2, 1 / 4, 1 / 8), False),  # singular values spanning 1 .. 1e-8: float32 cannot cut there
+    # singular values spanning 1 .. 1e-8: the Gram's eigh cannot cut there, one float32 subspace step can
+    ("log", (1 / 2, 1 / 4, 1 / 8), True),
 ])
 def test_fast_svd_meets_the_tolerance_at_every_level_rank(rows, cols, spectrum, gammas, fast):
     k = min(rows, cols)
@@ -307,6 +310,27 @@ def test_fast_svd_meets_the_tolerance_at_every_level_rank(rows, cols, spectrum, 
         assert _excess_error(M, svd, r) <= 2 * SVD_TOLERANCE, (spectrum, r)
         if spectrum != "log":  # the float32 rounding of the weight itself is 6e-8
             assert _backward_error(M, svd, r) <= 1e-5, (spectrum, r)
+
+
+def test_subspace_step_repairs_what_the_gram_cannot_resolve():
+    """Singular values spanning 1 .. 1e-8: the float32 Gram rounds away the directions below
+    √u·σ₁, so its cut at half the rank fails the default tolerance; one float32 step of subspace
+    iteration from it passes the same check, and the layer stays float32 with its truncations
+    within the tolerance by an independent measure."""
+    torch.manual_seed(3)
+    M = _with_spectrum(192, 96, torch.logspace(0, -8, 96, dtype=torch.float64))
+    ranks = (12, 24, 48)
+    assert _gram_svd(M, ranks, torch.float32, SVD_TOLERANCE) is None  # the Gram's eigh alone fails
+    refined = _gram_svd(M, ranks, torch.float32, SVD_TOLERANCE, refine=True)
+    assert refined is not None and refined.S.dtype == torch.float32
+    side = M.t()  # (96 × 192: the rows' side)
+    Q, C = _subspace_step(side, torch.linalg.eigh(side @ side.t())[1][:, -48:].flip(1))
+    torch.testing.assert_close(Q.t() @ Q, torch.eye(48), atol=1e-5, rtol=0)  # still orthonormal
+    assert bool((C.norm(dim=1)[:-1] >= C.norm(dim=1)[1:] * (1 - 1e-4)).all())  # leading direction first
+    svd = layer_svd(M, ranks)
+    assert svd.S.dtype == torch.float32
+    for r in ranks:
+        assert _backward_error(M, svd, r) <= SVD_TOLERANCE
 
 
 def test_fast_svd_tolerance_decides_the_path_and_is_met():
