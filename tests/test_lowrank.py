@@ -12,6 +12,7 @@ from fedhm_flwr.lowrank import (
     SVD_TOLERANCE,
     _gram_svd,
     _subspace_step,
+    _swap_middle,
     compute_svds,
     conv_to_matrix,
     factorize_state,
@@ -48,6 +49,27 @@ def test_conv_to_matrix_layout_and_round_trip():
     assert torch.equal(conv_to_matrix(matrix_to_conv(M2, n, m, k)), M2)
     lin = torch.randn(4, 7)
     assert layer_matrix(lin) is lin
+
+
+@pytest.mark.parametrize("shape", [(5, 3, 3, 3), (64, 32, 5, 5), (8, 16, 1, 1), (7, 1, 3, 3), (2, 3, 4, 5)])
+def test_unrolling_by_gather_moves_the_same_values_as_the_permute(shape):
+    """The index gather behind conv_to_matrix / matrix_to_conv (:func:`_swap_middle`) gives
+    exactly ``permute(0, 2, 1, 3).contiguous()``: contiguous, own memory, any shape, also from a
+    non-contiguous tensor and under autograd (where it is the permute itself)."""
+    x = torch.randn(*shape)
+    want = x.permute(0, 2, 1, 3).contiguous()
+    got = _swap_middle(x)
+    assert torch.equal(got, want) and got.is_contiguous() and got.shape == want.shape
+    if x.shape[1] > 1 and x.shape[2] > 1:
+        assert got.data_ptr() != x.data_ptr()
+    assert torch.equal(_swap_middle(x.transpose(1, 2).contiguous().transpose(1, 2)), want)  # non-contiguous input
+    g = x.clone().requires_grad_()
+    _swap_middle(g).sum().backward()
+    assert torch.equal(g.grad, torch.ones_like(x))
+    if shape[2] == shape[3]:
+        n, m, k, _ = shape
+        assert torch.equal(conv_to_matrix(x), x.permute(0, 2, 1, 3).reshape(n * k, m * k))
+        assert torch.equal(matrix_to_conv(conv_to_matrix(x), n, m, k), x)
 
 
 # ---------------------------------------------------------------- exact at full rank
