@@ -355,7 +355,10 @@ def conv_a_weight(A: Tensor, n: int, k: int) -> Tensor:
 
 
 def _as_wire(t: Tensor) -> Tensor:
-    """Detached, contiguous; floating tensors as float32."""
+    """Detached, contiguous; floating tensors as float32 (the tensor itself when it is all that
+    already: the array cache then knows it by identity)."""
+    if not t.requires_grad and t.dtype == torch.float32 and t.is_contiguous():
+        return t
     t = t.detach()
     if t.is_floating_point():
         t = t.to(torch.float32)
