@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from fedhm_flwr.math.lowrank import (SVD_TOLERANCE, compute_svds, conv_to_matrix, factorize_state, full_rank,
-                                     layer_matrix, layer_svd, matrix_to_conv, rank_for, recover_state, split_factors)
+from fedhm_flwr.math.lowrank import (SVD_TOLERANCE, _gram_svd, _subspace_step, _swap_middle, compute_svds,
+                                     conv_to_matrix, factorize_state, full_rank, layer_matrix, layer_svd,
+                                     matrix_to_conv, rank_for, recover_state, split_factors)
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.layers import FactorizedConv2d, FactorizedLinear, factorize_modules, factorized_modules
 from fedhm_flwr.models.rules import plan_ranks
@@ -35,6 +36,27 @@ def test_conv_to_matrix_layout_and_round_trip():
     assert torch.equal(conv_to_matrix(matrix_to_conv(M2, n, m, k)), M2)
     lin = torch.randn(4, 7)
     assert layer_matrix(lin) is lin
+
+
+@pytest.mark.parametrize("shape", [(5, 3, 3, 3), (64, 32, 5, 5), (8, 16, 1, 1), (7, 1, 3, 3), (2, 3, 4, 5)])
+def test_unrolling_by_gather_moves_the_same_values_as_the_permute(shape):
+    """The index gather behind conv_to_matrix / matrix_to_conv (:func:`_swap_middle`) gives
+    exactly ``permute(0, 2, 1, 3).contiguous()``: contiguous, own memory, any shape, also from a
+    non-contiguous tensor and under autograd (where it is the permute itself)."""
+    x = torch.randn(*shape)
+    want = x.permute(0, 2, 1, 3).contiguous()
+    got = _swap_middle(x)
+    assert torch.equal(got, want) and got.is_contiguous() and got.shape == want.shape
+    if x.shape[1] > 1 and x.shape[2] > 1:
+        assert got.data_ptr() != x.data_ptr()
+    assert torch.equal(_swap_middle(x.transpose(1, 2).contiguous().transpose(1, 2)), want)  # non-contiguous input
+    g = x.clone().requires_grad_()
+    _swap_middle(g).sum().backward()
+    assert torch.equal(g.grad, torch.ones_like(x))
+    if shape[2] == shape[3]:
+        n, m, k, _ = shape
+        assert torch.equal(conv_to_matrix(x), x.permute(0, 2, 1, 3).reshape(n * k, m * k))
+        assert torch.equal(matrix_to_conv(conv_to_matrix(x), n, m, k), x)
 
 
 # ---------------------------------------------------------------- exact at full rank
@@ -277,7 +299,8 @@ def _excess_error(M: torch.Tensor, svd, r: int) -> float:
     ("gaussian", (1 / 16, 1 / 24, 1 / 32), True),  # a freshly initialised layer: float32 eigh of the Gram
     ("gaussian", (1 / 2, 1 / 4, 1 / 8), True),  # flat spectrum, small gaps: float32 all the same
     ("power", (1 / 2, 1 / 4, 1 / 8), True),  # sigma_i = i^-1/2: small gaps deep in the spectrum
-    ("log", (1 / 2, 1 / 4, 1 / 8), False),  # singular values spanning 1 .. 1e-8: float32 cannot cut there
+    # singular values spanning 1 .. 1e-8: the Gram's eigh cannot cut there, one float32 subspace step can
+    ("log", (1 / 2, 1 / 4, 1 / 8), True),
 ])
 def test_fast_svd_meets_the_tolerance_at_every_level_rank(rows, cols, spectrum, gammas, fast):
     k = min(rows, cols)
@@ -296,6 +319,27 @@ def test_fast_svd_meets_the_tolerance_at_every_level_rank(rows, cols, spectrum, 
         assert _excess_error(M, svd, r) <= 2 * SVD_TOLERANCE, (spectrum, r)
         if spectrum != "log":  # the float32 rounding of the weight itself is 6e-8
             assert _backward_error(M, svd, r) <= 1e-5, (spectrum, r)
+
+
+def test_subspace_step_repairs_what_the_gram_cannot_resolve():
+    """Singular values spanning 1 .. 1e-8: the float32 Gram rounds away the directions below
+    √u·σ₁, so its cut at half the rank fails the default tolerance; one float32 step of subspace
+    iteration from it passes the same check, and the layer stays float32 with its truncations
+    within the tolerance by an independent measure."""
+    torch.manual_seed(3)
+    M = _with_spectrum(192, 96, torch.logspace(0, -8, 96, dtype=torch.float64))
+    ranks = (12, 24, 48)
+    assert _gram_svd(M, ranks, torch.float32, SVD_TOLERANCE) is None  # the Gram's eigh alone fails
+    refined = _gram_svd(M, ranks, torch.float32, SVD_TOLERANCE, refine=True)
+    assert refined is not None and refined.S.dtype == torch.float32
+    side = M.t()  # (96 × 192: the rows' side)
+    Q, C = _subspace_step(side, torch.linalg.eigh(side @ side.t())[1][:, -48:].flip(1))
+    torch.testing.assert_close(Q.t() @ Q, torch.eye(48), atol=1e-5, rtol=0)  # still orthonormal
+    assert bool((C.norm(dim=1)[:-1] >= C.norm(dim=1)[1:] * (1 - 1e-4)).all())  # leading direction first
+    svd = layer_svd(M, ranks)
+    assert svd.S.dtype == torch.float32
+    for r in ranks:
+        assert _backward_error(M, svd, r) <= SVD_TOLERANCE
 
 
 def test_fast_svd_tolerance_decides_the_path_and_is_met():

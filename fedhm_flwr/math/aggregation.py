@@ -157,17 +157,14 @@ def _layer_sum(previous: torch.Tensor, states: Sequence[Mapping[str, torch.Tenso
         scale = torch.cat([torch.full((a.shape[1],), float(w[i]), dtype=torch.float32)
                            for a, i in zip(a_weights, factored)])
         total = (A * scale) @ B
+    shape = tuple(previous.shape)
+    if total is not None and len(shape) == 4:  # folded once, so that the full-rank replies need no unrolling
+        total = matrix_to_conv(total, shape[0], shape[1], shape[2])
     if full:
-        weights = [states[i][f"{name}.weight"].to(torch.float32) for i in full]
-        stacked = torch.stack(weights)  # (clients, n, m, k, k) or (clients, out, in): unrolled at once
-        if stacked.ndim == 5:
-            c, n, m, k, _ = stacked.shape
-            stacked = stacked.permute(0, 1, 3, 2, 4).reshape(c, n * k, m * k)
+        stacked = torch.stack([states[i][f"{name}.weight"].to(torch.float32) for i in full])
         part = torch.tensordot(torch.as_tensor(w[full], dtype=torch.float32), stacked, dims=1)
         total = part if total is None else total + part
-    shape = tuple(previous.shape)
-    folded = matrix_to_conv(total, shape[0], shape[1], shape[2]) if len(shape) == 4 else total
-    return folded.to(previous.dtype).contiguous()
+    return total.to(previous.dtype).contiguous()
 
 
 def _without_factors(state: Mapping[str, torch.Tensor], ranks: Mapping[str, int]) -> State:
