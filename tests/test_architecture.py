@@ -94,7 +94,7 @@ TORCH_FREE_PATH = {
     ("fedhm_flwr.core.wire_arrays", "torch"): "the wire dtypes, read by the config check (through protocol)",
 }
 
-#: pure-math files allowed over MAX_LINES (none today: lowrank.py, the longest, is under it)
+#: pure-math files allowed over MAX_LINES (the issue exempts pure math)
 PURE_MATH_LONG: dict[str, str] = {
     "fedhm_flwr/math/lowrank.py": "factorization, the checked float32 SVD (backward error, subspace step) and recovery",
 }
