@@ -335,7 +335,10 @@ def test_subspace_step_repairs_what_the_gram_cannot_resolve():
     side = M.t()  # (96 × 192: the rows' side)
     Q, C = _subspace_step(side, torch.linalg.eigh(side @ side.t())[1][:, -48:].flip(1))
     torch.testing.assert_close(Q.t() @ Q, torch.eye(48), atol=1e-5, rtol=0)  # still orthonormal
-    assert bool((C.norm(dim=1)[:-1] >= C.norm(dim=1)[1:] * (1 - 1e-4)).all())  # leading direction first
+    # leading direction first, up to what a float32 eigh of C Cᵀ resolves (σ² within ~u·σ₁²;
+    # the order of two directions closer than that changes with the thread count)
+    energy = C.norm(dim=1) ** 2
+    assert bool((energy[:-1] >= energy[1:] - 1e-6 * energy[0]).all())
     svd = layer_svd(M, ranks)
     assert svd.S.dtype == torch.float32
     for r in ranks:
