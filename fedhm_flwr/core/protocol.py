@@ -223,6 +223,7 @@ class Payload:
     train: dict[str, Any] = field(default_factory=dict)  # method-specific client options
     returned: tuple[str, ...] | None = None  # keys a reply must hold (None: the keys sent)
     _record: Any = field(default=None, init=False, repr=False, compare=False)  # what record() copies
+    _bytes: int | None = field(default=None, init=False, repr=False, compare=False)  # record_bytes()
 
     def record(self) -> Any:
         """A fresh ArrayRecord of the payload's Arrays: a copy (``ArrayRecord.copy``) of one made once
@@ -230,6 +231,12 @@ class Payload:
         if self._record is None:
             self._record = array_record(self.arrays)
         return self._record.copy()
+
+    def record_bytes(self) -> int:
+        """Bytes of :meth:`record`'s ArrayRecord (``count_bytes``; counted once: the Arrays never change)."""
+        if self._bytes is None:
+            self._bytes = array_record(self.arrays).count_bytes()
+        return self._bytes
 
 
 def train_options(distill: Mapping[str, Any] | None) -> dict[str, Any]:

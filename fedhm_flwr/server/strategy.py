@@ -204,7 +204,7 @@ class HeteroStrategy(Strategy):
             if node_id in attackers:
                 config.update(self.attacks.train_config())
             content = RecordDict({ARRAYS: record, CONFIG: config})
-            self.round_log.sent_bytes += content_bytes(content)
+            self.round_log.sent_bytes += payload.record_bytes() + config.count_bytes()  # (content_bytes)
             self.sent[node_id] = (index, payload)
             messages.append(Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN))
         self.round_log.sampled = len(messages)
