@@ -70,11 +70,11 @@ def node_shard(context: Context) -> Path | None:
                         f"fedhm_flwr.ops.shards <overrides> out=DIR`), or give partition-id with a full dataset copy")
 
 
-def shard_manifest(folder: Path, data_spec: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The shard's manifest; NodeDataError naming ``data-dir`` when it is broken or names another
-    dataset than the server's data spec."""
+def shard_manifest(folder: Path, data_spec: dict[str, Any] | None = None, verify: bool = False) -> dict[str, Any]:
+    """The shard's manifest (``verify``: the whole shard checked against it); NodeDataError naming
+    ``data-dir`` when it is broken or names another dataset than the server's data spec."""
     try:
-        manifest = shards.read_manifest(folder)
+        manifest = shards.verify_shard(folder) if verify else shards.read_manifest(folder)
     except shards.ShardError as exc:
         raise NodeDataError(f"node config data-dir={folder}: {exc}") from None
     if data_spec is not None:
@@ -234,12 +234,8 @@ def node_info(context: Context, data_spec: dict[str, Any] | None = None) -> Conf
     folder = node_shard(context) if node.get(protocol.DATA_DIR) or protocol.PARTITION_ID in node else None
     examples = None
     if folder is not None:
-        try:
-            manifest = shards.verify_shard(folder)
-        except shards.ShardError as exc:
-            raise NodeDataError(f"node config data-dir={folder}: {exc}") from None
+        manifest = shard_manifest(folder, data_spec, verify=True)
         if data_spec is not None:
-            check_shard_dataset(folder, manifest, data_spec)
             examples = int(manifest["splits"]["train"]["num_examples"])
         pid, count = manifest.get("partition_id"), manifest.get("num_partitions")
     else:
