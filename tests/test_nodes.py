@@ -249,3 +249,31 @@ def test_sampling_nodes_not_yet_queried_draws_the_same_sets_and_hashes_each_node
         expected = np.random.default_rng([11, rnd, 0]).choice(sorted(keys), size=12, replace=False)
         assert sorted(strategy.registry.sample(rnd)) == sorted(keys[int(k)] for k in expected)
     assert len(hashed) == 40  # one hash per node, not one per node and draw
+
+
+def test_answers_asked_ahead_are_pulled_with_the_round_s_replies_and_counted_by_the_round_that_reads_them(
+        toy_cfg, tmp_path, monkeypatch):
+    """``availability.query = sampled``: ``start()`` asks the next round's new nodes behind this
+    round's training and pulls their answers along with its replies, so that none waits in the
+    grid while the round aggregates (under the simulation engine every stored message slows every
+    delivery); the round that samples those nodes still counts them as asked, with their bytes."""
+    from fedhm_flwr.ops.server_app import run
+
+    cfg = toy_cfg("rounds=4 num_clients=20 fraction_train=0.25 availability.query=sampled evaluation.levels=false")
+    grid = LocalGrid(20, client_handlers())
+    waiting, aggregate = [], FedHMStrategy.aggregate_train
+
+    def spy(self, server_round, replies):
+        waiting.append(len(grid._replies))  # replies pushed to the grid and not pulled yet
+        return aggregate(self, server_round, replies)
+
+    monkeypatch.setattr(FedHMStrategy, "aggregate_train", spy)
+    run(grid, cfg, tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert waiting == [0, 0, 0, 0]
+    trained = [set(json.loads(row["assignments"])) for row in rows]
+    assert rows[0]["queried"] == 0  # the start-up asked round 1's nodes
+    for rnd in range(1, 4):
+        new = trained[rnd] - set().union(*trained[:rnd])
+        assert rows[rnd]["queried"] == len(new)
+        assert (rows[rnd]["bytes_queries"] > 0) == bool(new)

@@ -321,15 +321,18 @@ def push(grid: Any, messages: list[Message]) -> list[str]:
 
 
 def collect(grid: Any, message_ids: list[str], timeout: float, poll: float = 0.01,
-            max_poll: float = 0.1) -> list[Message]:
-    """Pull the replies to these pushed messages until all came or ``timeout`` seconds passed."""
-    pending = set(message_ids)
+            max_poll: float = 0.1, also: Sequence[str] = ()) -> list[Message]:
+    """Pull the replies to these pushed messages until all came or ``timeout`` seconds passed;
+    the replies to ``also`` are pulled along when they came, not waited for."""
+    pending, extra = set(message_ids), set(also)
     replies: list[Message] = []
     end = time.monotonic() + timeout
     while pending:
-        got = list(grid.pull_messages(list(pending)))
+        got = list(grid.pull_messages(list(pending | extra)))
         replies += got
-        pending -= {m.metadata.reply_to_message_id for m in got}
+        came = {m.metadata.reply_to_message_id for m in got}
+        pending -= came
+        extra -= came
         if not pending or time.monotonic() >= end:
             break
         time.sleep(poll)

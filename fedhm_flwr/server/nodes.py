@@ -38,7 +38,6 @@ from collections.abc import Mapping, Sequence
 from logging import INFO, WARNING
 from typing import Any
 
-from flwr.app import Message
 from flwr.serverapp import Grid
 from flwr.supercore import log
 from omegaconf import DictConfig
@@ -48,6 +47,7 @@ from fedhm_flwr.core.protocol import (CAPABILITY_BUDGETS, CAPABILITY_LEVEL, NODE
                                       parse_node_info, push)
 from fedhm_flwr.math import levels as lv
 from fedhm_flwr.math.privacy import poisson_sample, secret_uniform
+from fedhm_flwr.server.ahead import AheadQueries
 
 
 #: keys of nodes without a unique partition id start here (partition ids stay below)
@@ -81,11 +81,9 @@ class NodeRegistry:
         self._former: dict[int, str] = {}  # node id -> label of a node that left (its failures keep its name)
         self.query_seconds = 0.0  # this round's wall time in node-info queries
         self.queried = 0  # nodes asked this round
-        self._ahead: dict[int, str] = {}  # node id -> id of a node-info query pushed ahead (prefetch)
-        self._answers: dict[int, Message] = {}  # node id -> answer to a query pushed ahead, not read yet
-        self._ahead_bytes, self._ahead_seconds = 0, 0.0
         self._waited_for: int | None = None  # the round the start-up waited for nodes for
         self.data_spec = json.dumps(data_spec(cfg))  # each node reports its example count for it
+        self.ahead = AheadQueries(self.data_spec)  # node-info queries asked ahead (start-up, prefetch)
         self._draws: dict[int, dict[int, float]] = {}  # DP: round -> key -> its secret uniform draw
 
     # ------------------------------------------------------------------ discovery
@@ -94,10 +92,11 @@ class NodeRegistry:
         """Learn the connected nodes: forget the ones gone, query the new ones (``availability.query
         = all``) or leave them for the round that samples them (``sampled``); returns the bytes the
         queries and their answers moved."""
-        self.query_seconds, self.queried, self._ahead_seconds = self._ahead_seconds, 0, 0.0
+        self.query_seconds, self.queried, self.ahead.seconds = self.ahead.seconds, 0, 0.0
         if server_round != self._waited_for:  # the start-up waited for its first round already
-            self.wait_for_nodes(grid, server_round)
-        connected = set(grid.get_node_ids())
+            connected = self.wait_for_nodes(grid, server_round)
+        else:
+            connected = set(grid.get_node_ids())
         for node_id in sorted(set(self.nodes) - connected):
             self.forget(node_id, server_round)
         for node_id in sorted(set(self.excluded) - connected):  # asked again when it reconnects
@@ -117,10 +116,9 @@ class NodeRegistry:
         if not new:
             return 0
         t0 = time.perf_counter()
-        answers = {n: self._answers.pop(n) for n in new if n in self._answers}  # came in ahead (startup)
-        counted = len(new) - len(answers)  # the start-up counted its own
-        ahead = {n: self._ahead.pop(n) for n in new if n in self._ahead}  # pushed ahead (prefetch)
+        answers, ahead, counted = self.ahead.pop(new)  # asked ahead: answered already, or still out
         query = node_info_queries([n for n in new if n not in ahead and n not in answers], self.data_spec)
+        counted += len(query)
         moved = sum(content_bytes(msg.content) for msg in query)
         pushed = push(grid, query)
         if pushed or ahead:
@@ -162,16 +160,11 @@ class NodeRegistry:
         self._waited_for = server_round
         queried = self.queried
         self.prefetch(grid, server_round)
-        if self._ahead:
-            replies = collect(grid, list(self._ahead.values()), float(self.cfg.timeout))
-            by_id = {mid: n for n, mid in self._ahead.items()}
-            self._answers = {by_id[m.metadata.reply_to_message_id]: m for m in replies}
-            queried += len(self._ahead)
-            self._ahead = {n: mid for n, mid in self._ahead.items() if n not in self._answers}
-        moved += self._ahead_bytes + sum(content_bytes(m.content) for m in self._answers.values() if m.has_content())
-        self._ahead_bytes, self._ahead_seconds, self.query_seconds, self.queried = 0, 0.0, 0.0, 0
+        asked, ahead_bytes = self.ahead.pull_all(grid, float(self.cfg.timeout))
+        queried, moved = queried + asked, moved + ahead_bytes
+        self.query_seconds, self.queried = 0.0, 0
         seconds = time.perf_counter() - t0
-        told = [*self.nodes.values(), *(parse_node_info(n, m) for n, m in self._answers.items())]
+        told = [*self.nodes.values(), *(parse_node_info(n, m) for n, m in self.ahead.answers.items())]
         examples = sorted(info.examples for info in told if info.examples is not None)
         log(INFO, "start-up: %d node(s) connected, %d asked for their node info in %.1fs%s",
             len(list(grid.get_node_ids())), queried, seconds,
@@ -183,16 +176,15 @@ class NodeRegistry:
         the sampled nodes not yet known are asked now, all at once; a node whose answer is an error
         sits the round out."""
         ask = [n for n in node_ids if n not in self.nodes]
-        moved = (self.query(grid, server_round, ask) if ask else 0) + self._ahead_bytes
-        self._ahead.clear()  # asked ahead for a sample that did not come (nodes came or went): unread
-        self._answers.clear()
-        self._ahead_bytes = 0
+        moved = self.query(grid, server_round, ask) if ask else 0
+        moved += self.ahead.clear()  # what was asked ahead for a sample that did not come stays unread
         return [n for n in node_ids if n in self.nodes], moved
 
     def prefetch(self, grid: Grid, next_round: int) -> None:
         """``availability.query = sampled``: push now the node-info queries of the next round's new
         nodes, so that they are answered behind this round's training (``start()`` pushes them right
-        after the round's training messages) and evaluation. That round's sample is
+        after the round's training messages and pulls their answers along with its replies:
+        :mod:`fedhm_flwr.server.ahead`). That round's sample is
         drawn here as the round will draw it (the same knowledge, if no node comes or goes in
         between); the answers are read, and the nodes learnt, only after it sampled
         (:meth:`query_sampled`), so the sample never depends on them."""
@@ -207,38 +199,38 @@ class NodeRegistry:
             picked = self.sample(next_round)
         finally:
             self.nodes, self.unknown = nodes, unknown
-        ask = [n for n in picked if n not in nodes and n not in self._ahead]
-        query = node_info_queries(ask, self.data_spec)
-        if query:
-            self._ahead.update({n: mid for n, mid in zip(ask, grid.push_messages(query)) if mid})
-            self._ahead_bytes += sum(content_bytes(msg.content) for msg in query)
-        self._ahead_seconds += time.perf_counter() - t0
+        self.ahead.push(grid, [n for n in picked if n not in nodes])
+        self.ahead.seconds += time.perf_counter() - t0
 
-    def wait_for_nodes(self, grid: Grid, server_round: int) -> None:
+    def wait_for_nodes(self, grid: Grid, server_round: int) -> set[int]:
         """Wait (bounded) until ``availability.min_nodes`` nodes are connected (not counting those
-        that sit out); then go on with the nodes present or stop, as ``availability.on_timeout`` says."""
+        that sit out); then go on with the nodes present or stop, as ``availability.on_timeout`` says.
+        Returns the connected nodes it saw last (one ``get_node_ids`` when enough are there: with
+        many nodes each call lists them all)."""
         avail = self.cfg.availability
         minimum = int(avail.min_nodes) or int(self.cfg.min_train_nodes)
-        usable = lambda: len(set(grid.get_node_ids()) - set(self.excluded))  # noqa: E731 (not those sitting out)
-        count = usable()
+        connected = set(grid.get_node_ids())
+        count = len(connected - set(self.excluded))  # not those sitting out
         if count >= minimum:
-            return
+            return connected
         log(INFO, "round %d: %d node(s) connected, waiting up to %gs for at least %d", server_round, count,
             float(avail.wait_seconds), minimum)
         t0 = time.monotonic()
         while time.monotonic() - t0 < float(avail.wait_seconds):
             time.sleep(min(1.0, float(avail.poll_seconds)))
-            count = usable()
+            connected = set(grid.get_node_ids())
+            count = len(connected - set(self.excluded))
             if count >= minimum:
                 log(INFO, "round %d: %d node(s) connected after %.1fs; going on", server_round, count,
                     time.monotonic() - t0)
-                return
+                return connected
         if avail.on_timeout == "stop":
             raise RuntimeError(f"round {server_round}: only {count} of the {minimum} nodes needed "
                                f"(availability.min_nodes) connected within {float(avail.wait_seconds):g}s "
                                "(availability.wait_seconds); stopping as availability.on_timeout=stop says")
         log(WARNING, "round %d: still %d node(s) of %d after %gs; going on with the nodes present", server_round,
             count, minimum, float(avail.wait_seconds))
+        return connected
 
     def forget(self, node_id: int, server_round: int, why: str = "") -> None:
         """A node left (no longer connected, or the SuperLink answered for it: node unavailable):

@@ -299,7 +299,9 @@ class HeteroStrategy(Strategy):
             pushed = push(grid, messages)
             if server_round < num_rounds:  # the next round's new nodes answer behind this round's training
                 self.registry.prefetch(grid, server_round + 1)
-            replies = collect(grid, pushed, timeout, max_poll=0.5) if pushed else []
+            # the answers to queries asked ahead are pulled as they come (kept unread for their round)
+            replies = self.registry.ahead.take(
+                collect(grid, pushed, timeout, max_poll=0.5, also=self.registry.ahead.ids())) if pushed else []
             new_arrays, train_metrics = self.aggregate_train(server_round, replies)
             if new_arrays is not None:
                 arrays = new_arrays
