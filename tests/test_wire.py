@@ -132,11 +132,12 @@ def test_sampled_queries_ask_only_the_round_s_nodes_and_levels_stay_put(toy_cfg)
 def test_exchange_polls_until_every_reply_came_or_the_timeout():
     from flwr.app import Message, RecordDict
 
-    from fedhm_flwr.core.protocol import exchange
+    from fedhm_flwr.core.protocol import collect, exchange
 
-    class SlowGrid:  # replies show up after a few pulls, like a SuperLink's
-        def __init__(self, pulls_needed):
-            self.pulls, self.needed, self.sent = 0, pulls_needed, {}
+    LocalGrid(1, {})  # sets the process's task identity, which a new Message needs (as a ServerApp has it)
+    class SlowGrid:  # replies show up after a few pulls, like a SuperLink's (never from ``silent`` nodes)
+        def __init__(self, pulls_needed, silent=()):
+            self.pulls, self.needed, self.sent, self.silent = 0, pulls_needed, {}, set(silent)
 
         def push_messages(self, messages):
             for i, msg in enumerate(messages):
@@ -148,7 +149,8 @@ def test_exchange_polls_until_every_reply_came_or_the_timeout():
             self.pulls += 1
             if self.pulls < self.needed:
                 return []
-            return [Message(RecordDict(), reply_to=self.sent[i]) for i in ids]
+            return [Message(RecordDict(), reply_to=self.sent[i]) for i in ids
+                    if self.sent[i].metadata.dst_node_id not in self.silent]
 
     msgs = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in (1, 2, 3)]
     grid = SlowGrid(4)
@@ -156,6 +158,21 @@ def test_exchange_polls_until_every_reply_came_or_the_timeout():
     msgs = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in (1, 2, 3)]
     grid = SlowGrid(10**9)
     assert exchange(grid, msgs, timeout=0.2) == [] and grid.pulls >= 2  # gave up at the timeout
+    # the replies to ``also`` come along when they are there, and are not waited for
+    for silent, expected in (((), 3), ((3,), 2)):
+        msgs = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in (1, 2, 3)]
+        grid = SlowGrid(2, silent)
+        ids = grid.push_messages(msgs)
+        got = collect(grid, ids[:1], timeout=5.0, also=ids[1:])
+        assert sorted(m.metadata.reply_to_message_id for m in got) == ids[:expected] and grid.pulls == 2
+
+
+def test_no_exchange_waits_on_flower_s_three_second_poll():
+    """``Grid.send_and_receive`` sleeps 3 s between pulls; the package exchanges through
+    :func:`fedhm_flwr.core.protocol.exchange` (the in-process LocalGrid implements it)."""
+    calls = [str(path.relative_to(ROOT)) for path in (ROOT / "fedhm_flwr").rglob("*.py")
+             if path.name != "local_grid.py" and ".send_and_receive(" in path.read_text()]
+    assert calls == []
 
 
 # --------------------------------------------------------------------------- every record key from protocol

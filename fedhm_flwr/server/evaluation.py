@@ -243,7 +243,7 @@ def federated_bn_sums(view: RoundView, spec: dict[str, Any], state: State) -> tu
         messages.append(Message(content=RecordDict({ARRAYS: record, CONFIG: config}), dst_node_id=node_id,
                                 message_type=MessageType.QUERY))
     parts = []
-    for reply in grid.send_and_receive(messages, timeout=float(cfg.timeout)):
+    for reply in wire.exchange(grid, messages, float(cfg.timeout), max_poll=0.5):  # (Flower's loop waits 3 s a pull)
         if reply.has_error() or ARRAYS not in reply.content:
             log(WARNING, "bn-stats: node %s gave no statistics", view.registry.label(reply.metadata.src_node_id))
             continue
