@@ -22,7 +22,8 @@ from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDic
 from flwr.common.constant import ErrorCode
 
 # arrays on the wire, re-exported as part of the contract (wire.wire_array, wire.record_tensors, ...)
-from fedhm_flwr.core.wire_arrays import WIRE_DTYPES, array_record, from_wire, npy_header, record_tensors, wire_array
+from fedhm_flwr.core.wire_arrays import (WIRE_DTYPES, array_record, from_wire, npy_header, record_tensors, reply_tensors,
+                                         wire_array)
 
 if TYPE_CHECKING:  # torch is imported where tensors are converted: the config check imports this module
     import torch
@@ -282,11 +283,13 @@ class TaskConfigs:
 
 
 def check_train_reply(content: RecordDict, payload: Payload, level: float, num_classes: int, dtype: str,
-                      screen: Callable[[dict[str, torch.Tensor]], str | None],
+                      screen: Callable[[dict[str, torch.Tensor], torch.Tensor | None], str | None],
                       ) -> tuple[tuple[dict[str, torch.Tensor], int, Any, dict[str, float]] | None, str]:
     """A training reply checked against the payload sent: ((state in float32, num-examples,
     class counts, scalar metrics), "") or (None, why it is refused). Keys and shapes are checked
-    before any tensor is read; ``screen`` refuses tensors (NaN/inf, oversized) by a reason."""
+    before any tensor is read; ``screen(state, flat)`` refuses tensors (NaN/inf, oversized) by a
+    reason (``flat``: every floating value of the reply in one tensor, or None,
+    :func:`fedhm_flwr.core.wire_arrays.reply_tensors`)."""
     if ARRAYS not in content or METRICS not in content:
         return None, f"reply lacks '{ARRAYS}' or '{METRICS}'"
     record = content[ARRAYS]
@@ -297,8 +300,8 @@ def check_train_reply(content: RecordDict, payload: Payload, level: float, num_c
     for key, array in record.items():  # shapes before any tensor is read
         if tuple(array.shape) != payload.shapes[key]:
             return None, f"{key} has shape {tuple(array.shape)}, level {level:g} needs {payload.shapes[key]}"
-    state = from_wire(record_tensors(record), dtype)  # back to float32
-    refused = screen(state)
+    state, flat = reply_tensors(record, dtype)  # back to float32
+    refused = screen(state, flat)
     if refused:
         return None, refused
     metrics = content[METRICS]
