@@ -225,19 +225,30 @@ class Payload:
     returned: tuple[str, ...] | None = None  # keys a reply must hold (None: the keys sent)
     _record: Any = field(default=None, init=False, repr=False, compare=False)  # what record() copies
     _bytes: int | None = field(default=None, init=False, repr=False, compare=False)  # record_bytes()
+    _expected: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)  # expected_keys()
 
-    def record(self) -> Any:
-        """A fresh ArrayRecord of the payload's Arrays: a copy (``ArrayRecord.copy``) of one made once
-        (Flower checks every entry it is given; the Arrays themselves are shared, never changed)."""
+    def _held(self) -> Any:
+        """The ArrayRecord of the payload's Arrays, made once (Flower checks every entry it is given)."""
         if self._record is None:
             self._record = array_record(self.arrays)
-        return self._record.copy()
+        return self._record
+
+    def record(self) -> Any:
+        """A fresh ArrayRecord of the payload's Arrays: a copy (``ArrayRecord.copy``) of the one made
+        once (the Arrays themselves are shared, never changed)."""
+        return self._held().copy()
 
     def record_bytes(self) -> int:
         """Bytes of :meth:`record`'s ArrayRecord (``count_bytes``; counted once: the Arrays never change)."""
         if self._bytes is None:
-            self._bytes = array_record(self.arrays).count_bytes()
+            self._bytes = self._held().count_bytes()
         return self._bytes
+
+    def expected_keys(self) -> frozenset[str]:
+        """The keys a reply must hold: ``returned``, else the keys sent (made once)."""
+        if self._expected is None:
+            self._expected = frozenset(self.returned if self.returned is not None else self.shapes)
+        return self._expected
 
 
 def train_options(distill: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -293,7 +304,7 @@ def check_train_reply(content: RecordDict, payload: Payload, level: float, num_c
     if ARRAYS not in content or METRICS not in content:
         return None, f"reply lacks '{ARRAYS}' or '{METRICS}'"
     record = content[ARRAYS]
-    expected, got = set(payload.returned if payload.returned is not None else payload.shapes), set(record.keys())
+    expected, got = payload.expected_keys(), record.keys()
     if expected != got:
         missing, extra = sorted(expected - got), sorted(got - expected)
         return None, f"keys do not match level {level:g}: missing {missing[:3]}, unexpected {extra[:3]}"

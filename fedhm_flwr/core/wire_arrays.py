@@ -39,10 +39,10 @@ def wire_array(tensor: torch.Tensor, dtype: str = "float32") -> Array:
             tensor = tensor.view(torch.int16)
     ndarray = tensor.contiguous().cpu().numpy()
     name, shape = ndarray.dtype.name, tuple(ndarray.shape)  # (a tensor's numpy dtype is native: name == str)
-    header = npy_header(name, shape)
+    header = _NPY_HEADERS.get((name, shape)) or npy_header(name, shape)
     if header is None:
         return Array.from_numpy_ndarray(ndarray)
-    return Array(dtype=name, shape=shape, stype="numpy.ndarray", data=header + ndarray.tobytes())
+    return Array(dtype=name, shape=shape, stype="numpy.ndarray", data=b"".join((header, ndarray.data)))  # (one copy)
 
 
 _NPY_HEADERS: dict[tuple[str, tuple[int, ...]], bytes | None] = {}
@@ -91,6 +91,14 @@ def _data_offset(array: Any) -> tuple[np.dtype, tuple[int, ...], int, int] | Non
     (where ``np.save`` puts it)."""
     if array.stype != "numpy.ndarray":
         return None
+    shape, data = tuple(array.shape), array.data
+    known = _NPY_HEADERS.get((array.dtype, shape)) if isinstance(array.dtype, str) else None
+    if known is not None:  # (what this module wrote, as mostly: one look)
+        dtype = _NUMPY_DTYPES.get(array.dtype)
+        if dtype is not None:
+            count = math.prod(shape)
+            if len(data) == len(known) + dtype.itemsize * count and data.startswith(known):
+                return dtype, shape, count, len(known)
     dtype = _NUMPY_DTYPES.get(array.dtype) if isinstance(array.dtype, str) else None
     if dtype is None:
         try:
@@ -99,7 +107,6 @@ def _data_offset(array: Any) -> tuple[np.dtype, tuple[int, ...], int, int] | Non
             return None
     if dtype.hasobject:
         return None
-    shape, data = tuple(array.shape), array.data
     count = math.prod(shape)
     offset = len(data) - dtype.itemsize * count
     known = _NPY_HEADERS.get((array.dtype, shape)) or npy_header(array.dtype, shape)
