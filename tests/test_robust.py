@@ -327,6 +327,23 @@ def test_defences_never_select_or_produce_inf_nan_or_huge_values():
     assert robust.oversized({"w": _t(3, 4), "n": torch.tensor([10**9])}, 5.0) is None
 
 
+
+def test_the_screens_one_op_pass_over_a_whole_reply_clears_only_what_the_per_tensor_passes_clear():
+    """``flat`` (all of a reply's floating values) clears a reply at once only when its whole norm is
+    within the bound; otherwise the per-tensor passes decide, with the same reasons as without it."""
+    within = {"a": _t(3.0, 0.0), "b": _t(0.0, 4.0)}  # each norm <= 4, the whole's 5
+    flat = torch.cat([v.reshape(-1) for v in within.values()])
+    assert robust.oversized(within, 5.0, flat) is None
+    assert robust.oversized(within, 4.5, flat) is None  # whole 5 > 4.5: the per-tensor pass clears it
+    assert robust.oversized(within, 3.5, flat) == "b has L2 norm 4, above the bound 3.5 (aggregation.max_norm)"
+    for bad in (math.nan, math.inf, -math.inf):
+        state = {"a": _t(1.0, 0.0), "b": _t(0.0, bad)}
+        flat = torch.cat([v.reshape(-1) for v in state.values()])
+        assert robust.oversized(state, 1e6, flat) == "b holds NaN or Inf"
+    big = {"a": _t(3e30, 0.0)}  # float32 squares overflow to inf: not cleared by the one op
+    assert robust.oversized(big, 1e15, big["a"]).startswith("a has L2 norm 3e+30")
+    assert robust.oversized({}, 1.0, torch.zeros(0)) is None
+
 def _huge_factors(reply, factor):
     """The reply with every factor (``.a.weight``/``.b.weight``) multiplied by ``factor``."""
     state = reply.content["arrays"].to_torch_state_dict()

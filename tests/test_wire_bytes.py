@@ -50,6 +50,29 @@ def test_replies_read_alike_whatever_wrote_their_header():
     assert torch.equal(read["v2"], torch.from_numpy(plain)) and torch.equal(read["fortran"], torch.from_numpy(plain))
 
 
+
+@pytest.mark.parametrize("dtype", protocol.WIRE_DTYPES)
+def test_a_reply_reads_into_one_flat_float32_tensor_as_it_reads_tensor_by_tensor(dtype):
+    """``reply_tensors`` gives what ``from_wire(record_tensors(...))`` gives, key for key, value for
+    value and dtype for dtype, and its flat tensor holds every floating value in record order; an
+    array outside the wire dtype keeps its own way in, and the flat tensor is then withheld."""
+    honest = protocol.array_record({str(i): protocol.wire_array(t, dtype) for i, t in enumerate(TENSORS[:6])})
+    expected = protocol.from_wire(protocol.record_tensors(honest), dtype)
+    read, flat = protocol.reply_tensors(honest, dtype)
+    assert list(read) == list(expected)
+    for key, tensor in expected.items():
+        assert read[key].dtype == tensor.dtype and read[key].shape == tensor.shape and torch.equal(read[key], tensor), key
+    floats = [t.reshape(-1) for t in expected.values() if t.is_floating_point()]
+    assert flat is not None and flat.dtype == torch.float32 and torch.equal(flat, torch.cat(floats))
+    assert all(read[k].data_ptr() != read[j].data_ptr() for k in read for j in read if k < j and read[k].numel())
+    odd = protocol.array_record(dict(honest.items()))
+    odd["f64"] = Array.from_numpy_ndarray(np.arange(6, dtype=np.float64).reshape(2, 3))  # (a sender's own dtype)
+    read, flat = protocol.reply_tensors(odd, dtype)
+    expected = protocol.from_wire(protocol.record_tensors(odd), dtype)
+    assert flat is None and list(read) == list(expected) and all(torch.equal(read[k], expected[k]) for k in expected)
+    empty, flat = protocol.reply_tensors(protocol.array_record({}), dtype)
+    assert empty == {} and flat is not None and flat.numel() == 0
+
 def test_records_share_the_payloads_arrays_but_not_their_keys():
     arrays = {"w": protocol.wire_array(torch.randn(3))}
     first, second = protocol.array_record(arrays), protocol.array_record(arrays)

@@ -22,7 +22,8 @@ from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDic
 from flwr.common.constant import ErrorCode
 
 # arrays on the wire, re-exported as part of the contract (wire.wire_array, wire.record_tensors, ...)
-from fedhm_flwr.core.wire_arrays import WIRE_DTYPES, array_record, from_wire, npy_header, record_tensors, wire_array
+from fedhm_flwr.core.wire_arrays import (WIRE_DTYPES, array_record, from_wire, npy_header, record_tensors, reply_tensors,
+                                         wire_array)
 
 if TYPE_CHECKING:  # torch is imported where tensors are converted: the config check imports this module
     import torch
@@ -224,19 +225,30 @@ class Payload:
     returned: tuple[str, ...] | None = None  # keys a reply must hold (None: the keys sent)
     _record: Any = field(default=None, init=False, repr=False, compare=False)  # what record() copies
     _bytes: int | None = field(default=None, init=False, repr=False, compare=False)  # record_bytes()
+    _expected: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)  # expected_keys()
 
-    def record(self) -> Any:
-        """A fresh ArrayRecord of the payload's Arrays: a copy (``ArrayRecord.copy``) of one made once
-        (Flower checks every entry it is given; the Arrays themselves are shared, never changed)."""
+    def _held(self) -> Any:
+        """The ArrayRecord of the payload's Arrays, made once (Flower checks every entry it is given)."""
         if self._record is None:
             self._record = array_record(self.arrays)
-        return self._record.copy()
+        return self._record
+
+    def record(self) -> Any:
+        """A fresh ArrayRecord of the payload's Arrays: a copy (``ArrayRecord.copy``) of the one made
+        once (the Arrays themselves are shared, never changed)."""
+        return self._held().copy()
 
     def record_bytes(self) -> int:
         """Bytes of :meth:`record`'s ArrayRecord (``count_bytes``; counted once: the Arrays never change)."""
         if self._bytes is None:
-            self._bytes = array_record(self.arrays).count_bytes()
+            self._bytes = self._held().count_bytes()
         return self._bytes
+
+    def expected_keys(self) -> frozenset[str]:
+        """The keys a reply must hold: ``returned``, else the keys sent (made once)."""
+        if self._expected is None:
+            self._expected = frozenset(self.returned if self.returned is not None else self.shapes)
+        return self._expected
 
 
 def train_options(distill: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -282,23 +294,25 @@ class TaskConfigs:
 
 
 def check_train_reply(content: RecordDict, payload: Payload, level: float, num_classes: int, dtype: str,
-                      screen: Callable[[dict[str, torch.Tensor]], str | None],
+                      screen: Callable[[dict[str, torch.Tensor], torch.Tensor | None], str | None],
                       ) -> tuple[tuple[dict[str, torch.Tensor], int, Any, dict[str, float]] | None, str]:
     """A training reply checked against the payload sent: ((state in float32, num-examples,
     class counts, scalar metrics), "") or (None, why it is refused). Keys and shapes are checked
-    before any tensor is read; ``screen`` refuses tensors (NaN/inf, oversized) by a reason."""
+    before any tensor is read; ``screen(state, flat)`` refuses tensors (NaN/inf, oversized) by a
+    reason (``flat``: every floating value of the reply in one tensor, or None,
+    :func:`fedhm_flwr.core.wire_arrays.reply_tensors`)."""
     if ARRAYS not in content or METRICS not in content:
         return None, f"reply lacks '{ARRAYS}' or '{METRICS}'"
     record = content[ARRAYS]
-    expected, got = set(payload.returned if payload.returned is not None else payload.shapes), set(record.keys())
+    expected, got = payload.expected_keys(), record.keys()
     if expected != got:
         missing, extra = sorted(expected - got), sorted(got - expected)
         return None, f"keys do not match level {level:g}: missing {missing[:3]}, unexpected {extra[:3]}"
     for key, array in record.items():  # shapes before any tensor is read
         if tuple(array.shape) != payload.shapes[key]:
             return None, f"{key} has shape {tuple(array.shape)}, level {level:g} needs {payload.shapes[key]}"
-    state = from_wire(record_tensors(record), dtype)  # back to float32
-    refused = screen(state)
+    state, flat = reply_tensors(record, dtype)  # back to float32
+    refused = screen(state, flat)
     if refused:
         return None, refused
     metrics = content[METRICS]

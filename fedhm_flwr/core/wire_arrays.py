@@ -39,10 +39,10 @@ def wire_array(tensor: torch.Tensor, dtype: str = "float32") -> Array:
             tensor = tensor.view(torch.int16)
     ndarray = tensor.contiguous().cpu().numpy()
     name, shape = ndarray.dtype.name, tuple(ndarray.shape)  # (a tensor's numpy dtype is native: name == str)
-    header = npy_header(name, shape)
+    header = _NPY_HEADERS.get((name, shape)) or npy_header(name, shape)
     if header is None:
         return Array.from_numpy_ndarray(ndarray)
-    return Array(dtype=name, shape=shape, stype="numpy.ndarray", data=header + ndarray.tobytes())
+    return Array(dtype=name, shape=shape, stype="numpy.ndarray", data=b"".join((header, ndarray.data)))  # (one copy)
 
 
 _NPY_HEADERS: dict[tuple[str, tuple[int, ...]], bytes | None] = {}
@@ -82,42 +82,102 @@ def array_record(arrays: Mapping[str, Array]) -> ArrayRecord:
     return record
 
 
+def _data_offset(array: Any) -> tuple[np.dtype, tuple[int, ...], int, int] | None:
+    """(numpy dtype, shape, element count, offset of the data in ``array.data``) of an Array whose
+    bytes are a ``.npy`` header declaring its own dtype and shape in C order followed by the data;
+    None for anything else (read through ``Array.numpy()``). The header :func:`npy_header` makes
+    for the dtype and shape is recognised as it is; a header differing only in its padding or form
+    (another numpy's ``np.save``) by what it declares, the data then read from the end of the bytes
+    (where ``np.save`` puts it)."""
+    if array.stype != "numpy.ndarray":
+        return None
+    shape, data = tuple(array.shape), array.data
+    known = _NPY_HEADERS.get((array.dtype, shape)) if isinstance(array.dtype, str) else None
+    if known is not None:  # (what this module wrote, as mostly: one look)
+        dtype = _NUMPY_DTYPES.get(array.dtype)
+        if dtype is not None:
+            count = math.prod(shape)
+            if len(data) == len(known) + dtype.itemsize * count and data.startswith(known):
+                return dtype, shape, count, len(known)
+    dtype = _NUMPY_DTYPES.get(array.dtype) if isinstance(array.dtype, str) else None
+    if dtype is None:
+        try:
+            dtype = np.dtype(array.dtype)
+        except TypeError:
+            return None
+    if dtype.hasobject:
+        return None
+    count = math.prod(shape)
+    offset = len(data) - dtype.itemsize * count
+    known = _NPY_HEADERS.get((array.dtype, shape)) or npy_header(array.dtype, shape)
+    if not (known is not None and offset == len(known) and data.startswith(known)):
+        header = bytes(data[:min(max(offset, 0), 4096)])
+        if not (offset > 0 and header.startswith(b"\x93NUMPY") and b"'fortran_order': False" in header
+                and f"'descr': '{dtype.str}'".encode() in header and f"'shape': {shape}".encode() in header):
+            return None
+    return dtype, shape, count, offset
+
+
 def record_tensors(record: Any) -> dict[str, torch.Tensor]:
     """An ArrayRecord's tensors, each copied once out of its Array's bytes.
 
     Flower's ``to_torch_state_dict`` parses every array's ``.npy`` header with ``np.load`` (a third
-    of a round's aggregation at ResNet-18 size); here an array whose bytes are the header
-    :func:`npy_header` makes for its own dtype and shape followed by the data is read from after
-    that header; an array whose header differs only in its padding or form (another numpy's
-    ``np.save``) but declares the Array's dtype in C order is read from the end of its bytes (where
-    ``np.save`` puts the data); anything else goes through ``Array.numpy()``."""
+    of a round's aggregation at ResNet-18 size); here an array :func:`_data_offset` locates is read
+    from after its header; anything else goes through ``Array.numpy()``."""
     import torch
 
     out = {}
     for key, array in record.items():
-        tensor = None
-        if array.stype == "numpy.ndarray":
-            dtype = _NUMPY_DTYPES.get(array.dtype) if isinstance(array.dtype, str) else None
-            if dtype is None:
-                try:
-                    dtype = np.dtype(array.dtype)
-                except TypeError:
-                    dtype = None
-            if dtype is not None and not dtype.hasobject:
-                shape, data = tuple(array.shape), array.data
-                count = math.prod(shape)
-                offset = len(data) - dtype.itemsize * count
-                known = _NPY_HEADERS.get((array.dtype, shape)) or npy_header(array.dtype, shape)
-                if not (known is not None and offset == len(known) and data.startswith(known)):
-                    header = bytes(data[:min(max(offset, 0), 4096)])
-                    if not (offset > 0 and header.startswith(b"\x93NUMPY") and b"'fortran_order': False" in header
-                            and f"'descr': '{dtype.str}'".encode() in header and f"'shape': {shape}".encode() in header):
-                        offset = -1
-                if offset >= 0:
-                    flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
-                    tensor = torch.from_numpy(flat.reshape(shape).copy())  # (C order: as the Array's)
-        out[key] = tensor if tensor is not None else torch.from_numpy(array.numpy())
+        located = _data_offset(array)
+        if located is None:
+            out[key] = torch.from_numpy(array.numpy())
+            continue
+        dtype, shape, count, offset = located
+        flat = np.frombuffer(array.data, dtype=dtype, count=count, offset=offset)
+        out[key] = torch.from_numpy(flat.reshape(shape).copy())  # (C order: as the Array's)
     return out
+
+
+#: the numpy dtype a floating tensor travels in, per wire dtype (bfloat16: its raw bits as int16)
+_WIRE_NUMPY = {"float32": "float32", "float16": "float16", "bfloat16": "int16"}
+
+
+def reply_tensors(record: Any, dtype: str = "float32") -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """``from_wire(record_tensors(record), dtype)``, and every floating value of it in one flat
+    float32 tensor (None when some floating tensor is not in it).
+
+    The arrays in the wire dtype's numpy dtype are copied, in record order, into one buffer,
+    converted to float32 at once (float16, bfloat16) and handed out as views of it: the values are
+    those :func:`record_tensors` and :func:`from_wire` give one by one, and the flat tensor lets a
+    screen see a whole reply in one op (:func:`fedhm_flwr.math.robust.oversized`). Any other array
+    (another dtype, another layout) is read as :func:`record_tensors` reads it."""
+    import torch
+
+    wire = _WIRE_NUMPY[dtype]
+    located: dict[str, tuple[Any, np.dtype, tuple[int, ...], int, int]] = {}
+    others = {}
+    for key, array in record.items():
+        found = _data_offset(array) if array.dtype == wire else None
+        if found is None:
+            others[key] = array
+        else:
+            located[key] = (array, *found)
+    buffer = np.empty(sum(count for _, _, _, count, _ in located.values()), dtype=_NUMPY_DTYPES[wire])
+    start = 0
+    for array, numpy_dtype, _, count, offset in located.values():
+        buffer[start:start + count] = np.frombuffer(array.data, dtype=numpy_dtype, count=count, offset=offset)
+        start += count
+    flat = torch.from_numpy(buffer)
+    if dtype != "float32":  # (one conversion for the whole reply)
+        flat = (flat.view(torch.bfloat16) if dtype == "bfloat16" else flat).float()
+        buffer = flat.numpy()
+    views, start = {}, 0
+    for key, (_, _, shape, count, _) in located.items():  # (numpy views: cheaper than torch's per tensor)
+        views[key] = torch.from_numpy(buffer[start:start + count].reshape(shape))
+        start += count
+    rest = from_wire(record_tensors(others), dtype) if others else {}
+    out = {key: views[key] if key in views else rest[key] for key in record.keys()}
+    return out, None if any(t.is_floating_point() for t in rest.values()) else flat
 
 
 def from_wire(state: Mapping[str, torch.Tensor], dtype: str = "float32") -> dict[str, torch.Tensor]:

@@ -154,8 +154,7 @@ def _layer_sum(previous: torch.Tensor, states: Sequence[Mapping[str, torch.Tenso
         a_weights = [states[i][f"{name}.a.weight"].to(torch.float32) for i in factored]
         b_weights = [states[i][f"{name}.b.weight"].to(torch.float32) for i in factored]
         A, B, _ = factor_matrices(torch.cat(a_weights, dim=1), torch.cat(b_weights, dim=0))
-        scale = torch.cat([torch.full((a.shape[1],), float(w[i]), dtype=torch.float32)
-                           for a, i in zip(a_weights, factored)])
+        scale = torch.from_numpy(np.repeat(w[factored].astype(np.float32), [a.shape[1] for a in a_weights]))
         total = (A * scale) @ B
     shape = tuple(previous.shape)
     if total is not None and len(shape) == 4:  # folded once, so that the full-rank replies need no unrolling

@@ -261,9 +261,10 @@ def _gram_svd(matrix: Tensor, ranks: tuple[int, ...], dtype: torch.dtype, tolera
         if max(truncation_backward_errors(side, Q, C, ranks).values()) > tolerance:
             return None
     S = C.norm(dim=1)
-    order = S.argsort(descending=True)
-    if not torch.equal(order, torch.arange(len(order))):  # (mostly in order already: no copies then)
-        S, Q, C = S[order], Q[:, order], C[order]
+    if not bool((S[:-1] > S[1:]).all()):  # (strictly decreasing, as mostly: the sort is the identity)
+        order = S.argsort(descending=True)
+        if not torch.equal(order, torch.arange(len(order))):
+            S, Q, C = S[order], Q[:, order], C[order]
     other = C / S.clamp_min(torch.finfo(dtype).tiny).unsqueeze(1)
     return SVD(Q, S, other) if wide else SVD(other.t(), S, Q.t())
 

@@ -241,14 +241,21 @@ def krum_select(vectors: Tensor, f: int, m: int = 1) -> list[int]:
 # ----------------------------------------------------------------------------------- screening
 
 
-def oversized(state: Mapping[str, Tensor], bound: float) -> str | None:
+def oversized(state: Mapping[str, Tensor], bound: float, flat: Tensor | None = None) -> str | None:
     """Why a reply's tensors are refused, or None: the first floating tensor that holds NaN/inf or
     whose L2 norm (float64) exceeds ``bound``. With every factor's norm at most ``bound``, a
     recovered product ``A·B`` has norm at most ``bound²`` (``‖AB‖_F <= ‖A‖_F ‖B‖_F``): a bound of
     1e6 (at most 1e15, as the config allows) keeps every recovery and every average far from
-    float32's overflow (3.4e38). One float32 norm per tensor first (NaN/inf make it non-finite;
-    a float32 overflow of the squares means a norm far above any allowed bound); each tensor is
-    looked at in detail only when that pass fails."""
+    float32's overflow (3.4e38).
+
+    Passes from cheap to exact, each looked at only when the one before fails: ``flat`` (every
+    floating value of ``state`` in one float32 tensor, when the caller has it,
+    :func:`fedhm_flwr.core.wire_arrays.reply_tensors`) by one float32 sum of squares, at most
+    ``bound²`` (no tensor's norm exceeds the whole's; NaN/inf or an overflow make it fail); then one
+    float32 norm per tensor (NaN/inf make it non-finite; a float32 overflow of the squares means a
+    norm far above any allowed bound); then each tensor in detail."""
+    if flat is not None and float(torch.dot(flat, flat)) <= bound * bound:
+        return None
     floats = [v.float() for v in state.values() if v.is_floating_point()]
     if not floats or bool((torch.stack(torch._foreach_norm(floats)) <= bound).all()):  # one call for all
         return None

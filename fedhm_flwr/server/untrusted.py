@@ -164,9 +164,10 @@ class Untrusted:
         """DP merges a round without replies too (its noise does not depend on who replied)."""
         return bool(self.dp.enabled)
 
-    def screen(self, state: State) -> str | None:
-        """Why a reply's tensors are refused before any merge, or None (:func:`robust.oversized`)."""
-        return robust.oversized(state, self._max_norm)
+    def screen(self, state: State, flat: torch.Tensor | None = None) -> str | None:
+        """Why a reply's tensors are refused before any merge, or None (:func:`robust.oversized`;
+        ``flat``: every floating value of ``state`` in one tensor, when the caller has it)."""
+        return robust.oversized(state, self._max_norm, flat)
 
     @property
     def expected_clients(self) -> float:
