@@ -42,9 +42,9 @@ from safetensors.torch import load_file
 from fedhm_flwr.reporting.results import load_checkpoint_state
 
 # 6 short rounds: Ray's start-up, then about a second per round; a checkpoint every round (the default)
-# every client sleeps 4 s before it trains (seeded failure injection, numerics untouched): a round
+# every client sleeps 3 s before it trains (seeded failure injection, numerics untouched): a round
 # takes at least that long on any machine, so a signal sent after round 3 lands before round 6
-JOB = ["failures.slow_probability=1.0", "failures.slow_seconds=4",
+JOB = ["failures.slow_probability=1.0", "failures.slow_seconds=3",
        "rounds=6", "num_clients=2", "fraction_train=1.0", "dataset.max_train_examples=3000",
        "dataset.max_test_examples=300", "model.width=4", "evaluation.levels=false"]
 MODEL = Path("checkpoint") / "global_model.safetensors"
@@ -174,13 +174,16 @@ def test_ctrl_c_to_fedhm_run_exits_130_leaves_nothing_and_the_printed_resume_end
     run_dir = tmp_path / "run"
     proc, out, err = _fedhm(run_dir, "run", *JOB, "--run-dir", str(run_dir))
     _wait_for_round(run_dir, proc, err, 1, timeout=900, done=_checkpoint_round)
-    # a second launch into the live run's directory (a new run, a resume) is refused at once
+    # a second launch into the live run's directory (a new run, a resume) is refused at once (both
+    # started together: they take a round or two of the run, which must still be short of round 6)
     lock = (run_dir / ".lock").read_text()
-    for args in (["run", *JOB, "--run-dir", str(run_dir)], ["resume", str(run_dir)]):
-        other = subprocess.run([sys.executable, "-m", "fedhm_flwr", *args], cwd=ROOT, capture_output=True, text=True,
-                               timeout=300)
-        assert other.returncode == 2, other.stdout + other.stderr
-        (line,) = other.stderr.strip().splitlines()  # one line
+    others = [subprocess.Popen([sys.executable, "-m", "fedhm_flwr", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+              for args in (["run", *JOB, "--run-dir", str(run_dir)], ["resume", str(run_dir)])]
+    for other in others:
+        stdout, stderr = other.communicate(timeout=300)
+        assert other.returncode == 2, stdout + stderr
+        (line,) = stderr.strip().splitlines()  # one line
         assert str(run_dir) in line and f"PID {proc.pid}" in line, line
     assert proc.poll() is None and (run_dir / ".lock").read_text() == lock
 
