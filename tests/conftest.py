@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from fedhm_flwr.config import load_config
@@ -25,3 +27,16 @@ def no_env_data_dir(monkeypatch):
     from fedhm_flwr.data import DATA_DIR_ENV
 
     monkeypatch.delenv(DATA_DIR_ENV, raising=False)
+
+
+@pytest.fixture
+def ctrl_c_reaches_children():
+    """Processes the test starts take Ctrl-C (SIGINT) as a terminal's foreground job does, also where
+    pytest itself ignores SIGINT (started with ``&`` from a script: children inherit the ignored
+    signal). tests/test_deploy.py's Ctrl-C to ``flwr run`` is otherwise lost, and its log stream
+    ends only when the SuperLink gives up on it, about a minute later."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # exec resets a handler to the default
+    yield
+    signal.signal(signal.SIGINT, previous)

@@ -161,8 +161,10 @@ def test_credentials_form_a_chain_and_keys_are_what_flower_reads(tmp_path):
 
 
 #: the TLS test's job: TOY over 3 rounds, each client sleeping 3 s per round (seeded injection, numerics
-#: untouched) so that a SuperLink stopped right after round 1's checkpoint stops the run mid-round
-TLS_JOB = [*TOY, "rounds=3", "failures.slow_probability=1.0", "failures.slow_seconds=3"]
+#: untouched) so that a SuperLink stopped right after round 1's checkpoint stops the run mid-round; no
+#: deployment statistics after the last round (4 more queries to every node, each a ClientApp process:
+#: about a minute here; nothing of an export is checked here, tests/test_deploy_docs.py exports)
+TLS_JOB = [*TOY, "rounds=3", "failures.slow_probability=1.0", "failures.slow_seconds=3", "evaluation.deploy_stats=false"]
 
 
 def _serverapps(tag: str) -> list[int]:
@@ -171,7 +173,8 @@ def _serverapps(tag: str) -> list[int]:
 
 @pytest.mark.slow
 @needs_fmnist
-def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_after_a_superlink_sigterm(tmp_path):
+def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_after_a_superlink_sigterm(
+        tmp_path, ctrl_c_reaches_children):
     cfg = load_config(TLS_JOB)
     strategy = FedHMStrategy(cfg, model_spec(cfg))
     cost = lambda i, kind: strategy.level_cost(i)[kind]  # noqa: E731

@@ -33,9 +33,11 @@ from fedhm_flwr.ops.supernode import children
 from test_deploy import ROOT, needs_fmnist
 
 DOC = ROOT / "docs" / "DEPLOY.md"
-#: the walk-through's job, made tiny: 3 devices, 1 round, a width-4 CNN on 600 examples
+#: the walk-through's job, made tiny: 3 devices, 1 round, a width-4 CNN on 600 examples, two levels (the full
+#: model and the 0.25 that the guide exports: after the last round every level's deployment statistics are
+#: one more query to every device, each a ClientApp process)
 TINY = ("num_clients=3 rounds=1 evaluation.where=clients availability.min_nodes=3 availability.wait_seconds=120 "
-        "dataset.max_train_examples=600 model.width=4 evaluation.levels=false timeout=120")
+        "dataset.max_train_examples=600 model.width=4 levels.ratios=[1,0.25] evaluation.levels=false timeout=120")
 
 
 def _section(title: str) -> str:

@@ -3,15 +3,15 @@
 terminal starts a foreground job, and signalled as a terminal signals it (Ctrl-C: SIGINT to the
 process group) or outright (SIGKILL):
 
-* Ctrl-C to ``fedhm run`` after round 3 of 6: exit 130, no traceback, within 10 s no process of
-  the run is alive (checked by PID: every process carrying the run's tag in
-  ``/proc/<pid>/environ`` and every descendant of the command, collected while the run trains,
-  plus a last scan); the printed ``fedhm resume <run dir>`` finishes the run with exactly the
-  model of an uninterrupted run (max abs diff 0); while it trained, a second launch into its
-  directory was refused (exit 2, naming the directory and the live PID);
-* SIGKILL to ``fedhm run`` after round 3: the watchdog stops everything, ``fedhm status`` says
-  the run stopped (exit 1), and ``fedhm resume`` goes on from the checkpoint's round to the same
-  model;
+* one run, signalled twice (one start-up and one resume saved; each step is what a user meets):
+  while it trains, a second launch into its directory is refused (exit 2, naming the directory
+  and the live PID); SIGKILL to ``fedhm run`` after round 3 of 7: the watchdog stops everything
+  (within 10 s no process of the run is alive, checked by PID: every process carrying the run's
+  tag in ``/proc/<pid>/environ`` and every descendant of the command, collected while the run
+  trains, plus a last scan), ``fedhm status`` says the run stopped (exit 1); ``fedhm resume``
+  goes on from the checkpoint's round; Ctrl-C to that resume a round later: exit 130, no
+  traceback, nothing left within 10 s; the printed ``fedhm resume <run dir>`` finishes the run
+  with exactly the model of an uninterrupted run (max abs diff 0);
 * Ctrl-C to a 2-job ``fedhm sweep`` in its second job: exit 130, the report names the finished
   and the interrupted job, and its continue command runs only the missing rounds of the second
   job; the sweep summary then covers both. Its jobs inject a client crash (a real exception in
@@ -41,11 +41,13 @@ from safetensors.torch import load_file
 
 from fedhm_flwr.reporting.results import load_checkpoint_state
 
-# 6 short rounds: Ray's start-up, then about a second per round; a checkpoint every round (the default)
-# every client sleeps 4 s before it trains (seeded failure injection, numerics untouched): a round
-# takes at least that long on any machine, so a signal sent after round 3 lands before round 6
-JOB = ["failures.slow_probability=1.0", "failures.slow_seconds=4",
-       "rounds=6", "num_clients=2", "fraction_train=1.0", "dataset.max_train_examples=3000",
+# 7 short rounds: Ray's start-up, then about a second per round; a checkpoint every round (the default)
+# every client sleeps 3 s before it trains (seeded failure injection, numerics untouched): a round
+# takes at least that long on any machine, so a SIGKILL after round 3 and a Ctrl-C to the resume a
+# round later both land before round 7
+ROUNDS = 7
+JOB = ["failures.slow_probability=1.0", "failures.slow_seconds=3",
+       f"rounds={ROUNDS}", "num_clients=2", "fraction_train=1.0", "dataset.max_train_examples=3000",
        "dataset.max_test_examples=300", "model.width=4", "evaluation.levels=false"]
 MODEL = Path("checkpoint") / "global_model.safetensors"
 
@@ -143,10 +145,11 @@ def reference(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("lifecycle") / "reference"
     proc, out, err = _fedhm(run_dir, "run", *JOB, "--run-dir", str(run_dir))
     assert proc.wait(timeout=900) == 0, err.read_text()[-3000:]
-    assert json.loads((run_dir / "summary.json").read_text())["rounds_completed"] == 6
-    assert "round 6/6" in out.read_text()  # the progress line
+    assert json.loads((run_dir / "summary.json").read_text())["rounds_completed"] == ROUNDS
+    assert f"round {ROUNDS}/{ROUNDS}" in out.read_text()  # the progress line
     status = fedhm_status(run_dir)
-    assert status.returncode == 0 and "completed (6/6 rounds)" in status.stdout, status.stdout + status.stderr
+    assert status.returncode == 0 and f"completed ({ROUNDS}/{ROUNDS} rounds)" in status.stdout, (
+        status.stdout + status.stderr)
     return run_dir
 
 
@@ -164,60 +167,56 @@ def _interrupt_after_round(run_dir: Path, proc: subprocess.Popen[bytes], err: Pa
     _assert_all_gone(pids, run_dir, t0)
     proc.wait(timeout=10)
     saved = int(load_checkpoint_state(run_dir)["round"])
-    assert rounds <= saved < 6, f"the signal did not reach the run in mid-course (checkpoint of round {saved})"
+    assert rounds <= saved < ROUNDS, f"the signal did not reach the run in mid-course (checkpoint of round {saved})"
     return saved
 
 
 @pytest.mark.slow
-def test_ctrl_c_to_fedhm_run_exits_130_leaves_nothing_and_the_printed_resume_ends_as_an_uninterrupted_run(
+def test_fedhm_run_refuses_a_second_launch_survives_a_sigkill_and_a_ctrl_c_and_ends_as_an_uninterrupted_run(
         tmp_path, reference):
+    """The SIGKILL test and the Ctrl-C test on one run (they paid the same start-up and resume)."""
     run_dir = tmp_path / "run"
     proc, out, err = _fedhm(run_dir, "run", *JOB, "--run-dir", str(run_dir))
     _wait_for_round(run_dir, proc, err, 1, timeout=900, done=_checkpoint_round)
-    # a second launch into the live run's directory (a new run, a resume) is refused at once
+    # a second launch into the live run's directory (a new run, a resume) is refused at once (both
+    # started together: they take a round or two of the run)
     lock = (run_dir / ".lock").read_text()
-    for args in (["run", *JOB, "--run-dir", str(run_dir)], ["resume", str(run_dir)]):
-        other = subprocess.run([sys.executable, "-m", "fedhm_flwr", *args], cwd=ROOT, capture_output=True, text=True,
-                               timeout=300)
-        assert other.returncode == 2, other.stdout + other.stderr
-        (line,) = other.stderr.strip().splitlines()  # one line
+    others = [subprocess.Popen([sys.executable, "-m", "fedhm_flwr", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+              for args in (["run", *JOB, "--run-dir", str(run_dir)], ["resume", str(run_dir)])]
+    for other in others:
+        stdout, stderr = other.communicate(timeout=300)
+        assert other.returncode == 2, stdout + stderr
+        (line,) = stderr.strip().splitlines()  # one line
         assert str(run_dir) in line and f"PID {proc.pid}" in line, line
     assert proc.poll() is None and (run_dir / ".lock").read_text() == lock
 
-    saved = _interrupt_after_round(run_dir, proc, err, max(3, _checkpoint_round(run_dir) + 1), None)
+    # SIGKILL: the watchdog stops everything, `fedhm status` says so, `fedhm resume` goes on from its checkpoint
+    killed = _interrupt_after_round(run_dir, proc, err, max(3, _checkpoint_round(run_dir) + 1), signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    before = (run_dir / "metrics.jsonl").read_text().splitlines()[:killed]
+    status = fedhm_status(run_dir)
+    assert status.returncode == 1 and "stopped" in status.stderr and f"last checkpoint: round {killed}" in status.stderr, (
+        status.stdout + status.stderr)
+    resumed, out, err = _fedhm(run_dir, "resume", str(run_dir), name="resume")
+
+    # Ctrl-C to the resumed run a round later: exit 130, no traceback, nothing left, the resume command printed
+    saved = _interrupt_after_round(run_dir, resumed, err, killed + 1, None)
+    progress = [line for line in out.read_text().splitlines() if line.startswith("round ")]
+    assert progress[0].startswith(f"round {killed + 1}/{ROUNDS} "), progress  # went on after the checkpoint's round
     stderr = err.read_text()
-    assert proc.returncode == 130, stderr[-3000:]
+    assert resumed.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr, stderr
     match = re.search(r"round (\d+)\) is in .*; resume the run with:\n  (.+)\n", stderr)
     assert match and int(match.group(1)) == saved, stderr
     command = match.group(2)
     assert re.fullmatch(rf"\S*fedhm resume {re.escape(str(run_dir))}", command), command
     # exactly the printed command: it ends as the uninterrupted run ended
-    resumed = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=900, start_new_session=True)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "run complete" in resumed.stdout
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == list(range(1, 7))
-    _same_model(run_dir, reference)
-
-
-@pytest.mark.slow
-def test_sigkill_to_fedhm_run_the_watchdog_stops_it_status_says_so_and_resume_goes_on_from_its_checkpoint(
-        tmp_path, reference):
-    run_dir = tmp_path / "run"
-    proc, out, err = _fedhm(run_dir, "run", *JOB, "--run-dir", str(run_dir))
-    saved = _interrupt_after_round(run_dir, proc, err, 3, signal.SIGKILL)
-    assert proc.returncode == -signal.SIGKILL
-    before = (run_dir / "metrics.jsonl").read_text().splitlines()[:saved]
-    status = fedhm_status(run_dir)
-    assert status.returncode == 1 and "stopped" in status.stderr and f"last checkpoint: round {saved}" in status.stderr, (
-        status.stdout + status.stderr)
-    resumed, out, err = _fedhm(run_dir, "resume", str(run_dir), name="resume")
-    assert resumed.wait(timeout=900) == 0, err.read_text()[-3000:]
-    progress = [line for line in out.read_text().splitlines() if line.startswith("round ")]
-    assert progress[0].startswith(f"round {saved + 1}/6 "), progress  # went on after the checkpoint's round
+    done = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=900, start_new_session=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "run complete" in done.stdout
     rows = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert rows[:saved] == before and [json.loads(r)["round"] for r in rows] == list(range(1, 7))
+    assert rows[:killed] == before and [json.loads(r)["round"] for r in rows] == list(range(1, ROUNDS + 1))
     _same_model(run_dir, reference)
     assert fedhm_status(run_dir).returncode == 0
 

@@ -15,14 +15,20 @@ RAY = str(Path(sys.executable).parent / "ray")
 
 
 def ray_start(procs: Processes, temp_dir: str, *args: str) -> None:
-    """``ray start`` one node of the test's cluster: every port its own free one (other sessions on
-    this machine may run Ray too), CPU count 1, its files under ``temp_dir``."""
+    """``ray start`` one node of the test's cluster: every port its own free one, its workers' too
+    (other sessions on this machine may run Ray too: with Ray's default worker range a worker can
+    find its port taken by another instance's, crash, and hold the job up for a minute), CPU count 1,
+    its files under ``temp_dir``."""
     ports = ["--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
              "--metrics-export-port"]
     cmd = [RAY, "start", "--node-ip-address=127.0.0.1", "--num-cpus=1", f"--temp-dir={temp_dir}",
            "--disable-usage-stats", *args]
     for flag in ports:
         cmd += [flag, str(free_port())]
+    workers: set[int] = set()
+    while len(workers) < 16:
+        workers.add(free_port())
+    cmd.append(f"--worker-port-list={','.join(map(str, sorted(workers)))}")
     env = {**procs.env(), "RAY_USAGE_STATS_ENABLED": "0"}
     done = procs.run(cmd, env, timeout=90)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
