@@ -92,13 +92,6 @@ def _data_offset(array: Any) -> tuple[np.dtype, tuple[int, ...], int, int] | Non
     if array.stype != "numpy.ndarray":
         return None
     shape, data = tuple(array.shape), array.data
-    known = _NPY_HEADERS.get((array.dtype, shape)) if isinstance(array.dtype, str) else None
-    if known is not None:  # (what this module wrote, as mostly: one look)
-        dtype = _NUMPY_DTYPES.get(array.dtype)
-        if dtype is not None:
-            count = math.prod(shape)
-            if len(data) == len(known) + dtype.itemsize * count and data.startswith(known):
-                return dtype, shape, count, len(known)
     dtype = _NUMPY_DTYPES.get(array.dtype) if isinstance(array.dtype, str) else None
     if dtype is None:
         try:
@@ -109,7 +102,7 @@ def _data_offset(array: Any) -> tuple[np.dtype, tuple[int, ...], int, int] | Non
         return None
     count = math.prod(shape)
     offset = len(data) - dtype.itemsize * count
-    known = _NPY_HEADERS.get((array.dtype, shape)) or npy_header(array.dtype, shape)
+    known = _NPY_HEADERS.get((array.dtype, shape)) or npy_header(array.dtype, shape)  # (cached: one look, mostly)
     if not (known is not None and offset == len(known) and data.startswith(known)):
         header = bytes(data[:min(max(offset, 0), 4096)])
         if not (offset > 0 and header.startswith(b"\x93NUMPY") and b"'fortran_order': False" in header
