@@ -10,7 +10,8 @@ from torch import nn
 
 from fedhm_flwr.math.lowrank import (SVD_TOLERANCE, _gram_svd, _subspace_step, _swap_middle, compute_svds,
                                      conv_to_matrix, factorize_state, full_rank, layer_matrix, layer_svd,
-                                     matrix_to_conv, rank_for, recover_state, split_factors)
+                                     matrix_to_conv, rank_for, recover_state, split_factors,
+                                     truncation_backward_errors)
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.layers import FactorizedConv2d, FactorizedLinear, factorize_modules, factorized_modules
 from fedhm_flwr.models.rules import plan_ranks
@@ -319,6 +320,62 @@ def test_fast_svd_meets_the_tolerance_at_every_level_rank(rows, cols, spectrum, 
         assert _excess_error(M, svd, r) <= 2 * SVD_TOLERANCE, (spectrum, r)
         if spectrum != "log":  # the float32 rounding of the weight itself is 6e-8
             assert _backward_error(M, svd, r) <= 1e-5, (spectrum, r)
+
+
+def _mixed_subspace(rows: int, cols: int, k: int, eps: float, dtype: torch.dtype):
+    """(rows' side of M, Q, C = Qᵀ side): ``Q`` the leading ``k`` eigenvectors of the Gram matrix
+    mixed with the discarded ones by ``eps`` and orthonormalised, so that the backward error grows
+    with the rank (singular values 1 .. 1e-3)."""
+    M = _with_spectrum(rows, cols, torch.logspace(0, -3, min(rows, cols), dtype=torch.float64)).double()
+    side = M if rows <= cols else M.t()
+    exact = torch.linalg.eigh(side @ side.t())[1].flip(1)[:, :k]
+    Q = torch.linalg.qr(exact + eps * torch.randn(side.shape[0], k, dtype=torch.float64))[0]
+    side, Q = side.to(dtype), Q.to(dtype)
+    return side, Q, Q.t() @ side
+
+
+@pytest.mark.parametrize("rows,cols", [(40, 90), (90, 40)])
+def test_backward_errors_of_every_rank_match_their_definition(rows, cols):
+    """All ranks at once (float64) equal, rank by rank, the definition ‖(I − Q_r Q_rᵀ) M Mᵀ Q_r
+    diag(1/σ_i)‖_F / ‖M‖_F, σ_i = ‖q_iᵀ M‖; some of these ranks fail a tolerance, some pass."""
+    side, Q, C = _mixed_subspace(rows, cols, 24, 1e-6, torch.float64)
+    ranks = (1, 5, 12, 24)  # 24 = every column of Q: no kept-but-cut part
+    got = truncation_backward_errors(side, Q, C, ranks)
+    G = side @ side.t()
+    for r in ranks:
+        Qr = Q[:, :r]
+        E = G @ Qr - Qr @ (Qr.t() @ G @ Qr)
+        sigma2 = (Qr.t() @ side).square().sum(dim=1)
+        want = math.sqrt(float((E.square().sum(dim=0) / sigma2).sum()) / float(side.square().sum()))
+        assert got[r] == pytest.approx(want, rel=1e-9), r
+    tolerance = math.sqrt(min(got.values()) * max(got.values()))  # between the best and the worst rank
+    assert min(got.values()) < tolerance < max(got.values())  # some ranks must be rejected there, some not
+
+
+def _backward_errors_rank_by_rank(matrix, Q, C, ranks):
+    """The check one rank at a time in the working dtype: outside part per kept column, couplings
+    to the kept-but-cut columns from C Cᵀ (the per-rank loop the all-ranks form replaces)."""
+    H = C @ C.t()
+    outside = (matrix @ C.t() - Q @ H).square().sum(dim=0)
+    lam = H.diagonal()
+    total = float(matrix.square().sum())
+    return {r: math.sqrt(float(((outside[:r] + H[r:, :r].square().sum(dim=0)) / lam[:r]).sum()) / total)
+            for r in ranks}
+
+
+@pytest.mark.parametrize("rows,cols", [(96, 192), (192, 96), (64, 64)])
+def test_backward_errors_in_float32_are_the_rank_by_rank_ones(rows, cols):
+    """In float32 the all-ranks form gives the rank-by-rank values up to float32 rounding (far
+    below any tolerance's margin), and the same accept/reject at a tolerance between the ranks."""
+    side, Q, C = _mixed_subspace(rows, cols, 32, 1e-4, torch.float32)
+    ranks = (4, 8, 16, 32)
+    got, want = truncation_backward_errors(side, Q, C, ranks), _backward_errors_rank_by_rank(side, Q, C, ranks)
+    for r in ranks:
+        assert got[r] == pytest.approx(want[r], rel=1e-5), r
+    tolerance = math.sqrt(min(want.values()) * max(want.values()))  # some ranks fail it, some pass
+    assert [got[r] > tolerance for r in ranks] == [want[r] > tolerance for r in ranks]
+    assert 0 < sum(got[r] > tolerance for r in ranks) < len(ranks)
+    assert truncation_backward_errors(torch.zeros_like(side), Q, C, ranks) == dict.fromkeys(ranks, 0.0)
 
 
 def test_subspace_step_repairs_what_the_gram_cannot_resolve():

@@ -209,6 +209,14 @@ class SVD(NamedTuple):
 SVD_TOLERANCE = 1e-4
 
 
+@functools.lru_cache(maxsize=64)
+def _rank_masks(ranks: tuple[int, ...], k: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(kept, cut)``, each ``len(ranks) × k`` in ``dtype``: ``kept[ρ, i] = [i < ranks[ρ]]``,
+    ``cut = 1 − kept`` (one pair per ranks and size: a model has a few dozen)."""
+    kept = (torch.arange(k).unsqueeze(0) < torch.tensor(ranks).unsqueeze(1)).to(dtype)
+    return kept, 1 - kept
+
+
 def truncation_backward_errors(matrix: Tensor, Q: Tensor, C: Tensor, ranks: Iterable[int]) -> dict[int, float]:
     """A posteriori backward error of each rank-``r`` truncation ``Q_r Q_rᵀ M`` (``C = Q_kᵀ M``,
     ``k = Q``'s columns ≥ every rank; ``Q`` orthonormal, from the side of ``M``'s rows).
@@ -220,16 +228,24 @@ def truncation_backward_errors(matrix: Tensor, Q: Tensor, C: Tensor, ranks: Iter
     (products with ``M`` itself, so that the Gram matrix's own rounding is seen), the part inside from
     the off-diagonal of ``C Cᵀ``. Needs no spectral gap: where the gap is small the float64 truncation is
     itself that sensitive to the weight, and the backward error is the honest measure.
+
+    Every rank at once: with ``H = C Cᵀ``, ``P[j, i] = H[j, i]² / σ_i²`` and ``o_i`` = column ``i``'s
+    outside part over ``σ_i²``, rank ``r``'s ``‖Δ‖_F² = Σ_{i<r} o_i + Σ_{i<r, j≥r} P[j, i]``: two
+    products with the 0/1 masks ``[i < r]`` and ``[j ≥ r]`` (:func:`_rank_masks`), one row per rank.
     """
+    ranks = tuple(int(r) for r in ranks)
     H = C @ C.t()  # k × k: Q_kᵀ M Mᵀ Q_k
-    outside = (matrix @ C.t() - Q @ H).square().sum(dim=0)  # per kept column i: ‖(I − Q_k Q_kᵀ) M Mᵀ q_i‖²
+    # per kept column i: ‖(I − Q_k Q_kᵀ) M Mᵀ q_i‖² (the residual formed in place: no second k-wide temporary)
+    outside = (matrix @ C.t()).addmm_(Q, H, alpha=-1).square().sum(dim=0)
     lam = H.diagonal().clamp_min(torch.finfo(H.dtype).tiny)
-    total = float(matrix.square().sum())
-    out = {}
-    for r in ranks:
-        inside = H[r:, :r].square().sum(dim=0)  # couplings to the kept-but-cut components r+1 .. k
-        out[int(r)] = math.sqrt(float(((outside[:r] + inside) / lam[:r]).sum()) / total) if total > 0 else 0.0
-    return out
+    flat = (matrix.t() if matrix.t().is_contiguous() else matrix).reshape(-1)  # (a view of either side)
+    total = float(torch.dot(flat, flat))
+    if total <= 0:
+        return dict.fromkeys(ranks, 0.0)
+    kept, cut = _rank_masks(ranks, H.shape[0], H.dtype)
+    # per rank: the outside parts of the kept columns, and their couplings to the kept-but-cut rows
+    squares = kept @ (outside / lam) + ((cut @ (H.square() / lam)) * kept).sum(dim=1)
+    return {r: math.sqrt(value / total) for r, value in zip(ranks, squares.tolist())}
 
 
 def _exact_svd(matrix: Tensor) -> SVD:
