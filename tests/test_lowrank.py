@@ -11,7 +11,7 @@ from torch import nn
 from fedhm_flwr.math.lowrank import (SVD_TOLERANCE, _gram_svd, _subspace_step, _swap_middle, compute_svds,
                                      conv_to_matrix, factorize_state, full_rank, layer_matrix, layer_svd,
                                      matrix_to_conv, rank_for, recover_state, split_factors,
-                                     truncation_backward_errors)
+                                     truncation_backward_errors, wire_factors)
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.layers import FactorizedConv2d, FactorizedLinear, factorize_modules, factorized_modules
 from fedhm_flwr.models.rules import plan_ranks
@@ -417,6 +417,26 @@ def test_fast_svd_tolerance_decides_the_path_and_is_met():
         assert _backward_error(M, tight, r) <= 1e-6
     with pytest.raises(ValueError, match="tolerance must be a number > 0"):
         layer_svd(M, ranks, tolerance=0.0)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_levels_cut_from_shared_wire_factors_equal_their_own_factorization(exact):
+    """Factors made once up to the top rank (:func:`wire_factors`) and cut per level give every
+    level's hybrid state bit for bit as factorizing it alone (conv and linear, float32 and float64
+    SVD): the same keys, order, shapes, contiguous float32 tensors; a rank beyond them is refused."""
+    state = {"c.weight": torch.randn(32, 16, 3, 3), "c.bias": torch.randn(32), "l.weight": torch.randn(10, 64),
+             "l.bias": torch.randn(10), "bn.weight": torch.randn(4)}
+    top = {"c": 24, "l": 6}
+    svds = {n: layer_svd(state[f"{n}.weight"], () if exact else (r // 4, r // 2, r)) for n, r in top.items()}
+    factors = {n: wire_factors(svds[n], state[f"{n}.weight"].shape, r) for n, r in top.items()}
+    for ranks in ({"c": 6, "l": 1}, {"c": 12, "l": 3}, {"c": 24, "l": 6}, {"c": 24}):
+        alone, cut = factorize_state(state, ranks, svds), factorize_state(state, ranks, factors=factors)
+        assert list(alone) == list(cut)
+        for key in alone:
+            assert cut[key].dtype == torch.float32 and cut[key].is_contiguous(), key
+            assert torch.equal(alone[key], cut[key]), key
+    with pytest.raises(ValueError, match=r"rank must be in \[1, 24\]"):
+        factorize_state(state, {"c": 25}, factors=factors)
 
 
 def test_fast_svd_at_full_rank_takes_the_exact_path_and_reproduces_the_layer():

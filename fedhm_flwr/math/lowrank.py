@@ -53,6 +53,8 @@ __all__ = [
     "recover_state",
     "split_factors",
     "truncation_backward_errors",
+    "WireFactors",
+    "wire_factors",
 ]
 
 
@@ -366,6 +368,27 @@ def conv_a_weight(A: Tensor, n: int, k: int) -> Tensor:
     return A.reshape(n, k, A.shape[1]).permute(0, 2, 1).unsqueeze(-1)
 
 
+class WireFactors(NamedTuple):
+    """A layer's spectral factors up to some rank ``R``, in the hybrid state's layout, contiguous:
+    ``a`` is ``L.a.weight`` at rank ``R`` (conv ``(n, R, k, 1)``, linear ``(out, R)``), ``b`` is
+    ``L.b.weight`` (conv ``(R, m, 1, k)``, linear ``(R, in)``). A rank-``r ≤ R`` cut is ``a[:, :r]``
+    and ``b[:r]``: the same values as :func:`split_factors` at ``r`` (elementwise products, so a
+    component's factors do not depend on how many are kept)."""
+
+    a: Tensor
+    b: Tensor
+
+
+def wire_factors(svd: SVD, shape: tuple[int, ...] | torch.Size, rank: int | None = None) -> WireFactors:
+    """:class:`WireFactors` of a layer of weight ``shape`` from its SVD, up to ``rank`` (default:
+    every component the SVD has): made once, cut at each level's rank by :func:`factorize_state`."""
+    A, B = split_factors(svd, svd.S.numel() if rank is None else rank)
+    if len(shape) == 4:
+        n, m, k, _ = shape
+        A, B = conv_a_weight(A, n, k), conv_b_weight(B, m, k)
+    return WireFactors(A.contiguous(), B.contiguous())
+
+
 # --------------------------------------------------------------------------------------------
 # State dicts (the server side: no model needed)
 # --------------------------------------------------------------------------------------------
@@ -386,13 +409,16 @@ def factorize_state(
     full_state: Mapping[str, Tensor],
     ranks: Mapping[str, int],
     svds: Mapping[str, SVD] | None = None,
+    factors: Mapping[str, WireFactors] | None = None,
 ) -> dict[str, Tensor]:
     """Hybrid state dict of a full state dict: layer ``L`` in ``ranks`` becomes ``L.b.weight``,
     ``L.a.weight`` (and ``L.a.bias``), spectral factors at rank ``ranks[L]``.
 
-    Pass ``svds`` (from :func:`compute_svds`) to share one SVD per layer across levels. Key order
-    follows ``full_state`` and matches ``state_dict()`` of the hybrid model. Floating tensors come
-    out float32 and contiguous.
+    Pass ``svds`` (from :func:`compute_svds`) to share one SVD per layer across levels, or
+    ``factors`` (:func:`wire_factors`, up to at least the rank) to share the factors too: a level's
+    ``L.b.weight`` is then a view of them (its leading rows), its ``L.a.weight`` one copy of its
+    leading columns. Key order follows ``full_state`` and matches ``state_dict()`` of the hybrid
+    model. Floating tensors come out float32 and contiguous.
     """
     missing = [f"{name}.weight" for name in ranks if f"{name}.weight" not in full_state]
     if missing:
@@ -404,15 +430,14 @@ def factorize_state(
             out[key] = _as_wire(value)
         elif leaf == "weight":
             rank = int(ranks[layer])
-            svd = svds[layer] if svds is not None and layer in svds else layer_svd(value)
-            A, B = split_factors(svd, rank)
-            if value.ndim == 4:
-                n, m, k, _ = value.shape
-                out[f"{layer}.b.weight"] = _as_wire(conv_b_weight(B, m, k))
-                out[f"{layer}.a.weight"] = _as_wire(conv_a_weight(A, n, k))
-            else:
-                out[f"{layer}.b.weight"] = _as_wire(B)
-                out[f"{layer}.a.weight"] = _as_wire(A)
+            held = factors.get(layer) if factors is not None else None
+            if held is None:
+                svd = svds[layer] if svds is not None and layer in svds else layer_svd(value)
+                held = wire_factors(svd, value.shape, rank)
+            elif not 1 <= rank <= held.b.shape[0]:
+                raise ValueError(f"rank must be in [1, {held.b.shape[0]}], got {rank}")
+            out[f"{layer}.b.weight"] = _as_wire(held.b[:rank])
+            out[f"{layer}.a.weight"] = _as_wire(held.a[:, :rank])
         elif leaf == "bias":
             out[f"{layer}.a.bias"] = _as_wire(value)
         else:

@@ -24,7 +24,7 @@ import torch
 
 from fedhm_flwr.config.methods import FedHMOptions
 from fedhm_flwr.math.aggregation import average_hybrid, level_weights, official_code_weights
-from fedhm_flwr.math.lowrank import SVD, SVD_TOLERANCE, compute_svds, factorize_state
+from fedhm_flwr.math.lowrank import SVD, SVD_TOLERANCE, WireFactors, compute_svds, factorize_state, wire_factors
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.rules import plan_ranks
 
@@ -57,6 +57,7 @@ class FedHM(Method):
         self.dynamic = cfg.levels.assignment == "dynamic"
         # layer -> (weight it was computed from, SVD, that weight's version counter: an in-place change voids it)
         self._svd_cache: dict[str, tuple[torch.Tensor, SVD, int]] = {}
+        self._factor_cache: dict[str, tuple[SVD, WireFactors]] = {}  # layer -> (its SVD, factors up to its top rank)
         self._level_states: dict[int, tuple[list[tuple[str, torch.Tensor, int]], State]] = {}  # _level_state
 
     def level_spec(self, level_index: int) -> dict[str, Any]:
@@ -78,6 +79,18 @@ class FedHM(Method):
             self._svd_cache[name] = (weight, svd, weight._version)
         return {name: self._svd_cache[name][1] for name in self.factorized}
 
+    def _wire_factors(self, global_state: State) -> dict[str, WireFactors]:
+        """Each factorizable layer's factors up to its largest level rank, in the wire layout, made
+        once per SVD: every level cuts its own rank out of them (:func:`lowrank.factorize_state`)."""
+        out = {}
+        for name, svd in self._svds(global_state).items():
+            held = self._factor_cache.get(name)
+            if held is None or held[0] is not svd:
+                held = self._factor_cache[name] = (svd, wire_factors(
+                    svd, global_state[f"{name}.weight"].shape, max(self.layer_ranks[name])))
+            out[name] = held[1]
+        return out
+
     def begin_round(self, server_round: int, global_state: State) -> None:
         self._svds(global_state)
 
@@ -96,7 +109,7 @@ class FedHM(Method):
                 key == k and tensor is t and tensor._version == v
                 for (key, tensor), (k, t, v) in zip(global_state.items(), held[0])):
             return dict(held[1])
-        state = factorize_state(global_state, self.ranks[level_index], self._svds(global_state))
+        state = factorize_state(global_state, self.ranks[level_index], factors=self._wire_factors(global_state))
         self._level_states[level_index] = ([(k, t, t._version) for k, t in global_state.items()], state)
         return dict(state)
 
