@@ -32,7 +32,7 @@ from fedhm_flwr.config.checks import (ASSIGNMENTS, ATTACKS, BN_STATS, EVALUATION
 from fedhm_flwr.config.methods import (ARCH_NAMES, OPTIONS, SUPPORTED_MODELS, MethodOptions, method_key, robust_modes,
                                        supported_pairs, validate_pair, validate_user_model)
 from fedhm_flwr.config.specs import (backbone_choice, data_spec, holdout_fraction, learning_rate, level_proportions,
-                                     model_spec, source_options)
+                                     lr_schedule, model_spec, source_options)
 from fedhm_flwr.core.errors import ConfigError
 
 CONF_DIR = Path(os.environ.get("FEDHM_CONF_DIR", Path(__file__).resolve().parents[2] / "conf"))

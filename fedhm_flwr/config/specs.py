@@ -7,6 +7,8 @@ importing torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import math
 from typing import Any
 
@@ -88,13 +90,19 @@ def holdout_fraction(cfg: DictConfig) -> float:
     return float(cfg.evaluation.holdout) if cfg.evaluation.where in ("clients", "both") else 0.0
 
 
-def learning_rate(cfg: DictConfig, server_round: int) -> float:
-    """The round's learning rate under the configured schedule (rounds start at 1)."""
+def lr_schedule(cfg: DictConfig) -> Callable[[int], float]:
+    """The configured schedule as a function of the round (rounds start at 1), the config read once
+    (a server round asks every round: the lookups cost more than the formula)."""
     base, total = float(cfg.train.lr), int(cfg.rounds)
     schedule = cfg.train.lr_schedule
     if schedule == "cosine":
-        return 0.5 * base * (1 + math.cos(math.pi * (server_round - 1) / max(1, total)))
+        return lambda server_round: 0.5 * base * (1 + math.cos(math.pi * (server_round - 1) / max(1, total)))
     if schedule == "step":
-        passed = sum(server_round > f * total for f in cfg.train.lr_step_rounds)
-        return base * float(cfg.train.lr_gamma) ** passed
-    return base
+        cuts, gamma = [f * total for f in cfg.train.lr_step_rounds], float(cfg.train.lr_gamma)
+        return lambda server_round: base * gamma ** sum(server_round > cut for cut in cuts)
+    return lambda server_round: base
+
+
+def learning_rate(cfg: DictConfig, server_round: int) -> float:
+    """The round's learning rate under the configured schedule (rounds start at 1)."""
+    return lr_schedule(cfg)(server_round)

@@ -320,7 +320,7 @@ def check_train_reply(content: RecordDict, payload: Payload, level: float, num_c
     if not isinstance(n, (int, float)) or isinstance(n, bool) or not n > 0:
         return None, f"num-examples missing or not positive ({n!r})"
     counts = np.asarray(metrics.get(CLASS_COUNTS, []), dtype=np.int64)
-    if counts.shape != (num_classes,) or np.any(counts < 0):
+    if counts.shape != (num_classes,) or (counts < 0).any():
         return None, f"class-counts must hold {num_classes} non-negative counts"
     scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return (state, int(n), counts, scalars), ""

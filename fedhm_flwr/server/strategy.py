@@ -33,7 +33,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 from omegaconf import DictConfig
 
-from fedhm_flwr.config import data_spec, learning_rate, level_proportions
+from fedhm_flwr.config import data_spec, learning_rate, level_proportions, lr_schedule
 from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.core.protocol import (ARRAYS, CONFIG, NODE_UNAVAILABLE, ArrayCache, Payload, TaskConfigs, asked_nodes,
                                       collect, content_bytes, error_reason, exchange, push)
@@ -84,6 +84,7 @@ class HeteroStrategy(Strategy):
         self.array_cache = ArrayCache()
         self.tasks = TaskConfigs()
         self._fixed_options: dict[str, Any] | None = None  # the train options but the round's lr
+        self._lr: Callable[[int], float] | None = None  # the round's lr (lr_schedule: the config read once)
         self._global_record: ArrayRecord | None = None  # the record last made of self.global_state
 
     def __getattr__(self, name: str) -> Any:
@@ -139,7 +140,8 @@ class HeteroStrategy(Strategy):
                 "masked_ce": bool(train.masked_ce), "grad_clip": float(train.grad_clip),
                 "threads": max(1, int(math.floor(float(self.cfg.simulation.num_cpus)))),
                 **wire.train_options(train.get("distill"))}
-        return {"lr": learning_rate(self.cfg, server_round), **self._fixed_options}
+            self._lr = lr_schedule(self.cfg)
+        return {"lr": self._lr(server_round), **self._fixed_options}
 
     def _train_config(self, server_round: int, node_id: int, index: int, payload: Payload) -> ConfigRecord:
         return self.tasks.train(
