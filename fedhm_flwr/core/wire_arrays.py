@@ -32,7 +32,8 @@ def wire_array(tensor: torch.Tensor, dtype: str = "float32") -> Array:
     header formatted per call, several times the copy at the CNN's sizes."""
     import torch
 
-    tensor = tensor.detach()
+    if tensor.requires_grad:  # (numpy() needs it; a detach per tensor otherwise is an op for nothing)
+        tensor = tensor.detach()
     if tensor.is_floating_point():
         tensor = tensor.to(getattr(torch, dtype))
         if dtype == "bfloat16":

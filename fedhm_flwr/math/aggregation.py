@@ -107,7 +107,8 @@ def stacked_average(tensors: Sequence[Sequence[torch.Tensor]], weights: torch.Te
     """``sum_i weights[i] * tensors[i][j]`` for every position ``j``, as one product of the
     (clients x values) matrix of the flattened float32 tensors."""
     shapes = [t.shape for t in tensors[0]]
-    matrix = torch.cat([t.reshape(-1) for client in tensors for t in client]).view(len(tensors), -1)
+    # (torch.flatten hands a 1-D tensor back as it is: no view op per bias and norm vector)
+    matrix = torch.cat([torch.flatten(t) for client in tensors for t in client]).view(len(tensors), -1)
     flat = weights.to(matrix.dtype) @ matrix
     return [part.view(shape) for part, shape in zip(flat.split([math.prod(s) for s in shapes]), shapes)]
 
