@@ -107,6 +107,38 @@ def test_each_kind_of_malformed_reply_is_rejected_and_the_rest_aggregate(toy_cfg
     assert all(torch.equal(new_state[k], without[k]) for k in without)  # the valid five aggregate
 
 
+def test_the_order_replies_arrive_in_changes_neither_the_model_nor_the_round_s_figures(toy_cfg):
+    """Replies come in whatever order the grid gives (a set of random message ids); the merge and
+    the round's training figures are sums, which floating point makes order-dependent, so both
+    take the replies in node order. Losses of very different sizes make any other order show."""
+    cfg = toy_cfg()
+    spec = model_spec(cfg)
+    state = initial_state(cfg, spec)
+    losses = {0: 1e16, 1: 1.0, 2: -1e16, 3: 1.0, 4: 0.5, 5: 0.25}
+    handlers = client_handlers()
+    real = handlers[MessageType.TRAIN]
+
+    def train(msg, ctx):
+        reply = real(msg, ctx)
+        reply.content["metrics"]["train-loss"] = losses[int(ctx.node_config["partition-id"])]
+        return reply
+
+    handlers[MessageType.TRAIN] = train
+    seen = []
+    for order in (lambda r: r, lambda r: r[::-1], lambda r: r[2:] + r[:2]):
+        strategy, grid = FedHMStrategy(cfg, spec), LocalGrid(6, handlers)
+        msgs = list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(state), None, grid))
+        replies = sorted(grid.send_and_receive(msgs), key=lambda m: m.metadata.src_node_id)
+        arrays, metrics = strategy.aggregate_train(1, order(replies))
+        figures = {k: v for k, v in metrics.items() if k != "client-seconds-max"}  # (a timing)
+        seen.append((arrays.to_torch_state_dict(), figures, strategy._round_row(1, metrics)))
+    first_state, first_metrics, first_row = seen[0]
+    assert first_metrics["replies"] == 6
+    for new_state, metrics, row in seen[1:]:
+        assert all(torch.equal(new_state[k], first_state[k]) for k in first_state)
+        assert metrics == first_metrics and _untimed([row]) == _untimed([first_row])
+
+
 def test_resumed_run_ends_like_an_uninterrupted_one(toy_cfg, tmp_path):
     cfg = toy_cfg("rounds=3 checkpoint.every=1")
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"

@@ -236,6 +236,7 @@ class HeteroStrategy(Strategy):
                 log(WARNING, "round %d: reply of node %d rejected: %s", server_round, node_id, reason)
                 continue
             valid.append(reply)
+        valid.sort(key=lambda r: self.registry.key(r.node_id))  # arrival order must not matter (sums, rows)
         missing = set(self.sent) - {r.node_id for r in valid} - {n for n, _ in self.round_log.failures} - {
             n for n, _ in self.round_log.rejected}
         for node_id in sorted(missing):
@@ -248,7 +249,6 @@ class HeteroStrategy(Strategy):
             self.round_log.server_seconds += time.perf_counter() - t0
             return None, MetricRecord(metrics)
         assert self.global_state is not None
-        valid.sort(key=lambda r: self.registry.key(r.node_id))  # arrival order must not matter
         new_state = self.untrusted.merge(server_round, self.global_state, valid)  # the method's merge, wrapped
         self.round_log.rejected += self.untrusted.rejected
         self.global_state = new_state
