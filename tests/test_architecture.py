@@ -78,6 +78,7 @@ OPTIONAL_IMPORTS = {
     "onnxscript": "optional (model export to ONNX)",
     "matplotlib": "about a second to import; only the plots use it",
     "torch.utils.tensorboard": "imports TensorBoard (seconds); only tracking.tensorboard uses it",
+    "torch._dynamo": "about 1.2 s of CPU; only training (torch.optim) needs it: the node-info handler loads it ahead",
 }
 
 #: the config check's torch-free path: the launcher checks a config before importing torch, and

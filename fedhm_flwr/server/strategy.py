@@ -14,9 +14,8 @@ registry (:mod:`fedhm_flwr.server.nodes`, the levels' costs given as data), the 
 
 A strategy runs one method: ``HeteroStrategy(cfg, model_spec, evaluate_fn, recorder, method=...)``,
 or a method's binding (``FedHMStrategy(cfg, model_spec, ...)``, :data:`strategies.STRATEGIES`). The
-method's own attributes (``levels``, ``ranks``, ``level_payload``, ``deployable``, ``level_cost``,
-...) read through the strategy too, for callers that hold only the strategy (``inspect``, ``export``,
-the bench).
+method's own attributes (``levels``, ``ranks``, ``level_payload``, ``deployable``, ``level_cost``, ...)
+read through the strategy too, for callers that hold only the strategy (``inspect``, ``export``, the bench).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 from omegaconf import DictConfig
 
-from fedhm_flwr.config import data_spec, learning_rate, level_proportions, lr_schedule
+from fedhm_flwr.config import data_spec, level_proportions, lr_schedule
 from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.core.protocol import (ARRAYS, CONFIG, NODE_UNAVAILABLE, ArrayCache, Payload, TaskConfigs, asked_nodes,
                                       collect, content_bytes, error_reason, exchange, push)
@@ -84,7 +83,7 @@ class HeteroStrategy(Strategy):
         self.array_cache = ArrayCache()
         self.tasks = TaskConfigs()
         self._fixed_options: dict[str, Any] | None = None  # the train options but the round's lr
-        self._lr: Callable[[int], float] | None = None  # the round's lr (lr_schedule: the config read once)
+        self._lr = lr_schedule(self.cfg)  # the round's lr (the config read once)
         self._global_record: ArrayRecord | None = None  # the record last made of self.global_state
 
     def __getattr__(self, name: str) -> Any:
@@ -140,7 +139,6 @@ class HeteroStrategy(Strategy):
                 "masked_ce": bool(train.masked_ce), "grad_clip": float(train.grad_clip),
                 "threads": max(1, int(math.floor(float(self.cfg.simulation.num_cpus)))),
                 **wire.train_options(train.get("distill"))}
-            self._lr = lr_schedule(self.cfg)
         return {"lr": self._lr(server_round), **self._fixed_options}
 
     def _train_config(self, server_round: int, node_id: int, index: int, payload: Payload) -> ConfigRecord:
@@ -343,7 +341,7 @@ class HeteroStrategy(Strategy):
         return result
 
     def _round_row(self, server_round: int, metrics: MetricRecord | None) -> dict[str, Any]:
-        return round_row(server_round, learning_rate(self.cfg, server_round), self.round_log, metrics,
+        return round_row(server_round, self._lr(server_round), self.round_log, metrics,
                          {**self.attacks.columns, **self.untrusted.columns}, self.node_label)
 
     # ------------------------------------------------------------------ evaluation (fedhm_flwr/server/evaluation.py)
