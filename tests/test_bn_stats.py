@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -216,12 +217,20 @@ def test_bn_reply_check_takes_whole_models_and_refuses_anything_else():
     bad = {
         "a model missing": (_reply(GOOD), "missing ['arrays.1']"),
         "an extra record": (_reply(GOOD, GOOD, GOOD), "unexpected ['arrays.2']"),
-        "a layer without its count": (_reply(GOOD, {k: v for k, v in GOOD.items() if k != "bn2.count"}), "lacks ['bn2.count']"),
+        "a layer without its count": (_reply(GOOD, {k: v for k, v in GOOD.items() if k != "bn2.count"}),
+                                      "lacks ['bn2.count']"),
         "a key of no layer": (_reply(GOOD, {**GOOD, "fc.sum": torch.ones(2)}), "no norm layer"),
         "a wrong shape": (_reply(GOOD, {**GOOD, "bn1.sumsq": torch.ones(4)}), "bn1.sumsq"),
         "a count that is not a scalar": (_reply(GOOD, {**GOOD, "bn2.count": torch.ones(1)}), "bn2.count"),
         "an integer array": (_reply(GOOD, {**GOOD, "bn2.sum": torch.ones(2, dtype=torch.int64)}), "int64"),
     }
+    lying = _reply(GOOD, GOOD)  # the record says shape (2,), the bytes hold 3 values
+    lying[wire.bn_record(1)]["bn2.sum"] = dataclasses.replace(ArrayRecord.from_torch_state_dict(
+        {"x": torch.ones(3)})["x"], shape=(2,))
+    bad["bytes of another shape"] = (lying, "reads as")
+    garbage = _reply(GOOD, GOOD)
+    garbage[wire.bn_record(1)]["bn2.sum"] = dataclasses.replace(garbage[wire.bn_record(1)]["bn2.sum"], data=b"xx")
+    bad["bytes that are no array"] = (garbage, "does not read")
     for case, (content, reason) in bad.items():
         sums, why = wire.check_bn_reply(content, [SHAPES, SHAPES])
         assert sums is None and reason in why, (case, why)

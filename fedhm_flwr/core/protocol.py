@@ -3,8 +3,10 @@ encode/decode of what both sides must read alike (node info, training and evalua
 
 Every message is a Flower ``RecordDict`` with at most three records: ``arrays`` (model tensors),
 ``config`` (what the server tells a node: task, specs, queries) and ``metrics`` (what a node
-reports). The server writes task configs and reads replies; the ClientApp reads task configs and
-writes replies; both import the names from here, so a key is spelled in one place.
+reports); a bn-stats query and its reply hold one ``arrays.<i>`` record per model instead
+(:func:`bn_record`: every level's model in one message). The server writes task configs and
+reads replies; the ClientApp reads task configs and writes replies; both import the names from
+here, so a key is spelled in one place.
 """
 
 from __future__ import annotations
@@ -353,7 +355,8 @@ def check_bn_reply(content: RecordDict, expected: Sequence[Mapping[str, tuple[in
     names = [bn_record(i) for i in range(len(expected))]
     if set(content) != set(names):
         missing, extra = sorted(set(names) - set(content)), sorted(set(content) - set(names))
-        return None, f"reply records do not match the {len(names)} models asked: missing {missing[:3]}, unexpected {extra[:3]}"
+        return None, (f"reply records do not match the {len(names)} models asked: "
+                      f"missing {missing[:3]}, unexpected {extra[:3]}")
     for name, shapes in zip(names, expected):
         record = content[name]
         if not isinstance(record, ArrayRecord):
@@ -368,8 +371,19 @@ def check_bn_reply(content: RecordDict, expected: Sequence[Mapping[str, tuple[in
             return None, f"'{name}' lacks {partial[:3]}"
         for key, array in record.items():
             if tuple(array.shape) != shapes[key] or array.dtype not in ("float16", "float32", "float64"):
-                return None, f"'{name}': {key} is {array.dtype} of shape {tuple(array.shape)}, needs float of shape {shapes[key]}"
-    return [record_tensors(content[name]) for name in names], ""
+                return None, (f"'{name}': {key} is {array.dtype} of shape {tuple(array.shape)}, "
+                              f"needs float of shape {shapes[key]}")
+    out = []
+    for name, shapes in zip(names, expected):
+        try:
+            tensors = record_tensors(content[name])
+        except (ValueError, TypeError, OSError, EOFError) as exc:  # bytes that are no array of the declared kind
+            return None, f"'{name}' does not read as arrays: {exc}"
+        for key, tensor in tensors.items():  # the bytes' own header may say otherwise than the record
+            if tuple(tensor.shape) != shapes[key] or not tensor.is_floating_point():
+                return None, f"'{name}': {key} reads as {tensor.dtype} of shape {tuple(tensor.shape)}"
+        out.append(tensors)
+    return out, ""
 
 
 # ---------------------------------------------------------------------- pushing and pulling

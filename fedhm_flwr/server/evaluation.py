@@ -8,7 +8,8 @@ never the strategy itself:
   scores a model on the server's test set; :func:`evaluate_levels` scores the global model and
   each level's deployable model. Keys ``acc/global``, ``loss/global``, ``acc/level_<γ>``,
   ``loss/level_<γ>``. With ``evaluation.bn_stats=federated`` the norm statistics come from the
-  clients (:func:`federated_bn_sums`); when no client answers, test-batch statistics are used
+  clients (:func:`federated_bn_sums`: every model evaluated in one message per node, as are all
+  levels' deployment statistics); when no client answers, test-batch statistics are used
   and the row's ``bn_stats`` says so (``test_batch_fallback``).
 * **Federated** (``clients`` or ``both``): :class:`FederatedEvaluation` sends the nodes sampled
   for training this round an EVALUATE message with the global model at their own level, and
