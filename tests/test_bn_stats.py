@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 
 import torch
+from flwr.app import ArrayRecord, MessageType, RecordDict
 from torch.utils.data import TensorDataset
 
+from fedhm_flwr.client import handlers as client
+from fedhm_flwr.core import protocol as wire
+from fedhm_flwr.data import client_dataset
 from fedhm_flwr.math.bn_stats import apply_bn_statistics, bn_sums, combine_bn_sums, norm_layers, statistics
 from fedhm_flwr.models import build_model
 from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.reporting.results import load_bn_statistics
 
 SPEC = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28, "width": 4}
 
@@ -69,7 +76,7 @@ def test_a_run_with_federated_statistics_asks_every_client(toy_cfg, tmp_path):
     (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert row["bn_stats"] == "federated" and row["bytes_bn_stats"] > 0
     queries = [n for n, kind in grid.delivered if kind == "query"]
-    assert len(queries) == 6 + 6 * 2  # node-info once, then bn-stats for the global and the 0.25 model
+    assert len(queries) == 6 + 6  # node-info once, then one bn-stats for the global and the 0.25 model together
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["bn_stats"] == "federated"
     assert summary["bytes_total"] == (summary["bytes_sent"] + summary["bytes_received"] + summary["bytes_bn_stats"]
@@ -90,3 +97,140 @@ def test_scaled_sub_model_statistics_describe_what_evaluation_sees():
     hook.remove()
     # bn1's input depends on no earlier norm, so one batch's statistics must equal eval's input mean
     assert torch.allclose(statistics(sums)["bn1"][0], seen[0].double().mean(dim=(0, 2, 3)), atol=1e-6)
+
+
+# ---------------------------------------------------------------------- every level in one query
+
+
+def _bn_queries(tamper=None):
+    """The project's handlers with the bn-stats queries recorded as (node id, message, context);
+    ``tamper(node_id, reply content)`` may change a reply before it goes back."""
+    handlers, seen = client_handlers(), []
+    real = handlers[MessageType.QUERY]
+
+    def query(msg, context):
+        reply = real(msg, context)
+        if str(msg.content[wire.CONFIG][wire.QUERY]) == wire.BN_STATS:
+            seen.append((msg.metadata.dst_node_id, msg, context))
+            if tamper is not None:
+                tamper(msg.metadata.dst_node_id, reply.content)
+        return reply
+
+    handlers[MessageType.QUERY] = query
+    return handlers, seen
+
+
+def _direct_sums(queries, cfg):
+    """Per model asked and per node: the sums of that model (its spec and arrays as sent) over the
+    node's training partition, computed here with bn_sums (no query), as a node sends them (float32)."""
+    out = []
+    for _, msg, context in queries:
+        specs = [json.loads(s) for s in msg.content[wire.CONFIG][wire.MODEL_SPECS]]
+        data = json.loads(str(msg.content[wire.CONFIG][wire.DATA_SPEC]))
+        dataset = client_dataset({**data, "augment": False}, int(context.node_config[wire.PARTITION_ID]), None, "train")
+        per_model = []
+        for i, spec in enumerate(specs):
+            model = client.load_model(spec, msg.content[wire.bn_record(i)].to_torch_state_dict(), torch.device("cpu"))
+            per_model.append({k: v.float() for k, v in bn_sums(model, dataset, int(cfg.train.batch_size),
+                                                               torch.device("cpu")).items()})
+        out.append(per_model)
+    return out
+
+
+LEVELS4 = "rounds=1 levels.ratios=[1,0.5,0.25,0.125] evaluation.bn_clients=4"
+
+
+def test_deployment_statistics_of_every_level_travel_in_one_message_per_node(toy_cfg, tmp_path):
+    """A 4-level run's deployment statistics: one bn-stats message per node asked (4 of 6), each
+    carrying the 4 levels' models, and the saved statistics are, bit for bit, each level's sums
+    over the asked nodes' training data computed directly."""
+    cfg = toy_cfg(LEVELS4)
+    handlers, seen = _bn_queries()
+    grid = LocalGrid(6, handlers)
+    run(grid, cfg, tmp_path)
+    nodes = [node for node, _, _ in seen]
+    assert len(nodes) == 4 and len(set(nodes)) == 4  # one message per node asked, not one per level
+    assert sum(1 for _, kind in grid.delivered if kind == MessageType.QUERY) == 6 + 4  # node-info, then bn-stats
+    for _, msg, _ in seen:
+        assert len(msg.content[wire.CONFIG][wire.MODEL_SPECS]) == 4
+        assert {wire.bn_record(i) for i in range(4)} <= set(msg.content)
+    tensors, meta = load_bn_statistics(tmp_path)
+    assert meta["nodes_asked"] == "4"
+    direct = _direct_sums(seen, cfg)
+    expected = {}
+    for i, level in enumerate((1, 0.5, 0.25, 0.125)):
+        sums = combine_bn_sums(per_model[i] for per_model in direct)
+        expected.update({f"level_{level:g}/{k}": v for k, v in sums.items()})
+    assert tensors.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(tensors[key], value), key
+    # the levels differ (the statistics of four different models, not one model four times)
+    small = [k.split("/", 1)[1] for k in tensors if k.startswith("level_0.125/") and k.endswith(".sum")]
+    assert any(not torch.equal(tensors[f"level_1/{k}"], tensors[f"level_0.125/{k}"]) for k in small)
+
+
+def test_a_reply_missing_a_level_or_misshapen_is_refused_for_that_node_only(toy_cfg, tmp_path, caplog):
+    """One node's reply lacks a level, another's holds a sum of the wrong shape: both are refused
+    with a warning naming the node, and the statistics are the other two nodes' sums."""
+    cfg = toy_cfg(LEVELS4)
+    asked: list[int] = []
+
+    def tamper(node_id, content):
+        asked.append(node_id)
+        if len(asked) == 1:
+            del content[wire.bn_record(2)]
+        elif len(asked) == 3:
+            record = content[wire.bn_record(0)]
+            record["bn1.sum"] = ArrayRecord.from_torch_state_dict({"x": torch.zeros(3)})["x"]
+
+    handlers, seen = _bn_queries(tamper)
+    with caplog.at_level(logging.WARNING):
+        run(LocalGrid(6, handlers), cfg, tmp_path)
+    warned = [r.getMessage() for r in caplog.records if "bn-stats: node" in r.getMessage()]
+    assert len(warned) == 2, warned
+    label = {node: f"p{context.node_config[wire.PARTITION_ID]}" for node, _, context in seen}
+    first, third = label[asked[0]], label[asked[2]]  # (replies are pulled in no fixed order)
+    assert any(f"node {first} " in w and "missing ['arrays.2']" in w for w in warned), warned
+    assert any(f"node {third} " in w and "bn1.sum" in w and "(3,)" in w for w in warned), warned
+    tensors, _ = load_bn_statistics(tmp_path)
+    direct = _direct_sums(seen, cfg)
+    kept = [direct[1], direct[3]]  # the first and third node's replies were refused
+    for i, level in enumerate((1, 0.5, 0.25, 0.125)):
+        sums = combine_bn_sums(per_model[i] for per_model in kept)
+        for key, value in sums.items():
+            assert torch.equal(tensors[f"level_{level:g}/{key}"], value), (level, key)
+
+
+def _reply(*records: dict[str, torch.Tensor]) -> RecordDict:
+    return RecordDict({wire.bn_record(i): ArrayRecord.from_torch_state_dict(r) for i, r in enumerate(records)})
+
+
+SHAPES = wire.bn_sum_shapes({"bn1": 3, "bn2": 2})
+GOOD = {"bn1.sum": torch.ones(3), "bn1.sumsq": torch.ones(3), "bn1.count": torch.tensor(5.0),
+        "bn2.sum": torch.ones(2), "bn2.sumsq": torch.ones(2), "bn2.count": torch.tensor(5.0)}
+
+
+def test_bn_reply_check_takes_whole_models_and_refuses_anything_else():
+    sums, why = wire.check_bn_reply(_reply(GOOD, {}), [SHAPES, SHAPES])  # an empty record: no training data
+    assert why == "" and sums is not None and sums[1] == {}
+    assert all(torch.equal(sums[0][k], v) for k, v in GOOD.items())
+    bad = {
+        "a model missing": (_reply(GOOD), "missing ['arrays.1']"),
+        "an extra record": (_reply(GOOD, GOOD, GOOD), "unexpected ['arrays.2']"),
+        "a layer without its count": (_reply(GOOD, {k: v for k, v in GOOD.items() if k != "bn2.count"}),
+                                      "lacks ['bn2.count']"),
+        "a key of no layer": (_reply(GOOD, {**GOOD, "fc.sum": torch.ones(2)}), "no norm layer"),
+        "a wrong shape": (_reply(GOOD, {**GOOD, "bn1.sumsq": torch.ones(4)}), "bn1.sumsq"),
+        "a count that is not a scalar": (_reply(GOOD, {**GOOD, "bn2.count": torch.ones(1)}), "bn2.count"),
+        "an integer array": (_reply(GOOD, {**GOOD, "bn2.sum": torch.ones(2, dtype=torch.int64)}), "int64"),
+    }
+    lying = _reply(GOOD, GOOD)  # the record says shape (2,), the bytes hold 3 values
+    lying[wire.bn_record(1)]["bn2.sum"] = dataclasses.replace(ArrayRecord.from_torch_state_dict(
+        {"x": torch.ones(3)})["x"], shape=(2,))
+    bad["bytes of another shape"] = (lying, "reads as")
+    garbage = _reply(GOOD, GOOD)
+    garbage[wire.bn_record(1)]["bn2.sum"] = dataclasses.replace(garbage[wire.bn_record(1)]["bn2.sum"], data=b"xx")
+    bad["bytes that are no array"] = (garbage, "does not read")
+    for case, (content, reason) in bad.items():
+        sums, why = wire.check_bn_reply(content, [SHAPES, SHAPES])
+        assert sums is None and reason in why, (case, why)

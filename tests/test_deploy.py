@@ -162,8 +162,8 @@ def test_credentials_form_a_chain_and_keys_are_what_flower_reads(tmp_path):
 
 #: the TLS test's job: TOY over 3 rounds, each client sleeping 3 s per round (seeded injection, numerics
 #: untouched) so that a SuperLink stopped right after round 1's checkpoint stops the run mid-round; no
-#: deployment statistics after the last round (4 more queries to every node, each a ClientApp process:
-#: about a minute here; nothing of an export is checked here, tests/test_deploy_docs.py exports)
+#: deployment statistics after the last round (one more query to every node, all levels in it, a ClientApp
+#: process each; nothing of an export is checked here, tests/test_deploy_docs.py exports)
 TLS_JOB = [*TOY, "rounds=3", "failures.slow_probability=1.0", "failures.slow_seconds=3", "evaluation.deploy_stats=false"]
 
 

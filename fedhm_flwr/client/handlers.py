@@ -99,16 +99,19 @@ def node_partition(context: Context, data_spec: dict[str, Any]) -> tuple[int, st
 def received_model(msg: Message, device: torch.device) -> tuple[torch.nn.Module, dict[str, Any]]:
     """Build the model the message describes and load its arrays (strictly: same keys, shapes; with
     ``trainable_only`` in the spec: exactly the non-backbone keys over the locally loaded backbone)."""
-    config = msg.content[CONFIG]
-    spec = json.loads(str(config[protocol.MODEL_SPEC]))
+    spec = json.loads(str(msg.content[CONFIG][protocol.MODEL_SPEC]))
+    return load_model(spec, received_state(msg), device), spec
+
+
+def load_model(spec: dict[str, Any], state: dict[str, torch.Tensor], device: torch.device) -> torch.nn.Module:
+    """The model ``spec`` describes with ``state`` loaded (see :func:`received_model`), on ``device``."""
     model = build_model(spec, spectral_init=False)
-    state = received_state(msg)
     if spec.get("trainable_only"):
         # frozen backbone loaded by this node itself; the message holds exactly the other tensors
         load_federated(model, state)
     else:
         model.load_state_dict(state, strict=True)
-    return model.to(device), spec
+    return model.to(device)
 
 
 def wire_dtype(msg: Message) -> str:
@@ -116,9 +119,10 @@ def wire_dtype(msg: Message) -> str:
     return str(msg.content[CONFIG].get(protocol.WIRE_DTYPE, "float32"))
 
 
-def received_state(msg: Message) -> dict[str, torch.Tensor]:
-    """The message's arrays in float32 (clients train in float32 whatever the wire dtype)."""
-    return protocol.from_wire(msg.content[ARRAYS].to_torch_state_dict(), wire_dtype(msg))
+def received_state(msg: Message, record: str = ARRAYS) -> dict[str, torch.Tensor]:
+    """The arrays of the message's record ``record`` in float32 (clients train in float32 whatever
+    the wire dtype)."""
+    return protocol.from_wire(msg.content[record].to_torch_state_dict(), wire_dtype(msg))
 
 
 def local_dataset(config: ConfigRecord, context: Context, augment: bool = True, split: str = "train") -> Any:
@@ -260,10 +264,21 @@ def query_data_spec(msg: Message) -> dict[str, Any] | None:
 
 
 def bn_statistics(msg: Message, context: Context) -> RecordDict:
-    """Per-layer input sums of the received model over this node's training split (sBN)."""
-    model, dataset, device = _model_over_local_data(msg, context)
-    sums = bn_sums(model, dataset, int(msg.content[CONFIG].get(protocol.BATCH_SIZE, 64)), device)
-    return RecordDict({ARRAYS: ArrayRecord.from_torch_state_dict({k: v.float() for k, v in sums.items()})})
+    """Per-layer input sums of each received model over this node's training split (sBN), the data
+    loaded once: model i (spec ``model-specs[i]``, arrays in record ``arrays.i``) -> its sums in
+    the reply's record ``arrays.i`` (:func:`fedhm_flwr.core.protocol.bn_record`)."""
+    config = msg.content[CONFIG]
+    specs = [json.loads(str(spec)) for spec in config[protocol.MODEL_SPECS]]
+    dataset = local_dataset(config, context, augment=False)
+    device = pick_device()
+    batch_size = int(config.get(protocol.BATCH_SIZE, 64))
+    out = RecordDict()
+    for index, spec in enumerate(specs):
+        name = protocol.bn_record(index)
+        model = load_model(spec, received_state(msg, name), device)
+        sums = bn_sums(model, dataset, batch_size, device)
+        out[name] = ArrayRecord.from_torch_state_dict({k: v.float() for k, v in sums.items()})
+    return out
 
 
 QUERIES = {

@@ -8,7 +8,8 @@ never the strategy itself:
   scores a model on the server's test set; :func:`evaluate_levels` scores the global model and
   each level's deployable model. Keys ``acc/global``, ``loss/global``, ``acc/level_<γ>``,
   ``loss/level_<γ>``. With ``evaluation.bn_stats=federated`` the norm statistics come from the
-  clients (:func:`federated_bn_sums`); when no client answers, test-batch statistics are used
+  clients (:func:`federated_bn_sums`: every model evaluated in one message per node, as are all
+  levels' deployment statistics); when no client answers, test-batch statistics are used
   and the row's ``bn_stats`` says so (``test_batch_fallback``).
 * **Federated** (``clients`` or ``both``): :class:`FederatedEvaluation` sends the nodes sampled
   for training this round an EVALUATE message with the global model at their own level, and
@@ -182,47 +183,71 @@ def statistics_label(configured: str, spec: dict[str, Any]) -> str:
 
 def evaluate_levels(view: RoundView, global_state: State, bn: BnUse | None = None) -> dict[str, Any]:
     """Test-set accuracy and loss of the global model and of each level's deployable model, with
-    the row's ``bn_stats`` (and ``bytes_bn_stats``); ``bn`` collects the federated sums."""
+    the row's ``bn_stats`` (and ``bytes_bn_stats``); ``bn`` collects the federated sums, asked for
+    every model at once (one message per node)."""
     if view.evaluate_fn is None:
         return {}
     global_spec, global_model = view.method.global_model(global_state)
     bn = bn if bn is not None else BnUse("")
     bn.configured = statistics_label(str(view.cfg.evaluation.bn_stats), global_spec)
-    out: dict[str, Any] = {}
-    metrics = evaluate_model(view, global_spec, global_model, bn)
-    out["acc/global"], out["loss/global"] = metrics["accuracy"], metrics["loss"]
+    models: list[tuple[dict[str, Any], State]] = [(global_spec, global_model)]  # the global, then the levels'
+    keys = {"global": 0}  # row key suffix -> index in models
     if view.cfg.evaluation.levels:
         for index, level in enumerate(view.method.levels):
             spec, state = view.method.deployable(index, global_state)
             same = spec == global_spec and state.keys() == global_model.keys() and all(
                 torch.equal(state[k], global_model[k]) for k in state)
-            m = metrics if same else evaluate_model(view, spec, state, bn)
-            out[f"acc/level_{level:g}"], out[f"loss/level_{level:g}"] = m["accuracy"], m["loss"]
+            if not same:
+                models.append((spec, state))
+            keys[f"level_{level:g}"] = 0 if same else len(models) - 1
+    metrics = evaluate_models(view, models, bn)
+    out: dict[str, Any] = {}
+    for suffix, index in keys.items():
+        out[f"acc/{suffix}"], out[f"loss/{suffix}"] = metrics[index]["accuracy"], metrics[index]["loss"]
     out.update(bn.row())
     return out
 
 
-def evaluate_model(view: RoundView, spec: dict[str, Any], state: State, bn: BnUse) -> dict[str, float]:
-    """Evaluate one model; with federated sBN its norm statistics come from the clients, or from
-    the test batches when none answers (logged, counted in ``bn``)."""
+def evaluate_models(view: RoundView, models: Sequence[tuple[dict[str, Any], State]], bn: BnUse) -> list[dict[str, float]]:
+    """Evaluate each model; with federated sBN the norm statistics of all of them come from the
+    clients in one query, a model none answered for uses its test batches (logged, counted in ``bn``)."""
     assert view.evaluate_fn is not None
-    if view.cfg.evaluation.bn_stats != "federated" or spec.get("trainable_only"):
-        return view.evaluate_fn(spec, state)
-    sums, nbytes = federated_bn_sums(view, spec, state)
-    bn.bytes += nbytes
-    if sums is not None:
-        bn.sums[spec_key(spec)] = sums
-    if sums is None:
-        bn.fallbacks += 1
-        log(WARNING, "bn-stats: no client answered; this model is evaluated with test-batch statistics")
-        return view.evaluate_fn(spec, state)
-    return view.evaluate_fn(spec, state, sums)
+    federated = [i for i, (spec, _) in enumerate(models)
+                 if view.cfg.evaluation.bn_stats == "federated" and not spec.get("trainable_only")]
+    found: dict[int, dict[str, torch.Tensor] | None] = {}
+    if federated:
+        sums, nbytes = federated_bn_sums(view, [models[i] for i in federated])
+        bn.bytes += nbytes
+        found = dict(zip(federated, sums))
+    out = []
+    for i, (spec, state) in enumerate(models):
+        if i not in found:
+            out.append(view.evaluate_fn(spec, state))
+        elif found[i] is None:
+            bn.fallbacks += 1
+            log(WARNING, "bn-stats: no client answered; this model is evaluated with test-batch statistics")
+            out.append(view.evaluate_fn(spec, state))
+        else:
+            bn.sums[spec_key(spec)] = found[i]
+            out.append(view.evaluate_fn(spec, state, found[i]))
+    return out
 
 
-def federated_bn_sums(view: RoundView, spec: dict[str, Any], state: State) -> tuple[dict[str, torch.Tensor] | None, int]:
-    """(the clients' summed per-layer statistics or None when no client answered, bytes moved).
-    Clients run the model over their local training data (docs/METHODS.md, sBN); the data never
-    leaves them."""
+@functools.lru_cache(maxsize=32)
+def _sum_shapes(spec_json: str) -> dict[str, tuple[int, ...]]:
+    """The arrays a node's sums of the model ``spec_json`` may hold (key -> shape)."""
+    spec = json.loads(spec_json)
+    with shape_device(spec):
+        layers = norm_layers(build_model(spec, spectral_init=False))
+    return wire.bn_sum_shapes({name: int(layer.num_features) for name, layer in layers.items()})
+
+
+def federated_bn_sums(view: RoundView, models: Sequence[tuple[dict[str, Any], State]],
+                      ) -> tuple[list[dict[str, torch.Tensor] | None], int]:
+    """(each model's summed per-layer statistics, None where no client answered; bytes moved).
+    Clients run the models over their local training data (docs/METHODS.md, sBN); the data never
+    leaves them. Every model goes in one message per node asked, answered in one reply; a reply
+    that is not exactly the sums of every model asked is refused whole (a warning names the node)."""
     grid, nodes = view.grid, view.registry.nodes
     if grid is None:
         raise RuntimeError("federated sBN statistics need the grid (configure_train runs first)")
@@ -232,37 +257,45 @@ def federated_bn_sums(view: RoundView, spec: dict[str, Any], state: State) -> tu
     if 0 < limit < len(node_ids):
         rng = lv.round_rng(int(cfg.seed), view.server_round, stream=3)
         node_ids = [node_ids[i] for i in sorted(rng.choice(len(node_ids), size=limit, replace=False))]
-    arrays = view.arrays(state)  # the wire dtype, serialised once (fedhm_flwr.core.protocol.ArrayCache)
+    specs = [json.dumps(spec) for spec, _ in models]
+    arrays = [view.arrays(state) for _, state in models]  # the wire dtype, serialised once (wire.ArrayCache)
+    expected = [_sum_shapes(spec_key(spec)) for spec, _ in models]
     nbytes, messages = 0, []
     for node_id in node_ids:
-        config = ConfigRecord({wire.QUERY: wire.BN_STATS, wire.MODEL_SPEC: json.dumps(spec),
+        config = ConfigRecord({wire.QUERY: wire.BN_STATS, wire.MODEL_SPECS: specs,
                                wire.DATA_SPEC: json.dumps(data_spec(cfg, nodes[node_id].num_partitions)),
                                wire.BATCH_SIZE: int(cfg.train.batch_size), **view.wire_config})
-        record = ArrayRecord.from_array_dict(arrays)
-        nbytes += record.count_bytes()
-        messages.append(Message(content=RecordDict({ARRAYS: record, CONFIG: config}), dst_node_id=node_id,
-                                message_type=MessageType.QUERY))
-    parts = []
-    for reply in wire.exchange(grid, messages, float(cfg.timeout), max_poll=0.5):  # (Flower's loop waits 3 s a pull)
-        if reply.has_error() or ARRAYS not in reply.content:
-            log(WARNING, "bn-stats: node %s gave no statistics", view.registry.label(reply.metadata.src_node_id))
+        content = RecordDict({CONFIG: config})
+        for index, model_arrays in enumerate(arrays):
+            record = ArrayRecord.from_array_dict(model_arrays)  # fresh record, shared bytes
+            nbytes += record.count_bytes()
+            content[wire.bn_record(index)] = record
+        messages.append(Message(content=content, dst_node_id=node_id, message_type=MessageType.QUERY))
+    parts: list[list[dict[str, torch.Tensor]]] = [[] for _ in models]
+    replies = wire.exchange(grid, messages, float(cfg.timeout), max_poll=0.5)  # (Flower's loop waits 3 s a pull)
+    for node_id, reply in asked_nodes(messages, replies):
+        sums, why = (None, error_reason(reply)) if reply.has_error() else wire.check_bn_reply(reply.content, expected)
+        if sums is None:
+            log(WARNING, "bn-stats: node %s gave no statistics: %s", view.registry.label(node_id), why)
             continue
-        nbytes += reply.content[ARRAYS].count_bytes()
-        parts.append(reply.content[ARRAYS].to_torch_state_dict())
-    return (combine_bn_sums(parts) if parts else None), nbytes
+        nbytes += sum(reply.content[wire.bn_record(i)].count_bytes() for i in range(len(models)))
+        for part, model_sums in zip(parts, sums):
+            part.append(model_sums)
+    return [combine_bn_sums(part) if part else None for part in parts], nbytes
 
 
 def deployment_statistics(view: RoundView, global_state: State,
                           known: dict[str, dict[str, torch.Tensor]] | None = None,
                           ) -> tuple[dict[str, torch.Tensor], dict[str, str], int] | None:
     """Fixed norm statistics for every level's deployable model that normalises with batch
-    statistics (static BN): the clients' sums over their training data (the sBN query), keyed
-    ``level_<γ>/<layer>.<sum|sumsq|count>``, with metadata and the bytes moved; None when no
-    model needs them (no static norm layer, or running statistics) or nobody answered. ``known``:
-    sums this model version's evaluation already asked for (by :func:`spec_key`), not asked again.
-    A deployed model predicts in eval mode with these, independently of the batch."""
-    tensors: dict[str, torch.Tensor] = {}
-    nbytes = 0
+    statistics (static BN): the clients' sums over their training data (the sBN query, every
+    level's model in one message per node), keyed ``level_<γ>/<layer>.<sum|sumsq|count>``, with
+    metadata and the bytes moved; None when no model needs them (no static norm layer, or running
+    statistics) or nobody answered. ``known``: sums this model version's evaluation already asked
+    for (by :func:`spec_key`), not asked again. A deployed model predicts in eval mode with these,
+    independently of the batch."""
+    found: dict[float, dict[str, torch.Tensor] | None] = {}
+    ask: list[tuple[float, tuple[dict[str, Any], State]]] = []
     for index, level in enumerate(view.method.levels):
         spec, state = view.method.deployable(index, global_state)
         if spec.get("trainable_only"):
@@ -273,8 +306,14 @@ def deployment_statistics(view: RoundView, global_state: State,
             continue
         sums = (known or {}).get(spec_key(spec))
         if sums is None:
-            sums, moved = federated_bn_sums(view, spec, state)
-            nbytes += moved
+            ask.append((level, (spec, state)))
+        found[level] = sums
+    nbytes = 0
+    if ask:
+        asked, nbytes = federated_bn_sums(view, [model for _, model in ask])
+        found.update({level: sums for (level, _), sums in zip(ask, asked)})
+    tensors: dict[str, torch.Tensor] = {}
+    for level, sums in found.items():
         if sums is None:
             log(WARNING, "deployment statistics: no client answered for level %g; its export falls back", level)
             continue
@@ -282,8 +321,8 @@ def deployment_statistics(view: RoundView, global_state: State,
     if not tensors:
         return None
     limit = int(view.cfg.evaluation.bn_clients)
-    asked = min(limit, len(view.registry.nodes)) if limit > 0 else len(view.registry.nodes)
-    return tensors, {"source": "federated", "nodes_asked": str(asked)}, nbytes
+    asked_count = min(limit, len(view.registry.nodes)) if limit > 0 else len(view.registry.nodes)
+    return tensors, {"source": "federated", "nodes_asked": str(asked_count)}, nbytes
 
 
 # ---------------------------------------------------------------------- federated evaluation
