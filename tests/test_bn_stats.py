@@ -11,6 +11,7 @@ from flwr.app import ArrayRecord, MessageType, RecordDict
 from torch.utils.data import TensorDataset
 
 from fedhm_flwr.client import handlers as client
+from fedhm_flwr.core import bn_wire
 from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.data import client_dataset
 from fedhm_flwr.math.bn_stats import apply_bn_statistics, bn_sums, combine_bn_sums, norm_layers, statistics
@@ -130,7 +131,7 @@ def _direct_sums(queries, cfg):
         dataset = client_dataset({**data, "augment": False}, int(context.node_config[wire.PARTITION_ID]), None, "train")
         per_model = []
         for i, spec in enumerate(specs):
-            model = client.load_model(spec, msg.content[wire.bn_record(i)].to_torch_state_dict(), torch.device("cpu"))
+            model = client.load_model(spec, msg.content[bn_wire.bn_record(i)].to_torch_state_dict(), torch.device("cpu"))
             per_model.append({k: v.float() for k, v in bn_sums(model, dataset, int(cfg.train.batch_size),
                                                                torch.device("cpu")).items()})
         out.append(per_model)
@@ -153,7 +154,7 @@ def test_deployment_statistics_of_every_level_travel_in_one_message_per_node(toy
     assert sum(1 for _, kind in grid.delivered if kind == MessageType.QUERY) == 6 + 4  # node-info, then bn-stats
     for _, msg, _ in seen:
         assert len(msg.content[wire.CONFIG][wire.MODEL_SPECS]) == 4
-        assert {wire.bn_record(i) for i in range(4)} <= set(msg.content)
+        assert {bn_wire.bn_record(i) for i in range(4)} <= set(msg.content)
     tensors, meta = load_bn_statistics(tmp_path)
     assert meta["nodes_asked"] == "4"
     direct = _direct_sums(seen, cfg)
@@ -178,9 +179,9 @@ def test_a_reply_missing_a_level_or_misshapen_is_refused_for_that_node_only(toy_
     def tamper(node_id, content):
         asked.append(node_id)
         if len(asked) == 1:
-            del content[wire.bn_record(2)]
+            del content[bn_wire.bn_record(2)]
         elif len(asked) == 3:
-            record = content[wire.bn_record(0)]
+            record = content[bn_wire.bn_record(0)]
             record["bn1.sum"] = ArrayRecord.from_torch_state_dict({"x": torch.zeros(3)})["x"]
 
     handlers, seen = _bn_queries(tamper)
@@ -202,16 +203,16 @@ def test_a_reply_missing_a_level_or_misshapen_is_refused_for_that_node_only(toy_
 
 
 def _reply(*records: dict[str, torch.Tensor]) -> RecordDict:
-    return RecordDict({wire.bn_record(i): ArrayRecord.from_torch_state_dict(r) for i, r in enumerate(records)})
+    return RecordDict({bn_wire.bn_record(i): ArrayRecord.from_torch_state_dict(r) for i, r in enumerate(records)})
 
 
-SHAPES = wire.bn_sum_shapes({"bn1": 3, "bn2": 2})
+SHAPES = bn_wire.bn_sum_shapes({"bn1": 3, "bn2": 2})
 GOOD = {"bn1.sum": torch.ones(3), "bn1.sumsq": torch.ones(3), "bn1.count": torch.tensor(5.0),
         "bn2.sum": torch.ones(2), "bn2.sumsq": torch.ones(2), "bn2.count": torch.tensor(5.0)}
 
 
 def test_bn_reply_check_takes_whole_models_and_refuses_anything_else():
-    sums, why = wire.check_bn_reply(_reply(GOOD, {}), [SHAPES, SHAPES])  # an empty record: no training data
+    sums, why = bn_wire.check_bn_reply(_reply(GOOD, {}), [SHAPES, SHAPES])  # an empty record: no training data
     assert why == "" and sums is not None and sums[1] == {}
     assert all(torch.equal(sums[0][k], v) for k, v in GOOD.items())
     bad = {
@@ -225,12 +226,12 @@ def test_bn_reply_check_takes_whole_models_and_refuses_anything_else():
         "an integer array": (_reply(GOOD, {**GOOD, "bn2.sum": torch.ones(2, dtype=torch.int64)}), "int64"),
     }
     lying = _reply(GOOD, GOOD)  # the record says shape (2,), the bytes hold 3 values
-    lying[wire.bn_record(1)]["bn2.sum"] = dataclasses.replace(ArrayRecord.from_torch_state_dict(
+    lying[bn_wire.bn_record(1)]["bn2.sum"] = dataclasses.replace(ArrayRecord.from_torch_state_dict(
         {"x": torch.ones(3)})["x"], shape=(2,))
     bad["bytes of another shape"] = (lying, "reads as")
     garbage = _reply(GOOD, GOOD)
-    garbage[wire.bn_record(1)]["bn2.sum"] = dataclasses.replace(garbage[wire.bn_record(1)]["bn2.sum"], data=b"xx")
+    garbage[bn_wire.bn_record(1)]["bn2.sum"] = dataclasses.replace(garbage[bn_wire.bn_record(1)]["bn2.sum"], data=b"xx")
     bad["bytes that are no array"] = (garbage, "does not read")
     for case, (content, reason) in bad.items():
-        sums, why = wire.check_bn_reply(content, [SHAPES, SHAPES])
+        sums, why = bn_wire.check_bn_reply(content, [SHAPES, SHAPES])
         assert sums is None and reason in why, (case, why)

@@ -28,7 +28,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 from flwr.supercore import log
 
-from fedhm_flwr.core import protocol
+from fedhm_flwr.core import bn_wire, protocol
 from fedhm_flwr.data import client_dataset, client_size, shards
 from fedhm_flwr.math import attacks
 from fedhm_flwr.math.bn_stats import bn_sums
@@ -266,7 +266,7 @@ def query_data_spec(msg: Message) -> dict[str, Any] | None:
 def bn_statistics(msg: Message, context: Context) -> RecordDict:
     """Per-layer input sums of each received model over this node's training split (sBN), the data
     loaded once: model i (spec ``model-specs[i]``, arrays in record ``arrays.i``) -> its sums in
-    the reply's record ``arrays.i`` (:func:`fedhm_flwr.core.protocol.bn_record`)."""
+    the reply's record ``arrays.i`` (:func:`fedhm_flwr.core.bn_wire.bn_record`)."""
     config = msg.content[CONFIG]
     specs = [json.loads(str(spec)) for spec in config[protocol.MODEL_SPECS]]
     dataset = local_dataset(config, context, augment=False)
@@ -274,7 +274,7 @@ def bn_statistics(msg: Message, context: Context) -> RecordDict:
     batch_size = int(config.get(protocol.BATCH_SIZE, 64))
     out = RecordDict()
     for index, spec in enumerate(specs):
-        name = protocol.bn_record(index)
+        name = bn_wire.bn_record(index)
         model = load_model(spec, received_state(msg, name), device)
         sums = bn_sums(model, dataset, batch_size, device)
         out[name] = ArrayRecord.from_torch_state_dict({k: v.float() for k, v in sums.items()})

@@ -4,7 +4,7 @@ encode/decode of what both sides must read alike (node info, training and evalua
 Every message is a Flower ``RecordDict`` with at most three records: ``arrays`` (model tensors),
 ``config`` (what the server tells a node: task, specs, queries) and ``metrics`` (what a node
 reports); a bn-stats query and its reply hold one ``arrays.<i>`` record per model instead
-(:func:`bn_record`: every level's model in one message). The server writes task configs and
+(:mod:`fedhm_flwr.core.bn_wire`: every level's model in one message). The server writes task configs and
 reads replies; the ClientApp reads task configs and writes replies; both import the names from
 here, so a key is spelled in one place.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 
 # arrays on the wire, re-exported as part of the contract (wire.wire_array, wire.record_tensors, ...)
@@ -37,7 +37,7 @@ ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
 QUERY = "query"
 NODE_INFO, BN_STATS = "node-info", "bn-stats"
 #: a bn-stats query carries any number of models in one message (every level's at once): their specs
-#: in config[MODEL_SPECS] (a list), model i's arrays in the record :func:`bn_record` (i); the reply
+#: in config[MODEL_SPECS] (a list), model i's arrays in the record ``bn_wire.bn_record(i)``; the reply
 #: holds model i's sums in the record of the same name
 MODEL_SPECS = "model-specs"
 
@@ -330,60 +330,6 @@ def check_train_reply(content: RecordDict, payload: Payload, level: float, num_c
         return None, f"class-counts must hold {num_classes} non-negative counts"
     scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return (state, int(n), counts, scalars), ""
-
-
-def bn_record(index: int) -> str:
-    """The record holding model ``index``'s arrays in a bn-stats query, and its sums in the reply."""
-    return f"{ARRAYS}.{index}"
-
-
-def bn_sum_shapes(layers: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
-    """The arrays a node's sums of one model may hold, by key, with their shapes: per norm layer
-    (``layers``: name -> channels) ``<layer>.sum`` and ``<layer>.sumsq`` per channel, ``<layer>.count``
-    a scalar (:func:`fedhm_flwr.math.bn_stats.bn_sums`)."""
-    return {f"{name}.{part}": shape for name, channels in layers.items()
-            for part, shape in (("sum", (channels,)), ("sumsq", (channels,)), ("count", ()))}
-
-
-def check_bn_reply(content: RecordDict, expected: Sequence[Mapping[str, tuple[int, ...]]],
-                   ) -> tuple[list[dict[str, torch.Tensor]] | None, str]:
-    """A bn-stats reply checked against the models asked for (``expected[i]``: model i's
-    :func:`bn_sum_shapes`): (each model's sums, "") or (None, why it is refused). The reply must
-    hold one record per model asked and nothing else; a record holds whole layers (sum, sumsq and
-    count) of that model, in their shapes, as floating arrays; shapes are checked before any
-    tensor is read. A record may be empty (a node without training examples sums nothing)."""
-    names = [bn_record(i) for i in range(len(expected))]
-    if set(content) != set(names):
-        missing, extra = sorted(set(names) - set(content)), sorted(set(content) - set(names))
-        return None, (f"reply records do not match the {len(names)} models asked: "
-                      f"missing {missing[:3]}, unexpected {extra[:3]}")
-    for name, shapes in zip(names, expected):
-        record = content[name]
-        if not isinstance(record, ArrayRecord):
-            return None, f"'{name}' is not an ArrayRecord"
-        extra = sorted(set(record) - set(shapes))
-        if extra:
-            return None, f"'{name}' holds keys of no norm layer of that model: {extra[:3]}"
-        layers = {key.rsplit(".", 1)[0] for key in record}
-        partial = sorted(f"{layer}.{part}" for layer in layers for part in ("sum", "sumsq", "count")
-                         if f"{layer}.{part}" not in record)
-        if partial:
-            return None, f"'{name}' lacks {partial[:3]}"
-        for key, array in record.items():
-            if tuple(array.shape) != shapes[key] or array.dtype not in ("float16", "float32", "float64"):
-                return None, (f"'{name}': {key} is {array.dtype} of shape {tuple(array.shape)}, "
-                              f"needs float of shape {shapes[key]}")
-    out = []
-    for name, shapes in zip(names, expected):
-        try:
-            tensors = record_tensors(content[name])
-        except (ValueError, TypeError, OSError, EOFError) as exc:  # bytes that are no array of the declared kind
-            return None, f"'{name}' does not read as arrays: {exc}"
-        for key, tensor in tensors.items():  # the bytes' own header may say otherwise than the record
-            if tuple(tensor.shape) != shapes[key] or not tensor.is_floating_point():
-                return None, f"'{name}': {key} reads as {tensor.dtype} of shape {tuple(tensor.shape)}"
-        out.append(tensors)
-    return out, ""
 
 
 # ---------------------------------------------------------------------- pushing and pulling

@@ -37,11 +37,12 @@ from flwr.supercore import log
 from omegaconf import DictConfig
 
 from fedhm_flwr.config import data_spec
+from fedhm_flwr.core import bn_wire
 from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.core.protocol import ARRAYS, CONFIG, METRICS, asked_nodes, error_reason, read_eval
 from fedhm_flwr.data import test_dataset
 from fedhm_flwr.math import levels as lv
-from fedhm_flwr.math.bn_stats import apply_bn_statistics, batch_statistics_layers, combine_bn_sums, norm_layers
+from fedhm_flwr.math.bn_stats import apply_bn_statistics, combine_bn_sums, norm_layers
 from fedhm_flwr.math.train import evaluate
 from fedhm_flwr.models import build_model, shape_device
 from fedhm_flwr.models.adapters import load_federated
@@ -239,7 +240,7 @@ def _sum_shapes(spec_json: str) -> dict[str, tuple[int, ...]]:
     spec = json.loads(spec_json)
     with shape_device(spec):
         layers = norm_layers(build_model(spec, spectral_init=False))
-    return wire.bn_sum_shapes({name: int(layer.num_features) for name, layer in layers.items()})
+    return bn_wire.bn_sum_shapes({name: int(layer.num_features) for name, layer in layers.items()})
 
 
 def federated_bn_sums(view: RoundView, models: Sequence[tuple[dict[str, Any], State]],
@@ -269,60 +270,19 @@ def federated_bn_sums(view: RoundView, models: Sequence[tuple[dict[str, Any], St
         for index, model_arrays in enumerate(arrays):
             record = ArrayRecord.from_array_dict(model_arrays)  # fresh record, shared bytes
             nbytes += record.count_bytes()
-            content[wire.bn_record(index)] = record
+            content[bn_wire.bn_record(index)] = record
         messages.append(Message(content=content, dst_node_id=node_id, message_type=MessageType.QUERY))
     parts: list[list[dict[str, torch.Tensor]]] = [[] for _ in models]
     replies = wire.exchange(grid, messages, float(cfg.timeout), max_poll=0.5)  # (Flower's loop waits 3 s a pull)
-    for node_id, reply in asked_nodes(messages, replies):
-        sums, why = (None, error_reason(reply)) if reply.has_error() else wire.check_bn_reply(reply.content, expected)
+    for node_id, reply in sorted(asked_nodes(messages, replies), key=lambda pair: view.registry.key(pair[0])):  # (sums: node order)
+        sums, why = (None, error_reason(reply)) if reply.has_error() else bn_wire.check_bn_reply(reply.content, expected)
         if sums is None:
             log(WARNING, "bn-stats: node %s gave no statistics: %s", view.registry.label(node_id), why)
             continue
-        nbytes += sum(reply.content[wire.bn_record(i)].count_bytes() for i in range(len(models)))
+        nbytes += sum(reply.content[bn_wire.bn_record(i)].count_bytes() for i in range(len(models)))
         for part, model_sums in zip(parts, sums):
             part.append(model_sums)
     return [combine_bn_sums(part) if part else None for part in parts], nbytes
-
-
-def deployment_statistics(view: RoundView, global_state: State,
-                          known: dict[str, dict[str, torch.Tensor]] | None = None,
-                          ) -> tuple[dict[str, torch.Tensor], dict[str, str], int] | None:
-    """Fixed norm statistics for every level's deployable model that normalises with batch
-    statistics (static BN): the clients' sums over their training data (the sBN query, every
-    level's model in one message per node), keyed ``level_<γ>/<layer>.<sum|sumsq|count>``, with
-    metadata and the bytes moved; None when no model needs them (no static norm layer, or running
-    statistics) or nobody answered. ``known``: sums this model version's evaluation already asked
-    for (by :func:`spec_key`), not asked again. A deployed model predicts in eval mode with these,
-    independently of the batch."""
-    found: dict[float, dict[str, torch.Tensor] | None] = {}
-    ask: list[tuple[float, tuple[dict[str, Any], State]]] = []
-    for index, level in enumerate(view.method.levels):
-        spec, state = view.method.deployable(index, global_state)
-        if spec.get("trainable_only"):
-            return None
-        with shape_device(spec):
-            layers = batch_statistics_layers(build_model(spec, spectral_init=False))
-        if not layers:
-            continue
-        sums = (known or {}).get(spec_key(spec))
-        if sums is None:
-            ask.append((level, (spec, state)))
-        found[level] = sums
-    nbytes = 0
-    if ask:
-        asked, nbytes = federated_bn_sums(view, [model for _, model in ask])
-        found.update({level: sums for (level, _), sums in zip(ask, asked)})
-    tensors: dict[str, torch.Tensor] = {}
-    for level, sums in found.items():
-        if sums is None:
-            log(WARNING, "deployment statistics: no client answered for level %g; its export falls back", level)
-            continue
-        tensors.update({f"level_{level:g}/{k}": v for k, v in sums.items()})
-    if not tensors:
-        return None
-    limit = int(view.cfg.evaluation.bn_clients)
-    asked_count = min(limit, len(view.registry.nodes)) if limit > 0 else len(view.registry.nodes)
-    return tensors, {"source": "federated", "nodes_asked": str(asked_count)}, nbytes
 
 
 # ---------------------------------------------------------------------- federated evaluation

@@ -37,7 +37,7 @@ from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.core.protocol import (ARRAYS, CONFIG, NODE_UNAVAILABLE, ArrayCache, Payload, TaskConfigs, asked_nodes,
                                       collect, content_bytes, error_reason, exchange, push)
 from fedhm_flwr.math import levels as lv
-from fedhm_flwr.server import evaluation as ev
+from fedhm_flwr.server import deployment, evaluation as ev
 
 from fedhm_flwr.server.methods.method import Cut, Method, Reply, State
 from fedhm_flwr.server.nodes import NodeInfo, NodeRegistry
@@ -360,7 +360,7 @@ class HeteroStrategy(Strategy):
         """The fixed norm statistics of every level's deployable model (the clients' sBN sums),
         saved beside the final checkpoint for ``fedhm export`` (docs/METHODS.md#deployable-statistics)."""
         known = self._bn.sums if self._bn is not None else None  # the final round's evaluation asked already
-        found = ev.deployment_statistics(self._view(), global_state, known)
+        found = deployment.deployment_statistics(self._view(), global_state, known)
         if found is not None:
             tensors, metadata, nbytes = found
             self.recorder.save_bn_statistics(tensors, {**metadata, "round": str(server_round)})
