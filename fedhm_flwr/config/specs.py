@@ -7,9 +7,8 @@ importing torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import math
+from collections.abc import Callable
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf

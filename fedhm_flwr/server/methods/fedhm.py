@@ -24,7 +24,7 @@ import torch
 
 from fedhm_flwr.config.methods import FedHMOptions
 from fedhm_flwr.math.aggregation import average_hybrid, level_weights, official_code_weights
-from fedhm_flwr.math.lowrank import SVD, SVD_TOLERANCE, WireFactors, compute_svds, factorize_state, wire_factors
+from fedhm_flwr.math.lowrank import SVD_TOLERANCE, WireFactors, compute_svds, factorize_state, wire_factors
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.rules import plan_ranks
 
@@ -55,44 +55,35 @@ class FedHM(Method):
         self.add_previous_global = bool(cfg.method.get("add_previous_global", False))
         self.official_weights = bool(cfg.method.get("official_weights", False))
         self.dynamic = cfg.levels.assignment == "dynamic"
-        # layer -> (weight it was computed from, SVD, that weight's version counter: an in-place change voids it)
-        self._svd_cache: dict[str, tuple[torch.Tensor, SVD, int]] = {}
-        self._factor_cache: dict[str, tuple[SVD, WireFactors]] = {}  # layer -> (its SVD, factors up to its top rank)
+        # layer -> (weight its SVD was computed from, that weight's version counter: an in-place change
+        # voids it, the SVD's factors up to the layer's top rank in the wire layout)
+        self._factor_cache: dict[str, tuple[torch.Tensor, int, WireFactors]] = {}
         self._level_states: dict[int, tuple[list[tuple[str, torch.Tensor, int]], State]] = {}  # _level_state
 
     def level_spec(self, level_index: int) -> dict[str, Any]:
         ranks = self.ranks[level_index]
         return {**self.spec, "ranks": ranks} if ranks else dict(self.spec)
 
-    def _svds(self, global_state: State) -> dict[str, SVD]:
-        """One SVD per factorizable layer of this global state, reused while the layer's weight is
-        unchanged (same tensor, or equal content: the evaluation and the next round receive the
-        merged state through a fresh ArrayRecord; a tensor changed in place since is not)."""
+    def _factors(self, global_state: State) -> dict[str, WireFactors]:
+        """One SVD per factorizable layer of this global state, kept as its factors up to the layer's
+        largest level rank (every level cuts its own rank out of them: :func:`lowrank.factorize_state`),
+        reused while the layer's weight is unchanged (same tensor, or equal content: the evaluation and
+        the next round receive the merged state through a fresh ArrayRecord; a tensor changed in place
+        since is not)."""
         def fresh(name: str) -> bool:
-            cached, weight = self._svd_cache.get(name), global_state[f"{name}.weight"]
-            return cached is not None and cached[0]._version == cached[2] and (cached[0] is weight or (
+            cached, weight = self._factor_cache.get(name), global_state[f"{name}.weight"]
+            return cached is not None and cached[0]._version == cached[1] and (cached[0] is weight or (
                 cached[0].shape == weight.shape and torch.equal(cached[0], weight)))
 
         stale = [name for name in self.factorized if not fresh(name)]
         for name, svd in compute_svds(global_state, stale, self.layer_ranks, self.svd_tolerance).items():
             weight = global_state[f"{name}.weight"]
-            self._svd_cache[name] = (weight, svd, weight._version)
-        return {name: self._svd_cache[name][1] for name in self.factorized}
-
-    def _wire_factors(self, global_state: State) -> dict[str, WireFactors]:
-        """Each factorizable layer's factors up to its largest level rank, in the wire layout, made
-        once per SVD: every level cuts its own rank out of them (:func:`lowrank.factorize_state`)."""
-        out = {}
-        for name, svd in self._svds(global_state).items():
-            held = self._factor_cache.get(name)
-            if held is None or held[0] is not svd:
-                held = self._factor_cache[name] = (svd, wire_factors(
-                    svd, global_state[f"{name}.weight"].shape, max(self.layer_ranks[name])))
-            out[name] = held[1]
-        return out
+            factors = wire_factors(svd, weight.shape, max(self.layer_ranks[name]))
+            self._factor_cache[name] = (weight, weight._version, factors)
+        return {name: self._factor_cache[name][2] for name in self.factorized}
 
     def begin_round(self, server_round: int, global_state: State) -> None:
-        self._svds(global_state)
+        self._factors(global_state)
 
     def level_payload(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State, dict[str, Any]]:
         ranks = self.ranks[level_index]
@@ -109,7 +100,7 @@ class FedHM(Method):
                 key == k and tensor is t and tensor._version == v
                 for (key, tensor), (k, t, v) in zip(global_state.items(), held[0])):
             return dict(held[1])
-        state = factorize_state(global_state, self.ranks[level_index], factors=self._wire_factors(global_state))
+        state = factorize_state(global_state, self.ranks[level_index], factors=self._factors(global_state))
         self._level_states[level_index] = ([(k, t, t._version) for k, t in global_state.items()], state)
         return dict(state)
 
