@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import echo, identity_query
+from bench.engine_floor import engine_rounds
 from fedhm_flwr.config import load_config, model_spec
 
 #: where ``--scale-clients`` keeps its figure (tracked, unlike bench/reports)
@@ -30,6 +31,8 @@ LARGE_EXAMPLES_PER_CLIENT = 6
 #: noisy round on a shared machine, the median of the rounds between the first (first contact) and
 #: the last (final evaluation and deployment statistics)
 LARGE_ROUNDS = 5
+#: the engine floor's client CPU time per training message at its two calibration runs (ms)
+ENGINE_PROBES_MS = (0.0, 30.0)
 
 
 class TreeMemory:
@@ -179,16 +182,41 @@ def figure_scale(quick: bool, scale_clients: int | None = None) -> dict[str, Any
         big = scale_run(scale_clients, per_round, LARGE_ROUNDS, "sampled",
                         same + (f"dataset.max_train_examples={LARGE_EXAMPLES_PER_CLIENT * scale_clients}",))
         big["round2_over_small_round2"] = big["round_seconds"][1] / ref["round_seconds"][1]
-        big["middle_over_small_middle"] = (statistics.median(big["round_seconds"][1:-1])
-                                           / statistics.median(ref["round_seconds"][1:-1]))
+        big["middle_over_small_middle"] = _middle(big["round_seconds"]) / _middle(ref["round_seconds"])
         out["large"] = {"clients": scale_clients, "run": big, "reference": ref,
                         "overrides": [*same, f"{LARGE_EXAMPLES_PER_CLIENT} training examples per client"],
                         "goal": f"peak memory < 8 GiB; round 2 <= 1.5 x the {clients}-client round 2",
-                        "server_state": server_state_per_node((clients, scale_clients // 2, scale_clients))}
+                        "server_state": server_state_per_node((clients, scale_clients // 2, scale_clients)),
+                        "engine_floor": engine_floor(ref, clients, scale_clients, per_round)}
         if not quick:
             save_large(out, scale_clients)
     else:
         out["large_saved"] = load_large()
+    return out
+
+
+def _middle(seconds: list[float]) -> float:
+    """The median of the rounds between the first and the last (see :data:`LARGE_ROUNDS`)."""
+    return statistics.median(seconds[1:-1])
+
+
+def engine_floor(reference: dict[str, Any], small: int, large: int, per_round: int) -> dict[str, Any]:
+    """Flower's engine alone with the same traffic (:mod:`bench.engine_floor`, nothing from the
+    project) at ``small`` and ``large`` nodes: its client spends ``work_ms`` of CPU per training
+    message, set so that its ``small``-node rounds take as long as the ``reference`` run's (the
+    middle rounds' median, fitted as a line through two runs at :data:`ENGINE_PROBES_MS`); then
+    both sizes at that work with the node-info queries, and without them."""
+    probes = {w: _middle(engine_rounds(small, w, True, LARGE_ROUNDS, per_round)["round_seconds"])
+              for w in ENGINE_PROBES_MS}
+    (w0, t0), (w1, t1) = probes.items()
+    work = max(0.0, w0 + (_middle(reference["round_seconds"]) - t0) * (w1 - w0) / (t1 - t0)) if t1 > t0 else w1
+    runs = {f"{query}-{n}": engine_rounds(n, round(work, 1), query == "query", LARGE_ROUNDS, per_round)
+            for query in ("query", "no-query") for n in (small, large)}
+    out: dict[str, Any] = {"code": "bench/engine_floor.py", "work_ms": round(work, 1),
+                           "probes": {str(w): t for w, t in probes.items()}, "runs": runs}
+    for query in ("query", "no-query"):
+        a, b = runs[f"{query}-{small}"]["round_seconds"], runs[f"{query}-{large}"]["round_seconds"]
+        out[f"{query}_round2_ratio"], out[f"{query}_middle_ratio"] = b[1] / a[1], _middle(b) / _middle(a)
     return out
 
 
@@ -278,5 +306,23 @@ def large_markdown(large: dict[str, Any], f5: dict[str, Any]) -> list[str]:
           f"- The server's per-node state ({st['note']}): "
           + ", ".join(f"{int(k):,} nodes {v['server_state_bytes'] / 2**20:.2f} MiB "
                       f"({v['bytes_per_known_node']:.0f} B per known node)" for k, v in st["rows"].items())
-          + f"; **{st['bytes_per_node']:.0f} bytes per node** (slope).", ""]
-    return L
+          + f"; **{st['bytes_per_node']:.0f} bytes per node** (slope)."]
+    return L + engine_markdown(large.get("engine_floor"), r, ref, f5["clients"], large["clients"]) + [""]
+
+
+def engine_markdown(engine: dict[str, Any] | None, run: dict[str, Any], reference: dict[str, Any] | None,
+                    small: int, large: int) -> list[str]:
+    """The engine floor's bullet: Flower alone with the same traffic, its ratio beside ours."""
+    if not engine or not reference:
+        return []
+    at_small, at_large = engine["runs"][f"query-{small}"], engine["runs"][f"query-{large}"]
+    return [f"- Flower's simulation engine alone (`{engine['code']}`: a bare ServerApp and ClientApp, nothing "
+            f"from the project, the same messages: {at_small['per_round']} training messages and the next round's "
+            f"{at_small['per_round']} node-info queries per round; its client spends {engine['work_ms']:.1f} ms of CPU per "
+            f"training message, fitted to make its {small:,}-node rounds as long as the reference's: middle rounds "
+            f"{_middle(at_small['round_seconds']):.1f} s against {_middle(reference['round_seconds']):.1f} s): round 2 "
+            f"{at_large['round_seconds'][1]:.1f} s at {large:,} nodes ÷ {at_small['round_seconds'][1]:.1f} s at {small:,} = "
+            f"**{engine['query_round2_ratio']:.2f}** (middle rounds {engine['query_middle_ratio']:.2f}); without the "
+            f"queries {engine['no-query_round2_ratio']:.2f} (middle rounds {engine['no-query_middle_ratio']:.2f}). "
+            f"This project at {large:,} ÷ the engine alone at {large:,}, round 2: "
+            f"**{run['round_seconds'][1] / at_large['round_seconds'][1]:.2f}**."]

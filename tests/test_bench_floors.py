@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from bench import floors
@@ -18,10 +19,15 @@ from fedhm_flwr.models.rules import plan_ranks
 FLOORS = Path(floors.__file__)
 
 
-def test_floor_code_imports_nothing_from_the_project():
-    tree = ast.parse(FLOORS.read_text())
+def _imports(path: Path) -> set[str]:
+    """The top-level packages a file imports (anywhere in it)."""
+    tree = ast.parse(path.read_text())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    return imported | {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+
+
+def test_floor_code_imports_nothing_from_the_project():
+    imported = _imports(FLOORS)
     assert imported and imported <= {"__future__", "inspect", "pathlib", "collections", "torch", "math"}, imported
     assert floors.where(floors.average_floor).startswith("bench/floors.py:")
 
@@ -63,3 +69,24 @@ def test_training_floor_sees_every_example_each_epoch():
     before = [p.detach().clone() for p in model.parameters()]
     assert floors.training_floor(model, images, labels, epochs=2, batch_size=32) == 140
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+ENGINE_FLOOR = Path(floors.__file__).with_name("engine_floor.py")
+
+
+def test_engine_floor_imports_nothing_from_the_project():
+    assert _imports(ENGINE_FLOOR) <= {"__future__", "argparse", "json", "random", "subprocess", "sys", "time",
+                                      "pathlib", "typing", "numpy", "flwr"}, _imports(ENGINE_FLOOR)
+
+
+@pytest.mark.slow
+def test_engine_floor_sends_the_scale_runs_traffic_and_every_message_is_answered():
+    from bench.engine_floor import engine_rounds
+
+    rounds, per_round = 3, 4
+    with_queries = engine_rounds(12, 1.0, True, rounds, per_round, timeout=300)
+    assert len(with_queries["round_seconds"]) == rounds
+    # every training message answered; a query to round 1's sample at start-up, then one to each later round's
+    assert with_queries["replies"] == {"train": rounds * per_round, "query": rounds * per_round}
+    without = engine_rounds(12, 1.0, False, 2, per_round, timeout=300)
+    assert without["replies"] == {"train": 2 * per_round}
