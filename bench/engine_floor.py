@@ -15,8 +15,8 @@ thread's CPU time on each training message (busy numpy adds) before echoing the 
 happens anywhere, so its round times are what the engine itself costs for that traffic.
 
 Prints one line, ``ENGINE_FLOOR {json}``: the clients, work, whether it queried, each round's
-seconds (push to the last training reply) and the replies without an error per message type. :func:`engine_rounds` runs it in a subprocess (Ray
-starts and stops with it) and returns that dict.
+seconds (push to the last training reply) and the replies without an error per message type.
+:func:`engine_rounds` runs it in a subprocess (Ray starts and stops with it) and returns that dict.
 """
 
 from __future__ import annotations
