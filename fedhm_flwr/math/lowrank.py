@@ -212,14 +212,18 @@ SVD_TOLERANCE = 1e-4
 
 
 @functools.lru_cache(maxsize=64)
-def _rank_masks(ranks: tuple[int, ...], k: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``(kept, cut)``, each ``len(ranks) × k`` in ``dtype``: ``kept[ρ, i] = [i < ranks[ρ]]``,
-    ``cut = 1 − kept`` (one pair per ranks and size: a model has a few dozen)."""
-    kept = (torch.arange(k).unsqueeze(0) < torch.tensor(ranks).unsqueeze(1)).to(dtype)
-    return kept, 1 - kept
+def _rank_masks(ranks: tuple[int, ...], k: int, dtype: torch.dtype) -> Tensor:
+    """``len(ranks) × k²`` 0/1 masks in ``dtype``, row ``ρ`` the flattened ``k × k`` mask
+    ``[i < r]·([j = i] + [j ≥ r])`` (``j`` the row, ``i`` the column, ``r = ranks[ρ]``): the kept
+    columns' diagonal and their entries in the cut rows (one per ranks and size: a model has a few dozen)."""
+    idx = torch.arange(k)
+    j, i = idx.view(k, 1), idx.view(1, k)
+    r = torch.tensor(ranks).view(-1, 1, 1)
+    return ((i < r) & ((j == i) | (j >= r))).to(dtype).reshape(len(ranks), k * k)
 
 
-def truncation_backward_errors(matrix: Tensor, Q: Tensor, C: Tensor, ranks: Iterable[int]) -> dict[int, float]:
+def truncation_backward_errors(matrix: Tensor, Q: Tensor, C: Tensor, ranks: Iterable[int],
+                               total: float | None = None) -> dict[int, float]:
     """A posteriori backward error of each rank-``r`` truncation ``Q_r Q_rᵀ M`` (``C = Q_kᵀ M``,
     ``k = Q``'s columns ≥ every rank; ``Q`` orthonormal, from the side of ``M``'s rows).
 
@@ -230,23 +234,30 @@ def truncation_backward_errors(matrix: Tensor, Q: Tensor, C: Tensor, ranks: Iter
     (products with ``M`` itself, so that the Gram matrix's own rounding is seen), the part inside from
     the off-diagonal of ``C Cᵀ``. Needs no spectral gap: where the gap is small the float64 truncation is
     itself that sensitive to the weight, and the backward error is the honest measure.
-
-    Every rank at once: with ``H = C Cᵀ``, ``P[j, i] = H[j, i]² / σ_i²`` and ``o_i`` = column ``i``'s
-    outside part over ``σ_i²``, rank ``r``'s ``‖Δ‖_F² = Σ_{i<r} o_i + Σ_{i<r, j≥r} P[j, i]``: two
-    products with the 0/1 masks ``[i < r]`` and ``[j ≥ r]`` (:func:`_rank_masks`), one row per rank.
+    ``total``: ``‖M‖_F²`` when the caller has it (the Gram matrix's trace), else computed here.
     """
-    ranks = tuple(int(r) for r in ranks)
-    H = C @ C.t()  # k × k: Q_kᵀ M Mᵀ Q_k
-    # per kept column i: ‖(I − Q_k Q_kᵀ) M Mᵀ q_i‖² (the residual formed in place: no second k-wide temporary)
-    outside = (matrix @ C.t()).addmm_(Q, H, alpha=-1).square().sum(dim=0)
-    lam = H.diagonal().clamp_min(torch.finfo(H.dtype).tiny)
-    flat = (matrix.t() if matrix.t().is_contiguous() else matrix).reshape(-1)  # (a view of either side)
-    total = float(torch.dot(flat, flat))
+    if total is None:
+        flat = (matrix.t() if matrix.t().is_contiguous() else matrix).reshape(-1)  # (a view of either side)
+        total = float(torch.dot(flat, flat))
+    return _backward_errors(matrix, Q, C, C @ C.t(), tuple(int(r) for r in ranks), total)
+
+
+def _backward_errors(matrix: Tensor, Q: Tensor, C: Tensor, H: Tensor, ranks: tuple[int, ...],
+                     total: float) -> dict[int, float]:
+    """:func:`truncation_backward_errors` given ``H = C Cᵀ`` (``Q_kᵀ M Mᵀ Q_k``) and ``total = ‖M‖_F²``.
+
+    Every rank at once: with ``D[j, i] = H[j, i]² / σ_i²`` off the diagonal and ``D[i, i] = o_i``,
+    column ``i``'s part outside ``span(Q_k)`` over ``σ_i²``, rank ``r``'s ``‖Δ‖_F² = Σ_{i<r} (o_i +
+    Σ_{j≥r} D[j, i])``: one product of the flattened ``D`` with the masks of :func:`_rank_masks`.
+    """
     if total <= 0:
         return dict.fromkeys(ranks, 0.0)
-    kept, cut = _rank_masks(ranks, H.shape[0], H.dtype)
-    # per rank: the outside parts of the kept columns, and their couplings to the kept-but-cut rows
-    squares = kept @ (outside / lam) + ((cut @ (H.square() / lam)) * kept).sum(dim=1)
+    lam = H.diagonal().clamp_min(torch.finfo(H.dtype).tiny)
+    # per kept column i: ‖(I − Q_k Q_kᵀ) M Mᵀ q_i‖² (the residual formed in place: no second k-wide temporary)
+    outside = (matrix @ C.t()).addmm_(Q, H, alpha=-1).square().sum(dim=0)
+    D = H.square().div_(lam)
+    D.diagonal().copy_(outside.div_(lam))
+    squares = _rank_masks(ranks, H.shape[0], H.dtype) @ D.view(-1)
     return {r: math.sqrt(value / total) for r, value in zip(ranks, squares.tolist())}
 
 
@@ -264,25 +275,29 @@ def _gram_svd(matrix: Tensor, ranks: tuple[int, ...], dtype: torch.dtype, tolera
     own eigenvectors (:func:`_subspace_step`) and the same check again before None. With ``Q`` the
     top eigenvectors, ``C = Qᵀ M`` (or ``M Q``); ``S`` is the row norms of ``C``, so
     ``U S Vh = Q Qᵀ M`` exactly whatever the accuracy of the eigenvalues, and both factors of
-    :func:`split_factors` stay balanced.
+    :func:`split_factors` stay balanced. The components stay in the order the check accepted
+    (decreasing eigenvalue of the Gram matrix; ``S`` decreases with it up to rounding between
+    near-equal values): a rank-``r`` cut is then exactly the truncation that was checked.
     """
     M = matrix.to(dtype)
     wide = M.shape[0] <= M.shape[1]
     side = M if wide else M.t()  # rows × cols with rows <= cols: Q spans the rows' side
-    _, Q = torch.linalg.eigh(side @ side.t())
-    Q = Q[:, -max(ranks):].flip(1)
+    gram = side @ side.t()
+    total = float(gram.trace())  # ‖M‖_F²
+    # eigh of −Gram: its ascending order is the Gram's descending one, so the top eigenvectors are
+    # the leading columns (a view, no flip)
+    _, Q = torch.linalg.eigh(gram.neg_())
+    Q = Q[:, :max(ranks)]
     C = Q.t() @ side  # k × (other side)
-    if max(truncation_backward_errors(side, Q, C, ranks).values()) > tolerance:
+    H = C @ C.t()
+    if max(_backward_errors(side, Q, C, H, ranks, total).values()) > tolerance:
         if not refine:
             return None
         Q, C = _subspace_step(side, Q)
-        if max(truncation_backward_errors(side, Q, C, ranks).values()) > tolerance:
+        H = C @ C.t()
+        if max(_backward_errors(side, Q, C, H, ranks, total).values()) > tolerance:
             return None
-    S = C.norm(dim=1)
-    if not bool((S[:-1] > S[1:]).all()):  # (strictly decreasing, as mostly: the sort is the identity)
-        order = S.argsort(descending=True)
-        if not torch.equal(order, torch.arange(len(order))):
-            S, Q, C = S[order], Q[:, order], C[order]
+    S = H.diagonal().sqrt()  # the row norms of C
     other = C / S.clamp_min(torch.finfo(dtype).tiny).unsqueeze(1)
     return SVD(Q, S, other) if wide else SVD(other.t(), S, Q.t())
 
@@ -299,8 +314,7 @@ def _subspace_step(side: Tensor, Q: Tensor) -> tuple[Tensor, Tensor]:
     each column's relative accuracy whatever its scale."""
     Q1, _ = torch.linalg.qr(side @ (side.t() @ Q))
     C1 = Q1.t() @ side
-    _, V = torch.linalg.eigh(C1 @ C1.t())
-    V = V.flip(1)
+    _, V = torch.linalg.eigh((C1 @ C1.t()).neg_())  # (of −C₁C₁ᵀ: leading direction first)
     return Q1 @ V, V.t() @ C1
 
 
