@@ -85,6 +85,13 @@ class NodeRegistry:
         self.data_spec = json.dumps(data_spec(cfg))  # each node reports its example count for it
         self.ahead = AheadQueries(self.data_spec)  # node-info queries asked ahead (start-up, prefetch)
         self._draws: dict[int, dict[int, float]] = {}  # DP: round -> key -> its secret uniform draw
+        # the round's rules, read once (a config lookup costs more than a round's sampling at 10 nodes)
+        self.ask_when_sampled = cfg.availability.get("query", "all") == "sampled"
+        self.fixed_levels = cfg.levels.assignment == "fixed"
+        self.seed, self.dp = int(cfg.seed), bool(cfg.dp.enabled)
+        self.fraction, self.min_train = float(cfg.fraction_train), int(cfg.min_train_nodes)
+        self.min_nodes = int(cfg.availability.min_nodes) or self.min_train
+        self.proportions = level_proportions(cfg)
 
     # ------------------------------------------------------------------ discovery
 
@@ -103,7 +110,7 @@ class NodeRegistry:
             log(INFO, "round %d: node %d, which sat out, left", server_round, node_id)
             del self.excluded[node_id]
         new = sorted(connected - set(self.nodes) - set(self.excluded))
-        if self.cfg.availability.get("query", "all") == "sampled":
+        if self.ask_when_sampled:
             self.unknown = new
             return 0
         self.unknown = []
@@ -188,7 +195,7 @@ class NodeRegistry:
         drawn here as the round will draw it (the same knowledge, if no node comes or goes in
         between); the answers are read, and the nodes learnt, only after it sampled
         (:meth:`query_sampled`), so the sample never depends on them."""
-        if self.cfg.availability.get("query", "all") != "sampled":
+        if not self.ask_when_sampled:
             return
         t0 = time.perf_counter()
         connected = set(grid.get_node_ids())
@@ -207,12 +214,12 @@ class NodeRegistry:
         that sit out); then go on with the nodes present or stop, as ``availability.on_timeout`` says.
         Returns the connected nodes it saw last (one ``get_node_ids`` when enough are there: with
         many nodes each call lists them all)."""
-        avail = self.cfg.availability
-        minimum = int(avail.min_nodes) or int(self.cfg.min_train_nodes)
+        minimum = self.min_nodes
         connected = set(grid.get_node_ids())
         count = len(connected - set(self.excluded))  # not those sitting out
         if count >= minimum:
             return connected
+        avail = self.cfg.availability
         log(INFO, "round %d: %d node(s) connected, waiting up to %gs for at least %d", server_round, count,
             float(avail.wait_seconds), minimum)
         t0 = time.monotonic()
@@ -318,8 +325,7 @@ class NodeRegistry:
                 "" if examples is None else f", {examples} training examples")
 
     def _stable_level(self, info: NodeInfo) -> int:
-        proportions = level_proportions(self.cfg)
-        seed = int(self.cfg.seed)
+        proportions, seed = self.proportions, self.seed
         key = self.keys[info.node_id]
         if info.partition_id is not None and key == info.partition_id:
             total = int(info.num_partitions or self.cfg.num_clients)
@@ -353,10 +359,10 @@ class NodeRegistry:
 
     def assign(self, server_round: int, node_ids: list[int]) -> dict[int, int]:
         """Level index of each sampled node this round (fixed: the node's own; dynamic: drawn)."""
-        if self.cfg.levels.assignment == "fixed":
+        if self.fixed_levels:
             return {n: self.levels_of[n] for n in node_ids}
-        rng = lv.round_rng(int(self.cfg.seed), server_round, stream=1)
-        drawn = lv.dynamic_levels(len(node_ids), level_proportions(self.cfg), rng)
+        rng = lv.round_rng(self.seed, server_round, stream=1)
+        drawn = lv.dynamic_levels(len(node_ids), self.proportions, rng)
         out = dict(zip(node_ids, drawn))
         out.update({n: self.declared[n] for n in node_ids if n in self.declared})
         return out
@@ -366,10 +372,10 @@ class NodeRegistry:
         queried (``availability.query = sampled``) takes part by a hash of its node id)."""
         keys = {self.key(n): n for n in self.nodes}
         keys.update({hashed_key(f"node:{n}"): n for n in self.unknown})
-        if self.cfg.dp.enabled:  # the accountant's Poisson sampling, from a stream no client knows
+        if self.dp:  # the accountant's Poisson sampling, from a stream no client knows
             return [keys[k] for k in self._poisson(server_round, list(keys))]
-        rng = lv.round_rng(int(self.cfg.seed), server_round, stream=0)
-        picked = lv.sample_clients(list(keys), float(self.cfg.fraction_train), int(self.cfg.min_train_nodes), rng)
+        rng = lv.round_rng(self.seed, server_round, stream=0)
+        picked = lv.sample_clients(list(keys), self.fraction, self.min_train, rng)
         return [keys[k] for k in picked]
 
     def _poisson(self, server_round: int, keys: list[int]) -> list[int]:
@@ -381,7 +387,7 @@ class NodeRegistry:
             del self._draws[old]
         mine = self._draws.setdefault(server_round, {})
         uniform = secret_uniform(None if seed is None else int(seed), server_round)
-        return poisson_sample(keys, float(self.cfg.fraction_train),
+        return poisson_sample(keys, self.fraction,
                               lambda k: mine[k] if k in mine else mine.setdefault(k, uniform(k)))
 
     def state(self) -> dict[str, Any]:
