@@ -39,7 +39,9 @@ def wire_array(tensor: torch.Tensor, dtype: str = "float32") -> Array:
         if dtype == "bfloat16":
             tensor = tensor.view(torch.int16)
     ndarray = tensor.contiguous().cpu().numpy()
-    name, shape = ndarray.dtype.name, tuple(ndarray.shape)  # (a tensor's numpy dtype is native: name == str)
+    # (a tensor's numpy dtype is native: name == str; numpy's dtype.name is Python code, so the
+    # common ones are looked up by the dtype itself)
+    name, shape = _DTYPE_NAMES.get(ndarray.dtype) or ndarray.dtype.name, tuple(ndarray.shape)
     header = _NPY_HEADERS.get((name, shape)) or npy_header(name, shape)
     if header is None:
         return Array.from_numpy_ndarray(ndarray)
@@ -47,6 +49,8 @@ def wire_array(tensor: torch.Tensor, dtype: str = "float32") -> Array:
 
 
 _NPY_HEADERS: dict[tuple[str, tuple[int, ...]], bytes | None] = {}
+_DTYPE_NAMES = {np.dtype(name): name for name in ("float32", "float16", "float64", "int16", "int32", "int64",
+                                                   "uint8", "int8", "bool")}
 #: the numpy dtypes of the names the wire uses, parsed once (any other name is parsed per array)
 _NUMPY_DTYPES = {name: np.dtype(name) for name in ("float32", "float16", "float64", "int16", "int32", "int64",
                                                    "uint8", "int8", "bool")}
@@ -148,25 +152,24 @@ def reply_tensors(record: Any, dtype: str = "float32") -> tuple[dict[str, torch.
     import torch
 
     wire = _WIRE_NUMPY[dtype]
-    located: dict[str, tuple[Any, np.dtype, tuple[int, ...], int, int]] = {}
-    others = {}
+    located: dict[str, tuple[tuple[int, ...], int]] = {}
+    parts, others = [], {}
     for key, array in record.items():
         found = _data_offset(array) if array.dtype == wire else None
         if found is None:
             others[key] = array
-        else:
-            located[key] = (array, *found)
-    buffer = np.empty(sum(count for _, _, _, count, _ in located.values()), dtype=_NUMPY_DTYPES[wire])
-    start = 0
-    for array, numpy_dtype, _, count, offset in located.values():
-        buffer[start:start + count] = np.frombuffer(array.data, dtype=numpy_dtype, count=count, offset=offset)
-        start += count
+            continue
+        numpy_dtype, shape, count, offset = found
+        located[key] = (shape, count)
+        parts.append(np.frombuffer(array.data, dtype=numpy_dtype, count=count, offset=offset))
+    # one copy of every located array, in record order (views of the bytes joined in one call)
+    buffer = np.concatenate(parts) if parts else np.empty(0, dtype=_NUMPY_DTYPES[wire])
     flat = torch.from_numpy(buffer)
     if dtype != "float32":  # (one conversion for the whole reply)
         flat = (flat.view(torch.bfloat16) if dtype == "bfloat16" else flat).float()
         buffer = flat.numpy()
     views, start = {}, 0
-    for key, (_, _, shape, count, _) in located.items():  # (numpy views: cheaper than torch's per tensor)
+    for key, (shape, count) in located.items():  # (numpy views: cheaper than torch's per tensor)
         views[key] = torch.from_numpy(buffer[start:start + count].reshape(shape))
         start += count
     rest = from_wire(record_tensors(others), dtype) if others else {}
