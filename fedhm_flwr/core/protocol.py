@@ -266,37 +266,50 @@ def train_options(distill: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 class TaskConfigs:
-    """One round's training task configs. What every node of a payload (or of a partition count) is
-    told alike is encoded once per round: the train options once, the model spec and train options
-    as JSON per payload, the data spec per partition count, and the whole record once per payload
-    and partition count (Flower checks every entry it is given): each node gets a copy of it
-    (``ConfigRecord.copy``, no second check) with its own seed."""
+    """The rounds' training task configs. What every node of a level (and partition count) is told
+    alike is encoded once while it stays the same: the round's train options once per round, and
+    the whole record (model spec and train options as JSON, the data spec per partition count) once
+    per level and partition count, until its spec or train options change (Flower checks every entry
+    it is given; a new round only changes the round number of a copy). Each node gets a copy of it
+    (``ConfigRecord.copy``, no second check) with its own seed; its bytes are counted once too (the
+    round number and seed are ints: every copy has the bytes of the one it was copied from)."""
 
     def __init__(self) -> None:
         self._round: int | None = None
         self._options: dict[str, Any] | None = None
-        self._train: dict[tuple[int, int | None, int], tuple[Payload, ConfigRecord]] = {}
+        # this round's: (payload id, partitions, level index) -> (payload, record, bytes)
+        self._train: dict[tuple[int, int | None, int], tuple[Payload, ConfigRecord, int]] = {}
+        # across rounds: (level index, partitions) -> (what it encodes, record, bytes)
+        self._made: dict[tuple[int, int | None], tuple[tuple[Any, ...], ConfigRecord, int]] = {}
         self._data: dict[int | None, str] = {}
 
     def train(self, server_round: int, method: str, level: float, level_index: int, payload: Payload,
               options: Callable[[], dict[str, Any]], num_partitions: int | None,
-              data_spec: Callable[[int | None], dict[str, Any]], seed: int, dtype: str) -> ConfigRecord:
-        """The TRAIN task config of one node (``options()``: the round's train options)."""
+              data_spec: Callable[[int | None], dict[str, Any]], seed: int, dtype: str) -> tuple[ConfigRecord, int]:
+        """The TRAIN task config of one node (``options()``: the round's train options) and its
+        bytes (``count_bytes``)."""
         if self._round != server_round:  # the data specs stay: they do not change with the round
             self._round, self._options, self._train = server_round, None, {}
         held = self._train.get((id(payload), num_partitions, level_index))
         if held is None or held[0] is not payload:
             if self._options is None:
                 self._options = options()
-            if num_partitions not in self._data:
-                self._data[num_partitions] = json.dumps(data_spec(num_partitions))
-            record = ConfigRecord({SERVER_ROUND: server_round, METHOD: method, LEVEL: level, LEVEL_INDEX: level_index,
-                                   MODEL_SPEC: json.dumps(payload.spec), TRAIN: json.dumps({**self._options, **payload.train}),
-                                   DATA_SPEC: self._data[num_partitions], SEED: seed, **wire_config(dtype)})
-            held = self._train[(id(payload), num_partitions, level_index)] = (payload, record)
+            said = (method, level, payload.spec, {**self._options, **payload.train}, dtype)
+            made = self._made.get((level_index, num_partitions))
+            if made is None or made[0] != said:
+                if num_partitions not in self._data:
+                    self._data[num_partitions] = json.dumps(data_spec(num_partitions))
+                record = ConfigRecord({SERVER_ROUND: server_round, METHOD: method, LEVEL: level,
+                                       LEVEL_INDEX: level_index, MODEL_SPEC: json.dumps(payload.spec),
+                                       TRAIN: json.dumps(said[3]), DATA_SPEC: self._data[num_partitions],
+                                       SEED: seed, **wire_config(dtype)})
+                made = self._made[(level_index, num_partitions)] = (said, record, record.count_bytes())
+            record = made[1].copy()
+            record[SERVER_ROUND] = server_round
+            held = self._train[(id(payload), num_partitions, level_index)] = (payload, record, made[2])
         config = held[1].copy()
         config[SEED] = seed
-        return config
+        return config, held[2]
 
 
 def check_train_reply(content: RecordDict, payload: Payload, level: float, num_classes: int, dtype: str,

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -169,16 +170,23 @@ def _layer_sum(previous: torch.Tensor, states: Sequence[Mapping[str, torch.Tenso
 
 def _without_factors(state: Mapping[str, torch.Tensor], ranks: Mapping[str, int]) -> State:
     """A hybrid state's keys other than the factor weights, ``L.a.bias`` renamed ``L.bias``."""
-    out: State = {}
-    for key, value in state.items():
+    return {new: state[key] for key, new in _kept_keys(tuple(state), tuple(ranks))}
+
+
+@functools.lru_cache(maxsize=256)
+def _kept_keys(keys: tuple[str, ...], layers: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """``(key, name in the full state)`` of the keys :func:`_without_factors` keeps, for a hybrid
+    state's keys and its factorized layers (worked out once per level: a round has a few)."""
+    out = []
+    for key in keys:
         layer, _, leaf = key.rpartition(".")
         owner = layer.rpartition(".")[0]
-        if owner in ranks and layer in (f"{owner}.a", f"{owner}.b"):
+        if owner in layers and layer in (f"{owner}.a", f"{owner}.b"):
             if leaf == "bias":
-                out[f"{owner}.bias"] = value
-        elif key.rpartition(".")[0] not in ranks or leaf != "weight":
-            out[key] = value
-    return out
+                out.append((key, f"{owner}.bias"))
+        elif layer not in layers or leaf != "weight":
+            out.append((key, key))
+    return tuple(out)
 
 
 def classwise_average(

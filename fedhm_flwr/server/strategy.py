@@ -141,7 +141,7 @@ class HeteroStrategy(Strategy):
                 **wire.train_options(train.get("distill"))}
         return {"lr": self._lr(server_round), **self._fixed_options}
 
-    def _train_config(self, server_round: int, node_id: int, index: int, payload: Payload) -> ConfigRecord:
+    def _train_config(self, server_round: int, node_id: int, index: int, payload: Payload) -> tuple[ConfigRecord, int]:
         return self.tasks.train(
             server_round, self.name, self.levels[index], index, payload, lambda: self._train_options(server_round),
             self.nodes[node_id].num_partitions, lambda n: data_spec(self.cfg, n),
@@ -196,15 +196,15 @@ class HeteroStrategy(Strategy):
         for node_id in node_ids:
             index = assignment[node_id]
             payload = self.node_payload(node_id, index, self.global_state, payloads)
-            record = payload.record()  # fresh record, shared Arrays
-            config = self._train_config(server_round, node_id, index, payload)
+            config, config_bytes = self._train_config(server_round, node_id, index, payload)
             if node_id in injected:
                 config[wire.INJECT] = injected[node_id]
                 config[wire.INJECT_SECONDS] = float(self.cfg.failures.slow_seconds)
             if node_id in attackers:
                 config.update(self.attacks.train_config())
-            content = RecordDict({ARRAYS: record, CONFIG: config})
-            self.round_log.sent_bytes += payload.record_bytes() + config.count_bytes()  # (content_bytes)
+            content = RecordDict({ARRAYS: payload.record(), CONFIG: config})  # (fresh record, shared Arrays)
+            self.round_log.sent_bytes += payload.record_bytes() + (  # (content_bytes)
+                config.count_bytes() if node_id in injected or node_id in attackers else config_bytes)
             self.sent[node_id] = (index, payload)
             messages.append(Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN))
         self.round_log.sampled = len(messages)
