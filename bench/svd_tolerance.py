@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 METHODS = ROOT / "docs" / "METHODS.md"
 START, END = "<!-- svd-tolerance:start -->", "<!-- svd-tolerance:end -->"
 REPORT = ROOT / "bench" / "reports" / "svd_tolerance.json"
-OVERRIDES = ["rounds=4", "num_clients=10", "fraction_train=0.5", "dataset.max_train_examples=6000",
+OVERRIDES = ["rounds=10", "num_clients=10", "fraction_train=0.5", "dataset.max_train_examples=6000",
              "dataset.max_test_examples=2000", "evaluation.levels=false"]
 TOLERANCES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)
 EXACT = 1e-300  # no float32 or float64 Gram passes: the exact float64 SVD

@@ -208,7 +208,7 @@ class SVD(NamedTuple):
 #: the exact truncated SVD of a weight within this relative Frobenius distance of the layer's
 #: (:func:`truncation_backward_errors`, checked after the fact). Chosen by the measured experiment
 #: in docs/METHODS.md#fedhm-svd-tolerance (``python -m bench.svd_tolerance``).
-SVD_TOLERANCE = 1e-4
+SVD_TOLERANCE = 1e-3
 
 
 @functools.lru_cache(maxsize=64)
