@@ -90,18 +90,29 @@ def average_states(
     flat = [k for k, v in previous.items() if k in states[0] and k not in per_class
             and v.dtype == torch.float32 and states[0][k].dtype == torch.float32]
     out: State = dict(zip(flat, stacked_average([[s[k] for k in flat] for s in states], w))) if flat else {}
+    rows = [k for k in previous if k in per_class and k in states[0]]
+    if rows:
+        out.update(_classwise_keys(previous, states, rows, w, torch.as_tensor(class_holds)))
     for key, prev in previous.items():
         if key in out:
             continue
         if key not in states[0]:
             out[key] = prev.clone()
             continue
-        stacked = torch.stack([s[key].to(torch.float64) for s in states])
-        if key in per_class:
-            out[key] = classwise_average(prev, stacked, w, torch.as_tensor(class_holds))
-        else:
-            out[key] = torch.tensordot(w, stacked, dims=1).to(prev.dtype)
+        out[key] = torch.tensordot(w, torch.stack([s[key].to(torch.float64) for s in states]), dims=1).to(prev.dtype)
     return {key: out[key] for key in previous}
+
+
+def _classwise_keys(previous: Mapping[str, torch.Tensor], states: Sequence[Mapping[str, torch.Tensor]],
+                    keys: Sequence[str], w: torch.Tensor, holds: torch.Tensor) -> State:
+    """:func:`classwise_average` of several per-class keys at once (a classifier's weight and bias):
+    their class rows side by side, one (clients × classes × values) stack, one average, split back."""
+    widths = [previous[k].numel() // previous[k].shape[0] for k in keys]
+    side = [torch.cat([s[k].reshape(s[k].shape[0], -1).to(torch.float64) for k in keys], 1) for s in states]
+    prev = torch.cat([previous[k].reshape(previous[k].shape[0], -1).to(torch.float64) for k in keys], 1)
+    mixed = classwise_average(prev, torch.stack(side), w, holds)
+    return {k: part.reshape(previous[k].shape).to(previous[k].dtype)
+            for k, part in zip(keys, mixed.split(widths, dim=1))}
 
 
 def stacked_average(tensors: Sequence[Sequence[torch.Tensor]], weights: torch.Tensor) -> list[torch.Tensor]:
