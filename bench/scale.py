@@ -159,6 +159,32 @@ def server_state_per_node(counts: tuple[int, ...], per_round: int = 100, rounds:
                     "availability.query=all: every node known"}
 
 
+def project_alone(sizes: tuple[int, ...], per_round: int = 100, rounds: int = 3) -> dict[str, Any]:
+    """The project without Flower's engine: the same job as the large run and its reference (IID,
+    :data:`LARGE_EXAMPLES_PER_CLIENT` examples per client, ``availability.query=sampled``), in
+    process (``LocalGrid``: the project's ClientApp handlers called node by node, no SuperLink, no
+    Ray), at each node count; its rounds hold the project's own work per round (server, clients,
+    evaluation), so their ratio says whether that work grows with the number of nodes."""
+    from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+    from fedhm_flwr.ops.server_app import run
+
+    rows = {}
+    for n in sizes:
+        cfg = load_config([f"num_clients={n}", f"fraction_train={per_round / n}", f"rounds={rounds}",
+                           "evaluation.levels=false", "dataset.max_test_examples=2000", "availability.query=sampled",
+                           "partition.scheme=iid", f"dataset.max_train_examples={LARGE_EXAMPLES_PER_CLIENT * n}",
+                           "evaluation.deploy_stats=false"])
+        with tempfile.TemporaryDirectory() as tmp:
+            run(LocalGrid(n, client_handlers()), cfg, Path(tmp))
+            lines = (Path(tmp) / "metrics.jsonl").read_text().splitlines()
+        done = [json.loads(line) for line in lines]
+        rows[str(n)] = {"round_seconds": [r["seconds"] for r in done], "server_seconds": [r["server_seconds"] for r in done]}
+    small, large = rows[str(sizes[0])], rows[str(sizes[-1])]
+    return {"sizes": list(sizes), "per_round": per_round, "rows": rows,
+            "later_rounds_ratio": statistics.median(large["round_seconds"][1:])
+            / statistics.median(small["round_seconds"][1:])}
+
+
 def figure_scale(quick: bool, scale_clients: int | None = None) -> dict[str, Any]:
     """1000 clients, 100 per round (``--quick``: 200, 20): round 1 ÷ round 2, query time ÷ round
     time, server time ÷ round time and peak memory, each measured in the same run; with
@@ -192,6 +218,7 @@ def figure_scale(quick: bool, scale_clients: int | None = None) -> dict[str, Any
             save_large(out, scale_clients)
     else:
         out["large_saved"] = load_large()
+    out["project_alone"] = project_alone((clients, 10 * clients), per_round)
     return out
 
 
@@ -266,12 +293,26 @@ def scale_markdown(f5: dict[str, Any]) -> list[str]:
                      f" Start-up before round 1 (Ray workers start on their first message, importing torch "
                      f"and the ClientApp; nodes find their data): {r['startup_seconds']:.1f} s, "
                      f"{r['startup_queried']} nodes asked." if r.get("startup_seconds") is not None else ""))
+    L += project_alone_markdown(f5.get("project_alone"))
     L.append("")
     if "large" in f5:
         L += large_markdown(f5["large"], f5)
     elif f5.get("large_saved"):
         L += saved_markdown(f5["large_saved"])
     return L
+
+
+def project_alone_markdown(alone: dict[str, Any] | None) -> list[str]:
+    """The bullet of :func:`project_alone`: the project's own rounds at its smallest and largest node count."""
+    if not alone:
+        return []
+    (a, ra), (b, rb) = [(int(n), alone["rows"][str(n)]) for n in (alone["sizes"][0], alone["sizes"][-1])]
+    return [f"- The project alone, in process (no Flower engine: `LocalGrid` calls the ClientApp's handlers "
+            f"node by node; the large run's settings, {alone['per_round']} clients per round): rounds after the "
+            f"first " + ", ".join(f"{sec:.2f} s" for sec in ra["round_seconds"][1:]) + f" at {a:,} nodes, "
+            + ", ".join(f"{sec:.2f} s" for sec in rb["round_seconds"][1:]) + f" at {b:,}; median ratio "
+            f"**{alone['later_rounds_ratio']:.2f}** (the project's own work per round: server, clients and "
+            f"evaluation; near 1, it does not grow with the number of nodes)."]
 
 
 def saved_markdown(saved: dict[str, Any]) -> list[str]:

@@ -4,10 +4,12 @@ report with where it came from, the newest size first; bad figure numbers are re
 from __future__ import annotations
 
 import json
+from statistics import median
 
 import pytest
 
 from bench import run, scale
+from data_helpers import needs_fmnist
 
 
 def _run(seconds: list[float]) -> dict:
@@ -59,3 +61,16 @@ def test_bad_arguments_are_refused_before_any_figure(argv, needle, capsys, monke
 
 def _fail(*args, **kwargs):
     raise AssertionError("a figure ran despite a bad argument")
+
+
+@needs_fmnist
+def test_the_project_alone_runs_each_node_count_in_process_and_reports_their_ratio():
+    """Figure 5's in-process check (no Flower engine): one job per node count, every round kept, and
+    the report's ratio is the median of the later rounds at the largest count over the smallest's."""
+    alone = scale.project_alone((20, 60), per_round=4, rounds=3)
+    rows = alone["rows"]
+    assert set(rows) == {"20", "60"} and all(len(r["round_seconds"]) == 3 for r in rows.values())
+    expected = median(rows["60"]["round_seconds"][1:]) / median(rows["20"]["round_seconds"][1:])
+    assert alone["later_rounds_ratio"] == pytest.approx(expected)
+    (line,) = scale.project_alone_markdown(alone)
+    assert " at 20 nodes" in line and " at 60;" in line and f"**{expected:.2f}**" in line
