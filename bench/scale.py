@@ -198,7 +198,8 @@ def figure_scale(quick: bool, scale_clients: int | None = None) -> dict[str, Any
     queries = ("sampled",) if quick or scale_clients else ("sampled", "all")
     runs = {query: scale_run(clients, per_round, rounds, query) for query in queries}
     out: dict[str, Any] = {"clients": clients, "per_round": per_round, "rounds": rounds, "runs": runs,
-                           "goal": "round 1 <= 1.5 x round 2; query time <= 5 % of every round; peak memory < 8 GiB"}
+                           "goal": "round 1 <= 1.5 x round 2; query time <= 5 % of every round; peak memory < 8 GiB",
+                           "project_alone": project_alone((clients, scale_clients or 10 * clients), per_round)}
     if scale_clients:
         # like for like: the same examples per client at both sizes, split IID (a Dirichlet split of
         # Fashion-MNIST's 60,000 images cannot give 10,000 clients two examples each)
@@ -218,7 +219,6 @@ def figure_scale(quick: bool, scale_clients: int | None = None) -> dict[str, Any
             save_large(out, scale_clients)
     else:
         out["large_saved"] = load_large()
-    out["project_alone"] = project_alone((clients, 10 * clients), per_round)
     return out
 
 
@@ -318,7 +318,7 @@ def project_alone_markdown(alone: dict[str, Any] | None) -> list[str]:
 def saved_markdown(saved: dict[str, Any]) -> list[str]:
     """The section of a saved ``--scale-clients`` figure, saying where, when and how it was measured."""
     figure = saved["figure"]
-    return large_markdown(figure["large"], figure) + [
+    return large_markdown(figure["large"], figure) + project_alone_markdown(figure.get("project_alone")) + [
         f"(Saved figure `bench/scale/scale-{figure['large']['clients']}.json`: measured {saved['date']} on "
         f"{saved['machine']} at commit {saved['commit']} by `{saved['command']}`, next to that run's own {figure['clients']}-client rounds.)", ""]
 
