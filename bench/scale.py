@@ -318,7 +318,8 @@ def project_alone_markdown(alone: dict[str, Any] | None) -> list[str]:
 def saved_markdown(saved: dict[str, Any]) -> list[str]:
     """The section of a saved ``--scale-clients`` figure, saying where, when and how it was measured."""
     figure = saved["figure"]
-    return large_markdown(figure["large"], figure) + project_alone_markdown(figure.get("project_alone")) + [
+    alone = project_alone_markdown(figure.get("project_alone"))
+    return large_markdown(figure["large"], figure) + alone + [""] * bool(alone) + [
         f"(Saved figure `bench/scale/scale-{figure['large']['clients']}.json`: measured {saved['date']} on "
         f"{saved['machine']} at commit {saved['commit']} by `{saved['command']}`, next to that run's own {figure['clients']}-client rounds.)", ""]
 
