@@ -82,14 +82,27 @@ class TreeMemory:
         self._thread.join()
 
 
+def job_overrides(clients: int, per_round: int, rounds: int, query: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """The scale runs' job: ``clients`` nodes, ``per_round`` sampled per round, the global model
+    evaluated on 2000 test examples, ``availability.query`` = ``query``, then ``extra``."""
+    return [f"num_clients={clients}", f"fraction_train={per_round / clients}", f"rounds={rounds}",
+            "evaluation.levels=false", "dataset.max_test_examples=2000", f"availability.query={query}", *extra]
+
+
+def large_settings(clients: int) -> tuple[str, ...]:
+    """The large run's and its reference's like-for-like settings: the same examples per client at
+    every size, split IID (a Dirichlet split of Fashion-MNIST's 60,000 images cannot give 10,000
+    clients two examples each)."""
+    return ("partition.scheme=iid", f"dataset.max_train_examples={LARGE_EXAMPLES_PER_CLIENT * clients}")
+
+
 def scale_run(clients: int, per_round: int, rounds: int, query: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """One ``flwr run`` of ``clients`` simulated clients, ``per_round`` sampled per round, with
     ``availability.query`` = ``query`` (and the ``extra`` overrides): per-round times and the ratios
     measured in that run."""
     from fedhm_flwr.ops.launch import run_job
 
-    overrides = [f"num_clients={clients}", f"fraction_train={per_round / clients}", f"rounds={rounds}",
-                 "evaluation.levels=false", "dataset.max_test_examples=2000", f"availability.query={query}", *extra]
+    overrides = job_overrides(clients, per_round, rounds, query, extra)
     with tempfile.TemporaryDirectory() as tmp, TreeMemory() as mem:
         t0 = time.perf_counter()
         summary = run_job(overrides, Path(tmp) / "run", quiet=True)
@@ -170,10 +183,7 @@ def project_alone(sizes: tuple[int, ...], per_round: int = 100, rounds: int = 3)
 
     rows = {}
     for n in sizes:
-        cfg = load_config([f"num_clients={n}", f"fraction_train={per_round / n}", f"rounds={rounds}",
-                           "evaluation.levels=false", "dataset.max_test_examples=2000", "availability.query=sampled",
-                           "partition.scheme=iid", f"dataset.max_train_examples={LARGE_EXAMPLES_PER_CLIENT * n}",
-                           "evaluation.deploy_stats=false"])
+        cfg = load_config(job_overrides(n, per_round, rounds, "sampled", (*large_settings(n), "evaluation.deploy_stats=false")))
         with tempfile.TemporaryDirectory() as tmp:
             run(LocalGrid(n, client_handlers()), cfg, Path(tmp))
             lines = (Path(tmp) / "metrics.jsonl").read_text().splitlines()
@@ -201,17 +211,12 @@ def figure_scale(quick: bool, scale_clients: int | None = None) -> dict[str, Any
                            "goal": "round 1 <= 1.5 x round 2; query time <= 5 % of every round; peak memory < 8 GiB",
                            "project_alone": project_alone((clients, scale_clients or 10 * clients), per_round)}
     if scale_clients:
-        # like for like: the same examples per client at both sizes, split IID (a Dirichlet split of
-        # Fashion-MNIST's 60,000 images cannot give 10,000 clients two examples each)
-        same = ("partition.scheme=iid",)
-        ref = scale_run(clients, per_round, LARGE_ROUNDS, "sampled",
-                        same + (f"dataset.max_train_examples={LARGE_EXAMPLES_PER_CLIENT * clients}",))
-        big = scale_run(scale_clients, per_round, LARGE_ROUNDS, "sampled",
-                        same + (f"dataset.max_train_examples={LARGE_EXAMPLES_PER_CLIENT * scale_clients}",))
+        ref = scale_run(clients, per_round, LARGE_ROUNDS, "sampled", large_settings(clients))
+        big = scale_run(scale_clients, per_round, LARGE_ROUNDS, "sampled", large_settings(scale_clients))
         big["round2_over_small_round2"] = big["round_seconds"][1] / ref["round_seconds"][1]
         big["middle_over_small_middle"] = _middle(big["round_seconds"]) / _middle(ref["round_seconds"])
         out["large"] = {"clients": scale_clients, "run": big, "reference": ref,
-                        "overrides": [*same, f"{LARGE_EXAMPLES_PER_CLIENT} training examples per client"],
+                        "overrides": [large_settings(clients)[0], f"{LARGE_EXAMPLES_PER_CLIENT} training examples per client"],
                         "goal": f"peak memory < 8 GiB; round 2 <= 1.5 x the {clients}-client round 2",
                         "server_state": server_state_per_node((clients, scale_clients // 2, scale_clients)),
                         "engine_floor": engine_floor(ref, clients, scale_clients, per_round)}

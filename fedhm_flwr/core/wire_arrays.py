@@ -49,11 +49,10 @@ def wire_array(tensor: torch.Tensor, dtype: str = "float32") -> Array:
 
 
 _NPY_HEADERS: dict[tuple[str, tuple[int, ...]], bytes | None] = {}
-_DTYPE_NAMES = {np.dtype(name): name for name in ("float32", "float16", "float64", "int16", "int32", "int64",
-                                                   "uint8", "int8", "bool")}
 #: the numpy dtypes of the names the wire uses, parsed once (any other name is parsed per array)
 _NUMPY_DTYPES = {name: np.dtype(name) for name in ("float32", "float16", "float64", "int16", "int32", "int64",
                                                    "uint8", "int8", "bool")}
+_DTYPE_NAMES = {dtype: name for name, dtype in _NUMPY_DTYPES.items()}  # (and back)
 
 
 def npy_header(dtype: str, shape: tuple[int, ...]) -> bytes | None:
