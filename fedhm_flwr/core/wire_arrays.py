@@ -86,6 +86,27 @@ def array_record(arrays: Mapping[str, Array]) -> ArrayRecord:
     return record
 
 
+#: per Array dtype name and shape: (numpy dtype, element count, the header :func:`npy_header`
+#: makes, the bytes of header and data), worked out once (a model has a few dozen)
+_LAYOUTS: dict[tuple[str, tuple[int, ...]], tuple[np.dtype, int, bytes | None, int] | None] = {}
+
+
+def _layout(name: str, shape: tuple[int, ...]) -> tuple[np.dtype, int, bytes | None, int] | None:
+    key = (name, shape)
+    if key not in _LAYOUTS:
+        try:
+            dtype = _NUMPY_DTYPES.get(name) or np.dtype(name)
+        except TypeError:
+            dtype = None
+        if dtype is None or dtype.hasobject:
+            _LAYOUTS[key] = None
+        else:
+            count = math.prod(shape)
+            header = npy_header(name, shape)
+            _LAYOUTS[key] = (dtype, count, header, (len(header) if header else 0) + dtype.itemsize * count)
+    return _LAYOUTS[key]
+
+
 def _data_offset(array: Any) -> tuple[np.dtype, tuple[int, ...], int, int] | None:
     """(numpy dtype, shape, element count, offset of the data in ``array.data``) of an Array whose
     bytes are a ``.npy`` header declaring its own dtype and shape in C order followed by the data;
@@ -93,25 +114,20 @@ def _data_offset(array: Any) -> tuple[np.dtype, tuple[int, ...], int, int] | Non
     for the dtype and shape is recognised as it is; a header differing only in its padding or form
     (another numpy's ``np.save``) by what it declares, the data then read from the end of the bytes
     (where ``np.save`` puts it)."""
-    if array.stype != "numpy.ndarray":
+    if array.stype != "numpy.ndarray" or not isinstance(array.dtype, str):
         return None
     shape, data = tuple(array.shape), array.data
-    dtype = _NUMPY_DTYPES.get(array.dtype) if isinstance(array.dtype, str) else None
-    if dtype is None:
-        try:
-            dtype = np.dtype(array.dtype)
-        except TypeError:
-            return None
-    if dtype.hasobject:
+    layout = _layout(array.dtype, shape)
+    if layout is None:
         return None
-    count = math.prod(shape)
+    dtype, count, known, size = layout
+    if known is not None and len(data) == size and data.startswith(known):
+        return dtype, shape, count, len(known)
     offset = len(data) - dtype.itemsize * count
-    known = _NPY_HEADERS.get((array.dtype, shape)) or npy_header(array.dtype, shape)  # (cached: one look, mostly)
-    if not (known is not None and offset == len(known) and data.startswith(known)):
-        header = bytes(data[:min(max(offset, 0), 4096)])
-        if not (offset > 0 and header.startswith(b"\x93NUMPY") and b"'fortran_order': False" in header
-                and f"'descr': '{dtype.str}'".encode() in header and f"'shape': {shape}".encode() in header):
-            return None
+    header = bytes(data[:min(max(offset, 0), 4096)])
+    if not (offset > 0 and header.startswith(b"\x93NUMPY") and b"'fortran_order': False" in header
+            and f"'descr': '{dtype.str}'".encode() in header and f"'shape': {shape}".encode() in header):
+        return None
     return dtype, shape, count, offset
 
 
@@ -151,24 +167,29 @@ def reply_tensors(record: Any, dtype: str = "float32") -> tuple[dict[str, torch.
     import torch
 
     wire = _WIRE_NUMPY[dtype]
-    located: dict[str, tuple[tuple[int, ...], int]] = {}
-    parts, others = [], {}
+    located: list[tuple[str, tuple[int, ...], int]] = []
+    chunks, others, total = [], {}, 0
     for key, array in record.items():
         found = _data_offset(array) if array.dtype == wire else None
         if found is None:
             others[key] = array
             continue
-        numpy_dtype, shape, count, offset = found
-        located[key] = (shape, count)
-        parts.append(np.frombuffer(array.data, dtype=numpy_dtype, count=count, offset=offset))
-    # one copy of every located array, in record order (views of the bytes joined in one call)
-    buffer = np.concatenate(parts) if parts else np.empty(0, dtype=_NUMPY_DTYPES[wire])
+        _, shape, count, offset = found
+        located.append((key, shape, count))
+        chunks.append(memoryview(array.data)[offset:])  # (the data runs to the end of the bytes)
+        total += count
+    # one copy of every located array, in record order, into one buffer
+    buffer = np.empty(total, dtype=_NUMPY_DTYPES[wire])
+    raw, at = memoryview(buffer).cast("B"), 0
+    for chunk in chunks:
+        raw[at:at + len(chunk)] = chunk
+        at += len(chunk)
     flat = torch.from_numpy(buffer)
     if dtype != "float32":  # (one conversion for the whole reply)
         flat = (flat.view(torch.bfloat16) if dtype == "bfloat16" else flat).float()
         buffer = flat.numpy()
     views, start = {}, 0
-    for key, (shape, count) in located.items():  # (numpy views: cheaper than torch's per tensor)
+    for key, shape, count in located:  # (numpy views: cheaper than torch's per tensor)
         views[key] = torch.from_numpy(buffer[start:start + count].reshape(shape))
         start += count
     rest = from_wire(record_tensors(others), dtype) if others else {}
