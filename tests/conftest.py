@@ -1,8 +1,12 @@
-"""Shared fixtures: small configurations and the in-process grid."""
+"""Shared fixtures: small configurations, the in-process grid, and the slow deployment that runs in
+the background (``devices_deployment``)."""
 
 from __future__ import annotations
 
 import signal
+import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -40,3 +44,60 @@ def ctrl_c_reaches_children():
         signal.signal(signal.SIGINT, signal.default_int_handler)  # exec resets a handler to the default
     yield
     signal.signal(signal.SIGINT, previous)
+
+
+class Background:
+    """``target(*args, stop=<event>)`` in a daemon thread from :meth:`start` on; :meth:`result` waits for it."""
+
+    def __init__(self, target: Callable[..., Any], *args: Any) -> None:
+        self.target, self.args = target, args
+        self.stop = threading.Event()  # set: the target gives up at its next wait (and cleans up)
+        self.thread: threading.Thread | None = None
+        self._outcome: dict[str, Any] = {}
+
+    def start(self) -> None:
+        """Start the target (once)."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name=self.target.__name__, daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._outcome["value"] = self.target(*self.args, stop=self.stop)
+        except BaseException as err:  # raised again by result(), in the test that asks
+            self._outcome["error"] = err
+
+    def result(self, timeout: float) -> Any:
+        """The target's return value (started now if it was not); what it raised is raised here."""
+        self.start()
+        assert self.thread is not None
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise AssertionError(f"{self.thread.name} still running after {timeout:g} s")
+        if "error" in self._outcome:
+            raise self._outcome["error"]
+        return self._outcome["value"]
+
+
+@pytest.fixture(scope="session")
+def devices_deployment(request, tmp_path_factory):
+    """tests/test_devices.py's deployment (``run_deployment``), started in a background thread by the
+    first test that asks for it, when the test of tests/test_devices.py is selected (else None). It
+    mostly waits on Flower's heartbeat window: tests/test_deploy.py's TLS deployment, which waits on
+    one of its own, asks for it, so that the two run side by side (and the tests after the TLS test
+    run while it ends); the test of tests/test_devices.py waits for its result. At the end of the
+    session it is stopped if still running (its test was not reached)."""
+    ours = [item for item in request.session.items if item.path.name == "test_devices.py"]
+    if ours:
+        from test_devices import DEVICES_TEST, run_deployment  # the test module holds the deployment
+
+        ours = [item for item in ours if item.name == DEVICES_TEST]
+    if not ours:
+        yield None
+        return
+    background = Background(run_deployment, tmp_path_factory.mktemp("devices"))
+    background.start()
+    yield background
+    if background.thread is not None:
+        background.stop.set()
+        background.thread.join(timeout=120)

@@ -4,6 +4,7 @@ nothing from the project, and each computes what the code it is compared with co
 from __future__ import annotations
 
 import ast
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -84,9 +85,12 @@ def test_engine_floor_sends_the_scale_runs_traffic_and_every_message_is_answered
     from bench.engine_floor import engine_rounds
 
     rounds, per_round = 3, 4
-    with_queries = engine_rounds(12, 1.0, True, rounds, per_round, timeout=300)
+    # the two runs side by side (each a subprocess with a private Ray instance, mostly Ray's start-up)
+    with ThreadPoolExecutor(2) as pool:
+        queried = pool.submit(engine_rounds, 12, 1.0, True, rounds, per_round, timeout=300)
+        unqueried = pool.submit(engine_rounds, 12, 1.0, False, 2, per_round, timeout=300)
+        with_queries, without = queried.result(), unqueried.result()
     assert len(with_queries["round_seconds"]) == rounds
     # every training message answered; a query to round 1's sample at start-up, then one to each later round's
     assert with_queries["replies"] == {"train": rounds * per_round, "query": rounds * per_round}
-    without = engine_rounds(12, 1.0, False, 2, per_round, timeout=300)
     assert without["replies"] == {"train": 2 * per_round}

@@ -2,7 +2,7 @@
 
 Fast tests: credentials, node-config files, capability specs, the memory estimate and the
 budget -> level mapping through the in-process grid. Slow tests: a SuperLink with TLS and
-SuperNode authentication and real SuperNodes on loopback (``flwr run``, 3 rounds), the
+SuperNode authentication and real SuperNodes on loopback (``flwr run``, 2 rounds), the
 refusal of an unregistered key and of a node without the CA certificate, a SuperLink stopped
 with SIGTERM mid-run (its ServerApp gone within seconds, ``fedhm status`` non-zero, the resume
 going on from the last checkpoint), and the cleanup of every process, also when the command fails.
@@ -160,11 +160,12 @@ def test_credentials_form_a_chain_and_keys_are_what_flower_reads(tmp_path):
 # --------------------------------------------------------------------------- slow
 
 
-#: the TLS test's job: TOY over 3 rounds, each client sleeping 3 s per round (seeded injection, numerics
-#: untouched) so that a SuperLink stopped right after round 1's checkpoint stops the run mid-round; no
-#: deployment statistics after the last round (one more query to every node, all levels in it, a ClientApp
-#: process each; nothing of an export is checked here, tests/test_deploy_docs.py exports)
-TLS_JOB = [*TOY, "rounds=3", "failures.slow_probability=1.0", "failures.slow_seconds=3", "evaluation.deploy_stats=false"]
+#: the TLS test's job: TOY over 2 rounds. A SuperLink stopped right after round 1's checkpoint stops the run in
+#: round 2: a round through real SuperNodes takes seconds (a node polls every 3 s when idle, then starts a
+#: ClientApp process), the test's SIGTERM follows the checkpoint within 0.2 s. No deployment statistics after
+#: the last round (one more query to every node, all levels in it, a ClientApp process each; nothing of an
+#: export is checked here, tests/test_deploy_docs.py exports)
+TLS_JOB = [*TOY, "rounds=2", "evaluation.deploy_stats=false"]
 
 
 def _serverapps(tag: str) -> list[int]:
@@ -174,7 +175,9 @@ def _serverapps(tag: str) -> list[int]:
 @pytest.mark.slow
 @needs_fmnist
 def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_after_a_superlink_sigterm(
-        tmp_path, ctrl_c_reaches_children):
+        tmp_path, ctrl_c_reaches_children, devices_deployment):
+    # devices_deployment: tests/test_devices.py's deployment runs beside this one, in the background (both
+    # mostly wait on Flower's heartbeat windows); its own test checks it
     cfg = load_config(TLS_JOB)
     strategy = FedHMStrategy(cfg, model_spec(cfg))
     cost = lambda i, kind: strategy.level_cost(i)[kind]  # noqa: E731
@@ -241,7 +244,7 @@ def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_aft
         print(f"[test] ServerApp gone, lock free {time.monotonic() - t_term:.1f} s after the SuperLink's SIGTERM",
               flush=True)
         saved = checkpoint_round(run_dir)
-        assert saved is not None and saved < 3
+        assert saved == 1, saved  # stopped in mid-run: round 2 was not checkpointed
         stopped = status()
         assert stopped.returncode == 1, stopped.stdout + stopped.stderr
         assert f"last checkpoint: round {saved}" in stopped.stderr and "SuperLink" in stopped.stderr
@@ -253,6 +256,9 @@ def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_aft
         runner.join(120)
         assert not runner.is_alive() and "error" in result, result  # the run did not complete
         assert superlink.wait(timeout=120) is not None
+        # the resumed run starts only about a minute after the old ServerApp stopped: the devices keep
+        # pulling the stopped run's round-2 messages (their contents went with the old SuperLink's
+        # memory) until the SuperLink sees that run's heartbeats lapse
 
         # the same SuperLink (its database) again; the SuperNodes reconnect; the documented resume
         # (`flwr run ... --run-config "resume='<output-dir>'"`) goes on from the checkpoint's round
@@ -261,7 +267,7 @@ def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_aft
         t_resume = time.monotonic()
         summary = dep.run_job([], run_dir, timeout=600, echo=False, resume=run_dir)
         print(f"[test] resumed run took {time.monotonic() - t_resume:.0f} s", flush=True)
-        assert summary["rounds_completed"] == 3
+        assert summary["rounds_completed"] == 2
         assert status().returncode == 0
 
         nodes = {n["node-id"]: n for n in dep.nodes()}
@@ -269,10 +275,10 @@ def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_aft
         assert nodes[str(dep.node_ids["no-ca"])]["online-at"] == "N/A"  # registered, never connected
         log = dep.log_tail("flwr-run", 100000)
         resumed = log[log.index(f"resuming {run_dir.resolve()} after round {saved}"):]
-        done = [int(r) for r in re.findall(r"\[round (\d+)/3\]", resumed)]
-        assert done == list(range(saved + 1, 4)), done  # the resumed session: round saved+1 on, each once
+        done = [int(r) for r in re.findall(r"\[round (\d+)/2\]", resumed)]
+        assert done == list(range(saved + 1, 3)), done  # the resumed session: round saved+1 on, each once
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert [r["round"] for r in rows] == [1, 2, 3]
+        assert [r["round"] for r in rows] == [1, 2]
         for row in rows:
             assert json.loads(row["assignments"]) == expected  # each node trained the level it can afford
             assert row["replies"] == 2 and row["failures"] == 0 and row["rejected"] == 0

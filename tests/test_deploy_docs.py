@@ -163,6 +163,10 @@ def test_deploy_md_walkthrough_runs_as_written_on_loopback(tmp_path):
         assert bash(local(status)).returncode == 0
         bash(local(export_model))
         assert list((tmp_path / "run1").glob("export*")) or list((tmp_path / "run1").rglob("*.safetensors"))
+        # normalised with the deployment statistics the devices sent after the last round (over the wire:
+        # tests/test_deployable.py checks such exports for batch independence after in-process runs)
+        (card,) = (tmp_path / "run1").glob("export/*/model_card.json")
+        assert json.loads(card.read_text())["normalisation"]["statistics"] == "federated", card.read_text()
         print(f"[test] walk-through to results in {time.monotonic() - t0:.0f} s", flush=True)
 
         # stopping a device: kill -9 of a SuperNode's PID leaves its children; the guide's pgrep lists them

@@ -11,7 +11,10 @@ process group) or outright (SIGKILL):
   trains, plus a last scan), ``fedhm status`` says the run stopped (exit 1); ``fedhm resume``
   goes on from the checkpoint's round; Ctrl-C to that resume a round later: exit 130, no
   traceback, nothing left within 10 s; the printed ``fedhm resume <run dir>`` finishes the run
-  with exactly the model of an uninterrupted run (max abs diff 0);
+  (its console's last progress line, ``fedhm status``: completed) with exactly the model of an
+  uninterrupted run with the same seed (max abs diff 0; that run in process, on the in-process
+  grid: the same ServerApp ``run`` and client handlers, the numbers of an uninterrupted
+  ``fedhm run`` of the job without its start-up, see tests/inprocess_helpers.py);
 * Ctrl-C to a 2-job ``fedhm sweep`` in its second job: exit 130, the report names the finished
   and the interrupted job, and its continue command runs only the missing rounds of the second
   job; the sweep summary then covers both. Its jobs inject a client crash (a real exception in
@@ -34,11 +37,15 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from inprocess_helpers import run_in_process
 from lifecycle_helpers import ROOT, descendants, fedhm_status, is_alive, process_state
 from safetensors.torch import load_file
 
+from fedhm_flwr.client import handlers
+from fedhm_flwr.config import load_config
 from fedhm_flwr.reporting.results import load_checkpoint_state
 
 # 7 short rounds: Ray's start-up, then about a second per round; a checkpoint every round (the default)
@@ -139,17 +146,15 @@ def _same_model(a: Path, b: Path) -> None:
 # --------------------------------------------------------------------------- slow: whole runs
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The uninterrupted run with the same seed; ``fedhm status`` says it completed."""
-    run_dir = tmp_path_factory.mktemp("lifecycle") / "reference"
-    proc, out, err = _fedhm(run_dir, "run", *JOB, "--run-dir", str(run_dir))
-    assert proc.wait(timeout=900) == 0, err.read_text()[-3000:]
-    assert json.loads((run_dir / "summary.json").read_text())["rounds_completed"] == ROUNDS
-    assert f"round {ROUNDS}/{ROUNDS}" in out.read_text()  # the progress line
-    status = fedhm_status(run_dir)
-    assert status.returncode == 0 and f"completed ({ROUNDS}/{ROUNDS} rounds)" in status.stdout, (
-        status.stdout + status.stderr)
+def _reference(run_dir: Path) -> Path:
+    """The uninterrupted run of JOB with the same seed, in process, into ``run_dir``
+    (tests/inprocess_helpers.py: the numbers of an uninterrupted ``fedhm run`` of JOB, without
+    Flower's start-up). The injected 3 s sleeps are skipped (the clients answer one after another
+    here: 42 s of sleeping; the numerics do not depend on them)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(handlers, "time", SimpleNamespace(sleep=lambda seconds: None))
+        summary = run_in_process(load_config(JOB), run_dir)
+    assert summary["rounds_completed"] == ROUNDS
     return run_dir
 
 
@@ -173,10 +178,11 @@ def _interrupt_after_round(run_dir: Path, proc: subprocess.Popen[bytes], err: Pa
 
 @pytest.mark.slow
 def test_fedhm_run_refuses_a_second_launch_survives_a_sigkill_and_a_ctrl_c_and_ends_as_an_uninterrupted_run(
-        tmp_path, reference):
+        tmp_path):
     """The SIGKILL test and the Ctrl-C test on one run (they paid the same start-up and resume)."""
     run_dir = tmp_path / "run"
     proc, out, err = _fedhm(run_dir, "run", *JOB, "--run-dir", str(run_dir))
+    reference = _reference(tmp_path / "reference")  # while the run starts up (~20 s)
     _wait_for_round(run_dir, proc, err, 1, timeout=900, done=_checkpoint_round)
     # a second launch into the live run's directory (a new run, a resume) is refused at once (both
     # started together: they take a round or two of the run)
@@ -215,10 +221,14 @@ def test_fedhm_run_refuses_a_second_launch_survives_a_sigkill_and_a_ctrl_c_and_e
     done = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=900, start_new_session=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "run complete" in done.stdout
+    assert f"round {ROUNDS}/{ROUNDS} " in done.stdout  # the launcher's progress line of the last round
+    assert json.loads((run_dir / "summary.json").read_text())["rounds_completed"] == ROUNDS
     rows = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert rows[:killed] == before and [json.loads(r)["round"] for r in rows] == list(range(1, ROUNDS + 1))
     _same_model(run_dir, reference)
-    assert fedhm_status(run_dir).returncode == 0
+    status = fedhm_status(run_dir)
+    assert status.returncode == 0 and f"completed ({ROUNDS}/{ROUNDS} rounds)" in status.stdout, (
+        status.stdout + status.stderr)
 
 
 def _timed_lines(path: Path, proc: subprocess.Popen[bytes], stamps: dict[str, float]) -> threading.Thread:

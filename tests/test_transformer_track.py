@@ -368,14 +368,28 @@ def test_inspect_prints_exact_trainable_parameters_and_bytes(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,track", [("fedlora", "text"), ("heterotune", "image")])  # both methods, both tracks
-def test_flwr_run_finishes(method, track, tmp_path):
-    base = TINY_TEXT if track == "text" else TINY_IMAGE
-    extra = HETERO if method == "heterotune" else "method.max_rank=4"
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "fedhm_flwr.ops.launch", f"method={method}", *base.split(), *extra.split(), "rounds=2",
-           "--run-dir", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["rounds_completed"] == 2 and math.isfinite(summary["final_acc/global"])
+def test_flwr_run_finishes_for_both_methods_on_both_tracks(tmp_path):
+    """FedLoRA on the text track and HeteroTune on the image track (both methods, both tracks), each a
+    2-round launch through `flwr run`. The two launches run side by side (each has its own SuperLink
+    on free ports and its own Ray instance): a launch is mostly Flower's start-up, waiting (~20 s each
+    here), so together they take little more than one."""
+    jobs = {("fedlora", "text"): (TINY_TEXT, "method.max_rank=4"), ("heterotune", "image"): (TINY_IMAGE, HETERO)}
+    procs = {}
+    for (method, track), (base, extra) in jobs.items():
+        out = tmp_path / f"{method}-{track}"
+        cmd = [sys.executable, "-m", "fedhm_flwr.ops.launch", f"method={method}", *base.split(), *extra.split(),
+               "rounds=2", "--run-dir", str(out)]
+        console = tmp_path / f"{method}-{track}.console"
+        with console.open("wb") as sink:  # a file, not a pipe: neither launch waits for its output to be read
+            procs[method, track] = (out, console, subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT))
+    try:
+        for (method, track), (out, console, proc) in procs.items():
+            proc.wait(timeout=900)
+            assert proc.returncode == 0, (method, track, console.read_text(errors="replace")[-6000:])
+            summary = json.loads((out / "summary.json").read_text())
+            assert summary["rounds_completed"] == 2 and math.isfinite(summary["final_acc/global"]), (method, track)
+    finally:
+        for _, _, proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

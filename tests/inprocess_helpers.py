@@ -1,0 +1,48 @@
+"""A whole run in this process, with the numbers of the same job through `flwr run` (tests/test_lifecycle.py,
+tests/test_deployable.py): the ServerApp's ``run`` on the in-process grid with the project's client
+handlers, without Flower's start-up (~20 s a run here).
+
+The client handlers set torch's thread count (``simulation.num_cpus``, as in a ClientApp process); in
+process that would leave the server's side of the round (the factorization's SVDs, aggregation,
+evaluation) on that count too, whose results differ slightly from a ServerApp process's on torch's
+default count. Each handler call here puts the default back, so the run is bit-identical to a
+`fedhm run` of the job (checked: the CNN job of tests/test_lifecycle.py, the shufflenet job of
+tests/test_deployable.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from fedhm_flwr.ops.local_grid import Handler, LocalGrid, client_handlers
+from fedhm_flwr.ops.server_app import run
+
+#: torch's thread count in a fresh process (read when the tests are collected, before any test ran a
+#: client handler in this process): what a ServerApp process computes with
+SERVER_THREADS = torch.get_num_threads()
+
+
+def _on_server_threads(handler: Handler) -> Handler:
+    def call(msg: Any, context: Any) -> Any:
+        try:
+            return handler(msg, context)
+        finally:
+            torch.set_num_threads(SERVER_THREADS)
+
+    return call
+
+
+def run_in_process(cfg: DictConfig, run_dir: Path, handlers: dict[str, Handler] | None = None) -> dict[str, Any]:
+    """Run the job ``cfg`` (``cfg.num_clients`` nodes) into ``run_dir``; its summary. This process's
+    thread count is put back afterwards."""
+    grid = LocalGrid(int(cfg.num_clients), {kind: _on_server_threads(h)
+                                            for kind, h in (handlers or client_handlers()).items()})
+    before = torch.get_num_threads()
+    torch.set_num_threads(SERVER_THREADS)
+    try:
+        return run(grid, cfg, run_dir)
+    finally:
+        torch.set_num_threads(before)
