@@ -136,6 +136,23 @@ def test_plain_mode_prints_one_line_per_recorded_round(tmp_path):
     ]
 
 
+def test_a_resume_shows_the_round_past_its_checkpoint_again_not_the_stopped_sessions_row(tmp_path):
+    # a session stopped between round 3's row and round 3's checkpoint: 3 rows, checkpoint at round 2
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in RECORDED[:3]))
+    stream = io.StringIO()
+    follower = Follower(tmp_path, total=5, stream=stream, tty=False, clock=lambda: 10.0, done=2)
+    follower.poll()
+    assert stream.getvalue() == ""  # the stopped session's round 3 is not this session's
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in RECORDED[:2]))  # the resume rewrites the rows
+    follower.poll()
+    again = {**RECORDED[2], "acc/global": 0.5}
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in [*RECORDED[:2], again]))
+    follower.poll()
+    assert [line.split(" | ")[0] for line in stream.getvalue().splitlines()] == ["round 3/5"]
+    assert "acc 0.5000" in stream.getvalue()
+
+
 def test_resumed_run_counts_only_this_sessions_rounds_and_terminal_mode_rewrites_one_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDED[:2]))
     now = [0.0]

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from fedhm_flwr.config import load_config, resume_config
 from fedhm_flwr.ops.launch import default_run_dir, run_job
-from fedhm_flwr.ops.outcome import require_checkpoint
+from fedhm_flwr.ops.outcome import checkpoint_round, require_checkpoint
 from fedhm_flwr.reporting.results import METRICS_JSONL
 
 
@@ -75,14 +75,19 @@ class Follower:
     """Follows a run directory's ``metrics.jsonl`` and writes the progress to ``stream``."""
 
     def __init__(self, run_dir: Path, total: int, stream: TextIO | None = None, tty: bool | None = None,
-                 label: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+                 label: str = "", clock: Callable[[], float] = time.monotonic, done: int | None = None) -> None:
         self.path = Path(run_dir) / METRICS_JSONL
         self.total, self.label, self.clock = total, label, clock
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
         self.start = clock()
-        self.seen = len(read_rows(self.path))  # a resumed run's earlier rounds are not this session's
+        rows = read_rows(self.path)
+        # a resumed run's earlier rounds are not this session's: those up to its checkpoint (``done``).
+        # Rows past it (a session stopped between a round's row and its checkpoint) are stale: the
+        # resume rewrites them; until then they are not shown
+        self.seen = len(rows) if done is None else min(done, len(rows))
         self.first = self.seen
+        self._stale = rows[self.seen:]
         self.first_done_at: float | None = None  # when this session's first round was seen
         self._lock = threading.Lock()  # the poller thread and say() write to one stream
         self._stop = threading.Event()
@@ -99,8 +104,15 @@ class Follower:
         with self._lock:
             self._poll()
 
+    def _current(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The rows up to the first stale one still in place (all of them once the resume rewrote them)."""
+        for index, stale in enumerate(self._stale, self.first):
+            if index < len(rows) and rows[index] == stale:
+                return rows[:index]
+        return rows
+
     def _poll(self) -> None:
-        rows = read_rows(self.path)
+        rows = self._current(read_rows(self.path))
         now = self.clock()
         elapsed = now - self.start
         if self.first_done_at is None and len(rows) > self.first:
@@ -147,5 +159,6 @@ def run_with_progress(overrides: list[str], run_dir: Path | None = None, resume:
     out = stream or sys.stdout
     out.write(f"{label}{cfg.method.name} on {cfg.model.arch}/{cfg.dataset.name}, {cfg.rounds} rounds; "
               f"outputs in {run_dir} (Flower's log: flwr_run.log)\n")
-    with Follower(run_dir, int(cfg.rounds), out, label=label) as follower:
+    done = checkpoint_round(run_dir) if resume is not None else None
+    with Follower(run_dir, int(cfg.rounds), out, label=label, done=done) as follower:
         return run_job(overrides, run_dir=run_dir, resume=resume, quiet=True, commands=commands, on_error=follower.say)
