@@ -108,9 +108,12 @@ def _classwise_keys(previous: Mapping[str, torch.Tensor], states: Sequence[Mappi
     """:func:`classwise_average` of several per-class keys at once (a classifier's weight and bias):
     their class rows side by side, one (clients × classes × values) stack, one average, split back."""
     widths = [previous[k].numel() // previous[k].shape[0] for k in keys]
-    side = [torch.cat([s[k].reshape(s[k].shape[0], -1).to(torch.float64) for k in keys], 1) for s in states]
-    prev = torch.cat([previous[k].reshape(previous[k].shape[0], -1).to(torch.float64) for k in keys], 1)
-    mixed = classwise_average(prev, torch.stack(side), w, holds)
+    # one stack per key (not a join per client: a few ops, not a few per client), widened once
+    # (float64 holds every narrower float exactly)
+    side = torch.cat([torch.stack([s[k] for s in states]).reshape(len(states), previous[k].shape[0], -1)
+                      for k in keys], 2).to(torch.float64)
+    prev = torch.cat([previous[k].reshape(previous[k].shape[0], -1) for k in keys], 1).to(torch.float64)
+    mixed = classwise_average(prev, side, w, holds)
     return {k: part.reshape(previous[k].shape).to(previous[k].dtype)
             for k, part in zip(keys, mixed.split(widths, dim=1))}
 
