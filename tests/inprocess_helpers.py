@@ -2,12 +2,10 @@
 tests/test_deployable.py): the ServerApp's ``run`` on the in-process grid with the project's client
 handlers, without Flower's start-up (~20 s a run here).
 
-The client handlers set torch's thread count (``simulation.num_cpus``, as in a ClientApp process); in
-process that would leave the server's side of the round (the factorization's SVDs, aggregation,
-evaluation) on that count too, whose results differ slightly from a ServerApp process's on torch's
-default count. Each handler call here puts the default back, so the run is bit-identical to a
-`fedhm run` of the job (checked: the CNN job of tests/test_lifecycle.py, the shufflenet job of
-tests/test_deployable.py)."""
+The client handlers set torch's thread count (``simulation.num_cpus``, as in a ClientApp process); the
+in-process grid puts the server's back after each (:class:`LocalGrid`), and the run here computes on
+torch's default count, a ServerApp process's: the run is bit-identical to a `fedhm run` of the job
+(checked: the CNN job of tests/test_lifecycle.py, the shufflenet job of tests/test_deployable.py)."""
 
 from __future__ import annotations
 
@@ -25,21 +23,10 @@ from fedhm_flwr.ops.server_app import run
 SERVER_THREADS = torch.get_num_threads()
 
 
-def _on_server_threads(handler: Handler) -> Handler:
-    def call(msg: Any, context: Any) -> Any:
-        try:
-            return handler(msg, context)
-        finally:
-            torch.set_num_threads(SERVER_THREADS)
-
-    return call
-
-
 def run_in_process(cfg: DictConfig, run_dir: Path, handlers: dict[str, Handler] | None = None) -> dict[str, Any]:
     """Run the job ``cfg`` (``cfg.num_clients`` nodes) into ``run_dir``; its summary. This process's
     thread count is put back afterwards."""
-    grid = LocalGrid(int(cfg.num_clients), {kind: _on_server_threads(h)
-                                            for kind, h in (handlers or client_handlers()).items()})
+    grid = LocalGrid(int(cfg.num_clients), handlers or client_handlers())
     before = torch.get_num_threads()
     torch.set_num_threads(SERVER_THREADS)
     try:

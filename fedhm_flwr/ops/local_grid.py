@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from flwr.app import Context, Error, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
@@ -103,12 +104,15 @@ class LocalGrid(Grid):
         node_id = msg.metadata.dst_node_id
         self.delivered.append((node_id, msg.metadata.message_type))
         handler = self.handlers.get(msg.metadata.message_type)
+        threads = torch.get_num_threads()
         try:
             if handler is None:
                 raise RuntimeError(f"no handler for {msg.metadata.message_type}")
             reply = handler(msg, self.contexts[node_id])
         except Exception as err:  # the ClientApp crashed: an error reply, like Flower's
             reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=msg)
+        finally:  # a node is its own process: the thread count its handler set stays there
+            torch.set_num_threads(threads)
         late = self.timeout is not None and time.monotonic() - start > self.timeout
         return None if late else reply
 
