@@ -35,10 +35,16 @@ def wire_array(tensor: torch.Tensor, dtype: str = "float32") -> Array:
     if tensor.requires_grad:  # (numpy() needs it; a detach per tensor otherwise is an op for nothing)
         tensor = tensor.detach()
     if tensor.is_floating_point():
-        tensor = tensor.to(getattr(torch, dtype))
+        target = getattr(torch, dtype)
+        if tensor.dtype != target:  # (each op skipped where it would hand the tensor back: a round makes dozens)
+            tensor = tensor.to(target)
         if dtype == "bfloat16":
             tensor = tensor.view(torch.int16)
-    ndarray = tensor.contiguous().cpu().numpy()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    if not tensor.is_cpu:
+        tensor = tensor.cpu()
+    ndarray = tensor.numpy()
     # (a tensor's numpy dtype is native: name == str; numpy's dtype.name is Python code, so the
     # common ones are looked up by the dtype itself)
     name, shape = _DTYPE_NAMES.get(ndarray.dtype) or ndarray.dtype.name, tuple(ndarray.shape)

@@ -122,8 +122,9 @@ def stacked_average(tensors: Sequence[Sequence[torch.Tensor]], weights: torch.Te
     """``sum_i weights[i] * tensors[i][j]`` for every position ``j``, as one product of the
     (clients x values) matrix of the flattened float32 tensors."""
     shapes = [t.shape for t in tensors[0]]
-    # (torch.flatten hands a 1-D tensor back as it is: no view op per bias and norm vector)
-    matrix = torch.cat([torch.flatten(t) for client in tensors for t in client]).view(len(tensors), -1)
+    # (a 1-D tensor joins as it is: no call per bias and norm vector, a round has hundreds)
+    flat_values = [t if t.ndim == 1 else t.reshape(-1) for client in tensors for t in client]
+    matrix = torch.cat(flat_values).view(len(tensors), -1)
     flat = weights.to(matrix.dtype) @ matrix
     return [part.view(shape) for part, shape in zip(flat.split([math.prod(s) for s in shapes]), shapes)]
 
@@ -167,8 +168,8 @@ def _layer_sum(previous: torch.Tensor, states: Sequence[Mapping[str, torch.Tenso
     if factored:
         # the clients' factors side by side first, unrolled once (the same matrices as unrolling
         # each client's and joining them), each client's columns times its weight in float32
-        a_weights = [states[i][f"{name}.a.weight"].to(torch.float32) for i in factored]
-        b_weights = [states[i][f"{name}.b.weight"].to(torch.float32) for i in factored]
+        a_weights = [_float32(states[i][f"{name}.a.weight"]) for i in factored]
+        b_weights = [_float32(states[i][f"{name}.b.weight"]) for i in factored]
         A, B, _ = factor_matrices(torch.cat(a_weights, dim=1), torch.cat(b_weights, dim=0))
         scale = torch.from_numpy(np.repeat(w[factored].astype(np.float32), [a.shape[1] for a in a_weights]))
         total = (A * scale) @ B
@@ -176,12 +177,17 @@ def _layer_sum(previous: torch.Tensor, states: Sequence[Mapping[str, torch.Tenso
     if total is not None and len(shape) == 4:  # folded once, so that the full-rank replies need no unrolling
         total = matrix_to_conv(total, shape[0], shape[1], shape[2])
     for i in full:  # one scaled add per full-rank reply (a stack and tensordot copy them all first: ~5× slower)
-        weight = states[i][f"{name}.weight"].to(torch.float32)
+        weight = _float32(states[i][f"{name}.weight"])
         if total is None:
             total = weight * float(w[i])
         else:
             total.add_(weight, alpha=float(w[i]))
     return total.to(previous.dtype).contiguous()
+
+
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32: itself when it is (a no-op ``.to`` is still a call, dozens a round)."""
+    return t if t.dtype == torch.float32 else t.to(torch.float32)
 
 
 def _without_factors(state: Mapping[str, torch.Tensor], ranks: Mapping[str, int]) -> State:
