@@ -36,6 +36,7 @@ from fedhm_flwr.config import load_config, model_spec
 from fedhm_flwr.models.costs import activation_elements, training_memory_bytes
 from fedhm_flwr.ops import deployment as dl
 from fedhm_flwr.ops.credentials import add_node, create_credentials
+from fedhm_flwr.ops.flower_job import FLOWER_RUN_FILE
 from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.outcome import checkpoint_round
 from fedhm_flwr.ops.procs import alive, command_name, tagged_pids
@@ -256,9 +257,8 @@ def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_aft
         runner.join(120)
         assert not runner.is_alive() and "error" in result, result  # the run did not complete
         assert superlink.wait(timeout=120) is not None
-        # the resumed run starts only about a minute after the old ServerApp stopped: the devices keep
-        # pulling the stopped run's round-2 messages (their contents went with the old SuperLink's
-        # memory) until the SuperLink sees that run's heartbeats lapse
+        left = json.loads((run_dir / FLOWER_RUN_FILE).read_text())  # the run the stopped session left
+        assert left["connection"] == dl.CONNECTION and not left["ended"] and left["run_id"], left
 
         # the same SuperLink (its database) again; the SuperNodes reconnect; the documented resume
         # (`flwr run ... --run-config "resume='<output-dir>'"`) goes on from the checkpoint's round
@@ -269,6 +269,16 @@ def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_aft
         print(f"[test] resumed run took {time.monotonic() - t_resume:.0f} s", flush=True)
         assert summary["rounds_completed"] == 2
         assert status().returncode == 0
+        # the runner stopped the left run first: left `running`, the devices would wait on its lost
+        # round-2 messages until its ServerApp's heartbeats lapsed (45-55 s before the resumed run's
+        # nodes answered its start-up query) ...
+        superlink_log = dep.log_tail("superlink", 400)
+        assert superlink_log.index("ControlServicer.StopRun") < superlink_log.rindex("ControlServicer.StartRun")
+        now = json.loads((run_dir / FLOWER_RUN_FILE).read_text())
+        assert now["run_id"] != left["run_id"] and now["ended"], now
+        # ... so they answer within the time a fresh start takes (9-10 s here)
+        startup = re.findall(r"asked for their node info in ([\d.]+)s", dep.log_tail("flwr-run", 400))
+        assert len(startup) == 2 and float(startup[-1]) < 40, startup
 
         nodes = {n["node-id"]: n for n in dep.nodes()}
         assert set(nodes) == {str(dep.node_ids[n]) for n in ("node-0", "node-1", "no-ca")}  # no intruder

@@ -22,10 +22,14 @@ from typing import Any
 
 from fedhm_flwr.ops.outcome import Commands, RunFailed, resume_hint
 from fedhm_flwr.ops.procs import Processes, kill_serverapp, killpg_quietly
+from fedhm_flwr.ops.runlock import RunLock
 from fedhm_flwr.ops.superlink import APP_DIR, bin_path
 from fedhm_flwr.reporting.results import SUMMARY_FILE
 
 STARTED_RUN = re.compile(r"Successfully started run (\d+)")
+#: the Flower run writing a run directory (``<run dir>/flower_run.json``: its run id, its SuperLink
+#: connection, whether it was seen to end): the next session of the directory stops it if it was not
+FLOWER_RUN_FILE = "flower_run.json"
 #: Flower's line before the traceback of a ServerApp (deployment) / simulation (its ServerApp) exception
 APP_RAISED = re.compile(r"\b(ServerApp|Simulation) raised an exception")
 #: the strategy's warnings about a node's error (fedhm_flwr/server/strategy.py, fedhm_flwr/server/nodes.py)
@@ -107,9 +111,11 @@ class FlowerJob:
         except (ValueError, subprocess.SubprocessError, OSError):
             return {}
 
-    def run(self, app: Path, run_config: Path, extra: Sequence[str] = (), timeout: float | None = None) -> int:
+    def run(self, app: Path, run_config: Path, extra: Sequence[str] = (), timeout: float | None = None,
+            record: Path | None = None) -> int:
         """``flwr run <app> <connection> --stream``: copy its output to the log (and the console),
-        note the run id; returns its exit code. Raises :class:`TimeoutError` after ``timeout`` s."""
+        note the run id (and write it to ``record``, :data:`FLOWER_RUN_FILE`, as soon as Flower names
+        it); returns its exit code. Raises :class:`TimeoutError` after ``timeout`` s."""
         cmd = [bin_path("flwr"), "run", str(app), self.connection, "--stream", "--run-config", str(run_config), *extra]
         proc = self.procs.start("flwr-run", cmd, self.env, None, cwd=APP_DIR)
         timer = threading.Timer(timeout, killpg_quietly, (proc.pid, signal.SIGKILL)) if timeout else None
@@ -128,6 +134,8 @@ class FlowerJob:
                     self.errors.feed(line)
                     if self.run_id is None and (match := STARTED_RUN.search(line)):
                         self.run_id = int(match.group(1))
+                        if record is not None:
+                            self.record(record, ended=False)
             code = proc.wait()
         finally:
             if timer is not None:
@@ -135,6 +143,30 @@ class FlowerJob:
         if timer is not None and code == -signal.SIGKILL:
             raise TimeoutError(f"flwr run did not finish in {timeout:g} s")
         return code
+
+    def record(self, path: Path, ended: bool) -> None:
+        """Write :data:`FLOWER_RUN_FILE`: this job's run id and connection, and whether it ended."""
+        path.write_text(json.dumps({"run_id": self.run_id, "connection": self.connection, "ended": ended}) + "\n")
+
+    def stop_earlier(self, path: Path) -> bool:
+        """``flwr stop`` of the run an earlier session recorded in ``path`` (:data:`FLOWER_RUN_FILE`)
+        on this connection, unless it was seen to end; True if the SuperLink confirmed.
+
+        Nothing while another session holds the run directory's lock (:class:`RunLock`): its run is
+        live. With the lock free or this job's own, no session of the directory is live, and that run
+        is left over. Why stop it: a SuperLink restarted from its database keeps a run whose
+        ServerApp died ``running`` until that ServerApp's heartbeats lapse, and the SuperNodes wait
+        on the run's lost messages all that time (45 s here, Flower 1.41) before they answer the
+        next run."""
+        try:
+            earlier = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return False
+        if RunLock.is_held(path.parent) and RunLock(path.parent).holder().get("tag") != self.procs.tag:
+            return False
+        if earlier.get("ended") or earlier.get("connection") != self.connection or earlier.get("run_id") is None:
+            return False
+        return bool(self.cli("stop", str(int(earlier["run_id"])), timeout=15).get("success"))
 
     def status(self, wait: float = 10.0) -> str | None:
         """The final status of this job's run (``finished:completed``, ...), None if unknown.
@@ -168,7 +200,8 @@ def run_flower_job(job: FlowerJob, app: Path, run_config: Path, run_dir: Path, e
     ``finished:completed`` and ``summary.json`` was written by this run (with the first error of
     the ServerApp or a client that Flower's output shows, and the resume command in ``commands``'
     terms when a checkpoint is there). On a timeout or an interrupt (Ctrl-C, :class:`Interrupted`)
-    the Flower run is stopped first (``flwr stop``)."""
+    the Flower run is stopped first (``flwr stop``). Before it starts, the Flower run an earlier
+    session of ``run_dir`` left running is stopped (:meth:`FlowerJob.stop_earlier`)."""
     started = time.time()
 
     def failed(message: str) -> RunFailed:
@@ -176,15 +209,21 @@ def run_flower_job(job: FlowerJob, app: Path, run_config: Path, run_dir: Path, e
         return RunFailed(f"{message}; Flower's output: {job.log_file}{see}", run_dir, job.errors.reason(),
                          job.log_file, resume)
 
+    record = run_dir / FLOWER_RUN_FILE
+    job.stop_earlier(record)
     try:
-        code = job.run(app, run_config, extra, timeout)
+        code = job.run(app, run_config, extra, timeout, record=record)
     except TimeoutError as err:
-        job.stop()
+        if job.stop():
+            job.record(record, ended=True)
         raise failed(str(err)) from None
     except KeyboardInterrupt:
-        job.stop()
+        if job.stop():
+            job.record(record, ended=True)
         raise
     status = job.status()
+    if (status or "").startswith("finished"):
+        job.record(record, ended=True)
     summary_file = run_dir / SUMMARY_FILE
     fresh = summary_file.is_file() and summary_file.stat().st_mtime >= started - 1
     if code != 0 or status != "finished:completed" or not fresh:
