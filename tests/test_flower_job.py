@@ -46,3 +46,21 @@ def test_an_ended_run_another_superlinks_run_a_live_sessions_run_or_no_record_is
         assert not job.stop_earlier(tmp_path / FLOWER_RUN_FILE)
     assert job.asked == []
     assert json.loads((tmp_path / FLOWER_RUN_FILE).read_text()) == {"run_id": 7, "connection": "local", "ended": False}
+
+
+def test_the_final_status_waits_for_a_superlink_that_answers_and_not_for_one_that_is_gone(tmp_path, monkeypatch):
+    from fedhm_flwr.ops import flower_job
+
+    monkeypatch.setattr(flower_job.time, "sleep", lambda s: None)
+    job = _job(tmp_path)
+    job.run_id = 5
+    answers = iter([{"success": True, "runs": [{"status": "running"}]},
+                    {"success": True, "runs": [{"status": "running"}]},
+                    {"success": True, "runs": [{"status": "finished:completed"}]}])
+    job.cli = lambda *args, timeout=60: job.asked.append(args) or next(answers)
+    assert job.status() == "finished:completed" and len(job.asked) == 3
+    # the SuperLink stopped under the run: `flwr list` says so; asked once, not for the whole wait
+    job.asked = []
+    gone = {"success": False, "error-message": "Connection to the SuperLink is unavailable."}
+    job.cli = lambda *args, timeout=60: job.asked.append(args) or gone
+    assert job.status(wait=3600) is None and job.asked == [("list", "--run-id", "5")]

@@ -171,12 +171,16 @@ class FlowerJob:
     def status(self, wait: float = 10.0) -> str | None:
         """The final status of this job's run (``finished:completed``, ...), None if unknown.
 
-        Waits up to ``wait`` s while the SuperLink still reports it as not finished."""
+        Waits up to ``wait`` s while the SuperLink still reports it as not finished; None at once
+        when no SuperLink answers (stopped under the run, unreachable: each ask is a CLI start)."""
         if self.run_id is None:
             return None
         deadline = time.monotonic() + wait
         while True:
-            runs = self.cli("list", "--run-id", str(self.run_id)).get("runs", [])
+            answer = self.cli("list", "--run-id", str(self.run_id))
+            if not answer or answer.get("success") is False:
+                return None
+            runs = answer.get("runs", [])
             status = str(runs[0].get("status")) if runs else None
             if (status or "").startswith("finished") or time.monotonic() > deadline:
                 return status
