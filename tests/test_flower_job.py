@@ -19,8 +19,8 @@ def _job(tmp_path, tag="session-2", connection="local"):
 
 def _left_by_earlier_session(run_dir, run_id=7, ended=False, connection="local"):
     earlier = _job(run_dir, tag="session-1", connection=connection)
-    earlier.run_id = run_id
-    earlier.record(run_dir / FLOWER_RUN_FILE, ended=ended)
+    earlier.run_id, earlier.record_path = run_id, run_dir / FLOWER_RUN_FILE
+    earlier.record(ended=ended)
 
 
 def test_a_run_left_running_by_an_earlier_session_is_stopped_once_by_its_run_id(tmp_path):

@@ -100,6 +100,7 @@ class FlowerJob:
                  echo: bool = True, on_error: Callable[[str], None] | None = None) -> None:
         self.procs, self.env, self.connection, self.log_file, self.echo = procs, env, connection, log_file, echo
         self.run_id: int | None = None
+        self.record_path: Path | None = None  # where the run is recorded (:data:`FLOWER_RUN_FILE`), if anywhere
         self.errors = ErrorScan(on_error)  # on_error: told the first errors as they appear (quiet runs)
 
     def cli(self, *args: str, timeout: float = 60) -> dict[str, Any]:
@@ -114,8 +115,10 @@ class FlowerJob:
     def run(self, app: Path, run_config: Path, extra: Sequence[str] = (), timeout: float | None = None,
             record: Path | None = None) -> int:
         """``flwr run <app> <connection> --stream``: copy its output to the log (and the console),
-        note the run id (and write it to ``record``, :data:`FLOWER_RUN_FILE`, as soon as Flower names
-        it); returns its exit code. Raises :class:`TimeoutError` after ``timeout`` s."""
+        note the run id (and record it in ``record``, :data:`FLOWER_RUN_FILE`, as soon as Flower names
+        it: :meth:`stop` and :meth:`status` mark it ended there); returns its exit code. Raises
+        :class:`TimeoutError` after ``timeout`` s."""
+        self.record_path = record
         cmd = [bin_path("flwr"), "run", str(app), self.connection, "--stream", "--run-config", str(run_config), *extra]
         proc = self.procs.start("flwr-run", cmd, self.env, None, cwd=APP_DIR)
         timer = threading.Timer(timeout, killpg_quietly, (proc.pid, signal.SIGKILL)) if timeout else None
@@ -134,8 +137,7 @@ class FlowerJob:
                     self.errors.feed(line)
                     if self.run_id is None and (match := STARTED_RUN.search(line)):
                         self.run_id = int(match.group(1))
-                        if record is not None:
-                            self.record(record, ended=False)
+                        self.record(ended=False)
             code = proc.wait()
         finally:
             if timer is not None:
@@ -144,9 +146,11 @@ class FlowerJob:
             raise TimeoutError(f"flwr run did not finish in {timeout:g} s")
         return code
 
-    def record(self, path: Path, ended: bool) -> None:
-        """Write :data:`FLOWER_RUN_FILE`: this job's run id and connection, and whether it ended."""
-        path.write_text(json.dumps({"run_id": self.run_id, "connection": self.connection, "ended": ended}) + "\n")
+    def record(self, ended: bool) -> None:
+        """Write :data:`FLOWER_RUN_FILE` (when the run is recorded): run id, connection, whether it ended."""
+        if self.record_path is not None:
+            self.record_path.write_text(
+                json.dumps({"run_id": self.run_id, "connection": self.connection, "ended": ended}) + "\n")
 
     def stop_earlier(self, path: Path) -> bool:
         """``flwr stop`` of the run an earlier session recorded in ``path`` (:data:`FLOWER_RUN_FILE`)
@@ -182,7 +186,10 @@ class FlowerJob:
                 return None
             runs = answer.get("runs", [])
             status = str(runs[0].get("status")) if runs else None
-            if (status or "").startswith("finished") or time.monotonic() > deadline:
+            if (status or "").startswith("finished"):
+                self.record(ended=True)
+                return status
+            if time.monotonic() > deadline:
                 return status
             time.sleep(1.0)
 
@@ -193,7 +200,10 @@ class FlowerJob:
         kill_serverapp(self.procs.tag)
         if self.run_id is None:
             return False
-        return bool(self.cli("stop", str(self.run_id), timeout=timeout).get("success"))
+        stopped = bool(self.cli("stop", str(self.run_id), timeout=timeout).get("success"))
+        if stopped:
+            self.record(ended=True)
+        return stopped
 
 
 def run_flower_job(job: FlowerJob, app: Path, run_config: Path, run_dir: Path, extra: Sequence[str] = (),
@@ -218,16 +228,12 @@ def run_flower_job(job: FlowerJob, app: Path, run_config: Path, run_dir: Path, e
     try:
         code = job.run(app, run_config, extra, timeout, record=record)
     except TimeoutError as err:
-        if job.stop():
-            job.record(record, ended=True)
+        job.stop()
         raise failed(str(err)) from None
     except KeyboardInterrupt:
-        if job.stop():
-            job.record(record, ended=True)
+        job.stop()
         raise
     status = job.status()
-    if (status or "").startswith("finished"):
-        job.record(record, ended=True)
     summary_file = run_dir / SUMMARY_FILE
     fresh = summary_file.is_file() and summary_file.stat().st_mtime >= started - 1
     if code != 0 or status != "finished:completed" or not fresh:
