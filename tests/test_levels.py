@@ -33,6 +33,15 @@ def test_sampling_is_seeded_sized_and_without_replacement():
     assert len(s1) == 10 == len(set(s1))
     assert s1 != lv.sample_clients(keys, 0.2, 2, lv.round_rng(0, 6))
     assert len(lv.sample_clients(keys[:3], 0.1, 2, lv.round_rng(0, 1))) == 2
+    # a generator's maker is called only for a draw; a sample of every key is the same either way
+    made = []
+    maker = lambda: made.append(1) or lv.round_rng(0, 5)  # noqa: E731
+    assert lv.sample_clients(keys, 0.2, 2, maker) == s1 and made == [1]
+    shuffled = keys[::-1]
+    for fraction, minimum in ((1.0, 2), (0.1, 50), (0.99, 50)):
+        assert lv.sample_clients(shuffled, fraction, minimum, maker) == keys == lv.sample_clients(
+            shuffled, fraction, minimum, lv.round_rng(0, 5))
+    assert made == [1]
 
 
 def test_budget_maps_to_the_largest_level_that_fits():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -80,10 +80,17 @@ def dynamic_levels(n: int, proportions: Sequence[float], rng: np.random.Generato
     return rng.choice(len(p), size=n, p=p / p.sum()).tolist()
 
 
-def sample_clients(keys: Sequence[int], fraction: float, minimum: int, rng: np.random.Generator) -> list[int]:
-    """Sample ``max(minimum, int(fraction * len(keys)))`` keys without replacement (sorted)."""
+def sample_clients(keys: Sequence[int], fraction: float, minimum: int,
+                   rng: np.random.Generator | Callable[[], np.random.Generator]) -> list[int]:
+    """Sample ``max(minimum, int(fraction * len(keys)))`` keys without replacement (sorted).
+    ``rng``: the generator, or a function making it, called only when a draw is needed (a sample of
+    every key is all of them: making a generator costs more than a small round's other sampling)."""
     keys = sorted(keys)
     k = min(len(keys), max(int(minimum), int(fraction * len(keys))))
+    if k == len(keys):
+        return keys
+    if callable(rng):
+        rng = rng()
     return sorted(rng.choice(keys, size=k, replace=False).tolist()) if k else []
 
 

@@ -374,8 +374,8 @@ class NodeRegistry:
         keys.update({hashed_key(f"node:{n}"): n for n in self.unknown})
         if self.dp:  # the accountant's Poisson sampling, from a stream no client knows
             return [keys[k] for k in self._poisson(server_round, list(keys))]
-        rng = lv.round_rng(self.seed, server_round, stream=0)
-        picked = lv.sample_clients(list(keys), self.fraction, self.min_train, rng)
+        picked = lv.sample_clients(list(keys), self.fraction, self.min_train,
+                                   lambda: lv.round_rng(self.seed, server_round, stream=0))
         return [keys[k] for k in picked]
 
     def _poisson(self, server_round: int, keys: list[int]) -> list[int]:
