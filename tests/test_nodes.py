@@ -123,7 +123,10 @@ def test_a_node_that_arrives_during_the_wait_ends_it(toy_cfg, caplog):
 
 def test_client_seeds_are_distinct_across_rounds_and_many_partitions():
     seeds = {lv.client_seed(0, rnd, key) for rnd in range(1, 6) for key in range(3000)}
-    assert len(seeds) == 5 * 3000
+    assert len(seeds) == 5 * 3000 and all(0 <= s < 2**63 for s in seeds)  # (torch.manual_seed takes 63 bits)
+    # the same triple, the same seed (a resumed run trains alike); another run seed, other seeds
+    assert lv.client_seed(0, 3, 7) == lv.client_seed(0, 3, 7)
+    assert seeds.isdisjoint(lv.client_seed(1, rnd, key) for rnd in range(1, 6) for key in range(3000))
 
 
 def test_node_info_travels_through_the_one_wire_contract():
