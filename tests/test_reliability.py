@@ -73,6 +73,10 @@ def _tamper(kind):
             n = 0
         elif kind == "bad-counts":
             counts = [-1] * 10
+        elif kind == "nan-counts":  # (no integer at all: reading it must not fail the round)
+            counts = [math.nan] * 10
+        elif kind == "too-few-counts":
+            counts = [3] * 9
         metrics = {"train-loss": 1.0, "class-counts": counts}
         if n is not None:
             metrics["num-examples"] = n
@@ -81,7 +85,8 @@ def _tamper(kind):
     return handle
 
 
-KINDS = ["extra-key", "missing-key", "wrong-shape", "nan", "inf", "no-examples", "zero-examples", "bad-counts"]
+KINDS = ["extra-key", "missing-key", "wrong-shape", "nan", "inf", "no-examples", "zero-examples", "bad-counts",
+         "nan-counts", "too-few-counts"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

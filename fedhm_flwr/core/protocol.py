@@ -338,9 +338,13 @@ def check_train_reply(content: RecordDict, payload: Payload, level: float, num_c
     n = metrics.get(NUM_EXAMPLES)
     if not isinstance(n, (int, float)) or isinstance(n, bool) or not n > 0:
         return None, f"num-examples missing or not positive ({n!r})"
-    counts = np.asarray(metrics.get(CLASS_COUNTS, []), dtype=np.int64)
-    if counts.shape != (num_classes,) or (counts < 0).any():
-        return None, f"class-counts must hold {num_classes} non-negative counts"
+    raw = metrics.get(CLASS_COUNTS)
+    # checked as the list it arrives as (the wire sends ints): a NaN or float count is refused, not
+    # converted (numpy's int64 fails the whole round on NaN and truncates a float), and no numpy
+    # call runs per reply before it passes
+    if not (isinstance(raw, list) and len(raw) == num_classes and all(type(c) is int and 0 <= c < 2**63 for c in raw)):
+        return None, f"class-counts must hold {num_classes} non-negative integer counts"
+    counts = np.asarray(raw, dtype=np.int64)
     scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return (state, int(n), counts, scalars), ""
 
