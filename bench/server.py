@@ -65,7 +65,8 @@ def figure_server_time(quick: bool) -> dict[str, Any]:
             t_agg = timed(aggregate, repeats, warmup=0)
             pieces: dict[str, Any] = {"configure_train": t_conf, "aggregate_train": t_agg}
             if method == "fedhm":  # chained rounds: each hands out a new model version (no cache hit)
-                chain = repeats if arch.startswith("resnet") else 45  # (CNN rounds are ms: enough for a steady median)
+                # (CNN rounds are ms: 90 of them for a steady median, each round paired with its floor)
+                chain = repeats if arch.startswith("resnet") else 90
                 pieces = fedhm_round_against_floor(strategy, grid, state, chain)
                 # and at one thread, timed by the thread's CPU time: on a shared machine the wall
                 # clock of 2 OpenMP threads waits on other processes (an eigh of 96 × 96 took 0.3 ms
