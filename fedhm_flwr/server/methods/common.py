@@ -7,9 +7,10 @@ figures (``extra_costs``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord
 from torch import nn
@@ -28,6 +29,12 @@ def classifier_keys(model: nn.Module) -> list[str]:
     are aggregated per class. None when the head is factorized (``classifier_name`` empty)."""
     name = head_name(model)
     return [k for k in model.state_dict() if k.startswith(f"{name}.")] if name else []
+
+
+def class_holds(replies: Sequence[Any]) -> np.ndarray:
+    """(replies × classes): whether each reply's client held each class (its ``class_counts`` above
+    zero), as the per-class averages take it; one comparison for all the replies."""
+    return np.stack([r.class_counts for r in replies]) > 0
 
 
 def record_bytes(state: dict[str, torch.Tensor]) -> int:

@@ -28,7 +28,7 @@ from fedhm_flwr.math.lowrank import SVD_TOLERANCE, WireFactors, compute_svds, fa
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.rules import plan_ranks
 
-from fedhm_flwr.server.methods.common import classifier_keys
+from fedhm_flwr.server.methods.common import class_holds, classifier_keys
 from fedhm_flwr.server.methods.method import Method, Reply, State
 
 
@@ -109,16 +109,15 @@ class FedHM(Method):
         ranks = [self.ranks[r.level_index] for r in replies]
         levels = [r.level for r in replies]
         counts = [r.num_examples for r in replies] if self.weight_by_samples else None
-        holds = [r.class_counts > 0 for r in replies]
+        holds = class_holds(replies)
         if self.add_previous_global and 1.0 not in levels:
             states.append(global_state)  # the previous global model as one more full-rank reply
             ranks.append({})
             levels.append(1.0)
-            holds.append(np.ones_like(holds[0]))
+            holds = np.vstack([holds, np.ones_like(holds[0])])  # (it holds every class)
             if counts is not None:
                 counts.append(max(1, round(sum(counts) / len(counts))))
-        return average_hybrid(global_state, states, ranks, self.weights(levels, counts), np.stack(holds),
-                              self.classifier_keys)
+        return average_hybrid(global_state, states, ranks, self.weights(levels, counts), holds, self.classifier_keys)
 
     def weights(self, levels: list[float], counts: list[int] | None) -> np.ndarray:
         """The round's aggregation weights: the journal's ``softmax(gamma / tau)``, or the

@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import DictConfig
 
@@ -40,7 +39,7 @@ from fedhm_flwr.models.adapters import federated_keys
 from fedhm_flwr.models.text import PACKAGE_BACKBONE, package_config
 from fedhm_flwr.models.vit import DEFAULTS, arch_of, checkpoint_ref
 
-from fedhm_flwr.server.methods.common import classifier_keys
+from fedhm_flwr.server.methods.common import class_holds, classifier_keys
 from fedhm_flwr.server.methods.method import Method, Reply, State
 
 TRANSFORMER_ARCHS = ("minilm", "vit")
@@ -172,7 +171,7 @@ class FedLoRA(Method):
     def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
         counts = [r.num_examples for r in replies] if self.cfg.method.weight_by_samples else None
         weights = level_weights([r.level for r in replies], self.tau, counts)
-        holds = np.stack([r.class_counts > 0 for r in replies])
+        holds = class_holds(replies)
         # full-shape keys (the head; every weight in full mode), rows of the head per class
         new = average_states(global_state, [r.state for r in replies], weights, holds, self.classifier_keys)
         if self.mode == "lora":

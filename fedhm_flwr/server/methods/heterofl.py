@@ -28,7 +28,7 @@ from fedhm_flwr.config.methods import HeteroFLOptions
 from fedhm_flwr.math import width
 from fedhm_flwr.models import matching, build_model
 
-from fedhm_flwr.server.methods.common import classifier_keys
+from fedhm_flwr.server.methods.common import class_holds, classifier_keys
 from fedhm_flwr.server.methods.method import Method, Reply, State
 
 
@@ -93,7 +93,7 @@ class HeteroFL(Method):
     def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
         plans = [self.plan(r.level_index, server_round) for r in replies]
         weights = [float(r.num_examples) for r in replies] if self.weight_by_samples else None
-        holds = np.stack([r.class_counts > 0 for r in replies])
+        holds = class_holds(replies)
         return width.aggregate(global_state, [r.state for r in replies], plans, weights, holds,
                                self.classifier_keys)
 

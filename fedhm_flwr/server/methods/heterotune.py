@@ -48,7 +48,7 @@ from fedhm_flwr.models import build_model
 from fedhm_flwr.models.adapters import federated_keys, merge_dema
 from fedhm_flwr.models.text import package_config
 
-from fedhm_flwr.server.methods.common import classifier_keys, record_bytes
+from fedhm_flwr.server.methods.common import class_holds, classifier_keys, record_bytes
 from fedhm_flwr.server.methods.fedlora import client_options, transformer_spec, type_spec
 from fedhm_flwr.server.methods.method import Method, Reply, State
 
@@ -177,7 +177,7 @@ class HeteroTune(Method):
             prefix = type_prefix(i)
             local_keys = [k for k in group[0].state if not is_share(k)]
             previous = {k: global_state[prefix + k] for k in local_keys}
-            holds = np.stack([r.class_counts > 0 for r in group])
+            holds = class_holds(group)
             averaged = average_states(previous, [r.state for r in group], w, holds, self.classifier_keys)
             new.update({prefix + k: v for k, v in averaged.items()})
             shares = [k for k in group[0].state if is_share(k)]

@@ -42,7 +42,7 @@ from fedhm_flwr.math.aggregation import average_states
 from fedhm_flwr.models import build_model, input_shape
 from fedhm_flwr.models.costs import activation_elements
 
-from fedhm_flwr.server.methods.common import classifier_keys
+from fedhm_flwr.server.methods.common import class_holds, classifier_keys
 from fedhm_flwr.server.methods.method import Cut, Method, Reply, State
 
 #: random-stream id of the kernel draws (the base uses 0: node sampling, 1: levels, 2: failures)
@@ -169,7 +169,7 @@ class PriSM(Method):
     def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
         factored = self.factored_form(global_state)
         counts = np.array([r.num_examples for r in replies], dtype=np.float64)
-        holds = np.stack([r.class_counts > 0 for r in replies])
+        holds = class_holds(replies)
         # FedAvg of every parameter sent whole (decomposed layers' weights are absent from the
         # replies and keep their values here; they are replaced below)
         new = average_states(global_state, [r.state for r in replies], counts / counts.sum(), holds,
