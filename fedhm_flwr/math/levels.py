@@ -90,11 +90,11 @@ def sample_clients(keys: Sequence[int], fraction: float, minimum: int,
     every key is all of them: making a generator costs more than a small round's other sampling)."""
     keys = sorted(keys)
     k = min(len(keys), max(int(minimum), int(fraction * len(keys))))
-    if k == len(keys):
-        return keys
+    if k == len(keys) or not k:  # (no draw: all of them, or none)
+        return keys if k else []
     if callable(rng):
         rng = rng()
-    return sorted(rng.choice(keys, size=k, replace=False).tolist()) if k else []
+    return sorted(rng.choice(keys, size=k, replace=False).tolist())
 
 
 def level_for_budget(budget: float, level_costs: Sequence[float]) -> int | None:
