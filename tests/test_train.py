@@ -65,3 +65,17 @@ def test_local_training_runs_channels_last_and_hands_back_a_plain_layout():
     train_local(model, Data(), TrainOptions(batch_size=4, frobenius_decay=True), torch.device("cpu"))
     assert seen and all(seen)  # trained in channels_last
     assert all(t.is_contiguous() for t in model.state_dict().values())  # what travels back: plain layout
+
+
+def test_a_strided_pointwise_conv_of_few_channels_trains_in_the_plain_layout():
+    """oneDNN's AVX2 backward of a strided 1×1 conv with fewer than 8 input channels corrupts the
+    heap in channels_last (torch 2.14, CPUs without AVX-512: a ResNet of width 2's downsampling
+    aborted the process); such a model trains contiguous, any other conv model channels_last."""
+    from fedhm_flwr.math.train import conv_layout
+
+    cpu = torch.device("cpu")
+    for channels, stride, kernel, layout in [(4, 2, 1, torch.contiguous_format), (7, (1, 2), 1, torch.contiguous_format),
+                                             (8, 2, 1, torch.channels_last), (4, 1, 1, torch.channels_last),
+                                             (4, 2, 3, torch.channels_last)]:
+        model = torch.nn.Sequential(torch.nn.Conv2d(16, 16, 3), torch.nn.Conv2d(channels, 8, kernel, stride))
+        assert conv_layout(model, cpu) == layout, (channels, stride, kernel)

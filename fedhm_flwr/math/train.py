@@ -116,9 +116,14 @@ def backward(objective: torch.Tensor, model: nn.Module, frobenius_decay: float =
 def conv_layout(model: nn.Module, device: torch.device) -> torch.memory_format:
     """``channels_last`` for a model with 2-D convolutions on the CPU (its batch norm, ReLU and
     max-pool run vectorised over channels, several times faster there, and a factorized conv's
-    1×k and k×1 halves too: bench figure 3), else contiguous (GPUs: not measured yet)."""
-    has_conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
-    return torch.channels_last if has_conv and device.type == "cpu" else torch.contiguous_format
+    1×k and k×1 halves too: bench figure 3), else contiguous (GPUs: not measured yet).
+
+    Not for a model holding a strided 1×1 convolution of fewer than 8 input channels (a ResNet of
+    width 2-6's downsampling): oneDNN's AVX2 kernel for its backward pass in channels_last corrupts
+    the heap on CPUs without AVX-512 (torch 2.14; the process aborts), contiguous runs it correctly."""
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    unsafe = any(m.kernel_size == (1, 1) and max(m.stride) > 1 and m.in_channels < 8 for m in convs)
+    return torch.channels_last if convs and not unsafe and device.type == "cpu" else torch.contiguous_format
 
 
 def mask_absent_classes(logits: torch.Tensor, present: torch.Tensor | None) -> torch.Tensor:
