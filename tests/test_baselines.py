@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord
 from torch.utils.data import TensorDataset
 
 from fedhm_flwr.config import ConfigError, model_spec
@@ -20,6 +20,7 @@ from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.server_app import initial_state, run
 from fedhm_flwr.server.registry import STRATEGIES, FedAvgStrategy, FedRolexStrategy, HeteroFLStrategy
 from fedhm_flwr.server.strategy import Reply
+from reply_helpers import reply
 
 
 @pytest.fixture(autouse=True)
@@ -121,10 +122,7 @@ def _plus_one_handler(counts_by_pid):
     def handle(msg, context):
         pid = int(context.node_config["partition-id"])
         out = {k: v + 1 for k, v in msg.content["arrays"].to_torch_state_dict().items()}
-        metrics = MetricRecord({"num-examples": 10 + pid, "train-loss": 1.0, "train-accuracy": 0.5,
-                                "class-counts": counts_by_pid[pid]})
-        return Message(RecordDict({"arrays": ArrayRecord.from_torch_state_dict(out), "metrics": metrics}),
-                       reply_to=msg)
+        return reply(msg, out, 10 + pid, counts_by_pid[pid])
     return handle
 
 

@@ -228,10 +228,13 @@ def test_bn_reply_check_takes_whole_models_and_refuses_anything_else():
     lying = _reply(GOOD, GOOD)  # the record says shape (2,), the bytes hold 3 values
     lying[bn_wire.bn_record(1)]["bn2.sum"] = dataclasses.replace(ArrayRecord.from_torch_state_dict(
         {"x": torch.ones(3)})["x"], shape=(2,))
-    bad["bytes of another shape"] = (lying, "reads as")
+    bad["bytes of another shape"] = (lying, "bytes declare float32 of shape (3,)")
     garbage = _reply(GOOD, GOOD)
     garbage[bn_wire.bn_record(1)]["bn2.sum"] = dataclasses.replace(garbage[bn_wire.bn_record(1)]["bn2.sum"], data=b"xx")
-    bad["bytes that are no array"] = (garbage, "does not read")
+    bad["bytes that are no array"] = (garbage, "holds 2 bytes")
+    bad["a NaN sum"] = (_reply(GOOD, {**GOOD, "bn2.sum": torch.tensor([1.0, float("nan")])}), "NaN")
+    bad["a negative count"] = (_reply(GOOD, {**GOOD, "bn1.count": torch.tensor(-5.0)}), "negative")
+    bad["a float64 array"] = (_reply(GOOD, {**GOOD, "bn1.sum": torch.ones(3, dtype=torch.float64)}), "float64")
     for case, (content, reason) in bad.items():
         sums, why = bn_wire.check_bn_reply(content, [SHAPES, SHAPES])
         assert sums is None and reason in why, (case, why)

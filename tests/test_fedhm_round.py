@@ -17,6 +17,7 @@ from fedhm_flwr.models import build_model
 from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.server_app import initial_state, run
 from fedhm_flwr.server.registry import FedHMStrategy
+from reply_helpers import reply
 
 
 def _strategy(cfg):
@@ -71,9 +72,7 @@ def _shift_handler(shift_by_pid, counts_by_pid):
         pid = int(context.node_config["partition-id"])
         arrays = msg.content["arrays"].to_torch_state_dict()
         out = {k: v + shift_by_pid[pid] for k, v in arrays.items()}
-        metrics = MetricRecord({"num-examples": 10 + pid, "train-loss": 1.0, "train-accuracy": 0.5,
-                                "class-counts": counts_by_pid[pid]})
-        return Message(RecordDict({"arrays": ArrayRecord.from_torch_state_dict(out), "metrics": metrics}), reply_to=msg)
+        return reply(msg, out, 10 + pid, counts_by_pid[pid])
     return handle
 
 
@@ -180,7 +179,7 @@ def test_nodes_sharing_a_partition_id_are_all_kept(toy_cfg):
     grid = LocalGrid(6, client_handlers(), node_config=lambda i: {"partition-id": min(i, 3)})  # 3, 4, 5 -> "3"
     msgs = _configure(strategy, grid, initial_state(cfg, strategy.spec))
     assert len({m.metadata.dst_node_id for m in msgs}) == 6
-    keys = {strategy._partition_key(n) for n in strategy.nodes}
+    keys = {strategy.registry.key(n) for n in strategy.nodes}
     assert len(keys) == 6
 
 

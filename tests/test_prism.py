@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, MessageType
 
 from fedhm_flwr.config import ConfigError, load_config, model_spec, resume_config
 from fedhm_flwr.math import prism
@@ -22,6 +22,7 @@ from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.server_app import initial_state, run
 from fedhm_flwr.reporting.results import load_checkpoint
 from fedhm_flwr.server.registry import PriSMStrategy
+from reply_helpers import reply
 
 SIGMA = torch.tensor([4.0, 3.0, 2.0, 1.5, 1.0, 0.5], dtype=torch.float64)
 
@@ -218,10 +219,7 @@ def _echo_handler(shift: float = 0.0):
     """A client that sends back what it received (plus ``shift``), with valid metrics."""
     def handle(msg, context):
         arrays = {k: v + shift for k, v in msg.content["arrays"].to_torch_state_dict().items()}
-        metrics = MetricRecord({"num-examples": 10 + int(context.node_config["partition-id"]), "train-loss": 1.0,
-                                "train-accuracy": 0.5, "class-counts": [3] * 10})
-        return Message(RecordDict({"arrays": ArrayRecord.from_torch_state_dict(arrays), "metrics": metrics}),
-                       reply_to=msg)
+        return reply(msg, arrays, 10 + int(context.node_config["partition-id"]), [3] * 10)
     return handle
 
 
@@ -263,7 +261,7 @@ def test_each_node_gets_its_own_draw_and_only_ranks_travel():
     again = PriSMStrategy(cfg, model_spec(cfg))
     again.factored_form(state)
     for node, draws in strategy.draws.items():
-        same = again.sample(1, strategy._partition_key(node), strategy.sent[node][0])
+        same = again.sample(1, strategy.registry.key(node), strategy.sent[node][0])
         assert all(torch.equal(same[n].kernels, draws[n].kernels) for n in strategy.layers)
 
 

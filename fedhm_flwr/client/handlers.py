@@ -24,10 +24,12 @@ from logging import WARNING
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 from flwr.supercore import log
 
+from fedhm_flwr.client import hostile
 from fedhm_flwr.core import bn_wire, protocol
 from fedhm_flwr.data import client_dataset, client_size, shards
 from fedhm_flwr.math import attacks
@@ -194,7 +196,11 @@ def handle_train(msg: Message, context: Context) -> Message:
         state = attacks.tamper(attack, received, state, float(config.get(protocol.ATTACK_SCALE, 1.0)), int(config[protocol.SEED]))
     dtype = wire_dtype(msg)  # the reply travels in the wire dtype too
     arrays = ArrayRecord.from_array_dict({k: protocol.wire_array(v, dtype) for k, v in state.items()})
-    return Message(RecordDict({ARRAYS: arrays, METRICS: metrics}), reply_to=msg)
+    content = RecordDict({ARRAYS: arrays, METRICS: metrics})
+    if attack == "malformed":  # a hostile device: the honest reply, malformed (fedhm_flwr.client.hostile)
+        rng = np.random.default_rng(int(config[protocol.SEED]))
+        content = hostile.malformed(content, str(config.get(protocol.ATTACK_MALFORMED, "random")), rng)
+    return Message(content, reply_to=msg)
 
 
 def _model_over_local_data(msg: Message, context: Context, split: str = "train") -> tuple[torch.nn.Module, Any, torch.device]:

@@ -94,13 +94,23 @@ def load_config(overrides: str | Sequence[str] | None = None) -> DictConfig:
     return cfg
 
 
+def base_defaults() -> DictConfig:
+    """``conf/config.yaml``'s own keys (not its groups', nor Hydra's settings): a saved config gets
+    today's defaults for the keys it lacks (added since it was saved)."""
+    plain = OmegaConf.load(CONF_DIR / "config.yaml")
+    assert isinstance(plain, DictConfig)
+    for key in ("defaults", "hydra"):
+        plain.pop(key, None)
+    return plain
+
+
 def resume_config(run_dir: str | Path, overrides: str | Sequence[str] | None = None) -> DictConfig:
     """The configuration saved in ``run_dir`` (a run being resumed), with plain ``key=value``
     overrides on top (e.g. ``rounds=20`` to extend it), validated."""
     saved = Path(run_dir) / "config.yaml"
     if not saved.is_file():
         raise ConfigError("resume", str(run_dir), "a run directory holding config.yaml and checkpoint/")
-    cfg = OmegaConf.load(saved)
+    cfg = OmegaConf.merge(base_defaults(), OmegaConf.load(saved))  # keys added since the run was saved
     items = split_overrides(overrides)
     if items:
         try:

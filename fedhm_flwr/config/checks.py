@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from fedhm_flwr.core import attack_kinds
 from fedhm_flwr.core.errors import ConfigError
 from fedhm_flwr.core.protocol import WIRE_DTYPES  # float32 | float16 | bfloat16 (wire.dtype)
 from fedhm_flwr.data.catalog import DATASETS, EXTERNAL_DATASETS, FOLDER_SOURCES
@@ -29,7 +30,7 @@ LR_SCHEDULES = ("constant", "cosine", "step")
 BN_STATS = ("test_batch", "federated")
 EVALUATION_WHERE = ("server", "clients", "both")
 RAY_ADDRESS = re.compile(r"auto|[A-Za-z0-9][A-Za-z0-9.-]*:[0-9]{1,5}")  # simulation.ray_address (not null)
-ATTACKS = ("none", "scale", "sign_flip", "label_flip", "gaussian")
+ATTACKS = attack_kinds.KINDS
 ROBUST = ("none", "clip", "median", "trimmed_mean", "krum")
 
 
@@ -132,6 +133,9 @@ def validate_common(cfg: DictConfig, robust: tuple[str, ...]) -> None:
     num_in(cfg, "fraction_train", 0.0, 1.0, low_open=True)
     int_at_least(cfg, "min_train_nodes", 1)
     num_in(cfg, "timeout", 0.0, math.inf, low_open=True)
+    num_in(cfg, "stragglers.quorum", 0.0, 1.0, low_open=True)
+    num_in(cfg, "stragglers.factor", 1.0, math.inf)
+    num_in(cfg, "stragglers.min_seconds", 0.0, math.inf, high_open=True)
     int_at_least(cfg, "availability.min_nodes", 0)
     num_in(cfg, "availability.wait_seconds", 0.0, math.inf, high_open=True)
     choice(cfg, "availability.on_timeout", ("continue", "stop"))
@@ -195,6 +199,7 @@ def _validate_untrusted(cfg: DictConfig, modes: tuple[str, ...]) -> None:
     method accepts (:func:`fedhm_flwr.config.methods.robust_modes`)."""
     choice(cfg, "failures.attack.kind", ATTACKS)
     num_in(cfg, "failures.attack.fraction", 0.0, 1.0)
+    choice(cfg, "failures.attack.malformed", ("random", *attack_kinds.MALFORMED_KINDS))
     num_in(cfg, "failures.attack.scale", -math.inf, math.inf, low_open=True, high_open=True)
     mode = OmegaConf.select(cfg, "aggregation.robust")
     require(mode in modes, "aggregation.robust", mode,
@@ -203,11 +208,13 @@ def _validate_untrusted(cfg: DictConfig, modes: tuple[str, ...]) -> None:
     num_in(cfg, "aggregation.clip_norm", 0.0, math.inf, high_open=True)
     num_in(cfg, "aggregation.clip_quantile", 0.0, 1.0, low_open=True)
     num_in(cfg, "aggregation.trim_fraction", 0.0, 0.5, high_open=True)
-    int_at_least(cfg, "aggregation.krum_f", 0)
+    num_in(cfg, "aggregation.krum_fraction", 0.0, 0.5, high_open=True)
     int_at_least(cfg, "aggregation.krum_m", 1)
     num_in(cfg, "aggregation.outlier_z", 0.0, math.inf, high_open=True)
-    if OmegaConf.select(cfg, "aggregation.max_norm") is not None:  # configs saved before the key: 1e6
-        num_in(cfg, "aggregation.max_norm", 0.0, 1e15, low_open=True)  # bound² stays far below float32's max
+    num_in(cfg, "aggregation.max_norm", 0.0, 1e15, low_open=True)  # bound² stays far below float32's max
+    examples = OmegaConf.select(cfg, "aggregation.max_examples")
+    require(examples is None or (is_int(examples) and examples >= 1), "aggregation.max_examples", examples,
+            "null (the training set's size when known) or an integer >= 1")
     dp_seed = OmegaConf.select(cfg, "dp.seed")
     require(dp_seed is None or (isinstance(dp_seed, int) and not isinstance(dp_seed, bool) and dp_seed >= 0),
             "dp.seed", dp_seed, "null (OS entropy: the private setting) or an integer >= 0 (reproducible, not private)")

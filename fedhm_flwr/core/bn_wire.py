@@ -5,12 +5,22 @@ name; :func:`check_bn_reply` refuses a reply that is not exactly the sums asked 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from flwr.app import ArrayRecord, RecordDict
 
 from fedhm_flwr.core.protocol import ARRAYS
-from fedhm_flwr.core.wire_arrays import record_tensors
+from fedhm_flwr.core.wire_arrays import record_tensors, sent_layout
+
+
+@dataclass(frozen=True)
+class _SUMS:
+    """What every array of a bn-stats reply must be (as if sent so): float32 of its sum's shape."""
+
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    stype: str = "numpy.ndarray"
 
 
 def bn_record(index: int) -> str:
@@ -31,8 +41,9 @@ def check_bn_reply(content: RecordDict, expected: Sequence[Mapping[str, tuple[in
     """A bn-stats reply checked against the models asked for (``expected[i]``: model i's
     :func:`bn_sum_shapes`): (each model's sums, "") or (None, why it is refused). The reply must
     hold one record per model asked and nothing else; a record holds whole layers (sum, sumsq and
-    count) of that model, in their shapes, as floating arrays; shapes are checked before any
-    tensor is read. A record may be empty (a node without training examples sums nothing)."""
+    count) of that model, in their shapes, as float32 arrays of exactly their size (checked before any
+    tensor is read), finite, counts and sums of squares non-negative. A record may be empty (a node
+    without training examples sums nothing)."""
     names = [bn_record(i) for i in range(len(expected))]
     if set(content) != set(names):
         missing, extra = sorted(set(names) - set(content)), sorted(set(content) - set(names))
@@ -50,18 +61,16 @@ def check_bn_reply(content: RecordDict, expected: Sequence[Mapping[str, tuple[in
                          if f"{layer}.{part}" not in record)
         if partial:
             return None, f"'{name}' lacks {partial[:3]}"
-        for key, array in record.items():
-            if tuple(array.shape) != shapes[key] or array.dtype not in ("float16", "float32", "float64"):
-                return None, (f"'{name}': {key} is {array.dtype} of shape {tuple(array.shape)}, "
-                              f"needs float of shape {shapes[key]}")
+        for key, array in record.items():  # dtype, shape and byte length before any tensor is read
+            found = sent_layout(array, _SUMS(shape=shapes[key]))
+            if isinstance(found, str):
+                return None, f"'{name}': {key} {found}"
     out = []
-    for name, shapes in zip(names, expected):
-        try:
-            tensors = record_tensors(content[name])
-        except (ValueError, TypeError, OSError, EOFError) as exc:  # bytes that are no array of the declared kind
-            return None, f"'{name}' does not read as arrays: {exc}"
-        for key, tensor in tensors.items():  # the bytes' own header may say otherwise than the record
-            if tuple(tensor.shape) != shapes[key] or not tensor.is_floating_point():
-                return None, f"'{name}': {key} reads as {tensor.dtype} of shape {tuple(tensor.shape)}"
+    for name in names:
+        tensors = record_tensors(content[name])
+        bad = sorted(k for k, t in tensors.items() if not bool(torch.isfinite(t).all())
+                     or (not k.endswith(".sum") and bool((t < 0).any())))
+        if bad:
+            return None, f"'{name}': {bad[:3]} hold NaN/Inf, or a negative count or sum of squares"
         out.append(tensors)
     return out, ""

@@ -12,14 +12,13 @@ here, so a key is spelled in one place.
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
+import statistics
 import time
-from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 
@@ -27,8 +26,6 @@ from flwr.common.constant import ErrorCode
 from fedhm_flwr.core.wire_arrays import (WIRE_DTYPES, array_record, from_wire, npy_header, record_tensors, reply_tensors,
                                          wire_array)
 
-if TYPE_CHECKING:  # torch is imported where tensors are converted: the config check imports this module
-    import torch
 
 # records
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
@@ -46,7 +43,7 @@ SERVER_ROUND, METHOD, LEVEL, LEVEL_INDEX = "server-round", "method", "level", "l
 MODEL_SPEC, DATA_SPEC, TRAIN, SEED, BATCH_SIZE = "model-spec", "data-spec", "train", "seed", "batch-size"
 WIRE_DTYPE = "wire-dtype"  # dtype of the arrays both ways (wire.dtype); absent: float32
 INJECT, INJECT_SECONDS = "inject", "inject-seconds"  # failure injection (failures.*)
-ATTACK, ATTACK_SCALE = "attack", "attack-scale"  # attack injection (failures.attack)
+ATTACK, ATTACK_SCALE, ATTACK_MALFORMED = "attack", "attack-scale", "attack-malformed"  # failures.attack
 
 # node config keys (a node's own settings) and its node-info reply
 PARTITION_ID, NUM_PARTITIONS, NODE_NAME, DATA_DIR = "partition-id", "num-partitions", "node-name", "data-dir"
@@ -97,13 +94,22 @@ class NodeInfo:
 
     @classmethod
     def decode(cls, rec: Mapping[str, Any]) -> NodeInfo:
-        return cls(
-            partition_id=int(rec[PARTITION_ID]) if PARTITION_ID in rec else None,
-            num_partitions=int(rec[NUM_PARTITIONS]) if NUM_PARTITIONS in rec else None,
-            name=str(rec[NODE_NAME]) if rec.get(NODE_NAME) else None,
-            capability={k[len(CAPABILITY):]: float(v) for k, v in rec.items() if k.startswith(CAPABILITY)},
-            examples=int(rec[NUM_EXAMPLES]) if NUM_EXAMPLES in rec else None,
-        )
+        """The node info :meth:`encode` wrote; ValueError naming the field when a value has another
+        form (a node's answer is untrusted input: no conversion of what it sends)."""
+        def whole(key: str, low: int) -> int | None:
+            value = rec.get(key)
+            if value is not None and (type(value) is not int or not low <= value < 2**63):
+                raise ValueError(f"{key} must be an integer >= {low}, got {value!r:.40}")
+            return value
+        name = rec.get(NODE_NAME)
+        if name is not None and not (isinstance(name, str) and len(name) <= 200):
+            raise ValueError(f"{NODE_NAME} must be a name of at most 200 characters, got {name!r:.40}")
+        capability = {k[len(CAPABILITY):]: v for k, v in rec.items() if k.startswith(CAPABILITY)}
+        for key, value in capability.items():
+            if type(value) not in (int, float) or not 0 <= value < math.inf:
+                raise ValueError(f"{CAPABILITY}{key} must be a finite number >= 0, got {value!r:.40}")
+        return cls(partition_id=whole(PARTITION_ID, 0), num_partitions=whole(NUM_PARTITIONS, 1), name=name or None,
+                   capability={k: float(v) for k, v in capability.items()}, examples=whole(NUM_EXAMPLES, 0))
 
 
 def train_metrics(num_examples: int, loss: float, accuracy: float, seconds: float, level: float,
@@ -139,9 +145,12 @@ def parse_node_info(node_id: int, msg: Message | None) -> NodeInfo:
     if msg.has_error():
         why = error_reason(msg)
         return NodeInfo(node_id=node_id, error=why if why == NODE_UNAVAILABLE else msg.error.reason)
-    if CONFIG not in msg.content:
-        return NodeInfo(node_id=node_id)
-    return dataclasses.replace(NodeInfo.decode(msg.content[CONFIG]), node_id=node_id)
+    try:
+        if CONFIG not in msg.content:
+            return NodeInfo(node_id=node_id)
+        return dataclasses.replace(NodeInfo.decode(msg.content[CONFIG]), node_id=node_id)
+    except Exception as exc:  # noqa: BLE001 (a malformed answer: the node sits out, the round goes on)
+        return NodeInfo(node_id=node_id, error=f"malformed node-info answer: {exc}")
 
 
 def node_info_queries(node_ids: list[int], data_spec: str | None = None) -> list[Message]:
@@ -159,14 +168,29 @@ def node_info_queries(node_ids: list[int], data_spec: str | None = None) -> list
 NODE_UNAVAILABLE = "node unavailable"
 
 
-def asked_nodes(messages: list[Message], replies: list[Message]) -> list[tuple[int, Message]]:
-    """(the node that was asked, its reply) for each reply to these pushed ``messages``.
-
-    A reply is matched to the message it answers, never to its sender: the SuperLink answers
-    itself for a node that missed its heartbeats (``Node Unavailable``, sent from the SuperLink's
-    own node id). A reply to none of the messages keeps its sender."""
+def asked_ids(messages: Sequence[Message]) -> tuple[dict[str, int], set[int]]:
+    """(message id -> the node it went to, for the messages pushed; the nodes of messages never pushed,
+    which have no id: a reply from such a node is taken as its answer, as when calling
+    ``aggregate_train`` on replies gathered elsewhere)."""
     asked = {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
-    return [(asked.get(r.metadata.reply_to_message_id, r.metadata.src_node_id), r) for r in replies]
+    return asked, {m.metadata.dst_node_id for m in messages if not m.metadata.message_id}
+
+
+def asked_nodes(messages: list[Message], replies: list[Message]) -> list[tuple[int, Message]]:
+    """(the node that was asked, its reply) for each reply to these pushed ``messages``: the first
+    reply to each, matched to the message it answers, never to its sender (the SuperLink answers
+    itself for a node that missed its heartbeats: ``Node Unavailable``, sent from the SuperLink's own
+    node id). A reply to none of the messages, or a second reply to one, is left out."""
+    asked, unpushed = asked_ids(messages)
+    out, seen = [], set()
+    for reply in replies:
+        node_id = asked.get(reply.metadata.reply_to_message_id)
+        if node_id is None and reply.metadata.src_node_id in unpushed:
+            node_id = reply.metadata.src_node_id
+        if node_id is not None and node_id not in seen:
+            seen.add(node_id)
+            out.append((node_id, reply))
+    return out
 
 
 def error_reason(msg: Message) -> str:
@@ -190,165 +214,6 @@ def wire_config(dtype: str) -> dict[str, str]:
     return {} if dtype == "float32" else {WIRE_DTYPE: dtype}
 
 
-class ArrayCache:
-    """flwr Arrays of the tensors the server sends, serialised once per tensor and wire dtype.
-
-    The global state is serialised once per model version: the ArrayRecord ``aggregate_train``
-    returns, the levels' payloads and the evaluation's models all reuse the Arrays of the tensors
-    they share with it. A tensor is recognised by its storage (a detached view of a global tensor
-    counts as the same) and its version counter (an in-place change makes it new). Holds the last
-    tensor and Array per key and dtype."""
-
-    def __init__(self) -> None:
-        self._held: dict[tuple[str, str], tuple[torch.Tensor, int, Any]] = {}
-        self.serialized: Counter[str] = Counter()  # key -> times a tensor of it was serialised
-
-    @staticmethod
-    def _same(held: torch.Tensor, version: int, tensor: torch.Tensor) -> bool:
-        return held is tensor and held._version == version or (
-            held.data_ptr() == tensor.data_ptr() and held.dtype == tensor.dtype and held.device == tensor.device
-            and held.shape == tensor.shape and held.stride() == tensor.stride() and tensor._version == version)
-
-    def arrays(self, state: Mapping[str, torch.Tensor], dtype: str = "float32") -> dict[str, Any]:
-        out = {}
-        for key, tensor in state.items():
-            held = self._held.get((key, dtype))
-            if held is None or not self._same(held[0], held[1], tensor):
-                held = self._held[(key, dtype)] = (tensor, tensor._version, wire_array(tensor, dtype))
-                self.serialized[key] += 1
-            out[key] = held[2]
-        return out
-
-
-@dataclass
-class Payload:
-    """One model as it is sent this round: its spec and its arrays (shared by the nodes it goes to)."""
-
-    spec: dict[str, Any]
-    arrays: dict[str, Any]  # name -> flwr Array (immutable, shared between fresh records)
-    shapes: dict[str, tuple[int, ...]]
-    train: dict[str, Any] = field(default_factory=dict)  # method-specific client options
-    returned: tuple[str, ...] | None = None  # keys a reply must hold (None: the keys sent)
-    _record: Any = field(default=None, init=False, repr=False, compare=False)  # what record() copies
-    _bytes: int | None = field(default=None, init=False, repr=False, compare=False)  # record_bytes()
-    _expected: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)  # expected_keys()
-
-    def _held(self) -> Any:
-        """The ArrayRecord of the payload's Arrays, made once (Flower checks every entry it is given)."""
-        if self._record is None:
-            self._record = array_record(self.arrays)
-        return self._record
-
-    def record(self) -> Any:
-        """A fresh ArrayRecord of the payload's Arrays: a copy (``ArrayRecord.copy``) of the one made
-        once (the Arrays themselves are shared, never changed)."""
-        return self._held().copy()
-
-    def record_bytes(self) -> int:
-        """Bytes of :meth:`record`'s ArrayRecord (``count_bytes``; counted once: the Arrays never change)."""
-        if self._bytes is None:
-            self._bytes = self._held().count_bytes()
-        return self._bytes
-
-    def expected_keys(self) -> frozenset[str]:
-        """The keys a reply must hold: ``returned``, else the keys sent (made once)."""
-        if self._expected is None:
-            self._expected = frozenset(self.returned if self.returned is not None else self.shapes)
-        return self._expected
-
-
-def train_options(distill: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The train options of ``train.distill = {enabled, temperature, weight}`` (none: off)."""
-    if distill is None:
-        return {}
-    return {"distill": bool(distill["enabled"]), "distill_temperature": float(distill["temperature"]),
-            "distill_weight": float(distill["weight"])}
-
-
-class TaskConfigs:
-    """The rounds' training task configs. What every node of a level (and partition count) is told
-    alike is encoded once while it stays the same: the round's train options once per round, and
-    the whole record (model spec and train options as JSON, the data spec per partition count) once
-    per level and partition count, until its spec or train options change (Flower checks every entry
-    it is given; a new round only changes the round number of a copy). Each node gets a copy of it
-    (``ConfigRecord.copy``, no second check) with its own seed; its bytes are counted once too (the
-    round number and seed are ints: every copy has the bytes of the one it was copied from)."""
-
-    def __init__(self) -> None:
-        self._round: int | None = None
-        self._options: dict[str, Any] | None = None
-        # this round's: (payload id, partitions, level index) -> (payload, record, bytes)
-        self._train: dict[tuple[int, int | None, int], tuple[Payload, ConfigRecord, int]] = {}
-        # across rounds: (level index, partitions) -> (what it encodes, record, bytes)
-        self._made: dict[tuple[int, int | None], tuple[tuple[Any, ...], ConfigRecord, int]] = {}
-        self._data: dict[int | None, str] = {}
-
-    def train(self, server_round: int, method: str, level: float, level_index: int, payload: Payload,
-              options: Callable[[], dict[str, Any]], num_partitions: int | None,
-              data_spec: Callable[[int | None], dict[str, Any]], seed: int, dtype: str) -> tuple[ConfigRecord, int]:
-        """The TRAIN task config of one node (``options()``: the round's train options) and its
-        bytes (``count_bytes``)."""
-        if self._round != server_round:  # the data specs stay: they do not change with the round
-            self._round, self._options, self._train = server_round, None, {}
-        held = self._train.get((id(payload), num_partitions, level_index))
-        if held is None or held[0] is not payload:
-            if self._options is None:
-                self._options = options()
-            said = (method, level, payload.spec, {**self._options, **payload.train}, dtype)
-            made = self._made.get((level_index, num_partitions))
-            if made is None or made[0] != said:
-                if num_partitions not in self._data:
-                    self._data[num_partitions] = json.dumps(data_spec(num_partitions))
-                record = ConfigRecord({SERVER_ROUND: server_round, METHOD: method, LEVEL: level,
-                                       LEVEL_INDEX: level_index, MODEL_SPEC: json.dumps(payload.spec),
-                                       TRAIN: json.dumps(said[3]), DATA_SPEC: self._data[num_partitions],
-                                       SEED: seed, **wire_config(dtype)})
-                made = self._made[(level_index, num_partitions)] = (said, record, record.count_bytes())
-            record = made[1].copy()
-            record[SERVER_ROUND] = server_round
-            held = self._train[(id(payload), num_partitions, level_index)] = (payload, record, made[2])
-        config = held[1].copy()
-        config[SEED] = seed
-        return config, held[2]
-
-
-def check_train_reply(content: RecordDict, payload: Payload, level: float, num_classes: int, dtype: str,
-                      screen: Callable[[dict[str, torch.Tensor], torch.Tensor | None], str | None],
-                      ) -> tuple[tuple[dict[str, torch.Tensor], int, Any, dict[str, float]] | None, str]:
-    """A training reply checked against the payload sent: ((state in float32, num-examples,
-    class counts, scalar metrics), "") or (None, why it is refused). Keys and shapes are checked
-    before any tensor is read; ``screen(state, flat)`` refuses tensors (NaN/inf, oversized) by a
-    reason (``flat``: every floating value of the reply in one tensor, or None,
-    :func:`fedhm_flwr.core.wire_arrays.reply_tensors`)."""
-    if ARRAYS not in content or METRICS not in content:
-        return None, f"reply lacks '{ARRAYS}' or '{METRICS}'"
-    record = content[ARRAYS]
-    expected, got = payload.expected_keys(), record.keys()
-    if expected != got:
-        missing, extra = sorted(expected - got), sorted(got - expected)
-        return None, f"keys do not match level {level:g}: missing {missing[:3]}, unexpected {extra[:3]}"
-    for key, array in record.items():  # shapes before any tensor is read
-        if tuple(array.shape) != payload.shapes[key]:
-            return None, f"{key} has shape {tuple(array.shape)}, level {level:g} needs {payload.shapes[key]}"
-    state, flat = reply_tensors(record, dtype)  # back to float32
-    refused = screen(state, flat)
-    if refused:
-        return None, refused
-    metrics = content[METRICS]
-    n = metrics.get(NUM_EXAMPLES)
-    if not isinstance(n, (int, float)) or isinstance(n, bool) or not n > 0:
-        return None, f"num-examples missing or not positive ({n!r})"
-    raw = metrics.get(CLASS_COUNTS)
-    # checked as the list it arrives as (the wire sends ints): a NaN or float count is refused, not
-    # converted (numpy's int64 fails the whole round on NaN and truncates a float), and no numpy
-    # call runs per reply before it passes
-    if not (isinstance(raw, list) and len(raw) == num_classes and all(type(c) is int and 0 <= c < 2**63 for c in raw)):
-        return None, f"class-counts must hold {num_classes} non-negative integer counts"
-    counts = np.asarray(raw, dtype=np.int64)
-    scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return (state, int(n), counts, scalars), ""
-
-
 # ---------------------------------------------------------------------- pushing and pulling
 
 
@@ -357,30 +222,66 @@ def push(grid: Any, messages: list[Message]) -> list[str]:
     return [mid for mid in grid.push_messages(messages) if mid] if messages else []
 
 
-def collect(grid: Any, message_ids: list[str], timeout: float, poll: float = 0.01,
-            max_poll: float = 0.1, also: Sequence[str] = ()) -> list[Message]:
-    """Pull the replies to these pushed messages until all came or ``timeout`` seconds passed;
-    the replies to ``also`` are pulled along when they came, not waited for."""
+@dataclass(frozen=True)
+class Deadline:
+    """When a round stops waiting for its replies (``stragglers``): at ``timeout`` seconds after the
+    push at the latest; once a ``quorum`` (a fraction) of the nodes still expected to answer did,
+    at ``factor`` times the median time those first answers took, and never before ``floor``
+    seconds. Error replies (a crashed node, one the SuperLink reports gone) are no answers: they
+    shrink the nodes expected, they do not set the pace."""
+
+    timeout: float
+    quorum: float = 1.0
+    factor: float = math.inf
+    floor: float = 0.0
+
+    def end(self, expected: int, arrivals: Sequence[float]) -> float:
+        """Seconds after the push at which waiting stops: ``expected`` nodes still expected to
+        answer, ``arrivals`` the seconds the answers so far took."""
+        need = max(1, math.ceil(self.quorum * expected - 1e-9))
+        if len(arrivals) < need or not math.isfinite(self.factor):
+            return self.timeout
+        pace = statistics.median(sorted(arrivals)[:need])
+        return min(self.timeout, max(self.floor, self.factor * pace))
+
+
+def collect(grid: Any, message_ids: list[str], timeout: float | Deadline, poll: float = 0.01,
+            max_poll: float = 0.1, also: Sequence[str] = (), arrivals: dict[str, float] | None = None,
+            ) -> list[Message]:
+    """Pull the replies to these pushed messages until all came or the deadline passed (``timeout``
+    seconds, or a :class:`Deadline`); the replies to ``also`` are pulled along when they came, not
+    waited for. ``arrivals`` (filled when given): message id -> seconds its answer took (error
+    replies left out)."""
+    deadline = timeout if isinstance(timeout, Deadline) else Deadline(float(timeout))
     pending, extra = set(message_ids), set(also)
     replies: list[Message] = []
-    end = time.monotonic() + timeout
+    took: dict[str, float] = {} if arrivals is None else arrivals
+    errors = 0
+    start = time.monotonic()
     while pending:
         got = list(grid.pull_messages(list(pending | extra)))
+        now = time.monotonic() - start
         replies += got
-        came = {m.metadata.reply_to_message_id for m in got}
-        pending -= came
-        extra -= came
-        if not pending or time.monotonic() >= end:
+        for msg in got:
+            mid = msg.metadata.reply_to_message_id
+            if mid in pending:
+                pending.discard(mid)
+                if msg.has_error():
+                    errors += 1
+                else:
+                    took[mid] = now
+            extra.discard(mid)
+        if not pending or now >= deadline.end(len(message_ids) - errors, list(took.values())):
             break
         time.sleep(poll)
         poll = min(2 * poll, max_poll)
     return replies
 
 
-def exchange(grid: Any, messages: list[Message], timeout: float, poll: float = 0.01,
+def exchange(grid: Any, messages: list[Message], timeout: float | Deadline, poll: float = 0.01,
              max_poll: float = 0.1) -> list[Message]:
-    """Push all ``messages`` at once, then pull their replies until all came or ``timeout``
-    seconds passed. Like ``Grid.send_and_receive``, but polling from ``poll`` seconds, doubling
+    """Push all ``messages`` at once, then pull their replies until all came or the deadline passed
+    (:func:`collect`). Like ``Grid.send_and_receive``, but polling from ``poll`` seconds, doubling
     up to ``max_poll`` (Flower's loop sleeps 3 s between pulls: every exchange ends up to 3 s
     after its last reply)."""
     return collect(grid, push(grid, messages), timeout, poll, max_poll)

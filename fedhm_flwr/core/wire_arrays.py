@@ -157,11 +157,63 @@ def record_tensors(record: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+#: the most bytes a reply's ``.npy`` header may take (numpy writes 128 for any tensor of a model here;
+#: its format 1.0 allows 65,535): a reply holding more than its data and this is refused unread
+MAX_HEADER_BYTES = 4096
+
+#: numpy's readers of the ``.npy`` header versions np.save writes (another version is refused)
+_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+
+#: what :func:`sent_layout` finds of a reply's Array: (numpy dtype, shape, element count, data offset)
+Layout = tuple[np.dtype, tuple[int, ...], int, int]
+
+
+def sent_layout(array: Any, sent: Any) -> Layout | str:
+    """A reply's Array checked against the Array the node was sent for the same key, nothing decoded:
+    its layout (numpy dtype, shape, element count, offset of the data in ``array.data``), or why it
+    is refused.
+
+    The reply must declare the dtype, stype and shape it was sent, and its bytes must be exactly a
+    ``.npy`` header declaring that same dtype and shape in C order, followed by the data of that many
+    elements: ``count · itemsize`` bytes plus a header of at most :data:`MAX_HEADER_BYTES`. The byte
+    length is checked before the header is read, so a reply larger than what was sent is refused
+    without decoding any of it; the header is read with numpy's own reader (no pickle, bounded)."""
+    if not isinstance(array, Array) or not isinstance(array.data, bytes):
+        return "is not an array"
+    if array.stype != sent.stype or array.dtype != sent.dtype:
+        return f"is {array.stype} {array.dtype!r}, was sent {sent.stype} {sent.dtype!r}"
+    shape = tuple(sent.shape)
+    if not isinstance(array.shape, (list, tuple)) or tuple(array.shape) != shape:
+        return f"declares shape {array.shape!r}, was sent {shape}"
+    layout = _layout(sent.dtype, shape)
+    if layout is None:  # (the server never sends such an array)
+        return f"has dtype {sent.dtype!r}, which the wire does not carry"
+    dtype, count, known, _ = layout
+    data = array.data
+    header = len(data) - dtype.itemsize * count
+    if not 10 <= header <= MAX_HEADER_BYTES:
+        return (f"holds {len(data)} bytes; {sent.dtype} of shape {shape} takes {dtype.itemsize * count} "
+                f"plus a header of at most {MAX_HEADER_BYTES}")
+    if known is not None and header == len(known) and data.startswith(known):
+        return dtype, shape, count, header
+    stream = io.BytesIO(data[:header])
+    try:
+        read = _HEADER_READERS[np.lib.format.read_magic(stream)]
+        declared, fortran, declared_dtype = read(stream, max_header_size=MAX_HEADER_BYTES)
+    except Exception as exc:  # noqa: BLE001 (any malformed header is a refusal, never a crash)
+        return f"bytes do not start with a .npy header ({type(exc).__name__})"
+    if (tuple(declared) != shape or fortran or declared_dtype != dtype or stream.tell() != header):
+        return (f"bytes declare {declared_dtype} of shape {tuple(declared)}{' (Fortran order)' if fortran else ''}, "
+                f"not the {sent.dtype} of shape {shape} it declares")
+    return dtype, shape, count, header
+
+
 #: the numpy dtype a floating tensor travels in, per wire dtype (bfloat16: its raw bits as int16)
 _WIRE_NUMPY = {"float32": "float32", "float16": "float16", "bfloat16": "int16"}
 
 
-def reply_tensors(record: Any, dtype: str = "float32") -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+def reply_tensors(record: Any, dtype: str = "float32",
+                  layouts: Mapping[str, Layout] | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """``from_wire(record_tensors(record), dtype)``, and every floating value of it in one flat
     float32 tensor (None when some floating tensor is not in it).
 
@@ -169,14 +221,15 @@ def reply_tensors(record: Any, dtype: str = "float32") -> tuple[dict[str, torch.
     converted to float32 at once (float16, bfloat16) and handed out as views of it: the values are
     those :func:`record_tensors` and :func:`from_wire` give one by one, and the flat tensor lets a
     screen see a whole reply in one op (:func:`fedhm_flwr.math.robust.oversized`). Any other array
-    (another dtype, another layout) is read as :func:`record_tensors` reads it."""
+    (another dtype, another layout) is read as :func:`record_tensors` reads it. ``layouts``: where
+    :func:`sent_layout` found each array's data (a reply checked against what was sent), used as found."""
     import torch
 
     wire = _WIRE_NUMPY[dtype]
     located: list[tuple[str, tuple[int, ...], int]] = []
     chunks, others, total = [], {}, 0
     for key, array in record.items():
-        found = _data_offset(array) if array.dtype == wire else None
+        found = (layouts[key] if layouts is not None else _data_offset(array)) if array.dtype == wire else None
         if found is None:
             others[key] = array
             continue

@@ -7,7 +7,9 @@ way, in the parametrisation its replies use: FedHM's factors, a width slice, LoR
 * ``sign_flip``: ``received - (trained - received)``;
 * ``gaussian``: ``received + g`` with ``g`` Gaussian noise of the same norm as the honest update
   ``trained - received`` (over all floating tensors sent back), seeded;
-* ``label_flip``: trains honestly on flipped labels ``y -> C - 1 - y`` (:class:`LabelFlipped`).
+* ``label_flip``: trains honestly on flipped labels ``y -> C - 1 - y`` (:class:`LabelFlipped`);
+* ``malformed``: trains honestly, then sends a reply malformed in one way (:data:`MALFORMED_KINDS`,
+  ``failures.attack.malformed``; the records are made in :mod:`fedhm_flwr.client.hostile`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-KINDS = ("none", "scale", "sign_flip", "label_flip", "gaussian")
-#: attacks that change the update after training (label_flip changes the data instead)
-UPDATE_ATTACKS = ("scale", "sign_flip", "gaussian")
+from fedhm_flwr.core.attack_kinds import KINDS, MALFORMED_KINDS, UPDATE_ATTACKS
+
+__all__ = ["KINDS", "MALFORMED_KINDS", "UPDATE_ATTACKS", "LabelFlipped", "flip_label", "tamper"]
 
 
 def tamper(kind: str, received: Mapping[str, Tensor], trained: Mapping[str, Tensor], scale: float = 100.0,

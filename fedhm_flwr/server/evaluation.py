@@ -46,6 +46,7 @@ from fedhm_flwr.math.bn_stats import apply_bn_statistics, combine_bn_sums, norm_
 from fedhm_flwr.math.train import evaluate
 from fedhm_flwr.models import build_model, shape_device
 from fedhm_flwr.models.adapters import load_federated
+from fedhm_flwr.server.replies import round_deadline
 
 State = dict[str, torch.Tensor]
 WORST_FRACTION = 0.1  # fed_acc_clients/worst10: the mean accuracy of the worst ceil(10 %) clients
@@ -273,9 +274,12 @@ def federated_bn_sums(view: RoundView, models: Sequence[tuple[dict[str, Any], St
             content[bn_wire.bn_record(index)] = record
         messages.append(Message(content=content, dst_node_id=node_id, message_type=MessageType.QUERY))
     parts: list[list[dict[str, torch.Tensor]]] = [[] for _ in models]
-    replies = wire.exchange(grid, messages, float(cfg.timeout), max_poll=0.5)  # (Flower's loop waits 3 s a pull)
+    replies = wire.exchange(grid, messages, round_deadline(cfg), max_poll=0.5)  # (Flower's loop waits 3 s a pull)
     for node_id, reply in sorted(asked_nodes(messages, replies), key=lambda pair: view.registry.key(pair[0])):  # (sums: node order)
-        sums, why = (None, error_reason(reply)) if reply.has_error() else bn_wire.check_bn_reply(reply.content, expected)
+        try:
+            sums, why = (None, error_reason(reply)) if reply.has_error() else bn_wire.check_bn_reply(reply.content, expected)
+        except Exception as exc:  # noqa: BLE001 (no reply can raise out of the round)
+            sums, why = None, f"reply could not be read: {type(exc).__name__}: {exc}"
         if sums is None:
             log(WARNING, "bn-stats: node %s gave no statistics: %s", view.registry.label(node_id), why)
             continue
@@ -334,12 +338,12 @@ class FederatedEvaluation:
             return None, f"reply lacks '{METRICS}'"
         m = msg.content[METRICS]
         n, loss, acc = read_eval(m)
-        if not isinstance(n, (int, float)) or isinstance(n, bool) or not n > 0:
-            return None, f"num-examples missing or not positive ({n!r})"
-        if not isinstance(acc, (int, float)) or not 0.0 <= acc <= 1.0:
-            return None, f"eval-accuracy missing or not in [0, 1] ({acc!r})"
-        if not isinstance(loss, (int, float)) or not math.isfinite(loss):
-            return None, f"eval-loss missing or not finite ({loss!r})"
+        if type(n) is not int or not 0 < n < 2**63:
+            return None, f"num-examples missing or not a positive integer ({n!r:.40})"
+        if type(acc) not in (int, float) or not 0.0 <= acc <= 1.0:
+            return None, f"eval-accuracy missing or not in [0, 1] ({acc!r:.40})"
+        if type(loss) not in (int, float) or not math.isfinite(loss):
+            return None, f"eval-loss missing or not finite ({loss!r:.40})"
         return ClientScore(self.registry.label(node_id), self.levels[self.level_of[node_id]],
                            int(n), float(loss), float(acc)), ""
 
@@ -351,16 +355,19 @@ class FederatedEvaluation:
         bytes_received = 0
         for node_id, msg in asked_nodes(self.messages, list(replies)):  # keyed by the node asked
             answered.add(node_id)
-            score, why = self.score(node_id, msg)
+            try:
+                score, why = self.score(node_id, msg)
+            except Exception as exc:  # noqa: BLE001 (no reply can raise out of the round)
+                score, why = None, f"reply could not be read: {type(exc).__name__}: {exc}"
             if score is None:
                 failures.append((self.registry.label(node_id), why))
                 if why == wire.NODE_UNAVAILABLE:  # gone: asked again (and logged back) when it reconnects
                     self.registry.forget(node_id, self.server_round, why)
                 continue
-            bytes_received += msg.content[METRICS].count_bytes()
+            bytes_received += wire.content_bytes(msg.content)
             scores.append(score)
         for node_id in sorted(set(self.level_of) - answered, key=self.registry.key):
-            failures.append((self.registry.label(node_id), "no reply before the round timeout"))
+            failures.append((self.registry.label(node_id), "no reply before the round's deadline (late)"))
         for label, why in failures:
             log(WARNING, "round %d: federated evaluation on node %s failed: %s", self.server_round, label, why)
         scores.sort(key=lambda s: s.node)

@@ -11,20 +11,17 @@ A node's level depends only on that node (issue "levels that stay put"):
    id) draws its level from a seeded hash of that name.
 
 Never from how many nodes are connected or in what order they arrived: a node that leaves and
-comes back keeps its level. Flower 1.41 keeps a SuperNode's node id across restarts only with
-SuperNode authentication (the id belongs to the registered public key); without it a restarted
-node gets a new id, which is why the level never depends on the id when a partition id or a
-``node-name`` is known.
+comes back keeps its level. Flower keeps a SuperNode's node id across restarts only with SuperNode
+authentication: the level never depends on the id when a partition id or a ``node-name`` is known.
 
 The registry queries a node's node config once (``node-info`` query, carrying the run's data
 spec: the node answers with its number of training examples), when the node is new or
 reconnects, and caches it: all new nodes in one push and one pull loop. The start-up before round
 1 (:meth:`NodeRegistry.startup`) asks the nodes round 1 will use, so that no round pays for the
-first contact (under the simulation engine, the workers' start). With
-``availability.query = sampled`` a new node is asked only when a round first samples it (a node
-not yet asked is sampled by a hash of its node id, then by its stable key): no round pays for
-nodes that are not in it, at the price of a first-contact sample that follows node ids (which the
-simulation engine draws anew each run).
+first contact (under the simulation engine, the workers' start). With ``availability.query =
+sampled`` a new node is asked only when a round first samples it (a node not yet asked is sampled by
+a hash of its node id, then by its stable key): no round pays for nodes that are not in it, at the
+price of a first-contact sample that follows node ids (which the simulation engine draws anew).
 """
 
 from __future__ import annotations
@@ -78,6 +75,7 @@ class NodeRegistry:
         #: connected nodes that sit out (their node-info answer was an error, e.g. a broken shard) ->
         #: why; asked again only once they were seen gone and reconnect
         self.excluded: dict[int, str] = {}
+        self.silent: set[int] = set()  # nodes that left a node-info query unanswered (then waited for briefly)
         self._former: dict[int, str] = {}  # node id -> label of a node that left (its failures keep its name)
         self.query_seconds = 0.0  # this round's wall time in node-info queries
         self.queried = 0  # nodes asked this round
@@ -118,8 +116,8 @@ class NodeRegistry:
 
     def query(self, grid: Grid, server_round: int, new: list[int]) -> int:
         """Ask these nodes for their node info: one push of all the queries not pushed ahead, one
-        pull loop (:func:`collect`); cache the answers, key and settle the nodes; returns the bytes
-        moved."""
+        pull loop (:func:`collect`; up to ``stragglers.min_seconds`` only when every node asked let an
+        earlier query go unanswered); cache the answers, key and settle the nodes; returns the bytes moved."""
         if not new:
             return 0
         t0 = time.perf_counter()
@@ -131,8 +129,10 @@ class NodeRegistry:
         if pushed or ahead:
             by_id = {m.metadata.message_id: m.metadata.dst_node_id for m in query if m.metadata.message_id}
             by_id.update({mid: n for n, mid in ahead.items()})
-            came = {by_id.get(m.metadata.reply_to_message_id, m.metadata.src_node_id): m
-                    for m in collect(grid, pushed + list(ahead.values()), float(self.cfg.timeout))}
+            brief = float(self.cfg.stragglers.min_seconds) if set(new) <= self.silent else math.inf
+            wait = min(float(self.cfg.timeout), brief)
+            came = {by_id[m.metadata.reply_to_message_id]: m for m in collect(grid, pushed + list(ahead.values()), wait)
+                    if m.metadata.reply_to_message_id in by_id}
             moved += sum(content_bytes(m.content) for m in came.values() if m.has_content())
             answers.update(came)
         for node_id in new:
@@ -140,7 +140,9 @@ class NodeRegistry:
             if info.error == NODE_UNAVAILABLE or node_id not in answers:
                 log(WARNING, "round %d: node %d did not answer its node-info query (%s)", server_round, node_id,
                     info.error)
-                continue  # asked again at the next round that finds it connected
+                self.silent.add(node_id)  # asked again (briefly) at the next round that finds it connected
+                continue
+            self.silent.discard(node_id)
             if info.error is not None:
                 self.excluded[node_id] = info.error
                 log(WARNING, "round %d: node %d cannot take part and sits out until it reconnects: %s", server_round,

@@ -32,6 +32,9 @@ class RoundLog:
     query_bytes: int = 0  # node-info queries and their answers (new nodes only)
     query_seconds: float = 0.0  # wall time of those queries (part of server_seconds)
     queried: int = 0  # nodes asked for their node info this round
+    late: list[int] = field(default_factory=list)  # sampled nodes the round stopped waiting for (stragglers)
+    late_arrivals: int = 0  # answers to the previous round's messages that came after it stopped waiting
+    arrivals: list[float] = field(default_factory=list)  # seconds each answer took after the push (sorted)
 
 
 def train_metrics(valid: list[Reply]) -> dict[str, float]:
@@ -78,6 +81,11 @@ def round_row(server_round: int, lr: float, log_: RoundLog, metrics: Mapping[str
     if log_.excluded:
         row["excluded"] = json.dumps(log_.excluded, sort_keys=True)
     row.update(columns)
+    if log_.late or log_.late_arrivals:
+        row.update({"late": len(log_.late), "late_nodes": json.dumps([label(n) for n in log_.late]),
+                    "late_arrivals": log_.late_arrivals})
+    if log_.arrivals:  # what the adaptive deadline sees (stragglers.*): the answers' times after the push
+        row.update({"reply_seconds_median": float(np.median(log_.arrivals)), "reply_seconds_max": log_.arrivals[-1]})
     if log_.failures or log_.rejected:
         row["failure_reasons"] = json.dumps([[label(n), why] for n, why in log_.failures + log_.rejected])
     return row
@@ -99,6 +107,8 @@ def progress_line(row: dict[str, Any], num_rounds: int, levels: list[float]) -> 
     parts.append(f"replies {row['replies']}/{row['sampled']}")
     if row["failures"] or row["rejected"]:
         parts.append(f"failures {row['failures']} rejected {row['rejected']}")
+    if row.get("late"):
+        parts.append(f"late {row['late']}")
     parts.append(f"sent {row['bytes_sent'] / 1e6:.2f}MB recv {row['bytes_received'] / 1e6:.2f}MB")
     parts.append(f"{row.get('seconds', 0.0):.1f}s")
     return " | ".join(parts)

@@ -34,13 +34,13 @@ from omegaconf import DictConfig
 
 from fedhm_flwr.config import data_spec, level_proportions, lr_schedule
 from fedhm_flwr.core import protocol as wire
-from fedhm_flwr.core.protocol import (ARRAYS, CONFIG, NODE_UNAVAILABLE, ArrayCache, Payload, TaskConfigs, asked_nodes,
-                                      collect, content_bytes, error_reason, exchange, push)
+from fedhm_flwr.core.protocol import ARRAYS, CONFIG, NODE_UNAVAILABLE, collect, content_bytes, exchange, push
 from fedhm_flwr.math import levels as lv
-from fedhm_flwr.server import deployment, evaluation as ev
+from fedhm_flwr.server import deployment, evaluation as ev, replies as reply_checks
 
 from fedhm_flwr.server.methods.method import Cut, Method, Reply, State
 from fedhm_flwr.server.nodes import NodeInfo, NodeRegistry
+from fedhm_flwr.server.payloads import ArrayCache, Payload, TaskConfigs, train_options
 from fedhm_flwr.server.report import RoundLog, progress_line, round_row, train_metrics
 from fedhm_flwr.server.untrusted import Attacks, Untrusted
 
@@ -85,6 +85,8 @@ class HeteroStrategy(Strategy):
         self._fixed_options: dict[str, Any] | None = None  # the train options but the round's lr
         self._lr = lr_schedule(self.cfg)  # the round's lr (the config read once)
         self._global_record: ArrayRecord | None = None  # the record last made of self.global_state
+        self._late_ids: list[str] = []  # the last round's messages it stopped waiting for (their answers: late)
+        self._examples_cap = reply_checks.examples_cap(self.cfg)  # the most examples a reply's weight counts
 
     def __getattr__(self, name: str) -> Any:
         """The method's attributes, read through the strategy (see the module docstring)."""
@@ -138,7 +140,7 @@ class HeteroStrategy(Strategy):
                 "momentum": float(train.momentum), "weight_decay": float(train.weight_decay),
                 "masked_ce": bool(train.masked_ce), "grad_clip": float(train.grad_clip),
                 "threads": max(1, int(math.floor(float(self.cfg.simulation.num_cpus)))),
-                **wire.train_options(train.get("distill"))}
+                **train_options(train.get("distill"))}
         return {"lr": self._lr(server_round), **self._fixed_options}
 
     def _train_config(self, server_round: int, node_id: int, index: int, payload: Payload) -> tuple[ConfigRecord, int]:
@@ -148,12 +150,14 @@ class HeteroStrategy(Strategy):
             lv.client_seed(self.attacks.seed, server_round, self.registry.key(node_id)), self.wire_dtype)
 
     def _validate(self, node_id: int, msg: Message) -> tuple[Reply | None, str]:
-        """Check a reply against what was sent to that node; (None, reason) when malformed."""
+        """Check a reply against what was sent to that node (:func:`fedhm_flwr.server.replies.check_train_reply`)."""
         if node_id not in self.sent:
             return None, "reply from a node that was not sent a task this round"
         index, payload = self.sent[node_id]
-        checked, why = wire.check_train_reply(msg.content, payload, self.levels[index], int(self.spec["num_classes"]),
-                                              self.wire_dtype, self.untrusted.screen)
+        info = self.nodes.get(node_id)
+        checked, why = reply_checks.check_train_reply(
+            msg.content, payload, self.levels[index], int(self.method.spec["num_classes"]), self.wire_dtype,
+            self.untrusted.screen, info.examples if info is not None else None, self._examples_cap)
         if checked is None:
             return None, why
         state, n, counts, scalars = checked
@@ -216,41 +220,37 @@ class HeteroStrategy(Strategy):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         t0 = time.perf_counter()
-        valid: list[Reply] = []
-        for node_id, msg in asked_nodes(self._train_messages, list(replies)):  # keyed by the node asked
-            if msg.has_content():  # every reply that arrived counts, rejected ones included
-                self.round_log.received_bytes += content_bytes(msg.content)
-            if msg.has_error():
-                why = error_reason(msg)
-                self.round_log.failures.append((node_id, why))
-                log(WARNING, "round %d: node %s failed: %s", server_round, self.node_label(node_id),
-                    why if why == NODE_UNAVAILABLE else msg.error.reason)
-                if why == NODE_UNAVAILABLE:  # the SuperLink knows it is gone: it is asked again when back
-                    self.registry.forget(node_id, server_round, why)
-                continue
-            reply, reason = self._validate(node_id, msg)
-            if reply is None:
-                self.round_log.rejected.append((node_id, reason))
-                log(WARNING, "round %d: reply of node %d rejected: %s", server_round, node_id, reason)
-                continue
-            valid.append(reply)
-        valid.sort(key=lambda r: self.registry.key(r.node_id))  # arrival order must not matter (sums, rows)
-        missing = set(self.sent) - {r.node_id for r in valid} - {n for n, _ in self.round_log.failures} - {
-            n for n, _ in self.round_log.rejected}
-        for node_id in sorted(missing):
-            self.round_log.failures.append((node_id, "no reply before the round timeout"))
-            log(WARNING, "round %d: node %s sent no reply (timeout)", server_round, self.node_label(node_id))
-        self.round_log.assignments = {self.node_label(r.node_id): r.level for r in valid}  # those that trained
+        rl = self.round_log
+        got = reply_checks.sort_replies(self._train_messages, replies, self._validate, self._late_ids)
+        rl.received_bytes += got.received_bytes
+        rl.failures += got.failures
+        rl.rejected += got.rejected
+        rl.late_arrivals = got.late
+        for node_id, why in got.failures:
+            log(WARNING, "round %d: node %s failed: %s", server_round, self.node_label(node_id), why)
+            if why == NODE_UNAVAILABLE:  # the SuperLink knows it is gone: it is asked again when back
+                self.registry.forget(node_id, server_round, why)
+        for node_id, why in got.rejected:
+            log(WARNING, "round %d: reply of node %s rejected: %s", server_round, self.node_label(node_id), why)
+        valid = sorted(got.valid, key=lambda r: self.registry.key(r.node_id))  # arrival order must not matter
+        rl.late = sorted(set(self.sent) - got.answered, key=self.registry.key)
+        self._late_ids = [m.metadata.message_id for m in self._train_messages if m.metadata.dst_node_id in rl.late]
+        for node_id in rl.late:
+            log(WARNING, "round %d: node %s sent no reply before the round's deadline (late)", server_round,
+                self.node_label(node_id))
+        rl.assignments = {self.node_label(r.node_id): r.level for r in valid}  # those that trained
         metrics = train_metrics(valid)
         if not valid and not self.untrusted.merges_empty:  # DP: a round without replies still adds noise
             log(WARNING, "round %d: no valid reply; the global model stays as it was", server_round)
-            self.round_log.server_seconds += time.perf_counter() - t0
+            rl.server_seconds += time.perf_counter() - t0
             return None, MetricRecord(metrics)
         assert self.global_state is not None
-        new_state = self.untrusted.merge(server_round, self.global_state, valid)  # the method's merge, wrapped
-        self.round_log.rejected += self.untrusted.rejected
+        new_state = self.untrusted.guarded_merge(server_round, self.global_state, valid)  # the method's, wrapped
+        if self.untrusted.rejected:  # (refused in the merge: their figures go too)
+            rl.rejected += self.untrusted.rejected
+            metrics = train_metrics([r for r in valid if r.node_id not in {n for n, _ in self.untrusted.rejected}])
         self.global_state = new_state
-        self.round_log.server_seconds += time.perf_counter() - t0
+        rl.server_seconds += time.perf_counter() - t0
         return self.global_record(new_state), MetricRecord(metrics)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
@@ -300,9 +300,12 @@ class HeteroStrategy(Strategy):
             if server_round < num_rounds:  # the next round's new nodes answer behind this round's training
                 self.registry.prefetch(grid, server_round + 1)
             # the answers to queries asked ahead are pulled as they come (kept unread for their round)
-            replies = self.registry.ahead.take(
-                collect(grid, pushed, timeout, max_poll=0.5, also=self.registry.ahead.ids())) if pushed else []
+            arrivals: dict[str, float] = {}
+            replies = self.registry.ahead.take(collect(
+                grid, pushed, reply_checks.round_deadline(self.cfg, timeout), max_poll=0.5, arrivals=arrivals,
+                also=[*self.registry.ahead.ids(), *self._late_ids])) if pushed else []
             new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+            self.round_log.arrivals = sorted(arrivals.values())
             if new_arrays is not None:
                 arrays = new_arrays
                 result.arrays = arrays
@@ -317,7 +320,7 @@ class HeteroStrategy(Strategy):
                     result.evaluate_metrics_serverapp[server_round] = MetricRecord(ev.numeric(row, ("acc", "loss")))
                 messages = list(self.configure_evaluate(server_round, arrays, evaluate_config or ConfigRecord(), grid))
                 if messages:
-                    replies = exchange(grid, messages, timeout, max_poll=0.5)
+                    replies = exchange(grid, messages, reply_checks.round_deadline(self.cfg, timeout), max_poll=0.5)
                     result.evaluate_metrics_clientapp[server_round] = self.aggregate_evaluate(server_round, replies)
                     row.update(self.federated_row)
                 row["eval_seconds"] = time.perf_counter() - t_eval
@@ -394,7 +397,3 @@ class HeteroStrategy(Strategy):
     def node_label(self, node_id: int) -> str:
         """How outputs name a node: ``p<partition id>``, else its node-name, else ``n<node id>``."""
         return self.registry.label(node_id)
-
-    def _partition_key(self, node_id: int) -> int:
-        """The node's stable key (:meth:`fedhm_flwr.server.nodes.NodeRegistry.key`)."""
-        return self.registry.key(node_id)

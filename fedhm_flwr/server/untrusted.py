@@ -49,12 +49,15 @@ import dataclasses
 import hashlib
 import json
 import math
+import traceback
 from functools import lru_cache
+from logging import ERROR, WARNING
 from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord
+from flwr.supercore import log
 from omegaconf import DictConfig
 
 from fedhm_flwr.core import protocol as wire
@@ -66,8 +69,6 @@ from fedhm_flwr.server.methods.method import Method, Reply, State
 
 #: random-stream id of the attackers' draw (levels.round_rng uses 0-3 elsewhere)
 ATTACK_STREAM = 4451
-#: aggregation.max_norm of a config saved before the key existed
-MAX_NORM = 1.0e6
 
 
 @lru_cache(maxsize=64)
@@ -116,7 +117,10 @@ class Attacks:
 
     def train_config(self) -> dict[str, Any]:
         """What the server adds to a malicious node's train config."""
-        return {wire.ATTACK: str(self.attack.kind), wire.ATTACK_SCALE: float(self.attack.scale)}
+        out = {wire.ATTACK: str(self.attack.kind), wire.ATTACK_SCALE: float(self.attack.scale)}
+        if self._attack_kind == "malformed":
+            out[wire.ATTACK_MALFORMED] = str(self.attack.malformed)
+        return out
 
     def injected_failures(self, server_round: int, node_ids: list[int]) -> dict[int, str]:
         """Seeded failure injection (``failures.*``): node -> 'crash' or 'slow' for this round
@@ -145,7 +149,7 @@ class Untrusted:
         self.attack = cfg.failures.attack
         self.agg = cfg.aggregation
         self.dp = cfg.dp
-        self._max_norm = float(self.agg.get("max_norm", MAX_NORM))  # read once, asked per reply
+        self._max_norm = float(self.agg.max_norm)  # read once, asked per reply
         self._active = self.agg.robust != "none" or float(self.agg.outlier_z) > 0 or bool(self.dp.enabled)
         self.history = history  # the run's rows (a resumed run's accountant replays them; the summary)
         self.wire_dtype = str(cfg.get("wire", {}).get("dtype", "float32"))
@@ -194,6 +198,41 @@ class Untrusted:
             cached = self._references[id(payload)] = (payload, state)
         return cached[1]
 
+    def guarded_merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
+        """:meth:`merge`, which no reply can make raise or leave a non-finite model: when it does, each
+        reply is recovered alone, those that fail (or recover to non-finite values) are refused with
+        the reason (:attr:`rejected`) and the rest merged again; should that fail too, every reply is
+        refused and the global model stays (the error is logged: a bug, not a reply's doing)."""
+        try:
+            new = self.merge(server_round, global_state, replies)
+            if _finite(new):
+                return new
+            why = "the merged model is not finite"
+        except Exception as exc:  # noqa: BLE001 (no reply can raise out of the round)
+            why = f"merge failed: {type(exc).__name__}: {exc}"
+        log(WARNING, "round %d: %s; recovering each reply alone", server_round, why)
+        self.rejected, kept = [], []
+        for reply in replies:
+            try:
+                state, _ = self.method.recovered(reply, global_state)
+                problem = None if _finite(state) else "recovered model holds NaN or Inf"
+            except Exception as exc:  # noqa: BLE001
+                problem = f"cannot be recovered: {type(exc).__name__}: {exc}"
+            if problem:
+                self.rejected.append((reply.node_id, problem))
+            else:
+                kept.append(reply)
+        try:
+            if kept or self.merges_empty:
+                new = self.merge(server_round, global_state, kept)
+                if _finite(new):
+                    return new
+        except Exception:  # noqa: BLE001
+            log(ERROR, "round %d: the merge fails without the replies that fail alone:\n%s", server_round,
+                traceback.format_exc())
+        self.rejected = [(r.node_id, why) for r in replies]
+        return global_state
+
     def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
         s = self.method
         if not self.active:
@@ -230,7 +269,8 @@ class Untrusted:
         if mode == "krum":
             keys = [k for k, v in global_state.items() if v.is_floating_point()]
             vectors = torch.stack([robust.flatten(v, keys) for v in values])
-            picked = robust.krum_select(vectors, int(self.agg.krum_f), min(int(self.agg.krum_m), len(replies)))
+            f = math.ceil(float(self.agg.krum_fraction) * len(replies) - 1e-9)  # the assumed attackers among them
+            picked = robust.krum_select(vectors, f, min(int(self.agg.krum_m), len(replies)))
             self.columns["krum_selected"] = json.dumps([replies[i].label for i in picked])
             return s.merge(server_round, global_state, [replies[i] for i in picked]) if picked else global_state
         if mode == "clip":
@@ -284,6 +324,12 @@ class Untrusted:
             out.update({"dp_epsilon": eps[-1] if eps else 0.0, "dp_delta": float(self.dp.delta),
                         "dp_noise_multiplier": float(self.dp.noise_multiplier), "dp_clip": float(self.dp.clip)})
         return out
+
+
+def _finite(state: State) -> bool:
+    """Every floating tensor of ``state`` finite (one max-abs per tensor: no overflow on the way)."""
+    floats = [v for v in state.values() if v.is_floating_point()]
+    return not floats or bool(torch.stack(torch._foreach_norm(floats, math.inf)).isfinite().all())
 
 
 def _shifted(value: State, reference: State, update: State, scale: float) -> State:
