@@ -206,7 +206,7 @@ class Tally:
         self.classes: dict[str, dict[str, Any]] = defaultdict(lambda: {
             "tried": 0, "refused": 0, "accepted": 0, "reasons": Counter(), "rounds": 0, "rounds_survived": 0,
             "model_finite": 0})
-        self.replies = self.rounds = self.escaped = self.non_finite = 0
+        self.replies = self.rounds = self.escaped = self.non_finite = self.malformed = 0
         self.problems: list[str] = []
 
     def add(self, fed: Federation, outcome: Outcome, problems: list[str]) -> None:
@@ -238,6 +238,7 @@ class Tally:
                     row["rounds_survived"] += outcome.escaped is None
                     row["model_finite"] += outcome.finite
             kinds = outcome.plan.kinds.get(node, []) or ["honest"]
+            self.malformed += any(k in MUTATIONS and k not in BENIGN for k in kinds)
             for kind in kinds:
                 row = self.classes[kind]
                 row["tried"] += 1
@@ -259,6 +260,7 @@ class Tally:
                     "reasons": dict(self.classes[k]["reasons"].most_common(5))}
                    for k in what if k in self.classes]
         return {"commit": commit, "dirty": dirty, "minutes": round(minutes, 2), "replies_tried": self.replies,
+                "malformed_replies": self.malformed,
                 "rounds": self.rounds, "configs": configs, "escaped": self.escaped,
                 "non_finite_models": self.non_finite, "problems": self.problems[:20], "classes": classes}
 

@@ -73,7 +73,9 @@ def section(path: Path = FUZZ) -> list[str]:
     lines = [TITLE, "",
              f"Made by `python -m bench.fuzz --minutes {float(data['minutes']):g}` (the campaign's "
              f"`results/fuzz/{Path(path).name}`, tabulated here as recorded): {int(data['replies_tried'])} "
-             f"malformed replies tried over {int(data['rounds'])} rounds, {float(data['minutes']):g} minutes, "
+             f"replies tried ({int(data.get('malformed_replies', 0))} of them malformed, the others honest, "
+             f"rewritten harmlessly, or delivered twice or astray) over {int(data['rounds'])} rounds, "
+             f"{float(data['minutes']):g} minutes, "
              f"at commit {code}, in the configurations {configs}. Totals: {int(data.get('escaped', 0))} "
              f"escaped, {int(data.get('non_finite_models', 0))} non-finite models.", "",
              "Per class of malformed reply: the replies tried, how many the server refused, its most "
@@ -83,7 +85,32 @@ def section(path: Path = FUZZ) -> list[str]:
              "| class | what | tried | refused | most frequent reason | rounds survived | model finite |",
              "|---|---|---|---|---|---|---|"]
     lines += [row(c) for c in data.get("classes", [])]
-    return lines + [""]
+    return lines + [""] + LYING
+
+
+#: what the checks cannot refuse (the page's own words, no figures)
+LYING = [
+    "## What a lying client can still do", "",
+    "A reply that has the form of an honest one passes every check above; what its values do is then "
+    "limited only by the defences and DP of this page. In particular a client can still:", "",
+    "- **weigh more than it holds, up to a cap**: a sample-weighted merge (FedAvg, "
+    "`method.weight_by_samples`) counts at most the training examples the node reported when it joined "
+    "(its node-info answer) and `aggregation.max_examples` (default: the training set's size, when the "
+    "dataset is one the project knows). A node that lies when it joins can claim up to that cap; on "
+    "devices, set `aggregation.max_examples` to what a device can plausibly hold;",
+    "- **claim any classes**: `class-counts` only have to sum to `num-examples`; they decide which "
+    "classifier rows its reply covers;",
+    "- **report any training figures** (loss, accuracy in [0, 1], seconds): they enter the round's "
+    "reported averages, never the model;",
+    "- **set the pace of a round**: once `stragglers.quorum` of the nodes answered, the deadline is "
+    "`stragglers.factor` times the median time of the answers so far, never under `stragglers.min_seconds`; "
+    "answering at once shortens a round only if such answers are most of those in, and staying silent "
+    "costs a round at most its deadline, unless fewer than the quorum answer at all (then the round waits "
+    "for `timeout`);",
+    "- **claim any identity in its node info** (partition id, name, capability: its level follows the "
+    "claim); a malformed node-info answer makes it sit out;",
+    "- **send any finite values** whose tensors' norms stay under `aggregation.max_norm`: scaled, "
+    "sign-flipped or crafted updates are the attacks the tables above measure against the defences.", ""]
 
 
 # ------------------------------------------------------------------ PLD ε of the DP runs

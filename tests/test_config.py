@@ -60,6 +60,12 @@ def test_uniform_weights_parse_as_infinity():
         ("model=resnet19", "model"),
         ("dataset=mnist3d", "dataset"),
         ("no_such_key=1", "no_such_key"),
+        ("stragglers.quorum=0", "stragglers.quorum"),
+        ("stragglers.factor=0.5", "stragglers.factor"),
+        ("stragglers.min_seconds=-1", "stragglers.min_seconds"),
+        ("aggregation.max_examples=0", "aggregation.max_examples"),
+        ("aggregation.krum_fraction=0.5", "aggregation.krum_fraction"),
+        ("failures.attack.malformed=gibberish", "failures.attack.malformed"),
     ],
 )
 def test_malformed_config_is_refused_naming_the_field(override, field):
@@ -88,3 +94,18 @@ def test_data_spec_carries_partitioning_not_locations():
     spec = data_spec(load_config("partition.scheme=iid seed=3"), num_partitions=7)
     assert spec["scheme"] == "iid" and spec["seed"] == 3 and spec["num_partitions"] == 7
     assert not any("dir" in k for k in spec)  # the node knows where its data is
+
+
+def test_a_resumed_config_gets_the_keys_added_since_it_was_saved(tmp_path):
+    """A run saved before ``stragglers`` and ``aggregation.max_examples`` existed resumes with today's
+    defaults for them (and keeps every value it saved)."""
+    from omegaconf import OmegaConf
+
+    from fedhm_flwr.config import resume_config
+
+    saved = OmegaConf.to_container(load_config("rounds=3 aggregation.robust=clip"), resolve=True)
+    del saved["stragglers"], saved["aggregation"]["max_examples"]
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(saved)))
+    cfg = resume_config(tmp_path, "rounds=5")
+    assert cfg.rounds == 5 and cfg.aggregation.robust == "clip" and cfg.aggregation.max_examples is None
+    assert cfg.stragglers == load_config().stragglers

@@ -56,14 +56,14 @@ def federations():
 
 def test_every_class_is_named_and_applies_to_an_honest_reply(federations):
     assert set(REASONS) == set(MALFORMED_KINDS) == set(MUTATIONS) - BENIGN
-    fed = federations("fedhm none")
-    content = next(iter(fed.honest.values()))
-    for kind in MUTATIONS:
-        changed = MUTATIONS[kind][1](content, np.random.default_rng(0))
-        assert changed is not content, kind
+    for name in ("fedhm none", "fedhm bfloat16"):  # (bfloat16 travels as int16 bits)
+        content = next(iter(federations(name).honest.values()))
+        for kind in MUTATIONS:
+            changed = MUTATIONS[kind][1](content, np.random.default_rng(0))
+            assert changed is not content, kind
 
 
-@pytest.mark.parametrize("name", ["fedhm none", "fedavg"])
+@pytest.mark.parametrize("name", ["fedhm none", "fedavg", "fedhm bfloat16"])
 @pytest.mark.parametrize("kind", sorted(MUTATIONS))
 def test_each_class_is_refused_with_its_reason_and_the_rest_aggregate(federations, name, kind):
     fed = federations(name)

@@ -204,3 +204,19 @@ def test_a_node_the_superlink_reports_unavailable_is_one_failure_leaves_and_is_b
     assert "round 2: node p3 is back" in log and "round 3: node p2 is back" in log
     assert json.loads(rows[2]["assignments"]) == json.loads(rows[0]["assignments"])
     assert rows[2]["failures"] == 0 and "failure_reasons" not in rows[2]
+
+
+def test_the_deadline_waits_for_a_quorum_then_follows_the_answers_pace():
+    from fedhm_flwr.core.protocol import Deadline
+
+    d = Deadline(timeout=600, quorum=0.5, factor=4, floor=30)
+    assert d.end(10, [1.0, 2.0, 3.0, 4.0]) == 600  # 4 of 10: no quorum yet, the timeout holds
+    assert d.end(10, [10.0, 20.0, 30.0, 40.0, 50.0]) == 4 * 30  # 4x the median of the answers in
+    assert d.end(10, [10.0, 20.0, 30.0, 40.0, 50.0, 60.0]) == 4 * 35  # it moves on as answers come
+    assert d.end(10, [1.0, 1.0, 1.0, 1.0, 2.0]) == 30  # never before the floor
+    assert d.end(10, [100.0, 200.0, 300.0, 400.0, 500.0]) == 600  # never after the timeout
+    assert d.end(3, [5.0, 7.0]) == 30 and d.end(1, [0.5]) == 30  # ceil(0.5 x 3) = 2; one of one
+    assert Deadline(600, 0.5, float("inf"), 30).end(10, [1.0] * 9) == 600  # factor inf: wait for all
+    # nodes served one after another (a simulation's workers) arrive evenly: the deadline stays ahead of them
+    arrivals = [float(i) for i in range(1, 101)]
+    assert all(d.end(100, arrivals[:k]) > arrivals[k - 1] for k in range(50, 101))

@@ -227,6 +227,16 @@ def test_the_outlier_filter_rejects_and_counts_the_scaled_reply_and_krum_never_p
     strategy, _ = _aggregate(load_config(f"{TOY} aggregation.robust=krum aggregation.krum_m=3"), state, grid, replies)
     picked = json.loads(strategy.untrusted.columns["krum_selected"])
     assert len(picked) == 3 and not {strategy.node_label(n) for n in attackers} & set(picked)
+    assumed = []  # Krum's f: the configured fraction of the round's replies, rounded up
+    real = robust.krum_select
+    robust.krum_select = lambda vectors, f, m=1: assumed.append((len(vectors), f)) or real(vectors, f, m)
+    try:
+        for fraction in (0.1, 0.34, 0.49):
+            _aggregate(load_config(f"{TOY} aggregation.robust=krum aggregation.krum_fraction={fraction}"), state,
+                       grid, replies)
+    finally:
+        robust.krum_select = real
+    assert assumed == [(6, 1), (6, 3), (6, 3)]
 
 
 METHODS = {

@@ -105,7 +105,7 @@ def test_the_pld_epsilon_uses_each_runs_own_parameters_and_only_where_they_give_
     assert rf.pld_text({k: v for k, v in run.items() if k != "rounds_completed"}) == "–"
 
 
-FUZZ = {"commit": "abc1234", "dirty": True, "minutes": 30.0, "replies_tried": 3000, "rounds": 70,
+FUZZ = {"commit": "abc1234", "dirty": True, "minutes": 30.0, "replies_tried": 3000, "malformed_replies": 2100, "rounds": 70,
         "configs": ["fedhm none", "fedhm clip"], "escaped": 0, "non_finite_models": 0,
         "classes": [
             {"class": "int-arrays", "what": "every floating array sent back as int64", "tried": 1234,
@@ -131,7 +131,7 @@ def test_the_malformed_reply_table_shows_the_fuzz_files_numbers(tmp_path):
     path.parent.mkdir()
     path.write_text(json.dumps(FUZZ))
     page = rb.render(tmp_path / "runs", (0,), fuzz=path)
-    assert "`python -m bench.fuzz --minutes 30`" in page and "3000 malformed replies tried over 70 rounds" in page
+    assert "`python -m bench.fuzz --minutes 30`" in page and "3000 replies tried (2100 of them malformed" in page and "over 70 rounds" in page
     assert "`abc1234` (with uncommitted changes)" in page and "`fedhm none`, `fedhm clip`" in page
     rows = _rows(page)
     assert len(rows) == len(FUZZ["classes"])

@@ -226,7 +226,9 @@ def push(grid: Any, messages: list[Message]) -> list[str]:
 class Deadline:
     """When a round stops waiting for its replies (``stragglers``): at ``timeout`` seconds after the
     push at the latest; once a ``quorum`` (a fraction) of the nodes still expected to answer did,
-    at ``factor`` times the median time those first answers took, and never before ``floor``
+    at ``factor`` times the median time the answers so far took (so the deadline moves on while
+    answers keep coming: nodes served one after another, as a simulation's few workers serve them,
+    arrive evenly and the median of those in is half the time so far), and never before ``floor``
     seconds. Error replies (a crashed node, one the SuperLink reports gone) are no answers: they
     shrink the nodes expected, they do not set the pace."""
 
@@ -241,7 +243,7 @@ class Deadline:
         need = max(1, math.ceil(self.quorum * expected - 1e-9))
         if len(arrivals) < need or not math.isfinite(self.factor):
             return self.timeout
-        pace = statistics.median(sorted(arrivals)[:need])
+        pace = statistics.median(arrivals)
         return min(self.timeout, max(self.floor, self.factor * pace))
 
 
