@@ -112,9 +112,11 @@ def _lying_shape(arrays: dict[str, Array], rng: np.random.Generator) -> None:
 
 
 def _wrong_shape(arrays: dict[str, Array], rng: np.random.Generator) -> None:
+    """An array of one more element in its last dimension than the shape it declares (so: than it was
+    sent, unless an earlier class changed that already)."""
     key = _pick(arrays, rng)
-    values = _values(arrays[key])
-    arrays[key] = _array(np.zeros((*values.shape[:-1], values.shape[-1] + 1) if values.ndim else (2,), values.dtype))
+    shape = tuple(arrays[key].shape)
+    arrays[key] = _array(np.zeros((*shape[:-1], shape[-1] + 1) if shape else (2,), np.dtype(arrays[key].dtype)))
 
 
 def _oversized(arrays: dict[str, Array], rng: np.random.Generator) -> None:
