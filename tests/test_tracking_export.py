@@ -136,7 +136,8 @@ def test_export_is_the_in_run_cut_with_the_federated_statistics_fixed(tiny_run, 
     out, cfg, rows = tiny_run
     card = export_level(out, "1/8", tmp_path / "exp")
     folder = Path(card["out_dir"])
-    assert {"model.safetensors", "model.pt2", "model_card.md", "model_card.json"} <= {p.name for p in folder.iterdir()}
+    assert {"model.safetensors", "model.pt2", "model.onnx", "model_card.md", "model_card.json"} == {
+        p.name for p in folder.iterdir()}
 
     # the in-run deployable model, built here from the checkpoint and the strategy's own cut, with
     # the statistics the clients summed after the last round (saved beside the checkpoint)
@@ -175,6 +176,7 @@ def test_export_is_the_in_run_cut_with_the_federated_statistics_fixed(tiny_run, 
     assert card["parameters"] == int(summary["level_costs"]["0.125"]["params"])
     assert card["macs_per_input"] == int(summary["level_costs"]["0.125"]["macs"])
     assert card["final_accuracy"] == summary["final_acc/level_0.125"] == rows[-1]["acc/level_0.125"]
+    assert card["final_fed_accuracy"] is None  # the server's test set only (evaluation.where=server)
     assert card["run_bn_stats"] == "test_batch" and card["normalisation"]["statistics"] == "federated"
     from fedhm_flwr.config import data_spec
     from fedhm_flwr.data import test_dataset

@@ -9,35 +9,40 @@ recovered full one):
 * ``model.safetensors``: the weights, with the model spec (JSON) in the metadata; rebuild with
   :func:`load_model`;
 * ``model.pt2``: a ``torch.export`` program (batch size dynamic), ``torch.export.load(...).module()``;
-* ``model.onnx`` where an ONNX exporter (``onnx``/``onnxscript``) is installed;
-* ``model_card.md`` / ``model_card.json``: parameters, MACs, the level's accuracy in that run
-  (from ``summary.json``), the checkpoint round and the run's config.
+* ``model.onnx``: one self-contained ONNX file, checked in ONNX Runtime one image at a time
+  against the PyTorch model on the run's test set (:mod:`fedhm_flwr.ops.onnx_model`): a file
+  whose logits differ beyond the tolerance is refused and nothing is written;
+* ``model_card.md`` / ``model_card.json``: parameters, MACs, the accuracy of the exported model
+  (PyTorch, and ONNX Runtime one image at a time), the preprocessing with a snippet running the
+  ONNX file on one image, the level's accuracy in the run (server's test set and/or the clients'
+  federated figures, from ``summary.json``), the checkpoint round and the run's config.
+
+Every file is written atomically, with the usual permissions (0666 less the umask).
 """
 
 from __future__ import annotations
 
-import argparse
+import io
 import json
 import sys
-import warnings
 from fractions import Fraction
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from fedhm_flwr.config import ConfigError, data_spec, model_spec, resume_config, to_yaml
-from fedhm_flwr.core.protocol import NUM_EXAMPLES
 from fedhm_flwr.data import class_names, client_dataset, source_info, test_dataset
 from fedhm_flwr.math.bn_stats import apply_bn_statistics, batch_statistics_layers, bn_sums, norm_layers
-from fedhm_flwr.math.train import evaluate
 from fedhm_flwr.models import build_model, count_macs, count_parameters, input_shape
 from fedhm_flwr.models.adapters import load_federated
-from fedhm_flwr.reporting.results import CONFIG_FILE, SUMMARY_FILE, load_bn_statistics, load_checkpoint
+from fedhm_flwr.ops.model_card import model_card_markdown, run_accuracy
+from fedhm_flwr.ops.onnx_model import OnnxCheckFailed, check_onnx, missing_packages, onnx_bytes, ort_snippet
+from fedhm_flwr.reporting.results import CONFIG_FILE, atomic_write, load_bn_statistics, load_checkpoint
 from fedhm_flwr.server.registry import STRATEGIES
 
 SPEC_KEY = "fedhm.model_spec"
@@ -122,7 +127,11 @@ def load_model(path: str | Path) -> nn.Module:
         if SPEC_KEY not in metadata:
             raise ValueError(f"{path} holds no '{SPEC_KEY}' metadata (not a fedhm-flwr export)")
         state = {k: fh.get_tensor(k) for k in fh.keys()}
-    model = build_model(json.loads(metadata[SPEC_KEY]), spectral_init=False)
+    return _model(metadata[SPEC_KEY], state)
+
+
+def _model(spec_json: str, state: dict[str, torch.Tensor]) -> nn.Module:
+    model = build_model(json.loads(spec_json), spectral_init=False)
     model.load_state_dict(state, strict=True)
     return model.eval()
 
@@ -133,43 +142,57 @@ def example_input(spec: dict[str, Any], batch: int = 2) -> torch.Tensor:
 
 def export_level(run_dir: str | Path, level: str | float, out: str | Path | None = None) -> dict[str, Any]:
     """Write the level's deployable model and its card into ``out`` (default
-    ``<run>/export/level_<level>``); returns the card (with the files written)."""
+    ``<run>/export/level_<level>``); returns the card (with the files written). Everything is
+    built and checked first: :class:`OnnxCheckFailed` (ONNX Runtime disagrees with the PyTorch
+    model beyond the tolerance) leaves nothing written."""
     run_dir = Path(run_dir).expanduser().resolve()
     if not (run_dir / CONFIG_FILE).is_file():
         raise ConfigError("run", str(run_dir), "a run directory holding config.yaml and checkpoint/")
     cfg, level_value, spec, model, saved, statistics = deployable_model(run_dir, level)
     out_dir = Path(out).expanduser().resolve() if out else run_dir / "export" / f"level_{level_value:g}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files: dict[str, str] = {}
+    blobs: dict[str, bytes] = {}  # file name -> content, written once every check has passed
     notes: list[str] = []
 
     tensors = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-    save_file(tensors, str(out_dir / "model.safetensors"),
-              metadata={SPEC_KEY: json.dumps(spec), "fedhm.level": f"{level_value:g}", "fedhm.method": cfg.method.name})
-    files["safetensors"] = "model.safetensors"
+    metadata = {SPEC_KEY: json.dumps(spec), "fedhm.level": f"{level_value:g}", "fedhm.method": cfg.method.name}
+    blobs["model.safetensors"] = save_safetensors(tensors, metadata=metadata)
+    exported = _model(metadata[SPEC_KEY], load_safetensors(blobs["model.safetensors"]))  # the file, read back
 
     image = "image_size" in spec
+    test = _test_logits(cfg, exported) if image else None
+    onnx_check = None
     if image:
+        program = None
         try:
-            batch = torch.export.Dim("batch", min=1, max=4096)
-            program = torch.export.export(model, (example_input(spec),), dynamic_shapes=({0: batch},))
-            torch.export.save(program, str(out_dir / "model.pt2"))
-            files["torch_export"] = "model.pt2"
+            program = torch.export.export(model, (example_input(spec),),
+                                          dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=4096)},))
+            buf = io.BytesIO()
+            torch.export.save(program, buf)
+            blobs["model.pt2"] = buf.getvalue()
         except Exception as err:  # noqa: BLE001 - the safetensors export stands on its own
             notes.append(f"torch.export failed: {type(err).__name__}: {err}"[:500])
-        onnx = _export_onnx(model, spec, out_dir / "model.onnx")
-        if onnx:
-            files["onnx"] = "model.onnx"
+        missing = missing_packages()
+        if missing:
+            notes.append(f"ONNX not written: {', '.join(missing)} not installed (`make setup` installs them)")
         else:
-            notes.append("ONNX not written: no ONNX exporter (packages onnx, onnxscript) installed")
+            try:
+                blobs["model.onnx"] = onnx_bytes(program if program is not None else model, example_input(spec))
+            except Exception as err:  # noqa: BLE001 - an operator without an ONNX translation: the rest stands
+                notes.append(f"ONNX not written: the conversion failed: {type(err).__name__}: {err}"[:500])
+        if "model.onnx" in blobs:
+            if test is not None:
+                onnx_check = check_onnx(blobs["model.onnx"], test["images"], test["logits"], test["labels"])
+            else:  # no test set here: the same comparison on seeded random inputs
+                x = example_input(spec, 64)
+                with torch.inference_mode():
+                    onnx_check = check_onnx(blobs["model.onnx"], x, exported(x), None, "64 random inputs "
+                                            "(the run's test set is not on this machine)")
     else:
         notes.append("torch.export / ONNX not written: token-input models are exported as safetensors only")
-
-    summary_file = run_dir / SUMMARY_FILE
-    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
-    test = exported_test_accuracy(cfg, out_dir / "model.safetensors") if image else None
     if image and test is None:
         notes.append("no test accuracy of the exported model: the run's test set is not on this machine")
+
+    pre = preprocessing(cfg, spec) if image else None
     card = {
         "method": cfg.method.name,
         "model": cfg.model.arch,
@@ -180,34 +203,42 @@ def export_level(run_dir: str | Path, level: str | float, out: str | Path | None
         "macs_per_input": count_macs(model, input_shape(spec)) if image else None,
         # the exported file itself on the run's test set, eval mode, fixed statistics (any batch size)
         "test_accuracy": None if test is None else test["accuracy"],
-        "test_examples": None if test is None else test[NUM_EXAMPLES],
+        "test_examples": None if test is None else len(test["labels"]),
+        # model.onnx in ONNX Runtime, one image at a time, against the PyTorch model (onnx_model.check_onnx)
+        "onnx_runtime": onnx_check,
+        "onnx_snippet": ort_snippet(pre) if onnx_check else None,
         "normalisation": statistics,
-        "preprocessing": preprocessing(cfg, spec) if image else None,
-        # the run's own figures, with the statistics its evaluation used (summary's bn_stats)
-        "final_accuracy": summary.get(f"final_acc/level_{level_value:g}"),
-        "best_accuracy": summary.get(f"best_acc/level_{level_value:g}"),
-        "run_bn_stats": summary.get("bn_stats"),
-        "rounds_completed": summary.get("rounds_completed"),
+        "preprocessing": pre,
+        # the run's own figures: the server's test set (with the statistics its evaluation used,
+        # summary's bn_stats) and/or the clients' federated evaluation (evaluation.where)
+        **run_accuracy(run_dir, level_value),
         "factorized_layers": spec.get("ranks", {}),
         "model_spec": spec,
-        "files": files,
+        "files": {kind: name for kind, name in (("safetensors", "model.safetensors"), ("torch_export", "model.pt2"),
+                                                 ("onnx", "model.onnx")) if name in blobs},
         "notes": notes,
         "run_dir": str(run_dir),
         "config": to_yaml(cfg),
     }
-    (out_dir / "model_card.json").write_text(json.dumps(card, indent=1))
-    (out_dir / "model_card.md").write_text(model_card_markdown(card))
+    blobs["model_card.json"] = json.dumps(card, indent=1).encode()
+    blobs["model_card.md"] = model_card_markdown(card).encode()
+    for name, data in blobs.items():  # atomically, mode 0666 less the umask
+        atomic_write(out_dir / name, data)
     return {**card, "out_dir": str(out_dir)}
 
 
-def exported_test_accuracy(cfg: Any, path: Path, batch_size: int = 256) -> dict[str, float] | None:
-    """Accuracy of the exported file (rebuilt by :func:`load_model`) on the run's test set, or None
-    when the test set is not on this machine."""
+def _test_logits(cfg: Any, model: nn.Module, batch_size: int = 256) -> dict[str, Any] | None:
+    """The run's test images, labels, the exported model's logits for them and its accuracy, or
+    None when the test set is not on this machine."""
     try:
         test = test_dataset(data_spec(cfg), data_dir=cfg.dataset.get("data_dir"))
     except (OSError, ValueError):
         return None
-    return evaluate(load_model(path), test, batch_size, torch.device("cpu"))
+    images, labels = test.images, test.labels
+    with torch.inference_mode():
+        logits = torch.cat([model(images[i:i + batch_size]) for i in range(0, len(images), batch_size)])
+    return {"images": images, "labels": labels, "logits": logits,
+            "accuracy": int((logits.argmax(1) == labels).sum()) / max(1, len(labels))}
 
 
 def preprocessing(cfg: Any, spec: dict[str, Any]) -> dict[str, Any]:
@@ -227,53 +258,6 @@ def preprocessing(cfg: Any, spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _export_onnx(model: nn.Module, spec: dict[str, Any], path: Path) -> bool:
-    if find_spec("onnx") is None or find_spec("onnxscript") is None:
-        return False
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(model, (example_input(spec),), str(path), input_names=["input"], output_names=["logits"],
-                          dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}})
-    return True
-
-
-def model_card_markdown(card: dict[str, Any]) -> str:
-    def pct(x: float | None) -> str:
-        return "not recorded" if x is None else f"{x:.4f}"
-
-    macs = card["macs_per_input"]
-    lines = [
-        f"# {card['method']} · {card['model']} · {card['dataset']} · level {card['level']:g}", "",
-        f"The deployable model of level {card['level']:g} from the run in `{card['run_dir']}` "
-        f"(checkpoint of round {card['checkpoint_round']}).", "",
-        "| | |", "|---|---|",
-        f"| parameters | {card['parameters']:,} |",
-        f"| MACs per input | {'-' if macs is None else f'{macs:,}'} |",
-        f"| accuracy of this exported model on the test set | {pct(card['test_accuracy'])} "
-        f"({card['test_examples'] or 0:,} images, any batch size) |",
-        f"| normalisation statistics | {card['normalisation']['statistics']}: {card['normalisation']['data']} |",
-        f"| final accuracy of this level in the run | {pct(card['final_accuracy'])} (statistics: {card['run_bn_stats']}) |",
-        f"| best accuracy of this level in the run | {pct(card['best_accuracy'])} |",
-        f"| factorized layers (rank) | {len(card['factorized_layers'])} |",
-        "", "Files: " + ", ".join(f"`{f}`" for f in card["files"].values()), "",
-    ]
-    pre = card.get("preprocessing")
-    if pre:
-        lines += ["## Input", "",
-                  f"{pre['color']} images, {pre['resize']}, {pre['scale']}, normalised with mean {pre['mean']} and "
-                  f"std {pre['std']} ({pre['layout']}). The model is in eval mode with fixed statistics: "
-                  "one image at a time gives the same prediction as a batch.", ""]
-        if pre["class_names"]:
-            lines += ["Classes (output index order): " + ", ".join(f"{i}: {c}" for i, c in enumerate(pre["class_names"])), ""]
-    lines += [
-        "Load: `fedhm_flwr.ops.export.load_model('model.safetensors')` (the spec is in the file's metadata) "
-        "or `torch.export.load('model.pt2').module()`.", "",
-    ]
-    lines += [f"Note: {n}" for n in card["notes"]]
-    lines += ["", "## Config", "", "```yaml", card["config"].rstrip(), "```", ""]
-    return "\n".join(lines)
-
-
 def parse_pairs(argv: list[str]) -> dict[str, str]:
     """``run=DIR level=0.125 out=DIR`` -> dict; one ConfigError naming a bad or missing key."""
     pairs: dict[str, str] = {}
@@ -288,20 +272,43 @@ def parse_pairs(argv: list[str]) -> dict[str, str]:
     return pairs
 
 
+USAGE = "usage: python -m fedhm_flwr.ops.export run=DIR level=GAMMA [out=DIR]\n\nA level's deployable model from a run's checkpoint.\n"
+HELP = """arguments (key=value):
+  run=DIR      a run directory (config.yaml, checkpoint/)
+  level=GAMMA  one of the run's levels, a number or a fraction: 1, 0.5, 1/8
+  out=DIR      where the files go (default: DIR/export/level_GAMMA)
+
+writes model.safetensors (the model spec in its metadata), model.pt2 (torch.export),
+model.onnx (checked in ONNX Runtime one image at a time against the PyTorch model on the
+run's test set; refused, and nothing written, when they disagree) and model_card.md/.json
+(sizes, accuracies, the preprocessing and how to run model.onnx on one image)."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="fedhm export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  fedhm export run=/tmp/fedhm/r1 level=1/4")
-    parser.add_argument("pairs", nargs="*", help="run=<run dir> level=<gamma> [out=<dir>]")
-    args = parser.parse_args(argv)
+    """``python -m fedhm_flwr.ops.export`` (``argv`` None) and ``fedhm export`` (a list: the
+    command's own help has printed the usage line and examples, so ``--help`` adds the rest)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if {"-h", "--help"} & set(args):
+        print((USAGE + "\n" if argv is None else "") + HELP
+              + ("\nexample:\n  python -m fedhm_flwr.ops.export run=/tmp/fedhm/r1 level=1/4" if argv is None else ""))
+        return 0
     try:
-        pairs = parse_pairs(args.pairs)
+        pairs = parse_pairs(args)
         card = export_level(pairs["run"], pairs["level"], pairs.get("out"))
     except (ConfigError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"level {card['level']:g}: {card['parameters']:,} parameters, final accuracy "
-          f"{card['final_accuracy']}; wrote {', '.join(card['files'].values())} and model_card.md/.json to {card['out_dir']}")
+    except OnnxCheckFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    ort, acc = card["onnx_runtime"], lambda x: "-" if x is None else f"{x:.4f}"
+    print(f"level {card['level']:g}: {card['parameters']:,} parameters; wrote {', '.join(card['files'].values())} "
+          f"and model_card.md/.json to {card['out_dir']}")
+    print(f"  exported model on the test set: {acc(card['test_accuracy'])} (PyTorch)" + ("" if not ort else
+          f", {acc(ort['accuracy'])} (ONNX Runtime, one image at a time; max logit difference "
+          f"{ort['max_abs_logit_difference']:.2g}, predictions agree on {ort['predictions_agreeing']}/{ort['examples']})"))
+    print(f"  this level in the run: {acc(card['final_accuracy'])} (server's test set), "
+          f"{acc(card['final_fed_accuracy'])} (its clients, federated)")
     for note in card["notes"]:
         print(f"note: {note}")
     return 0

@@ -1,7 +1,8 @@
 """Per-run outputs: resolved config, per-round metrics (JSONL + CSV), summary, checkpoint, plot.
 
 Everything is written atomically (a temporary file in the same folder, then ``os.replace``), so
-an interrupted run never leaves a partial checkpoint or a truncated table behind.
+an interrupted run never leaves a partial checkpoint or a truncated table behind; the files get the
+usual permissions (0666 less the umask).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import io
 import json
 import math
 import os
-import tempfile
+import secrets
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -40,9 +41,10 @@ STATE_KEY = "fedhm_state"  # the strategy state, JSON, in the model file's metad
 
 
 def atomic_write(path: Path, data: bytes | str) -> None:
-    """Write ``data`` to ``path`` via a temporary file and an atomic rename."""
+    """Write ``data`` to ``path`` via a temporary file and an atomic rename; the file gets the
+    permissions ``open()`` gives a new file (0666 less the umask), not ``mkstemp``'s 0600."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = _new_temporary(path)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data.encode() if isinstance(data, str) else data)
@@ -52,6 +54,19 @@ def atomic_write(path: Path, data: bytes | str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _new_temporary(path: Path) -> tuple[int, Path]:
+    """A new, uniquely named file beside ``path``, opened for writing, created with mode 0666 (the
+    kernel applies the umask and any default ACL, as for ``open()``)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}"
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {path}")
 
 
 def write_status(out_dir: str | Path, status: str, **info: Any) -> None:
