@@ -21,7 +21,7 @@ from fedhm_flwr.core import attack_kinds
 from fedhm_flwr.core.errors import ConfigError
 from fedhm_flwr.core.protocol import WIRE_DTYPES  # float32 | float16 | bfloat16 (wire.dtype)
 from fedhm_flwr.data.catalog import DATASETS, EXTERNAL_DATASETS, FOLDER_SOURCES
-from fedhm_flwr.data.spec import SOURCE_DEFAULTS, source_field_problem
+from fedhm_flwr.data.spec import DATA_SPEC_DEFAULTS, SOURCE_DEFAULTS, source_field_problem
 
 PARTITION_SCHEMES = ("iid", "dirichlet", "pathological")
 ASSIGNMENTS = ("fixed", "dynamic")
@@ -117,6 +117,26 @@ def _validate_source(cfg: DictConfig) -> None:
     require(data_dir is None, "dataset.data_dir", data_dir, "null: dataset.path says where the data is")
 
 
+def _validate_partition_count(cfg: DictConfig) -> None:
+    """``num_clients`` partitions must fit the training examples of a built-in dataset (its size, or
+    ``dataset.max_train_examples`` when smaller): every client needs at least one example, and a
+    Dirichlet partition at least ``min_partition_size`` (2), else every simulated client would fail
+    in turn. A folder source or text corpus is counted when read (the data check)."""
+    info = DATASETS.get(str(cfg.dataset.name))
+    if info is None:
+        return
+    limit = int(cfg.dataset.max_train_examples)
+    examples = min(info.num_train, limit) if limit > 0 else info.num_train
+    source = (f"dataset.max_train_examples={limit}" if 0 < limit < info.num_train
+              else f"dataset.name={cfg.dataset.name} has {info.num_train:,}")
+    each = int(DATA_SPEC_DEFAULTS["min_partition_size"]) if cfg.partition.scheme == "dirichlet" else 1
+    why = (f"partition.scheme=dirichlet gives every client at least {each} examples" if each > 1
+           else "every client needs at least one")
+    fix = "lower num_clients" + (" or raise dataset.max_train_examples" if examples < info.num_train else "")
+    require(int(cfg.num_clients) * each <= examples, "num_clients", cfg.num_clients,
+            f"an integer <= {examples // each:,}: {source} training examples and {why} ({fix})")
+
+
 def validate_common(cfg: DictConfig, robust: tuple[str, ...]) -> None:
     """The sections every method shares, after the method and model checks (the first invalid value
     raises); ``robust``: the ``aggregation.robust`` values the method accepts."""
@@ -146,6 +166,7 @@ def validate_common(cfg: DictConfig, robust: tuple[str, ...]) -> None:
     choice(cfg, "partition.scheme", PARTITION_SCHEMES)
     num_in(cfg, "partition.alpha", 0.0, math.inf, low_open=True, high_open=True)
     int_at_least(cfg, "partition.classes_per_partition", 1)
+    _validate_partition_count(cfg)
     int_at_least(cfg, "train.local_epochs", 1)
     int_at_least(cfg, "train.batch_size", 1)
     num_in(cfg, "train.lr", 0.0, math.inf, low_open=True, high_open=True)

@@ -271,10 +271,12 @@ def validate_user_model(cfg: DictConfig) -> None:
 
 
 def _check_custom_output(cfg: DictConfig) -> None:
-    """A user model must give one logit per class of the dataset: built and run on a batch of 2,
-    on the meta device (no weights allocated) where its constructor runs there, else on the CPU
-    with real weights (the meta device refuses some constructors that run anywhere else); a model
-    that fails is reported with the error it raised."""
+    """A user model must load a state as a client does and give one logit per class of the dataset:
+    built, loaded with its own state as plain tensors (strictly, and without ``state_dict()``'s
+    ``_metadata``, as the arrays of a message arrive) and run in training mode on a batch of 2, on
+    the meta device (no weights allocated) where its constructor runs there, else on the CPU with
+    real weights (the meta device refuses some constructors that run anywhere else); a model that
+    fails is reported with the error it raised."""
     try:
         spec = model_spec(cfg)
     except (OSError, ValueError, KeyError):  # data that cannot be read: the data check names it
@@ -283,17 +285,38 @@ def _check_custom_output(cfg: DictConfig) -> None:
 
     from fedhm_flwr.models import build_model, input_shape, shape_device
 
-    try:
-        with shape_device(spec):
-            out = build_model(spec, spectral_init=False)(torch.zeros(2, *input_shape(spec)))
-    except Exception as err:  # noqa: BLE001 - any failure of the user's model is reported as such
+    shape = f"(N, {', '.join(map(str, input_shape(spec)))})"
+    with shape_device(spec):
+        try:
+            model = build_model(spec, spectral_init=False)
+        except Exception as err:  # noqa: BLE001 - any failure of the user's model is reported as such
+            raise _model_failed(cfg, shape, err) from None
+        try:
+            model.load_state_dict(dict(model.state_dict()), strict=True)  # as a client loads what it receives
+        except Exception as err:  # noqa: BLE001
+            raise ConfigError("model.target", cfg.model.target,
+                              "a factory whose model loads its own state dict as clients receive it (plain tensors "
+                              f"without state_dict()'s _metadata, strict keys); it failed with {type(err).__name__}: "
+                              f"{err}") from None
+        try:
+            out = model.train()(torch.zeros(2, *input_shape(spec)))
+        except Exception as err:  # noqa: BLE001
+            raise _model_failed(cfg, shape, err) from None
+    if not isinstance(out, torch.Tensor) or out.dim() != 2:
+        what = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
         raise ConfigError("model.target", cfg.model.target,
-                          f"a factory whose model takes a batch of shape (N, {', '.join(map(str, input_shape(spec)))}) "
-                          f"(dataset.name={cfg.dataset.name}); it failed with {type(err).__name__}: {err}") from None
-    if isinstance(out, torch.Tensor) and out.shape[-1] != spec["num_classes"]:
+                          f"a factory whose model returns the logits, one tensor of shape (N, classes), in training "
+                          f"mode too; it returned {what} for a batch of shape {shape} (e.g. turn auxiliary outputs "
+                          "off: model.kwargs.aux_logits=false)")
+    if out.shape[-1] != spec["num_classes"]:
         raise ConfigError("model.kwargs.num_classes", OmegaConf.select(cfg, "model.kwargs.num_classes"),
                           f"{spec['num_classes']}: dataset.name={cfg.dataset.name} has {spec['num_classes']} classes "
                           f"and the model gives {out.shape[-1]} outputs")
+
+
+def _model_failed(cfg: DictConfig, shape: str, err: Exception) -> ConfigError:
+    return ConfigError("model.target", cfg.model.target, f"a factory whose model takes a batch of shape {shape} "
+                       f"(dataset.name={cfg.dataset.name}); it failed with {type(err).__name__}: {err}")
 
 
 def validate_pair(cfg: DictConfig) -> None:

@@ -27,20 +27,19 @@ Other keys are passed to the builder untouched.
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 from torch import nn
 
 from fedhm_flwr.math.bn_stats import fixed_bn
 from .cnn import CNN, build_cnn
+from .custom import build_custom, resolve_target
 from .costs import count_macs, count_parameters
 from .layers import factorize_modules, prismify_modules
 from .resnet import ResNet, build_resnet18, build_resnet34, resnet18, resnet34
-from .rules import FactorizeRule, head_name, model_rule
+from .rules import FactorizeRule, model_rule
 from .transformer import adapt, minilm, vit
 
 __all__ = [
@@ -59,44 +58,6 @@ __all__ = [
     "shape_device",
     "static_bn",
 ]
-
-
-def resolve_target(target: str) -> Callable[..., Any]:
-    """The callable named by ``"package.module:factory"`` (or ``"package.module.factory"``).
-
-    Raises ``ValueError`` naming ``model.target`` when it cannot be imported or is not callable.
-    """
-    text = str(target)
-    module_name, sep, attr = text.partition(":") if ":" in text else text.rpartition(".")
-    allowed = "an importable 'package.module:factory' returning an nn.Module, e.g. torchvision.models:resnet18"
-    if not module_name or not attr:
-        raise ValueError(f"invalid config: model.target={target!r}; allowed: {allowed}")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"invalid config: model.target={target!r}; allowed: {allowed} ({err})") from None
-    if not callable(obj):
-        raise ValueError(f"invalid config: model.target={target!r} is not callable; allowed: {allowed}")
-    return obj
-
-
-def build_custom(spec: Mapping) -> nn.Module:
-    """A user's model: ``resolve_target(spec["target"])(**spec["kwargs"])``.
-
-    Its classifier (per-class aggregation, left full by the default rule) is the model's
-    ``classifier_name`` if it has one, else its last ``nn.Linear``.
-    """
-    model = resolve_target(spec["target"])(**dict(spec.get("kwargs") or {}))
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"invalid config: model.target={spec['target']!r} returned a {type(model).__name__}; "
-                         "allowed: a factory returning an nn.Module")
-    if getattr(model, "classifier_name", None) is None:
-        head = head_name(model)
-        if head is not None:
-            model.classifier_name = head
-    return model
 
 
 #: ``arch`` name -> builder taking the spec and returning the full-rank model.

@@ -14,8 +14,9 @@ models):
   :data:`SHORTCUT_PATTERNS`: residual shortcuts stay full, as FedHM keeps its 1×1 shortcuts);
 * ``keep_first``: the first ``keep_first`` selected layers stay full rank (FedHM's ρ; null: the
   model's ``default_rho``, else :data:`DEFAULT_KEEP_FIRST`); ``method.rho`` overrides it;
-* ``head`` (default ``false``): the classifier head (the model's ``classifier_name``, else the
-  last ``Linear`` registered) is factorized only when true;
+* ``head`` (default ``false``): the classifier head (the layer producing the logits,
+  :func:`head_name`: the model's ``classifier_name``, which a user's model gets by tracing a forward
+  pass, convolutional or linear) is factorized only when true;
 * ``pointwise`` (default ``true``): 1×1 convolutions are factorized too (a mobile network's
   layers are mostly 1×1 and depthwise: without them FedHM would leave it full size); their rank
   follows the linear rule (docs/METHODS.md#fedhm-ranks). The built-in CNN and ResNets set it false
@@ -103,17 +104,23 @@ def rule_problem(values: Mapping[str, Any]) -> tuple[str, Any, str] | None:
     return None
 
 
-def head_name(model: nn.Module) -> str | None:
-    """The layer producing the logits: ``model.classifier_name`` if the model names it, else the
-    last ``nn.Linear`` registered (``fc`` of a torchvision ResNet, ``classifier.3`` of a MobileNet)."""
+def head_name(model: nn.Module, num_classes: int | None = None) -> str | None:
+    """The layer producing the logits: ``model.classifier_name`` if the model names it (a user's
+    model gets it from what a forward pass does: :func:`fedhm_flwr.models.custom.traced_head`,
+    convolutional heads included), else the last ``Conv2d`` / ``Linear`` registered with
+    ``num_classes`` outputs when that is given, else the last ``Linear`` registered (``fc`` of a
+    torchvision ResNet, ``classifier.3`` of a MobileNet)."""
     named = getattr(model, "classifier_name", None)
     if named is not None:
         return str(named)
-    last = None
+    last = matching = None
     for name, module in model.named_modules():
         if type(module) is nn.Linear:
             last = name
-    return last
+        if num_classes is not None and type(module) in (nn.Linear, nn.Conv2d):
+            outputs = module.out_features if isinstance(module, nn.Linear) else module.out_channels
+            matching = name if outputs == int(num_classes) else matching
+    return matching or last
 
 
 def conv_factorizable(conv: nn.Conv2d) -> bool:

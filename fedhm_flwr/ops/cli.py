@@ -18,7 +18,7 @@ from fedhm_flwr.config import ConfigError, split_overrides
 from fedhm_flwr.ops import multirun
 from fedhm_flwr.ops.launch import run_job
 from fedhm_flwr.ops.multirun import COMPARE_OVERRIDES, compare_plan  # noqa: F401  (compare_plan: tests import it here)
-from fedhm_flwr.ops.outcome import fedhm_commands, report_stop
+from fedhm_flwr.ops.outcome import fedhm_commands, report_finished, report_stop
 from fedhm_flwr.ops.procs import Interrupted, on_signals
 from fedhm_flwr.ops.progress import run_with_progress
 from fedhm_flwr.ops.status import main as status_main
@@ -36,12 +36,6 @@ class Command:
 # --------------------------------------------------------------------------- run, resume
 
 
-def _print_result(summary: dict) -> None:
-    acc = summary.get("final_acc/global")
-    print(f"run complete: final global accuracy {acc if acc is None else f'{acc:.4f}'}; "
-          f"outputs in {summary['output_dir']}")
-
-
 def _run_job(overrides: list[str], run_dir: Path | None, resume: Path | None, progress: bool) -> int:
     commands = fedhm_commands()  # an interrupted or failed run says `fedhm resume <run dir>`
     try:
@@ -55,8 +49,7 @@ def _run_job(overrides: list[str], run_dir: Path | None, resume: Path | None, pr
     except RuntimeError as err:  # RunFailed: its last line says why (the first ServerApp / client error)
         print(f"error: {err}", file=sys.stderr)
         return 1
-    _print_result(summary)
-    return 0
+    return report_finished(summary)  # exit 1 when the model diverged or no reply was accepted
 
 
 def _parser(name: str) -> argparse.ArgumentParser:

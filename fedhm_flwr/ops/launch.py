@@ -44,9 +44,9 @@ from omegaconf import DictConfig
 from fedhm_flwr.config import compose_config, load_config, resume_config, split_overrides
 from fedhm_flwr.data.files import check_data_available
 from fedhm_flwr.ops.flower_job import ErrorScan, FlowerJob, run_flower_job
-from fedhm_flwr.ops.outcome import (Commands, PythonCommands, RunFailed, RunInterrupted, checkpoint_round, completed,
-                                    fedhm_commands, fedhm_program, interrupted, report_stop, require_checkpoint,
-                                    resume_hint, run_command)
+from fedhm_flwr.ops.outcome import (Commands, PythonCommands, RunFailed, RunInterrupted, checkpoint_round,
+                                    fedhm_commands, fedhm_program, interrupted, report_finished, report_stop,
+                                    require_checkpoint, resume_hint, run_command)
 from fedhm_flwr.ops.procs import Interrupted, Processes, new_tag, on_signals
 from fedhm_flwr.ops.runlock import RunLock
 from fedhm_flwr.ops.superlink import (APP_DIR, SIMULATION_CONNECTION, free_port, stage_app, start_simulation_superlink,
@@ -147,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     code, summary = run_command(lambda: run_job(split_overrides(args.overrides), args.run_dir, args.resume))
     if summary is None:
         return code
-    print(completed(summary))
-    return 0
+    return report_finished(summary)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """How a run ends, in the user's terms: the command that resumes it, :class:`RunInterrupted`,
-:class:`RunFailed`, and the exit code an entry point returns after an interrupt.
+:class:`RunFailed`, the exit code an entry point returns after an interrupt, and the last line
+and exit code of a finished run (:func:`finished`: collapsed, diverged, nothing accepted).
 
 Every entry point (``fedhm run|resume|sweep|compare|deploy-local``, ``make run``,
 ``python -m fedhm_flwr.ops.launch``, :mod:`fedhm_flwr.api`) reports an interrupted or failed run
@@ -17,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedhm_flwr.config import ConfigError
+from fedhm_flwr.ops.health import final_line
 from fedhm_flwr.ops.procs import Interrupted, on_signals
-from fedhm_flwr.reporting.results import CHECKPOINT_DIR, load_checkpoint_state, refuse_existing_run
+from fedhm_flwr.reporting.results import (CHECKPOINT_DIR, CONFIG_FILE, METRICS_JSONL, STATUS_FILE,
+                                          load_checkpoint_state, refuse_existing_run)
 
 
 @dataclass(frozen=True)
@@ -143,10 +146,22 @@ def interrupted(stop: Interrupted, run_dir: Path, commands: Commands, overrides:
 
 
 def require_checkpoint(run_dir: Path) -> None:
-    """A resume needs a checkpoint: refused (ConfigError naming the folder) before anything starts."""
-    if checkpoint_round(run_dir) is None:
-        raise ConfigError("resume", str(run_dir), f"a run directory with a checkpoint ({run_dir / CHECKPOINT_DIR} "
-                          "holds none: the run stopped before its first one): start it again")
+    """A resume needs a run directory with a checkpoint: refused (ConfigError naming the folder and
+    what is missing) before anything starts: a folder that does not exist, one that holds no run
+    (none of ``config.yaml``, ``status.json``, ``metrics.jsonl``, ``checkpoint/``), a run that stopped
+    before its first checkpoint."""
+    if checkpoint_round(run_dir) is not None:
+        return
+    marks = (CONFIG_FILE, STATUS_FILE, METRICS_JSONL, CHECKPOINT_DIR)
+    if not run_dir.is_dir():
+        raise ConfigError("resume", str(run_dir), "the directory of a run (e.g. outputs/<date>/<time>-<method>): "
+                          "this folder does not exist")
+    if not any((run_dir / name).exists() for name in marks):
+        raise ConfigError("resume", str(run_dir), "the directory of a run (e.g. outputs/<date>/<time>-<method>): "
+                          f"this folder is not a run (it holds none of {', '.join(marks)}); start a run with "
+                          "`fedhm run`, or give the folder a run wrote")
+    raise ConfigError("resume", str(run_dir), f"a run directory with a checkpoint ({run_dir / CHECKPOINT_DIR} "
+                      "holds none: the run stopped before its first one): start it again")
 
 
 def report_stop(stop: KeyboardInterrupt) -> int:
@@ -159,11 +174,20 @@ def report_stop(stop: KeyboardInterrupt) -> int:
     return stop.exit_code if isinstance(stop, Interrupted) else 130
 
 
-def completed(summary: Mapping) -> str:
-    """The line a command ends a finished run with: the final accuracy and where the outputs are."""
-    acc = summary.get("final_acc/global")
-    return (f"run complete: final global accuracy {acc if acc is None else f'{acc:.4f}'}; "
-            f"outputs in {summary['output_dir']}")
+def finished(summary: Mapping) -> tuple[int, str]:
+    """(exit code, the line a command ends a finished run with): the final accuracy and where the
+    outputs are, with what the run's records say of its model (:mod:`fedhm_flwr.ops.health`): a
+    collapse is said after it (exit 0); a diverged run, or one that accepted no reply, ends
+    ``error: ...`` with a hint (exit 1)."""
+    return final_line(summary)
+
+
+def report_finished(summary: Mapping, prefix: str = "", suffix: str = "") -> int:
+    """Print :func:`finished`'s line (stdout; stderr for an error) between ``prefix`` and ``suffix``;
+    return its exit code."""
+    code, line = finished(summary)
+    print(f"{prefix}{line}{suffix}", file=sys.stderr if code else sys.stdout, flush=True)
+    return code
 
 
 def run_command(job: Callable[[], Mapping], refused: tuple[type[Exception], ...] = (ConfigError, FileExistsError),
