@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, MessageType, RecordDict
 from torch.utils.data import TensorDataset
@@ -238,3 +239,31 @@ def test_bn_reply_check_takes_whole_models_and_refuses_anything_else():
     for case, (content, reason) in bad.items():
         sums, why = bn_wire.check_bn_reply(content, [SHAPES, SHAPES])
         assert sums is None and reason in why, (case, why)
+
+
+def test_a_node_sums_statistics_over_a_seeded_subset_of_at_most_bn_examples(toy_cfg, tmp_path):
+    """``evaluation.bn_examples=K``: each node asked sums its norm statistics over K of its training
+    examples, the sorted draw ``default_rng(seed).choice(n, K, replace=False)`` with the seed its
+    query carries (a different one per node), bit for bit as summed directly over those examples."""
+    cfg = toy_cfg("rounds=1 levels.ratios=[1,0.25] evaluation.bn_examples=40")
+    handlers, seen = _bn_queries()
+    run(LocalGrid(6, handlers), cfg, tmp_path)
+    tensors, _ = load_bn_statistics(tmp_path)
+    assert len(seen) == 6 and len({int(msg.content[wire.CONFIG][wire.SEED]) for _, msg, _ in seen}) == 6
+    parts = []
+    for _, msg, context in seen:
+        config = msg.content[wire.CONFIG]
+        assert int(config[wire.BN_EXAMPLES]) == 40
+        data = json.loads(str(config[wire.DATA_SPEC]))
+        dataset = client_dataset({**data, "augment": False}, int(context.node_config[wire.PARTITION_ID]), None, "train")
+        assert len(dataset) > 40
+        picked = np.sort(np.random.default_rng(int(config[wire.SEED])).choice(len(dataset), 40, replace=False))
+        subset = torch.utils.data.Subset(dataset, picked.tolist())
+        spec = json.loads(config[wire.MODEL_SPECS][0])
+        model = client.load_model(spec, msg.content[bn_wire.bn_record(0)].to_torch_state_dict(), torch.device("cpu"))
+        parts.append({k: v.float() for k, v in bn_sums(model, subset, int(cfg.train.batch_size), torch.device("cpu")).items()})
+    expected = combine_bn_sums(parts)
+    first = next(k for k in expected if k.endswith(".count"))
+    assert float(expected[first]) == 6 * 40 * 28 * 28  # 40 images a node, every pixel of the first layer's input
+    for key, value in expected.items():
+        assert torch.equal(tensors[f"level_1/{key}"], value), key

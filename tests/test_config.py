@@ -61,6 +61,7 @@ def test_uniform_weights_parse_as_infinity():
         ("dataset=mnist3d", "dataset"),
         ("no_such_key=1", "no_such_key"),
         ("stragglers.quorum=0", "stragglers.quorum"),
+        ("evaluation.bn_examples=-1", "evaluation.bn_examples"),
         ("stragglers.factor=0.5", "stragglers.factor"),
         ("stragglers.min_seconds=-1", "stragglers.min_seconds"),
         ("aggregation.max_examples=0", "aggregation.max_examples"),

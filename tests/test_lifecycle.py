@@ -271,7 +271,7 @@ def test_ctrl_c_to_a_sweep_names_its_jobs_and_the_continue_command_runs_only_wha
     assert command.endswith(f"fedhm sweep --continue {sweep_dir}"), command
     # the client's own exception on the console, within 10 s of the round that saw it
     seen = [t for line, t in stamps.items() if line.startswith("job 0: first client error: round 1: node ")
-            and line.endswith("failed: fedhm_flwr.client.handlers.InjectedFailure: injected client crash")]
+            and line.endswith("failed: client error: fedhm_flwr.client.handlers.InjectedFailure: injected client crash")]
     round_1 = [t for line, t in stamps.items() if line.startswith("job 0: round 1/4 ")]
     assert seen and round_1 and seen[0] - round_1[0] < 10, sorted(stamps)
     finished = {p: p.stat().st_mtime_ns for p in job0.iterdir() if p.is_file()}

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 from flwr.supercore import log
+from torch.utils.data import Subset
 
 from fedhm_flwr.client import hostile
 from fedhm_flwr.core import bn_wire, protocol
@@ -270,12 +271,16 @@ def query_data_spec(msg: Message) -> dict[str, Any] | None:
 
 
 def bn_statistics(msg: Message, context: Context) -> RecordDict:
-    """Per-layer input sums of each received model over this node's training split (sBN), the data
-    loaded once: model i (spec ``model-specs[i]``, arrays in record ``arrays.i``) -> its sums in
+    """Per-layer input sums of each received model over this node's training split (sBN; at most the
+    query's ``bn-examples`` of them, a subset drawn with its seed), the data loaded once: model i (spec ``model-specs[i]``, arrays in record ``arrays.i``) -> its sums in
     the reply's record ``arrays.i`` (:func:`fedhm_flwr.core.bn_wire.bn_record`)."""
     config = msg.content[CONFIG]
     specs = [json.loads(str(spec)) for spec in config[protocol.MODEL_SPECS]]
     dataset = local_dataset(config, context, augment=False)
+    cap = int(config.get(protocol.BN_EXAMPLES, 0))
+    if 0 < cap < len(dataset):  # a seeded subset: statistics settle long before every example counts
+        rng = np.random.default_rng(int(config.get(protocol.SEED, 0)))
+        dataset = Subset(dataset, np.sort(rng.choice(len(dataset), cap, replace=False)).tolist())
     device = pick_device()
     batch_size = int(config.get(protocol.BATCH_SIZE, 64))
     out = RecordDict()

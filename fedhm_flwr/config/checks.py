@@ -189,6 +189,7 @@ def validate_common(cfg: DictConfig, robust: tuple[str, ...]) -> None:
     int_at_least(cfg, "evaluation.batch_size", 1)
     choice(cfg, "evaluation.bn_stats", BN_STATS)
     int_at_least(cfg, "evaluation.bn_clients", 0)
+    int_at_least(cfg, "evaluation.bn_examples", 0)
     deploy = OmegaConf.select(cfg, "evaluation.deploy_stats", default=True)  # absent from configs saved before it existed
     require(isinstance(deploy, bool), "evaluation.deploy_stats", deploy, "true or false")
     choice(cfg, "evaluation.where", EVALUATION_WHERE)

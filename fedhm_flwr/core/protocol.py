@@ -37,6 +37,9 @@ NODE_INFO, BN_STATS = "node-info", "bn-stats"
 #: in config[MODEL_SPECS] (a list), model i's arrays in the record ``bn_wire.bn_record(i)``; the reply
 #: holds model i's sums in the record of the same name
 MODEL_SPECS = "model-specs"
+#: a bn-stats query: the most training examples a node sums over (a subset drawn with the query's
+#: seed; absent or 0: all of them)
+BN_EXAMPLES = "bn-examples"
 
 # task config keys (server -> node)
 SERVER_ROUND, METHOD, LEVEL, LEVEL_INDEX = "server-round", "method", "level", "level-index"

@@ -106,9 +106,11 @@ def fix_statistics(run_dir: Path, cfg: Any, model: nn.Module, level: float, chec
         sums = {k[len(prefix):]: v for k, v in saved[0].items() if k.startswith(prefix)}
         if sums:
             apply_bn_statistics(model, sums)
+            cap = int(saved[1].get("examples_per_node", "0"))  # (absent from checkpoints saved before it: all)
+            examples = f", at most {cap} examples each" if cap > 0 else ""
             return {"statistics": "federated",
                     "data": f"the training data of the {saved[1].get('nodes_asked', '?')} clients asked after round "
-                            f"{checkpoint_round} (sBN sums; no data left them)"}
+                            f"{checkpoint_round}{examples} (sBN sums; no data left them)"}
     try:
         train = client_dataset({**data_spec(cfg, 1), "scheme": "iid", "holdout": 0.0}, 0, cfg.dataset.get("data_dir"))
     except (OSError, ValueError) as err:

@@ -37,16 +37,14 @@ from flwr.supercore import log
 from omegaconf import DictConfig
 
 from fedhm_flwr.config import data_spec
-from fedhm_flwr.core import bn_wire
 from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.core.protocol import ARRAYS, CONFIG, METRICS, asked_nodes, error_reason, read_eval
 from fedhm_flwr.data import test_dataset
-from fedhm_flwr.math import levels as lv
-from fedhm_flwr.math.bn_stats import apply_bn_statistics, combine_bn_sums, norm_layers
+from fedhm_flwr.math.bn_stats import apply_bn_statistics, norm_layers
 from fedhm_flwr.math.train import evaluate
 from fedhm_flwr.models import build_model, shape_device
 from fedhm_flwr.models.adapters import load_federated
-from fedhm_flwr.server.replies import round_deadline
+from fedhm_flwr.server.bn_query import federated_bn_sums, spec_key
 
 State = dict[str, torch.Tensor]
 WORST_FRACTION = 0.1  # fed_acc_clients/worst10: the mean accuracy of the worst ceil(10 %) clients
@@ -162,11 +160,6 @@ class BnUse:
         return out
 
 
-def spec_key(spec: dict[str, Any]) -> str:
-    """A model spec as a canonical string (a cache key)."""
-    return json.dumps(spec, sort_keys=True, default=str)
-
-
 @functools.lru_cache(maxsize=32)
 def _tracks_running_statistics(spec_json: str) -> bool:
     spec = json.loads(spec_json)
@@ -233,60 +226,6 @@ def evaluate_models(view: RoundView, models: Sequence[tuple[dict[str, Any], Stat
             bn.sums[spec_key(spec)] = found[i]
             out.append(view.evaluate_fn(spec, state, found[i]))
     return out
-
-
-@functools.lru_cache(maxsize=32)
-def _sum_shapes(spec_json: str) -> dict[str, tuple[int, ...]]:
-    """The arrays a node's sums of the model ``spec_json`` may hold (key -> shape)."""
-    spec = json.loads(spec_json)
-    with shape_device(spec):
-        layers = norm_layers(build_model(spec, spectral_init=False))
-    return bn_wire.bn_sum_shapes({name: int(layer.num_features) for name, layer in layers.items()})
-
-
-def federated_bn_sums(view: RoundView, models: Sequence[tuple[dict[str, Any], State]],
-                      ) -> tuple[list[dict[str, torch.Tensor] | None], int]:
-    """(each model's summed per-layer statistics, None where no client answered; bytes moved).
-    Clients run the models over their local training data (docs/METHODS.md, sBN); the data never
-    leaves them. Every model goes in one message per node asked, answered in one reply; a reply
-    that is not exactly the sums of every model asked is refused whole (a warning names the node)."""
-    grid, nodes = view.grid, view.registry.nodes
-    if grid is None:
-        raise RuntimeError("federated sBN statistics need the grid (configure_train runs first)")
-    cfg = view.cfg
-    node_ids = sorted(nodes, key=view.registry.key)
-    limit = int(cfg.evaluation.bn_clients)
-    if 0 < limit < len(node_ids):
-        rng = lv.round_rng(int(cfg.seed), view.server_round, stream=3)
-        node_ids = [node_ids[i] for i in sorted(rng.choice(len(node_ids), size=limit, replace=False))]
-    specs = [json.dumps(spec) for spec, _ in models]
-    arrays = [view.arrays(state) for _, state in models]  # the wire dtype, serialised once (wire.ArrayCache)
-    expected = [_sum_shapes(spec_key(spec)) for spec, _ in models]
-    nbytes, messages = 0, []
-    for node_id in node_ids:
-        config = ConfigRecord({wire.QUERY: wire.BN_STATS, wire.MODEL_SPECS: specs,
-                               wire.DATA_SPEC: json.dumps(data_spec(cfg, nodes[node_id].num_partitions)),
-                               wire.BATCH_SIZE: int(cfg.train.batch_size), **view.wire_config})
-        content = RecordDict({CONFIG: config})
-        for index, model_arrays in enumerate(arrays):
-            record = ArrayRecord.from_array_dict(model_arrays)  # fresh record, shared bytes
-            nbytes += record.count_bytes()
-            content[bn_wire.bn_record(index)] = record
-        messages.append(Message(content=content, dst_node_id=node_id, message_type=MessageType.QUERY))
-    parts: list[list[dict[str, torch.Tensor]]] = [[] for _ in models]
-    replies = wire.exchange(grid, messages, round_deadline(cfg), max_poll=0.5)  # (Flower's loop waits 3 s a pull)
-    for node_id, reply in sorted(asked_nodes(messages, replies), key=lambda pair: view.registry.key(pair[0])):  # (sums: node order)
-        try:
-            sums, why = (None, error_reason(reply)) if reply.has_error() else bn_wire.check_bn_reply(reply.content, expected)
-        except Exception as exc:  # noqa: BLE001 (no reply can raise out of the round)
-            sums, why = None, f"reply could not be read: {type(exc).__name__}: {exc}"
-        if sums is None:
-            log(WARNING, "bn-stats: node %s gave no statistics: %s", view.registry.label(node_id), why)
-            continue
-        nbytes += sum(reply.content[bn_wire.bn_record(i)].count_bytes() for i in range(len(models)))
-        for part, model_sums in zip(parts, sums):
-            part.append(model_sums)
-    return [combine_bn_sums(part) if part else None for part in parts], nbytes
 
 
 # ---------------------------------------------------------------------- federated evaluation

@@ -7,15 +7,13 @@ the merge as Flower's DP strategies wrap a strategy), evaluate the global model 
 deployable model, record, checkpoint. The method (:class:`fedhm_flwr.server.methods.method.Method`) is Flower-free
 and says only how a client's model is cut out of the global model and how replies are folded back
 in. The round's collaborators are handed what they need and never reach back into it: the node
-registry (:mod:`fedhm_flwr.server.nodes`, the levels' costs given as data), the wire
-(:mod:`fedhm_flwr.core.protocol`: array cache, task configs, reply checks), the evaluation
-(:mod:`fedhm_flwr.server.evaluation`, given the grid, the registry and the method) and the records
-(:mod:`fedhm_flwr.server.report`).
+registry (:mod:`~fedhm_flwr.server.nodes`, costs as data), what is sent (:mod:`~fedhm_flwr.server.payloads`),
+the replies (:mod:`~fedhm_flwr.server.replies`: untrusted input), the evaluation
+(:mod:`~fedhm_flwr.server.evaluation`) and the records (:mod:`~fedhm_flwr.server.report`).
 
 A strategy runs one method: ``HeteroStrategy(cfg, model_spec, evaluate_fn, recorder, method=...)``,
-or a method's binding (``FedHMStrategy(cfg, model_spec, ...)``, :data:`strategies.STRATEGIES`). The
-method's own attributes (``levels``, ``ranks``, ``level_payload``, ``deployable``, ``level_cost``, ...)
-read through the strategy too, for callers that hold only the strategy (``inspect``, ``export``, the bench).
+or a method's binding (``FedHMStrategy(cfg, model_spec, ...)``, :data:`strategies.STRATEGIES`); the
+method's attributes read through the strategy too (``inspect``, ``export``, the bench use them).
 """
 
 from __future__ import annotations
@@ -87,6 +85,7 @@ class HeteroStrategy(Strategy):
         self._global_record: ArrayRecord | None = None  # the record last made of self.global_state
         self._late_ids: list[str] = []  # the last round's messages it stopped waiting for (their answers: late)
         self._examples_cap = reply_checks.examples_cap(self.cfg)  # the most examples a reply's weight counts
+        self._deploy_stats = bool(self.cfg.evaluation.deploy_stats)  # every level's statistics after the last round
 
     def __getattr__(self, name: str) -> Any:
         """The method's attributes, read through the strategy (see the module docstring)."""
@@ -100,10 +99,6 @@ class HeteroStrategy(Strategy):
     def wire_arrays(self, state: State) -> dict[str, Any]:
         """A model the server sends (payload, evaluation), as Arrays in the wire dtype."""
         return self.array_cache.arrays(state, self.wire_dtype)
-
-    def wire_config(self) -> dict[str, str]:
-        """The task-config entry telling a node the wire dtype (absent at the default float32)."""
-        return wire.wire_config(self.wire_dtype)
 
     def global_record(self, state: State) -> ArrayRecord:
         """The global state as the round's ArrayRecord (float32: the server keeps float32)."""
@@ -312,6 +307,9 @@ class HeteroStrategy(Strategy):
             if train_metrics is not None:
                 result.train_metrics_clientapp[server_round] = train_metrics
             row = self._round_row(server_round, train_metrics)
+            last = server_round == num_rounds and self.recorder is not None and self._deploy_stats
+            early = (deployment.DeploymentQuery(self._view(), self.state_of(arrays))  # nodes sum while the server evaluates
+                     if last and str(self.cfg.evaluation.bn_stats) != "federated" else None)
             if self._evaluation_due(server_round, num_rounds):
                 t_eval = time.perf_counter()
                 if self.cfg.evaluation.where != "clients":
@@ -330,8 +328,8 @@ class HeteroStrategy(Strategy):
                     row.update(dict(given))
                     result.evaluate_metrics_serverapp[server_round] = MetricRecord(
                         {**dict(result.evaluate_metrics_serverapp.get(server_round, {})), **dict(given)})
-            if server_round == num_rounds and self.recorder is not None and self.cfg.evaluation.get("deploy_stats", True):
-                self._save_deployment_statistics(server_round, self.state_of(arrays), row)
+            if last:
+                self._save_deployment_statistics(server_round, self.state_of(arrays), row, early)
             row["seconds"] = time.perf_counter() - t_round
             self.history.append(row)
             log(INFO, "%s", progress_line(row, num_rounds, self.levels))
@@ -352,18 +350,20 @@ class HeteroStrategy(Strategy):
     def _view(self) -> ev.RoundView:
         """What the evaluation is given of this round (never the strategy itself)."""
         return ev.RoundView(self.cfg, self.method, self.evaluate_fn, self._grid, self.registry, self.wire_arrays,
-                            self.wire_config(), len(self.history) + 1)
+                            wire.wire_config(self.wire_dtype), len(self.history) + 1)
 
     def evaluate_levels(self, global_state: State) -> dict[str, Any]:
         """Server test-set accuracy and loss of the global model and each level's deployable model."""
         self._bn = ev.BnUse("")  # the federated sums of this model version (reused by the deployment statistics)
         return ev.evaluate_levels(self._view(), global_state, self._bn)
 
-    def _save_deployment_statistics(self, server_round: int, global_state: State, row: dict[str, Any]) -> None:
-        """The fixed norm statistics of every level's deployable model (the clients' sBN sums),
-        saved beside the final checkpoint for ``fedhm export`` (docs/METHODS.md#deployable-statistics)."""
+    def _save_deployment_statistics(self, server_round: int, global_state: State, row: dict[str, Any],
+                                    early: deployment.DeploymentQuery | None) -> None:
+        """The fixed norm statistics of every level's deployable model (the clients' sBN sums; asked
+        ``early`` or now, reusing what the final evaluation asked), saved beside the final checkpoint
+        for ``fedhm export`` (docs/METHODS.md#deployable-statistics)."""
         known = self._bn.sums if self._bn is not None else None  # the final round's evaluation asked already
-        found = deployment.deployment_statistics(self._view(), global_state, known)
+        found = (early or deployment.DeploymentQuery(self._view(), global_state, known)).result()
         if found is not None:
             tensors, metadata, nbytes = found
             self.recorder.save_bn_statistics(tensors, {**metadata, "round": str(server_round)})
