@@ -185,13 +185,13 @@ COMMANDS: dict[str, Command] = {
                       "(imported when called: available once that module is installed).",
                       ("fedhm shards --help",), _delegate("shards"), "fedhm_flwr.ops.shards",
                       "a node's own data shard for real devices (fedhm_flwr.ops.shards, when installed)"),
-    "supernode": Command("flower-supernode with the same arguments, started again once when the SuperLink still "
-                         "holds the session of a killed predecessor (it waits out the heartbeat window itself); "
-                         "for devices (docs/DEPLOY.md).",
+    "supernode": Command("flower-supernode with the same arguments, kept running: started again after it dies "
+                         "(with a back-off; after a refused activation once the heartbeat window is out), and "
+                         "what it started (its ClientApps) ended with it; for devices (docs/DEPLOY.md).",
                          ("fedhm supernode --superlink fl.example.org:8000 --root-certificates ca.pem "
                           "--auth-supernode-private-key node.key --node-config node-config.toml",),
                          _delegate("supernode"), "fedhm_flwr.ops.supernode",
-                         "flower-supernode that comes back after a kill (a device's SuperNode)"),
+                         "flower-supernode kept running, its ClientApps ended with it (a device's SuperNode)"),
     "export": Command("A level's deployable model from a run's checkpoint: safetensors (spec in the metadata), "
                       "torch.export .pt2, ONNX where an exporter is installed, and a model card.",
                       ("fedhm export run=/tmp/fedhm/r1 level=1/4",

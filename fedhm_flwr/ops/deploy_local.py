@@ -93,17 +93,23 @@ def deploy(num_nodes: int, overrides: Sequence[str], capabilities: Sequence[str]
                 else:
                     require_checkpoint(run_dir)
                 with LocalDeployment(run_dir / "deploy", port=port, tag=tag, keep_fds=[lock.fd]) as dep:
-                    dep.make_credentials(names, sans)
-                    dep.start_superlink()
-                    for name in names:
-                        dep.say(f"registered {name} (node id {dep.register(name)})")
-                    for i, name in enumerate(names):
-                        folder = data_dir.replace("{i}", str(i)) if data_dir else None
-                        config = node_config(i, num_nodes, caps[i], folder)
-                        dep.start_supernode(name, config)
-                        dep.say(f"{name}: {' '.join(f'{k}={v}' for k, v in config.items())}")
-                    dep.wait_online(names)
-                    return dep.run_job(overrides, run_dir, timeout=timeout, resume=resume, commands=commands)
+                    try:
+                        dep.make_credentials(names, sans)
+                        dep.start_superlink()
+                        for name in names:
+                            dep.say(f"registered {name} (node id {dep.register(name)})")
+                        for i, name in enumerate(names):
+                            folder = data_dir.replace("{i}", str(i)) if data_dir else None
+                            config = node_config(i, num_nodes, caps[i], folder)
+                            dep.start_supernode(name, config)
+                            dep.say(f"{name}: {' '.join(f'{k}={v}' for k, v in config.items())}")
+                        dep.wait_online(names)
+                        return dep.run_job(overrides, run_dir, timeout=timeout, resume=resume, commands=commands)
+                    except RuntimeError as err:  # a process that died is named, with its exit and its last lines
+                        explained = dep.explain(err)
+                        if explained is err:
+                            raise
+                        raise explained from None
         except Interrupted as stop:  # everything is stopped: the report names the command that resumes the run
             raise interrupted(stop, run_dir, commands, overrides if resume is None else []) from None
 

@@ -28,7 +28,7 @@ from fedhm_flwr.core.protocol import (CAPABILITY, CAPABILITY_BUDGETS, CAPABILITY
                                       PARTITION_ID)
 from fedhm_flwr.ops.credentials import DEFAULT_SANS, Credentials, create_credentials
 from fedhm_flwr.ops.flower_job import FlowerJob, run_flower_job
-from fedhm_flwr.ops.outcome import Commands
+from fedhm_flwr.ops.outcome import Commands, RunFailed, exit_status
 from fedhm_flwr.ops.procs import TAG_VAR, Processes, alive, new_tag, tagged_pids
 from fedhm_flwr.ops.superlink import (APP_DIR, Tls, bin_path, flower_env, free_port, log_tail, stage_app,
                                       start_superlink, toml_string, write_connection, write_run_config)
@@ -39,6 +39,13 @@ CAPABILITY_KINDS = (CAPABILITY_LEVEL, *CAPABILITY_BUDGETS)
 
 def say(message: str) -> None:
     print(f"[deploy-local] {message}", flush=True)
+
+
+def label(name: str) -> str:
+    """A process of the deployment in words, from the name it was started under."""
+    if name == "superlink":
+        return "the SuperLink (flower-superlink)"
+    return "flwr run" if name == "flwr-run" else f"SuperNode {name} (fedhm supernode)"
 
 
 # --------------------------------------------------------------------------- node configs
@@ -115,6 +122,7 @@ class LocalDeployment:
         self.node_ids: dict[str, int] = {}
         self.leftovers: list[int] = []
         self.superlink: subprocess.Popen[bytes] | None = None
+        self.job: FlowerJob | None = None
 
     # -- plumbing
 
@@ -143,6 +151,32 @@ class LocalDeployment:
 
     def log_tail(self, name: str, lines: int = 25) -> str:
         return log_tail(self.logs / f"{name}.log", lines)
+
+    def ended(self) -> list[tuple[str, Path]]:
+        """The processes of this deployment that ended although they should still run (the SuperLink, a
+        SuperNode, ``flwr run`` with an error): (what ended and how, its log) each."""
+        found = []
+        for name, proc, _ in self.processes.started:
+            code = proc.poll()
+            if code is None or (name == "flwr-run" and (code == 0 or (self.job is not None and self.job.timed_out))):
+                continue  # running, or the job's own end (a timeout's kill is the error's first line)
+            found.append((f"{label(name)} ended: {exit_status(code)}", self.logs / f"{name}.log"))
+        return found
+
+    def explain(self, err: RuntimeError) -> RuntimeError:
+        """``err`` naming the processes of this deployment that ended, with their exit code or signal and
+        the last lines of their logs (not those whose last lines ``err`` shows already): for a :class:`RunFailed`,
+        as its reason, before what Flower's output said, if anything (a dead process is the likelier cause)."""
+        ended = [(what, log) for what, log in self.ended() if f"last lines of {log}" not in str(err)]
+        if not ended:
+            return err
+        line = "; ".join(what for what, _ in ended)
+        tails = "\n".join(f"last lines of {log}:\n{log_tail(log, 15)}" for _, log in ended)
+        if isinstance(err, RunFailed):
+            err.reason = "; ".join(part for part in (line, err.reason) if part)
+            err.details = "\n".join(part for part in (err.details, tails) if part)
+            return err
+        return RuntimeError(f"{err}\n{line}\n{tails}")
 
     # -- steps
 
@@ -216,7 +250,8 @@ class LocalDeployment:
             for name in names:
                 proc = self.supernodes[name]
                 if proc.poll() is not None:
-                    raise RuntimeError(f"SuperNode {name} exited with {proc.returncode}:\n{self.log_tail(name)}")
+                    raise RuntimeError(f"{label(name)} ended before it was online ({exit_status(proc.returncode)}); "
+                                       f"the last lines of {self.logs / f'{name}.log'}:\n{self.log_tail(name)}")
             online = {str(n["node-id"]) for n in self.nodes() if n.get("status") == "online"}
             if set(wanted) <= online:
                 self.say(f"{len(names)} SuperNode(s) online: {', '.join(names)}")
@@ -235,7 +270,8 @@ class LocalDeployment:
         run_config = write_run_config(self.cli_home / "run-config.toml", overrides, run_dir, resume)
         app = stage_app(self.work_dir / "app")  # the app's own files, not tests/ bench/ scripts/ docs/
         self.say(f"flwr run {app} {CONNECTION} --stream --run-config {run_config}  (outputs in {run_dir})")
-        job = FlowerJob(self.processes, self.env(self.cli_home), CONNECTION, self.logs / "flwr-run.log", echo)
+        job = self.job = FlowerJob(self.processes, self.env(self.cli_home), CONNECTION, self.logs / "flwr-run.log",
+                                   echo)
         return run_flower_job(job, app, run_config, run_dir, timeout=timeout, see=f" and {self.logs}/superlink.log",
                               commands=commands)
 

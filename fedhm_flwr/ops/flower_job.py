@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedhm_flwr.ops.outcome import Commands, RunFailed, resume_hint
+from fedhm_flwr.ops.outcome import Commands, RunFailed, exit_status, resume_hint
 from fedhm_flwr.ops.procs import Processes, kill_serverapp, killpg_quietly
 from fedhm_flwr.ops.runlock import RunLock
 from fedhm_flwr.ops.superlink import APP_DIR, bin_path
@@ -101,6 +101,7 @@ class FlowerJob:
         self.procs, self.env, self.connection, self.log_file, self.echo = procs, env, connection, log_file, echo
         self.run_id: int | None = None
         self.record_path: Path | None = None  # where the run is recorded (:data:`FLOWER_RUN_FILE`), if anywhere
+        self.timed_out = False  # flwr run was killed for taking longer than its timeout
         self.errors = ErrorScan(on_error)  # on_error: told the first errors as they appear (quiet runs)
 
     def cli(self, *args: str, timeout: float = 60) -> dict[str, Any]:
@@ -143,6 +144,7 @@ class FlowerJob:
             if timer is not None:
                 timer.cancel()
         if timer is not None and code == -signal.SIGKILL:
+            self.timed_out = True
             raise TimeoutError(f"flwr run did not finish in {timeout:g} s")
         return code
 
@@ -237,6 +239,6 @@ def run_flower_job(job: FlowerJob, app: Path, run_config: Path, run_dir: Path, e
     summary_file = run_dir / SUMMARY_FILE
     fresh = summary_file.is_file() and summary_file.stat().st_mtime >= started - 1
     if code != 0 or status != "finished:completed" or not fresh:
-        raise failed(f"the run did not complete (flwr run exit {code}, run {job.run_id}, status {status!r}, "
+        raise failed(f"the run did not complete (flwr run: {exit_status(code)}, run {job.run_id}, status {status!r}, "
                      f"summary {'written' if fresh else 'not written'} by this run)")
     return dict(json.loads(summary_file.read_text()))

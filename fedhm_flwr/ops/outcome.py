@@ -20,6 +20,7 @@ from pathlib import Path
 from fedhm_flwr.config import ConfigError
 from fedhm_flwr.ops.health import final_line
 from fedhm_flwr.ops.procs import Interrupted, on_signals
+from fedhm_flwr.ops.supernode import exit_status  # noqa: F401  (a process's exit in words; the wrapper imports nothing)
 from fedhm_flwr.reporting.results import (CHECKPOINT_DIR, CONFIG_FILE, METRICS_JSONL, STATUS_FILE,
                                           load_checkpoint_state, refuse_existing_run)
 
@@ -121,14 +122,15 @@ class RunInterrupted(Interrupted):
 
 class RunFailed(RuntimeError):
     """A run that did not complete: ``run_dir``, ``reason`` (one line: the ServerApp's exception
-    and/or the first client error found in Flower's output, None if it shows none), ``log``
-    (Flower's output), ``resume_command`` (None without a checkpoint). ``str()`` ends with the
-    reason's line."""
+    and/or the first client error found in Flower's output, or the process of the job that died;
+    None if none of that is known), ``log`` (Flower's output), ``resume_command`` (None without a
+    checkpoint), ``details`` (e.g. the last lines of a dead process's log). ``str()`` ends with the
+    reason's line, then the details."""
 
     def __init__(self, message: str, run_dir: Path | None = None, reason: str | None = None,
-                 log: Path | None = None, resume_command: str | None = None) -> None:
+                 log: Path | None = None, resume_command: str | None = None, details: str | None = None) -> None:
         self.message, self.run_dir, self.reason, self.log = message, run_dir, reason, log
-        self.resume_command = resume_command
+        self.resume_command, self.details = resume_command, details
         super().__init__(message)
 
     def __str__(self) -> str:
@@ -136,6 +138,8 @@ class RunFailed(RuntimeError):
         if self.resume_command:
             lines.append(f"after fixing the cause, resume the run from its last checkpoint with: {self.resume_command}")
         lines.append(f"why: {self.reason}" if self.reason else f"why: Flower's output names no error; see {self.log}")
+        if self.details:
+            lines.append(self.details)
         return "\n".join(lines)
 
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedhm_flwr.ops.outcome import exit_status
 from fedhm_flwr.ops.procs import Processes
 
 APP_DIR = Path(__file__).resolve().parents[2]
@@ -138,7 +139,8 @@ def start_superlink(procs: Processes, port: int, database: Path, env: dict[str, 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"flower-superlink exited with {proc.returncode}:\n{log_tail(log_file)}")
+            raise RuntimeError(f"flower-superlink ended during its start ({exit_status(proc.returncode)}); the last "
+                               f"lines of {log_file}:\n{log_tail(log_file)}")
         try:
             with urllib.request.urlopen(url, timeout=2, context=context) as r:
                 if r.status == 200:
