@@ -63,7 +63,9 @@ LAUNCH_COMMANDS = Commands((*LAUNCH, "--resume"), LAUNCH, APP_DIR)
 
 
 def default_run_dir(method: str) -> Path:
-    root = Path(os.environ.get("FEDHM_OUTPUT_ROOT", APP_DIR / "outputs")).expanduser()
+    """``outputs/<date>/<time>-<method>`` in the folder the command runs in (as Hydra's own runs), or
+    under ``$FEDHM_OUTPUT_ROOT``; the console names it when the run starts."""
+    root = Path(os.environ.get("FEDHM_OUTPUT_ROOT", Path.cwd() / "outputs")).expanduser()
     now = dt.datetime.now()
     return (root / now.strftime("%Y-%m-%d") / f"{now.strftime('%H-%M-%S-%f')}-{method}").resolve()
 
