@@ -87,7 +87,7 @@ def fix_statistics(run_dir: Path, cfg: Any, model: nn.Module, level: float, chec
     predicts in eval mode independently of the batch; returns which statistics, over which data.
 
     * the federated statistics saved at the end of the run (the clients' sBN sums over their
-      training data, :func:`fedhm_flwr.server.deployment.deployment_statistics`), when they belong to the
+      training data, :class:`fedhm_flwr.server.deployment.DeploymentQuery`), when they belong to the
       checkpoint's round;
     * else a pass over the training set on this machine (a checkpoint written before the run
       ended, or ``evaluation.deploy_stats=false``); refused with the reason when there is none;

@@ -34,7 +34,7 @@ CHECKPOINT_DIR = "checkpoint"
 MODEL_FILE = "global_model.safetensors"
 STATE_FILE = "strategy_state.json"
 #: the fixed norm statistics of every level's deployable model, from the federated pass at the
-#: end of the run (:func:`fedhm_flwr.server.deployment.deployment_statistics`); metadata names the round
+#: end of the run (:class:`fedhm_flwr.server.deployment.DeploymentQuery`); metadata names the round
 BN_STATS_FILE = "bn_statistics.safetensors"
 BEST_DIR = "best"  # checkpoint/best/: the model of the best evaluated round (checkpoint.keep_best)
 STATE_KEY = "fedhm_state"  # the strategy state, JSON, in the model file's metadata (one file, one rename)

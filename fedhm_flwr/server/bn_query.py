@@ -45,6 +45,17 @@ def _sum_shapes(spec_json: str) -> dict[str, tuple[int, ...]]:
     return bn_wire.bn_sum_shapes({name: int(layer.num_features) for name, layer in layers.items()})
 
 
+def asked_nodes_of(view: Any) -> list[int]:
+    """The nodes a bn-stats query of this round asks: a seeded sample of ``evaluation.bn_clients``
+    of the connected nodes (all of them at 0 or when fewer are connected), in node order."""
+    node_ids = sorted(view.registry.nodes, key=view.registry.key)
+    limit = int(view.cfg.evaluation.bn_clients)
+    if 0 < limit < len(node_ids):
+        rng = lv.round_rng(int(view.cfg.seed), view.server_round, stream=3)
+        node_ids = [node_ids[i] for i in sorted(rng.choice(len(node_ids), size=limit, replace=False))]
+    return node_ids
+
+
 class BnQuery:
     """One bn-stats query of these ``models`` (spec, state), pushed to the nodes asked when made;
     ``view``: the round's :class:`fedhm_flwr.server.evaluation.RoundView`."""
@@ -54,11 +65,7 @@ class BnQuery:
         grid, nodes, cfg = view.grid, view.registry.nodes, view.cfg
         if grid is None:
             raise RuntimeError("federated sBN statistics need the grid (configure_train runs first)")
-        node_ids = sorted(nodes, key=view.registry.key)
-        limit = int(cfg.evaluation.bn_clients)
-        if 0 < limit < len(node_ids):
-            rng = lv.round_rng(int(cfg.seed), view.server_round, stream=3)
-            node_ids = [node_ids[i] for i in sorted(rng.choice(len(node_ids), size=limit, replace=False))]
+        node_ids = asked_nodes_of(view)
         specs = [json.dumps(spec) for spec, _ in models]
         arrays = [view.arrays(state) for _, state in models]  # the wire dtype, serialised once (ArrayCache)
         self.expected = [_sum_shapes(spec_key(spec)) for spec, _ in models]

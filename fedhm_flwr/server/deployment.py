@@ -18,7 +18,7 @@ from flwr.supercore import log
 
 from fedhm_flwr.math.bn_stats import batch_statistics_layers
 from fedhm_flwr.models import build_model, shape_device
-from fedhm_flwr.server.bn_query import BnQuery, Sums, spec_key
+from fedhm_flwr.server.bn_query import BnQuery, Sums, asked_nodes_of, spec_key
 from fedhm_flwr.server.methods.method import State
 
 
@@ -65,16 +65,5 @@ class DeploymentQuery:
             tensors.update({f"level_{level:g}/{k}": v for k, v in sums.items()})
         if not tensors:
             return None
-        nodes = self.view.registry.nodes
-        limit = int(self.view.cfg.evaluation.bn_clients)
-        asked_count = min(limit, len(nodes)) if limit > 0 else len(nodes)
-        return tensors, {"source": "federated", "nodes_asked": str(asked_count),
+        return tensors, {"source": "federated", "nodes_asked": str(len(asked_nodes_of(self.view))),
                          "examples_per_node": str(int(self.view.cfg.evaluation.bn_examples))}, nbytes
-
-
-def deployment_statistics(view: Any, global_state: State, known: dict[str, Sums] | None = None,
-                          ) -> tuple[dict[str, torch.Tensor], dict[str, str], int] | None:
-    """Fixed norm statistics for every level's deployable model that normalises with batch
-    statistics (static BN): :class:`DeploymentQuery` asked and read at once. A deployed model
-    predicts in eval mode with these, independently of the batch."""
-    return DeploymentQuery(view, global_state, known).result()

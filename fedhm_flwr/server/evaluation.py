@@ -144,7 +144,7 @@ class RoundView:
 @dataclass
 class BnUse:
     """Which norm statistics one evaluation round used, what asking the clients cost, and the
-    sums they gave per model (``spec_key``: reused by :func:`deployment_statistics`)."""
+    sums they gave per model (``spec_key``: reused by :class:`fedhm_flwr.server.deployment.DeploymentQuery`)."""
 
     configured: str
     fallbacks: int = 0
