@@ -13,7 +13,8 @@ SWEEP_ARGS ?= levels.ratios=[1,0.5,0.25,0.125],[1,0.5],[0.25,0.125] rounds=5 dat
 # The baselines compared on the same work (Fashion-MNIST, Dirichlet 0.5, 4 levels), every method on
 # every seed, HeteroFL/FedRolex widths matched to FedHM's parameters per level, then one FedHM
 # ablation per option (self-distillation, the official code's two switches); about 5 min per run
-# on 2 cores (24 runs with 3 seeds). SEEDS=0 for a single seed, COMPARE_MATCH=none for unmatched widths.
+# on 2 cores (24 runs with 3 seeds). SEEDS=0 for a single seed, COMPARE_MATCH=none for unmatched widths,
+# COMPARE_MATCH=macs or memory for widths matched on compute or training memory.
 SEEDS ?= 0,1,2
 COMPARE_METHODS ?= fedhm,heterofl,fedrolex,fedavg,fedavg_smallest
 COMPARE_MATCH ?= fedhm_params

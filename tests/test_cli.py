@@ -94,6 +94,15 @@ def test_compare_plan_runs_every_method_on_every_seed_then_each_ablation():
                        "rounds=2", "hydra.sweep.dir=/tmp/c/methods"]]
 
 
+def test_compare_match_names_the_resource_and_refuses_others(capsys):
+    from fedhm_flwr.ops.multirun import match_option
+
+    assert [match_option(v) for v in ("params", "macs", "memory", "fedhm_memory", "none")] == [
+        "fedhm_params", "fedhm_macs", "fedhm_memory", "fedhm_memory", "none"]
+    assert main(["compare", "--match", "flops", "--seeds", "0"]) == 2
+    assert "'flops'; allowed: params, macs, memory, none" in capsys.readouterr().err
+
+
 def test_api_summary_reads_a_finished_run(tmp_path):
     summary = {"output_dir": str(tmp_path), "final_acc/global": 0.7, "final_acc/level_0.5": 0.6,
                "final_acc/level_0.125": 0.4, "best_acc/level_0.5": 0.65}

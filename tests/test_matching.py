@@ -1,4 +1,5 @@
-"""Budget matching (levels.match=fedhm_params): HeteroFL / FedRolex widths with FedHM's parameters."""
+"""Budget matching (levels.match=fedhm_params|fedhm_macs|fedhm_memory): HeteroFL / FedRolex widths with
+FedHM's parameters, MACs or training memory."""
 
 import pytest
 import torch
@@ -26,17 +27,37 @@ def test_resnet18_matches_the_papers_counts_near_the_journals_widths():
     assert all(abs(r - j) <= 0.06 and r <= j for r, j in zip(rates, journal))
 
 
-def test_the_matched_rate_is_the_closest_on_its_grid():
-    spec = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28, "width": 16}
-    (rate,), (target,) = matching.matched_rates(spec, [0.25])
-    best = abs(matching.submodel_params(spec, rate) - target)
+CNN = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28, "width": 16}
+
+
+@pytest.mark.parametrize("resource", matching.RESOURCES)
+def test_the_matched_rate_is_the_closest_on_its_grid(resource):
+    (rate,), (target,) = matching.matched_rates(CNN, [0.25], resource=resource)
+    cost = lambda r: matching.submodel_cost(CNN, r, resource)  # noqa: E731
+    best = abs(cost(rate) - target)
+    assert best / target < 0.02
     for other in (rate - matching.MATCH_STEP, rate + matching.MATCH_STEP, rate - 0.01, rate + 0.01):
-        assert abs(matching.submodel_params(spec, other) - target) >= best
+        assert abs(cost(other) - target) >= best
 
 
-@pytest.mark.parametrize("cls,method", [(HeteroFLStrategy, "heterofl"), (FedRolexStrategy, "fedrolex")])
-def test_matched_strategy_sends_the_matched_width_and_reports_both_counts(toy_cfg, cls, method):
-    cfg = toy_cfg(f"method={method} levels.match=fedhm_params")
+def test_each_resource_is_matched_on_its_own_figure():
+    """FedHM's smallest level needs a larger share of the full model's MACs and memory than of its
+    parameters, so a width matched on MACs or memory is wider than one matched on parameters."""
+    rates = {res: matching.matched_rates(CNN, [0.125], resource=res)[0][0] for res in matching.RESOURCES}
+    assert rates["params"] < rates["macs"] < rates["memory"] < 1
+    full = {res: matching.submodel_cost(CNN, 1.0, res) for res in matching.RESOURCES}
+    fedhm = {res: matching.fedhm_level_costs(CNN, [1.0], resource=res)[0] for res in matching.RESOURCES}
+    assert fedhm == full  # gamma = 1 is the full model on every resource
+    with pytest.raises(ValueError, match="resource='flops'; allowed: params, macs, memory"):
+        matching.submodel_cost(CNN, 0.5, "flops")
+
+
+@pytest.mark.parametrize("cls,method,resource", [(HeteroFLStrategy, "heterofl", "params"),
+                                                 (FedRolexStrategy, "fedrolex", "params"),
+                                                 (HeteroFLStrategy, "heterofl", "macs"),
+                                                 (FedRolexStrategy, "fedrolex", "memory")])
+def test_matched_strategy_sends_the_matched_width_and_reports_both_counts(toy_cfg, cls, method, resource):
+    cfg = toy_cfg(f"method={method} levels.match=fedhm_{resource}")
     strategy = cls(cfg, model_spec(cfg))
     fedhm_cfg = toy_cfg()
     fedhm = FedHMStrategy(fedhm_cfg, model_spec(fedhm_cfg))
@@ -44,7 +65,9 @@ def test_matched_strategy_sends_the_matched_width_and_reports_both_counts(toy_cf
     assert strategy.levels == plain.levels == fedhm.levels  # the levels keep FedHM's names
     for index in range(len(strategy.levels)):
         cost = strategy.level_cost(index)
-        assert cost["fedhm_params"] == fedhm.level_cost(index)["params"]
+        assert cost[f"fedhm_{resource}"] == fedhm.level_cost(index)[resource]
+        assert cost[resource] == matching.submodel_cost(strategy.spec, strategy.rates[index], resource,
+                                                        int(cfg.train.batch_size), float(cfg.train.momentum))
         assert cost["params"] == matching.submodel_params(strategy.spec, strategy.rates[index])
         if index:  # matched widths differ from the unmatched width = gamma
             assert strategy.rates[index] != strategy.levels[index]
@@ -57,7 +80,7 @@ def test_matched_strategy_sends_the_matched_width_and_reports_both_counts(toy_cf
 
 
 def test_match_is_refused_with_its_allowed_values(toy_cfg):
-    with pytest.raises(ConfigError, match=r"levels\.match.*none.*fedhm_params"):
+    with pytest.raises(ConfigError, match=r"levels\.match.*none.*fedhm_params.*fedhm_macs.*fedhm_memory"):
         toy_cfg("method=heterofl levels.match=flops")
 
 

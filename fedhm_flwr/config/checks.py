@@ -25,7 +25,8 @@ from fedhm_flwr.data.spec import DATA_SPEC_DEFAULTS, SOURCE_DEFAULTS, source_fie
 
 PARTITION_SCHEMES = ("iid", "dirichlet", "pathological")
 ASSIGNMENTS = ("fixed", "dynamic")
-LEVEL_MATCH = ("none", "fedhm_params")  # heterofl / fedrolex widths: as given, or matched to FedHM's parameters
+#: heterofl / fedrolex widths: as given, or matched to FedHM's level on parameters, MACs or training memory
+LEVEL_MATCH = ("none", "fedhm_params", "fedhm_macs", "fedhm_memory")
 LR_SCHEDULES = ("constant", "cosine", "step")
 BN_STATS = ("test_batch", "federated")
 EVALUATION_WHERE = ("server", "clients", "both")

@@ -99,3 +99,17 @@ def training_memory_bytes(params: int, activations_per_input: int, batch_size: i
     temporary workspaces, so a device should declare the memory it can give to the model.
     """
     return int(bytes_per_value * ((2 + optimizer_slots) * params + batch_size * activations_per_input))
+
+
+def model_costs(model: nn.Module, shape: tuple[int, ...], batch_size: int, momentum: float) -> dict[str, float]:
+    """A fully trained model's costs: ``params`` (trainable), ``macs`` (one input of ``shape``),
+    ``bytes`` (float32 payload, ``4 · params``) and ``memory`` (estimated training memory at
+    ``batch_size``, one optimizer slot with momentum: :func:`training_memory_bytes`)."""
+    params = count_parameters(model)
+    slots = 1 if float(momentum) > 0 else 0
+    return {
+        "params": float(params),
+        "macs": float(count_macs(model, shape)),
+        "bytes": float(4 * params),
+        "memory": float(training_memory_bytes(params, activation_elements(model, shape), int(batch_size), slots)),
+    }

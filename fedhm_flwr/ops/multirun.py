@@ -33,6 +33,16 @@ COMPARE_METHODS = "fedhm,heterofl,fedrolex,fedavg,fedavg_smallest"
 COMPARE_OVERRIDES = ("rounds=8", "dataset.max_train_examples=30000")
 COMPARE_SEEDS = "0,1,2"
 COMPARE_MATCH = "fedhm_params"
+#: levels.match values of a budget-matched comparison -> what FedHM's level is matched on
+MATCH_WORDS = {"fedhm_params": "parameter count", "fedhm_macs": "MACs per input", "fedhm_memory": "training memory"}
+
+
+def match_option(value: str) -> str:
+    """``--match``: ``params``, ``macs``, ``memory`` (or with levels.match's ``fedhm_`` prefix) or ``none``."""
+    match = value if value == "none" or value.startswith("fedhm_") else f"fedhm_{value}"
+    if match != "none" and match not in MATCH_WORDS:
+        raise argparse.ArgumentTypeError(f"{value!r}; allowed: params, macs, memory, none")
+    return match
 COMPARE_ABLATIONS = ("train.distill.enabled=true", "method.official_weights=true", "method.add_previous_global=true")
 
 
@@ -150,8 +160,10 @@ def cmd_compare(argv: list[str], parser: argparse.ArgumentParser) -> int:
     """``fedhm compare`` (``parser``: the command's, options are added here)."""
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of every run (rounds=3, method=fedhm,heterofl ...)")
     parser.add_argument("--seeds", default=COMPARE_SEEDS, help=f"comma-separated seeds (default {COMPARE_SEEDS})")
-    parser.add_argument("--match", default=COMPARE_MATCH, choices=["fedhm_params", "none"],
-                        help="levels.match of the width methods (default fedhm_params: budget-matched)")
+    parser.add_argument("--match", default=COMPARE_MATCH, type=match_option,
+                        help="the resource HeteroFL/FedRolex widths match FedHM's levels on: params (bytes on the "
+                             "wire), macs (compute), memory (training memory), or none (width rates = levels); "
+                             "default params (the fedhm_ prefix of levels.match is also accepted)")
     parser.add_argument("--ablations", default=" ".join(COMPARE_ABLATIONS),
                         help="space-separated FedHM options, one extra sweep each ('' for none)")
     parser.add_argument("--continue", dest="cont", type=Path, metavar="DIR",
@@ -168,8 +180,8 @@ def cmd_compare(argv: list[str], parser: argparse.ArgumentParser) -> int:
     else:
         root, sweeps = compare_plan(split_overrides(args.overrides), args.seeds, args.match,
                                     tuple(args.ablations.split()))
-        matched = ("budget-matched comparison (levels.match=fedhm_params: HeteroFL/FedRolex width rates chosen per "
-                   "level to match FedHM's parameter count)" if args.match == "fedhm_params"
+        matched = (f"budget-matched comparison (levels.match={args.match}: HeteroFL/FedRolex width rates chosen per "
+                   f"level to match FedHM's {MATCH_WORDS[args.match]})" if args.match != "none"
                    else "unmatched comparison (levels.match=none: width rates = levels)")
         seeds = args.seeds
         root = str(Path(root).resolve())

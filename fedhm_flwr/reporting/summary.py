@@ -42,7 +42,7 @@ from omegaconf import OmegaConf
 from fedhm_flwr.reporting.results import CONFIG_FILE, SUMMARY_FILE, atomic_write
 from fedhm_flwr.reporting.summary_plots import write_plots
 # the statistics over seeds (re-exported: the names callers have used from this module)
-from fedhm_flwr.reporting.summary_stats import (METHOD_OPTIONS, TAIL_FRACTION, group_keys, group_runs, models_of,
+from fedhm_flwr.reporting.summary_stats import (COSTS, METHOD_OPTIONS, TAIL_FRACTION, group_keys, group_runs, models_of,
                                                 paired_differences, read_metrics, seed_statistics, setting_keys,
                                                 statistics_markdown, tail_accuracies)
 
@@ -119,7 +119,7 @@ def collect(run_dirs: list[Path]) -> tuple[list[str], list[dict[str, Any]]]:
                 row[key] = value
         row.update(tail_accuracies(read_metrics(run_dir)))
         for level, cost in summary.get("level_costs", {}).items():
-            for name in ("params", "fedhm_params", "macs", "memory"):
+            for name in COSTS:
                 if name in cost:
                     row[f"{name}/level_{level}"] = int(cost[name])
         row["bytes_total"] = summary.get("bytes_total")
@@ -178,7 +178,7 @@ def _columns(rows: list[dict[str, Any]]) -> list[str]:
     kinds = ("final_acc/", "best_acc/", "tail_acc/", "final_fed_acc/", "best_fed_acc/", "final_fed_acc_clients/")
     accs = sorted((c for c in cols if c.startswith(kinds)),
                   key=lambda c: ("fed_" in c, level_of(c), [c.startswith(k) for k in kinds].index(True)))
-    costs = ("params/", "fedhm_params/", "macs/", "memory/")
+    costs = tuple(f"{c}/" for c in COSTS)
     params = sorted((c for c in cols if c.startswith(costs)),
                     key=lambda c: ([c.startswith(k) for k in costs].index(True), level_of(c)))
     tail = [c for c in ("bytes_total", "wall_seconds", "rounds", "dir") if c in cols]

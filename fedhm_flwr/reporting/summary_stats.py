@@ -16,6 +16,9 @@ from fedhm_flwr.reporting.results import METRICS_JSONL
 METHOD_OPTIONS = ("method.", "train.distill.")
 #: the share of the last rounds averaged in the ``tail_acc/*`` columns
 TAIL_FRACTION = 0.1
+#: a level's costs a row keeps (``<cost>/level_<g>``): its own, and FedHM's figure of the resource its width was
+#: matched on (levels.match=fedhm_params | fedhm_macs | fedhm_memory)
+COSTS = ("params", "fedhm_params", "macs", "fedhm_macs", "memory", "fedhm_memory")
 
 
 def setting_keys(swept: list[str]) -> list[str]:
@@ -75,7 +78,7 @@ def seed_statistics(swept: list[str], rows: list[dict[str, Any]]) -> list[dict[s
             stat["seeds"] = ",".join(str(r.get("seed")) for r in members if r.get(f"final_acc/{model}") is not None)
             stat.update(_estimate_fields("final", mean_ci(final)))
             stat.update(_estimate_fields("tail", mean_ci(tail) if tail else None))
-            for cost in ("params", "fedhm_params", "macs", "memory"):
+            for cost in COSTS:
                 if model != "global" and members[0].get(f"{cost}/{model}") is not None:
                     stat[cost] = members[0][f"{cost}/{model}"]
             bytes_moved = column_values(members, "bytes_total")
@@ -130,13 +133,15 @@ def statistics_markdown(stats: list[dict[str, Any]], paired: list[dict[str, Any]
     lines = ["## Accuracy over seeds (mean ± std, 95 % Student-t CI)", ""]
     if stats:
         keys = [k for k in stats[0] if k not in ("model", "n", "seeds") and not k.startswith(
-            ("final_", "tail_", "params", "fedhm_params", "macs", "memory", "bytes_total"))]
+            ("final_", "tail_", *COSTS, "bytes_total"))]
+        matched = [c for c in COSTS if c.startswith("fedhm_") and (c == "fedhm_params" or any(c in s for s in stats))]
         view = [{**{k: s.get(k) for k in keys}, "model": s["model"], "n": s["n"], "seeds": s["seeds"],
                  "final": _pm(s.get("final_mean"), s.get("final_std")),
                  "final 95% CI": _ci(s.get("final_ci_low"), s.get("final_ci_high")),
                  "last 10%": _pm(s.get("tail_mean"), s.get("tail_std")),
                  "last 10% 95% CI": _ci(s.get("tail_ci_low"), s.get("tail_ci_high")),
-                 "params": s.get("params"), "FedHM params": s.get("fedhm_params")} for s in stats]
+                 "params": s.get("params"),
+                 **{f"FedHM {c.removeprefix('fedhm_')}": s.get(c) for c in matched}} for s in stats]
         lines.append(_plain_table(view))
     lines += ["", f"## Paired differences against {reference} (same seed; method − {reference})", ""]
     if paired:

@@ -17,7 +17,7 @@ from torch import nn
 
 from fedhm_flwr.models import build_model, input_shape, shape_device
 from fedhm_flwr.models.adapters import trainable_state
-from fedhm_flwr.models.costs import activation_elements, count_macs, count_parameters, training_memory_bytes
+from fedhm_flwr.models.costs import model_costs
 from fedhm_flwr.models.rules import head_name
 
 Costs = dict[str, float]
@@ -41,20 +41,6 @@ def record_bytes(state: dict[str, torch.Tensor]) -> int:
     """Bytes of ``state`` in a message, counted as the round counts them (``ArrayRecord.count_bytes``)."""
     return int(ArrayRecord.from_torch_state_dict({k: v.detach().float().contiguous() for k, v in state.items()})
                .count_bytes())
-
-
-def model_costs(model: nn.Module, shape: tuple[int, ...], batch_size: int, momentum: float) -> Costs:
-    """A fully trained model's costs: ``params`` (trainable), ``macs`` (one input of ``shape``),
-    ``bytes`` (float32 payload, ``4 · params``) and ``memory`` (estimated training memory at
-    ``batch_size``, one optimizer slot with momentum: :func:`training_memory_bytes`)."""
-    params = count_parameters(model)
-    slots = 1 if float(momentum) > 0 else 0
-    return {
-        "params": float(params),
-        "macs": float(count_macs(model, shape)),
-        "bytes": float(4 * params),
-        "memory": float(training_memory_bytes(params, activation_elements(model, shape), int(batch_size), slots)),
-    }
 
 
 def trained_costs(model: nn.Module, head_keys: list[str]) -> Costs:

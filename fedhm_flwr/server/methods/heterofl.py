@@ -8,11 +8,12 @@ clients whose sub-model held it (classifier rows only over clients holding the c
 nobody trained keep their values. A level's deployable model is its sub-model sliced from the
 global model (the Scaler is the identity in evaluation). The math is in :mod:`fedhm_flwr.math.width`.
 
-Budget matching (``levels.match=fedhm_params``): ``levels.ratios`` are then FedHM's rank ratios,
-which keep naming the levels (outputs, proportions, declared capabilities), and each level trains
-the width rate whose sub-model's parameter count is the closest to FedHM's level of the same ratio
-on the same model (:func:`fedhm_flwr.models.matching.matched_rates`); ``level_cost`` also reports FedHM's
-count (``fedhm_params``).
+Budget matching (``levels.match=fedhm_<resource>``, resource ``params``, ``macs`` or ``memory``):
+``levels.ratios`` are then FedHM's rank ratios, which keep naming the levels (outputs, proportions,
+declared capabilities), and each level trains the width rate whose sub-model's resource (parameters,
+MACs, training memory) is the closest to FedHM's level of the same ratio on the same model
+(:func:`fedhm_flwr.models.matching.matched_rates`); ``level_cost`` also reports FedHM's figure
+(``fedhm_params``, ``fedhm_macs`` or ``fedhm_memory``).
 """
 
 from __future__ import annotations
@@ -49,18 +50,21 @@ class HeteroFL(Method):
         self.scaler = bool(cfg.method.scaler)
         self.grad_clip = float(cfg.method.grad_clip)
         self.weight_by_samples = bool(cfg.method.get("weight_by_samples", False))
-        #: each level's width rate: the level itself, or the rate matching FedHM's parameters
-        self.rates, self.fedhm_params = list(self.levels), None
-        if cfg.levels.get("match", "none") == "fedhm_params":
-            self.rates, self.fedhm_params = matching.matched_rates(self.spec, self.levels)
+        #: each level's width rate: the level itself, or the rate matching FedHM's level on one resource
+        self.rates, self.fedhm_costs = list(self.levels), None
+        self.match = str(cfg.levels.get("match", "none"))
+        if self.match != "none":
+            self.rates, self.fedhm_costs = matching.matched_rates(
+                self.spec, self.levels, resource=self.match.removeprefix("fedhm_"),
+                batch_size=int(cfg.train.batch_size), momentum=float(cfg.train.momentum))
         self.current_round = 1
         self._plans: dict[tuple[int, int], width.Plan] = {}
 
     def summary_lines(self) -> list[tuple[int, str, tuple[Any, ...]]]:
-        if self.fedhm_params is None:
+        if self.fedhm_costs is None:
             return []
-        return [(INFO, "\t└──> Budget-matched widths (levels.match=fedhm_params): %s",
-                 (", ".join(f"level {g:g} -> rate {r:g}" for g, r in zip(self.levels, self.rates)),))]
+        return [(INFO, "\t└──> Budget-matched widths (levels.match=%s): %s",
+                 (self.match, ", ".join(f"level {g:g} -> rate {r:g}" for g, r in zip(self.levels, self.rates)),))]
 
     # -- plans
 
@@ -115,7 +119,8 @@ class HeteroFL(Method):
         return self.level_spec(level_index)
 
     def extra_costs(self, level_index: int, model: Any, costs: dict[str, float]) -> dict[str, float]:
-        """With ``levels.match=fedhm_params``, also FedHM's parameter count of the level (``fedhm_params``)."""
-        if self.fedhm_params is None:
+        """With ``levels.match=fedhm_<resource>``, also FedHM's figure of the level on that resource
+        (``fedhm_params``, ``fedhm_macs`` or ``fedhm_memory``)."""
+        if self.fedhm_costs is None:
             return costs
-        return {**costs, "fedhm_params": float(self.fedhm_params[level_index])}
+        return {**costs, self.match: float(self.fedhm_costs[level_index])}
