@@ -23,9 +23,15 @@ from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDic
 from flwr.common.constant import ErrorCode
 
 # arrays on the wire, re-exported as part of the contract (wire.wire_array, wire.record_tensors, ...)
-from fedhm_flwr.core.wire_arrays import (WIRE_DTYPES, array_record, from_wire, npy_header, record_tensors, reply_tensors,
-                                         wire_array)
-
+from fedhm_flwr.core.wire_arrays import (
+    WIRE_DTYPES as WIRE_DTYPES,
+    array_record as array_record,
+    from_wire as from_wire,
+    npy_header as npy_header,
+    record_tensors as record_tensors,
+    reply_tensors as reply_tensors,
+    wire_array as wire_array,
+)
 
 # records
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"

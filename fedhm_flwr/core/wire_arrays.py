@@ -252,7 +252,7 @@ def reply_tensors(record: Any, dtype: str = "float32",
         views[key] = torch.from_numpy(buffer[start:start + count].reshape(shape))
         start += count
     rest = from_wire(record_tensors(others), dtype) if others else {}
-    out = {key: views[key] if key in views else rest[key] for key in record.keys()}
+    out = {key: views[key] if key in views else rest[key] for key in record}
     return out, None if any(t.is_floating_point() for t in rest.values()) else flat
 
 

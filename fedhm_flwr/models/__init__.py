@@ -34,9 +34,10 @@ import torch
 from torch import nn
 
 from fedhm_flwr.math.bn_stats import fixed_bn
+
 from .cnn import CNN, build_cnn
-from .custom import build_custom, resolve_target
 from .costs import count_macs, count_parameters
+from .custom import build_custom, resolve_target
 from .layers import factorize_modules, prismify_modules
 from .resnet import ResNet, build_resnet18, build_resnet34, resnet18, resnet34
 from .rules import FactorizeRule, model_rule

@@ -36,7 +36,7 @@ def resolve_target(target: str) -> Callable[..., Any]:
     Raises ``ValueError`` naming ``model.target`` when it cannot be imported or is not callable.
     """
     text = str(target)
-    module_name, sep, attr = text.partition(":") if ":" in text else text.rpartition(".")
+    module_name, _, attr = text.partition(":") if ":" in text else text.rpartition(".")
     if not module_name or not attr:
         raise ValueError(f"invalid config: model.target={target!r}; allowed: {_ALLOWED}")
     try:

@@ -13,8 +13,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedhm_flwr.math.lowrank import (SVD, conv_a_weight, conv_b_weight, factors_frobenius_sq, layer_svd, matrix_to_conv,
-                                     split_factors)
+from fedhm_flwr.math.lowrank import (
+    SVD,
+    conv_a_weight,
+    conv_b_weight,
+    factors_frobenius_sq,
+    layer_svd,
+    matrix_to_conv,
+    split_factors,
+)
 from fedhm_flwr.math.prism import reply_factors
 from fedhm_flwr.math.width import check_rate
 

@@ -7,8 +7,9 @@ from collections.abc import Mapping
 from torch import Tensor, nn
 
 from fedhm_flwr.math.width import scaled_channels
-from .layers import make_scaler
+
 from .cnn import sbn
+from .layers import make_scaler
 from .rules import FactorizeRule, select_layers
 
 

@@ -41,7 +41,7 @@ _LOCK = threading.Lock()
 _WEIGHTS: dict[str, dict[str, Tensor]] = {}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def package_dir() -> Path:
     """The folder of the packaged model (``model.safetensors``, ``tokenizer.json``, ``config.json``)."""
     try:
@@ -55,7 +55,7 @@ def package_dir() -> Path:
     return path
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def package_config() -> dict:
     """The packaged model's ``config.json`` (BERT hyper-parameters)."""
     return json.loads((package_dir() / "config.json").read_text())

@@ -54,8 +54,14 @@ from fedhm_flwr.config import ConfigError, load_config, resume_config, split_ove
 from fedhm_flwr.ops.credentials import DEFAULT_SANS, create_credentials
 from fedhm_flwr.ops.deployment import LocalDeployment, node_config, parse_capability, say
 from fedhm_flwr.ops.launch import check_data, default_run_dir
-from fedhm_flwr.ops.outcome import (Commands, fedhm_program, interrupted, report_finished, require_checkpoint,
-                                    run_command)
+from fedhm_flwr.ops.outcome import (
+    Commands,
+    fedhm_program,
+    interrupted,
+    report_finished,
+    require_checkpoint,
+    run_command,
+)
 from fedhm_flwr.ops.procs import Interrupted, new_tag, on_signals
 from fedhm_flwr.ops.runlock import RunLock
 from fedhm_flwr.reporting.results import refuse_existing_run

@@ -31,8 +31,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
+from safetensors.torch import load as load_safetensors, save as save_safetensors
 from torch import nn
 
 from fedhm_flwr.config import ConfigError, data_spec, model_spec, resume_config, to_yaml
@@ -128,7 +127,7 @@ def load_model(path: str | Path) -> nn.Module:
         metadata = fh.metadata() or {}
         if SPEC_KEY not in metadata:
             raise ValueError(f"{path} holds no '{SPEC_KEY}' metadata (not a fedhm-flwr export)")
-        state = {k: fh.get_tensor(k) for k in fh.keys()}
+        state = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 (safe_open is not iterable)
     return _model(metadata[SPEC_KEY], state)
 
 

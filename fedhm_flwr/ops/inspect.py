@@ -27,7 +27,6 @@ from fedhm_flwr.models.rules import select_layers
 from fedhm_flwr.server.methods.fedhm import FedHM
 from fedhm_flwr.server.registry import STRATEGIES  # the strategies define what a level's model is
 
-
 #: Methods whose level models and payloads are determined by shapes alone: counted on the meta device.
 SHAPE_ONLY = frozenset({"fedhm", "heterofl", "fedrolex", "fedavg"})
 
