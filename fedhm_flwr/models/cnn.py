@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -71,7 +72,7 @@ class CNN(nn.Module):
         return self.fc(self.avgpool(x).flatten(1))
 
 
-def build_cnn(spec: Mapping) -> CNN:
+def build_cnn(spec: Mapping[str, Any]) -> CNN:
     """Registry builder: ``num_classes``, ``in_channels``, optional ``width`` (64), ``width_rate`` (1),
     ``scaler`` (false)."""
     return CNN(int(spec["num_classes"]), int(spec["in_channels"]), int(spec.get("width", 64)),

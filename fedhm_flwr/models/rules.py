@@ -74,7 +74,8 @@ class FactorizeRule:
         if problem is not None:
             key, value, allowed = problem
             raise ValueError(f"invalid config: {field}.{key}={value!r}; allowed: {allowed}")
-        changes = {k: (tuple(v) if k in ("include", "exclude", "types") else v) for k, v in values.items()}
+        changes: dict[str, Any] = {k: (tuple(v) if k in ("include", "exclude", "types") else v)
+                                   for k, v in values.items()}
         return replace(base or cls(), **changes)
 
     def as_dict(self) -> dict[str, Any]:

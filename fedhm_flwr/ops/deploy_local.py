@@ -6,8 +6,8 @@ does what an operator does for a federation of real devices, with every machine 
 process on the loopback interface (:class:`fedhm_flwr.ops.deployment.LocalDeployment`):
 
 1. **credentials** (``<work>/ca``, ``<work>/superlink``, ``<work>/supernodes/node-<i>``,
-   :mod:`fedhm_flwr.ops.credentials`): a certificate authority, a TLS certificate for the SuperLink signed by it (valid for
-   ``localhost``, ``127.0.0.1``, ``::1`` and every ``--san``), and one EC P-384 key pair per
+   :mod:`fedhm_flwr.ops.credentials`): a certificate authority, a TLS certificate for the SuperLink signed by it (valid
+   for ``localhost``, ``127.0.0.1``, ``::1`` and every ``--san``), and one EC P-384 key pair per
    SuperNode in OpenSSH format (what ``flower-supernode --auth-supernode-private-key`` and
    ``flwr supernode register`` read). Written with the ``cryptography`` package (a dependency of
    Flower), because one library makes both the X.509 certificates and the OpenSSH keys, which

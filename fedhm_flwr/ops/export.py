@@ -273,7 +273,8 @@ def parse_pairs(argv: list[str]) -> dict[str, str]:
     return pairs
 
 
-USAGE = "usage: python -m fedhm_flwr.ops.export run=DIR level=GAMMA [out=DIR]\n\nA level's deployable model from a run's checkpoint.\n"
+USAGE = ("usage: python -m fedhm_flwr.ops.export run=DIR level=GAMMA [out=DIR]\n\n"
+         "A level's deployable model from a run's checkpoint.\n")
 HELP = """arguments (key=value):
   run=DIR      a run directory (config.yaml, checkpoint/)
   level=GAMMA  one of the run's levels, a number or a fraction: 1, 0.5, 1/8
@@ -307,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
           f"and model_card.md/.json to {card['out_dir']}")
     print(f"  exported model on the test set: {acc(card['test_accuracy'])} (PyTorch)" + ("" if not ort else
           f", {acc(ort['accuracy'])} (ONNX Runtime, one image at a time; max logit difference "
-          f"{ort['max_abs_logit_difference']:.2g}, predictions agree on {ort['predictions_agreeing']}/{ort['examples']})"))
+          f"{ort['max_abs_logit_difference']:.2g}, "
+          f"predictions agree on {ort['predictions_agreeing']}/{ort['examples']})"))
     print(f"  this level in the run: {acc(card['final_accuracy'])} (server's test set), "
           f"{acc(card['final_fed_accuracy'])} (its clients, federated)")
     for note in card["notes"]:

@@ -18,8 +18,8 @@ refused the same way in :meth:`Untrusted.merge`, before any defence runs.
 
 Defences work on each reply's *recovered* full-shape model ``v_p`` and coverage
 (:meth:`fedhm_flwr.server.methods.method.Method.recovered`) and its update ``Δ_p = v_p - r_p``
-against the model the node received, recovered the same way (``r_p``; for FedHM the truncation of the global model at the
-node's rank, so the truncation error is not counted as the client's update):
+against the model the node received, recovered the same way (``r_p``; for FedHM the truncation of the global model at
+the node's rank, so the truncation error is not counted as the client's update):
 
 * ``aggregation.outlier_z`` (any method): replies whose ``‖Δ_p‖`` has a robust z-score above it
   are dropped (counted in ``robust_rejected``) before anything else;

@@ -5,7 +5,8 @@ of each level's deployable model, checkpoint): the cache is keyed by the layer's
 the state dict's identity. Every level's client model is a truncation of that one decomposition
 (:func:`fedhm_flwr.math.lowrank.layer_svd`: float32 ``eigh`` of the Gram matrix, checked after the fact
 against ``method.svd_tolerance`` at every level's rank). Replies are averaged with
-``softmax(gamma / tau)`` weights, classifier rows per class, each factorized layer's recovery and average as one stacked matrix product.
+``softmax(gamma / tau)`` weights, classifier rows per class, each factorized layer's recovery and average as one stacked
+matrix product.
 
 Official-code behaviour (off by default; for comparisons with the published code):
 ``method.official_weights`` uses its weights (:func:`fedhm_flwr.math.aggregation.official_code_weights`);
