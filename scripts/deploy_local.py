@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fedhm_flwr.ops.deploy_local import main  # noqa: E402  (after the path above)
+from fedhm_flwr.ops.deploy_local import main
 
 if __name__ == "__main__":
     sys.exit(main())

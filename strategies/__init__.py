@@ -13,10 +13,36 @@ from fedhm_flwr.server.methods.heterofl import HeteroFL
 from fedhm_flwr.server.methods.heterotune import HeteroTune
 from fedhm_flwr.server.methods.method import Method
 from fedhm_flwr.server.methods.prism import PriSM
-from fedhm_flwr.server.registry import (METHODS, STRATEGIES, FedAvgStrategy, FedHMStrategy, FedLoRAStrategy,
-                                        FedRolexStrategy, HeteroFLStrategy, HeteroTuneStrategy, PriSMStrategy)
+from fedhm_flwr.server.registry import (
+                                        METHODS,
+                                        STRATEGIES,
+                                        FedAvgStrategy,
+                                        FedHMStrategy,
+                                        FedLoRAStrategy,
+                                        FedRolexStrategy,
+                                        HeteroFLStrategy,
+                                        HeteroTuneStrategy,
+                                        PriSMStrategy,
+)
 from fedhm_flwr.server.strategy import HeteroStrategy
 
-__all__ = ["METHODS", "STRATEGIES", "HeteroStrategy", "Method", "FedAvg", "FedHM", "FedLoRA", "FedRolex", "HeteroFL",
-           "HeteroTune", "PriSM", "FedAvgStrategy", "FedHMStrategy", "FedLoRAStrategy", "FedRolexStrategy",
-           "HeteroFLStrategy", "HeteroTuneStrategy", "PriSMStrategy"]
+__all__ = [
+                                        "METHODS",
+                                        "STRATEGIES",
+                                        "FedAvg",
+                                        "FedAvgStrategy",
+                                        "FedHM",
+                                        "FedHMStrategy",
+                                        "FedLoRA",
+                                        "FedLoRAStrategy",
+                                        "FedRolex",
+                                        "FedRolexStrategy",
+                                        "HeteroFL",
+                                        "HeteroFLStrategy",
+                                        "HeteroStrategy",
+                                        "HeteroTune",
+                                        "HeteroTuneStrategy",
+                                        "Method",
+                                        "PriSM",
+                                        "PriSMStrategy",
+]

@@ -12,8 +12,7 @@ from flwr.app import ArrayRecord, MessageType, RecordDict
 from torch.utils.data import TensorDataset
 
 from fedhm_flwr.client import handlers as client
-from fedhm_flwr.core import bn_wire
-from fedhm_flwr.core import protocol as wire
+from fedhm_flwr.core import bn_wire, protocol as wire
 from fedhm_flwr.data import client_dataset
 from fedhm_flwr.math.bn_stats import apply_bn_statistics, bn_sums, combine_bn_sums, norm_layers, statistics
 from fedhm_flwr.models import build_model

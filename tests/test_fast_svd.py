@@ -9,9 +9,18 @@ import math
 import pytest
 import torch
 
-from fedhm_flwr.math.lowrank import (SVD_TOLERANCE, _gram_svd, _subspace_step, factorize_state, full_rank,
-                                     layer_svd, recover_state, split_factors, truncation_backward_errors,
-                                     wire_factors)
+from fedhm_flwr.math.lowrank import (
+    SVD_TOLERANCE,
+    _gram_svd,
+    _subspace_step,
+    factorize_state,
+    full_rank,
+    layer_svd,
+    recover_state,
+    split_factors,
+    truncation_backward_errors,
+    wire_factors,
+)
 
 
 @pytest.fixture(autouse=True)

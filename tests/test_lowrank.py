@@ -1,4 +1,5 @@
-"""Low-rank math of FedHM (docs/METHODS.md#fedhm-factorization): unrolling, exact factorized layers, SVD truncation, wire format."""
+"""Low-rank math of FedHM (docs/METHODS.md#fedhm-factorization): unrolling, exact factorized layers,
+SVD truncation, wire format."""
 
 from __future__ import annotations
 
@@ -8,9 +9,19 @@ import pytest
 import torch
 from torch import nn
 
-from fedhm_flwr.math.lowrank import (_swap_middle, compute_svds, conv_to_matrix, factorize_state, full_rank,
-                                     layer_matrix, layer_svd, matrix_to_conv, rank_for, recover_state,
-                                     split_factors)
+from fedhm_flwr.math.lowrank import (
+    _swap_middle,
+    compute_svds,
+    conv_to_matrix,
+    factorize_state,
+    full_rank,
+    layer_matrix,
+    layer_svd,
+    matrix_to_conv,
+    rank_for,
+    recover_state,
+    split_factors,
+)
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.layers import FactorizedConv2d, FactorizedLinear, factorize_modules, factorized_modules
 from fedhm_flwr.models.rules import plan_ranks

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from fedhm_flwr.models import ARCHS, build_model, count_macs, count_parameters, input_shape
 from fedhm_flwr.models.layers import FactorizedConv2d
 from fedhm_flwr.models.rules import plan_ranks
-from fedhm_flwr.models import ARCHS, build_model, count_macs, count_parameters, input_shape
 
 R18 = {"arch": "resnet18", "num_classes": 10, "in_channels": 3, "image_size": 32}
 R34 = {"arch": "resnet34", "num_classes": 100, "in_channels": 3, "image_size": 32}

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, MessageType
+from reply_helpers import reply
 
 from fedhm_flwr.config import ConfigError, load_config, model_spec, resume_config
 from fedhm_flwr.math import prism
@@ -22,7 +23,6 @@ from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.server_app import initial_state, run
 from fedhm_flwr.reporting.results import load_checkpoint
 from fedhm_flwr.server.registry import PriSMStrategy
-from reply_helpers import reply
 
 SIGMA = torch.tensor([4.0, 3.0, 2.0, 1.5, 1.0, 0.5], dtype=torch.float64)
 
@@ -232,7 +232,7 @@ def _round(cfg, handler=None, rnd=1):
     state = initial_state(cfg, strategy.spec)
     messages = list(strategy.configure_train(rnd, ArrayRecord.from_torch_state_dict(state), None, grid))
     replies = grid.send_and_receive(messages)
-    new, metrics = strategy.aggregate_train(rnd, replies)
+    new, _ = strategy.aggregate_train(rnd, replies)
     return strategy, state, messages, replies, new.to_torch_state_dict()
 
 
@@ -332,7 +332,7 @@ def test_u_subset_changes_memory_not_the_layer_definition():
         assert spec_on == spec_off and all(torch.equal(dep_on[k], dep_off[k]) for k in dep_off)
     # the client's layer: the same V side; U restricted to the computed rows J, whose outputs are
     # exactly the full sub-layer's outputs on J; the other output channels are not computed (zero)
-    d_on, d_off = on.top_k(3), off.top_k(3)
+    d_on = on.top_k(3)
     _, s_on, _ = on.level_payload(3, state)
     _, s_off, _ = off.level_payload(3, state)
     rows = d_on["conv3"].rows
@@ -354,9 +354,9 @@ def test_config_refuses_unknown_sampling_and_negative_kappa():
     with pytest.raises(ConfigError) as err:
         load_config("method=prism method.sampling=topk")
     assert "method.sampling" in str(err.value) and "orthdrop" in str(err.value)
-    with pytest.raises(ConfigError, match="method.kappa"):
+    with pytest.raises(ConfigError, match=r"method\.kappa"):
         load_config("method=prism method.kappa=-1")
-    with pytest.raises(ConfigError, match="method.u_subset_rows"):
+    with pytest.raises(ConfigError, match=r"method\.u_subset_rows"):
         load_config("method=prism method.u_subset_rows=last")
 
 

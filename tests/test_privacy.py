@@ -137,7 +137,7 @@ def test_measured_sensitivity_never_exceeds_the_bound_the_noise_assumes(method):
 
 
 def test_a_round_without_replies_still_releases_noise():
-    cfg, strategy, state = _strategy("dp.enabled=true fraction_train=0.5")
+    _, strategy, state = _strategy("dp.enabled=true fraction_train=0.5")
     new = strategy.untrusted.merge(1, state, [])
     moved = _norm(new, state)
     d = sum(v.numel() for v in state.values() if v.is_floating_point())
@@ -203,7 +203,7 @@ def test_dp_sampling_is_poisson_from_a_secret_stream():
 def test_epsilon_uses_the_poisson_rate_and_dp_seed_is_checked():
     from fedhm_flwr.config import ConfigError
 
-    cfg, strategy, state = _strategy("dp.enabled=true fraction_train=0.5")
+    _, strategy, state = _strategy("dp.enabled=true fraction_train=0.5")
     strategy.untrusted.merge(1, state, [])
     columns = strategy.untrusted.columns
     assert columns["dp_q"] == 0.5 and columns["dp_expected_clients"] == 3.0
@@ -215,7 +215,7 @@ def test_epsilon_uses_the_poisson_rate_and_dp_seed_is_checked():
 
 
 def test_a_replies_reported_example_count_does_not_move_the_dp_release():
-    cfg, strategy, state = _strategy("method=fedavg dp.enabled=true dp.seed=1")
+    _, strategy, state = _strategy("method=fedavg dp.enabled=true dp.seed=1")
     _, payload, _ = strategy.level_payload(0, state)
     gen = torch.Generator().manual_seed(1)
     reply = _adversaries(payload, 0, 1.0, int(strategy.spec["num_classes"]), gen)[8]

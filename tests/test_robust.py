@@ -202,7 +202,7 @@ def test_an_attack_changes_exactly_the_chosen_clients_replies_in_the_chosen_way(
 
 @pytest.mark.parametrize("defence", ["clip", "median", "trimmed_mean"])
 def test_a_defence_removes_a_scaled_replys_influence(scaled_round, defence):
-    cfg0, state, grid, replies, attackers = scaled_round
+    _, state, grid, replies, attackers = scaled_round
     assert len(attackers) == 1
     honest = [r for r in replies if r.metadata.src_node_id not in attackers]
     dist = {}
@@ -274,7 +274,7 @@ def test_every_method_runs_a_round_with_each_defence_it_accepts(method):
 def test_dp_adds_calibrated_noise_to_the_clipped_mean_and_reports_epsilon(tmp_path):
     base = f"{TOY} fraction_train=0.9 dp.enabled=true dp.clip=0.5 dp.seed=3"  # the same sample twice
     cfg = load_config(f"{base} dp.noise_multiplier=1.0")
-    strategy, state, grid, messages, replies = _trained_round(cfg)
+    _, state, grid, messages, replies = _trained_round(cfg)
     assert messages  # Poisson sampling, q = 0.9 over 6 nodes
     noisy_strategy, noisy = _aggregate(cfg, state, grid, replies)
     valid = [noisy_strategy._validate(m.metadata.src_node_id, m)[0] for m in replies]
@@ -367,8 +367,8 @@ def huge_round():
     """The toy FedHM round with one low-rank reply's factors x1e20 (finite in float32; their product
     is not)."""
     cfg = load_config(TOY)
-    strategy, state, grid, _, replies = _trained_round(cfg)
-    low = next(r for r in replies if any(k.endswith(".b.weight") for k in r.content["arrays"].keys()))
+    _, state, grid, _, replies = _trained_round(cfg)
+    low = next(r for r in replies if any(k.endswith(".b.weight") for k in r.content["arrays"]))
     _huge_factors(low, 1e20)
     return state, grid, replies, low.metadata.src_node_id
 

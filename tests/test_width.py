@@ -1,4 +1,5 @@
-"""Width slicing of HeteroFL / FedRolex (docs/METHODS.md#heterofl, #fedrolex): channel rule, plans, windows, aggregation, Scaler."""
+"""Width slicing of HeteroFL / FedRolex (docs/METHODS.md#heterofl, #fedrolex): channel rule, plans,
+windows, aggregation, Scaler."""
 
 from __future__ import annotations
 
@@ -9,8 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from fedhm_flwr.math.width import (aggregate, channel_indices, embed, index_plan, scaled_channels, slice_state,
-                                   submodel_spec, window_start)
+from fedhm_flwr.math.width import (
+    aggregate,
+    channel_indices,
+    embed,
+    index_plan,
+    scaled_channels,
+    slice_state,
+    submodel_spec,
+    window_start,
+)
 from fedhm_flwr.models import build_model, count_parameters
 from fedhm_flwr.models.layers import Scaler
 
@@ -250,7 +259,7 @@ def test_aggregation_refuses_shapes_that_do_not_match_the_plan():
     previous, plans, subs = _cnn_states([0.5])
     bad = dict(subs[0])
     bad["conv2.weight"] = torch.zeros(8, 4, 3, 3)
-    with pytest.raises(ValueError, match="conv2.weight"):
+    with pytest.raises(ValueError, match=r"conv2\.weight"):
         aggregate(previous, [bad], plans)
 
 

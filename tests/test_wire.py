@@ -77,9 +77,9 @@ def test_float16_and_bfloat16_halve_the_bytes_both_ways_and_aggregate_within_the
 
 
 def test_the_config_check_refuses_other_wire_dtypes_and_query_modes():
-    with pytest.raises(ConfigError, match="wire.dtype"):
+    with pytest.raises(ConfigError, match=r"wire\.dtype"):
         load_config("wire.dtype=int8")
-    with pytest.raises(ConfigError, match="availability.query"):
+    with pytest.raises(ConfigError, match=r"availability\.query"):
         load_config("availability.query=some")
 
 
@@ -117,7 +117,7 @@ def test_sampled_queries_ask_only_the_round_s_nodes_and_levels_stay_put(toy_cfg)
     assert ahead == [asked[0] | asked[1], asked[2], asked[3], set()]
     # with the start-up before round 1: the same samples; round 1's nodes were asked during the
     # start-up, so round 1 itself asks none (nor, with query=all, any node at all)
-    started, ahead, trained_started = rounds(toy_cfg(f"{common} availability.query=sampled"), 4, True, True)
+    _, ahead, trained_started = rounds(toy_cfg(f"{common} availability.query=sampled"), 4, True, True)
     assert trained_started == trained
     cfg = toy_cfg(f"{common} availability.query=sampled")  # round 1 counts no node the start-up asked
     strategy, grid = FedHMStrategy(cfg, model_spec(cfg)), LocalGrid(20, client_handlers())
@@ -283,7 +283,7 @@ class _KeyScan(ast.NodeVisitor):
 
     def visit_Dict(self, node: ast.Dict) -> None:
         for key in node.keys:  # a one-word key only in a record constructor's dict (visit_Call)
-            if isinstance(key, ast.JoinedStr) or isinstance(key, ast.Constant) and "-" in str(key.value):
+            if isinstance(key, ast.JoinedStr) or (isinstance(key, ast.Constant) and "-" in str(key.value)):
                 self._key(key, None)
         self.generic_visit(node)
 

@@ -272,8 +272,9 @@ def query_data_spec(msg: Message) -> dict[str, Any] | None:
 
 def bn_statistics(msg: Message, context: Context) -> RecordDict:
     """Per-layer input sums of each received model over this node's training split (sBN; at most the
-    query's ``bn-examples`` of them, a subset drawn with its seed), the data loaded once: model i (spec ``model-specs[i]``, arrays in record ``arrays.i``) -> its sums in
-    the reply's record ``arrays.i`` (:func:`fedhm_flwr.core.bn_wire.bn_record`)."""
+    query's ``bn-examples`` of them, a subset drawn with its seed), the data loaded once: model i
+    (spec ``model-specs[i]``, arrays in record ``arrays.i``) -> its sums in the reply's record
+    ``arrays.i`` (:func:`fedhm_flwr.core.bn_wire.bn_record`)."""
     config = msg.content[CONFIG]
     specs = [json.loads(str(spec)) for spec in config[protocol.MODEL_SPECS]]
     dataset = local_dataset(config, context, augment=False)

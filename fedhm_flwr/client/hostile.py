@@ -20,8 +20,18 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from fedhm_flwr.core.protocol import ARRAYS, CLASS_COUNTS, CONFIG, LEVEL, METRICS, NUM_EXAMPLES, SECONDS, TRAIN_ACCURACY, TRAIN_LOSS
 from fedhm_flwr.core.attack_kinds import MALFORMED_KINDS
+from fedhm_flwr.core.protocol import (
+    ARRAYS,
+    CLASS_COUNTS,
+    CONFIG,
+    LEVEL,
+    METRICS,
+    NUM_EXAMPLES,
+    SECONDS,
+    TRAIN_ACCURACY,
+    TRAIN_LOSS,
+)
 
 Mutation = Callable[[RecordDict, np.random.Generator], RecordDict]
 

@@ -19,7 +19,6 @@ import os
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -27,13 +26,50 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fedhm_flwr.config.checks import (ASSIGNMENTS, ATTACKS, BN_STATS, EVALUATION_WHERE, LEVEL_MATCH, LR_SCHEDULES,
-                                      PARTITION_SCHEMES, RAY_ADDRESS, ROBUST, choice, validate_common)
-from fedhm_flwr.config.methods import (ARCH_NAMES, OPTIONS, SUPPORTED_MODELS, MethodOptions, method_key, robust_modes,
-                                       supported_pairs, validate_pair, validate_user_model)
-from fedhm_flwr.config.specs import (backbone_choice, data_spec, holdout_fraction, learning_rate, level_proportions,
-                                     lr_schedule, model_spec, source_options)
+from fedhm_flwr.config.checks import (
+    ASSIGNMENTS,
+    ATTACKS,
+    BN_STATS,
+    EVALUATION_WHERE,
+    LEVEL_MATCH,
+    LR_SCHEDULES,
+    PARTITION_SCHEMES,
+    RAY_ADDRESS,
+    ROBUST,
+    choice,
+    validate_common,
+)
+from fedhm_flwr.config.methods import (
+    ARCH_NAMES,
+    OPTIONS,
+    SUPPORTED_MODELS,
+    MethodOptions,
+    method_key,
+    robust_modes,
+    supported_pairs,
+    validate_pair,
+    validate_user_model,
+)
+from fedhm_flwr.config.specs import (
+    backbone_choice,
+    data_spec,
+    holdout_fraction,
+    learning_rate,
+    level_proportions,
+    lr_schedule,
+    model_spec,
+    source_options,
+)
 from fedhm_flwr.core.errors import ConfigError
+
+__all__ = [  # the re-exported names of the submodules and this module's own
+    "ARCH_NAMES", "ASSIGNMENTS", "ATTACKS", "BN_STATS", "CONF_DIR", "EVALUATION_WHERE", "LEVEL_MATCH", "LR_SCHEDULES",
+    "OPTIONS", "PARTITION_SCHEMES", "RAY_ADDRESS", "ROBUST", "SUPPORTED_MODELS", "MethodOptions", "backbone_choice",
+    "base_defaults", "choice", "compose_config", "data_spec", "holdout_fraction", "learning_rate", "level_proportions",
+    "load_config", "lr_schedule", "method_key", "model_spec", "resume_config", "robust_modes", "source_options",
+    "split_overrides", "supported_pairs", "to_yaml", "validate", "validate_common", "validate_pair",
+    "validate_user_model",
+]
 
 CONF_DIR = Path(os.environ.get("FEDHM_CONF_DIR", Path(__file__).resolve().parents[2] / "conf"))
 

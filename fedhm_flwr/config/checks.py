@@ -9,6 +9,7 @@ catalog and specs only. The rules (:func:`require`, :func:`choice`, :func:`int_a
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 import re
 from collections.abc import Iterable
@@ -88,7 +89,7 @@ def _validate_levels(cfg: DictConfig) -> None:
     for r in ratios:
         require(is_num(r) and 0 < r <= 1, "levels.ratios", ratios,
                 "a non-empty list of numbers in (0, 1], largest first")
-    require(all(a > b for a, b in zip(ratios, ratios[1:])), "levels.ratios", ratios,
+    require(all(a > b for a, b in itertools.pairwise(ratios)), "levels.ratios", ratios,
             "distinct levels listed largest first, e.g. [1, 0.5, 0.25, 0.125]")
     props = OmegaConf.select(cfg, "levels.proportions")
     if props is None:  # equal shares

@@ -20,12 +20,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app.typing import ConfigRecordValues, MetricRecordValues
 from flwr.common.constant import ErrorCode
 
 # arrays on the wire, re-exported as part of the contract (wire.wire_array, wire.record_tensors, ...)
-from fedhm_flwr.core.wire_arrays import (WIRE_DTYPES, array_record, from_wire, npy_header, record_tensors, reply_tensors,
-                                         wire_array)
-
+from fedhm_flwr.core.wire_arrays import (
+    WIRE_DTYPES as WIRE_DTYPES,
+    array_record as array_record,
+    from_wire as from_wire,
+    npy_header as npy_header,
+    record_tensors as record_tensors,
+    reply_tensors as reply_tensors,
+    wire_array as wire_array,
+)
 
 # records
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
@@ -118,8 +125,9 @@ class NodeInfo:
 def train_metrics(num_examples: int, loss: float, accuracy: float, seconds: float, level: float,
                   class_counts: Sequence[int], ray_node: str | None = None) -> MetricRecord:
     """A training reply's metrics; ``ray_node``: the hex id of the Ray node that trained (simulation)."""
-    out = {NUM_EXAMPLES: int(num_examples), TRAIN_LOSS: float(loss), TRAIN_ACCURACY: float(accuracy),
-           SECONDS: float(seconds), LEVEL: float(level), CLASS_COUNTS: [int(c) for c in class_counts]}
+    out: dict[str, MetricRecordValues] = {
+        NUM_EXAMPLES: int(num_examples), TRAIN_LOSS: float(loss), TRAIN_ACCURACY: float(accuracy),
+        SECONDS: float(seconds), LEVEL: float(level), CLASS_COUNTS: [int(c) for c in class_counts]}
     if ray_node:
         out[RAY_NODE] = ray_node_number(ray_node)
     return MetricRecord(out)
@@ -159,7 +167,7 @@ def parse_node_info(node_id: int, msg: Message | None) -> NodeInfo:
 def node_info_queries(node_ids: list[int], data_spec: str | None = None) -> list[Message]:
     """One ``node-info`` query per node; with the run's data spec (JSON), each node also reports
     how many training examples it holds for it (and finds its data before the first round)."""
-    config = {QUERY: NODE_INFO, **({DATA_SPEC: data_spec} if data_spec else {})}
+    config: dict[str, ConfigRecordValues] = {QUERY: NODE_INFO, **({DATA_SPEC: data_spec} if data_spec else {})}
     return [Message(content=RecordDict({CONFIG: ConfigRecord(config)}), dst_node_id=n,
                     message_type=MessageType.QUERY) for n in node_ids]
 

@@ -68,13 +68,13 @@ def npy_header(dtype: str, shape: tuple[int, ...]) -> bytes | None:
     few dozen)."""
     key = (dtype, shape)
     if key not in _NPY_HEADERS:
-        dtype = np.dtype(dtype)
+        as_numpy = np.dtype(dtype)
         header = None
-        if not dtype.hasobject:
+        if not as_numpy.hasobject:
             buffer = io.BytesIO()
             try:
                 np.lib.format.write_array_header_1_0(
-                    buffer, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape})
+                    buffer, {"descr": np.lib.format.dtype_to_descr(as_numpy), "fortran_order": False, "shape": shape})
                 header = buffer.getvalue()
             except ValueError:  # a header too long for format 1.0: np.save's own choice decides
                 header = None
@@ -239,7 +239,7 @@ def reply_tensors(record: Any, dtype: str = "float32",
         total += count
     # one copy of every located array, in record order, into one buffer
     buffer = np.empty(total, dtype=_NUMPY_DTYPES[wire])
-    raw, at = memoryview(buffer).cast("B"), 0
+    raw, at = buffer.data.cast("B"), 0
     for chunk in chunks:
         raw[at:at + len(chunk)] = chunk
         at += len(chunk)
@@ -252,7 +252,7 @@ def reply_tensors(record: Any, dtype: str = "float32",
         views[key] = torch.from_numpy(buffer[start:start + count].reshape(shape))
         start += count
     rest = from_wire(record_tensors(others), dtype) if others else {}
-    out = {key: views[key] if key in views else rest[key] for key in record.keys()}
+    out = {key: views[key] if key in views else rest[key] for key in record}
     return out, None if any(t.is_floating_point() for t in rest.values()) else flat
 
 

@@ -84,9 +84,9 @@ Modules
 ``catalog`` (what is known of each dataset before reading it), ``cache`` (the per-process caches),
 ``spec`` (validation), ``partitioning`` (flwr-datasets partitioners, subsets, held-out split),
 ``registry`` (:func:`dataset_info`, :func:`load_arrays`, :func:`source_arrays`), one module per
-source (``idx``, ``cifar``, ``imagefolder``, ``hf_disk``, ``text``), ``tensors`` (the torch Dataset), ``clients`` (a partition's data and the test
-set from a spec), ``files`` (where files lie; the pre-start check) and ``shards``. This package
-imports its submodules lazily, on first use of a name (PEP 562 ``__getattr__``): importing
+source (``idx``, ``cifar``, ``imagefolder``, ``hf_disk``, ``text``), ``tensors`` (the torch Dataset),
+``clients`` (a partition's data and the test set from a spec), ``files`` (where files lie; the pre-start check) and
+``shards``. This package imports its submodules lazily, on first use of a name (PEP 562 ``__getattr__``): importing
 ``fedhm_flwr.data.files`` or ``.catalog`` stays free of numpy and torch, as the launcher's data
 check needs. Modules inside this package import each other directly, never through this facade.
 """
@@ -96,7 +96,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from fedhm_flwr.core.errors import DataSourceError
+from fedhm_flwr.core.errors import DataSourceError as DataSourceError
 
 #: public name -> the submodule defining it
 _EXPORTS: dict[str, str] = {

@@ -11,9 +11,9 @@ Locations
   in each root also a ``fashion-mnist`` sub-folder and torchvision's ``FashionMNIST/raw``.
 * CIFAR-10/100: torchvision's extracted folder (``cifar-10-batches-py`` /
   ``cifar-100-python``) under ``data_dir`` or ``$FEDHM_DATA_DIR`` or ``~/.cache/fedhm-flwr/data``.
-* Your own data (:data:`~fedhm_flwr.data.catalog.FOLDER_SOURCES`): ``dataset.path`` (a node's ``data-dir``, when it gives
-  one with its ``partition-id``, takes its place), either a folder in torchvision's ``ImageFolder``
-  layout (``imagefolder``, :func:`imagefolder_layout`) or a Hugging Face ``datasets`` folder written
+* Your own data (:data:`~fedhm_flwr.data.catalog.FOLDER_SOURCES`): ``dataset.path`` (a node's
+  ``data-dir``, when it gives one with its ``partition-id``, takes its place), either a folder in torchvision's
+  ``ImageFolder`` layout (``imagefolder``, :func:`imagefolder_layout`) or a Hugging Face ``datasets`` folder written
   by ``save_to_disk`` (``hf_disk``, :func:`hf_disk_layout`). Both are checked here by listing
   folders and reading ``datasets``' small JSON files, before any image is decoded.
 """

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import numpy as np
 
-from fedhm_flwr.data.files import DATA_DIR_ENV, FASHION_FILES, FASHION_MNIST_SYSTEM_DIR, fashion_candidate_dirs, fashion_files
+from fedhm_flwr.data.files import (
+    DATA_DIR_ENV,
+    FASHION_FILES,
+    FASHION_MNIST_SYSTEM_DIR,
+    fashion_candidate_dirs,
+    fashion_files,
+)
 
 
 def read_idx(path: Path) -> np.ndarray:

@@ -31,7 +31,13 @@ from torch.utils.data import Dataset
 
 from fedhm_flwr.data.catalog import TEXT_DATASETS, TextDatasetInfo, text_dataset_info, text_info
 from fedhm_flwr.data.files import corpus_path
-from fedhm_flwr.data.partitioning import STREAM_TEST_SUBSET, STREAM_TRAIN_SUBSET, holdout_split, partition, seeded_subset
+from fedhm_flwr.data.partitioning import (
+    STREAM_TEST_SUBSET,
+    STREAM_TRAIN_SUBSET,
+    holdout_split,
+    partition,
+    seeded_subset,
+)
 from fedhm_flwr.data.spec import check_client_split, check_data_spec, check_partition_id
 from fedhm_flwr.models.text import PAD_ID, package_dir
 

@@ -115,7 +115,7 @@ def _classwise_keys(previous: Mapping[str, torch.Tensor], states: Sequence[Mappi
     prev = torch.cat([previous[k].reshape(previous[k].shape[0], -1) for k in keys], 1).to(torch.float64)
     mixed = classwise_average(prev, side, w, holds)
     return {k: part.reshape(previous[k].shape).to(previous[k].dtype)
-            for k, part in zip(keys, mixed.split(widths, dim=1))}
+            for k, part in zip(keys, torch.split(mixed, widths, dim=1))}
 
 
 def stacked_average(tensors: Sequence[Sequence[torch.Tensor]], weights: torch.Tensor) -> list[torch.Tensor]:
@@ -126,7 +126,7 @@ def stacked_average(tensors: Sequence[Sequence[torch.Tensor]], weights: torch.Te
     flat_values = [t if t.ndim == 1 else t.reshape(-1) for client in tensors for t in client]
     matrix = torch.cat(flat_values).view(len(tensors), -1)
     flat = weights.to(matrix.dtype) @ matrix
-    return [part.view(shape) for part, shape in zip(flat.split([math.prod(s) for s in shapes]), shapes)]
+    return [part.view(shape) for part, shape in zip(torch.split(flat, [math.prod(s) for s in shapes]), shapes)]
 
 
 def average_hybrid(
@@ -182,6 +182,8 @@ def _layer_sum(previous: torch.Tensor, states: Sequence[Mapping[str, torch.Tenso
             total = weight * float(w[i])
         else:
             total.add_(weight, alpha=float(w[i]))
+    if total is None:
+        raise ValueError(f"no reply holds layer {name!r}")
     return total.to(previous.dtype).contiguous()
 
 

@@ -15,7 +15,7 @@ way, in the parametrisation its replies use: FedHM's factors, a width slice, LoR
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -39,8 +39,8 @@ def tamper(kind: str, received: Mapping[str, Tensor], trained: Mapping[str, Tens
     if kind == "gaussian":
         generator = torch.Generator().manual_seed(int(seed) % (1 << 63))
         noise = {k: torch.randn(delta[k].shape, generator=generator, dtype=torch.float64) for k in floats}
-        norm = torch.sqrt(sum((d * d).sum() for d in delta.values()))
-        noise_norm = torch.sqrt(sum((g * g).sum() for g in noise.values()))
+        norm = torch.sqrt(cast(torch.Tensor, sum((d * d).sum() for d in delta.values())))
+        noise_norm = torch.sqrt(cast(torch.Tensor, sum((g * g).sum() for g in noise.values())))
         delta = {k: noise[k] * (norm / noise_norm.clamp_min(1e-300)) for k in floats}
     else:
         factor = float(scale) if kind == "scale" else -1.0
@@ -56,7 +56,7 @@ def flip_label(y: Any, num_classes: int) -> Any:
     return num_classes - 1 - y
 
 
-class LabelFlipped(torch.utils.data.Dataset):
+class LabelFlipped(torch.utils.data.Dataset[tuple[Any, Any]]):
     """A client dataset whose labels are flipped ``y -> C - 1 - y`` (class counts follow)."""
 
     def __init__(self, dataset: Any, num_classes: int) -> None:

@@ -13,7 +13,8 @@ for the pass, so the statistics describe what the norms see in evaluation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,8 +38,9 @@ def fixed_bn(model: nn.Module) -> nn.Module:
     """Give every static norm layer running-statistics buffers (mean 0, variance 1, filled by a
     state dict loaded next) and let eval mode use them: the structure of a model whose fixed
     statistics were installed by :func:`apply_bn_statistics`, for loading its state dict."""
+    layers = norm_layers(model)
     for name in batch_statistics_layers(model):
-        layer = model.get_submodule(name)
+        layer = layers[name]
         device = next((p.device for p in layer.parameters()), None)
         layer.register_buffer("running_mean", torch.zeros(layer.num_features, device=device))
         layer.register_buffer("running_var", torch.ones(layer.num_features, device=device))
@@ -48,12 +50,12 @@ def fixed_bn(model: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def bn_sums(model: nn.Module, dataset: Dataset, batch_size: int, device: torch.device) -> Sums:
+def bn_sums(model: nn.Module, dataset: Dataset[Any], batch_size: int, device: torch.device) -> Sums:
     """Per-channel sums, sums of squares and counts of every norm layer's input over ``dataset``."""
     layers = norm_layers(model)
     acc: Sums = {}
 
-    def hook(name: str):
+    def hook(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
         def record(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
             x = inputs[0].detach().to(torch.float64)
             dims = [d for d in range(x.dim()) if d != 1]
@@ -79,7 +81,7 @@ def bn_sums(model: nn.Module, dataset: Dataset, batch_size: int, device: torch.d
     return acc
 
 
-def _batches(dataset: Dataset, batch_size: int) -> Iterable[torch.Tensor]:
+def _batches(dataset: Dataset[Any], batch_size: int) -> Iterable[torch.Tensor]:
     """The inputs in order, in batches of ``batch_size``; a last batch of one example joins the
     batch before it (a norm layer in training mode cannot normalise a single value per channel),
     so every example counts."""

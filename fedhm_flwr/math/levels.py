@@ -64,7 +64,7 @@ def hashed_level(identity: str, proportions: Sequence[float], seed: int) -> int:
     u = int.from_bytes(digest[:8], "big") / 2.0**64
     p = np.asarray(proportions, dtype=np.float64)
     edges = np.cumsum(p / p.sum())
-    return int(min(np.searchsorted(edges, u, side="right"), len(p) - 1))
+    return min(int(np.searchsorted(edges, u, side="right")), len(p) - 1)
 
 
 def client_seed(seed: int, server_round: int, key: int) -> int:

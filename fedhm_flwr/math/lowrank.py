@@ -36,13 +36,14 @@ from torch import Tensor
 __all__ = [
     "SVD",
     "SVD_TOLERANCE",
-    "compute_svds",
+    "WireFactors",
     "check_gamma",
+    "compute_svds",
     "conv_a_weight",
     "conv_b_weight",
     "conv_to_matrix",
-    "factorize_state",
     "factor_matrices",
+    "factorize_state",
     "factors_fit",
     "factors_frobenius_sq",
     "full_rank",
@@ -53,7 +54,6 @@ __all__ = [
     "recover_state",
     "split_factors",
     "truncation_backward_errors",
-    "WireFactors",
     "wire_factors",
 ]
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import SupportsInt, cast
 
 import numpy as np
 import torch
@@ -123,9 +124,9 @@ class RdpAccountant:
 
     def load_state(self, state: dict[str, object]) -> None:
         if state:
-            self.orders = tuple(int(a) for a in state["orders"])  # type: ignore[union-attr]
+            self.orders = tuple(int(a) for a in cast("list[int]", state["orders"]))  # as state() wrote them
             self.rdp = np.asarray(state["rdp"], dtype=np.float64)
-            self.steps = int(state["steps"])  # type: ignore[arg-type]
+            self.steps = int(cast(int, state["steps"]))
 
 
 # ----------------------------------------------------------------------------------- the mechanism
@@ -192,11 +193,11 @@ def add_noise(state: Mapping[str, Tensor], std: float, generator: torch.Generato
 NOISE_STREAM, SAMPLE_STREAM = "dp-noise", "dp-sample"
 
 
-def _words(seed: int, *parts: object) -> list[int]:
+def _words(seed: int, *parts: str | SupportsInt) -> list[int]:
     """Integers for a SeedSequence from a seed and labels (strings hashed to 32-bit words)."""
     out = [int(seed)]
     for part in parts:
-        out += list(part.encode()) if isinstance(part, str) else [int(part)]  # type: ignore[union-attr]
+        out += list(part.encode()) if isinstance(part, str) else [int(part)]
     return out
 
 

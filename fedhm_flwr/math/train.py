@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -65,9 +65,19 @@ def pick_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def factorized_modules(model: nn.Module) -> list[nn.Module]:
+class LowRankPair(Protocol):
+    """What training uses of a module carrying a low-rank pair (fedhm_flwr.models.layers')."""
+
+    def frobenius_sq(self) -> torch.Tensor: ...
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+
+def factorized_modules(model: nn.Module) -> list[LowRankPair]:
     """Modules that carry a low-rank pair (they expose ``frobenius_sq``)."""
-    return [m for m in model.modules() if hasattr(m, "frobenius_sq")]
+    return cast("list[LowRankPair]", [m for m in model.modules() if hasattr(m, "frobenius_sq")])
 
 
 def parameter_groups(model: nn.Module, weight_decay: float, frobenius_decay: bool) -> list[dict[str, Any]]:
@@ -101,9 +111,10 @@ def backward(objective: torch.Tensor, model: nn.Module, frobenius_decay: float =
     (docs/METHODS.md#fedhm-client-training)."""
     mods = factorized_modules(model) if frobenius_decay else []
     if not mods:
-        objective.backward()
+        torch.autograd.backward(objective)  # (objective.backward(), typed)
         return
-    tensors, grads = [objective], [None]
+    tensors: list[torch.Tensor] = [objective]
+    grads: list[torch.Tensor | None] = [None]
     for m in mods:
         A, B = m.factors()  # views of the weights: their gradients flow back into the weights
         with torch.no_grad():
@@ -135,7 +146,7 @@ def mask_absent_classes(logits: torch.Tensor, present: torch.Tensor | None) -> t
 
 def train_local(
     model: nn.Module,
-    dataset: Dataset,
+    dataset: Dataset[Any],
     options: TrainOptions,
     device: torch.device,
     present_classes: torch.Tensor | None = None,
@@ -151,7 +162,8 @@ def train_local(
     generator = torch.Generator().manual_seed(int(seed))
     loader = DataLoader(dataset, batch_size=options.batch_size, shuffle=True, generator=generator, drop_last=False)
     layout = conv_layout(model, device)
-    model.to(device, memory_format=layout).train()
+    # (Module.to takes a device and a memory format together; torch's overloads name them apart)
+    model.to(device, memory_format=layout).train()  # type: ignore[call-overload]
     groups = parameter_groups(model, options.weight_decay, options.frobenius_decay)
     if options.optimizer == "adamw":
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=options.lr)
@@ -188,7 +200,7 @@ def train_local(
             seen += len(y)
     model.to(memory_format=torch.contiguous_format)  # the state sent back: plain layout
     return {
-        NUM_EXAMPLES: len(dataset),
+        NUM_EXAMPLES: len(dataset),  # type: ignore[arg-type]  # map-style: torch's Dataset declares no __len__
         TRAIN_LOSS: total_loss / max(1, seen),
         TRAIN_ACCURACY: correct / max(1, seen),
         SECONDS: time.perf_counter() - t0,
@@ -205,7 +217,7 @@ def _frozen_copy(model: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: Dataset, batch_size: int, device: torch.device) -> dict[str, float]:
+def evaluate(model: nn.Module, dataset: Dataset[Any], batch_size: int, device: torch.device) -> dict[str, float]:
     """Top-1 accuracy and mean cross-entropy (no masking) on ``dataset``."""
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
     model.to(device).eval()

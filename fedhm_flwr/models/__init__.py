@@ -29,18 +29,22 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from fedhm_flwr.math.bn_stats import fixed_bn
+
 from .cnn import CNN, build_cnn
-from .custom import build_custom, resolve_target
 from .costs import count_macs, count_parameters
+from .custom import build_custom, resolve_target
 from .layers import factorize_modules, prismify_modules
 from .resnet import ResNet, build_resnet18, build_resnet34, resnet18, resnet34
 from .rules import FactorizeRule, model_rule
+from .text import MiniLMClassifier
 from .transformer import adapt, minilm, vit
+from .vit import ViT
 
 __all__ = [
     "ARCHS",
@@ -61,7 +65,7 @@ __all__ = [
 
 
 #: ``arch`` name -> builder taking the spec and returning the full-rank model.
-ARCHS: dict[str, Callable[[Mapping], nn.Module]] = {
+ARCHS: dict[str, Callable[[Mapping[str, Any]], nn.Module]] = {
     "cnn": build_cnn,
     "resnet18": build_resnet18,
     "resnet34": build_resnet34,
@@ -74,10 +78,11 @@ WIDTH_ARCHS = ("cnn", "resnet18", "resnet34")
 TRANSFORMER_ARCHS = ("minilm", "vit")
 
 _REQUIRED = ("arch", "num_classes", "in_channels", "image_size")
-_REQUIRED_BY_ARCH = {"minilm": ("arch", "num_classes"), "custom": ("arch", "target")}  # token inputs: no image shape
+#: token inputs and user models: no image shape
+_REQUIRED_BY_ARCH: dict[str | None, tuple[str, ...]] = {"minilm": ("arch", "num_classes"), "custom": ("arch", "target")}
 
 
-def input_shape(spec: Mapping) -> tuple[int, int, int]:
+def input_shape(spec: Mapping[str, Any]) -> tuple[int, int, int]:
     """``(in_channels, image_size, image_size)`` of one input (e.g. for :func:`count_macs`)."""
     return (int(spec["in_channels"]), int(spec["image_size"]), int(spec["image_size"]))
 
@@ -112,7 +117,7 @@ def static_bn(model: nn.Module) -> nn.Module:
     return model
 
 
-def _width(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
+def _width(model: nn.Module, spec: Mapping[str, Any], spectral_init: bool) -> nn.Module:
     sliced = float(spec.get("width_rate", 1.0)) != 1.0 or bool(spec.get("scaler", False))
     if sliced and spec["arch"] not in WIDTH_ARCHS:
         raise ValueError(f"model spec: width slicing (width_rate, scaler) needs a model built by width: "
@@ -120,51 +125,52 @@ def _width(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
     return model  # the width archs' builders took width_rate / scaler as constructor arguments
 
 
-def _adapt(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
-    if spec["arch"] in TRANSFORMER_ARCHS:
-        return adapt(model, spec)
+def _adapt(model: nn.Module, spec: Mapping[str, Any], spectral_init: bool) -> nn.Module:
+    if spec["arch"] in TRANSFORMER_ARCHS:  # (their builders give these classes)
+        return adapt(cast("MiniLMClassifier | ViT", model), spec)
     keys = [k for k in ("train_backbone", "lora", "dema") if spec.get(k) is not None]
     if keys:
         raise ValueError(f"model spec: {keys} need a transformer, arch one of {list(TRANSFORMER_ARCHS)}")
     return model
 
 
-def _factorize_rule(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
+def _factorize_rule(model: nn.Module, spec: Mapping[str, Any], spectral_init: bool) -> nn.Module:
     """``factorize``: the model's rule with the spec's entries on top. A rule that factorizes the
     head (``head: true``) also ends the per-class averaging of the head's rows (their factors
     mix classes): the model then names no classifier."""
     if spec.get("factorize"):
-        model.factorize_rule = FactorizeRule.from_mapping(spec["factorize"], base=model_rule(model))
-        if model.factorize_rule.head:
-            model.classifier_name = ""
+        rule = FactorizeRule.from_mapping(spec["factorize"], base=model_rule(model))
+        model.factorize_rule = rule  # type: ignore[assignment]  # a plain attribute (torch types tensors, modules)
+        if rule.head:
+            model.classifier_name = ""  # type: ignore[assignment]  # (as above)
     return model
 
 
-def _static_bn(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
+def _static_bn(model: nn.Module, spec: Mapping[str, Any], spectral_init: bool) -> nn.Module:
     return static_bn(model) if spec.get("static_bn") else model
 
 
-def _ranks(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
+def _ranks(model: nn.Module, spec: Mapping[str, Any], spectral_init: bool) -> nn.Module:
     ranks = spec.get("ranks") or {}
     if ranks:
         factorize_modules(model, {str(k): int(v) for k, v in ranks.items()}, spectral_init=spectral_init)
     return model
 
 
-def _prism(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
+def _prism(model: nn.Module, spec: Mapping[str, Any], spectral_init: bool) -> nn.Module:
     layers = spec.get("prism") or {}  # PriSM: {layer: {"rank": r, "rows": [...]}} -> sampled sub-layers
     if layers:
         prismify_modules(model, layers)  # uninitialised; the sub-model's state is loaded right after
     return model
 
 
-def _bn_fixed(model: nn.Module, spec: Mapping, spectral_init: bool) -> nn.Module:
+def _bn_fixed(model: nn.Module, spec: Mapping[str, Any], spectral_init: bool) -> nn.Module:
     return fixed_bn(model) if spec.get("bn_fixed") else model
 
 
 #: The level transforms, applied in this order by :func:`build_model`: name -> transform(model,
 #: spec, spectral_init) returning the model (each acts only when its spec keys are present).
-LEVEL_TRANSFORMS: dict[str, Callable[[nn.Module, Mapping, bool], nn.Module]] = {
+LEVEL_TRANSFORMS: dict[str, Callable[[nn.Module, Mapping[str, Any], bool], nn.Module]] = {
     "width": _width,
     "adapt": _adapt,
     "factorize": _factorize_rule,
@@ -175,7 +181,7 @@ LEVEL_TRANSFORMS: dict[str, Callable[[nn.Module, Mapping, bool], nn.Module]] = {
 }
 
 
-def build_model(spec: Mapping, *, spectral_init: bool = True) -> nn.Module:
+def build_model(spec: Mapping[str, Any], *, spectral_init: bool = True) -> nn.Module:
     """Build the model described by ``spec`` (see the module docstring).
 
     The arch's builder gives the full model; then every level transform of
@@ -209,7 +215,7 @@ def _meta_runs(spec_json: str) -> bool:
     return True
 
 
-def shape_device(spec: Mapping) -> torch.device:
+def shape_device(spec: Mapping[str, Any]) -> torch.device:
     """Where to build ``spec``'s model when only shapes matter (counting parameters and MACs, the
     config check): the meta device (no weight allocated) when the model's constructor and forward
     run there, else the CPU (some constructors initialise weights in ways the meta device cannot

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +76,7 @@ class LoRALinear(nn.Linear):
     def _add_bypass(self, rank: int | None) -> None:
         self.rank = rank
         ref = self.weight
-        kw = {"dtype": ref.dtype, "device": ref.device}
+        kw: dict[str, Any] = {"dtype": ref.dtype, "device": ref.device}
         if rank is None:  # dense ΔW
             self.lora_delta = nn.Parameter(torch.zeros(self.out_features, self.in_features, **kw))
             return

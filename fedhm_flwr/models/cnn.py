@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from torch import Tensor, nn
 
 from fedhm_flwr.math.width import scaled_channels
+
 from .layers import make_scaler
 from .rules import FactorizeRule, select_layers
 
@@ -70,7 +72,7 @@ class CNN(nn.Module):
         return self.fc(self.avgpool(x).flatten(1))
 
 
-def build_cnn(spec: Mapping) -> CNN:
+def build_cnn(spec: Mapping[str, Any]) -> CNN:
     """Registry builder: ``num_classes``, ``in_channels``, optional ``width`` (64), ``width_rate`` (1),
     ``scaler`` (false)."""
     return CNN(int(spec["num_classes"]), int(spec["in_channels"]), int(spec.get("width", 64)),

@@ -30,11 +30,11 @@ def count_macs(model: nn.Module, input_shape: tuple[int, ...]) -> int:
     """
     total = 0
 
-    def on_conv(module: nn.Conv2d, _inputs, output: torch.Tensor) -> None:
+    def on_conv(module: nn.Conv2d, _inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         nonlocal total
         total += conv_macs(module, output[0].numel())
 
-    def on_linear(module: nn.Linear, _inputs, output: torch.Tensor) -> None:
+    def on_linear(module: nn.Linear, _inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         nonlocal total
         total += output[0].numel() * module.in_features
 

@@ -36,7 +36,7 @@ def resolve_target(target: str) -> Callable[..., Any]:
     Raises ``ValueError`` naming ``model.target`` when it cannot be imported or is not callable.
     """
     text = str(target)
-    module_name, sep, attr = text.partition(":") if ":" in text else text.rpartition(".")
+    module_name, _, attr = text.partition(":") if ":" in text else text.rpartition(".")
     if not module_name or not attr:
         raise ValueError(f"invalid config: model.target={target!r}; allowed: {_ALLOWED}")
     try:
@@ -79,7 +79,7 @@ def versioned_loading(model: nn.Module) -> nn.Module:
     class's ``_version`` when a loaded state carries no metadata for it. Returns ``model``."""
     for module in model.modules():
         if _own_loader(module) and not isinstance(module.__dict__.get("_load_from_state_dict"), _LoadWithVersion):
-            module._load_from_state_dict = _LoadWithVersion(module)  # type: ignore[method-assign]
+            module._load_from_state_dict = _LoadWithVersion(module)  # type: ignore[method-assign,assignment]
     return model
 
 
@@ -136,7 +136,7 @@ def traced_head(model: nn.Module, spec: Mapping[str, Any]) -> str | None:
     return traced if traced is not None else head_name(model, spec.get("num_classes"))
 
 
-def build_custom(spec: Mapping) -> nn.Module:
+def build_custom(spec: Mapping[str, Any]) -> nn.Module:
     """A user's model: ``resolve_target(spec["target"])(**spec["kwargs"])``.
 
     Its classifier (per-class aggregation, left full by the default rule) is the model's
@@ -150,5 +150,5 @@ def build_custom(spec: Mapping) -> nn.Module:
     if getattr(model, "classifier_name", None) is None:
         head = traced_head(model, spec)
         if head is not None:
-            model.classifier_name = head
+            model.classifier_name = head  # type: ignore[assignment]  # a plain attribute (torch types tensors, modules)
     return versioned_loading(model)

@@ -8,13 +8,20 @@ No Flower import.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
 
-from fedhm_flwr.math.lowrank import (SVD, conv_a_weight, conv_b_weight, factors_frobenius_sq, layer_svd, matrix_to_conv,
-                                     split_factors)
+from fedhm_flwr.math.lowrank import (
+    SVD,
+    conv_a_weight,
+    conv_b_weight,
+    factors_frobenius_sq,
+    layer_svd,
+    matrix_to_conv,
+    split_factors,
+)
 from fedhm_flwr.math.prism import reply_factors
 from fedhm_flwr.math.width import check_rate
 
@@ -38,13 +45,18 @@ def _pair(value: int | tuple[int, ...], what: str) -> int:
     raise ValueError(f"only square {what} is supported, got {value}")
 
 
-def _initialised(layer: nn.Module, full: nn.Module, rank: int, svd: SVD | None, spectral_init: bool) -> nn.Module:
+_Factorized = TypeVar("_Factorized", "FactorizedConv2d", "FactorizedLinear")
+
+
+def _initialised(layer: _Factorized, full: nn.Conv2d | nn.Linear, rank: int, svd: SVD | None,
+                 spectral_init: bool) -> _Factorized:
     """``layer`` (the factorized form of ``full``) on ``full``'s device and dtype, its factors the
     rank-``rank`` cut of ``full``'s weight (or of ``svd``) when ``spectral_init``, its bias ``full``'s."""
     layer.to(device=full.weight.device, dtype=full.weight.dtype)
     if spectral_init:
         layer.load_factors(*split_factors(svd if svd is not None else layer_svd(full.weight), rank))
     if full.bias is not None:
+        assert layer.a.bias is not None  # (the layer was built with a bias when ``full`` has one)
         with torch.no_grad():
             layer.a.bias.copy_(full.bias)
     return layer
@@ -199,7 +211,7 @@ def factorize_modules(
         module = model.get_submodule(name)
         svd = svds.get(name) if svds is not None else None
         if isinstance(module, nn.Conv2d):
-            new = FactorizedConv2d.from_conv(module, int(rank), svd, spectral_init)
+            new: nn.Module = FactorizedConv2d.from_conv(module, int(rank), svd, spectral_init)
         elif isinstance(module, nn.Linear):
             new = FactorizedLinear.from_linear(module, int(rank), svd, spectral_init)
         else:
@@ -259,8 +271,8 @@ class _PrismLayer(nn.Module):
     out_features: int
     rows: Tensor | None
     bias: nn.Parameter | None
-    u: nn.Module
-    v: nn.Module
+    u: nn.Conv2d | nn.Linear
+    v: nn.Conv2d | nn.Linear
 
     def _finish(self, y: Tensor, dim: int) -> Tensor:
         if self.rows is not None:
@@ -312,7 +324,8 @@ class PrismConv2d(_PrismLayer):
         k = conv.kernel_size[0]
         if conv.kernel_size != (k, k) or not isinstance(conv.padding, tuple):
             raise ValueError(f"only square kernels with explicit padding, got {conv.kernel_size}, {conv.padding!r}")
-        return cls(conv.in_channels, conv.out_channels, k, rank, conv.stride, conv.padding, conv.bias is not None,
+        stride, padding = cast("tuple[int, int]", conv.stride), cast("tuple[int, int]", conv.padding)  # (2-D conv)
+        return cls(conv.in_channels, conv.out_channels, k, rank, stride, padding, conv.bias is not None,
                    rows).to(device=conv.weight.device, dtype=conv.weight.dtype)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from torch import Tensor, nn
 
 from fedhm_flwr.math.width import scaled_channels
-from .layers import make_scaler
+
 from .cnn import sbn
+from .layers import make_scaler
 from .rules import FactorizeRule, select_layers
 
 
@@ -59,6 +61,10 @@ class ResNet(nn.Module):
     """
 
     factorize_rule = FactorizeRule(exclude=("conv1",), pointwise=False)
+    layer1: nn.Sequential  # (set by name in __init__'s loop over the stages)
+    layer2: nn.Sequential
+    layer3: nn.Sequential
+    layer4: nn.Sequential
 
     def __init__(
         self,
@@ -111,17 +117,17 @@ def resnet34(num_classes: int, in_channels: int = 3, width: int = 64, width_rate
     return ResNet([3, 4, 6, 3], num_classes, in_channels, width, default_rho=14, width_rate=width_rate, scaler=scaler)
 
 
-def _options(spec: Mapping) -> dict:
+def _options(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Builder arguments of a spec: ``width`` (64), ``width_rate`` (1), ``scaler`` (false)."""
     return {"width": int(spec.get("width", 64)), "width_rate": float(spec.get("width_rate", 1.0)),
             "scaler": bool(spec.get("scaler", False))}
 
 
-def build_resnet18(spec: Mapping) -> ResNet:
+def build_resnet18(spec: Mapping[str, Any]) -> ResNet:
     """Registry builder: ``num_classes``, ``in_channels``, optional ``width``, ``width_rate``, ``scaler``."""
     return resnet18(int(spec["num_classes"]), int(spec["in_channels"]), **_options(spec))
 
 
-def build_resnet34(spec: Mapping) -> ResNet:
+def build_resnet34(spec: Mapping[str, Any]) -> ResNet:
     """Registry builder: ``num_classes``, ``in_channels``, optional ``width``, ``width_rate``, ``scaler``."""
     return resnet34(int(spec["num_classes"]), int(spec["in_channels"]), **_options(spec))

@@ -36,6 +36,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from fedhm_flwr.math.lowrank import check_gamma, factors_fit, rank_for
+
 from .layers import FactorizedConv2d, FactorizedLinear
 
 #: Layer classes a rule may name in ``types``.
@@ -73,7 +74,8 @@ class FactorizeRule:
         if problem is not None:
             key, value, allowed = problem
             raise ValueError(f"invalid config: {field}.{key}={value!r}; allowed: {allowed}")
-        changes = {k: (tuple(v) if k in ("include", "exclude", "types") else v) for k, v in values.items()}
+        changes: dict[str, Any] = {k: (tuple(v) if k in ("include", "exclude", "types") else v)
+                                   for k, v in values.items()}
         return replace(base or cls(), **changes)
 
     def as_dict(self) -> dict[str, Any]:
@@ -206,7 +208,8 @@ def plan_ranks(model: nn.Module, gamma: float, rho: int | None = None) -> dict[s
     (:func:`select_layers`; any ``nn.Module``); ``rho`` (default: the
     rule's ``keep_first``, else the model's ``default_rho``) of them stay full rank, the rest get
     :func:`rank_for`, except a layer whose factors would hold more parameters than the layer
-    (:func:`factors_fit`), which stays full at that level. ``gamma == 1`` means "send the model full rank": the plan is empty.
+    (:func:`factors_fit`), which stays full at that level. ``gamma == 1`` means "send the model full
+    rank": the plan is empty.
     """
     gamma = check_gamma(gamma)
     if rho is None:

@@ -27,6 +27,7 @@ import json
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,7 @@ _LOCK = threading.Lock()
 _WEIGHTS: dict[str, dict[str, Tensor]] = {}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def package_dir() -> Path:
     """The folder of the packaged model (``model.safetensors``, ``tokenizer.json``, ``config.json``)."""
     try:
@@ -55,8 +56,8 @@ def package_dir() -> Path:
     return path
 
 
-@functools.lru_cache(maxsize=None)
-def package_config() -> dict:
+@functools.cache
+def package_config() -> dict[str, Any]:
     """The packaged model's ``config.json`` (BERT hyper-parameters)."""
     return json.loads((package_dir() / "config.json").read_text())
 
@@ -121,7 +122,8 @@ class BertLayer(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         h = self.attention(x, mask)
-        return self.output.LayerNorm(h + self.output.dense(F.gelu(self.intermediate.dense(h))))
+        dense = cast(nn.Linear, self.intermediate.dense)
+        return self.output.LayerNorm(h + self.output.dense(F.gelu(dense(h))))
 
 
 class BertEmbeddings(nn.Module):
@@ -142,6 +144,7 @@ class MiniLMClassifier(nn.Module):
     """BERT encoder (``depth`` layers) + mean pooling + linear ``head``; optional adapters per layer."""
 
     classifier_name = "head"
+    local_keys: list[str]  # the backbone's state keys (set by minilm_backbone, transformer.adapt)
 
     def __init__(self, num_classes: int, depth: int, hidden: int, heads: int, intermediate: int, vocab: int,
                  max_positions: int = 512, type_vocab: int = 2, eps: float = 1e-12) -> None:
@@ -173,7 +176,7 @@ class MiniLMClassifier(nn.Module):
         ids, mask = ids[:, :length], mask[:, :length]
         x = self.embeddings(ids)
         attn = mask[:, None, None, :]
-        for i, layer in enumerate(self.encoder.layer):
+        for i, layer in enumerate(cast(nn.ModuleList, self.encoder.layer)):
             x = layer(x, attn)
             if self.adapters is not None:
                 x = x + self.adapters[i](x)
@@ -195,7 +198,7 @@ def _bert_init(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
-def minilm_backbone(spec: Mapping) -> MiniLMClassifier:
+def minilm_backbone(spec: Mapping[str, Any]) -> MiniLMClassifier:
     """The classifier over the spec's backbone (packaged weights, or seeded random), nothing frozen yet.
 
     ``model.local_keys`` lists the backbone's state keys (everything but the head).
@@ -218,9 +221,10 @@ def minilm_backbone(spec: Mapping) -> MiniLMClassifier:
     hidden = int(spec.get("width") or cfg["hidden_size"])
     heads = int(spec.get("heads") or (cfg["num_attention_heads"] if hidden == cfg["hidden_size"] else max(1, hidden // 32)))
     inter = int(spec.get("intermediate") or (cfg["intermediate_size"] if hidden == cfg["hidden_size"] else 4 * hidden))
-    args = dict(num_classes=int(spec["num_classes"]), depth=depth, hidden=hidden, heads=heads, intermediate=inter,
-                vocab=int(cfg["vocab_size"]), max_positions=int(cfg["max_position_embeddings"]),
-                type_vocab=int(cfg["type_vocab_size"]), eps=float(cfg["layer_norm_eps"]))
+    args: dict[str, Any] = dict(
+        num_classes=int(spec["num_classes"]), depth=depth, hidden=hidden, heads=heads, intermediate=inter,
+        vocab=int(cfg["vocab_size"]), max_positions=int(cfg["max_position_embeddings"]),
+        type_vocab=int(cfg["type_vocab_size"]), eps=float(cfg["layer_norm_eps"]))
     if backbone == "random":
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(spec.get("backbone_seed", 0)))

@@ -18,15 +18,16 @@ Spec keys shared by the transformer archs (``minilm``, ``vit``):
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 
 from .adapters import DeMAAdapter, apply_lora
-from .text import minilm_backbone
-from .vit import vit_backbone
+from .text import MiniLMClassifier, minilm_backbone
+from .vit import ViT, vit_backbone
 
 
-def adapt(model: nn.Module, spec: Mapping) -> nn.Module:
+def adapt(model: MiniLMClassifier | ViT, spec: Mapping[str, Any]) -> nn.Module:
     """Freeze / extend ``model`` (built over its backbone, with ``local_keys``) as ``spec`` says."""
     lora, dema = spec.get("lora"), spec.get("dema")
     if lora is not None and dema is not None:
@@ -55,23 +56,23 @@ def adapt(model: nn.Module, spec: Mapping) -> nn.Module:
     return model
 
 
-def minilm(spec: Mapping) -> nn.Module:
+def minilm(spec: Mapping[str, Any]) -> MiniLMClassifier:
     """Registry builder of the MiniLM classifier over its backbone (:mod:`fedhm_flwr.models.text`),
     not adapted yet (:func:`fedhm_flwr.models.build_model` applies :func:`adapt`)."""
     return minilm_backbone(spec)
 
 
-def vit(spec: Mapping) -> nn.Module:
+def vit(spec: Mapping[str, Any]) -> ViT:
     """Registry builder of the small ViT over its backbone (:mod:`fedhm_flwr.models.vit`), not
     adapted yet (:func:`fedhm_flwr.models.build_model` applies :func:`adapt`)."""
     return vit_backbone(spec)
 
 
-def build_minilm(spec: Mapping) -> nn.Module:
+def build_minilm(spec: Mapping[str, Any]) -> nn.Module:
     """The adapted MiniLM classifier (what ``build_model`` gives for ``arch: minilm``)."""
     return adapt(minilm(spec), spec)
 
 
-def build_vit(spec: Mapping) -> nn.Module:
+def build_vit(spec: Mapping[str, Any]) -> nn.Module:
     """The adapted small ViT (what ``build_model`` gives for ``arch: vit``)."""
     return adapt(vit(spec), spec)

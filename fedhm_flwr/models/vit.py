@@ -27,6 +27,7 @@ import os
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +50,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "fedhm-flwr").expanduser()
 
 
-def arch_of(spec: Mapping) -> dict[str, int]:
+def arch_of(spec: Mapping[str, Any]) -> dict[str, int]:
     """The architecture numbers of a spec (defaults filled in)."""
     out = {k: int(spec.get(k) or DEFAULTS[k]) for k in DEFAULTS}
     out["in_channels"], out["image_size"] = int(spec["in_channels"]), int(spec["image_size"])
@@ -121,6 +122,8 @@ class ViT(nn.Module):
     keeps the first block full rank (ρ counts layers: ``method.rho = 6·b`` keeps ``b`` blocks).
     """
 
+    local_keys: list[str]  # the backbone's state keys (set by vit_backbone, transformer.adapt)
+
     classifier_name = "head"
     layers_per_block = 6
     default_rho = 6
@@ -174,7 +177,7 @@ def _vit_init(module: nn.Module) -> None:
             nn.init.zeros_(module.bias)
 
 
-def new_vit(spec: Mapping, seed: int | None = None) -> ViT:
+def new_vit(spec: Mapping[str, Any], seed: int | None = None) -> ViT:
     """A randomly initialised ViT of the spec's size (seeded without touching the global RNG)."""
     a = arch_of(spec)
     with torch.random.fork_rng(devices=[], enabled=seed is not None):
@@ -206,7 +209,7 @@ def load_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
         return _CHECKPOINTS[key]
 
 
-def vit_backbone(spec: Mapping) -> ViT:
+def vit_backbone(spec: Mapping[str, Any]) -> ViT:
     """The ViT classifier over the spec's backbone (cache checkpoint or seeded random); nothing frozen.
 
     ``model.local_keys`` lists the backbone's state keys (everything but the head).

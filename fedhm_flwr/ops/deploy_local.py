@@ -6,8 +6,8 @@ does what an operator does for a federation of real devices, with every machine 
 process on the loopback interface (:class:`fedhm_flwr.ops.deployment.LocalDeployment`):
 
 1. **credentials** (``<work>/ca``, ``<work>/superlink``, ``<work>/supernodes/node-<i>``,
-   :mod:`fedhm_flwr.ops.credentials`): a certificate authority, a TLS certificate for the SuperLink signed by it (valid for
-   ``localhost``, ``127.0.0.1``, ``::1`` and every ``--san``), and one EC P-384 key pair per
+   :mod:`fedhm_flwr.ops.credentials`): a certificate authority, a TLS certificate for the SuperLink signed by it (valid
+   for ``localhost``, ``127.0.0.1``, ``::1`` and every ``--san``), and one EC P-384 key pair per
    SuperNode in OpenSSH format (what ``flower-supernode --auth-supernode-private-key`` and
    ``flwr supernode register`` read). Written with the ``cryptography`` package (a dependency of
    Flower), because one library makes both the X.509 certificates and the OpenSSH keys, which
@@ -54,8 +54,14 @@ from fedhm_flwr.config import ConfigError, load_config, resume_config, split_ove
 from fedhm_flwr.ops.credentials import DEFAULT_SANS, create_credentials
 from fedhm_flwr.ops.deployment import LocalDeployment, node_config, parse_capability, say
 from fedhm_flwr.ops.launch import check_data, default_run_dir
-from fedhm_flwr.ops.outcome import (Commands, fedhm_program, interrupted, report_finished, require_checkpoint,
-                                    run_command)
+from fedhm_flwr.ops.outcome import (
+    Commands,
+    fedhm_program,
+    interrupted,
+    report_finished,
+    require_checkpoint,
+    run_command,
+)
 from fedhm_flwr.ops.procs import Interrupted, new_tag, on_signals
 from fedhm_flwr.ops.runlock import RunLock
 from fedhm_flwr.reporting.results import refuse_existing_run

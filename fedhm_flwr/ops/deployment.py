@@ -24,14 +24,31 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedhm_flwr.core.protocol import (CAPABILITY, CAPABILITY_BUDGETS, CAPABILITY_LEVEL, DATA_DIR, NUM_PARTITIONS,
-                                      PARTITION_ID)
+from fedhm_flwr.core.protocol import (
+    CAPABILITY,
+    CAPABILITY_BUDGETS,
+    CAPABILITY_LEVEL,
+    DATA_DIR,
+    NUM_PARTITIONS,
+    PARTITION_ID,
+)
 from fedhm_flwr.ops.credentials import DEFAULT_SANS, Credentials, create_credentials
 from fedhm_flwr.ops.flower_job import FlowerJob, run_flower_job
 from fedhm_flwr.ops.outcome import Commands, RunFailed, exit_status
 from fedhm_flwr.ops.procs import TAG_VAR, Processes, alive, new_tag, tagged_pids
-from fedhm_flwr.ops.superlink import (APP_DIR, Tls, bin_path, flower_env, free_port, log_tail, stage_app,
-                                      start_superlink, toml_string, write_connection, write_run_config)
+from fedhm_flwr.ops.superlink import (
+    APP_DIR,
+    Tls,
+    bin_path,
+    flower_env,
+    free_port,
+    log_tail,
+    stage_app,
+    start_superlink,
+    toml_string,
+    write_connection,
+    write_run_config,
+)
 
 CONNECTION = "fedhm-local"  # name of the SuperLink connection in the CLI's config.toml
 CAPABILITY_KINDS = (CAPABILITY_LEVEL, *CAPABILITY_BUDGETS)

@@ -31,8 +31,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
+from safetensors.torch import load as load_safetensors, save as save_safetensors
 from torch import nn
 
 from fedhm_flwr.config import ConfigError, data_spec, model_spec, resume_config, to_yaml
@@ -128,7 +127,7 @@ def load_model(path: str | Path) -> nn.Module:
         metadata = fh.metadata() or {}
         if SPEC_KEY not in metadata:
             raise ValueError(f"{path} holds no '{SPEC_KEY}' metadata (not a fedhm-flwr export)")
-        state = {k: fh.get_tensor(k) for k in fh.keys()}
+        state = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 (safe_open is not iterable)
     return _model(metadata[SPEC_KEY], state)
 
 
@@ -274,7 +273,8 @@ def parse_pairs(argv: list[str]) -> dict[str, str]:
     return pairs
 
 
-USAGE = "usage: python -m fedhm_flwr.ops.export run=DIR level=GAMMA [out=DIR]\n\nA level's deployable model from a run's checkpoint.\n"
+USAGE = ("usage: python -m fedhm_flwr.ops.export run=DIR level=GAMMA [out=DIR]\n\n"
+         "A level's deployable model from a run's checkpoint.\n")
 HELP = """arguments (key=value):
   run=DIR      a run directory (config.yaml, checkpoint/)
   level=GAMMA  one of the run's levels, a number or a fraction: 1, 0.5, 1/8
@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
           f"and model_card.md/.json to {card['out_dir']}")
     print(f"  exported model on the test set: {acc(card['test_accuracy'])} (PyTorch)" + ("" if not ort else
           f", {acc(ort['accuracy'])} (ONNX Runtime, one image at a time; max logit difference "
-          f"{ort['max_abs_logit_difference']:.2g}, predictions agree on {ort['predictions_agreeing']}/{ort['examples']})"))
+          f"{ort['max_abs_logit_difference']:.2g}, "
+          f"predictions agree on {ort['predictions_agreeing']}/{ort['examples']})"))
     print(f"  this level in the run: {acc(card['final_accuracy'])} (server's test set), "
           f"{acc(card['final_fed_accuracy'])} (its clients, federated)")
     for note in card["notes"]:

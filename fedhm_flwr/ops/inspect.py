@@ -6,9 +6,9 @@ one input and the bytes of the payload a client of that level receives (and send
 round. For FedHM (and FedAvg of family fedhm) a second table gives the plan: every layer the
 model's factorization rule selects (``model.factorize``, :mod:`fedhm_flwr.models.rules`), its
 weight shape and its rank and parameter count at each level. ``--json`` prints the rows as JSON
-instead. Everything is counted from shapes on PyTorch's meta device: no weight is allocated and no SVD computed (a ResNet-34 table in about a second). A method
-whose payload needs values (PriSM samples kernels by singular value, FedLoRA/HeteroTune load
-pre-trained weights) falls back to real tensors.
+instead. Everything is counted from shapes on PyTorch's meta device: no weight is allocated and no SVD computed (a
+ResNet-34 table in about a second). A method whose payload needs values (PriSM samples kernels by singular value,
+FedLoRA/HeteroTune load pre-trained weights) falls back to real tensors.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from fedhm_flwr.models.matching import fedhm_level_params
 from fedhm_flwr.models.rules import select_layers
 from fedhm_flwr.server.methods.fedhm import FedHM
 from fedhm_flwr.server.registry import STRATEGIES  # the strategies define what a level's model is
-
 
 #: Methods whose level models and payloads are determined by shapes alone: counted on the meta device.
 SHAPE_ONLY = frozenset({"fedhm", "heterofl", "fedrolex", "fedavg"})

@@ -109,7 +109,7 @@ class LocalGrid(Grid):
             if handler is None:
                 raise RuntimeError(f"no handler for {msg.metadata.message_type}")
             reply = handler(msg, self.contexts[node_id])
-        except Exception as err:  # the ClientApp crashed: an error reply, like Flower's
+        except Exception as err:  # noqa: BLE001 (the ClientApp crashed: an error reply, like Flower's)
             reply = Message(Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=msg)
         finally:  # a node is its own process: the thread count its handler set stays there
             torch.set_num_threads(threads)

@@ -74,8 +74,8 @@ def model_card_markdown(card: dict[str, Any]) -> str:
         lines += [
             f"| accuracy of `model.onnx` in ONNX Runtime, one image at a time | {_num(ort['accuracy'])} "
             f"({ort['examples']:,} images of {ort['data']}) |",
-            f"| ONNX Runtime against PyTorch, one image at a time | predictions agree on {ort['predictions_agreeing']:,} "
-            f"of {ort['examples']:,}; max logit difference {ort['max_abs_logit_difference']:.2g} "
+            f"| ONNX Runtime against PyTorch, one image at a time | "
+            f"predictions agree on {ort['predictions_agreeing']:,} of {ort['examples']:,}; max logit difference {ort['max_abs_logit_difference']:.2g} "
             f"(tolerance {ort['tolerance']}) |",
         ]
     lines += [

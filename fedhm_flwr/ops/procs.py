@@ -115,10 +115,8 @@ def tagged_pids(tag: str) -> list[int]:
 
 def _signal_all(pids: Sequence[int], sig: int) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 #: the processes that host the ServerApp (simulation, deployment)
@@ -180,10 +178,8 @@ def kill_tagged(tag: str, grace: float = 3.0, settle: float = 0.0, limit: float 
 
 
 def killpg_quietly(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 # --------------------------------------------------------------------------- the watchdog
@@ -291,10 +287,8 @@ class Processes:
                     killpg_quietly(proc.pid, sig)
             deadline = time.monotonic() + wait
             for proc in procs:
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
             if all(proc.poll() is not None for proc in procs):
                 break
         for proc in procs:  # members of a group that outlived their leader

@@ -24,9 +24,7 @@ def _parse_args(argv: Sequence[str]) -> tuple[list[str], str | None]:
             if not args:
                 raise ShardError("--out needs a folder")
             out = args.pop(0)
-        elif arg.startswith("--out="):
-            out = arg.split("=", 1)[1]
-        elif arg.startswith("out="):
+        elif arg.startswith("--out=") or arg.startswith("out="):
             out = arg.split("=", 1)[1]
         else:
             overrides.append(arg)

@@ -36,6 +36,7 @@ Flower is imported (tests check the constants below against Flower's).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -138,10 +139,8 @@ def marked(tag: str) -> list[int]:
 
 def _signal(pids: list[int], sig: int) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(OSError):
             os.kill(pid, sig)
-        except OSError:
-            pass
 
 
 def stop(pids: list[int], grace: float | None = None) -> None:

@@ -19,8 +19,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.supercore import log
 
 from fedhm_flwr.config import data_spec
-from fedhm_flwr.core import bn_wire
-from fedhm_flwr.core import protocol as wire
+from fedhm_flwr.core import bn_wire, protocol as wire
 from fedhm_flwr.core.protocol import CONFIG, asked_nodes, error_reason
 from fedhm_flwr.math import levels as lv
 from fedhm_flwr.math.bn_stats import combine_bn_sums, norm_layers

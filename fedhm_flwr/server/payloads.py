@@ -15,8 +15,17 @@ from typing import Any
 import torch
 from flwr.app import ConfigRecord
 
-from fedhm_flwr.core.protocol import (DATA_SPEC, LEVEL, LEVEL_INDEX, METHOD, MODEL_SPEC, SEED, SERVER_ROUND, TRAIN,
-                                      wire_config)
+from fedhm_flwr.core.protocol import (
+    DATA_SPEC,
+    LEVEL,
+    LEVEL_INDEX,
+    METHOD,
+    MODEL_SPEC,
+    SEED,
+    SERVER_ROUND,
+    TRAIN,
+    wire_config,
+)
 from fedhm_flwr.core.wire_arrays import array_record, wire_array
 
 
@@ -35,7 +44,7 @@ class ArrayCache:
 
     @staticmethod
     def _same(held: torch.Tensor, version: int, tensor: torch.Tensor) -> bool:
-        return held is tensor and held._version == version or (
+        return (held is tensor and held._version == version) or (
             held.data_ptr() == tensor.data_ptr() and held.dtype == tensor.dtype and held.device == tensor.device
             and held.shape == tensor.shape and held.stride() == tensor.stride() and tensor._version == version)
 

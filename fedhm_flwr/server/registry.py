@@ -60,5 +60,17 @@ STRATEGIES: dict[str, type[HeteroStrategy]] = {
     "prism": PriSMStrategy,
 }
 
-__all__ = ["METHODS", "STRATEGIES", "HeteroStrategy", "Method", "FedHM", "FedHMStrategy", "FedAvgStrategy",
-           "FedLoRAStrategy", "FedRolexStrategy", "HeteroFLStrategy", "HeteroTuneStrategy", "PriSMStrategy"]
+__all__ = [
+    "METHODS",
+    "STRATEGIES",
+    "FedAvgStrategy",
+    "FedHM",
+    "FedHMStrategy",
+    "FedLoRAStrategy",
+    "FedRolexStrategy",
+    "HeteroFLStrategy",
+    "HeteroStrategy",
+    "HeteroTuneStrategy",
+    "Method",
+    "PriSMStrategy",
+]

@@ -22,6 +22,7 @@ Any exception while checking one reply becomes that reply's refusal with its rea
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -163,10 +164,8 @@ def sort_replies(messages: Iterable[Message], replies: Iterable[Message],
         node_id = asked.get(msg.metadata.reply_to_message_id)
         if node_id is None and msg.metadata.src_node_id in unpushed:
             node_id = msg.metadata.src_node_id
-        try:
+        with contextlib.suppress(Exception):  # a record Flower cannot count is refused below, or was an error
             out.received_bytes += wire.content_bytes(msg.content) if msg.has_content() else 0
-        except Exception:  # noqa: BLE001 (a record Flower cannot count is refused below, or was an error)
-            pass
         if node_id is None and msg.metadata.reply_to_message_id in late:
             out.late += 1
             continue

@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 
 from fedhm_flwr.core import protocol as wire
-
 from fedhm_flwr.server.methods.method import Reply
 
 

@@ -35,7 +35,6 @@ from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.core.protocol import ARRAYS, CONFIG, NODE_UNAVAILABLE, collect, content_bytes, exchange, push
 from fedhm_flwr.math import levels as lv
 from fedhm_flwr.server import deployment, evaluation as ev, replies as reply_checks
-
 from fedhm_flwr.server.methods.method import Cut, Method, Reply, State
 from fedhm_flwr.server.nodes import NodeInfo, NodeRegistry
 from fedhm_flwr.server.payloads import ArrayCache, Payload, TaskConfigs, train_options

@@ -17,9 +17,9 @@ that small a recovered product cannot overflow. A recovered update that is still
 refused the same way in :meth:`Untrusted.merge`, before any defence runs.
 
 Defences work on each reply's *recovered* full-shape model ``v_p`` and coverage
-(:meth:`fedhm_flwr.server.methods.method.Method.recovered`) and its update ``Δ_p = v_p - r_p`` against the model the node
-received, recovered the same way (``r_p``; for FedHM the truncation of the global model at the
-node's rank, so the truncation error is not counted as the client's update):
+(:meth:`fedhm_flwr.server.methods.method.Method.recovered`) and its update ``Δ_p = v_p - r_p``
+against the model the node received, recovered the same way (``r_p``; for FedHM the truncation of the global model at
+the node's rank, so the truncation error is not counted as the client's update):
 
 * ``aggregation.outlier_z`` (any method): replies whose ``‖Δ_p‖`` has a robust z-score above it
   are dropped (counted in ``robust_rejected``) before anything else;
@@ -27,7 +27,8 @@ node's rank, so the truncation error is not counted as the client's update):
   own merge then folds in (methods whose replies cover the whole model);
 * ``clip``: ``v_p ← r_p + min(1, c / ‖Δ_p‖) Δ_p`` with ``c`` fixed (``clip_norm``) or the
   ``clip_quantile`` of the round's norms, then the method's weighted mean over the covering
-  clients (:meth:`fedhm_flwr.server.methods.method.Method.reply_weights`, classifier rows over the clients holding the class);
+  clients (:meth:`fedhm_flwr.server.methods.method.Method.reply_weights`, classifier rows over the
+  clients holding the class);
 * ``median`` / ``trimmed_mean``: coordinate-wise, over the clients covering each element.
 
 ``dp.enabled`` (DP-FedAvg, client level; the math in :mod:`fedhm_flwr.math.privacy`): the nodes are
@@ -61,10 +62,8 @@ from flwr.supercore import log
 from omegaconf import DictConfig
 
 from fedhm_flwr.core import protocol as wire
-from fedhm_flwr.math import levels as lv
-from fedhm_flwr.math import privacy, robust
+from fedhm_flwr.math import levels as lv, privacy, robust
 from fedhm_flwr.math.privacy import RdpAccountant
-
 from fedhm_flwr.server.methods.method import Method, Reply, State
 
 #: random-stream id of the attackers' draw (levels.round_rng uses 0-3 elsewhere)

@@ -4,8 +4,9 @@ One decomposition per factorizable layer per model version, whoever asks (hand-o
 of each level's deployable model, checkpoint): the cache is keyed by the layer's content, not by
 the state dict's identity. Every level's client model is a truncation of that one decomposition
 (:func:`fedhm_flwr.math.lowrank.layer_svd`: float32 ``eigh`` of the Gram matrix, checked after the fact
-against ``method.svd_tolerance`` at every level's rank). Replies are averaged with ``softmax(gamma / tau)`` weights, classifier rows per
-class, each factorized layer's recovery and average as one stacked matrix product.
+against ``method.svd_tolerance`` at every level's rank). Replies are averaged with
+``softmax(gamma / tau)`` weights, classifier rows per class, each factorized layer's recovery and average as one stacked
+matrix product.
 
 Official-code behaviour (off by default; for comparisons with the published code):
 ``method.official_weights`` uses its weights (:func:`fedhm_flwr.math.aggregation.official_code_weights`);
@@ -19,7 +20,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
 import torch
 
 from fedhm_flwr.config.methods import FedHMOptions
@@ -27,7 +27,6 @@ from fedhm_flwr.math.aggregation import average_hybrid, level_weights, official_
 from fedhm_flwr.math.lowrank import SVD_TOLERANCE, WireFactors, compute_svds, factorize_state, wire_factors
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.rules import plan_ranks
-
 from fedhm_flwr.server.methods.common import class_holds, classifier_keys
 from fedhm_flwr.server.methods.method import Method, Reply, State
 

@@ -31,14 +31,19 @@ from omegaconf import DictConfig
 from fedhm_flwr.config import backbone_choice, learning_rate
 from fedhm_flwr.config.methods import FedLoRAOptions
 from fedhm_flwr.math.aggregation import average_states, level_weights
-from fedhm_flwr.math.lora import (LORA_DELTA, aggregate_products, handout_state, lora_rank, merge_lora_replies,
-                                  random_rows)
+from fedhm_flwr.math.lora import (
+    LORA_DELTA,
+    aggregate_products,
+    handout_state,
+    lora_rank,
+    merge_lora_replies,
+    random_rows,
+)
 from fedhm_flwr.math.lowrank import SVD, layer_svd
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.adapters import federated_keys
 from fedhm_flwr.models.text import PACKAGE_BACKBONE, package_config
 from fedhm_flwr.models.vit import DEFAULTS, arch_of, checkpoint_ref
-
 from fedhm_flwr.server.methods.common import class_holds, classifier_keys
 from fedhm_flwr.server.methods.method import Method, Reply, State
 

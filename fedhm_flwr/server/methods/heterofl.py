@@ -18,17 +18,15 @@ MACs, training memory) is the closest to FedHM's level of the same ratio on the 
 
 from __future__ import annotations
 
-from typing import Any
-
 from logging import INFO
+from typing import Any
 
 import numpy as np
 import torch
 
 from fedhm_flwr.config.methods import HeteroFLOptions
 from fedhm_flwr.math import width
-from fedhm_flwr.models import matching, build_model
-
+from fedhm_flwr.models import build_model, matching
 from fedhm_flwr.server.methods.common import class_holds, classifier_keys
 from fedhm_flwr.server.methods.method import Method, Reply, State
 

@@ -47,7 +47,6 @@ from fedhm_flwr.math.cmga import cmga
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.adapters import federated_keys, merge_dema
 from fedhm_flwr.models.text import package_config
-
 from fedhm_flwr.server.methods.common import class_holds, classifier_keys, record_bytes
 from fedhm_flwr.server.methods.fedlora import client_options, transformer_spec, type_spec
 from fedhm_flwr.server.methods.method import Method, Reply, State

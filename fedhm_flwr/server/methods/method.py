@@ -21,7 +21,6 @@ from omegaconf import DictConfig
 from fedhm_flwr.config.methods import MethodOptions
 from fedhm_flwr.math.aggregation import level_weights
 from fedhm_flwr.math.lowrank import recover_state
-
 from fedhm_flwr.server.methods import common
 
 State = dict[str, torch.Tensor]
@@ -99,7 +98,7 @@ class Method(ABC):
 
     # ------------------------------------------------------------------ per round
 
-    def begin_round(self, server_round: int, global_state: State) -> None:
+    def begin_round(self, server_round: int, global_state: State) -> None:  # noqa: B027 (optional hook)
         """Work done once per round before any payload (FedHM: one SVD per layer)."""
 
     @abstractmethod
@@ -185,7 +184,7 @@ class Method(ABC):
         """Method state beyond the global model that a checkpoint must keep."""
         return {}
 
-    def load_strategy_state(self, state: dict[str, Any]) -> None:
+    def load_strategy_state(self, state: dict[str, Any]) -> None:  # noqa: B027 (optional hook)
         """Restore :meth:`strategy_state`."""
 
     def summary_lines(self) -> list[tuple[int, str, tuple[Any, ...]]]:

@@ -41,7 +41,6 @@ from fedhm_flwr.math import prism
 from fedhm_flwr.math.aggregation import average_states
 from fedhm_flwr.models import build_model, input_shape
 from fedhm_flwr.models.costs import activation_elements
-
 from fedhm_flwr.server.methods.common import class_holds, classifier_keys
 from fedhm_flwr.server.methods.method import Cut, Method, Reply, State
 
