@@ -127,7 +127,8 @@ def run_whole_job(overrides: list[str], tmp: Path, name: str) -> dict[str, Any]:
             "server (SVD cuts, multiply back, average)": out["seconds"]["server"],
             "evaluation (global + levels)": out["seconds"]["eval"], "process exit": f_ended - out["finished_at"],
             "final_accuracy": out["accuracies"][-1][0]}
-    return {"overrides": overrides, "clients": int(cfg.num_clients), "per_round": rows[0]["sampled"], "rounds": len(rows), "workers": spec["workers"], "job": job, "bare": bare,
+    return {"overrides": overrides, "clients": int(cfg.num_clients), "per_round": rows[0]["sampled"],
+            "rounds": len(rows), "workers": spec["workers"], "job": job, "bare": bare,
             "job_final_accuracy": summary.get("final_acc/global"),
             "ratio": job["wall_seconds"] / bare["wall_seconds"], "target": TARGET}
 
@@ -171,7 +172,8 @@ def whole_job_markdown(f8: dict[str, Any]) -> list[str]:
     L = ["## 8. The whole job against a bare loop", "",
          "Wall time from the process's start to its exit: `python -m fedhm_flwr run` (as `make run`) against "
          "`python -m bench.floors` (plain torch, no project import; the same clients, levels, data and evaluations, "
-         "on as many one-thread worker processes as the job has one-thread Ray workers). Target: job ÷ bare loop ≤ {TARGET:g}.", "",
+         "on as many one-thread worker processes as the job has one-thread Ray workers). "
+         f"Target: job ÷ bare loop ≤ {TARGET:g}.", "",
          "| job | clients (per round) | rounds | job s | bare loop s | job ÷ bare |", "|---|---|---|---|---|---|"]
     for name, j in f8["jobs"].items():
         L.append(f"| {name} | {j['clients']} ({j['per_round']}) | {j['rounds']} | {j['job']['wall_seconds']:.1f} | "
@@ -179,7 +181,8 @@ def whole_job_markdown(f8: dict[str, Any]) -> list[str]:
     for name, j in f8["jobs"].items():
         job, bare = j["job"], j["bare"]
         L += ["", f"**{name}**: `{' '.join(j['overrides']) or '(defaults)'}`; final accuracy job "
-              f"{j['job_final_accuracy']:.4f}, bare loop {bare['final_accuracy']:.4f}; {j['workers']} workers each.", "", "| part | job s | bare loop s |", "|---|---|---|"]
+              f"{j['job_final_accuracy']:.4f}, bare loop {bare['final_accuracy']:.4f}; {j['workers']} workers each.",
+              "", "| part | job s | bare loop s |", "|---|---|---|"]
         for section, total in (("startup", "start-up"), ("rounds", "rounds"), ("end", "end")):
             L.append(f"| **{total}** | **{job[f'{section}_seconds']:.2f}** | |")
             L += [f"| {part} | {seconds:.2f} | |" for part, seconds in job[section].items()]
