@@ -19,14 +19,18 @@ Figures (each in one process, compared things on the same machine state, medians
    time ÷ round time, server time ÷ round time, peak memory of the whole process tree;
 6. ``wire.dtype``: bytes both ways and the accuracy cost of float16 / bfloat16 against float32
    (the default job, a few rounds in process, same seed);
-7. checkpoint time ÷ round time, a checkpoint every round (the CNN and ResNet-18).
+7. checkpoint time ÷ round time, a checkpoint every round (the CNN and ResNet-18);
+8. the whole job (``fedhm run``, process start to exit) part by part (start-up by part, training, server
+   work, evaluation, messaging, the final statistics query) against an independent bare loop doing the
+   same training and evaluations, for the default job and a 100-client job; a two-job sweep with one
+   shared Ray instance and with one per job.
 
 Writes ``bench/reports/bench.json`` and ``bench/reports/bench.md``. ``--quick`` shrinks every
 figure (for a smoke test); ``--only 1,3`` runs some figures; ``--scale-clients 10000`` adds the
 10,000-client run to figure 5 (kept in ``bench/scale/``, shown by every later report).
 
 The figures live by subject: :mod:`bench.server` (1, 2), :mod:`bench.training` (3, 4),
-:mod:`bench.scale` (5), :mod:`bench.jobs` (6, 7); their floors in :mod:`bench.floors`.
+:mod:`bench.scale` (5), :mod:`bench.jobs` (6, 7), :mod:`bench.whole_job` (8); their floors in :mod:`bench.floors`.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from bench.jobs import checkpoint_markdown, figure_checkpoint, figure_wire, wire
 from bench.scale import figure_scale, scale_markdown
 from bench.server import bytes_markdown, figure_bytes, figure_server_time, server_time_markdown
 from bench.training import figure_throughput, figure_train_step, throughput_markdown, train_step_markdown
+from bench.whole_job import figure_whole_job, whole_job_markdown
 
 REPORT_DIR = Path(__file__).resolve().parent / "reports"
 
@@ -59,6 +64,7 @@ FIGURES: dict[str, tuple[str, Callable[..., dict[str, Any]], Callable[[dict[str,
     "5": ("5_scale", figure_scale, scale_markdown),
     "6": ("6_wire", figure_wire, wire_markdown),
     "7": ("7_checkpoint", figure_checkpoint, checkpoint_markdown),
+    "8": ("8_whole_job", figure_whole_job, whole_job_markdown),
 }
 
 
@@ -75,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
-    parser.add_argument("--only", default="1,2,3,4,5,6,7", help="comma-separated figure numbers")
+    parser.add_argument("--only", default="1,2,3,4,5,6,7,8", help="comma-separated figure numbers")
     parser.add_argument("--out", type=Path, default=REPORT_DIR)
     parser.add_argument("--scale-clients", type=int, default=None,
                         help="figure 5 also runs this many clients, 100 per round (e.g. 10000; heavy), "

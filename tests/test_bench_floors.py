@@ -29,7 +29,10 @@ def _imports(path: Path) -> set[str]:
 
 def test_floor_code_imports_nothing_from_the_project():
     imported = _imports(FLOORS)
-    assert imported and imported <= {"__future__", "inspect", "pathlib", "collections", "torch", "math"}, imported
+    allowed = {"__future__", "gzip", "inspect", "json", "math", "multiprocessing", "sys", "time", "pathlib",
+               "collections", "typing",
+               "numpy", "torch"}
+    assert imported and imported <= allowed, imported
     assert floors.where(floors.average_floor).startswith("bench/floors.py:")
 
 
@@ -94,3 +97,55 @@ def test_engine_floor_sends_the_scale_runs_traffic_and_every_message_is_answered
     # every training message answered; a query to round 1's sample at start-up, then one to each later round's
     assert with_queries["replies"] == {"train": rounds * per_round, "query": rounds * per_round}
     assert without["replies"] == {"train": 2 * per_round}
+
+
+def test_whole_job_floor_cut_is_exact_at_full_rank():
+    torch.manual_seed(0)
+    weight = torch.randn(64, 32, 3, 3)
+    b, a = floors.cut(weight, floors.svd_of(weight), 3 * 32)
+    torch.testing.assert_close(floors.multiply_back(b, a), weight, rtol=1e-4, atol=1e-5)
+    state = floors.cnn_state(16)
+    x = torch.randn(8, 1, 28, 28)
+    factored = {k: v for k, v in state.items() if k != "conv3.weight"}
+    factored["conv3.b.weight"], factored["conv3.a.weight"] = floors.cut(
+        state["conv3.weight"], floors.svd_of(state["conv3.weight"]), 3 * 32)
+    torch.testing.assert_close(floors.cnn_forward(factored, x), floors.cnn_forward(state, x), rtol=1e-4, atol=1e-4)
+
+
+def test_whole_job_floor_average_equals_a_hand_computed_one():
+    # two replies, levels 1 (full) and 0.5 (a rank-1 pair): alpha = softmax([1, 0.5])
+    full = torch.arange(2 * 1 * 3 * 3, dtype=torch.float32).reshape(2, 1, 3, 3)
+    b = torch.tensor([[[[1.0, 2.0, 3.0]]]])  # (r=1, m=1, 1, k=3)
+    a = torch.tensor([[[[1.0], [0.0], [-1.0]]], [[[2.0], [1.0], [0.0]]]])  # (n=2, r=1, k=3, 1)
+    pair = torch.einsum("ori,rcj->ocij", a[..., 0], b[:, :, 0, :])  # W[o, c, i, j] = a[o, 0, i] b[0, c, j]
+    state = {"conv3.weight": torch.zeros(2, 1, 3, 3), "fc.bias": torch.zeros(2)}
+    replies = [(1.0, {"conv3.weight": full, "fc.bias": torch.tensor([1.0, 0.0])}),
+               (0.5, {"conv3.b.weight": b, "conv3.a.weight": a, "fc.bias": torch.tensor([0.0, 1.0])})]
+    e1, e2 = np.exp(1.0), np.exp(0.5)
+    w1, w2 = e1 / (e1 + e2), e2 / (e1 + e2)
+    got = floors.fedhm_average(state, replies)
+    torch.testing.assert_close(got["conv3.weight"].float(), (w1 * full + w2 * pair).float())
+    torch.testing.assert_close(got["fc.bias"].float(), torch.tensor([w1, w2], dtype=torch.float32))
+
+
+def test_whole_job_floor_trains_the_projects_level_shapes():
+    """The bare loop's level models have the shapes the project's FedHM hands its clients (the same work)."""
+    spec = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28, "width": 16}
+    model = build_model(spec)
+    ours = floors.cnn_state(16)
+    assert {k: tuple(v.shape) for k, v in ours.items()} == {
+        k: tuple(v.shape) for k, v in model.state_dict().items()}
+    svds = {k: floors.svd_of(v) for k, v in ours.items() if k in ("conv3.weight", "conv4.weight")}
+    for gamma in (1.0, 0.5, 0.25, 0.125):
+        plan = plan_ranks(model, gamma)
+        theirs = factorize_state(model.state_dict(), plan) if plan else model.state_dict()
+        got = floors.level_model(ours, svds, gamma)
+        assert {k: tuple(v.shape) for k, v in got.items()} == {k: tuple(v.shape) for k, v in theirs.items()}, gamma
+
+
+def test_read_idx_reads_the_installed_fashion_mnist():
+    folder = Path("/usr/share/datasets/fashion-mnist")
+    if not folder.is_dir():
+        pytest.skip("Fashion-MNIST is not installed")
+    x, y = floors.fashion_mnist(folder, "t10k")
+    assert x.shape == (10000, 1, 28, 28) and y.shape == (10000,) and set(y.tolist()) == set(range(10))

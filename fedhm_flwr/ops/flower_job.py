@@ -103,6 +103,7 @@ class FlowerJob:
         self.record_path: Path | None = None  # where the run is recorded (:data:`FLOWER_RUN_FILE`), if anywhere
         self.timed_out = False  # flwr run was killed for taking longer than its timeout
         self.errors = ErrorScan(on_error)  # on_error: told the first errors as they appear (quiet runs)
+        self.marks: dict[str, float] = {}  # when flwr run started, named its run, exited (wall clock: timings.json)
 
     def cli(self, *args: str, timeout: float = 60) -> dict[str, Any]:
         """A ``flwr`` command with ``--format json`` on this connection; its JSON answer ({} if none)."""
@@ -121,6 +122,7 @@ class FlowerJob:
         :class:`TimeoutError` after ``timeout`` s."""
         self.record_path = record
         cmd = [bin_path("flwr"), "run", str(app), self.connection, "--stream", "--run-config", str(run_config), *extra]
+        self.marks["flwr_run_started_at"] = time.time()
         proc = self.procs.start("flwr-run", cmd, self.env, None, cwd=APP_DIR)
         timer = threading.Timer(timeout, killpg_quietly, (proc.pid, signal.SIGKILL)) if timeout else None
         if timer is not None:
@@ -138,8 +140,10 @@ class FlowerJob:
                     self.errors.feed(line)
                     if self.run_id is None and (match := STARTED_RUN.search(line)):
                         self.run_id = int(match.group(1))
+                        self.marks["run_started_at"] = time.time()  # the app bundled, sent and the run created
                         self.record(ended=False)
             code = proc.wait()
+            self.marks["flwr_run_exited_at"] = time.time()
         finally:
             if timer is not None:
                 timer.cancel()
@@ -236,6 +240,7 @@ def run_flower_job(job: FlowerJob, app: Path, run_config: Path, run_dir: Path, e
         job.stop()
         raise
     status = job.status()
+    job.marks["status_checked_at"] = time.time()
     summary_file = run_dir / SUMMARY_FILE
     fresh = summary_file.is_file() and summary_file.stat().st_mtime >= started - 1
     if code != 0 or status != "finished:completed" or not fresh:

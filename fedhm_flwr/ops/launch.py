@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,7 @@ from fedhm_flwr.ops.outcome import (Commands, PythonCommands, RunFailed, RunInte
                                     require_checkpoint, resume_hint, run_command)
 from fedhm_flwr.ops.procs import Interrupted, Processes, new_tag, on_signals
 from fedhm_flwr.ops.runlock import RunLock
+from fedhm_flwr.ops.shared_ray import SHARED_RAY_VAR
 from fedhm_flwr.ops.superlink import (APP_DIR, SIMULATION_CONNECTION, free_port, stage_app, start_simulation_superlink,
                                       superlink_env, write_run_config)
 from fedhm_flwr.reporting.results import refuse_existing_run
@@ -57,6 +60,10 @@ from fedhm_flwr.reporting.results import refuse_existing_run
 __all__ = ["Commands", "ErrorScan", "PythonCommands", "RunFailed", "RunInterrupted", "checkpoint_round", "check_data",
            "default_run_dir", "fedhm_commands", "fedhm_program", "free_port", "main", "report_stop",
            "require_checkpoint", "resume_hint", "run_job", "superlink_env"]
+
+#: ``<run dir>/timings.json``: when each part of a launched job's start-up and end happened (wall clock,
+#: ``time.time()``; the ServerApp's own marks are in the summary): bench figure 8 breaks the job's wall time down
+TIMINGS_FILE = "timings.json"
 
 LAUNCH = (sys.executable, "-m", "fedhm_flwr.ops.launch")
 LAUNCH_COMMANDS = Commands((*LAUNCH, "--resume"), LAUNCH, APP_DIR)
@@ -97,6 +104,7 @@ def run_job(overrides: list[str], run_dir: Path | None = None, resume: Path | No
     ``python -m fedhm_flwr.ops.launch --resume DIR``). ``on_error`` is told the run's first ServerApp
     error and first client error (one line each) as soon as Flower's output shows them."""
     commands = commands or LAUNCH_COMMANDS
+    marks = {"launcher_started_at": time.time()}  # (timings.json; measurement only)
     if resume is not None:
         resume = resume.resolve()
         require_checkpoint(resume)  # before anything else: a resume without a checkpoint is refused at once
@@ -106,6 +114,7 @@ def run_job(overrides: list[str], run_dir: Path | None = None, resume: Path | No
     cfg = resume_config(resume, overrides) if resume is not None else load_config(overrides)
     check_data(cfg)
     warn_level_sizes(cfg)
+    marks["checked_at"] = time.time()
     if resume is not None:
         run_dir = resume
     run_dir = (run_dir or (Path(cfg.output_dir) if cfg.output_dir else default_run_dir(cfg.method.name))).resolve()
@@ -118,25 +127,36 @@ def run_job(overrides: list[str], run_dir: Path | None = None, resume: Path | No
                 else:
                     require_checkpoint(run_dir)
                 with Processes(tag, keep_fds=[lock.fd] if lock.fd is not None else []) as procs:
-                    return _run(procs, cfg, overrides, run_dir, resume, quiet, commands, on_error)
+                    summary = _run(procs, cfg, overrides, run_dir, resume, quiet, commands, on_error, marks)
+                marks["cleaned_up_at"] = time.time()  # every process the job started has ended
+                (run_dir / TIMINGS_FILE).write_text(json.dumps(marks, indent=1) + "\n")
+                return summary
         except Interrupted as stop:
             raise interrupted(stop, run_dir, commands, overrides if resume is None else []) from None
 
 
 def _run(procs: Processes, cfg: DictConfig, overrides: list[str], run_dir: Path, resume: Path | None,
-         quiet: bool, commands: Commands, on_error: Callable[[str], None] | None = None) -> dict[str, Any]:
+         quiet: bool, commands: Commands, on_error: Callable[[str], None] | None = None,
+         marks: dict[str, float] | None = None) -> dict[str, Any]:
+    marks = {} if marks is None else marks
     flwr_home = run_dir / ".flwr"
     run_config = write_run_config(flwr_home / "run_config.toml", overrides, run_dir, resume)
     federation = (f"num-supernodes={int(cfg.num_clients)} backend=\"ray\" "
                   f"client-resources-num-cpus={max(1, int(cfg.simulation.num_cpus))} "
                   f"client-resources-num-gpus={float(cfg.simulation.num_gpus)} "
                   "init-args-logging-level=\"ERROR\" init-args-log-to-driver=true")
-    env = start_simulation_superlink(procs, flwr_home, run_dir / "superlink.log",
-                                     ray_address=cfg.simulation.get("ray_address"))
+    # the config's cluster, else the sweep's shared Ray instance (fedhm_flwr/ops/shared_ray.py), else a private one
+    ray_address = cfg.simulation.get("ray_address") or os.environ.get(SHARED_RAY_VAR) or None
+    env = start_simulation_superlink(procs, flwr_home, run_dir / "superlink.log", ray_address=ray_address)
+    marks["superlink_ready_at"] = time.time()
     app = stage_app(flwr_home / "app")
+    marks["app_staged_at"] = time.time()
     job = FlowerJob(procs, env, SIMULATION_CONNECTION, run_dir / "flwr_run.log", echo=not quiet, on_error=on_error)
-    return run_flower_job(job, app, run_config, run_dir, ["--federation-config", federation],
-                          see=f" and {run_dir}/superlink.log", commands=commands)
+    try:
+        return run_flower_job(job, app, run_config, run_dir, ["--federation-config", federation],
+                              see=f" and {run_dir}/superlink.log", commands=commands)
+    finally:
+        marks.update(job.marks)
 
 
 def main(argv: list[str] | None = None) -> int:

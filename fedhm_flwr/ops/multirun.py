@@ -10,6 +10,7 @@ runs them in turn and summarises them. An interrupted sweep or comparison contin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import datetime as dt
 import json
@@ -18,6 +19,7 @@ import shlex
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -25,6 +27,8 @@ from omegaconf import OmegaConf
 from fedhm_flwr.config import ConfigError, split_overrides
 from fedhm_flwr.ops.outcome import fedhm_program
 from fedhm_flwr.ops.procs import SIGNALS
+from fedhm_flwr.ops.shared_ray import SHARED_RAY_VAR, shared_ray
+from fedhm_flwr.ops.shared_ray import enabled as shared_ray_enabled
 from fedhm_flwr.reporting.summary import main as summary_main
 
 #: `fedhm compare` (`make compare`): the baselines on the same work, every method on every seed,
@@ -97,6 +101,19 @@ def _hydra_sweep(overrides: list[str], env: dict[str, str] | None = None) -> int
     return code
 
 
+@contextlib.contextmanager
+def sweep_ray(overrides: list[str]) -> Iterator[dict[str, str]]:
+    """The environment that gives a sweep's jobs one shared Ray instance (:mod:`fedhm_flwr.ops.shared_ray`),
+    started here and stopped when the block ends; none (``{}``) where ``FEDHM_SHARED_RAY=0``, where the
+    overrides name ``simulation.ray_address`` or where a shared instance is already handed down."""
+    if (not shared_ray_enabled() or os.environ.get(SHARED_RAY_VAR)
+            or any(_key(o) == "simulation.ray_address" for o in overrides)):
+        yield {}
+        return
+    with shared_ray() as address:
+        yield {SHARED_RAY_VAR: address}
+
+
 def _sweep_continuation(sweep_dir: Path) -> list[str]:
     """The overrides that run the sweep stored in ``sweep_dir`` again, into the same directory:
     its task overrides and its Hydra overrides (launcher, ...) from Hydra's ``multirun.yaml``."""
@@ -130,8 +147,10 @@ def cmd_sweep(argv: list[str], parser: argparse.ArgumentParser) -> int:
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        return _hydra_sweep(overrides, {CONTINUE_VAR: "1"})
-    return _hydra_sweep(argv)
+        with sweep_ray(overrides) as ray_env:
+            return _hydra_sweep(overrides, {CONTINUE_VAR: "1", **ray_env})
+    with sweep_ray(argv) as ray_env:
+        return _hydra_sweep(argv, ray_env)
 
 
 def _key(override: str) -> str:
@@ -192,14 +211,23 @@ def cmd_compare(argv: list[str], parser: argparse.ArgumentParser) -> int:
                                                              "seeds": seeds}, indent=1))
     print(f"fedhm compare: {matched}, seeds {seeds}, {len(sweeps)} sweep(s), outputs in {root}", flush=True)
     again = {CONTINUE_COMMAND_VAR: shlex.join([*fedhm_program(), "compare", "--continue", root])}
-    for overrides in sweeps:
-        sweep_dir = Path(overrides[-1].split("=", 1)[1])
-        if args.cont is not None and (sweep_dir / "multirun.yaml").is_file():
-            code = _hydra_sweep(_sweep_continuation(sweep_dir), {CONTINUE_VAR: "1", **again})
-        else:
-            code = _hydra_sweep(overrides, {**again, **({CONTINUE_VAR: "1"} if args.cont is not None else {})})
-        if code != 0:
-            return code
+    with sweep_ray([o for overrides in sweeps for o in overrides]) as ray_env:  # one Ray instance for every sweep
+        code = _compare_sweeps(sweeps, args.cont is not None, {**again, **ray_env})
+    if code != 0:
+        return code
     code = summary_main([root, "--out", root, "--reference", "fedhm"])
     print(f"fedhm compare: {matched}; tables and plots in {root} (statistics.md, paired.csv)")
     return code
+
+
+def _compare_sweeps(sweeps: list[list[str]], cont: bool, again: dict[str, str]) -> int:
+    """Each sweep of a comparison in turn (a continued one from where it stopped); the first failure's code."""
+    for overrides in sweeps:
+        sweep_dir = Path(overrides[-1].split("=", 1)[1])
+        if cont and (sweep_dir / "multirun.yaml").is_file():
+            code = _hydra_sweep(_sweep_continuation(sweep_dir), {CONTINUE_VAR: "1", **again})
+        else:
+            code = _hydra_sweep(overrides, {**again, **({CONTINUE_VAR: "1"} if cont else {})})
+        if code != 0:
+            return code
+    return 0

@@ -138,7 +138,7 @@ def _rounds_done(out_dir: Path) -> int:
 
 
 def _run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None) -> dict[str, Any]:
-    t0 = time.perf_counter()
+    t0, started_at = time.perf_counter(), time.time()
     if resume is None:
         refuse_existing_run(out_dir)
     recorder = RunRecorder(out_dir, tracker=open_tracker(cfg.get("tracking"), out_dir))
@@ -169,6 +169,7 @@ def _run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None) -> dic
         # what the last evaluation normalised with (a running-statistics model: running_averaged)
         "bn_stats": next((r["bn_stats"] for r in reversed(recorder.rows) if "bn_stats" in r), cfg.evaluation.bn_stats),
         "wall_seconds": time.perf_counter() - t0,
+        "started_at": started_at, "finished_at": time.time(),  # wall clock (bench figure 8: the job's parts)
         "checkpoint_seconds": recorder.checkpoint_seconds,  # this session's checkpoint writing (bench figure 7)
         **strategy.startup_info,  # start-up: nodes learnt before round 1 (seconds, asked, bytes)
         "output_dir": str(recorder.out_dir),

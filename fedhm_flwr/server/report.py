@@ -34,6 +34,7 @@ class RoundLog:
     late: list[int] = field(default_factory=list)  # sampled nodes the round stopped waiting for (stragglers)
     late_arrivals: int = 0  # answers to the previous round's messages that came after it stopped waiting
     arrivals: list[float] = field(default_factory=list)  # seconds each answer took after the push (sorted)
+    train_seconds: float = 0.0  # wall time from the push of the training messages to the last reply pulled
 
 
 def train_metrics(valid: list[Reply]) -> dict[str, float]:
@@ -45,6 +46,7 @@ def train_metrics(valid: list[Reply]) -> dict[str, float]:
             vals = [r.metrics.get(key, math.nan) for r in valid]
             out[key] = float(np.dot(n, vals) / n.sum())
         out["client-seconds-max"] = max(r.metrics.get(wire.SECONDS, 0.0) for r in valid)
+        out["client-seconds-sum"] = sum(r.metrics.get(wire.SECONDS, 0.0) for r in valid)  # the clients' own training
         ray_nodes = {r.metrics[wire.RAY_NODE] for r in valid if wire.RAY_NODE in r.metrics}
         if ray_nodes:  # Ray simulation: on how many Ray nodes this round's clients trained
             out["ray-nodes"] = float(len(ray_nodes))
@@ -66,10 +68,11 @@ def round_row(server_round: int, lr: float, log_: RoundLog, metrics: Mapping[str
         "bytes_queries": log_.query_bytes,
         "server_seconds": log_.server_seconds,
         "query_seconds": log_.query_seconds,
+        "train_seconds": log_.train_seconds,
         "queried": log_.queried,
     }
     if metrics is not None:
-        for key in (wire.TRAIN_LOSS, wire.TRAIN_ACCURACY, "client-seconds-max"):
+        for key in (wire.TRAIN_LOSS, wire.TRAIN_ACCURACY, "client-seconds-max", "client-seconds-sum"):
             if key in metrics:
                 row[key.replace("-", "_")] = float(metrics[key])
         if "ray-nodes" in metrics:

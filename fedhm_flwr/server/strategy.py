@@ -11,9 +11,8 @@ registry (:mod:`~fedhm_flwr.server.nodes`, costs as data), what is sent (:mod:`~
 the replies (:mod:`~fedhm_flwr.server.replies`: untrusted input), the evaluation
 (:mod:`~fedhm_flwr.server.evaluation`) and the records (:mod:`~fedhm_flwr.server.report`).
 
-A strategy runs one method: ``HeteroStrategy(cfg, model_spec, evaluate_fn, recorder, method=...)``,
-or a method's binding (``FedHMStrategy(cfg, model_spec, ...)``, :data:`strategies.STRATEGIES`); the
-method's attributes read through the strategy too (``inspect``, ``export``, the bench use them).
+A strategy runs one method (``method=...``) or a method's binding (``FedHMStrategy(cfg, model_spec, ...)``,
+:data:`strategies.STRATEGIES`); the method's attributes read through the strategy (``inspect``, the bench).
 """
 
 from __future__ import annotations
@@ -280,7 +279,8 @@ class HeteroStrategy(Strategy):
         round's row and ``evaluate_metrics_serverapp``."""
         self.summary()
         result = Result()
-        self.startup_info = self.registry.startup(grid, self.start_round)  # before the first round's clock
+        self.startup_info = {**self.registry.startup(grid, self.start_round),  # before the first round's clock
+                             "rounds_started_at": time.time()}  # wall clock: the bench's whole-job figure (8)
         arrays = initial_arrays
         result.arrays = arrays
         if evaluate_fn is not None:
@@ -290,7 +290,7 @@ class HeteroStrategy(Strategy):
         for server_round in range(self.start_round, num_rounds + 1):
             t_round = time.perf_counter()
             messages = list(self.configure_train(server_round, arrays, train_config or ConfigRecord(), grid))
-            pushed = push(grid, messages)
+            t_push, pushed = time.perf_counter(), push(grid, messages)
             if server_round < num_rounds:  # the next round's new nodes answer behind this round's training
                 self.registry.prefetch(grid, server_round + 1)
             # the answers to queries asked ahead are pulled as they come (kept unread for their round)
@@ -298,6 +298,7 @@ class HeteroStrategy(Strategy):
             replies = self.registry.ahead.take(collect(
                 grid, pushed, reply_checks.round_deadline(self.cfg, timeout), max_poll=0.5, arrivals=arrivals,
                 also=[*self.registry.ahead.ids(), *self._late_ids])) if pushed else []
+            self.round_log.train_seconds = time.perf_counter() - t_push  # push to the last reply pulled
             new_arrays, train_metrics = self.aggregate_train(server_round, replies)
             self.round_log.arrivals = sorted(arrivals.values())
             if new_arrays is not None:
@@ -361,8 +362,9 @@ class HeteroStrategy(Strategy):
         """The fixed norm statistics of every level's deployable model (the clients' sBN sums; asked
         ``early`` or now, reusing what the final evaluation asked), saved beside the final checkpoint
         for ``fedhm export`` (docs/METHODS.md#deployable-statistics)."""
-        known = self._bn.sums if self._bn is not None else None  # the final round's evaluation asked already
+        known, t0 = self._bn.sums if self._bn is not None else None, time.perf_counter()  # (the final evaluation's)
         found = (early or deployment.DeploymentQuery(self._view(), global_state, known)).result()
+        row["deploy_stats_seconds"] = time.perf_counter() - t0  # what the query took past the evaluation
         if found is not None:
             tensors, metadata, nbytes = found
             self.recorder.save_bn_statistics(tensors, {**metadata, "round": str(server_round)})

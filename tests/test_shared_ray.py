@@ -1,0 +1,83 @@
+"""One Ray instance for a sweep's jobs (fedhm_flwr/ops/shared_ray.py): when it is used, that the launcher
+hands it to Flower, that it is stopped with the block, and that a job's results do not depend on it."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+
+from fedhm_flwr.config import load_config
+from fedhm_flwr.ops import launch, multirun, shared_ray
+from fedhm_flwr.ops.shared_ray import SHARED_RAY_VAR
+
+TINY = ["rounds=2", "num_clients=4", "fraction_train=1.0", "dataset.max_train_examples=800",
+        "dataset.max_test_examples=200", "model.width=4", "evaluation.deploy_stats=false"]
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("", True), ("0", False), ("false", False), ("Off", False)])
+def test_the_switch_reads_the_environment(value, on):
+    assert shared_ray.enabled({shared_ray.SHARED_RAY_SWITCH: value} if value else {}) is on
+
+
+@pytest.mark.parametrize("env, overrides", [({shared_ray.SHARED_RAY_SWITCH: "0"}, ["seed=0,1"]),
+                                            ({SHARED_RAY_VAR: "127.0.0.1:1"}, ["seed=0,1"]),
+                                            ({}, ["seed=0,1", "simulation.ray_address=auto"])])
+def test_a_sweep_starts_no_ray_instance_when_it_is_off_handed_down_or_configured(monkeypatch, env, overrides):
+    monkeypatch.delenv(SHARED_RAY_VAR, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(multirun, "shared_ray", lambda: pytest.fail("a shared Ray instance was started"))
+    with multirun.sweep_ray(overrides) as extra:
+        assert extra == {}
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("configured, shared, expected", [(None, None, None), (None, "10.0.0.1:6379", "10.0.0.1:6379"),
+                                                          ("auto", "10.0.0.1:6379", "auto")])
+def test_the_launcher_gives_flower_the_configured_address_else_the_shared_one(monkeypatch, tmp_path, configured,
+                                                                               shared, expected):
+    if shared:
+        monkeypatch.setenv(SHARED_RAY_VAR, shared)
+    else:
+        monkeypatch.delenv(SHARED_RAY_VAR, raising=False)
+
+    def superlink(procs, home, log, ray_address=None):
+        raise _Stop(ray_address)
+
+    monkeypatch.setattr(launch, "start_simulation_superlink", superlink)
+    cfg = load_config(TINY + ([f"simulation.ray_address={configured}"] if configured else []))
+    with pytest.raises(_Stop) as stop:
+        launch._run(None, cfg, [], tmp_path, None, True, launch.LAUNCH_COMMANDS)
+    assert stop.value.args[0] == expected
+
+
+def _gcs_processes(port: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if f"--gcs_server_port={port}".encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_job_on_the_shared_ray_instance_ends_with_the_same_model_and_the_instance_stops(tmp_path, monkeypatch):
+    """The same fixed-seed job with its private Ray instance and on a shared one: bit-identical final
+    models; the shared instance's processes are gone when its block ends, also by an exception."""
+    monkeypatch.delenv(SHARED_RAY_VAR, raising=False)
+    launch.run_job(TINY, run_dir=tmp_path / "private", quiet=True)
+    with pytest.raises(_Stop), shared_ray.shared_ray(2) as address:
+        port = address.rsplit(":", 1)[1]
+        assert _gcs_processes(port)
+        monkeypatch.setenv(SHARED_RAY_VAR, address)
+        launch.run_job(TINY, run_dir=tmp_path / "shared", quiet=True)
+        raise _Stop
+    assert _gcs_processes(port) == []
+    model = "checkpoint/global_model.safetensors"
+    assert (tmp_path / "private" / model).read_bytes() == (tmp_path / "shared" / model).read_bytes()
