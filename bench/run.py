@@ -73,7 +73,9 @@ def markdown(report: dict[str, Any]) -> str:
     L = ["# fedhm-flwr benchmarks", "", f"{report['machine']}", ""]
     for name, _, section in FIGURES.values():
         if report.get("figures", {}).get(name):
-            L += section(report["figures"][name])
+            figure = report["figures"][name]
+            head, *rest = section(figure)
+            L += [head, "", f"_Measured {figure.get('measured', 'with the report')}._", *rest]
     return "\n".join(L)
 
 
@@ -97,12 +99,19 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.node()} · {os.cpu_count()} CPUs · torch {torch.__version__} · "
                    f"{'CUDA ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}",
         "quick": args.quick, "figures": {}}
+    earlier = args.out / "bench.json"
+    if earlier.is_file():  # --only: the figures not measured now stay as they were, with when and where
+        kept = json.loads(earlier.read_text())
+        if bool(kept.get("quick")) == args.quick:
+            report["figures"] = {name: {"measured": kept.get("machine"), **figure}
+                                 for name, figure in kept.get("figures", {}).items()}
     for key in keys:
         name, measure, _ = FIGURES[key]
         t0 = time.perf_counter()
         print(f"[bench] figure {name} ...", flush=True)
         extra = {"scale_clients": args.scale_clients} if key == "5" else {}
-        report["figures"][name] = measure(args.quick, **extra)
+        report["figures"][name] = {"measured": f"{time.strftime('%Y-%m-%d %H:%M')} · {report['machine']}",
+                                   **measure(args.quick, **extra)}
         print(f"[bench] figure {name} done in {time.perf_counter() - t0:.0f} s", flush=True)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench.json").write_text(json.dumps(report, indent=1))
