@@ -35,7 +35,6 @@ from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.core.protocol import ARRAYS, CONFIG, NODE_UNAVAILABLE, collect, content_bytes, exchange, push
 from fedhm_flwr.math import levels as lv
 from fedhm_flwr.server import deployment, evaluation as ev, replies as reply_checks
-
 from fedhm_flwr.server.methods.method import Cut, Method, Reply, State
 from fedhm_flwr.server.nodes import NodeInfo, NodeRegistry
 from fedhm_flwr.server.payloads import ArrayCache, Payload, TaskConfigs, train_options
@@ -361,13 +360,14 @@ class HeteroStrategy(Strategy):
                                     early: deployment.DeploymentQuery | None) -> None:
         """The fixed norm statistics of every level's deployable model (the clients' sBN sums; asked
         ``early`` or now, reusing what the final evaluation asked), saved beside the final checkpoint
-        for ``fedhm export`` (docs/METHODS.md#deployable-statistics)."""
+        for ``fedhm export``, and each model's accuracy with them (docs/METHODS.md#deployable-statistics)."""
         known = self._bn.sums if self._bn is not None else None  # the final round's evaluation asked already
-        found = (early or deployment.DeploymentQuery(self._view(), global_state, known)).result()
+        found = (query := early or deployment.DeploymentQuery(self._view(), global_state, known)).result()
         if found is not None:
             tensors, metadata, nbytes = found
             self.recorder.save_bn_statistics(tensors, {**metadata, "round": str(server_round)})
             row["bytes_bn_stats"] = row.get("bytes_bn_stats", 0) + nbytes
+        row.update(deployment.deployable_figures(self._view(), query))  # scored as exported
 
     def _evaluation_due(self, server_round: int, num_rounds: int) -> bool:
         return server_round == num_rounds or server_round % int(self.cfg.evaluation.every) == 0
