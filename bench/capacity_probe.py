@@ -1,6 +1,6 @@
 """Choose the second results setting by measurement: where does the model's capacity matter?
 
-``python -m bench.capacity_probe [--candidates w8 ...] [--seeds 0 1 2]`` runs FedAvg on the full
+``python -m bench.capacity_probe [--candidates w8 ...] [--seeds 100 101 102]`` runs FedAvg on the full
 model and FedAvg on FedHM's smallest model (γ = 1/8) for each candidate setting in
 :data:`CANDIDATES` at Dirichlet α = 0.5 over a few seeds (the runs are kept, resumable, under
 ``results/probe/<candidate>/``, exactly as ``make results`` keeps its runs), then writes
@@ -9,7 +9,9 @@ accuracies, the paired difference full − smallest with its 95 % Student-t inte
 meets the criterion (at least :data:`MIN_GAP` with an interval excluding 0), the measured wall
 time per run and the estimated run time of the whole second study (5 seeds × 6 methods × 2 α)
 from those times and the cheap study's per-method times (:func:`bench.studies.estimate_seconds`).
-The results page quotes that file; nothing in it is typed by hand.
+The results page quotes that file; nothing in it is typed by hand. The probe's seeds must be
+disjoint from every study's seeds (:func:`check_seeds`): its runs choose the setting, the study's
+runs judge the methods in it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import argparse
 import datetime as dt
 import json
 import math
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ CANDIDATES = {
 DESCRIPTIONS = {"w8": "CNN width 8, 6,000 examples", "w4": "CNN width 4, 6,000 examples",
                 "full60k": "CNN width 16, all 60,000 training examples"}
 METHODS = ("fedavg", "fedavg_smallest")
+#: the probe's seeds: disjoint from every study's (:func:`check_seeds`)
+DEFAULT_SEEDS = (100, 101, 102)
 
 
 def candidate_study(name: str, seeds: tuple[int, ...], rounds: int | None = None,
@@ -126,39 +129,31 @@ def markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def adopt(root: Path, name: str, seeds: tuple[int, ...]) -> int:
-    """Copy the chosen candidate's finished probe runs into the capacity study (same overrides:
-    checked) so that ``make results`` does not run them again; returns how many were copied."""
-    st, target = candidate_study(name, seeds), R.STUDIES["capacity"]
-    if st.common != target.common:
-        raise SystemExit(f"candidate {name!r} is not the capacity study's setting ({target.common!r})")
-    copied = 0
-    for m in METHODS:
-        for k in seeds:
-            src, dest = R.run_dir(st, "dir0.5", m, k, root), R.run_dir(target, "dir0.5", m, k, root)
-            transport = json.loads((src / "summary.json").read_text()).get("transport", "grid") if R.finished(src) else None
-            if transport == target.transport(k) and not R.finished(dest):
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copytree(src, dest)
-                copied += 1
-    return copied
+def check_seeds(seeds: tuple[int, ...]) -> None:
+    """A setting-selection probe runs on seeds that are none of the studies' seeds: a setting
+    chosen on the seeds it is then judged on is chosen for those seeds' luck. SystemExit naming
+    ``--seeds``, the overlap and the seeds taken, before anything runs."""
+    taken = sorted({k for st in R.STUDIES.values() for k in st.seeds})
+    overlap = sorted(set(seeds) & set(taken))
+    if overlap:
+        raise SystemExit(f"--seeds: {', '.join(map(str, overlap))} also seed(s) the studies (their seeds: "
+                         f"{', '.join(map(str, taken))}); a setting-selection probe takes seeds disjoint from them, "
+                         f"e.g. --seeds {' '.join(map(str, DEFAULT_SEEDS))}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.capacity_probe", description=__doc__.splitlines()[0])
     parser.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), default=["w8"])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS),
+                        help="disjoint from the studies' seeds (refused otherwise)")
     parser.add_argument("--rounds", type=int, help="fewer rounds than the study's 30 (a cheaper first look)")
     parser.add_argument("--ray-seeds", type=int, nargs="*", default=[], help="seeds run through flwr run on Ray")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--runs", type=Path, default=R.RUNS)
     parser.add_argument("--no-run", action="store_true", help="report the finished probe runs only")
-    parser.add_argument("--adopt", choices=list(CANDIDATES), help="copy this candidate's runs into the capacity study")
     args = parser.parse_args(argv)
     seeds = tuple(args.seeds)
-    if args.adopt:
-        print(f"copied {adopt(args.runs, args.adopt, seeds)} run(s) into {args.runs / 'capacity'}")
-        return 0
+    check_seeds(seeds)
     if not args.no_run:
         run_missing(args.runs, [candidate_study(n, seeds, args.rounds, tuple(args.ray_seeds))
                                   for n in args.candidates], args.jobs)

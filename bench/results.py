@@ -36,7 +36,6 @@ import logging
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -86,11 +85,11 @@ def one_run(job: Job) -> dict[str, Any]:
 
 
 def commit() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = git("status", "--porcelain", "--", "fedhm_flwr", "strategies", "clients", "conf")
-    return head + (" (with uncommitted changes)" if dirty else "")
+    """The code now: ``abc1234``, ``abc1234 (with uncommitted changes)`` or ``unknown`` (no git)."""
+    from fedhm_flwr.reporting.provenance import code_version, version_label
+
+    code = code_version(ROOT)
+    return version_label(code["code_commit"], code["code_dirty"])
 
 
 def machine() -> str:

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from bench.page_notes import DEPLOYABLE, code_lines, recipe_lines, run_version, statistics_line, use_deployable
 from bench.studies import (FIGURES, LABELS, PAGE, STUDIES, TITLES, TRANSPORTS, VARIANTS, Study, finished, missing,
                            plan, run_dir)
 from fedhm_flwr.math.stats import mean_ci
@@ -37,7 +38,8 @@ def variant_rows(root: Path, study: Study, setting: str) -> list[dict[str, Any]]
         path = Path(row["dir"])
         row["method"] = path.parent.name
         info = json.loads((path / "summary.json").read_text())
-        row.update({k: info.get(k) for k in ("commit", "machine", "finished_at")})
+        row.update({k: info.get(k) for k in ("commit", "machine", "finished_at", "bn_stats", "deployable_bn_stats")})
+        row.update({k: v for k, v in info.items() if k.startswith((DEPLOYABLE, "code_"))})
         row["transport"] = info.get("transport", "grid")
     return rows
 
@@ -151,7 +153,15 @@ def verdict_table(all_rows: dict[tuple[str, str], list[dict[str, Any]]]) -> list
     return lines
 
 
-def transport_line(study: Study, rows: list[dict[str, Any]]) -> str:
+def study_rows(root: Path, study: Study) -> dict[str, list[dict[str, Any]]]:
+    """Setting -> its finished runs' rows, shown with the deployable accuracy when every run of the
+    study recorded it (:func:`bench.page_notes.use_deployable`), else all with the test-batch figure."""
+    rows = {s: variant_rows(root, study, s) for s in study.settings}
+    use_deployable([r for setting in rows.values() for r in setting])
+    return rows
+
+
+def transport_line(study: Study, rows: list[dict[str, Any]], mixed_code: bool = False) -> str:
     """Which finished runs used which transport (from each run's ``summary.json``)."""
     parts = []
     for transport, what in TRANSPORTS.items():
@@ -162,8 +172,9 @@ def transport_line(study: Study, rows: list[dict[str, Any]]) -> str:
     planned = (f" (planned: seed(s) {', '.join(map(str, study.ray_seeds))} of every method on Ray, the others "
                "on the in-process grid)" if study.ray_seeds else " (every run planned on the in-process grid)")
     return "- transport: " + ("; ".join(parts) or "no finished run yet") + planned + (
-        "; both run the project's server loop (strategy, messages, ClientApp handlers): the transport is the only "
-        "difference")
+        "; both run the project's server loop (strategy, messages, ClientApp handlers)" + (
+            ", but the runs' code differs too (see the code versions): the transport is not the only difference"
+            if mixed_code else ": the transport is the only difference"))
 
 
 def probe_section(root: Path) -> list[str]:
@@ -183,8 +194,14 @@ def probe_section(root: Path) -> list[str]:
                      f"{'which meets' if e.get('meets') else 'which does NOT meet'} the criterion; estimated run "
                      f"time of the whole study {e.get('estimated_study_seconds', float('nan')) / 3600:.1f} h (summed "
                      f"over its runs; about {e.get('estimated_study_seconds', float('nan')) / 7200:.1f} h on 2 worker "
-                     f"processes). {adopted(root, chosen[0])} of its runs are the probe's own, copied unchanged "
-                     "(`python -m bench.capacity_probe --adopt`).")
+                     f"processes). {adopted(root, chosen[0])} of its runs are the probe's own, copied unchanged.")
+        overlap = sorted(set(e["seeds"]) & set(STUDIES["capacity"].seeds))
+        if overlap:
+            lines += ["", f"**Flagged: the probe chose this setting on seed(s) {', '.join(map(str, overlap))}, which "
+                          "the study then judges the methods on: a setting chosen on the seeds that judge it is "
+                          "chosen for their luck too. The probe is to be re-run on seeds disjoint from the study's "
+                          "(`python -m bench.capacity_probe` now refuses others) and the study's copied runs "
+                          "re-run.**"]
     else:
         lines.append("The capacity study's setting is none of the probed candidates.")
     return lines
@@ -220,10 +237,10 @@ def render(root: Path, studies: list[Study] | None = None, figures: Path = FIGUR
     """The Markdown of ``docs/RESULTS.md`` from the finished runs under ``root``; writes the plots
     into ``figures`` (``figures/<setting>`` for the cheap study, ``figures/<study>/<setting>`` otherwise)."""
     studies = studies or list(STUDIES.values())
-    all_rows = {(st.key, s): variant_rows(root, st, s) for st in studies for s in st.settings}
+    all_rows = {(st.key, s): rows for st in studies for s, rows in study_rows(root, st).items()}
     runs = [r for rows in all_rows.values() for r in rows]
     expected = sum(len(st.settings) * len(st.variants) * len(st.seeds) for st in studies)
-    commits = sorted({str(r.get("commit")) for r in runs})
+    commits = sorted({run_version(r) for r in runs})
     machines = sorted({str(r.get("machine")) for r in runs})
     hours = sum(float(r["wall_seconds"]) for r in runs) / 3600
     lines = [
@@ -236,13 +253,16 @@ def render(root: Path, studies: list[Study] | None = None, figures: Path = FIGUR
         f"- command: `make results` (runs {len(runs)} of {expected}: "
         + "; ".join(f"{st.key}: {len(st.settings)} settings × {len(st.variants)} methods × seeds "
                     f"{', '.join(map(str, st.seeds))}" for st in studies) + ")",
-        f"- code: commit(s) {', '.join(f'`{c}`' for c in commits)} (the commit each run was made with is in its "
-        "`summary.json`); page generated " + dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        f"- code: {', '.join(f'`{c}`' for c in commits)} (each run's code is in its `summary.json`: `code_commit` "
+        "and `code_dirty` when it started, `commit` when it finished; per study below); page generated "
+        + dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         f"- machine: {'; '.join(machines)}; runs made {min(str(r.get('finished_at')) for r in runs) if runs else '-'}"
         f" to {max(str(r.get('finished_at')) for r in runs) if runs else '-'}; total wall time of the runs "
         f"{hours:.2f} h (one thread per run, up to `--jobs` runs at a time on a machine shared with other work; "
         "wall time of each run below)",
         "- methods: " + "; ".join(f"{LABELS[v]}: `{o}`" for v, o in VARIANTS.items()),
+        "- per study below: the batch-norm statistics behind its accuracies (test-batch or deployable), its runs' "
+        "code versions (flagged where they are not one clean commit) and the training options that differ by method",
         "- statistics: mean ± sample standard deviation over seeds, 95 % confidence intervals from the "
         "Student-t distribution (`fedhm_flwr/math/stats.py`); paired differences are taken seed by seed (same "
         "partitions, sampling and initial model)",
@@ -258,9 +278,12 @@ def render(root: Path, studies: list[Study] | None = None, figures: Path = FIGUR
     for st in studies:
         rows_of = {s: all_rows[(st.key, s)] for s in st.settings}
         study_runs = [r for rows in rows_of.values() for r in rows]
+        code, flagged = code_lines(study_runs)
         lines += [f"## Study `{st.key}`: {st.title}", "",
                   f"- work: `{st.common}` with `partition.alpha` 0.5 and 0.1 (Dirichlet over labels), i.e. {st.work}",
-                  transport_line(st, study_runs), ""]
+                  statistics_line(study_runs),
+                  *code, transport_line(st, study_runs, flagged), "", "### Training recipe", "",
+                  *recipe_lines({LABELS[v]: st.overrides(st.settings[0], v, st.seeds[0]) for v in st.variants}), ""]
         if st.key == "capacity":
             lines += ["### Why this setting", "", *probe_section(root), ""]
         for s in st.settings:
@@ -269,13 +292,13 @@ def render(root: Path, studies: list[Study] | None = None, figures: Path = FIGUR
     todo = missing(root, studies)
     lines += ["## Missing runs", "", "```", *(plan(root, todo, 2) if todo else ["none"]), "```", "",
               "## Every run", "",
-              "| study | setting | method | seed | transport | final accuracy (%) | wall time (s) | commit | finished |",
+              "| study | setting | method | seed | transport | final accuracy (%) | wall time (s) | code | finished |",
               "|---|---|---|---|---|---|---|---|---|"]
     for (study, setting), rows in all_rows.items():
         for r in sorted(rows, key=lambda r: (list(VARIANTS).index(r["method"]), r["seed"])):
             lines.append(f"| {study} | {setting} | {r['method']} | {r['seed']} | {r['transport']} | "
                          f"{float(r['final_acc/global']) * 100:.2f} | {float(r['wall_seconds']):.0f} | "
-                         f"{r.get('commit')} | {r.get('finished_at')} |")
+                         f"{run_version(r)} | {r.get('finished_at')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -284,8 +307,7 @@ def readme_block(root: Path, studies: list[Study] | None = None) -> str:
     headline table."""
     lines = [README_START, ""]
     for st in studies or list(STUDIES.values()):
-        for setting in st.settings:
-            rows = variant_rows(root, st, setting)
+        for setting, rows in study_rows(root, st).items():
             if rows:
                 lines += [f"**{st.key}, {TITLES[setting]}**: {fedhm_vs_heterofl(rows).replace('**', '')}", "",
                           *headline(rows), ""]

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.page_notes import code_lines, recipe_lines, run_version, statistics_line, use_deployable
 from bench.robustness_fuzz import FUZZ, dp_accounting_version, pld_text
 from bench.robustness_fuzz import section as fuzz_section
 
@@ -258,9 +259,9 @@ def render(root: Path, seeds: tuple[int, ...], command: str = "python -m bench.r
 
     runs = load(root, seeds)
     flat = [r for v in runs.values() for r in v.values()]
+    use_deployable(flat)  # the deployable accuracy where every run recorded it (bench/page_notes.py)
     expected = len(cells()) * len(seeds)
     complete = all(len(runs.get(c, {})) == len(seeds) for c in cells())
-    commits = sorted({str(r.get("commit")) for r in flat})
     machines = sorted({str(r.get("machine")) for r in flat})
     hours = sum(float(r["seconds"]) for r in flat) / 3600
     n = len(seeds)
@@ -274,8 +275,8 @@ def render(root: Path, seeds: tuple[int, ...], command: str = "python -m bench.r
         f"- runs: {len(flat)} of {expected} ({len(cells())} cells × seeds {', '.join(map(str, seeds))})"
         + ("" if complete else " — **the grid is not complete: empty cells are marked –, and cells with fewer "
                                "seeds have wider or no intervals**"),
-        f"- code: commit(s) {', '.join(f'`{c}`' for c in commits) or '–'} (each run's commit is in its "
-        f"`summary.json`); page generated {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        *code_lines(flat)[0], statistics_line(flat),
+        f"- page generated {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- machine: {'; '.join(machines) or '–'}; total wall time of the runs {hours:.2f} h (worker processes "
         "of one thread each)",
         f"- setting: `{COMMON} {ATTACK_SETTING}` over the default job, i.e. Fashion-MNIST (a seeded 6,000-example "
@@ -284,7 +285,8 @@ def render(root: Path, seeds: tuple[int, ...], command: str = "python -m bench.r
         "shares), 10 clients sampled per round, 1 local epoch, 20 rounds; the figure is the final global "
         f"model's test accuracy. DP runs and their no-DP reference: `{DP_SETTING}` instead (500 clients of 20 "
         "examples, Poisson-sampled with q = 0.2, 100 expected per round)",
-        "- methods: FedHM (softmax(γ/τ) weights) and HeteroFL (width slices), each on its own default options",
+        "- methods: FedHM (softmax(γ/τ) weights) and HeteroFL (width slices), each on its own default options; "
+        "training recipe:", "", *recipe_lines({LABELS[m]: Cell(m, "clean", "none").overrides(0) for m in METHODS}), "",
         "- attacks: `failures.attack.kind` with `failures.attack.fraction` 10 % (2 of the 20 clients) and 30 % "
         "(6 of 20), a seeded set fixed for the run that attacks whenever sampled; scale: ×100 "
         "(`failures.attack.scale`)",
@@ -355,14 +357,14 @@ def render(root: Path, seeds: tuple[int, ...], command: str = "python -m bench.r
         lines.append(f"| {sigma:g} | {std:g} | {', '.join(f'{e:g}' for e in eps)} | {', '.join(pld)} | "
                      f"{pm(estimate([accuracy(r) for r in by_seed.values()]))} | {dtext} |")
     lines += ["", *fuzz_section(fuzz), "## Every run", "",
-              "| method | condition | defence | seed | accuracy (%) | attackers sampled | rejected | ε | seconds | commit |",
+              "| method | condition | defence | seed | accuracy (%) | attackers sampled | rejected | ε | seconds | code |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells():
         for k, r in sorted(runs.get(c, {}).items()):
             eps = f"{float(r['dp_epsilon']):.2f}" if r.get("dp_epsilon") is not None else ""
             lines.append(f"| {c.method} | {c.condition} | {c.defence} | {k} | {accuracy(r) * 100:.2f} | "
                          f"{int(r.get('attackers_sampled', 0))} | {int(r.get('rejected', 0))} | {eps} | "
-                         f"{float(r['seconds']):.0f} | {r.get('commit')} |")
+                         f"{float(r['seconds']):.0f} | {run_version(r)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -186,6 +186,12 @@ def test_export_is_the_in_run_cut_with_the_federated_statistics_fixed(tiny_run, 
     assert card["test_examples"] == len(test) == 200
     for batch_size in (1, 7, 200):
         assert evaluate(model, test, batch_size, torch.device("cpu"))["accuracy"] == card["test_accuracy"]
+    # the run's deployable figure is the exported file's own score, to the digit; the test-batch
+    # figure beside it is another measurement (the same weights normalised by each test batch)
+    assert summary["deployable_bn_stats"] == "federated" and summary["bn_stats"] == "test_batch"
+    assert summary["final_deployable_acc/level_0.125"] == card["test_accuracy"] == card["final_deployable_accuracy"]
+    assert rows[-1]["deployable_loss/level_0.125"] != rows[-1]["loss/level_0.125"]
+    assert "deployable_acc/level_0.125" not in rows[0]  # measured once, after the last round
     pre = card["preprocessing"]
     assert pre["image_size"] == 28 and pre["channels"] == 1 and pre["class_names"][9] == "Ankle boot"
     assert json.loads((folder / "model_card.json").read_text())["parameters"] == card["parameters"]

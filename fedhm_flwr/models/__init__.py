@@ -34,8 +34,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from fedhm_flwr.math.bn_stats import fixed_bn
+from fedhm_flwr.math.bn_stats import apply_bn_statistics, fixed_bn
 
+from .adapters import load_federated
 from .cnn import CNN, build_cnn
 from .costs import count_macs, count_parameters
 from .custom import build_custom, resolve_target
@@ -55,6 +56,7 @@ __all__ = [
     "build_model",
     "count_macs",
     "count_parameters",
+    "deployable_network",
     "input_shape",
     "resnet18",
     "resnet34",
@@ -200,6 +202,24 @@ def build_model(spec: Mapping[str, Any], *, spectral_init: bool = True) -> nn.Mo
     for transform in LEVEL_TRANSFORMS.values():
         model = transform(model, spec, spectral_init)
     return model
+
+
+def deployable_network(spec: Mapping, state: Mapping[str, torch.Tensor],
+                       sums: Mapping[str, torch.Tensor] | None = None) -> tuple[dict, nn.Module]:
+    """(spec, model) of the network a device runs: ``spec``'s model with ``state`` loaded (a
+    frozen-backbone model: its federated tensors over the local backbone), ``sums`` (sBN sums,
+    :mod:`fedhm_flwr.math.bn_stats`) installed as its fixed norm statistics when given (the spec
+    then says ``bn_fixed``), in eval mode. The one place both the server's evaluation (the run's
+    final deployable accuracy) and ``fedhm export`` build a model to score or ship."""
+    model = build_model(spec, spectral_init=False)
+    if spec.get("trainable_only"):
+        load_federated(model, state)
+    else:
+        model.load_state_dict(state, strict=True)
+    if sums is not None:
+        apply_bn_statistics(model, sums)
+        spec = {**spec, "bn_fixed": True}
+    return dict(spec), model.eval()
 
 
 @functools.lru_cache(maxsize=64)

@@ -36,9 +36,9 @@ from torch import nn
 
 from fedhm_flwr.config import ConfigError, data_spec, model_spec, resume_config, to_yaml
 from fedhm_flwr.data import class_names, client_dataset, source_info, test_dataset
-from fedhm_flwr.math.bn_stats import apply_bn_statistics, batch_statistics_layers, bn_sums, norm_layers
-from fedhm_flwr.models import build_model, count_macs, count_parameters, input_shape
-from fedhm_flwr.models.adapters import load_federated
+from fedhm_flwr.math.bn_stats import batch_statistics_layers, bn_sums, norm_layers
+from fedhm_flwr.math.train import evaluate
+from fedhm_flwr.models import build_model, count_macs, count_parameters, deployable_network, input_shape
 from fedhm_flwr.ops.model_card import model_card_markdown, run_accuracy
 from fedhm_flwr.ops.onnx_model import OnnxCheckFailed, check_onnx, missing_packages, onnx_bytes, ort_snippet
 from fedhm_flwr.reporting.results import CONFIG_FILE, atomic_write, load_bn_statistics, load_checkpoint
@@ -63,27 +63,24 @@ def parse_level(text: str | float, levels: list[float]) -> int:
 def deployable_model(run_dir: Path, level: str | float) -> tuple[Any, float, dict[str, Any], nn.Module, dict[str, Any], dict[str, str]]:
     """(config, level, spec, model with the level's weights and fixed normalisation statistics,
     strategy state, which statistics) from a run's checkpoint. The model predicts in eval mode
-    independently of the batch (:func:`fix_statistics`)."""
+    independently of the batch (:func:`fix_statistics`); it is built by the function the run's
+    final deployable accuracy is scored with (:func:`fedhm_flwr.models.deployable_network`)."""
     cfg = resume_config(run_dir)
     state, saved = load_checkpoint(run_dir)
     strategy = STRATEGIES[cfg.method.name](cfg, model_spec(cfg))
     strategy.restore(saved)
     index = parse_level(level, strategy.levels)
     spec, level_state = strategy.deployable(index, state)
-    model = build_model(spec, spectral_init=False)
-    if spec.get("trainable_only"):  # a frozen local backbone + the federated tensors
-        load_federated(model, level_state)
-    else:
-        model.load_state_dict(level_state, strict=True)
-    statistics = fix_statistics(run_dir, cfg, model, strategy.levels[index], int(saved.get("round", 0)))
-    if statistics["statistics"] in ("federated", "training_data"):
-        spec = {**spec, "bn_fixed": True}  # the statistics are buffers of the exported state dict
-    return cfg, strategy.levels[index], spec, model.eval(), saved, statistics
+    sums, statistics = fix_statistics(run_dir, cfg, spec, level_state, strategy.levels[index], int(saved.get("round", 0)))
+    spec, model = deployable_network(spec, level_state, sums)
+    return cfg, strategy.levels[index], spec, model, saved, statistics
 
 
-def fix_statistics(run_dir: Path, cfg: Any, model: nn.Module, level: float, checkpoint_round: int) -> dict[str, str]:
-    """Install fixed normalisation statistics in ``model``'s static norm layers, so that it
-    predicts in eval mode independently of the batch; returns which statistics, over which data.
+def fix_statistics(run_dir: Path, cfg: Any, spec: dict[str, Any], state: dict[str, torch.Tensor], level: float,
+                   checkpoint_round: int) -> tuple[dict[str, torch.Tensor] | None, dict[str, str]]:
+    """(the sBN sums to install as the fixed normalisation statistics of ``spec``'s static norm
+    layers, so that it predicts in eval mode independently of the batch, or None when it needs
+    none; which statistics, over which data):
 
     * the federated statistics saved at the end of the run (the clients' sBN sums over their
       training data, :class:`fedhm_flwr.server.deployment.DeploymentQuery`), when they belong to the
@@ -93,32 +90,31 @@ def fix_statistics(run_dir: Path, cfg: Any, model: nn.Module, level: float, chec
     * a model with running statistics keeps them (averaged over the clients as buffers);
     * a model without batch norm needs nothing.
     """
-    layers = batch_statistics_layers(model)
-    if not layers:
+    _, model = deployable_network(spec, state)
+    if not batch_statistics_layers(model):
         if norm_layers(model):
-            return {"statistics": "running_averaged",
-                    "data": "running statistics tracked by the clients in training, averaged over the clients"}
-        return {"statistics": "none", "data": "the model has no batch normalisation"}
+            return None, {"statistics": "running_averaged",
+                          "data": "running statistics tracked by the clients in training, averaged over the clients"}
+        return None, {"statistics": "none", "data": "the model has no batch normalisation"}
     saved = load_bn_statistics(run_dir)
     prefix = f"level_{level:g}/"
     if saved is not None and saved[1].get("round") == str(checkpoint_round):
         sums = {k[len(prefix):]: v for k, v in saved[0].items() if k.startswith(prefix)}
         if sums:
-            apply_bn_statistics(model, sums)
             cap = int(saved[1].get("examples_per_node", "0"))  # (absent from checkpoints saved before it: all)
             examples = f", at most {cap} examples each" if cap > 0 else ""
-            return {"statistics": "federated",
-                    "data": f"the training data of the {saved[1].get('nodes_asked', '?')} clients asked after round "
-                            f"{checkpoint_round}{examples} (sBN sums; no data left them)"}
+            return sums, {"statistics": "federated",
+                          "data": f"the training data of the {saved[1].get('nodes_asked', '?')} clients asked after "
+                                  f"round {checkpoint_round}{examples} (sBN sums; no data left them)"}
     try:
         train = client_dataset({**data_spec(cfg, 1), "scheme": "iid", "holdout": 0.0}, 0, cfg.dataset.get("data_dir"))
     except (OSError, ValueError) as err:
         raise ConfigError("run", str(run_dir), "a run whose last round saved its deployment statistics "
                           f"(evaluation.deploy_stats=true), or its training data on this machine ({err})") from None
-    apply_bn_statistics(model, bn_sums(model, train, int(cfg.evaluation.batch_size), torch.device("cpu")))
-    return {"statistics": "training_data",
-            "data": f"the training set on the exporting machine ({len(train)} examples): the checkpoint of round "
-                    f"{checkpoint_round} holds no federated statistics"}
+    return bn_sums(model, train, int(cfg.evaluation.batch_size), torch.device("cpu")), {
+        "statistics": "training_data",
+        "data": f"the training set on the exporting machine ({len(train)} examples): the checkpoint of round "
+                f"{checkpoint_round} holds no federated statistics"}
 
 
 def load_model(path: str | Path) -> nn.Module:
@@ -238,8 +234,9 @@ def _test_logits(cfg: Any, model: nn.Module, batch_size: int = 256) -> dict[str,
     images, labels = test.images, test.labels
     with torch.inference_mode():
         logits = torch.cat([model(images[i:i + batch_size]) for i in range(0, len(images), batch_size)])
-    return {"images": images, "labels": labels, "logits": logits,
-            "accuracy": int((logits.argmax(1) == labels).sum()) / max(1, len(labels))}
+    # the accuracy as the run's evaluation scores it (the summary's final_deployable_acc/level_<γ>)
+    scored = evaluate(model, test, int(cfg.evaluation.batch_size), torch.device("cpu"))
+    return {"images": images, "labels": labels, "logits": logits, "accuracy": scored["accuracy"]}
 
 
 def preprocessing(cfg: Any, spec: dict[str, Any]) -> dict[str, Any]:

@@ -30,6 +30,9 @@ def run_accuracy(run_dir: Path, level: float) -> dict[str, Any]:
         "final_accuracy": summary.get(f"final_acc/level_{level:g}"),
         "best_accuracy": summary.get(f"best_acc/level_{level:g}"),
         "run_bn_stats": summary.get("bn_stats"),
+        # the run's own score of this deployable model with the statistics the export carries
+        "final_deployable_accuracy": summary.get(f"final_deployable_acc/level_{level:g}"),
+        "deployable_bn_stats": summary.get("deployable_bn_stats"),
         "final_fed_accuracy": summary.get(f"final_{fed}"),
         "best_fed_accuracy": summary.get(f"best_{fed}"),
         "fed_accuracy_round": last.get("round"),
@@ -48,6 +51,9 @@ def _run_rows(card: dict[str, Any]) -> list[str]:
         rows += [f"| final accuracy of this level in the run, server's test set | {_num(card['final_accuracy'])} "
                  f"(statistics: {card['run_bn_stats']}) |",
                  f"| best accuracy of this level in the run, server's test set | {_num(card['best_accuracy'])} |"]
+    if card.get("final_deployable_accuracy") is not None:
+        rows.append(f"| final deployable accuracy of this level in the run, server's test set | "
+                    f"{_num(card['final_deployable_accuracy'])} (statistics: {card['deployable_bn_stats']}) |")
     if card.get("final_fed_accuracy") is not None:
         clients = card.get("fed_accuracy_clients")
         where = f"round {card.get('fed_accuracy_round')}" + ("" if clients is None else

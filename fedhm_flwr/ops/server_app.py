@@ -30,6 +30,7 @@ from fedhm_flwr.math.train import pick_device
 from fedhm_flwr.models import build_model
 from fedhm_flwr.ops.procs import TAG_VAR
 from fedhm_flwr.ops.runlock import RunLock
+from fedhm_flwr.reporting.provenance import code_version
 from fedhm_flwr.reporting.results import (METRICS_JSONL, RunRecorder, load_checkpoint, load_checkpoint_state,
                                           refuse_existing_run, summarize, write_status)
 from fedhm_flwr.reporting.tracking import open_tracker
@@ -117,14 +118,16 @@ def run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None = None) 
     if address is not None:
         watch_superlink(address, lambda: _stop_with_superlink(out_dir, cfg, address, lock))
     try:
-        write_status(out_dir, "running", rounds=int(cfg.rounds), resumed=str(resume) if resume else None)
+        code = code_version()  # the code this run starts with (git may be absent: "unknown")
+        write_status(out_dir, "running", rounds=int(cfg.rounds), resumed=str(resume) if resume else None, **code)
         try:
-            summary = _run(grid, cfg, out_dir, resume)
+            summary = _run(grid, cfg, out_dir, resume, code)
         except BaseException as exc:  # noqa: BLE001 - recorded, then raised as it was
             reason = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
-            write_status(out_dir, "failed", error=reason[:2000], rounds=int(cfg.rounds), round=_rounds_done(out_dir))
+            write_status(out_dir, "failed", error=reason[:2000], rounds=int(cfg.rounds), round=_rounds_done(out_dir),
+                         **code)
             raise
-        write_status(out_dir, "completed", rounds=int(cfg.rounds), round=summary.get("rounds_completed"))
+        write_status(out_dir, "completed", rounds=int(cfg.rounds), round=summary.get("rounds_completed"), **code)
         return summary
     finally:
         lock.release()
@@ -137,7 +140,8 @@ def _rounds_done(out_dir: Path) -> int:
         return 0
 
 
-def _run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None) -> dict[str, Any]:
+def _run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None,
+         code: dict[str, Any] | None = None) -> dict[str, Any]:
     t0, started_at = time.perf_counter(), time.time()
     if resume is None:
         refuse_existing_run(out_dir)
@@ -166,8 +170,11 @@ def _run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None) -> dic
         "dataset": cfg.dataset.name,
         "levels": strategy.levels,
         "level_costs": costs,
-        # what the last evaluation normalised with (a running-statistics model: running_averaged)
+        # what the last evaluation normalised with (final_acc/*; a running-statistics model: running_averaged)
         "bn_stats": next((r["bn_stats"] for r in reversed(recorder.rows) if "bn_stats" in r), cfg.evaluation.bn_stats),
+        # final_deployable_acc/*: the statistics the exported models carry, or why there is no such figure
+        **deployable_label(cfg, recorder.rows[-1] if recorder.rows else {}),
+        **(code or {}),  # code_commit, code_dirty: the code the run started with
         "wall_seconds": time.perf_counter() - t0,
         "started_at": started_at, "finished_at": time.time(),  # wall clock (bench figure 8: the job's parts)
         "checkpoint_seconds": recorder.checkpoint_seconds,  # this session's checkpoint writing (bench figure 7)
@@ -180,6 +187,18 @@ def _run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None) -> dic
     log(INFO, "fedhm-flwr: done; final accuracy: server test set %s, clients %s; outputs in %s",
         summary.get("final_acc/global"), summary.get("final_fed_acc/all"), recorder.out_dir)
     return summary
+
+
+def deployable_label(cfg: DictConfig, last: dict[str, Any]) -> dict[str, Any]:
+    """``deployable_bn_stats``: the statistics behind the summary's ``final_deployable_acc/*`` (those
+    the exported models carry, docs/METHODS.md#deployable-statistics), or ``not measured: <why>``."""
+    if "deployable_bn_stats" in last:
+        return {"deployable_bn_stats": last["deployable_bn_stats"]}
+    why = ("evaluation.where=clients: the server holds no test set (the deployment statistics are saved; "
+           "fedhm export scores the exported model where the test set is)" if cfg.evaluation.where == "clients"
+           else "evaluation.deploy_stats=false: no deployment statistics after the last round"
+           if not cfg.evaluation.deploy_stats else "the run did not reach its last round in this session")
+    return {"deployable_bn_stats": f"not measured: {why}"}
 
 
 @app.main()

@@ -288,15 +288,19 @@ def load_bn_statistics(run_dir: str | Path) -> tuple[dict[str, torch.Tensor], di
 
 
 def summarize(rows: list[dict[str, Any]], extra: Mapping[str, Any]) -> dict[str, Any]:
-    """Final and best accuracy on the server's test set (``final_acc/global``, ...) and of the
+    """Final and best accuracy on the server's test set (``final_acc/global``, ...: normalised as
+    ``extra["bn_stats"]`` says, ``test_batch`` by default), the final **deployable** accuracy
+    (``final_deployable_acc/global``, ``final_deployable_acc/level_<γ>``: with the statistics the
+    exported model carries, ``deployable_bn_stats``; measured once, after the last round) and the
     clients' federated evaluation (``final_fed_acc/all``, ..., final spread
     ``final_fed_acc_clients/mean|std|worst10``), bytes moved (evaluation included), failures."""
     out: dict[str, Any] = dict(extra)
-    for key in sorted({k for r in rows for k in r if k.startswith(("acc/", "fed_acc/", "fed_acc_clients/"))}):
+    prefixes = ("acc/", "deployable_acc/", "fed_acc/", "fed_acc_clients/")
+    for key in sorted({k for r in rows for k in r if k.startswith(prefixes)}):
         series = [r[key] for r in rows if r.get(key) is not None]
         if series:
             out[f"final_{key}"] = series[-1]
-            if not key.startswith("fed_acc_clients/"):
+            if not key.startswith(("fed_acc_clients/", "deployable_acc/")):
                 out[f"best_{key}"] = max(series)
     out["rounds_completed"] = len(rows)
     out["bytes_sent"] = int(sum(r.get("bytes_sent", 0) for r in rows))

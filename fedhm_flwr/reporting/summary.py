@@ -47,8 +47,10 @@ from fedhm_flwr.reporting.summary_stats import (COSTS, METHOD_OPTIONS, TAIL_FRAC
                                                 statistics_markdown, tail_accuracies)
 
 IGNORED = ("output_dir", "dataset.data_dir", "timeout")
-# summary keys shown as accuracy columns: the server's test set, then the clients' federated figures
-ACC_PREFIXES = ("final_acc/", "best_acc/", "final_fed_acc/", "best_fed_acc/", "final_fed_acc_clients/")
+# summary keys shown as accuracy columns: the server's test set (test-batch or federated statistics, then the
+# deployable figure: the exported model's statistics), then the clients' federated figures
+ACC_PREFIXES = ("final_acc/", "best_acc/", "final_deployable_acc/", "final_fed_acc/", "best_fed_acc/",
+                "final_fed_acc_clients/")
 
 
 def find_runs(paths: list[Path]) -> list[Path]:

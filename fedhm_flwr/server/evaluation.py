@@ -40,10 +40,9 @@ from fedhm_flwr.config import data_spec
 from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.core.protocol import ARRAYS, CONFIG, METRICS, asked_nodes, error_reason, read_eval
 from fedhm_flwr.data import test_dataset
-from fedhm_flwr.math.bn_stats import apply_bn_statistics, norm_layers
+from fedhm_flwr.math.bn_stats import norm_layers
 from fedhm_flwr.math.train import evaluate
-from fedhm_flwr.models import build_model, shape_device
-from fedhm_flwr.models.adapters import load_federated
+from fedhm_flwr.models import build_model, deployable_network, shape_device
 from fedhm_flwr.server.bn_query import federated_bn_sums, spec_key
 
 State = dict[str, torch.Tensor]
@@ -111,14 +110,8 @@ def make_evaluator(cfg: DictConfig, device: torch.device):
     batch = int(cfg.evaluation.batch_size)
 
     def evaluate_fn(spec: dict[str, Any], state: State, bn_sums: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
-        model = build_model(spec, spectral_init=False)
-        if spec.get("trainable_only"):  # a frozen backbone loaded locally + the federated tensors
-            load_federated(model, state)
-        else:
-            model.load_state_dict(state, strict=True)
-        if bn_sums is not None:  # federated sBN statistics; else test-batch statistics
-            apply_bn_statistics(model, bn_sums)
-        return evaluate(model, test, batch, device)
+        # with federated sBN sums: fixed statistics, as the exported model carries; else test-batch statistics
+        return evaluate(deployable_network(spec, state, bn_sums)[1], test, batch, device)
 
     return evaluate_fn
 
@@ -176,25 +169,33 @@ def statistics_label(configured: str, spec: dict[str, Any]) -> str:
     return configured
 
 
+def distinct_models(method: Any, global_state: State, levels: bool = True
+                    ) -> tuple[list[tuple[dict[str, Any], State]], dict[str, int]]:
+    """(models, keys): the global model, then (``levels``) each level's deployable model, a level
+    whose model equals the global one (spec and every tensor) listed once; ``keys``: the row-key
+    suffix (``global``, ``level_<γ>``) -> its index in ``models``."""
+    global_spec, global_model = method.global_model(global_state)
+    models: list[tuple[dict[str, Any], State]] = [(global_spec, global_model)]
+    keys = {"global": 0}
+    for index, level in enumerate(method.levels if levels else []):
+        spec, state = method.deployable(index, global_state)
+        same = spec == global_spec and state.keys() == global_model.keys() and all(
+            torch.equal(state[k], global_model[k]) for k in state)
+        if not same:
+            models.append((spec, state))
+        keys[f"level_{level:g}"] = 0 if same else len(models) - 1
+    return models, keys
+
+
 def evaluate_levels(view: RoundView, global_state: State, bn: BnUse | None = None) -> dict[str, Any]:
     """Test-set accuracy and loss of the global model and of each level's deployable model, with
     the row's ``bn_stats`` (and ``bytes_bn_stats``); ``bn`` collects the federated sums, asked for
     every model at once (one message per node)."""
     if view.evaluate_fn is None:
         return {}
-    global_spec, global_model = view.method.global_model(global_state)
+    models, keys = distinct_models(view.method, global_state, bool(view.cfg.evaluation.levels))
     bn = bn if bn is not None else BnUse("")
-    bn.configured = statistics_label(str(view.cfg.evaluation.bn_stats), global_spec)
-    models: list[tuple[dict[str, Any], State]] = [(global_spec, global_model)]  # the global, then the levels'
-    keys = {"global": 0}  # row key suffix -> index in models
-    if view.cfg.evaluation.levels:
-        for index, level in enumerate(view.method.levels):
-            spec, state = view.method.deployable(index, global_state)
-            same = spec == global_spec and state.keys() == global_model.keys() and all(
-                torch.equal(state[k], global_model[k]) for k in state)
-            if not same:
-                models.append((spec, state))
-            keys[f"level_{level:g}"] = 0 if same else len(models) - 1
+    bn.configured = statistics_label(str(view.cfg.evaluation.bn_stats), models[0][0])
     metrics = evaluate_models(view, models, bn)
     out: dict[str, Any] = {}
     for suffix, index in keys.items():

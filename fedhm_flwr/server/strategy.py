@@ -11,8 +11,7 @@ registry (:mod:`~fedhm_flwr.server.nodes`, costs as data), what is sent (:mod:`~
 the replies (:mod:`~fedhm_flwr.server.replies`: untrusted input), the evaluation
 (:mod:`~fedhm_flwr.server.evaluation`) and the records (:mod:`~fedhm_flwr.server.report`).
 
-A strategy runs one method (``method=...``) or a method's binding (``FedHMStrategy(cfg, model_spec, ...)``,
-:data:`strategies.STRATEGIES`); the method's attributes read through the strategy (``inspect``, the bench).
+A strategy runs one method (``method=...``) or a method's binding (:data:`strategies.STRATEGIES`).
 """
 
 from __future__ import annotations
@@ -361,14 +360,15 @@ class HeteroStrategy(Strategy):
                                     early: deployment.DeploymentQuery | None) -> None:
         """The fixed norm statistics of every level's deployable model (the clients' sBN sums; asked
         ``early`` or now, reusing what the final evaluation asked), saved beside the final checkpoint
-        for ``fedhm export`` (docs/METHODS.md#deployable-statistics)."""
+        for ``fedhm export``, and each model's accuracy with them (docs/METHODS.md#deployable-statistics)."""
         known, t0 = self._bn.sums if self._bn is not None else None, time.perf_counter()  # (the final evaluation's)
-        found = (early or deployment.DeploymentQuery(self._view(), global_state, known)).result()
+        found = (query := early or deployment.DeploymentQuery(self._view(), global_state, known)).result()
         row["deploy_stats_seconds"] = time.perf_counter() - t0  # what the query took past the evaluation
         if found is not None:
             tensors, metadata, nbytes = found
             self.recorder.save_bn_statistics(tensors, {**metadata, "round": str(server_round)})
             row["bytes_bn_stats"] = row.get("bytes_bn_stats", 0) + nbytes
+        row.update(deployment.deployable_figures(self._view(), query))  # scored as exported
 
     def _evaluation_due(self, server_round: int, num_rounds: int) -> bool:
         return server_round == num_rounds or server_round % int(self.cfg.evaluation.every) == 0

@@ -1,0 +1,142 @@
+"""What a results page owes its reader besides the numbers, read from the runs and the configs:
+
+* :func:`use_deployable` / :func:`statistics_line`: which batch-norm statistics the accuracies on
+  the page were measured with. A run that recorded its deployable accuracy (``summary.json``'s
+  ``final_deployable_acc/*``: the statistics its exported model carries) is shown with it, and its
+  test-batch figure is kept as ``test_batch_acc/*``; a study any of whose runs lacks it is shown
+  with the test-batch figures, and the page says so and that a re-run gives the deployable ones.
+* :func:`code_lines`: the code versions of a study's runs (``code_commit``/``code_dirty``
+  recorded when the run started; older runs: the ``commit`` recorded when they finished), flagged
+  when they span several versions or uncommitted code.
+* :func:`recipe_lines`: the training options each method's clients get that differ from the
+  common recipe (``train.*``), from the composed configs through the server's own task options.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from fedhm_flwr.reporting.provenance import version_label
+
+DEPLOYABLE, TEST_BATCH = "final_deployable_acc/", "test_batch_acc/"
+SHOWN = "shown_accuracy"  # a row's mark: "deployable" once use_deployable moved its figures
+#: why a method's clients train with an option other than the common recipe's (docs/METHODS.md)
+REASONS = {
+    "grad_clip": "HeteroFL's recipe (`method.grad_clip`, its official code clips the gradient norm at 1.0; "
+                 "docs/METHODS.md#heterofl), kept by FedRolex and FedAvg of HeteroFL's family; the other methods "
+                 "use `train.grad_clip`",
+    "frobenius_decay": "FedHM's: decay on each factorized pair's product instead of weight decay on its factors "
+                       "(`method.frobenius_decay`, docs/METHODS.md#client-training)",
+    "distill": "the ablation itself: self-distillation towards the received model (`train.distill`)",
+}
+
+
+def use_deployable(rows: list[dict[str, Any]]) -> bool:
+    """When every run of ``rows`` recorded its deployable accuracy, put it in ``final_acc/*`` (what
+    the tables, plots and verdicts read) and keep the test-batch figure as ``test_batch_acc/*``;
+    returns whether it did (a study is shown with one kind of figure, never a mix)."""
+    if not rows or not all(f"{DEPLOYABLE}global" in r for r in rows):
+        return False
+    for row in rows:
+        row[SHOWN] = "deployable"
+        for key in [k for k in row if k.startswith(DEPLOYABLE)]:
+            suffix = key[len(DEPLOYABLE):]
+            row[f"{TEST_BATCH}{suffix}"] = row.get(f"final_acc/{suffix}")
+            row[f"final_acc/{suffix}"] = row[key]
+    return True
+
+
+def statistics_line(rows: list[dict[str, Any]]) -> str:
+    """The page's sentence on the batch-norm statistics behind the accuracies of ``rows`` (after
+    :func:`use_deployable`)."""
+    deployable = bool(rows) and all(r.get(SHOWN) == "deployable" for r in rows)
+    if not rows:
+        return "- batch-norm statistics: no finished run yet"
+    if deployable:
+        kinds = Counter(str(r.get("deployable_bn_stats")) for r in rows)
+        return ("- batch-norm statistics: every accuracy below is **deployable**: each model scored on the test set "
+                "with the fixed statistics its exported model carries (`fedhm export`; "
+                + ", ".join(f"`{k}`: {n} run(s)" for k, n in sorted(kinds.items()))
+                + ", `federated`: the clients' sBN sums over their training data). The test-batch figures "
+                "(each test batch normalised with its own statistics, which a deployed model cannot do) stay in "
+                "each run's `summary.json` (`final_acc/*`); the last-10 %-of-rounds column is test-batch (the "
+                "deployable figure is measured once, after the last round)")
+    kinds = Counter(str(r.get("bn_stats") or "test_batch (not recorded)") for r in rows)
+    have = sum(1 for r in rows if f"{DEPLOYABLE}global" in r)
+    return ("- batch-norm statistics: **every accuracy below normalises batch norm with each test batch's own "
+            "statistics** (" + ", ".join(f"`{k}`: {n} run(s)" for k, n in sorted(kinds.items()))
+            + "), which a deployed model cannot do: its exported model carries fixed statistics (the clients' "
+            f"sBN sums) and scores otherwise. {have} of these {len(rows)} runs recorded the deployable figure "
+            "(`final_deployable_acc/*`); **deployable figures need a re-run of the study's runs**")
+
+
+def run_version(row: Mapping[str, Any]) -> str:
+    """A run's code: the version it started with, else the one recorded when it finished."""
+    if "code_commit" in row:
+        return version_label(row["code_commit"], row.get("code_dirty"))
+    return f"{row.get('commit') or 'unknown'} (recorded when the run finished)"
+
+
+def code_lines(rows: list[dict[str, Any]]) -> tuple[list[str], bool]:
+    """(the page's lines on the code versions of ``rows``, whether the study is flagged: its runs
+    span several commits, or uncommitted or unknown code)."""
+    versions = Counter(run_version(r) for r in rows)
+    commits = {v.split()[0] for v in versions}
+    dirty = sum(n for v, n in versions.items() if "uncommitted" in v)
+    unknown = sum(n for v, n in versions.items() if v.startswith("unknown"))
+    flagged = len(commits) > 1 or dirty > 0 or unknown > 0
+    line = "- code versions: " + ("; ".join(f"`{v}`: {n} run(s)" for v, n in sorted(versions.items())) or "–")
+    if flagged:
+        why = [f"{len(commits)} commits" if len(commits) > 1 else "",
+               f"{dirty} run(s) on uncommitted code" if dirty else "", f"{unknown} run(s) of unknown code" if unknown else ""]
+        line += (" — **flagged: the runs span " + ", ".join(w for w in why if w) + "; their outputs may differ for "
+                 "that reason alone, so this study is to be re-run on one clean commit**")
+    return [line], flagged
+
+
+def client_options(overrides: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(the common recipe: the ``train.*`` options the server sends every client, the learning rate
+    aside; the options the clients of each level get, the method's own on top) under ``overrides``:
+    the composed config through the server's own task options."""
+    common, levels = _client_options(overrides)
+    return dict(common), [dict(x) for x in levels]
+
+
+@functools.lru_cache(maxsize=64)
+def _client_options(overrides: str) -> tuple[dict[str, Any], tuple[dict[str, Any], ...]]:
+    from fedhm_flwr.config import load_config, model_spec
+    from fedhm_flwr.ops.server_app import initial_state
+    from fedhm_flwr.server.registry import STRATEGIES
+
+    cfg = load_config(overrides)
+    strategy = STRATEGIES[cfg.method.name](cfg, model_spec(cfg))
+    state = strategy.initial_state(int(cfg.seed)) or initial_state(cfg, model_spec(cfg))
+    common = {k: v for k, v in strategy._train_options(1).items() if k not in ("lr", "threads")}
+    return common, tuple({**common, **strategy.method.level_cut(i, state).train} for i in range(len(strategy.levels)))
+
+
+def recipe_lines(methods: Mapping[str, str]) -> list[str]:
+    """A table of every training option some method's clients get other than the common recipe
+    (the first method's ``train.*`` options as the server sends them), per method; ``methods``:
+    label -> the overrides of its runs."""
+    base = client_options(next(iter(methods.values())))[0] if methods else {}
+    rows = []
+    for label, overrides in methods.items():
+        differ: dict[str, set[str]] = {}
+        for options in client_options(overrides)[1]:
+            for key, value in options.items():
+                if key not in base or base[key] != value:
+                    differ.setdefault(key, set()).add(repr(value))
+        for key, values in sorted(differ.items()):
+            common_value = repr(base[key]) if key in base else "(not in the common recipe)"
+            reason = next((r for k, r in REASONS.items() if key.startswith(k)), "")
+            rows.append(f"| {label} | `{key}` | {', '.join(sorted(values))} | {common_value} | {reason} |")
+    shared = ", ".join(f"`{k}` = {v!r}" for k, v in sorted(base.items()))
+    return [f"Every method's clients train with the common recipe ({shared}; the learning rate of each round from "
+            "`train.lr` and `train.lr_schedule`) except where this table says; read from the composed configs "
+            "through the options the server sends (`bench/page_notes.py`):", "",
+            "| method | option | its value | common recipe | why |", "|---|---|---|---|---|",
+            *(rows or ["| – | – | – | – | every method trains with the common recipe |"])]
