@@ -112,6 +112,31 @@ class FedRolexOptions(WidthOptions):
     needs = _BY_WIDTH + "FedRolex rolls channel windows"
 
 
+class FjORDOptions(MethodOptions):
+    """FjORD: levels are p_max widths; the widths P drawn per batch (``method.p_values``, null:
+    the levels' own), knowledge distillation, clipping, weights by sample count."""
+
+    name = "fjord"
+    models = CONV_ARCHS
+    needs = _BY_WIDTH + "FjORD trains nested channel widths"
+
+    @classmethod
+    def check(cls, cfg: DictConfig) -> None:
+        num_in(cfg, "method.grad_clip", 0.0, math.inf, high_open=True)
+        flags(cfg, "method.weight_by_samples", "method.distill")
+        p_values = OmegaConf.select(cfg, "method.p_values")
+        if p_values is None:
+            return
+        ratios = list(OmegaConf.select(cfg, "levels.ratios") or [])
+        match = OmegaConf.select(cfg, "levels.match") or "none"
+        plain = list(p_values) if OmegaConf.is_list(p_values) else p_values
+        require(match == "none", "method.p_values", plain,
+                f"null with levels.match={match} (the widths drawn are then the matched rates)")
+        require(isinstance(plain, list) and plain and all(is_num(p) and 0 < p <= 1 for p in plain)
+                and all(r in plain for r in ratios), "method.p_values", plain,
+                f"null (the levels) or a list of widths in (0, 1] holding every level of levels.ratios {ratios}")
+
+
 class FedAvgOptions(MethodOptions):
     """Homogeneous FedAvg: the full model, or the smallest level of FedHM or HeteroFL; with
     ``method.family=heterofl`` it runs on HeteroFL's models (pair key ``fedavg/heterofl``)."""
@@ -221,7 +246,8 @@ class HeteroTuneOptions(TransformerOptions):
 #: ``method.name`` -> its options (every method adds itself here and declares them as ``Method.options``);
 #: this order is the order of the supported pairs in error messages.
 OPTIONS: dict[str, type[MethodOptions]] = {o.name: o for o in (
-    FedHMOptions, FedAvgOptions, HeteroFLOptions, FedRolexOptions, PriSMOptions, FedLoRAOptions, HeteroTuneOptions)}
+    FedHMOptions, FedAvgOptions, HeteroFLOptions, FedRolexOptions, PriSMOptions, FedLoRAOptions, HeteroTuneOptions,
+    FjORDOptions)}
 
 #: The (method, model) pairs a run accepts: pair key (``method.name``; ``fedavg/heterofl``: fedavg
 #: with ``method.family=heterofl``) -> ``model.arch`` values (``custom``: a ``model.target``).

@@ -11,14 +11,21 @@
 * Self-distillation (FedHM conference paper, non-IID; ``distill``): the teacher is the received
   model, frozen for the local epochs; the loss is ``CE + weight · T² · KL(teacher_T || student_T)``
   on the unmasked logits softened by ``T`` (the reported train loss is this whole loss).
+* A method's client hook (``hook``, docs/METHODS.md#client-hooks): the train option ``hook`` names
+  a module of :mod:`fedhm_flwr.math` whose ``train_hook(model, hook_options, seed)`` returns the
+  step of one batch, ``(x, y, loss) -> (loss, logits)``, used instead of ``model(x)`` and the
+  masked cross-entropy (FjORD: ``hook="fjord"``, :mod:`fedhm_flwr.math.fjord`). Without one
+  (every other method) the loop is unchanged.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
+import re
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, cast
 
 import torch
@@ -46,6 +53,8 @@ class TrainOptions:
     distill: bool = False
     distill_temperature: float = 2.0
     distill_weight: float = 0.5
+    hook: str = ""  # a method's client hook: a module of fedhm_flwr.math with train_hook ("" none)
+    hook_options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TrainOptions:
@@ -58,6 +67,22 @@ def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     t = float(temperature)
     return t * t * F.kl_div(F.log_softmax(student_logits / t, dim=1), F.log_softmax(teacher_logits / t, dim=1),
                             reduction="batchmean", log_target=True)
+
+
+def client_hook(name: str, model: nn.Module, options: Mapping[str, Any], seed: int) -> Callable[..., Any]:
+    """The per-batch step of the method's client hook ``name``: ``train_hook(model, options, seed)``
+    of the module ``fedhm_flwr.math.<name>``; a name that is no such module is refused."""
+    module = None
+    if re.fullmatch(r"[a-z][a-z0-9_]*", str(name)):
+        try:
+            module = importlib.import_module(f"{__package__}.{name}")
+        except ModuleNotFoundError:
+            module = None
+    hook = getattr(module, "train_hook", None)
+    if not callable(hook):
+        raise ValueError(f"train option hook={name!r}: not a client hook; allowed: the name of a module of "
+                         f"{__package__} that defines train_hook (e.g. 'fjord'), or '' for none")
+    return hook(model, options, seed)
 
 
 def pick_device() -> torch.device:
@@ -173,6 +198,7 @@ def train_local(
         raise ValueError(f"train option optimizer={options.optimizer!r}; allowed: 'sgd', 'adamw'")
     mask = present_classes if options.masked_ce else None
     teacher = _frozen_copy(model) if options.distill else None
+    step = client_hook(options.hook, model, options.hook_options, seed) if options.hook else None
     total_loss, correct, seen = 0.0, 0, 0
     for _ in range(options.local_epochs):
         for x, y in loader:
@@ -181,8 +207,11 @@ def train_local(
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             if x.ndim == 4:
                 x = x.contiguous(memory_format=layout)
-            logits = model(x)
-            loss = F.cross_entropy(mask_absent_classes(logits, mask), y)
+            if step is None:
+                logits = model(x)
+                loss = F.cross_entropy(mask_absent_classes(logits, mask), y)
+            else:
+                loss, logits = step(x, y, lambda out, target: F.cross_entropy(mask_absent_classes(out, mask), target))
             if teacher is not None:
                 with torch.no_grad():
                     teacher_logits = teacher(x)

@@ -3,7 +3,8 @@ Flower-free method per algorithm (:class:`fedhm_flwr.server.methods.method.Metho
 
 ``<Method>Strategy`` binds a method to the round (``FedHMStrategy(cfg, model_spec, evaluate_fn,
 recorder)`` runs FedHM); :data:`STRATEGIES` maps ``method.name`` to those bindings, :data:`METHODS`
-to the methods themselves.
+to the methods themselves. A method is registered by its one entry in :data:`METHODS`; its binding
+follows from it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fedhm_flwr.server.methods.fedavg import FedAvg
 from fedhm_flwr.server.methods.fedhm import FedHM
 from fedhm_flwr.server.methods.fedlora import FedLoRA
 from fedhm_flwr.server.methods.fedrolex import FedRolex
+from fedhm_flwr.server.methods.fjord import FjORD
 from fedhm_flwr.server.methods.heterofl import HeteroFL
 from fedhm_flwr.server.methods.heterotune import HeteroTune
 from fedhm_flwr.server.methods.method import Method
@@ -32,6 +34,7 @@ METHODS: dict[str, Callable[[DictConfig, dict[str, Any]], Method]] = {
     "fedlora": FedLoRA,
     "heterotune": HeteroTune,
     "prism": PriSM,  # also OrthDrop and the ablations: method.sampling
+    "fjord": FjORD,
 }
 
 
@@ -41,24 +44,17 @@ def _binding(name: str, method: Callable[[DictConfig, dict[str, Any]], Method]) 
                                           "__doc__": f"The shared round running {method.__name__}."})
 
 
-FedHMStrategy = _binding("FedHMStrategy", FedHM)
-HeteroFLStrategy = _binding("HeteroFLStrategy", HeteroFL)
-FedRolexStrategy = _binding("FedRolexStrategy", FedRolex)
-FedAvgStrategy = _binding("FedAvgStrategy", FedAvg)
-FedLoRAStrategy = _binding("FedLoRAStrategy", FedLoRA)
-HeteroTuneStrategy = _binding("HeteroTuneStrategy", HeteroTune)
-PriSMStrategy = _binding("PriSMStrategy", PriSM)
-
-#: ``method.name`` -> strategy class (the round bound to the method)
+#: ``method.name`` -> strategy class (the round bound to the method: ``<Method>Strategy``)
 STRATEGIES: dict[str, type[HeteroStrategy]] = {
-    "fedhm": FedHMStrategy,
-    "heterofl": HeteroFLStrategy,
-    "fedrolex": FedRolexStrategy,
-    "fedavg": FedAvgStrategy,
-    "fedlora": FedLoRAStrategy,
-    "heterotune": HeteroTuneStrategy,
-    "prism": PriSMStrategy,
-}
+    name: _binding(f"{method.__name__}Strategy", method) for name, method in METHODS.items()}
+
+FedHMStrategy = STRATEGIES["fedhm"]
+HeteroFLStrategy = STRATEGIES["heterofl"]
+FedRolexStrategy = STRATEGIES["fedrolex"]
+FedAvgStrategy = STRATEGIES["fedavg"]
+FedLoRAStrategy = STRATEGIES["fedlora"]
+HeteroTuneStrategy = STRATEGIES["heterotune"]
+PriSMStrategy = STRATEGIES["prism"]
 
 __all__ = [
     "METHODS",

@@ -45,7 +45,7 @@ class HeteroFL(Method):
         with torch.device("meta"):  # shapes only
             self._shapes_model = build_model(self.spec)
         self.classifier_keys = classifier_keys(self._shapes_model)
-        self.scaler = bool(cfg.method.scaler)
+        self.scaler = bool(cfg.method.get("scaler", False))  # FjORD has none
         self.grad_clip = float(cfg.method.grad_clip)
         self.weight_by_samples = bool(cfg.method.get("weight_by_samples", False))
         #: each level's width rate: the level itself, or the rate matching FedHM's level on one resource
