@@ -204,8 +204,8 @@ def build_model(spec: Mapping[str, Any], *, spectral_init: bool = True) -> nn.Mo
     return model
 
 
-def deployable_network(spec: Mapping, state: Mapping[str, torch.Tensor],
-                       sums: Mapping[str, torch.Tensor] | None = None) -> tuple[dict, nn.Module]:
+def deployable_network(spec: Mapping[str, Any], state: Mapping[str, torch.Tensor],
+                       sums: Mapping[str, torch.Tensor] | None = None) -> tuple[dict[str, Any], nn.Module]:
     """(spec, model) of the network a device runs: ``spec``'s model with ``state`` loaded (a
     frozen-backbone model: its federated tensors over the local backbone), ``sums`` (sBN sums,
     :mod:`fedhm_flwr.math.bn_stats`) installed as its fixed norm statistics when given (the spec
