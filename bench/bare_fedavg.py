@@ -59,16 +59,21 @@ def sample(seed: int, server_round: int, partitions: int, fraction: float, minim
     return sorted(int(p) for p in rng.choice(np.arange(partitions), size=k, replace=False))
 
 
-def local_train(cfg: DictConfig, spec: dict[str, Any], state: State, dataset: Any, lr: float, seed: int,
-                present: torch.Tensor) -> State:
+def local_train(
+    cfg: DictConfig, spec: dict[str, Any], state: State, dataset: Any, lr: float, seed: int, present: torch.Tensor
+) -> State:
     """One client's local epochs from ``state``; returns the trained state."""
     torch.manual_seed(seed)
     model = build_model(spec)
     model.load_state_dict(state)
     model.to(memory_format=torch.channels_last).train()  # PyTorch's layout advice for CNNs on CPU
     t = cfg.train
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=float(t.momentum), weight_decay=float(t.weight_decay))
-    loader = DataLoader(dataset, batch_size=int(t.batch_size), shuffle=True, generator=torch.Generator().manual_seed(seed))
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=lr, momentum=float(t.momentum), weight_decay=float(t.weight_decay)
+    )
+    loader = DataLoader(
+        dataset, batch_size=int(t.batch_size), shuffle=True, generator=torch.Generator().manual_seed(seed)
+    )
     for _ in range(int(t.local_epochs)):
         for x, y in loader:
             if len(y) < 2:
@@ -85,8 +90,9 @@ def local_train(cfg: DictConfig, spec: dict[str, Any], state: State, dataset: An
     return {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in model.state_dict().items()}
 
 
-def fedavg(previous: State, states: list[State], counts: list[int], holds: list[np.ndarray],
-           classifier_prefix: str) -> State:
+def fedavg(
+    previous: State, states: list[State], counts: list[int], holds: list[np.ndarray], classifier_prefix: str
+) -> State:
     """Sample-count-weighted average; classifier rows over the clients holding the class."""
     n = np.asarray(counts, dtype=np.float64)
     w = n / n.sum()
@@ -113,8 +119,10 @@ def fedavg(previous: State, states: list[State], counts: list[int], holds: list[
 def run_bare_fedavg(cfg: DictConfig) -> tuple[State, list[dict[str, Any]]]:
     """The whole run; (final global state, one row per round: sampled partitions, lr)."""
     if cfg.method.name != "fedavg" or cfg.method.variant != "full":
-        raise ValueError(f"method={cfg.method.name} (variant {cfg.method.get('variant')}); "
-                         "the bare loop mirrors method=fedavg with method.variant=full only")
+        raise ValueError(
+            f"method={cfg.method.name} (variant {cfg.method.get('variant')}); "
+            "the bare loop mirrors method=fedavg with method.variant=full only"
+        )
     torch.set_num_threads(max(1, int(math.floor(float(cfg.simulation.num_cpus)))))
     spec, seed, partitions = model_spec(cfg), int(cfg.seed), int(cfg.num_clients)
     data = data_spec(cfg, partitions)
@@ -154,8 +162,9 @@ def test_accuracy(cfg: DictConfig, state: State) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.bare_fedavg", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.bare_fedavg", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (method=fedavg is implied)")
     parser.add_argument("--save", help="write the final model here (safetensors)")
     args = parser.parse_args(argv)

@@ -49,13 +49,15 @@ def _apps(clients: int, work_ms: float, query: bool, rounds: int, per_round: int
         busy = np.zeros(1000)
         while time.thread_time() < end:
             busy += 1.0
-        return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": MetricRecord({"num-examples": 6})}),
-                       reply_to=msg)
+        return Message(
+            RecordDict({"arrays": msg.content["arrays"], "metrics": MetricRecord({"num-examples": 6})}), reply_to=msg
+        )
 
     @client.query()
     def answer(msg: Message, context: Context) -> Message:
-        return Message(RecordDict({"info": ConfigRecord({"partition": int(context.node_config["partition-id"])})}),
-                       reply_to=msg)
+        return Message(
+            RecordDict({"info": ConfigRecord({"partition": int(context.node_config["partition-id"])})}), reply_to=msg
+        )
 
     server = ServerApp()
 
@@ -90,8 +92,13 @@ def _apps(clients: int, work_ms: float, query: bool, rounds: int, per_round: int
                     poll = min(2 * poll, 0.5)
             return also
 
-        out: dict[str, Any] = {"clients": clients, "work_ms": work_ms, "query": query, "per_round": per_round,
-                               "replies": {}}  # message type -> replies without an error
+        out: dict[str, Any] = {
+            "clients": clients,
+            "work_ms": work_ms,
+            "query": query,
+            "per_round": per_round,
+            "replies": {},
+        }  # message type -> replies without an error
         t0 = time.perf_counter()
         if query:  # the start-up asks round 1's sample
             pull(push(samples[0], MessageType.QUERY, ask))
@@ -110,16 +117,29 @@ def _apps(clients: int, work_ms: float, query: bool, rounds: int, per_round: int
     return server, client
 
 
-def engine_rounds(clients: int, work_ms: float, query: bool = True, rounds: int = 5, per_round: int = 100,
-                  timeout: float = 900.0) -> dict[str, Any]:
+def engine_rounds(
+    clients: int, work_ms: float, query: bool = True, rounds: int = 5, per_round: int = 100, timeout: float = 900.0
+) -> dict[str, Any]:
     """One run of this module in a subprocess; its printed dict (RuntimeError when it printed none)."""
-    cmd = [sys.executable, "-m", "bench.engine_floor", "--clients", str(clients), "--work-ms", str(work_ms),
-           "--rounds", str(rounds), "--per-round", str(per_round)] + ([] if query else ["--no-query"])
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.engine_floor",
+        "--clients",
+        str(clients),
+        "--work-ms",
+        str(work_ms),
+        "--rounds",
+        str(rounds),
+        "--per-round",
+        str(per_round),
+    ] + ([] if query else ["--no-query"])
+    proc = subprocess.run(
+        cmd, cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=timeout, check=False
+    )
     for line in proc.stdout.splitlines():
         if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
+            return json.loads(line[len(MARK) :])
     raise RuntimeError(f"bench.engine_floor exited {proc.returncode} without a result:\n{proc.stderr[-2000:]}")
 
 
@@ -134,8 +154,12 @@ def main(argv: list[str] | None = None) -> None:
     if not (args.clients >= args.per_round >= 1 and args.rounds >= 1 and args.work_ms >= 0):
         parser.error("need --clients >= --per-round >= 1, --rounds >= 1 and --work-ms >= 0")
     server, client = _apps(args.clients, args.work_ms, not args.no_query, args.rounds, args.per_round)
-    run_simulation(server, client, num_supernodes=args.clients,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})
+    run_simulation(
+        server,
+        client,
+        num_supernodes=args.clients,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+    )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,9 @@ def _factor_matrices(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return a, b
 
 
-def average_floor(previous: Mapping[str, Tensor], replies: Sequence[Mapping[str, Tensor]],
-                  weights: Sequence[float]) -> dict[str, Tensor]:
+def average_floor(
+    previous: Mapping[str, Tensor], replies: Sequence[Mapping[str, Tensor]], weights: Sequence[float]
+) -> dict[str, Tensor]:
     """``Σ_i w_i W_i`` of hybrid replies: per factorized layer ``L`` (``L.a.weight``/``L.b.weight`` in
     a reply) one product ``[w_1 A_1 | w_2 A_2 | …] @ [B_1; B_2; …]`` plus the weighted sum of the
     replies that sent ``L.weight`` full; every other tensor one weighted sum of the stacked replies
@@ -72,7 +73,9 @@ def average_floor(previous: Mapping[str, Tensor], replies: Sequence[Mapping[str,
         layer = key[: -len(".weight")] if key.endswith(".weight") else None
         factored = [i for i, r in enumerate(replies) if layer is not None and f"{layer}.a.weight" in r]
         if factored:
-            pairs = [_factor_matrices(replies[i][f"{layer}.a.weight"], replies[i][f"{layer}.b.weight"]) for i in factored]
+            pairs = [
+                _factor_matrices(replies[i][f"{layer}.a.weight"], replies[i][f"{layer}.b.weight"]) for i in factored
+            ]
             total = torch.cat([a * w[i] for (a, _), i in zip(pairs, factored)], 1) @ torch.cat([b for _, b in pairs])
             full = [i for i in range(len(replies)) if i not in factored]
             if full:
@@ -91,8 +94,17 @@ def average_floor(previous: Mapping[str, Tensor], replies: Sequence[Mapping[str,
     return out
 
 
-def training_floor(model: torch.nn.Module, images: Tensor, labels: Tensor, epochs: int, batch_size: int,
-                   lr: float = 0.01, momentum: float = 0.9, weight_decay: float = 5e-4, seed: int = 0) -> int:
+def training_floor(
+    model: torch.nn.Module,
+    images: Tensor,
+    labels: Tensor,
+    epochs: int,
+    batch_size: int,
+    lr: float = 0.01,
+    momentum: float = 0.9,
+    weight_decay: float = 5e-4,
+    seed: int = 0,
+) -> int:
     """Plain SGD with momentum over the examples in shuffled batches of ``batch_size`` (the last one
     kept when it holds two or more), cross-entropy; returns the examples seen."""
     generator = torch.Generator().manual_seed(seed)
@@ -102,7 +114,7 @@ def training_floor(model: torch.nn.Module, images: Tensor, labels: Tensor, epoch
     for _ in range(epochs):
         order = torch.randperm(len(labels), generator=generator)
         for start in range(0, len(labels), batch_size):
-            idx = order[start:start + batch_size]
+            idx = order[start : start + batch_size]
             if len(idx) < 2:
                 continue
             loss = torch.nn.functional.cross_entropy(model(images[idx]), labels[idx])
@@ -111,7 +123,6 @@ def training_floor(model: torch.nn.Module, images: Tensor, labels: Tensor, epoch
             opt.step()
             seen += len(idx)
     return seen
-
 
 
 # ---------------------------------------------------------------------- the whole job's bare loop (figure 8)
@@ -127,7 +138,7 @@ def read_idx(path: Path) -> np.ndarray:
     """An IDX file (gzip): its big-endian header (magic, dimensions), then uint8 values."""
     raw = gzip.decompress(path.read_bytes())
     dims = raw[3]
-    shape = tuple(int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(dims))
+    shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(dims))
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * dims).reshape(shape)
 
 
@@ -145,7 +156,9 @@ def cnn_state(width: int = 16, classes: int = 10, seed: int = 0) -> dict[str, Te
     state, channels = {}, [1, width, 2 * width, 4 * width, 8 * width]
     for i in range(1, 5):
         fan_in = channels[i - 1] * 9
-        state[f"conv{i}.weight"] = torch.randn(channels[i], channels[i - 1], 3, 3, generator=generator) / math.sqrt(fan_in)
+        state[f"conv{i}.weight"] = torch.randn(channels[i], channels[i - 1], 3, 3, generator=generator) / math.sqrt(
+            fan_in
+        )
         state[f"bn{i}.weight"], state[f"bn{i}.bias"] = torch.ones(channels[i]), torch.zeros(channels[i])
     state["fc.weight"] = torch.randn(classes, channels[4], generator=generator) / math.sqrt(channels[4])
     state["fc.bias"] = torch.zeros(classes)
@@ -196,8 +209,9 @@ def multiply_back(b: Tensor, a: Tensor) -> Tensor:
     return (A @ b.reshape(rank, m * k)).reshape(n, k, m, k).permute(0, 2, 1, 3).contiguous()
 
 
-def level_model(state: Mapping[str, Tensor], svds: Mapping[str, tuple[Tensor, Tensor, Tensor]], gamma: float,
-                keep: int = 1) -> dict[str, Tensor]:
+def level_model(
+    state: Mapping[str, Tensor], svds: Mapping[str, tuple[Tensor, Tensor, Tensor]], gamma: float, keep: int = 1
+) -> dict[str, Tensor]:
     """The model of level γ: conv2..conv4 past the first ``keep`` of them cut to their rank, the rest as is."""
     out = dict(state)
     for i in range(2 + keep, 5):
@@ -209,20 +223,30 @@ def level_model(state: Mapping[str, Tensor], svds: Mapping[str, tuple[Tensor, Te
     return out
 
 
-def train_client(params: dict[str, Tensor], x: Tensor, y: Tensor, seed: int, epochs: int = 1, batch_size: int = 32,
-                 lr: float = 0.05, momentum: float = 0.9, weight_decay: float = 5e-4) -> dict[str, Tensor]:
+def train_client(
+    params: dict[str, Tensor],
+    x: Tensor,
+    y: Tensor,
+    seed: int,
+    epochs: int = 1,
+    batch_size: int = 32,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    weight_decay: float = 5e-4,
+) -> dict[str, Tensor]:
     """SGD with momentum and weight decay, masked cross-entropy (absent classes' logits 0), batches of one
     skipped; convolutions in ``channels_last`` (PyTorch's layout advice for CNNs on CPU, faster here)."""
     last = torch.channels_last
-    params = {k: (v.clone(memory_format=last) if v.ndim == 4 else v.clone()).requires_grad_(True)
-              for k, v in params.items()}
+    params = {
+        k: (v.clone(memory_format=last) if v.ndim == 4 else v.clone()).requires_grad_(True) for k, v in params.items()
+    }
     opt = torch.optim.SGD(params.values(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     present = torch.bincount(y, minlength=params["fc.bias"].shape[0]) > 0
     generator = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
         order = torch.randperm(len(y), generator=generator)
         for start in range(0, len(y), batch_size):
-            idx = order[start:start + batch_size]
+            idx = order[start : start + batch_size]
             if len(idx) < 2:
                 continue
             logits = cnn_forward(params, x[idx].contiguous(memory_format=last))
@@ -233,16 +257,18 @@ def train_client(params: dict[str, Tensor], x: Tensor, y: Tensor, seed: int, epo
     return {k: v.detach().contiguous() for k, v in params.items()}
 
 
-def fedhm_average(state: Mapping[str, Tensor], replies: Sequence[tuple[float, Mapping[str, Tensor]]],
-                  tau: float = 1.0) -> dict[str, Tensor]:
+def fedhm_average(
+    state: Mapping[str, Tensor], replies: Sequence[tuple[float, Mapping[str, Tensor]]], tau: float = 1.0
+) -> dict[str, Tensor]:
     """``Σ_p α_p W_p`` with ``α = softmax(γ/τ)`` over the replies ``(γ_p, state_p)``, factorized layers
     multiplied back first."""
     alpha = torch.softmax(torch.tensor([g / tau for g, _ in replies], dtype=torch.float64), 0)
     out = {}
     for key in state:
         layer = key[: -len(".weight")]
-        full = [r[key] if key in r else multiply_back(r[f"{layer}.b.weight"], r[f"{layer}.a.weight"])
-                for _, r in replies]
+        full = [
+            r[key] if key in r else multiply_back(r[f"{layer}.b.weight"], r[f"{layer}.a.weight"]) for _, r in replies
+        ]
         out[key] = sum(float(w) * t for w, t in zip(alpha, full))
     return out
 
@@ -263,14 +289,23 @@ def _eval_task(params: Mapping[str, Tensor]) -> float:
 
 @torch.no_grad()
 def accuracy(params: Mapping[str, Tensor], x: Tensor, y: Tensor, batch_size: int = 500) -> float:
-    correct = sum(int((cnn_forward(params, x[s:s + batch_size]).argmax(1) == y[s:s + batch_size]).sum())
-                  for s in range(0, len(y), batch_size))
+    correct = sum(
+        int((cnn_forward(params, x[s : s + batch_size]).argmax(1) == y[s : s + batch_size]).sum())
+        for s in range(0, len(y), batch_size)
+    )
     return correct / len(y)
 
 
-def whole_job_floor(folder: Path, partitions: Sequence[Sequence[int]], rounds: Sequence[Sequence[tuple[int, float]]],
-                    levels: Sequence[float], width: int = 16, seed: int = 0, test_examples: int = 0,
-                    workers: int = 1) -> dict[str, Any]:
+def whole_job_floor(
+    folder: Path,
+    partitions: Sequence[Sequence[int]],
+    rounds: Sequence[Sequence[tuple[int, float]]],
+    levels: Sequence[float],
+    width: int = 16,
+    seed: int = 0,
+    test_examples: int = 0,
+    workers: int = 1,
+) -> dict[str, Any]:
     """The default FedHM job as a bare loop: per round, each ``(partition, γ)`` trains its level's cut of
     the global model, the server multiplies back and averages, then the global model and each level γ < 1
     are evaluated on the test set (its first ``test_examples``, 0: all). Clients and evaluations run on
@@ -282,8 +317,13 @@ def whole_job_floor(folder: Path, partitions: Sequence[Sequence[int]], rounds: S
     x_test, y_test = fashion_mnist(folder, "t10k")
     if test_examples > 0:  # as many as the job's cut test set (not the same ones: the same work)
         x_test, y_test = x_test[:test_examples], y_test[:test_examples]
-    _DATA.update(x=x, y=y, x_test=x_test, y_test=y_test,
-                 parts=[torch.as_tensor(np.asarray(p, dtype=np.int64)) for p in partitions])
+    _DATA.update(
+        x=x,
+        y=y,
+        x_test=x_test,
+        y_test=y_test,
+        parts=[torch.as_tensor(np.asarray(p, dtype=np.int64)) for p in partitions],
+    )
     state = cnn_state(width, seed=seed)
     pool = multiprocessing.get_context("fork").Pool(workers, torch.set_num_threads, (1,)) if workers > 1 else None
     run = pool.map if pool is not None else lambda fn, tasks: list(map(fn, tasks))
@@ -297,8 +337,14 @@ def whole_job_floor(folder: Path, partitions: Sequence[Sequence[int]], rounds: S
     return {"seconds": t, "accuracies": accs, "state": state}
 
 
-def _rounds(state: dict[str, Tensor], rounds: Sequence[Sequence[tuple[int, float]]], levels: Sequence[float],
-            seed: int, run: Callable[..., list[Any]], t: dict[str, float]) -> tuple[list[list[float]], dict[str, Tensor]]:
+def _rounds(
+    state: dict[str, Tensor],
+    rounds: Sequence[Sequence[tuple[int, float]]],
+    levels: Sequence[float],
+    seed: int,
+    run: Callable[..., list[Any]],
+    t: dict[str, float],
+) -> tuple[list[list[float]], dict[str, Tensor]]:
     """The rounds; one SVD per factorized layer per model version (the hand-out reuses the evaluation's)."""
     accs, t0 = [], time.perf_counter()
     svds = {k: svd_of(v) for k, v in state.items() if k in ("conv3.weight", "conv4.weight")}
@@ -326,13 +372,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bench.floors job.json out.json``: :func:`whole_job_floor` on the job's data (JSON:
     ``folder``, ``partitions``, ``rounds``, ``levels``, ``width``, ``workers``); writes its seconds."""
     started = time.time()
-    spec_path, out_path = (sys.argv[1:] if argv is None else argv)
+    spec_path, out_path = sys.argv[1:] if argv is None else argv
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)
-    result = whole_job_floor(Path(spec["folder"]), spec["partitions"], spec["rounds"], spec["levels"], spec["width"],
-                             test_examples=int(spec.get("test_examples", 0)), workers=int(spec["workers"]))
-    Path(out_path).write_text(json.dumps({"seconds": result["seconds"], "accuracies": result["accuracies"],
-                                         "main_started_at": started, "finished_at": time.time()}))
+    result = whole_job_floor(
+        Path(spec["folder"]),
+        spec["partitions"],
+        spec["rounds"],
+        spec["levels"],
+        spec["width"],
+        test_examples=int(spec.get("test_examples", 0)),
+        workers=int(spec["workers"]),
+    )
+    Path(out_path).write_text(
+        json.dumps(
+            {
+                "seconds": result["seconds"],
+                "accuracies": result["accuracies"],
+                "main_started_at": started,
+                "finished_at": time.time(),
+            }
+        )
+    )
     return 0
 
 

@@ -42,8 +42,10 @@ from fedhm_flwr.server.registry import STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "results" / "fuzz" / "fuzz.json"
-TOY = ("num_clients=6 fraction_train=1.0 dataset.max_train_examples=1200 dataset.max_test_examples=300 "
-       "model.width=4 train.batch_size=64 evaluation.batch_size=300 stragglers.min_seconds=0")
+TOY = (
+    "num_clients=6 fraction_train=1.0 dataset.max_train_examples=1200 dataset.max_test_examples=300 "
+    "model.width=4 train.batch_size=64 evaluation.batch_size=300 stragglers.min_seconds=0"
+)
 #: the configurations a campaign cycles through (name -> overrides on TOY)
 CONFIGS = {
     "fedhm none": "",
@@ -60,9 +62,11 @@ CONFIGS = {
 DELIVERIES = ("once", "once", "once", "twice", "never", "error", "unsolicited")
 #: the deliveries whose extra reply must be refused, as a class of the report, and what they are
 DELIVERY_CLASSES = {"twice": "duplicate-reply", "unsolicited": "unsolicited-reply"}
-DELIVERY_WHAT = {"duplicate-reply": "the same reply delivered twice",
-                 "unsolicited-reply": "a reply to no message of the round, beside the node's own",
-                 "honest": "the honest reply, as trained"}
+DELIVERY_WHAT = {
+    "duplicate-reply": "the same reply delivered twice",
+    "unsolicited-reply": "a reply to no message of the round, beside the node's own",
+    "honest": "the honest reply, as trained",
+}
 DELIVERY_REASONS = ("duplicate reply", "unsolicited reply")
 
 
@@ -176,8 +180,10 @@ def check_round(fed: Federation, outcome: Outcome) -> list[str]:
     plan, problems = outcome.plan, []
     if not outcome.finite:
         problems.append("the global model is not finite")
-    delivered = sum({"once": 1, "twice": 2, "never": 0, "error": 1, "unsolicited": 2}[plan.delivery.get(n, "once")]
-                    for n in fed.honest)
+    delivered = sum(
+        {"once": 1, "twice": 2, "never": 0, "error": 1, "unsolicited": 2}[plan.delivery.get(n, "once")]
+        for n in fed.honest
+    )
     counted = outcome.accepted + len(outcome.rejected) + len(outcome.failures)
     if counted != delivered:
         problems.append(f"{delivered} replies delivered, {counted} counted")
@@ -191,11 +197,14 @@ def check_round(fed: Federation, outcome: Outcome) -> list[str]:
         bad = any(k not in BENIGN for k in plan.kinds.get(node, []))
         want = int(bad) + (how == "twice") + (how == "unsolicited")
         if refused[node] < want:
-            problems.append(f"node {node} ({plan.kinds.get(node, [])}, {how}): {refused[node]} refusals, expected "
-                            f"{want}")
+            problems.append(
+                f"node {node} ({plan.kinds.get(node, [])}, {how}): {refused[node]} refusals, expected {want}"
+            )
         elif not bad and refused[node] > want and not fed.strategy.untrusted.active:
-            problems.append(f"node {node}'s valid reply ({plan.kinds.get(node, [])}) refused: "
-                            f"{[w for n, w in outcome.rejected if n == node]}")
+            problems.append(
+                f"node {node}'s valid reply ({plan.kinds.get(node, [])}) refused: "
+                f"{[w for n, w in outcome.rejected if n == node]}"
+            )
     return problems
 
 
@@ -203,9 +212,17 @@ class Tally:
     """The campaign's figures per malformed class (what ``results/fuzz/fuzz.json`` holds)."""
 
     def __init__(self) -> None:
-        self.classes: dict[str, dict[str, Any]] = defaultdict(lambda: {
-            "tried": 0, "refused": 0, "accepted": 0, "reasons": Counter(), "rounds": 0, "rounds_survived": 0,
-            "model_finite": 0})
+        self.classes: dict[str, dict[str, Any]] = defaultdict(
+            lambda: {
+                "tried": 0,
+                "refused": 0,
+                "accepted": 0,
+                "reasons": Counter(),
+                "rounds": 0,
+                "rounds_survived": 0,
+                "model_finite": 0,
+            }
+        )
         self.replies = self.rounds = self.escaped = self.non_finite = self.malformed = 0
         self.problems: list[str] = []
 
@@ -256,13 +273,29 @@ class Tally:
         version = code_version()  # "abc1234", or "abc1234 (with uncommitted changes)"
         commit, dirty = version.split()[0], "uncommitted" in version
         what = {**{k: v[0] for k, v in MUTATIONS.items()}, **DELIVERY_WHAT}
-        classes = [{"class": k, "what": what[k], **{f: v for f, v in self.classes[k].items() if f != "reasons"},
-                    "reasons": dict(self.classes[k]["reasons"].most_common(5))}
-                   for k in what if k in self.classes]
-        return {"commit": commit, "dirty": dirty, "minutes": round(minutes, 2), "replies_tried": self.replies,
-                "malformed_replies": self.malformed,
-                "rounds": self.rounds, "configs": configs, "escaped": self.escaped,
-                "non_finite_models": self.non_finite, "problems": self.problems[:20], "classes": classes}
+        classes = [
+            {
+                "class": k,
+                "what": what[k],
+                **{f: v for f, v in self.classes[k].items() if f != "reasons"},
+                "reasons": dict(self.classes[k]["reasons"].most_common(5)),
+            }
+            for k in what
+            if k in self.classes
+        ]
+        return {
+            "commit": commit,
+            "dirty": dirty,
+            "minutes": round(minutes, 2),
+            "replies_tried": self.replies,
+            "malformed_replies": self.malformed,
+            "rounds": self.rounds,
+            "configs": configs,
+            "escaped": self.escaped,
+            "non_finite_models": self.non_finite,
+            "problems": self.problems[:20],
+            "classes": classes,
+        }
 
 
 def _general(reason: str) -> str:
@@ -275,8 +308,7 @@ def _general(reason: str) -> str:
 _NUMBER = re.compile(r"(?<![\w.])[-+]?(\d+\.?\d*(e[-+]?\d+)?|nan|inf)(?![\w])")
 
 
-def campaign(minutes: float, seed: int = 0, configs: dict[str, str] | None = None,
-             say: Any = print) -> dict[str, Any]:
+def campaign(minutes: float, seed: int = 0, configs: dict[str, str] | None = None, say: Any = print) -> dict[str, Any]:
     """Fuzzed rounds for ``minutes``, cycling through the configurations; the report."""
     configs = configs or CONFIGS
     rng = np.random.default_rng(seed)
@@ -295,8 +327,10 @@ def campaign(minutes: float, seed: int = 0, configs: dict[str, str] | None = Non
         for _ in range(25):
             outcome = fuzz_round(fed, draw_plan(list(fed.honest), rng))
             tally.add(fed, outcome, check_round(fed, outcome))
-        say(f"[fuzz] {time.monotonic() - t0:6.0f}s  {tally.rounds} rounds, {tally.replies} replies, "
-            f"{tally.escaped} escaped, {tally.non_finite} non-finite, {len(tally.problems)} problems")
+        say(
+            f"[fuzz] {time.monotonic() - t0:6.0f}s  {tally.rounds} rounds, {tally.replies} replies, "
+            f"{tally.escaped} escaped, {tally.non_finite} non-finite, {len(tally.problems)} problems"
+        )
     return tally.report((time.monotonic() - t0) / 60, names)
 
 
@@ -304,15 +338,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=5.0, help="how long the campaign runs (default 5)")
     parser.add_argument("--seed", type=int, default=0, help="the mutator's seed (default 0)")
-    parser.add_argument("--out", type=Path, default=OUT, help=f"where the report goes (default {OUT.relative_to(ROOT)})")
+    parser.add_argument(
+        "--out", type=Path, default=OUT, help=f"where the report goes (default {OUT.relative_to(ROOT)})"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     report = campaign(args.minutes, args.seed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"[fuzz] {report['replies_tried']} replies in {report['rounds']} rounds over {report['minutes']} min: "
-          f"{report['escaped']} escaped, {report['non_finite_models']} non-finite models, "
-          f"{len(report['problems'])} problems -> {args.out}")
+    print(
+        f"[fuzz] {report['replies_tried']} replies in {report['rounds']} rounds over {report['minutes']} min: "
+        f"{report['escaped']} escaped, {report['non_finite_models']} non-finite models, "
+        f"{len(report['problems'])} problems -> {args.out}"
+    )
     for problem in report["problems"]:
         print(problem, file=sys.stderr)
     return 0 if not (report["escaped"] or report["non_finite_models"] or report["problems"]) else 1

@@ -26,10 +26,10 @@ SHOWN = "shown_accuracy"  # a row's mark: "deployable" once use_deployable moved
 #: why a method's clients train with an option other than the common recipe's (docs/METHODS.md)
 REASONS = {
     "grad_clip": "HeteroFL's recipe (`method.grad_clip`, its official code clips the gradient norm at 1.0; "
-                 "docs/METHODS.md#heterofl), kept by FedRolex and FedAvg of HeteroFL's family; the other methods "
-                 "use `train.grad_clip`",
+    "docs/METHODS.md#heterofl), kept by FedRolex and FedAvg of HeteroFL's family; the other methods "
+    "use `train.grad_clip`",
     "frobenius_decay": "FedHM's: decay on each factorized pair's product instead of weight decay on its factors "
-                       "(`method.frobenius_decay`, docs/METHODS.md#client-training)",
+    "(`method.frobenius_decay`, docs/METHODS.md#client-training)",
     "distill": "the ablation itself: self-distillation towards the received model (`train.distill`)",
 }
 
@@ -43,7 +43,7 @@ def use_deployable(rows: list[dict[str, Any]]) -> bool:
     for row in rows:
         row[SHOWN] = "deployable"
         for key in [k for k in row if k.startswith(DEPLOYABLE)]:
-            suffix = key[len(DEPLOYABLE):]
+            suffix = key[len(DEPLOYABLE) :]
             row[f"{TEST_BATCH}{suffix}"] = row.get(f"final_acc/{suffix}")
             row[f"final_acc/{suffix}"] = row[key]
     return True
@@ -57,20 +57,25 @@ def statistics_line(rows: list[dict[str, Any]]) -> str:
         return "- batch-norm statistics: no finished run yet"
     if deployable:
         kinds = Counter(str(r.get("deployable_bn_stats")) for r in rows)
-        return ("- batch-norm statistics: every accuracy below is **deployable**: each model scored on the test set "
-                "with the fixed statistics its exported model carries (`fedhm export`; "
-                + ", ".join(f"`{k}`: {n} run(s)" for k, n in sorted(kinds.items()))
-                + ", `federated`: the clients' sBN sums over their training data). The test-batch figures "
-                "(each test batch normalised with its own statistics, which a deployed model cannot do) stay in "
-                "each run's `summary.json` (`final_acc/*`); the last-10 %-of-rounds column is test-batch (the "
-                "deployable figure is measured once, after the last round)")
+        return (
+            "- batch-norm statistics: every accuracy below is **deployable**: each model scored on the test set "
+            "with the fixed statistics its exported model carries (`fedhm export`; "
+            + ", ".join(f"`{k}`: {n} run(s)" for k, n in sorted(kinds.items()))
+            + ", `federated`: the clients' sBN sums over their training data). The test-batch figures "
+            "(each test batch normalised with its own statistics, which a deployed model cannot do) stay in "
+            "each run's `summary.json` (`final_acc/*`); the last-10 %-of-rounds column is test-batch (the "
+            "deployable figure is measured once, after the last round)"
+        )
     kinds = Counter(str(r.get("bn_stats") or "test_batch (not recorded)") for r in rows)
     have = sum(1 for r in rows if f"{DEPLOYABLE}global" in r)
-    return ("- batch-norm statistics: **every accuracy below normalises batch norm with each test batch's own "
-            "statistics** (" + ", ".join(f"`{k}`: {n} run(s)" for k, n in sorted(kinds.items()))
-            + "), which a deployed model cannot do: its exported model carries fixed statistics (the clients' "
-            f"sBN sums) and scores otherwise. {have} of these {len(rows)} runs recorded the deployable figure "
-            "(`final_deployable_acc/*`); **deployable figures need a re-run of the study's runs**")
+    return (
+        "- batch-norm statistics: **every accuracy below normalises batch norm with each test batch's own "
+        "statistics** ("
+        + ", ".join(f"`{k}`: {n} run(s)" for k, n in sorted(kinds.items()))
+        + "), which a deployed model cannot do: its exported model carries fixed statistics (the clients' "
+        f"sBN sums) and scores otherwise. {have} of these {len(rows)} runs recorded the deployable figure "
+        "(`final_deployable_acc/*`); **deployable figures need a re-run of the study's runs**"
+    )
 
 
 def run_version(row: Mapping[str, Any]) -> str:
@@ -90,10 +95,15 @@ def code_lines(rows: list[dict[str, Any]]) -> tuple[list[str], bool]:
     flagged = len(commits) > 1 or dirty > 0 or unknown > 0
     line = "- code versions: " + ("; ".join(f"`{v}`: {n} run(s)" for v, n in sorted(versions.items())) or "–")
     if flagged:
-        why = [f"{len(commits)} commits" if len(commits) > 1 else "",
-               f"{dirty} run(s) on uncommitted code" if dirty else "", f"{unknown} run(s) of unknown code" if unknown else ""]
-        line += (" — **flagged: the runs span " + ", ".join(w for w in why if w) + "; their outputs may differ for "
-                 "that reason alone, so this study is to be re-run on one clean commit**")
+        why = [
+            f"{len(commits)} commits" if len(commits) > 1 else "",
+            f"{dirty} run(s) on uncommitted code" if dirty else "",
+            f"{unknown} run(s) of unknown code" if unknown else "",
+        ]
+        line += (
+            " — **flagged: the runs span " + ", ".join(w for w in why if w) + "; their outputs may differ for "
+            "that reason alone, so this study is to be re-run on one clean commit**"
+        )
     return [line], flagged
 
 
@@ -135,8 +145,12 @@ def recipe_lines(methods: Mapping[str, str]) -> list[str]:
             reason = next((r for k, r in REASONS.items() if key.startswith(k)), "")
             rows.append(f"| {label} | `{key}` | {', '.join(sorted(values))} | {common_value} | {reason} |")
     shared = ", ".join(f"`{k}` = {v!r}" for k, v in sorted(base.items()))
-    return [f"Every method's clients train with the common recipe ({shared}; the learning rate of each round from "
-            "`train.lr` and `train.lr_schedule`) except where this table says; read from the composed configs "
-            "through the options the server sends (`bench/page_notes.py`):", "",
-            "| method | option | its value | common recipe | why |", "|---|---|---|---|---|",
-            *(rows or ["| – | – | – | – | every method trains with the common recipe |"])]
+    return [
+        f"Every method's clients train with the common recipe ({shared}; the learning rate of each round from "
+        "`train.lr` and `train.lr_schedule`) except where this table says; read from the composed configs "
+        "through the options the server sends (`bench/page_notes.py`):",
+        "",
+        "| method | option | its value | common recipe | why |",
+        "|---|---|---|---|---|",
+        *(rows or ["| – | – | – | – | every method trains with the common recipe |"]),
+    ]

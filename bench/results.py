@@ -75,9 +75,13 @@ def one_run(job: Job) -> dict[str, Any]:
         with open(staged / "summary.json") as f:
             data = json.load(f)
         # job_seconds: the whole job as make results waits for it (Ray's start-up and shut-down included)
-        data.update(machine=machine(), commit=commit(), transport=job.transport,
-                    job_seconds=round(time.perf_counter() - t0, 1),
-                    finished_at=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+        data.update(
+            machine=machine(),
+            commit=commit(),
+            transport=job.transport,
+            job_seconds=round(time.perf_counter() - t0, 1),
+            finished_at=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        )
         with open(staged / "summary.json", "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
         staged.rename(dest)
@@ -103,6 +107,7 @@ def machine() -> str:
         pass
     return f"{platform.machine()}, {os.cpu_count()} cores, {gpu}"
 
+
 def run_missing(root: Path, studies: list[Study], jobs: int) -> None:
     todo = missing(root, studies)
     print("\n".join(plan(root, todo, jobs)), flush=True)
@@ -110,8 +115,11 @@ def run_missing(root: Path, studies: list[Study], jobs: int) -> None:
         return
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         for r in pool.map(one_run, todo):
-            print(f"  {r['study']} {r['setting']} {r['variant']:>16} seed {r['seed']} ({r['transport']}): "
-                  f"{r['acc']:.4f} ({r['seconds']:.0f}s)", flush=True)
+            print(
+                f"  {r['study']} {r['setting']} {r['variant']:>16} seed {r['seed']} ({r['transport']}): "
+                f"{r['acc']:.4f} ({r['seconds']:.0f}s)",
+                flush=True,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

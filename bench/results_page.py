@@ -14,8 +14,20 @@ from pathlib import Path
 from typing import Any
 
 from bench.page_notes import DEPLOYABLE, code_lines, recipe_lines, run_version, statistics_line, use_deployable
-from bench.studies import (FIGURES, LABELS, PAGE, STUDIES, TITLES, TRANSPORTS, VARIANTS, Study, finished, missing,
-                           plan, run_dir)
+from bench.studies import (
+    FIGURES,
+    LABELS,
+    PAGE,
+    STUDIES,
+    TITLES,
+    TRANSPORTS,
+    VARIANTS,
+    Study,
+    finished,
+    missing,
+    plan,
+    run_dir,
+)
 from fedhm_flwr.math.stats import mean_ci
 from fedhm_flwr.reporting.verdicts import RULE, judge, smallest_level
 
@@ -29,8 +41,12 @@ def variant_rows(root: Path, study: Study, setting: str) -> list[dict[str, Any]]
     the run's commit, machine, finishing time and transport."""
     from fedhm_flwr.reporting.summary import collect
 
-    dirs = [run_dir(study, setting, v, k, root) for v in study.variants for k in study.seeds
-            if finished(run_dir(study, setting, v, k, root))]
+    dirs = [
+        run_dir(study, setting, v, k, root)
+        for v in study.variants
+        for k in study.seeds
+        if finished(run_dir(study, setting, v, k, root))
+    ]
     if not dirs:
         return []
     _, rows = collect(dirs)
@@ -63,18 +79,23 @@ def paired(rows: list[dict[str, Any]], method: str, reference: str, column: str 
 def headline(rows: list[dict[str, Any]]) -> list[str]:
     """The headline table of one setting: per method, final and last-10 % global accuracy over
     seeds, the smallest level's accuracy and size, bytes moved and wall time per run."""
-    smallest = min((k.rsplit("_", 1)[1] for r in rows for k in r if k.startswith("final_acc/level_")),
-                   key=float, default=None)
-    lines = ["| method | n | final accuracy (%) | 95 % CI | last 10 % of rounds (%) | "
-             f"smallest level (γ = {smallest}): accuracy (%) | its parameters | MB moved | minutes per run |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    smallest = min(
+        (k.rsplit("_", 1)[1] for r in rows for k in r if k.startswith("final_acc/level_")), key=float, default=None
+    )
+    lines = [
+        "| method | n | final accuracy (%) | 95 % CI | last 10 % of rounds (%) | "
+        f"smallest level (γ = {smallest}): accuracy (%) | its parameters | MB moved | minutes per run |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for variant in VARIANTS:
         runs = [r for r in rows if r["method"] == variant]
         if not runs:
             continue
         final = mean_ci([float(r["final_acc/global"]) for r in runs])
         tail = mean_ci([float(r["tail_acc/global"]) for r in runs])
-        small = [float(r[f"final_acc/level_{smallest}"]) for r in runs if r.get(f"final_acc/level_{smallest}") is not None]
+        small = [
+            float(r[f"final_acc/level_{smallest}"]) for r in runs if r.get(f"final_acc/level_{smallest}") is not None
+        ]
         params = runs[0].get(f"params/level_{smallest}")
         if variant in ("fedavg", "fedavg_smallest"):  # one model for every client: no levels to evaluate
             small_cell, params = "", runs[0].get("params/level_1") if variant == "fedavg" else params
@@ -83,33 +104,44 @@ def headline(rows: list[dict[str, Any]]) -> list[str]:
         mb = mean_ci([float(r["bytes_total"]) / 1e6 for r in runs])
         minutes = mean_ci([float(r["wall_seconds"]) / 60 for r in runs])
         params_cell = f"{params:,}" if params else ""
-        lines.append(f"| {LABELS[variant]} | {final.n} | {_pct(final)} | {_pct_ci(final)} | {_pct(tail)} | "
-                     f"{small_cell} | {params_cell} | {mb.mean:,.1f} | {minutes.mean:.1f} |")
+        lines.append(
+            f"| {LABELS[variant]} | {final.n} | {_pct(final)} | {_pct_ci(final)} | {_pct(tail)} | "
+            f"{small_cell} | {params_cell} | {mb.mean:,.1f} | {minutes.mean:.1f} |"
+        )
     return lines
 
 
 def level_table(rows: list[dict[str, Any]]) -> list[str]:
     """Per method and level: the level model's parameters (FedHM's at that level beside a
     budget-matched width), MACs and final accuracy over seeds."""
-    lines = ["| method | level | parameters | FedHM's parameters | MACs | final accuracy (%) | 95 % CI |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| method | level | parameters | FedHM's parameters | MACs | final accuracy (%) | 95 % CI |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for variant in VARIANTS:
         runs = [r for r in rows if r["method"] == variant]
-        levels = sorted({k.rsplit("_", 1)[1] for r in runs for k in r if k.startswith("final_acc/level_")},
-                        key=lambda x: -float(x))
+        levels = sorted(
+            {k.rsplit("_", 1)[1] for r in runs for k in r if k.startswith("final_acc/level_")}, key=lambda x: -float(x)
+        )
         for level in levels:
-            acc = mean_ci([float(r[f"final_acc/level_{level}"]) for r in runs
-                           if r.get(f"final_acc/level_{level}") is not None])
+            acc = mean_ci(
+                [float(r[f"final_acc/level_{level}"]) for r in runs if r.get(f"final_acc/level_{level}") is not None]
+            )
             first = runs[0]
             cells = [first.get(f"{c}/level_{level}") for c in ("params", "fedhm_params", "macs")]
-            lines.append(f"| {LABELS[variant]} | {level} | " + " | ".join("" if c is None else f"{c:,}" for c in cells)
-                         + f" | {_pct(acc)} | {_pct_ci(acc)} |")
+            lines.append(
+                f"| {LABELS[variant]} | {level} | "
+                + " | ".join("" if c is None else f"{c:,}" for c in cells)
+                + f" | {_pct(acc)} | {_pct_ci(acc)} |"
+            )
     return lines
 
 
 def paired_table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["| method − FedHM | n | final accuracy (pt) | 95 % CI | last 10 % (pt) | 95 % CI | per seed (pt) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| method − FedHM | n | final accuracy (pt) | 95 % CI | last 10 % (pt) | 95 % CI | per seed (pt) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for variant in VARIANTS:
         if variant == "fedhm":
             continue
@@ -117,11 +149,15 @@ def paired_table(rows: list[dict[str, Any]]) -> list[str]:
         if final is None:
             continue
         ref = {r["seed"]: float(r["final_acc/global"]) for r in rows if r["method"] == "fedhm"}
-        per_seed = ", ".join(f"{r['seed']}: {(float(r['final_acc/global']) - ref[r['seed']]) * 100:+.2f}"
-                             for r in sorted(rows, key=lambda r: r["seed"])
-                             if r["method"] == variant and r["seed"] in ref)
-        lines.append(f"| {LABELS[variant]} | {final.n} | {final.mean * 100:+.2f} | {_pct_ci(final, '+')} | "
-                     f"{tail.mean * 100:+.2f} | {_pct_ci(tail, '+')} | {per_seed} |")
+        per_seed = ", ".join(
+            f"{r['seed']}: {(float(r['final_acc/global']) - ref[r['seed']]) * 100:+.2f}"
+            for r in sorted(rows, key=lambda r: r["seed"])
+            if r["method"] == variant and r["seed"] in ref
+        )
+        lines.append(
+            f"| {LABELS[variant]} | {final.n} | {final.mean * 100:+.2f} | {_pct_ci(final, '+')} | "
+            f"{tail.mean * 100:+.2f} | {_pct_ci(tail, '+')} | {per_seed} |"
+        )
     return lines
 
 
@@ -131,12 +167,20 @@ def fedhm_vs_heterofl(rows: list[dict[str, Any]]) -> str:
     if est is None:
         return "FedHM − HeteroFL: no seed with both runs yet."
     if est.n < 2:
-        return f"FedHM − HeteroFL (budget-matched), final global accuracy: {est.mean * 100:+.2f} pt on one seed (no CI)."
-    verdict = ("the interval excludes 0: FedHM is ahead" if est.low > 0 else
-               "the interval excludes 0: HeteroFL is ahead" if est.high < 0 else
-               "the interval contains 0: no difference can be claimed at this number of seeds")
-    return (f"**FedHM − HeteroFL (budget-matched), final global accuracy: {est.mean * 100:+.2f} pt, 95 % CI "
-            f"[{est.low * 100:+.2f}, {est.high * 100:+.2f}] over {est.n} paired seeds** ({verdict}).")
+        return (
+            f"FedHM − HeteroFL (budget-matched), final global accuracy: {est.mean * 100:+.2f} pt on one seed (no CI)."
+        )
+    verdict = (
+        "the interval excludes 0: FedHM is ahead"
+        if est.low > 0
+        else "the interval excludes 0: HeteroFL is ahead"
+        if est.high < 0
+        else "the interval contains 0: no difference can be claimed at this number of seeds"
+    )
+    return (
+        f"**FedHM − HeteroFL (budget-matched), final global accuracy: {est.mean * 100:+.2f} pt, 95 % CI "
+        f"[{est.low * 100:+.2f}, {est.high * 100:+.2f}] over {est.n} paired seeds** ({verdict})."
+    )
 
 
 def verdict_table(all_rows: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
@@ -149,7 +193,9 @@ def verdict_table(all_rows: dict[tuple[str, str], list[dict[str, Any]]]) -> list
             est = j["estimate"]
             diff = "" if est is None else f"{est.mean * 100:+.2f}"
             ci = "" if est is None else _pct_ci(est, "+")
-            lines.append(f"| {j['claim']} | {study} | {TITLES[setting]} | {j['n']} | {diff} | {ci} | **{j['verdict']}** |")
+            lines.append(
+                f"| {j['claim']} | {study} | {TITLES[setting]} | {j['n']} | {diff} | {ci} | **{j['verdict']}** |"
+            )
     return lines
 
 
@@ -169,12 +215,25 @@ def transport_line(study: Study, rows: list[dict[str, Any]], mixed_code: bool = 
         if runs:
             seeds = sorted({int(r["seed"]) for r in runs})
             parts.append(f"{what}: {len(runs)} run(s), seed(s) {', '.join(map(str, seeds))}")
-    planned = (f" (planned: seed(s) {', '.join(map(str, study.ray_seeds))} of every method on Ray, the others "
-               "on the in-process grid)" if study.ray_seeds else " (every run planned on the in-process grid)")
-    return "- transport: " + ("; ".join(parts) or "no finished run yet") + planned + (
-        "; both run the project's server loop (strategy, messages, ClientApp handlers)" + (
-            ", but the runs' code differs too (see the code versions): the transport is not the only difference"
-            if mixed_code else ": the transport is the only difference"))
+    planned = (
+        f" (planned: seed(s) {', '.join(map(str, study.ray_seeds))} of every method on Ray, the others "
+        "on the in-process grid)"
+        if study.ray_seeds
+        else " (every run planned on the in-process grid)"
+    )
+    return (
+        "- transport: "
+        + ("; ".join(parts) or "no finished run yet")
+        + planned
+        + (
+            "; both run the project's server loop (strategy, messages, ClientApp handlers)"
+            + (
+                ", but the runs' code differs too (see the code versions): the transport is not the only difference"
+                if mixed_code
+                else ": the transport is the only difference"
+            )
+        )
+    )
 
 
 def probe_section(root: Path) -> list[str]:
@@ -188,20 +247,29 @@ def probe_section(root: Path) -> list[str]:
     lines = [table.read_text().rstrip() if table.is_file() else "", ""]
     if chosen:
         e = data["candidates"][chosen[0]]
-        gap = (f"full − smallest {e['gap_mean'] * 100:+.2f} pt, 95 % CI [{e['gap_low'] * 100:+.2f}, "
-               f"{e['gap_high'] * 100:+.2f}] over {len(e['seeds'])} seeds" if "gap_mean" in e else "no interval yet")
-        lines.append(f"The capacity study uses candidate **{chosen[0]}** ({e['description']}): {gap}, "
-                     f"{'which meets' if e.get('meets') else 'which does NOT meet'} the criterion; estimated run "
-                     f"time of the whole study {e.get('estimated_study_seconds', float('nan')) / 3600:.1f} h (summed "
-                     f"over its runs; about {e.get('estimated_study_seconds', float('nan')) / 7200:.1f} h on 2 worker "
-                     f"processes). {adopted(root, chosen[0])} of its runs are the probe's own, copied unchanged.")
+        gap = (
+            f"full − smallest {e['gap_mean'] * 100:+.2f} pt, 95 % CI [{e['gap_low'] * 100:+.2f}, "
+            f"{e['gap_high'] * 100:+.2f}] over {len(e['seeds'])} seeds"
+            if "gap_mean" in e
+            else "no interval yet"
+        )
+        lines.append(
+            f"The capacity study uses candidate **{chosen[0]}** ({e['description']}): {gap}, "
+            f"{'which meets' if e.get('meets') else 'which does NOT meet'} the criterion; estimated run "
+            f"time of the whole study {e.get('estimated_study_seconds', float('nan')) / 3600:.1f} h (summed "
+            f"over its runs; about {e.get('estimated_study_seconds', float('nan')) / 7200:.1f} h on 2 worker "
+            f"processes). {adopted(root, chosen[0])} of its runs are the probe's own, copied unchanged."
+        )
         overlap = sorted(set(e["seeds"]) & set(STUDIES["capacity"].seeds))
         if overlap:
-            lines += ["", f"**Flagged: the probe chose this setting on seed(s) {', '.join(map(str, overlap))}, which "
-                          "the study then judges the methods on: a setting chosen on the seeds that judge it is "
-                          "chosen for their luck too. The probe is to be re-run on seeds disjoint from the study's "
-                          "(`python -m bench.capacity_probe` now refuses others) and the study's copied runs "
-                          "re-run.**"]
+            lines += [
+                "",
+                f"**Flagged: the probe chose this setting on seed(s) {', '.join(map(str, overlap))}, which "
+                "the study then judges the methods on: a setting chosen on the seeds that judge it is "
+                "chosen for their luck too. The probe is to be re-run on seeds disjoint from the study's "
+                "(`python -m bench.capacity_probe` now refuses others) and the study's copied runs "
+                "re-run.**",
+            ]
     else:
         lines.append("The capacity study's setting is none of the probed candidates.")
     return lines
@@ -210,9 +278,12 @@ def probe_section(root: Path) -> list[str]:
 def adopted(root: Path, candidate: str) -> int:
     """How many of the capacity study's runs are byte-identical copies of the probe's runs."""
     probe, study = root / "probe" / candidate, root / STUDIES["capacity"].folder
-    return sum(1 for src in probe.rglob("summary.json")
-               if (study / src.relative_to(probe)).is_file()
-               and (study / src.relative_to(probe)).read_bytes() == src.read_bytes())
+    return sum(
+        1
+        for src in probe.rglob("summary.json")
+        if (study / src.relative_to(probe)).is_file()
+        and (study / src.relative_to(probe)).read_bytes() == src.read_bytes()
+    )
 
 
 def setting_section(rows: list[dict[str, Any]], title: str, out: Path, page: Path) -> list[str]:
@@ -222,15 +293,32 @@ def setting_section(rows: list[dict[str, Any]], title: str, out: Path, page: Pat
         return [f"### {title}", "", "No finished run yet.", ""]
     write_plots(["method", "seed"], rows, out)
     rel = os.path.relpath(out, page.parent)
-    return [f"### {title}", "", fedhm_vs_heterofl(rows), "",
-            "#### Headline: final global accuracy", "", *headline(rows), "",
-            "#### Paired differences against FedHM (same seed)", "", *paired_table(rows), "",
-            "#### Per level", "", *level_table(rows), "",
-            f"![accuracy by round]({rel}/accuracy_by_round.png)", "",
-            f"![accuracy against bytes moved]({rel}/accuracy_vs_bytes.png) "
-            f"![accuracy against parameters]({rel}/accuracy_vs_params.png)", "",
-            f"![accuracy against MACs]({rel}/accuracy_vs_macs.png) "
-            f"![accuracy against training memory]({rel}/accuracy_vs_memory.png)", ""]
+    return [
+        f"### {title}",
+        "",
+        fedhm_vs_heterofl(rows),
+        "",
+        "#### Headline: final global accuracy",
+        "",
+        *headline(rows),
+        "",
+        "#### Paired differences against FedHM (same seed)",
+        "",
+        *paired_table(rows),
+        "",
+        "#### Per level",
+        "",
+        *level_table(rows),
+        "",
+        f"![accuracy by round]({rel}/accuracy_by_round.png)",
+        "",
+        f"![accuracy against bytes moved]({rel}/accuracy_vs_bytes.png) "
+        f"![accuracy against parameters]({rel}/accuracy_vs_params.png)",
+        "",
+        f"![accuracy against MACs]({rel}/accuracy_vs_macs.png) "
+        f"![accuracy against training memory]({rel}/accuracy_vs_memory.png)",
+        "",
+    ]
 
 
 def render(root: Path, studies: list[Study] | None = None, figures: Path = FIGURES, page: Path = PAGE) -> str:
@@ -251,8 +339,12 @@ def render(root: Path, studies: list[Study] | None = None, figures: Path = FIGUR
         "then rebuilds this page and the headline block of the README.",
         "",
         f"- command: `make results` (runs {len(runs)} of {expected}: "
-        + "; ".join(f"{st.key}: {len(st.settings)} settings × {len(st.variants)} methods × seeds "
-                    f"{', '.join(map(str, st.seeds))}" for st in studies) + ")",
+        + "; ".join(
+            f"{st.key}: {len(st.settings)} settings × {len(st.variants)} methods × seeds "
+            f"{', '.join(map(str, st.seeds))}"
+            for st in studies
+        )
+        + ")",
         f"- code: {', '.join(f'`{c}`' for c in commits)} (each run's code is in its `summary.json`: `code_commit` "
         "and `code_dirty` when it started, `commit` when it finished; per study below); page generated "
         + dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -279,26 +371,44 @@ def render(root: Path, studies: list[Study] | None = None, figures: Path = FIGUR
         rows_of = {s: all_rows[(st.key, s)] for s in st.settings}
         study_runs = [r for rows in rows_of.values() for r in rows]
         code, flagged = code_lines(study_runs)
-        lines += [f"## Study `{st.key}`: {st.title}", "",
-                  f"- work: `{st.common}` with `partition.alpha` 0.5 and 0.1 (Dirichlet over labels), i.e. {st.work}",
-                  statistics_line(study_runs),
-                  *code, transport_line(st, study_runs, flagged), "", "### Training recipe", "",
-                  *recipe_lines({LABELS[v]: st.overrides(st.settings[0], v, st.seeds[0]) for v in st.variants}), ""]
+        lines += [
+            f"## Study `{st.key}`: {st.title}",
+            "",
+            f"- work: `{st.common}` with `partition.alpha` 0.5 and 0.1 (Dirichlet over labels), i.e. {st.work}",
+            statistics_line(study_runs),
+            *code,
+            transport_line(st, study_runs, flagged),
+            "",
+            "### Training recipe",
+            "",
+            *recipe_lines({LABELS[v]: st.overrides(st.settings[0], v, st.seeds[0]) for v in st.variants}),
+            "",
+        ]
         if st.key == "capacity":
             lines += ["### Why this setting", "", *probe_section(root), ""]
         for s in st.settings:
             out = figures / st.folder / s
             lines += setting_section(rows_of[s], TITLES[s], out, page)
     todo = missing(root, studies)
-    lines += ["## Missing runs", "", "```", *(plan(root, todo, 2) if todo else ["none"]), "```", "",
-              "## Every run", "",
-              "| study | setting | method | seed | transport | final accuracy (%) | wall time (s) | code | finished |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "## Missing runs",
+        "",
+        "```",
+        *(plan(root, todo, 2) if todo else ["none"]),
+        "```",
+        "",
+        "## Every run",
+        "",
+        "| study | setting | method | seed | transport | final accuracy (%) | wall time (s) | code | finished |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for (study, setting), rows in all_rows.items():
         for r in sorted(rows, key=lambda r: (list(VARIANTS).index(r["method"]), r["seed"])):
-            lines.append(f"| {study} | {setting} | {r['method']} | {r['seed']} | {r['transport']} | "
-                         f"{float(r['final_acc/global']) * 100:.2f} | {float(r['wall_seconds']):.0f} | "
-                         f"{run_version(r)} | {r.get('finished_at')} |")
+            lines.append(
+                f"| {study} | {setting} | {r['method']} | {r['seed']} | {r['transport']} | "
+                f"{float(r['final_acc/global']) * 100:.2f} | {float(r['wall_seconds']):.0f} | "
+                f"{run_version(r)} | {r.get('finished_at')} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -309,10 +419,17 @@ def readme_block(root: Path, studies: list[Study] | None = None) -> str:
     for st in studies or list(STUDIES.values()):
         for setting, rows in study_rows(root, st).items():
             if rows:
-                lines += [f"**{st.key}, {TITLES[setting]}**: {fedhm_vs_heterofl(rows).replace('**', '')}", "",
-                          *headline(rows), ""]
-    lines += ["Generated by `make results`; verdicts, details, plots and every run in "
-              "[docs/RESULTS.md](docs/RESULTS.md).", "", README_END]
+                lines += [
+                    f"**{st.key}, {TITLES[setting]}**: {fedhm_vs_heterofl(rows).replace('**', '')}",
+                    "",
+                    *headline(rows),
+                    "",
+                ]
+    lines += [
+        "Generated by `make results`; verdicts, details, plots and every run in [docs/RESULTS.md](docs/RESULTS.md).",
+        "",
+        README_END,
+    ]
     return "\n".join(lines)
 
 

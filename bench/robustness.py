@@ -40,16 +40,16 @@ from pathlib import Path
 from typing import Any
 
 from bench.page_notes import code_lines, recipe_lines, run_version, statistics_line, use_deployable
-from bench.robustness_fuzz import FUZZ, dp_accounting_version, pld_text
-from bench.robustness_fuzz import section as fuzz_section
+from bench.robustness_fuzz import FUZZ, dp_accounting_version, pld_text, section as fuzz_section
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "results" / "robustness"
 PAGE = ROOT / "docs" / "ROBUSTNESS.md"
 
 #: the reduced setting every run shares (Hydra overrides of conf/config.yaml)
-COMMON = ("rounds=20 dataset.max_test_examples=2000 evaluation.levels=false evaluation.every=1000 "
-          "tracking.tensorboard=false")
+COMMON = (
+    "rounds=20 dataset.max_test_examples=2000 evaluation.levels=false evaluation.every=1000 tracking.tensorboard=false"
+)
 #: the attack grid's federation: 20 clients, 10 sampled per round
 ATTACK_SETTING = "num_clients=20 fraction_train=0.5 dataset.max_train_examples=6000"
 #: the DP runs' federation: 500 clients, each in a round with probability q = 0.2 (m = 100 expected),
@@ -60,11 +60,18 @@ METHODS = {"fedhm": "method=fedhm", "heterofl": "method=heterofl"}
 LABELS = {"fedhm": "FedHM", "heterofl": "HeteroFL"}
 #: the two attacks of the issue's held-out check (label_flip and gaussian also exist: failures.attack.kind)
 ATTACKS = ("scale", "sign_flip")
-ATTACK_NAMES = {"clean": "no attack", "scale": "scaled update (×100)", "sign_flip": "sign-flipped update",
-                "label_flip": "label flipping", "gaussian": "Gaussian update (same norm)"}
+ATTACK_NAMES = {
+    "clean": "no attack",
+    "scale": "scaled update (×100)",
+    "sign_flip": "sign-flipped update",
+    "label_flip": "label flipping",
+    "gaussian": "Gaussian update (same norm)",
+}
 FRACTIONS = (0.1, 0.3)
-DEFENCES = {"fedhm": ("none", "clip", "median", "trimmed_mean", "krum"),
-            "heterofl": ("none", "clip", "median", "trimmed_mean")}
+DEFENCES = {
+    "fedhm": ("none", "clip", "median", "trimmed_mean", "krum"),
+    "heterofl": ("none", "clip", "median", "trimmed_mean"),
+}
 SIGMAS = (0.5, 1.0, 2.0)
 #: DP runs: clip bound C (about the median update norm of the clean runs' first rounds)
 DP_CLIP = 1.0
@@ -96,14 +103,17 @@ class Cell:
 
     @property
     def sigma(self) -> float:
-        return float(self.condition[len("dp-sigma"):])
+        return float(self.condition[len("dp-sigma") :])
 
     def overrides(self, seed: int) -> str:
         out = f"{COMMON} {METHODS[self.method]} seed={seed}"
         if self.dp:
             out = f"{out} {DP_SETTING}"
-            return out if self.condition == "dp-off" else (
-                f"{out} dp.enabled=true dp.clip={DP_CLIP:g} dp.noise_multiplier={self.sigma:g}")
+            return (
+                out
+                if self.condition == "dp-off"
+                else (f"{out} dp.enabled=true dp.clip={DP_CLIP:g} dp.noise_multiplier={self.sigma:g}")
+            )
         out += f" {ATTACK_SETTING} aggregation.robust={self.defence}"
         if self.attack != "none":
             out += f" failures.attack.kind={self.attack} failures.attack.fraction={self.fraction:g}"
@@ -124,8 +134,13 @@ def cells() -> list[Cell]:
     out = [Cell("fedhm", "clean", "none")]
     out += [Cell("fedhm", c, "none") for c in ("dp-off", *(f"dp-sigma{s:g}" for s in SIGMAS))]
     out += [Cell(m, "clean", d) for m, defences in DEFENCES.items() for d in defences if (m, d) != ("fedhm", "none")]
-    out += [Cell(m, condition(a, f), d) for a in ATTACKS for m, defences in DEFENCES.items()
-            for f in FRACTIONS for d in defences]
+    out += [
+        Cell(m, condition(a, f), d)
+        for a in ATTACKS
+        for m, defences in DEFENCES.items()
+        for f in FRACTIONS
+        for d in defences
+    ]
     return out
 
 
@@ -155,9 +170,14 @@ def one_run(job: tuple[Cell, int, str]) -> dict[str, Any]:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         summary = run(LocalGrid(int(cfg.num_clients), client_handlers()), cfg, Path(tmp) / "run")
-    data = {**json.loads(json.dumps(summary, default=str)), "overrides": overrides, "commit": code,
-            "machine": machine(), "seconds": time.perf_counter() - t0,
-            "finished_at": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    data = {
+        **json.loads(json.dumps(summary, default=str)),
+        "overrides": overrides,
+        "commit": code,
+        "machine": machine(),
+        "seconds": time.perf_counter() - t0,
+        "finished_at": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
     staged = dest.parent / f".{dest.name}.partial"
     shutil.rmtree(staged, ignore_errors=True)
     staged.mkdir(parents=True)
@@ -180,8 +200,11 @@ def run_missing(root: Path, seeds: tuple[int, ...], jobs: int, limit: int | None
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         for r in pool.map(one_run, todo):
             c = r["cell"]
-            print(f"  {c.method:>8} {c.condition:>14} {c.defence:>12} seed {r['seed']}: {r['acc']:.4f} "
-                  f"({r['seconds']:.0f}s)", flush=True)
+            print(
+                f"  {c.method:>8} {c.condition:>14} {c.defence:>12} seed {r['seed']}: {r['acc']:.4f} "
+                f"({r['seconds']:.0f}s)",
+                flush=True,
+            )
 
 
 def load(root: Path, seeds: tuple[int, ...]) -> dict[Cell, dict[int, dict[str, Any]]]:
@@ -245,7 +268,7 @@ def resolution(runs: dict[Cell, dict[int, dict[str, Any]]]) -> tuple[float, floa
     halves = []
     for c, by_seed in runs.items():
         ref = runs.get(Cell(c.method, "dp-off" if c.dp else "clean", "none"))
-        if ref is None or c.condition in ("clean", "dp-off") and c.defence == "none":
+        if ref is None or (c.condition in ("clean", "dp-off") and c.defence == "none"):
             continue
         diff = paired_diff(by_seed, ref)
         if diff is not None and diff.n >= 2:
@@ -253,8 +276,7 @@ def resolution(runs: dict[Cell, dict[int, dict[str, Any]]]) -> tuple[float, floa
     return (statistics.median(halves), max(halves), len(halves)) if halves else None
 
 
-def render(root: Path, seeds: tuple[int, ...], command: str = "python -m bench.robustness",
-           fuzz: Path = FUZZ) -> str:
+def render(root: Path, seeds: tuple[int, ...], command: str = "python -m bench.robustness", fuzz: Path = FUZZ) -> str:
     from fedhm_flwr.math.stats import t_quantile
 
     runs = load(root, seeds)
@@ -273,9 +295,14 @@ def render(root: Path, seeds: tuple[int, ...], command: str = "python -m bench.r
         "(resumable), then rebuilds this page.",
         "",
         f"- runs: {len(flat)} of {expected} ({len(cells())} cells × seeds {', '.join(map(str, seeds))})"
-        + ("" if complete else " — **the grid is not complete: empty cells are marked –, and cells with fewer "
-                               "seeds have wider or no intervals**"),
-        *code_lines(flat)[0], statistics_line(flat),
+        + (
+            ""
+            if complete
+            else " — **the grid is not complete: empty cells are marked –, and cells with fewer "
+            "seeds have wider or no intervals**"
+        ),
+        *code_lines(flat)[0],
+        statistics_line(flat),
         f"- page generated {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- machine: {'; '.join(machines) or '–'}; total wall time of the runs {hours:.2f} h (worker processes "
         "of one thread each)",
@@ -286,7 +313,10 @@ def render(root: Path, seeds: tuple[int, ...], command: str = "python -m bench.r
         f"model's test accuracy. DP runs and their no-DP reference: `{DP_SETTING}` instead (500 clients of 20 "
         "examples, Poisson-sampled with q = 0.2, 100 expected per round)",
         "- methods: FedHM (softmax(γ/τ) weights) and HeteroFL (width slices), each on its own default options; "
-        "training recipe:", "", *recipe_lines({LABELS[m]: Cell(m, "clean", "none").overrides(0) for m in METHODS}), "",
+        "training recipe:",
+        "",
+        *recipe_lines({LABELS[m]: Cell(m, "clean", "none").overrides(0) for m in METHODS}),
+        "",
         "- attacks: `failures.attack.kind` with `failures.attack.fraction` 10 % (2 of the 20 clients) and 30 % "
         "(6 of 20), a seeded set fixed for the run that attacks whenever sampled; scale: ×100 "
         "(`failures.attack.scale`)",
@@ -306,41 +336,53 @@ def render(root: Path, seeds: tuple[int, ...], command: str = "python -m bench.r
     res = resolution(runs)
     if res is not None:
         med, worst, count = res
-        lines += [f"**What the intervals can resolve.** Over the {count} paired differences on this page the "
-                  f"{CONFIDENCE:.0%} interval's half-width has median {med:.1f} points (largest {worst:.1f}): a "
-                  f"difference to the clean run smaller than about {med:.1f} points is not resolved at "
-                  f"{n} seeds, and a cell without * cannot be told apart from the clean run. Differences "
-                  "between two defences in the same row are not tested here (their intervals overlap unless "
-                  "both are far apart); the accuracies' own intervals include the seed-to-seed spread of the "
-                  "partitions and initial model, which the paired differences remove.", ""]
+        lines += [
+            f"**What the intervals can resolve.** Over the {count} paired differences on this page the "
+            f"{CONFIDENCE:.0%} interval's half-width has median {med:.1f} points (largest {worst:.1f}): a "
+            f"difference to the clean run smaller than about {med:.1f} points is not resolved at "
+            f"{n} seeds, and a cell without * cannot be told apart from the clean run. Differences "
+            "between two defences in the same row are not tested here (their intervals overlap unless "
+            "both are far apart); the accuracies' own intervals include the seed-to-seed spread of the "
+            "partitions and initial model, which the paired differences remove.",
+            "",
+        ]
     for method, defences in DEFENCES.items():
         ref = runs.get(Cell(method, "clean", "none"))
         for fraction in FRACTIONS:
-            lines += [f"## {LABELS[method]}, {fraction:.0%} of the clients malicious", "",
-                      "Final global test accuracy (%) ± 95 % half-width (difference to the clean run without "
-                      "defence, points).", "",
-                      "| attack | " + " | ".join(f"`{d}`" for d in defences) + " |",
-                      "|---|" + "---|" * len(defences)]
+            lines += [
+                f"## {LABELS[method]}, {fraction:.0%} of the clients malicious",
+                "",
+                "Final global test accuracy (%) ± 95 % half-width (difference to the clean run without "
+                "defence, points).",
+                "",
+                "| attack | " + " | ".join(f"`{d}`" for d in defences) + " |",
+                "|---|" + "---|" * len(defences),
+            ]
             for attack in ("clean", *ATTACKS):
                 cond = "clean" if attack == "clean" else condition(attack, fraction)
                 texts = [cell_text(runs.get(Cell(method, cond, d)), ref) for d in defences]
                 lines.append(f"| {ATTACK_NAMES[attack]} | " + " | ".join(texts) + " |")
             lines.append("")
-    lines += ["## Client-level DP (FedHM)", "",
-              "Final global test accuracy against the privacy spent after the run's 20 rounds (δ = 1e-5, "
-              "q = 0.2); the guarantee covers the released global models only (the per-round metrics are not "
-              "private: README, \"Untrusted clients\"). The difference is paired by seed against the same "
-              "federation without DP.", "",
-              "The runs used the project's RDP accountant (`fedhm_flwr.math.privacy.RdpAccountant`, integer "
-              "orders 2 to 256): its ε is the one each run logged and kept as `dp_epsilon` (column RDP). The "
-              f"PLD column is not the runs': it is Google's dp-accounting library ({dp_accounting_version()}, "
-              "`dp_accounting.pld.PLDAccountant`, pessimistic estimate) on the same mechanism, a Poisson-sampled "
-              "Gaussian composed over the rounds, computed by this page's generator from each run's own q "
-              "(its `fraction_train`), σ, number of rounds and δ, a tighter bound than RDP's; it is shown only "
-              "where those parameters give back the RDP ε the run logged.", "",
-              "| σ | noise std per element | ε, RDP (the runs') | ε, PLD (dp-accounting) | accuracy (%) | "
-              "difference to no DP (points) |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "## Client-level DP (FedHM)",
+        "",
+        "Final global test accuracy against the privacy spent after the run's 20 rounds (δ = 1e-5, "
+        "q = 0.2); the guarantee covers the released global models only (the per-round metrics are not "
+        'private: README, "Untrusted clients"). The difference is paired by seed against the same '
+        "federation without DP.",
+        "",
+        "The runs used the project's RDP accountant (`fedhm_flwr.math.privacy.RdpAccountant`, integer "
+        "orders 2 to 256): its ε is the one each run logged and kept as `dp_epsilon` (column RDP). The "
+        f"PLD column is not the runs': it is Google's dp-accounting library ({dp_accounting_version()}, "
+        "`dp_accounting.pld.PLDAccountant`, pessimistic estimate) on the same mechanism, a Poisson-sampled "
+        "Gaussian composed over the rounds, computed by this page's generator from each run's own q "
+        "(its `fraction_train`), σ, number of rounds and δ, a tighter bound than RDP's; it is shown only "
+        "where those parameters give back the RDP ε the run logged.",
+        "",
+        "| σ | noise std per element | ε, RDP (the runs') | ε, PLD (dp-accounting) | accuracy (%) | "
+        "difference to no DP (points) |",
+        "|---|---|---|---|---|---|",
+    ]
     ref = runs.get(Cell("fedhm", "dp-off", "none"))
     if ref:
         lines.append(f"| no DP | 0 | ∞ | ∞ | {pm(estimate([accuracy(r) for r in ref.values()]))} | – |")
@@ -353,18 +395,31 @@ def render(root: Path, seeds: tuple[int, ...], command: str = "python -m bench.r
         pld = sorted({pld_text(r) for r in by_seed.values()})
         std = sigma * DP_CLIP / DP_EXPECTED
         diff = paired_diff(by_seed, ref) if ref else None
-        dtext = "–" if diff is None else pm(diff, signed=True) + ("*" if diff.n >= 2 and (diff.low > 0 or diff.high < 0) else "")
-        lines.append(f"| {sigma:g} | {std:g} | {', '.join(f'{e:g}' for e in eps)} | {', '.join(pld)} | "
-                     f"{pm(estimate([accuracy(r) for r in by_seed.values()]))} | {dtext} |")
-    lines += ["", *fuzz_section(fuzz), "## Every run", "",
-              "| method | condition | defence | seed | accuracy (%) | attackers sampled | rejected | ε | seconds | code |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+        dtext = (
+            "–"
+            if diff is None
+            else pm(diff, signed=True) + ("*" if diff.n >= 2 and (diff.low > 0 or diff.high < 0) else "")
+        )
+        lines.append(
+            f"| {sigma:g} | {std:g} | {', '.join(f'{e:g}' for e in eps)} | {', '.join(pld)} | "
+            f"{pm(estimate([accuracy(r) for r in by_seed.values()]))} | {dtext} |"
+        )
+    lines += [
+        "",
+        *fuzz_section(fuzz),
+        "## Every run",
+        "",
+        "| method | condition | defence | seed | accuracy (%) | attackers sampled | rejected | ε | seconds | code |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in cells():
         for k, r in sorted(runs.get(c, {}).items()):
             eps = f"{float(r['dp_epsilon']):.2f}" if r.get("dp_epsilon") is not None else ""
-            lines.append(f"| {c.method} | {c.condition} | {c.defence} | {k} | {accuracy(r) * 100:.2f} | "
-                         f"{int(r.get('attackers_sampled', 0))} | {int(r.get('rejected', 0))} | {eps} | "
-                         f"{float(r['seconds']):.0f} | {run_version(r)} |")
+            lines.append(
+                f"| {c.method} | {c.condition} | {c.defence} | {k} | {accuracy(r) * 100:.2f} | "
+                f"{int(r.get('attackers_sampled', 0))} | {int(r.get('rejected', 0))} | {eps} | "
+                f"{float(r['seconds']):.0f} | {run_version(r)} |"
+            )
     return "\n".join(lines) + "\n"
 
 

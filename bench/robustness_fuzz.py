@@ -56,43 +56,57 @@ def top_reasons(reasons: dict[str, int], shown: int = REASONS_SHOWN) -> str:
 def row(c: dict[str, Any]) -> str:
     """One class's table row."""
     rounds = int(c["rounds"])
-    return (f"| `{c['class']}` | {shorten(c.get('what', ''), 120)} | {int(c['tried'])} | {int(c['refused'])} | "
-            f"{top_reasons(c.get('reasons') or {})} | {int(c['rounds_survived'])} of {rounds} | "
-            f"{int(c['model_finite'])} of {rounds} |")
+    return (
+        f"| `{c['class']}` | {shorten(c.get('what', ''), 120)} | {int(c['tried'])} | {int(c['refused'])} | "
+        f"{top_reasons(c.get('reasons') or {})} | {int(c['rounds_survived'])} of {rounds} | "
+        f"{int(c['model_finite'])} of {rounds} |"
+    )
 
 
 def section(path: Path = FUZZ) -> list[str]:
     """The page's lines for the campaign in ``path`` (a note naming the command where it is absent)."""
     data = load(path)
     if data is None:
-        return [TITLE, "", f"The fuzz campaign has not been run: there is no `results/fuzz/{Path(path).name}`. "
-                "Run it with `" + COMMAND + "` (N minutes), then rebuild this page with "
-                "`python -m bench.robustness --no-run`.", ""]
+        return [
+            TITLE,
+            "",
+            f"The fuzz campaign has not been run: there is no `results/fuzz/{Path(path).name}`. "
+            "Run it with `" + COMMAND + "` (N minutes), then rebuild this page with "
+            "`python -m bench.robustness --no-run`.",
+            "",
+        ]
     code = f"`{data.get('commit')}`" + (" (with uncommitted changes)" if data.get("dirty") else "")
     configs = ", ".join(f"`{c}`" for c in data.get("configs", [])) or "–"
-    lines = [TITLE, "",
-             f"Made by `python -m bench.fuzz --minutes {float(data['minutes']):g}` (the campaign's "
-             f"`results/fuzz/{Path(path).name}`, tabulated here as recorded): {int(data['replies_tried'])} "
-             f"replies tried ({int(data.get('malformed_replies', 0))} of them malformed, the others honest, "
-             f"rewritten harmlessly, or delivered twice or astray) over {int(data['rounds'])} rounds, "
-             f"{float(data['minutes']):g} minutes, "
-             f"at commit {code}, in the configurations {configs}. Totals: {int(data.get('escaped', 0))} "
-             f"escaped, {int(data.get('non_finite_models', 0))} non-finite models.", "",
-             "Per class of malformed reply: the replies tried, how many the server refused, its most "
-             "frequent refusal reason(s) with their counts (node-specific numbers in a reason vary), and of "
-             "the rounds that received such replies, those the round survived and those after which the "
-             "global model was finite.", "",
-             "| class | what | tried | refused | most frequent reason | rounds survived | model finite |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        TITLE,
+        "",
+        f"Made by `python -m bench.fuzz --minutes {float(data['minutes']):g}` (the campaign's "
+        f"`results/fuzz/{Path(path).name}`, tabulated here as recorded): {int(data['replies_tried'])} "
+        f"replies tried ({int(data.get('malformed_replies', 0))} of them malformed, the others honest, "
+        f"rewritten harmlessly, or delivered twice or astray) over {int(data['rounds'])} rounds, "
+        f"{float(data['minutes']):g} minutes, "
+        f"at commit {code}, in the configurations {configs}. Totals: {int(data.get('escaped', 0))} "
+        f"escaped, {int(data.get('non_finite_models', 0))} non-finite models.",
+        "",
+        "Per class of malformed reply: the replies tried, how many the server refused, its most "
+        "frequent refusal reason(s) with their counts (node-specific numbers in a reason vary), and of "
+        "the rounds that received such replies, those the round survived and those after which the "
+        "global model was finite.",
+        "",
+        "| class | what | tried | refused | most frequent reason | rounds survived | model finite |",
+        "|---|---|---|---|---|---|---|",
+    ]
     lines += [row(c) for c in data.get("classes", [])]
     return lines + [""] + LYING
 
 
 #: what the checks cannot refuse (the page's own words, no figures)
 LYING = [
-    "## What a lying client can still do", "",
+    "## What a lying client can still do",
+    "",
     "A reply that has the form of an honest one passes every check above; what its values do is then "
-    "limited only by the defences and DP of this page. In particular a client can still:", "",
+    "limited only by the defences and DP of this page. In particular a client can still:",
+    "",
     "- **weigh more than it holds, up to a cap**: a sample-weighted merge (FedAvg, "
     "`method.weight_by_samples`) counts at most the training examples the node reported when it joined "
     "(its node-info answer) and `aggregation.max_examples` (default: the training set's size, when the "
@@ -110,7 +124,9 @@ LYING = [
     "- **claim any identity in its node info** (partition id, name, capability: its level follows the "
     "claim); a malformed node-info answer makes it sit out;",
     "- **send any finite values** whose tensors' norms stay under `aggregation.max_norm`: scaled, "
-    "sign-flipped or crafted updates are the attacks the tables above measure against the defences.", ""]
+    "sign-flipped or crafted updates are the attacks the tables above measure against the defences.",
+    "",
+]
 
 
 # ------------------------------------------------------------------ PLD ε of the DP runs
@@ -128,7 +144,7 @@ def dp_parameters(run: dict[str, Any]) -> tuple[float, float, int, float] | None
     return float(q), float(sigma), int(rounds), float(run["dp_delta"])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def pld_epsilon(q: float, sigma: float, rounds: int, delta: float) -> float:
     """ε of ``rounds`` Poisson-sampled Gaussian rounds at ``δ`` by dp-accounting's PLD accountant."""
     import warnings
@@ -141,8 +157,11 @@ def pld_epsilon(q: float, sigma: float, rounds: int, delta: float) -> float:
         import dp_accounting
 
         accountant = dp_accounting.pld.PLDAccountant()
-        accountant.compose(dp_accounting.SelfComposedDpEvent(
-            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), rounds))
+        accountant.compose(
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), rounds
+            )
+        )
         return float(accountant.get_epsilon(delta))
 
 
@@ -151,8 +170,9 @@ def pld_text(run: dict[str, Any]) -> str:
     from fedhm_flwr.math.privacy import compute_rdp, epsilon_from_rdp
 
     p = dp_parameters(run)
-    if p is None or not math.isclose(epsilon_from_rdp(compute_rdp(*p[:3]), p[3])[0], float(run["dp_epsilon"]),
-                                     rel_tol=1e-6):
+    if p is None or not math.isclose(
+        epsilon_from_rdp(compute_rdp(*p[:3]), p[3])[0], float(run["dp_epsilon"]), rel_tol=1e-6
+    ):
         return "–"
     return f"{pld_epsilon(*p):.2f}"
 

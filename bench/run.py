@@ -80,14 +80,19 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     parser.add_argument("--only", default="1,2,3,4,5,6,7,8", help="comma-separated figure numbers")
     parser.add_argument("--out", type=Path, default=REPORT_DIR)
-    parser.add_argument("--scale-clients", type=int, default=None,
-                        help="figure 5 also runs this many clients, 100 per round (e.g. 10000; heavy), "
-                             "saved to bench/scale/scale-N.json for later reports")
+    parser.add_argument(
+        "--scale-clients",
+        type=int,
+        default=None,
+        help="figure 5 also runs this many clients, 100 per round (e.g. 10000; heavy), "
+        "saved to bench/scale/scale-N.json for later reports",
+    )
     args = parser.parse_args(argv)
     keys = [key.strip() for key in args.only.split(",")]
     unknown = [key for key in keys if key not in FIGURES]
@@ -97,21 +102,26 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--scale-clients must be above 100 (100 clients train per round), got {args.scale_clients}")
     report: dict[str, Any] = {
         "machine": f"{platform.node()} · {os.cpu_count()} CPUs · torch {torch.__version__} · "
-                   f"{'CUDA ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}",
-        "quick": args.quick, "figures": {}}
+        f"{'CUDA ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}",
+        "quick": args.quick,
+        "figures": {},
+    }
     earlier = args.out / "bench.json"
     if earlier.is_file():  # --only: the figures not measured now stay as they were, with when and where
         kept = json.loads(earlier.read_text())
         if bool(kept.get("quick")) == args.quick:
-            report["figures"] = {name: {"measured": kept.get("machine"), **figure}
-                                 for name, figure in kept.get("figures", {}).items()}
+            report["figures"] = {
+                name: {"measured": kept.get("machine"), **figure} for name, figure in kept.get("figures", {}).items()
+            }
     for key in keys:
         name, measure, _ = FIGURES[key]
         t0 = time.perf_counter()
         print(f"[bench] figure {name} ...", flush=True)
         extra = {"scale_clients": args.scale_clients} if key == "5" else {}
-        report["figures"][name] = {"measured": f"{time.strftime('%Y-%m-%d %H:%M')} · {report['machine']}",
-                                   **measure(args.quick, **extra)}
+        report["figures"][name] = {
+            "measured": f"{time.strftime('%Y-%m-%d %H:%M')} · {report['machine']}",
+            **measure(args.quick, **extra),
+        }
         print(f"[bench] figure {name} done in {time.perf_counter() - t0:.0f} s", flush=True)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench.json").write_text(json.dumps(report, indent=1))

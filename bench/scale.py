@@ -73,6 +73,7 @@ class TreeMemory:
             while not self._stop.is_set():
                 self.peak = max(self.peak, self._rss())
                 self._stop.wait(self.interval)
+
         self._thread = threading.Thread(target=loop, daemon=True)
         self._thread.start()
         return self
@@ -85,8 +86,15 @@ class TreeMemory:
 def job_overrides(clients: int, per_round: int, rounds: int, query: str, extra: tuple[str, ...] = ()) -> list[str]:
     """The scale runs' job: ``clients`` nodes, ``per_round`` sampled per round, the global model
     evaluated on 2000 test examples, ``availability.query`` = ``query``, then ``extra``."""
-    return [f"num_clients={clients}", f"fraction_train={per_round / clients}", f"rounds={rounds}",
-            "evaluation.levels=false", "dataset.max_test_examples=2000", f"availability.query={query}", *extra]
+    return [
+        f"num_clients={clients}",
+        f"fraction_train={per_round / clients}",
+        f"rounds={rounds}",
+        "evaluation.levels=false",
+        "dataset.max_test_examples=2000",
+        f"availability.query={query}",
+        *extra,
+    ]
 
 
 def large_settings(clients: int) -> tuple[str, ...]:
@@ -116,18 +124,27 @@ def scale_run(clients: int, per_round: int, rounds: int, query: str, extra: tupl
     # ``sampled`` mostly asked ahead, during the previous round's evaluation)
     later = [(q, n) for q, n in zip(queries, asked) if n]
     per_node = sum(q for q, _ in later) / sum(n for _, n in later) if later else None
-    return {"query": query, "round_seconds": seconds, "server_seconds": servers, "query_seconds": queries,
-            "replies": [r["replies"] for r in rows], "bytes_queries": [r.get("bytes_queries", 0) for r in rows],
-            "queried": asked, "query_seconds_per_node": per_node,
-            # the start-up before round 1 (NodeRegistry.startup): the simulation's workers start on
-            # their first message (importing torch and the ClientApp) and the nodes find their data
-            "startup_seconds": summary.get("startup_seconds"), "startup_queried": summary.get("startup_queried"),
-            "round1_over_round2": seconds[0] / seconds[1] if len(seconds) > 1 else None,
-            "query_share": [q / s for q, s in zip(queries, seconds)],
-            "max_query_share": max(q / s for q, s in zip(queries, seconds)),
-            "server_share": [v / s for v, s in zip(servers, seconds)],
-            "job_wall_seconds": wall, "peak_rss_bytes_process_tree": mem.peak,
-            "final_acc": summary.get("final_acc/global")}
+    return {
+        "query": query,
+        "round_seconds": seconds,
+        "server_seconds": servers,
+        "query_seconds": queries,
+        "replies": [r["replies"] for r in rows],
+        "bytes_queries": [r.get("bytes_queries", 0) for r in rows],
+        "queried": asked,
+        "query_seconds_per_node": per_node,
+        # the start-up before round 1 (NodeRegistry.startup): the simulation's workers start on
+        # their first message (importing torch and the ClientApp) and the nodes find their data
+        "startup_seconds": summary.get("startup_seconds"),
+        "startup_queried": summary.get("startup_queried"),
+        "round1_over_round2": seconds[0] / seconds[1] if len(seconds) > 1 else None,
+        "query_share": [q / s for q, s in zip(queries, seconds)],
+        "max_query_share": max(q / s for q, s in zip(queries, seconds)),
+        "server_share": [v / s for v, s in zip(servers, seconds)],
+        "job_wall_seconds": wall,
+        "peak_rss_bytes_process_tree": mem.peak,
+        "final_acc": summary.get("final_acc/global"),
+    }
 
 
 def server_state_per_node(counts: tuple[int, ...], per_round: int = 100, rounds: int = 2) -> dict[str, Any]:
@@ -162,14 +179,24 @@ def server_state_per_node(counts: tuple[int, ...], per_round: int = 100, rounds:
         snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/fedhm_flwr/server/*")])
         tracemalloc.stop()
         kept = sum(stat.size for stat in snapshot.statistics("filename"))
-        rows[str(n)] = {"nodes": n, "known": len(strategy.registry.nodes), "server_state_bytes": kept,
-                        "bytes_per_known_node": kept / max(1, len(strategy.registry.nodes)), "startup_seconds": startup}
+        rows[str(n)] = {
+            "nodes": n,
+            "known": len(strategy.registry.nodes),
+            "server_state_bytes": kept,
+            "bytes_per_known_node": kept / max(1, len(strategy.registry.nodes)),
+            "startup_seconds": startup,
+        }
         del strategy, grid
     base, top = rows[str(counts[0])], rows[str(counts[-1])]
     slope = (top["server_state_bytes"] - base["server_state_bytes"]) / max(1, counts[-1] - counts[0])
-    return {"per_round": per_round, "rounds": rounds, "rows": rows, "bytes_per_node": slope,
-            "note": "allocations made in fedhm_flwr/server/ and still held (tracemalloc), CNN, echoing clients, "
-                    "availability.query=all: every node known"}
+    return {
+        "per_round": per_round,
+        "rounds": rounds,
+        "rows": rows,
+        "bytes_per_node": slope,
+        "note": "allocations made in fedhm_flwr/server/ and still held (tracemalloc), CNN, echoing clients, "
+        "availability.query=all: every node known",
+    }
 
 
 def project_alone(sizes: tuple[int, ...], per_round: int = 100, rounds: int = 3) -> dict[str, Any]:
@@ -183,16 +210,25 @@ def project_alone(sizes: tuple[int, ...], per_round: int = 100, rounds: int = 3)
 
     rows = {}
     for n in sizes:
-        cfg = load_config(job_overrides(n, per_round, rounds, "sampled", (*large_settings(n), "evaluation.deploy_stats=false")))
+        cfg = load_config(
+            job_overrides(n, per_round, rounds, "sampled", (*large_settings(n), "evaluation.deploy_stats=false"))
+        )
         with tempfile.TemporaryDirectory() as tmp:
             run(LocalGrid(n, client_handlers()), cfg, Path(tmp))
             lines = (Path(tmp) / "metrics.jsonl").read_text().splitlines()
         done = [json.loads(line) for line in lines]
-        rows[str(n)] = {"round_seconds": [r["seconds"] for r in done], "server_seconds": [r["server_seconds"] for r in done]}
+        rows[str(n)] = {
+            "round_seconds": [r["seconds"] for r in done],
+            "server_seconds": [r["server_seconds"] for r in done],
+        }
     small, large = rows[str(sizes[0])], rows[str(sizes[-1])]
-    return {"sizes": list(sizes), "per_round": per_round, "rows": rows,
-            "later_rounds_ratio": statistics.median(large["round_seconds"][1:])
-            / statistics.median(small["round_seconds"][1:])}
+    return {
+        "sizes": list(sizes),
+        "per_round": per_round,
+        "rows": rows,
+        "later_rounds_ratio": statistics.median(large["round_seconds"][1:])
+        / statistics.median(small["round_seconds"][1:]),
+    }
 
 
 def figure_scale(quick: bool, scale_clients: int | None = None) -> dict[str, Any]:
@@ -207,19 +243,28 @@ def figure_scale(quick: bool, scale_clients: int | None = None) -> dict[str, Any
     clients, per_round, rounds = (200, 20, 2) if quick else (1000, 100, 3)
     queries = ("sampled",) if quick or scale_clients else ("sampled", "all")
     runs = {query: scale_run(clients, per_round, rounds, query) for query in queries}
-    out: dict[str, Any] = {"clients": clients, "per_round": per_round, "rounds": rounds, "runs": runs,
-                           "goal": "round 1 <= 1.5 x round 2; query time <= 5 % of every round; peak memory < 8 GiB",
-                           "project_alone": project_alone((clients, scale_clients or 10 * clients), per_round)}
+    out: dict[str, Any] = {
+        "clients": clients,
+        "per_round": per_round,
+        "rounds": rounds,
+        "runs": runs,
+        "goal": "round 1 <= 1.5 x round 2; query time <= 5 % of every round; peak memory < 8 GiB",
+        "project_alone": project_alone((clients, scale_clients or 10 * clients), per_round),
+    }
     if scale_clients:
         ref = scale_run(clients, per_round, LARGE_ROUNDS, "sampled", large_settings(clients))
         big = scale_run(scale_clients, per_round, LARGE_ROUNDS, "sampled", large_settings(scale_clients))
         big["round2_over_small_round2"] = big["round_seconds"][1] / ref["round_seconds"][1]
         big["middle_over_small_middle"] = _middle(big["round_seconds"]) / _middle(ref["round_seconds"])
-        out["large"] = {"clients": scale_clients, "run": big, "reference": ref,
-                        "overrides": [large_settings(clients)[0], f"{LARGE_EXAMPLES_PER_CLIENT} training examples per client"],
-                        "goal": f"peak memory < 8 GiB; round 2 <= 1.5 x the {clients}-client round 2",
-                        "server_state": server_state_per_node((clients, scale_clients // 2, scale_clients)),
-                        "engine_floor": engine_floor(ref, clients, scale_clients, per_round)}
+        out["large"] = {
+            "clients": scale_clients,
+            "run": big,
+            "reference": ref,
+            "overrides": [large_settings(clients)[0], f"{LARGE_EXAMPLES_PER_CLIENT} training examples per client"],
+            "goal": f"peak memory < 8 GiB; round 2 <= 1.5 x the {clients}-client round 2",
+            "server_state": server_state_per_node((clients, scale_clients // 2, scale_clients)),
+            "engine_floor": engine_floor(ref, clients, scale_clients, per_round),
+        }
         if not quick:
             save_large(out, scale_clients)
     else:
@@ -238,14 +283,22 @@ def engine_floor(reference: dict[str, Any], small: int, large: int, per_round: i
     message, set so that its ``small``-node rounds take as long as the ``reference`` run's (the
     middle rounds' median, fitted as a line through two runs at :data:`ENGINE_PROBES_MS`); then
     both sizes at that work with the node-info queries, and without them."""
-    probes = {w: _middle(engine_rounds(small, w, True, LARGE_ROUNDS, per_round)["round_seconds"])
-              for w in ENGINE_PROBES_MS}
+    probes = {
+        w: _middle(engine_rounds(small, w, True, LARGE_ROUNDS, per_round)["round_seconds"]) for w in ENGINE_PROBES_MS
+    }
     (w0, t0), (w1, t1) = probes.items()
     work = max(0.0, w0 + (_middle(reference["round_seconds"]) - t0) * (w1 - w0) / (t1 - t0)) if t1 > t0 else w1
-    runs = {f"{query}-{n}": engine_rounds(n, round(work, 1), query == "query", LARGE_ROUNDS, per_round)
-            for query in ("query", "no-query") for n in (small, large)}
-    out: dict[str, Any] = {"code": "bench/engine_floor.py", "work_ms": round(work, 1),
-                           "probes": {str(w): t for w, t in probes.items()}, "runs": runs}
+    runs = {
+        f"{query}-{n}": engine_rounds(n, round(work, 1), query == "query", LARGE_ROUNDS, per_round)
+        for query in ("query", "no-query")
+        for n in (small, large)
+    }
+    out: dict[str, Any] = {
+        "code": "bench/engine_floor.py",
+        "work_ms": round(work, 1),
+        "probes": {str(w): t for w, t in probes.items()},
+        "runs": runs,
+    }
     for query in ("query", "no-query"):
         a, b = runs[f"{query}-{small}"]["round_seconds"], runs[f"{query}-{large}"]["round_seconds"]
         out[f"{query}_round2_ratio"], out[f"{query}_middle_ratio"] = b[1] / a[1], _middle(b) / _middle(a)
@@ -259,9 +312,13 @@ def save_large(figure: dict[str, Any], clients: int) -> Path:
     from bench.results import commit, machine
 
     SCALE_DIR.mkdir(exist_ok=True)
-    saved = {"machine": machine(), "commit": commit(),
-             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-             "command": f"python -m bench.run --only 5 --scale-clients {clients}", "figure": figure}
+    saved = {
+        "machine": machine(),
+        "commit": commit(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": f"python -m bench.run --only 5 --scale-clients {clients}",
+        "figure": figure,
+    }
     path = SCALE_DIR / f"scale-{clients}.json"
     path.write_text(json.dumps(saved, indent=1))
     path.with_suffix(".md").write_text("\n".join(saved_markdown(saved)) + "\n")
@@ -277,27 +334,43 @@ def load_large() -> dict[str, Any] | None:
 def scale_markdown(f5: dict[str, Any]) -> list[str]:
     """Figure 5's section of the report (with the saved large-run figure when this run made none)."""
     L: list[str] = []
-    L += [f"## 5. Scale: {f5['clients']} simulated clients, {f5['per_round']} per round", "",
-          f"Goal: {f5['goal']}.", "",
-          "| availability.query | round | seconds | server s | nodes asked | query s | query ÷ round | server ÷ round | replies |",
-          "|---|---|---|---|---|---|---|---|---|"]
+    L += [
+        f"## 5. Scale: {f5['clients']} simulated clients, {f5['per_round']} per round",
+        "",
+        f"Goal: {f5['goal']}.",
+        "",
+        "| availability.query | round | seconds | server s | nodes asked | query s | query ÷ round | server ÷ round | replies |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for query, r in f5["runs"].items():
-        for i, (s, ss, na, qs, n) in enumerate(zip(r["round_seconds"], r["server_seconds"], r["queried"],
-                                                   r["query_seconds"], r["replies"]), 1):
-            L.append(f"| {query} | {i} | {s:.1f} | {ss:.2f} | {na} | {qs:.2f} | {100 * qs / s:.1f} % | "
-                     f"{100 * ss / s:.1f} % | {n} |")
+        for i, (s, ss, na, qs, n) in enumerate(
+            zip(r["round_seconds"], r["server_seconds"], r["queried"], r["query_seconds"], r["replies"]), 1
+        ):
+            L.append(
+                f"| {query} | {i} | {s:.1f} | {ss:.2f} | {na} | {qs:.2f} | {100 * qs / s:.1f} % | "
+                f"{100 * ss / s:.1f} % | {n} |"
+            )
     L.append("")
     for query, r in f5["runs"].items():
         ratio = r["round1_over_round2"]
-        L.append(f"- `{query}`: round 1 ÷ round 2 **{ratio:.2f}**; largest query share "
-                 f"**{100 * r['max_query_share']:.1f} %**; peak resident memory of the process tree (launcher, "
-                 f"SuperLink, ServerApp, Ray) **{r['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB**; "
-                 f"job {r['job_wall_seconds']:.0f} s." + (
-                     f" Blocking query time per asked node {1000 * r['query_seconds_per_node']:.1f} ms."
-                     if r.get("query_seconds_per_node") else "") + (
-                     f" Start-up before round 1 (Ray workers start on their first message, importing torch "
-                     f"and the ClientApp; nodes find their data): {r['startup_seconds']:.1f} s, "
-                     f"{r['startup_queried']} nodes asked." if r.get("startup_seconds") is not None else ""))
+        L.append(
+            f"- `{query}`: round 1 ÷ round 2 **{ratio:.2f}**; largest query share "
+            f"**{100 * r['max_query_share']:.1f} %**; peak resident memory of the process tree (launcher, "
+            f"SuperLink, ServerApp, Ray) **{r['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB**; "
+            f"job {r['job_wall_seconds']:.0f} s."
+            + (
+                f" Blocking query time per asked node {1000 * r['query_seconds_per_node']:.1f} ms."
+                if r.get("query_seconds_per_node")
+                else ""
+            )
+            + (
+                f" Start-up before round 1 (Ray workers start on their first message, importing torch "
+                f"and the ClientApp; nodes find their data): {r['startup_seconds']:.1f} s, "
+                f"{r['startup_queried']} nodes asked."
+                if r.get("startup_seconds") is not None
+                else ""
+            )
+        )
     L += project_alone_markdown(f5.get("project_alone"))
     L.append("")
     if "large" in f5:
@@ -312,64 +385,98 @@ def project_alone_markdown(alone: dict[str, Any] | None) -> list[str]:
     if not alone:
         return []
     (a, ra), (b, rb) = [(int(n), alone["rows"][str(n)]) for n in (alone["sizes"][0], alone["sizes"][-1])]
-    return [f"- The project alone, in process (no Flower engine: `LocalGrid` calls the ClientApp's handlers "
-            f"node by node; the large run's settings, {alone['per_round']} clients per round): rounds after the "
-            f"first " + ", ".join(f"{sec:.2f} s" for sec in ra["round_seconds"][1:]) + f" at {a:,} nodes, "
-            + ", ".join(f"{sec:.2f} s" for sec in rb["round_seconds"][1:]) + f" at {b:,}; median ratio "
-            f"**{alone['later_rounds_ratio']:.2f}** (the project's own work per round: server, clients and "
-            f"evaluation; near 1, it does not grow with the number of nodes)."]
+    return [
+        f"- The project alone, in process (no Flower engine: `LocalGrid` calls the ClientApp's handlers "
+        f"node by node; the large run's settings, {alone['per_round']} clients per round): rounds after the "
+        f"first "
+        + ", ".join(f"{sec:.2f} s" for sec in ra["round_seconds"][1:])
+        + f" at {a:,} nodes, "
+        + ", ".join(f"{sec:.2f} s" for sec in rb["round_seconds"][1:])
+        + f" at {b:,}; median ratio "
+        f"**{alone['later_rounds_ratio']:.2f}** (the project's own work per round: server, clients and "
+        f"evaluation; near 1, it does not grow with the number of nodes)."
+    ]
 
 
 def saved_markdown(saved: dict[str, Any]) -> list[str]:
     """The section of a saved ``--scale-clients`` figure, saying where, when and how it was measured."""
     figure = saved["figure"]
     alone = project_alone_markdown(figure.get("project_alone"))
-    return large_markdown(figure["large"], figure) + alone + [""] * bool(alone) + [
-        f"(Saved figure `bench/scale/scale-{figure['large']['clients']}.json`: measured {saved['date']} on "
-        f"{saved['machine']} at commit {saved['commit']} by `{saved['command']}`, next to that run's own {figure['clients']}-client rounds.)", ""]
+    return (
+        large_markdown(figure["large"], figure)
+        + alone
+        + [""] * bool(alone)
+        + [
+            f"(Saved figure `bench/scale/scale-{figure['large']['clients']}.json`: measured {saved['date']} on "
+            f"{saved['machine']} at commit {saved['commit']} by `{saved['command']}`, next to that run's own {figure['clients']}-client rounds.)",
+            "",
+        ]
+    )
 
 
 def large_markdown(large: dict[str, Any], f5: dict[str, Any]) -> list[str]:
     """The large run's rows, its ratios against the 1000-client run and the per-node state."""
     L: list[str] = []
     r, st = large["run"], large["server_state"]
-    L += [f"### {large['clients']:,} simulated clients, {f5['per_round']} per round (`availability.query=sampled`)", "",
-          f"Goal: {large['goal']}.", "",
-          "| round | seconds | server s | nodes asked | replies |", "|---|---|---|---|---|"]
+    L += [
+        f"### {large['clients']:,} simulated clients, {f5['per_round']} per round (`availability.query=sampled`)",
+        "",
+        f"Goal: {large['goal']}.",
+        "",
+        "| round | seconds | server s | nodes asked | replies |",
+        "|---|---|---|---|---|",
+    ]
     for i, (sec, ss, na, n) in enumerate(zip(r["round_seconds"], r["server_seconds"], r["queried"], r["replies"]), 1):
         L.append(f"| {i} | {sec:.1f} | {ss:.2f} | {na} | {n} |")
     ref = large.get("reference")
     if ref:
-        L += ["", f"Both runs: {', '.join(large['overrides'])}. The {f5['clients']}-client reference's rounds: "
-              + ", ".join(f"{sec:.1f} s" for sec in ref["round_seconds"]) + f" (peak memory "
-              f"{ref['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB, start-up {ref['startup_seconds'] or 0:.1f} s)."]
+        L += [
+            "",
+            f"Both runs: {', '.join(large['overrides'])}. The {f5['clients']}-client reference's rounds: "
+            + ", ".join(f"{sec:.1f} s" for sec in ref["round_seconds"])
+            + f" (peak memory "
+            f"{ref['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB, start-up {ref['startup_seconds'] or 0:.1f} s).",
+        ]
     middle = r.get("middle_over_small_middle")
-    L += ["", f"- round 2 ÷ the {f5['clients']}-client round 2: **{r['round2_over_small_round2']:.2f}**"
-          + (f" (the median of rounds 2–{len(r['round_seconds']) - 1} ÷ the reference's: {middle:.2f})"
-             if middle is not None else "") + "; "
-          f"peak resident memory of the process tree **{r['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB**; "
-          f"start-up before round 1 {r['startup_seconds'] or 0:.1f} s ({r['startup_queried']} nodes asked); "
-          f"job {r['job_wall_seconds']:.0f} s.",
-          f"- The server's per-node state ({st['note']}): "
-          + ", ".join(f"{int(k):,} nodes {v['server_state_bytes'] / 2**20:.2f} MiB "
-                      f"({v['bytes_per_known_node']:.0f} B per known node)" for k, v in st["rows"].items())
-          + f"; **{st['bytes_per_node']:.0f} bytes per node** (slope)."]
+    L += [
+        "",
+        f"- round 2 ÷ the {f5['clients']}-client round 2: **{r['round2_over_small_round2']:.2f}**"
+        + (
+            f" (the median of rounds 2–{len(r['round_seconds']) - 1} ÷ the reference's: {middle:.2f})"
+            if middle is not None
+            else ""
+        )
+        + "; "
+        f"peak resident memory of the process tree **{r['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB**; "
+        f"start-up before round 1 {r['startup_seconds'] or 0:.1f} s ({r['startup_queried']} nodes asked); "
+        f"job {r['job_wall_seconds']:.0f} s.",
+        f"- The server's per-node state ({st['note']}): "
+        + ", ".join(
+            f"{int(k):,} nodes {v['server_state_bytes'] / 2**20:.2f} MiB "
+            f"({v['bytes_per_known_node']:.0f} B per known node)"
+            for k, v in st["rows"].items()
+        )
+        + f"; **{st['bytes_per_node']:.0f} bytes per node** (slope).",
+    ]
     return L + engine_markdown(large.get("engine_floor"), r, ref, f5["clients"], large["clients"]) + [""]
 
 
-def engine_markdown(engine: dict[str, Any] | None, run: dict[str, Any], reference: dict[str, Any] | None,
-                    small: int, large: int) -> list[str]:
+def engine_markdown(
+    engine: dict[str, Any] | None, run: dict[str, Any], reference: dict[str, Any] | None, small: int, large: int
+) -> list[str]:
     """The engine floor's bullet: Flower alone with the same traffic, its ratio beside ours."""
     if not engine or not reference:
         return []
     at_small, at_large = engine["runs"][f"query-{small}"], engine["runs"][f"query-{large}"]
-    return [f"- Flower's simulation engine alone (`{engine['code']}`: a bare ServerApp and ClientApp, nothing "
-            f"from the project, the same messages: {at_small['per_round']} training messages and the next round's "
-            f"{at_small['per_round']} node-info queries per round; its client spends {engine['work_ms']:.1f} ms of CPU per "
-            f"training message, fitted to make its {small:,}-node rounds as long as the reference's: middle rounds "
-            f"{_middle(at_small['round_seconds']):.1f} s against {_middle(reference['round_seconds']):.1f} s): round 2 "
-            f"{at_large['round_seconds'][1]:.1f} s at {large:,} nodes ÷ {at_small['round_seconds'][1]:.1f} s at {small:,} = "
-            f"**{engine['query_round2_ratio']:.2f}** (middle rounds {engine['query_middle_ratio']:.2f}); without the "
-            f"queries {engine['no-query_round2_ratio']:.2f} (middle rounds {engine['no-query_middle_ratio']:.2f}). "
-            f"This project at {large:,} ÷ the engine alone at {large:,}, round 2: "
-            f"**{run['round_seconds'][1] / at_large['round_seconds'][1]:.2f}**."]
+    return [
+        f"- Flower's simulation engine alone (`{engine['code']}`: a bare ServerApp and ClientApp, nothing "
+        f"from the project, the same messages: {at_small['per_round']} training messages and the next round's "
+        f"{at_small['per_round']} node-info queries per round; its client spends {engine['work_ms']:.1f} ms of CPU per "
+        f"training message, fitted to make its {small:,}-node rounds as long as the reference's: middle rounds "
+        f"{_middle(at_small['round_seconds']):.1f} s against {_middle(reference['round_seconds']):.1f} s): round 2 "
+        f"{at_large['round_seconds'][1]:.1f} s at {large:,} nodes ÷ {at_small['round_seconds'][1]:.1f} s at {small:,} = "
+        f"**{engine['query_round2_ratio']:.2f}** (middle rounds {engine['query_middle_ratio']:.2f}); without the "
+        f"queries {engine['no-query_round2_ratio']:.2f} (middle rounds {engine['no-query_middle_ratio']:.2f}). "
+        f"This project at {large:,} ÷ the engine alone at {large:,}, round 2: "
+        f"**{run['round_seconds'][1] / at_large['round_seconds'][1]:.2f}**."
+    ]

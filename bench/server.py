@@ -41,8 +41,10 @@ def figure_server_time(quick: bool) -> dict[str, Any]:
         row: dict[str, Any] = {}
         for method in ("fedhm", "fedavg"):
             extra = "method.variant=full" if method == "fedavg" else ""
-            cfg = load_config(f"method={method} {extra} model={arch} model.width={width} dataset={dataset} "
-                              f"num_clients={replies_n} fraction_train=1.0")
+            cfg = load_config(
+                f"method={method} {extra} model={arch} model.width={width} dataset={dataset} "
+                f"num_clients={replies_n} fraction_train=1.0"
+            )
             spec = model_spec(cfg)
             strategy = STRATEGIES[method](cfg, spec)
             grid = LocalGrid(replies_n, {MessageType.TRAIN: echo, MessageType.QUERY: identity_query})
@@ -83,26 +85,33 @@ def figure_server_time(quick: bool) -> dict[str, Any]:
         row["threads"] = torch.get_num_threads()
         row["floor_target"] = ROUND_OVER_FLOOR_TARGET[arch]
         row["fedhm_over_fedavg"] = (
-            (row["fedhm"]["configure_train"]["median_s"] + row["fedhm"]["aggregate_train"]["median_s"])
-            / (row["fedavg"]["configure_train"]["median_s"] + row["fedavg"]["aggregate_train"]["median_s"]))
+            row["fedhm"]["configure_train"]["median_s"] + row["fedhm"]["aggregate_train"]["median_s"]
+        ) / (row["fedavg"]["configure_train"]["median_s"] + row["fedavg"]["aggregate_train"]["median_s"])
         out["models"][f"{arch}-w{width}"] = row
     # the server's share of a real round's wall time (in-process round with training, CNN)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config("rounds=2 num_clients=10 fraction_train=1.0 dataset.max_train_examples=6000 "
-                          "dataset.max_test_examples=2000 evaluation.levels=false")
+        cfg = load_config(
+            "rounds=2 num_clients=10 fraction_train=1.0 dataset.max_train_examples=6000 "
+            "dataset.max_test_examples=2000 evaluation.levels=false"
+        )
         run(LocalGrid(10, client_handlers()), cfg, Path(tmp))
         rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     last = rows[-1]
-    out["round_share"] = {"model": "cnn-w16", "clients": 10, "round_seconds": last["seconds"],
-                          "server_seconds": last["server_seconds"],
-                          "eval_seconds": last.get("eval_seconds", 0.0),
-                          "server_share": last["server_seconds"] / last["seconds"],
-                          "note": "in-process grid: clients train one after another in the server process"}
+    out["round_share"] = {
+        "model": "cnn-w16",
+        "clients": 10,
+        "round_seconds": last["seconds"],
+        "server_seconds": last["server_seconds"],
+        "eval_seconds": last.get("eval_seconds", 0.0),
+        "server_share": last["server_seconds"] / last["seconds"],
+        "note": "in-process grid: clients train one after another in the server process",
+    }
     return out
 
 
-def fedhm_round_against_floor(strategy: Any, grid: Any, state: dict[str, Any], repeats: int,
-                              clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+def fedhm_round_against_floor(
+    strategy: Any, grid: Any, state: dict[str, Any], repeats: int, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, Any]:
     """FedHM's server work of whole rounds against an independent floor, measured in the same process.
 
     A round (medians over ``repeats`` chained rounds, the first one not counted): ``configure_train``
@@ -129,8 +138,16 @@ def fedhm_round_against_floor(strategy: Any, grid: Any, state: dict[str, Any], r
     arrays = ArrayRecord.from_torch_state_dict(state)
     names = strategy.factorized
     cut = [max(strategy.layer_ranks[name]) for name in names]
-    keys = ("configure_train", "aggregate_train", "evaluation's factorization", "server_round",
-            "floor: float32 eigh of the Gram, one per layer", "floor: weighted average", "floor", "round / floor")
+    keys = (
+        "configure_train",
+        "aggregate_train",
+        "evaluation's factorization",
+        "server_round",
+        "floor: float32 eigh of the Gram, one per layer",
+        "floor: weighted average",
+        "floor",
+        "round / floor",
+    )
     parts: dict[str, list[float]] = {key: [] for key in keys}
 
     def floor_of(merged: dict[str, Any], replies: list[Any]) -> tuple[float, float]:
@@ -164,7 +181,9 @@ def fedhm_round_against_floor(strategy: Any, grid: Any, state: dict[str, Any], r
         previous = (merged, replies)
         if k:  # the first round is a warm-up
             server, floor = (t1 - t0) + (t4 - t2), decomposition + average
-            for key, value in zip(keys, (t1 - t0, t3 - t2, t4 - t3, server, decomposition, average, floor, server / floor)):
+            for key, value in zip(
+                keys, (t1 - t0, t3 - t2, t4 - t3, server, decomposition, average, floor, server / floor)
+            ):
                 parts[key].append(value)
     out: dict[str, Any] = {key: spread(v) for key, v in parts.items()}
     out["clock"] = "thread CPU time" if clock is time.thread_time else "wall clock"
@@ -195,16 +214,20 @@ def figure_bytes(quick: bool) -> dict[str, Any]:
         spec = model_spec(cfg)
         strategy = STRATEGIES["fedhm"](cfg, spec)
         grid = LocalGrid(8, {MessageType.QUERY: identity_query})
-        msgs = list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(initial_state(cfg, spec)), None, grid))
+        msgs = list(
+            strategy.configure_train(1, ArrayRecord.from_torch_state_dict(initial_state(cfg, spec)), None, grid)
+        )
         rows = {}
         for msg in msgs:
             level = float(msg.content[CONFIG][LEVEL])
             if level in rows:
                 continue
             index = int(msg.content[CONFIG][LEVEL_INDEX])
-            rows[level] = {"serialized_bytes": serialized_bytes(msg),
-                           "array_bytes": msg.content[ARRAYS].count_bytes(),
-                           "params": int(strategy.level_cost(index)["params"])}
+            rows[level] = {
+                "serialized_bytes": serialized_bytes(msg),
+                "array_bytes": msg.content[ARRAYS].count_bytes(),
+                "params": int(strategy.level_cost(index)["params"]),
+            }
         full = rows[max(rows)]
         for r in rows.values():
             r["bytes_ratio"] = r["serialized_bytes"] / full["serialized_bytes"]
@@ -216,47 +239,78 @@ def figure_bytes(quick: bool) -> dict[str, Any]:
 def server_time_markdown(f1: dict[str, Any]) -> list[str]:
     """Figure 1's section of the report."""
     L: list[str] = []
-    L += ["## 1. Server time per round (10 replies, medians)", "",
-          "| model | method | configure_train (s) | aggregate_train (s) | pieces (median s) |", "|---|---|---|---|---|"]
+    L += [
+        "## 1. Server time per round (10 replies, medians)",
+        "",
+        "| model | method | configure_train (s) | aggregate_train (s) | pieces (median s) |",
+        "|---|---|---|---|---|",
+    ]
     for model, row in f1["models"].items():
         for method in ("fedhm", "fedavg"):
             p = row[method]
-            pieces = ", ".join(f"{k} {v['median_s']:.3f}" for k, v in p.items()
-                               if k not in ("configure_train", "aggregate_train", "round / floor", "floor_code", "clock"))
-            L.append(f"| {model} | {method} | {p['configure_train']['median_s']:.3f} "
-                     f"[{p['configure_train']['min_s']:.3f}–{p['configure_train']['max_s']:.3f}] | "
-                     f"{p['aggregate_train']['median_s']:.3f} [{p['aggregate_train']['min_s']:.3f}–{p['aggregate_train']['max_s']:.3f}] | {pieces} |")
+            pieces = ", ".join(
+                f"{k} {v['median_s']:.3f}"
+                for k, v in p.items()
+                if k not in ("configure_train", "aggregate_train", "round / floor", "floor_code", "clock")
+            )
+            L.append(
+                f"| {model} | {method} | {p['configure_train']['median_s']:.3f} "
+                f"[{p['configure_train']['min_s']:.3f}–{p['configure_train']['max_s']:.3f}] | "
+                f"{p['aggregate_train']['median_s']:.3f} [{p['aggregate_train']['min_s']:.3f}–{p['aggregate_train']['max_s']:.3f}] | {pieces} |"
+            )
         L.append(f"| {model} | FedHM / FedAvg | | | {row['fedhm_over_fedavg']:.2f}× |")
-        for key, how in (("fedhm", f"{row.get('threads', '')} threads, wall clock"),
-                         ("fedhm_1thread", "1 thread, thread CPU time")):
+        for key, how in (
+            ("fedhm", f"{row.get('threads', '')} threads, wall clock"),
+            ("fedhm_1thread", "1 thread, thread CPU time"),
+        ):
             ratio = row.get(key, {}).get("round / floor")
             if ratio is None:
                 continue
             parts = row[key]
-            L.append(f"| {model} | FedHM round (configure + aggregate + evaluation's factorization) / floor, {how} | "
-                     f"{parts['configure_train']['median_s']:.4f} | {parts['aggregate_train']['median_s']:.4f} | "
-                     f"round {parts['server_round']['median_s']:.4f} s, floor {parts['floor']['median_s']:.4f} s; "
-                     f"median of {ratio['repeats']} per-round ratios **{ratio['median_s']:.2f}×** "
-                     f"[{ratio['min_s']:.2f}–{ratio['max_s']:.2f}]"
-                     + (f" (target ≤ {row['floor_target']:g}{'' if ratio['median_s'] <= row['floor_target'] else ' ✗'})"
-                        if "floor_target" in row else "") + " |")
+            L.append(
+                f"| {model} | FedHM round (configure + aggregate + evaluation's factorization) / floor, {how} | "
+                f"{parts['configure_train']['median_s']:.4f} | {parts['aggregate_train']['median_s']:.4f} | "
+                f"round {parts['server_round']['median_s']:.4f} s, floor {parts['floor']['median_s']:.4f} s; "
+                f"median of {ratio['repeats']} per-round ratios **{ratio['median_s']:.2f}×** "
+                f"[{ratio['min_s']:.2f}–{ratio['max_s']:.2f}]"
+                + (
+                    f" (target ≤ {row['floor_target']:g}{'' if ratio['median_s'] <= row['floor_target'] else ' ✗'})"
+                    if "floor_target" in row
+                    else ""
+                )
+                + " |"
+            )
     floor_code = next((r["fedhm"]["floor_code"] for r in f1["models"].values() if "floor_code" in r["fedhm"]), None)
     if floor_code:
-        L += ["", "Floor code (plain torch, imports nothing from `fedhm_flwr` or `strategies`): "
-              + "; ".join(f"`{c}`" for c in floor_code) + "."]
+        L += [
+            "",
+            "Floor code (plain torch, imports nothing from `fedhm_flwr` or `strategies`): "
+            + "; ".join(f"`{c}`" for c in floor_code)
+            + ".",
+        ]
     s = f1["round_share"]
-    L += ["", f"Server share of a round (CNN, 10 clients, in-process): {s['server_seconds']:.2f} s of "
-          f"{s['round_seconds']:.2f} s = {100 * s['server_share']:.1f} % (evaluation {s['eval_seconds']:.2f} s).", ""]
+    L += [
+        "",
+        f"Server share of a round (CNN, 10 clients, in-process): {s['server_seconds']:.2f} s of "
+        f"{s['round_seconds']:.2f} s = {100 * s['server_share']:.1f} % (evaluation {s['eval_seconds']:.2f} s).",
+        "",
+    ]
     return L
 
 
 def bytes_markdown(f2: dict[str, Any]) -> list[str]:
     """Figure 2's section of the report."""
     L: list[str] = []
-    L += ["## 2. Bytes per client per round (server → client; the reply is the same size)", "",
-          "| model | level | serialized bytes | bytes ratio | params | params ratio |", "|---|---|---|---|---|---|"]
+    L += [
+        "## 2. Bytes per client per round (server → client; the reply is the same size)",
+        "",
+        "| model | level | serialized bytes | bytes ratio | params | params ratio |",
+        "|---|---|---|---|---|---|",
+    ]
     for model, rows in f2.items():
         for level, r in rows.items():
-            L.append(f"| {model} | {level} | {r['serialized_bytes']:,} | {r['bytes_ratio']:.3f} | {r['params']:,} | {r['params_ratio']:.3f} |")
+            L.append(
+                f"| {model} | {level} | {r['serialized_bytes']:,} | {r['bytes_ratio']:.3f} | {r['params']:,} | {r['params_ratio']:.3f} |"
+            )
     L.append("")
     return L

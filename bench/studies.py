@@ -20,12 +20,16 @@ PAGE = ROOT / "docs" / "RESULTS.md"
 FIGURES = ROOT / "docs" / "results"
 
 #: the work every run of the cheap study shares (Hydra overrides of conf/config.yaml)
-COMMON = ("dataset=fashion_mnist model=cnn levels.ratios=[1,0.5,0.25,0.125] num_clients=20 fraction_train=0.5 "
-          "rounds=30 train.lr_schedule=cosine levels.match=fedhm_params "
-          "dataset.max_train_examples=6000 dataset.max_test_examples=3000 tracking.tensorboard=false")
+COMMON = (
+    "dataset=fashion_mnist model=cnn levels.ratios=[1,0.5,0.25,0.125] num_clients=20 fraction_train=0.5 "
+    "rounds=30 train.lr_schedule=cosine levels.match=fedhm_params "
+    "dataset.max_train_examples=6000 dataset.max_test_examples=3000 tracking.tensorboard=false"
+)
 #: one folder per data setting
-ALPHAS = {"dir0.5": "partition.scheme=dirichlet partition.alpha=0.5",
-          "dir0.1": "partition.scheme=dirichlet partition.alpha=0.1"}
+ALPHAS = {
+    "dir0.5": "partition.scheme=dirichlet partition.alpha=0.5",
+    "dir0.1": "partition.scheme=dirichlet partition.alpha=0.1",
+}
 #: the methods compared: name -> overrides
 VARIANTS = {
     "fedhm": "method=fedhm",
@@ -35,15 +39,22 @@ VARIANTS = {
     "fedavg_smallest": "method=fedavg_smallest",
     "fedhm_distill": "method=fedhm train.distill.enabled=true",
 }
-LABELS = {"fedhm": "FedHM", "heterofl": "HeteroFL (matched)", "fedrolex": "FedRolex (matched)",
-          "fedavg": "FedAvg, full model", "fedavg_smallest": "FedAvg, smallest FedHM model",
-          "fedhm_distill": "FedHM + self-distillation"}
+LABELS = {
+    "fedhm": "FedHM",
+    "heterofl": "HeteroFL (matched)",
+    "fedrolex": "FedRolex (matched)",
+    "fedavg": "FedAvg, full model",
+    "fedavg_smallest": "FedAvg, smallest FedHM model",
+    "fedhm_distill": "FedHM + self-distillation",
+}
 TITLES = {"dir0.5": "Dirichlet α = 0.5", "dir0.1": "Dirichlet α = 0.1 (strongly non-IID)"}
 #: files of a run that are kept (the rest: checkpoints, plots, event files)
 KEEP = ("config.yaml", "metrics.jsonl", "summary.json")
 #: how a run's messages travel: ``summary.json``'s ``transport`` (runs without one used the grid)
-TRANSPORTS = {"grid": "in-process grid (`fedhm_flwr/ops/local_grid.py`)",
-              "ray": "`flwr run` on Flower's Ray simulation engine (`fedhm_flwr/ops/launch.py`)"}
+TRANSPORTS = {
+    "grid": "in-process grid (`fedhm_flwr/ops/local_grid.py`)",
+    "ray": "`flwr run` on Flower's Ray simulation engine (`fedhm_flwr/ops/launch.py`)",
+}
 
 
 @dataclass(frozen=True)
@@ -71,16 +82,26 @@ class Study:
 CAPACITY_COMMON = COMMON.replace("model=cnn", "model=cnn model.width=4")
 STUDIES = {
     "cheap": Study(
-        "cheap", "the cheap setting (6,000 examples, CNN width 16)", "", COMMON, (0, 1, 2),
+        "cheap",
+        "the cheap setting (6,000 examples, CNN width 16)",
+        "",
+        COMMON,
+        (0, 1, 2),
         work="Fashion-MNIST (a seeded 6,000-example training subset split over 20 clients, a seeded "
-             "3,000-example test subset), the CNN (width 16) at FedHM's levels γ = 1, 1/2, 1/4, 1/8 (a fixed "
-             "level per client, equal shares), 10 clients sampled per round, 1 local epoch, 30 rounds with a "
-             "cosine learning rate"),
+        "3,000-example test subset), the CNN (width 16) at FedHM's levels γ = 1, 1/2, 1/4, 1/8 (a fixed "
+        "level per client, equal shares), 10 clients sampled per round, 1 local epoch, 30 rounds with a "
+        "cosine learning rate",
+    ),
     "capacity": Study(
-        "capacity", "the capacity setting (6,000 examples, CNN width 4)", "capacity", CAPACITY_COMMON,
-        (0, 1, 2, 3, 4), ray_seeds=(4,),
+        "capacity",
+        "the capacity setting (6,000 examples, CNN width 4)",
+        "capacity",
+        CAPACITY_COMMON,
+        (0, 1, 2, 3, 4),
+        ray_seeds=(4,),
         work="as the cheap setting but the CNN at width 4 (hidden sizes 4, 8, 16, 32), where the smallest "
-             "level's model holds too little of what the data can teach (see \"Why this setting\")"),
+        'level\'s model holds too little of what the data can teach (see "Why this setting")',
+    ),
 }
 
 
@@ -110,9 +131,14 @@ def studies_with_seeds(keys: list[str] | None = None, seeds: tuple[int, ...] | N
 
 def missing(root: Path, studies: list[Study]) -> list[Job]:
     # study by study, seed by seed, so that an interrupted run leaves whole seeds behind
-    return [Job(st.key, s, v, k, st.overrides(s, v, k), str(run_dir(st, s, v, k, root)), st.transport(k))
-            for st in studies for k in st.seeds for s in st.settings for v in st.variants
-            if not finished(run_dir(st, s, v, k, root))]
+    return [
+        Job(st.key, s, v, k, st.overrides(s, v, k), str(run_dir(st, s, v, k, root)), st.transport(k))
+        for st in studies
+        for k in st.seeds
+        for s in st.settings
+        for v in st.variants
+        if not finished(run_dir(st, s, v, k, root))
+    ]
 
 
 # ------------------------------------------------------------------ time estimates
@@ -129,17 +155,24 @@ def measured_seconds(root: Path) -> dict[tuple[str, str, str], list[float]]:
                     if finished(path):
                         info = json.loads((path / "summary.json").read_text())
                         out.setdefault((st.key, v, info.get("transport", "grid")), []).append(
-                            float(info.get("job_seconds", info["wall_seconds"])))
+                            float(info.get("job_seconds", info["wall_seconds"]))
+                        )
     return out
 
 
-def estimate_seconds(measured: dict[tuple[str, str, str], list[float]], study: str, variant: str,
-                     transport: str = "grid", reference: str = "cheap") -> float | None:
+def estimate_seconds(
+    measured: dict[tuple[str, str, str], list[float]],
+    study: str,
+    variant: str,
+    transport: str = "grid",
+    reference: str = "cheap",
+) -> float | None:
     """The expected wall time of one run, from measured runs (``measured``: as
     :func:`measured_seconds`): the mean of the finished runs of the same study, method and
     transport; else of the same study and method on any transport; else the ``reference`` study's
     mean for the method times the median ratio study / reference over the methods both have run;
     else the reference's mean; None when nothing was measured."""
+
     def mean_of(st: str, v: str, tr: str | None = None) -> float | None:
         values = [x for (s, m, t), xs in measured.items() if s == st and m == v and tr in (None, t) for x in xs]
         return statistics.fmean(values) if values else None
@@ -173,11 +206,19 @@ def plan(root: Path, todo: list[Job], jobs: int) -> list[str]:
         unknown += len(estimates) - len(known)
         ray = sum(j.transport == "ray" for j in members)
         ray_unmeasured = ray and not any(k[0] == study and k[2] == "ray" for k in measured)
-        lines.append(f"  {study} {setting}: {len(members)} run(s) missing ({ray} on Ray), estimated "
-                     f"{_hours(math.fsum(known))} of run time"
-                     + (f" + {len(estimates) - len(known)} run(s) with nothing measured yet" if len(known) < len(estimates) else "")
-                     + (" (Ray runs from in-process times: no Ray run of this study measured yet)" if ray_unmeasured else ""))
-    lines.append(f"make results: {len(todo)} run(s) missing under {root}; estimated {_hours(total)} of run time, "
-                 f"about {_hours(total / max(1, jobs))} on {jobs} worker process(es)"
-                 + (f" (+ {unknown} run(s) not estimated)" if unknown else ""))
+        lines.append(
+            f"  {study} {setting}: {len(members)} run(s) missing ({ray} on Ray), estimated "
+            f"{_hours(math.fsum(known))} of run time"
+            + (
+                f" + {len(estimates) - len(known)} run(s) with nothing measured yet"
+                if len(known) < len(estimates)
+                else ""
+            )
+            + (" (Ray runs from in-process times: no Ray run of this study measured yet)" if ray_unmeasured else "")
+        )
+    lines.append(
+        f"make results: {len(todo)} run(s) missing under {root}; estimated {_hours(total)} of run time, "
+        f"about {_hours(total / max(1, jobs))} on {jobs} worker process(es)"
+        + (f" (+ {unknown} run(s) not estimated)" if unknown else "")
+    )
     return lines

@@ -24,8 +24,9 @@ from fedhm_flwr.models import build_model, count_macs, input_shape
 STEP_OVER_MACS_TARGET = {"resnet18": 1.6, "cnn": 1.8}
 
 
-def _train_steps(spec: dict[str, Any], batch: int, device: torch.device, variant: str
-                 ) -> dict[str, tuple[Callable[[], None], int]]:
+def _train_steps(
+    spec: dict[str, Any], batch: int, device: torch.device, variant: str
+) -> dict[str, tuple[Callable[[], None], int]]:
     """One SGD step (loss, backward with Frobenius decay, optimizer) per level: ``{gamma: (step, MACs)}``.
 
     ``variant`` ``before``: the step as it was (contiguous layout, the penalty added to the loss,
@@ -53,8 +54,9 @@ def _train_steps(spec: dict[str, Any], batch: int, device: torch.device, variant
         x = torch.randn(batch, *shape, device=device).contiguous(memory_format=layout)
         y = torch.randint(0, 10, (batch,), device=device)
 
-        def step(model: torch.nn.Module = model, opt: torch.optim.Optimizer = opt, x: torch.Tensor = x,
-                 y: torch.Tensor = y) -> None:
+        def step(
+            model: torch.nn.Module = model, opt: torch.optim.Optimizer = opt, x: torch.Tensor = x, y: torch.Tensor = y
+        ) -> None:
             loss = torch.nn.functional.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True)
             if local:
@@ -79,8 +81,15 @@ def _top_ops(step: Callable[[], None], steps: int, top: int = 8) -> list[dict[st
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events) or 1.0
     ranked = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
-    return [{"op": e.key, "share": e.self_cpu_time_total / total, "ms_per_step": e.self_cpu_time_total / steps / 1e3,
-             "calls_per_step": e.count / steps} for e in ranked]
+    return [
+        {
+            "op": e.key,
+            "share": e.self_cpu_time_total / total,
+            "ms_per_step": e.self_cpu_time_total / steps / 1e3,
+            "calls_per_step": e.count / steps,
+        }
+        for e in ranked
+    ]
 
 
 def figure_train_step(quick: bool) -> dict[str, Any]:
@@ -93,25 +102,31 @@ def figure_train_step(quick: bool) -> dict[str, Any]:
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     configs = [("cnn", 16, 1, 28, 32)] + ([] if quick else [("resnet18", 64, 3, 32, 16)])
     cores = len(os.sched_getaffinity(0))  # not torch.get_num_threads(): in-process clients set it to theirs
-    out: dict[str, Any] = {"threads": sorted({1, cores}), "variants": ["before", "relu_then_pool", "train_local"],
-                           "target_step_over_macs": STEP_OVER_MACS_TARGET}
+    out: dict[str, Any] = {
+        "threads": sorted({1, cores}),
+        "variants": ["before", "relu_then_pool", "train_local"],
+        "target_step_over_macs": STEP_OVER_MACS_TARGET,
+    }
     try:
         for arch, width, channels, size, batch in configs:
             spec = {"arch": arch, "num_classes": 10, "in_channels": channels, "image_size": size, "width": width}
             target = STEP_OVER_MACS_TARGET[arch]
             for device in devices:
-                for threads in (out["threads"] if device.type == "cpu" else [cores]):
+                for threads in out["threads"] if device.type == "cpu" else [cores]:
                     torch.set_num_threads(threads)
                     # one thread: the calling thread's CPU time (all of a 1-thread step runs on it), so
                     # that other processes on the machine do not stretch some steps and not others
                     single = threads == 1 and device.type == "cpu"
                     clock = time.thread_time if single else time.perf_counter
-                    variants = {v: _train_steps(spec, batch, device, v) for v in out["variants"]
-                                if arch == "cnn" or v != "relu_then_pool"}  # the CNN's change only
+                    variants = {
+                        v: _train_steps(spec, batch, device, v)
+                        for v in out["variants"]
+                        if arch == "cnn" or v != "relu_then_pool"
+                    }  # the CNN's change only
                     times: dict[tuple[str, str], list[float]] = {(v, g): [] for v, s in variants.items() for g in s}
                     repeats = 3 if quick else (40 if arch == "cnn" else 5)
                     inner = 3 if arch == "cnn" else 1
-                    for (v, g) in times:  # warm-up
+                    for v, g in times:  # warm-up
                         variants[v][g][0]()
                     for _ in range(repeats):  # interleaved: every (variant, level) sees the same machine state
                         for (v, g), ts in times.items():
@@ -126,15 +141,25 @@ def figure_train_step(quick: bool) -> dict[str, Any]:
                         for g, (step, macs) in steps.items():
                             ts = times[(v, g)]
                             t = statistics.median(ts)
-                            rows[g] = {"median_s": t, "min_s": min(ts), "max_s": max(ts), "repeats": repeats,
-                                       "batch": batch, "macs": macs, "time_ratio": t / full_t, "macs_ratio": macs / full_m,
-                                       "step_over_macs": (t / full_t) / (macs / full_m)}
+                            rows[g] = {
+                                "median_s": t,
+                                "min_s": min(ts),
+                                "max_s": max(ts),
+                                "repeats": repeats,
+                                "batch": batch,
+                                "macs": macs,
+                                "time_ratio": t / full_t,
+                                "macs_ratio": macs / full_m,
+                                "step_over_macs": (t / full_t) / (macs / full_m),
+                            }
                             rows[g]["meets_target"] = rows[g]["step_over_macs"] <= target
                         table[v] = rows
                     missed = [g for g, r in table["train_local"].items() if not r["meets_target"]]
                     if missed and device.type == "cpu" and not quick:
-                        table["profile"] = {g: _top_ops(variants["train_local"][g][0], 3 if arch == "cnn" else 1)
-                                            for g in ["1", *missed]}
+                        table["profile"] = {
+                            g: _top_ops(variants["train_local"][g][0], 3 if arch == "cnn" else 1)
+                            for g in ["1", *missed]
+                        }
                     out[f"{arch}-w{width}-{device.type}-threads{threads}"] = table
     finally:
         torch.set_num_threads(cores)
@@ -143,23 +168,30 @@ def figure_train_step(quick: bool) -> dict[str, Any]:
 
 def train_step_markdown(f3: dict[str, Any]) -> list[str]:
     """Figure 3's section of the report."""
-    L = [f"## 3. Training-step time per level (threads {f3['threads']})", "",
-         "Step-time ratio (level ÷ full model, same variant) next to the MACs ratio; their quotient must "
-         f"stay under {f3['target_step_over_macs']}. `before`: contiguous layout, Frobenius penalty through "
-         "autograd, the CNN's ReLU before its max-pool; `train_local`: the clients' step (channels_last, "
-         "closed-form Frobenius gradient, the CNN pooling before its ReLU: the same function, bit for bit); "
-         "`relu_then_pool` (CNN): `train_local` with the ReLU before the max-pool.", "",
-         "One thread is timed by the thread's CPU time, more threads by the wall clock (quiet machine needed).", "",
-         "| model/device | variant | level | step median (s) [min–max] | time ratio | MACs ratio | time ÷ MACs |",
-         "|---|---|---|---|---|---|---|"]
+    L = [
+        f"## 3. Training-step time per level (threads {f3['threads']})",
+        "",
+        "Step-time ratio (level ÷ full model, same variant) next to the MACs ratio; their quotient must "
+        f"stay under {f3['target_step_over_macs']}. `before`: contiguous layout, Frobenius penalty through "
+        "autograd, the CNN's ReLU before its max-pool; `train_local`: the clients' step (channels_last, "
+        "closed-form Frobenius gradient, the CNN pooling before its ReLU: the same function, bit for bit); "
+        "`relu_then_pool` (CNN): `train_local` with the ReLU before the max-pool.",
+        "",
+        "One thread is timed by the thread's CPU time, more threads by the wall clock (quiet machine needed).",
+        "",
+        "| model/device | variant | level | step median (s) [min–max] | time ratio | MACs ratio | time ÷ MACs |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for model, table in f3.items():
         if not isinstance(table, dict) or "train_local" not in table:
             continue
         for variant in [v for v in f3["variants"] if v in table]:
             for level, r in table[variant].items():
                 mark = "" if r["meets_target"] else " ✗"
-                L.append(f"| {model} | {variant} | {level} | {r['median_s']:.4f} [{r['min_s']:.4f}–{r['max_s']:.4f}] | "
-                         f"{r['time_ratio']:.2f} | {r['macs_ratio']:.2f} | {r['step_over_macs']:.2f}{mark} |")
+                L.append(
+                    f"| {model} | {variant} | {level} | {r['median_s']:.4f} [{r['min_s']:.4f}–{r['max_s']:.4f}] | "
+                    f"{r['time_ratio']:.2f} | {r['macs_ratio']:.2f} | {r['step_over_macs']:.2f}{mark} |"
+                )
     for model, table in f3.items():
         if isinstance(table, dict) and "profile" in table:
             L += ["", f"Profile of `train_local` steps, {model} (top ops, share of self CPU time):", ""]
@@ -177,8 +209,16 @@ def figure_throughput(quick: bool) -> dict[str, Any]:
     from fedhm_flwr.ops.launch import run_job
 
     n_train = 4000 if quick else 12000
-    overrides = ["rounds=1", "num_clients=2", "fraction_train=1.0", "levels.ratios=[1]", f"dataset.max_train_examples={n_train}",
-                 "dataset.max_test_examples=500", "evaluation.levels=false", "train.local_epochs=2"]
+    overrides = [
+        "rounds=1",
+        "num_clients=2",
+        "fraction_train=1.0",
+        "levels.ratios=[1]",
+        f"dataset.max_train_examples={n_train}",
+        "dataset.max_test_examples=500",
+        "evaluation.levels=false",
+        "train.local_epochs=2",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         summary = run_job(overrides, Path(tmp) / "run", quiet=True)
@@ -190,10 +230,15 @@ def figure_throughput(quick: bool) -> dict[str, Any]:
 
     dspec = data_spec(cfg, 2)
     examples = sum(len(client_dataset(dspec, p)) for p in range(2)) * 2  # two epochs
-    flower = {"clients": 2, "threads_per_client": 1, "client_seconds_max": rows[-1]["client_seconds_max"],
-              "images_per_s_all_clients": examples / rows[-1]["client_seconds_max"],
-              "round_seconds": rows[-1]["seconds"], "job_wall_seconds": wall,
-              "final_acc": summary.get("final_acc/global")}
+    flower = {
+        "clients": 2,
+        "threads_per_client": 1,
+        "client_seconds_max": rows[-1]["client_seconds_max"],
+        "images_per_s_all_clients": examples / rows[-1]["client_seconds_max"],
+        "round_seconds": rows[-1]["seconds"],
+        "job_wall_seconds": wall,
+        "final_acc": summary.get("final_acc/global"),
+    }
     from bench import floors
 
     data = []
@@ -207,27 +252,45 @@ def figure_throughput(quick: bool) -> dict[str, Any]:
         t0 = time.perf_counter()
         for images, labels in data:
             torch.manual_seed(0)
-            floors.training_floor(build_model(spec), images, labels, epochs=2, batch_size=32,
-                                  lr=float(cfg.train.lr), momentum=float(cfg.train.momentum),
-                                  weight_decay=float(cfg.train.weight_decay))
+            floors.training_floor(
+                build_model(spec),
+                images,
+                labels,
+                epochs=2,
+                batch_size=32,
+                lr=float(cfg.train.lr),
+                momentum=float(cfg.train.momentum),
+                weight_decay=float(cfg.train.weight_decay),
+            )
         secs = time.perf_counter() - t0
         bare[f"{threads}_threads_sequential"] = {"seconds": secs, "images_per_s": examples / secs}
     torch.set_num_threads(os.cpu_count() or 1)
-    return {"examples": examples, "flower_simulation": flower, "bare_pytorch": bare,
-            "flower_over_bare_1thread": flower["images_per_s_all_clients"] / bare["1_threads_sequential"]["images_per_s"]}
+    return {
+        "examples": examples,
+        "flower_simulation": flower,
+        "bare_pytorch": bare,
+        "flower_over_bare_1thread": flower["images_per_s_all_clients"] / bare["1_threads_sequential"]["images_per_s"],
+    }
 
 
 def throughput_markdown(f4: dict[str, Any]) -> list[str]:
     """Figure 4's section of the report."""
     L: list[str] = []
     fl, bare = f4["flower_simulation"], f4["bare_pytorch"]
-    L += ["## 4. Local-training throughput: Flower simulation vs bare PyTorch", "",
-          f"Same CNN, data ({f4['examples']:,} image-epochs over 2 partitions) and 2 cores.", "",
-          "| setting | images/s |", "|---|---|",
-          f"| Flower simulation, 2 clients × 1 thread in parallel (client training time) | {fl['images_per_s_all_clients']:.0f} |",
-          f"| bare loop, 1 thread, partitions one after another | {bare['1_threads_sequential']['images_per_s']:.0f} |",
-          f"| bare loop, 2 threads, partitions one after another | {bare['2_threads_sequential']['images_per_s']:.0f} |",
-          "", f"Flower round wall time {fl['round_seconds']:.1f} s; whole job (SuperLink, Ray start, evaluation) "
-          f"{fl['job_wall_seconds']:.1f} s." + (f" Bare loop: `{bare['floor_code']}` (plain torch)."
-                                               if "floor_code" in bare else ""), ""]
+    L += [
+        "## 4. Local-training throughput: Flower simulation vs bare PyTorch",
+        "",
+        f"Same CNN, data ({f4['examples']:,} image-epochs over 2 partitions) and 2 cores.",
+        "",
+        "| setting | images/s |",
+        "|---|---|",
+        f"| Flower simulation, 2 clients × 1 thread in parallel (client training time) | {fl['images_per_s_all_clients']:.0f} |",
+        f"| bare loop, 1 thread, partitions one after another | {bare['1_threads_sequential']['images_per_s']:.0f} |",
+        f"| bare loop, 2 threads, partitions one after another | {bare['2_threads_sequential']['images_per_s']:.0f} |",
+        "",
+        f"Flower round wall time {fl['round_seconds']:.1f} s; whole job (SuperLink, Ray start, evaluation) "
+        f"{fl['job_wall_seconds']:.1f} s."
+        + (f" Bare loop: `{bare['floor_code']}` (plain torch)." if "floor_code" in bare else ""),
+        "",
+    ]
     return L

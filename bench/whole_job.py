@@ -39,8 +39,9 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> tupl
     """Run ``cmd`` (output to ``log``); its (start, end) on the wall clock. Raises when it fails."""
     with log.open("wb") as out:
         started = time.time()
-        code = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                              check=False).returncode
+        code = subprocess.run(
+            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, check=False
+        ).returncode
         ended = time.time()
     if code != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {code}; see {log}:\n{log.read_text(errors='replace')[-2000:]}")
@@ -51,41 +52,67 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def job_breakdown(started: float, ended: float, marks: dict[str, float], summary: dict[str, Any],
-                  rows: list[dict[str, Any]], workers: int) -> dict[str, Any]:
+def job_breakdown(
+    started: float,
+    ended: float,
+    marks: dict[str, float],
+    summary: dict[str, Any],
+    rows: list[dict[str, Any]],
+    workers: int,
+) -> dict[str, Any]:
     """The job's wall time in parts (seconds) that add up to it: start-up, rounds, end."""
     setup_end = summary["rounds_started_at"] - summary["startup_seconds"]
-    startup = {"process start and imports": marks["launcher_started_at"] - started,
-               "config and data check": marks["checked_at"] - marks["launcher_started_at"],
-               "SuperLink start": marks["superlink_ready_at"] - marks["checked_at"],
-               "app staging": marks["app_staged_at"] - marks["superlink_ready_at"],
-               "flwr run: app bundle and submission": marks["run_started_at"] - marks["app_staged_at"],
-               "app launch (SuperExec, flwr-simulation, app import)": summary["started_at"] - marks["run_started_at"],
-               "ServerApp set-up (test set, model)": setup_end - summary["started_at"],
-               "node queries (Ray starts meanwhile)": summary["startup_seconds"]}
+    startup = {
+        "process start and imports": marks["launcher_started_at"] - started,
+        "config and data check": marks["checked_at"] - marks["launcher_started_at"],
+        "SuperLink start": marks["superlink_ready_at"] - marks["checked_at"],
+        "app staging": marks["app_staged_at"] - marks["superlink_ready_at"],
+        "flwr run: app bundle and submission": marks["run_started_at"] - marks["app_staged_at"],
+        "app launch (SuperExec, flwr-simulation, app import)": summary["started_at"] - marks["run_started_at"],
+        "ServerApp set-up (test set, model)": setup_end - summary["started_at"],
+        "node queries (Ray starts meanwhile)": summary["startup_seconds"],
+    }
     client = sum(r.get("client_seconds_sum", 0.0) / max(1, min(workers, r.get("replies", 1))) for r in rows)
     train = sum(r.get("train_seconds", 0.0) for r in rows)
     deploy = sum(r.get("deploy_stats_seconds", 0.0) for r in rows)
     evaluation = sum(r.get("eval_seconds", 0.0) for r in rows)
     server = sum(r.get("server_seconds", 0.0) for r in rows)
     in_rows = sum(r["seconds"] for r in rows)
-    rounds = {"client training (clients' own seconds ÷ parallel workers)": client,
-              "messaging and client set-up (rest of push → last reply)": train - client,
-              "server work (sampling, cuts, messages, checks, merge)": server,
-              "evaluation (global + levels)": evaluation,
-              "final statistics query (past the evaluation)": deploy,
-              "rest of the rounds (bookkeeping)": in_rows - train - server - evaluation - deploy,
-              "records (rows, checkpoints, summary, plots)": summary["finished_at"] - summary["rounds_started_at"] - in_rows}
-    end = {"ServerApp end to flwr run's exit": marks["flwr_run_exited_at"] - summary["finished_at"],
-           "run status check": marks["status_checked_at"] - marks["flwr_run_exited_at"],
-           "clean-up of the job's processes": marks["cleaned_up_at"] - marks["status_checked_at"],
-           "process exit": ended - marks["cleaned_up_at"]}
-    per_round = [{"round": r["round"], "seconds": r["seconds"], "eval_seconds": r.get("eval_seconds", 0.0),
-                  "train_seconds": r.get("train_seconds", 0.0), "server_seconds": r.get("server_seconds", 0.0)}
-                 for r in rows]
-    return {"wall_seconds": ended - started, "startup": startup, "rounds": rounds, "end": end, "per_round": per_round,
-            "startup_seconds": sum(startup.values()), "rounds_seconds": sum(rounds.values()),
-            "end_seconds": sum(end.values())}
+    rounds = {
+        "client training (clients' own seconds ÷ parallel workers)": client,
+        "messaging and client set-up (rest of push → last reply)": train - client,
+        "server work (sampling, cuts, messages, checks, merge)": server,
+        "evaluation (global + levels)": evaluation,
+        "final statistics query (past the evaluation)": deploy,
+        "rest of the rounds (bookkeeping)": in_rows - train - server - evaluation - deploy,
+        "records (rows, checkpoints, summary, plots)": summary["finished_at"] - summary["rounds_started_at"] - in_rows,
+    }
+    end = {
+        "ServerApp end to flwr run's exit": marks["flwr_run_exited_at"] - summary["finished_at"],
+        "run status check": marks["status_checked_at"] - marks["flwr_run_exited_at"],
+        "clean-up of the job's processes": marks["cleaned_up_at"] - marks["status_checked_at"],
+        "process exit": ended - marks["cleaned_up_at"],
+    }
+    per_round = [
+        {
+            "round": r["round"],
+            "seconds": r["seconds"],
+            "eval_seconds": r.get("eval_seconds", 0.0),
+            "train_seconds": r.get("train_seconds", 0.0),
+            "server_seconds": r.get("server_seconds", 0.0),
+        }
+        for r in rows
+    ]
+    return {
+        "wall_seconds": ended - started,
+        "startup": startup,
+        "rounds": rounds,
+        "end": end,
+        "per_round": per_round,
+        "startup_seconds": sum(startup.values()),
+        "rounds_seconds": sum(rounds.values()),
+        "end_seconds": sum(end.values()),
+    }
 
 
 def workers(cfg: Any) -> int:
@@ -101,36 +128,59 @@ def floor_spec(overrides: list[str], rows: list[dict[str, Any]]) -> dict[str, An
     spec = data_spec(cfg, n)
     parts = partition_indices(spec, cfg.dataset.data_dir)
     train = [p[holdout_split(len(p), spec["holdout"], spec["seed"], i)[0]].tolist() for i, p in enumerate(parts)]
-    rounds = [[(int(label[1:]), float(level)) for label, level in sorted(json.loads(r["assignments"]).items())]
-              for r in rows]
-    return {"folder": str(cfg.dataset.data_dir or FASHION_MNIST), "partitions": train, "rounds": rounds,
-            "levels": [float(g) for g in cfg.levels.ratios], "width": int(cfg.model.width),
-            "workers": workers(cfg), "test_examples": int(cfg.dataset.max_test_examples)}
+    rounds = [
+        [(int(label[1:]), float(level)) for label, level in sorted(json.loads(r["assignments"]).items())] for r in rows
+    ]
+    return {
+        "folder": str(cfg.dataset.data_dir or FASHION_MNIST),
+        "partitions": train,
+        "rounds": rounds,
+        "levels": [float(g) for g in cfg.levels.ratios],
+        "width": int(cfg.model.width),
+        "workers": workers(cfg),
+        "test_examples": int(cfg.dataset.max_test_examples),
+    }
 
 
 def run_whole_job(overrides: list[str], tmp: Path, name: str) -> dict[str, Any]:
     """One job through ``fedhm run`` and its bare loop; both walls, their parts and the ratio."""
     run_dir = tmp / name
-    started, ended = _spawn([sys.executable, "-m", "fedhm_flwr", "run", "--run-dir", str(run_dir), *overrides],
-                            tmp / f"{name}.log")
+    started, ended = _spawn(
+        [sys.executable, "-m", "fedhm_flwr", "run", "--run-dir", str(run_dir), *overrides], tmp / f"{name}.log"
+    )
     cfg = load_config(overrides)
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = _rows(run_dir)
     job = job_breakdown(started, ended, json.loads((run_dir / "timings.json").read_text()), summary, rows, workers(cfg))
     spec = floor_spec(overrides, rows)
     (tmp / f"{name}-floor.json").write_text(json.dumps(spec))
-    f_started, f_ended = _spawn([sys.executable, "-m", "bench.floors", str(tmp / f"{name}-floor.json"),
-                                 str(tmp / f"{name}-floor-out.json")], tmp / f"{name}-floor.log")
+    f_started, f_ended = _spawn(
+        [sys.executable, "-m", "bench.floors", str(tmp / f"{name}-floor.json"), str(tmp / f"{name}-floor-out.json")],
+        tmp / f"{name}-floor.log",
+    )
     out = json.loads((tmp / f"{name}-floor-out.json").read_text())
-    bare = {"wall_seconds": f_ended - f_started, "process start and imports": out["main_started_at"] - f_started,
-            "data load and model": out["seconds"]["load"], "client training": out["seconds"]["train"],
-            "server (SVD cuts, multiply back, average)": out["seconds"]["server"],
-            "evaluation (global + levels)": out["seconds"]["eval"], "process exit": f_ended - out["finished_at"],
-            "final_accuracy": out["accuracies"][-1][0]}
-    return {"overrides": overrides, "clients": int(cfg.num_clients), "per_round": rows[0]["sampled"],
-            "rounds": len(rows), "workers": spec["workers"], "job": job, "bare": bare,
-            "job_final_accuracy": summary.get("final_acc/global"),
-            "ratio": job["wall_seconds"] / bare["wall_seconds"], "target": TARGET}
+    bare = {
+        "wall_seconds": f_ended - f_started,
+        "process start and imports": out["main_started_at"] - f_started,
+        "data load and model": out["seconds"]["load"],
+        "client training": out["seconds"]["train"],
+        "server (SVD cuts, multiply back, average)": out["seconds"]["server"],
+        "evaluation (global + levels)": out["seconds"]["eval"],
+        "process exit": f_ended - out["finished_at"],
+        "final_accuracy": out["accuracies"][-1][0],
+    }
+    return {
+        "overrides": overrides,
+        "clients": int(cfg.num_clients),
+        "per_round": rows[0]["sampled"],
+        "rounds": len(rows),
+        "workers": spec["workers"],
+        "job": job,
+        "bare": bare,
+        "job_final_accuracy": summary.get("final_acc/global"),
+        "ratio": job["wall_seconds"] / bare["wall_seconds"],
+        "target": TARGET,
+    }
 
 
 def run_sweep_pair(overrides: list[str], tmp: Path) -> dict[str, Any]:
@@ -139,16 +189,22 @@ def run_sweep_pair(overrides: list[str], tmp: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"overrides": [*overrides, "seed=0,1"], "sweeps": {}}
     for label, switch in (("one Ray instance per job", "0"), ("one shared Ray instance", "1")):
         sweep_dir = tmp / f"sweep-{switch}"
-        started, ended = _spawn([sys.executable, "-m", "fedhm_flwr", "sweep", *overrides, "seed=0,1",
-                                 f"hydra.sweep.dir={sweep_dir}"], tmp / f"sweep-{switch}.log",
-                                {"FEDHM_SHARED_RAY": switch})
+        started, ended = _spawn(
+            [sys.executable, "-m", "fedhm_flwr", "sweep", *overrides, "seed=0,1", f"hydra.sweep.dir={sweep_dir}"],
+            tmp / f"sweep-{switch}.log",
+            {"FEDHM_SHARED_RAY": switch},
+        )
         jobs = []
         for job in ("job0", "job1"):
             marks = json.loads((sweep_dir / job / "timings.json").read_text())
             summary = json.loads((sweep_dir / job / "summary.json").read_text())
-            jobs.append({"job_seconds": marks["cleaned_up_at"] - marks["launcher_started_at"],
-                         "startup_seconds": summary["rounds_started_at"] - marks["launcher_started_at"],
-                         "node_queries_seconds": summary["startup_seconds"]})
+            jobs.append(
+                {
+                    "job_seconds": marks["cleaned_up_at"] - marks["launcher_started_at"],
+                    "startup_seconds": summary["rounds_started_at"] - marks["launcher_started_at"],
+                    "node_queries_seconds": summary["startup_seconds"],
+                }
+            )
         out["sweeps"][label] = {"sweep_seconds": ended - started, "jobs": jobs}
     a, b = (tmp / f"sweep-{s}" / "job1" / "checkpoint" / "global_model.safetensors" for s in ("0", "1"))
     out["identical_final_models"] = a.read_bytes() == b.read_bytes()
@@ -161,43 +217,73 @@ def figure_whole_job(quick: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fedhm-bench8-") as name:
         tmp = Path(name)
         default = run_whole_job([*(["rounds=2"] if quick else []), *cut], tmp, "default")
-        many = run_whole_job(["num_clients=100", "fraction_train=0.1", *(["rounds=2"] if quick else []), *cut],
-                             tmp, "clients100")
+        many = run_whole_job(
+            ["num_clients=100", "fraction_train=0.1", *(["rounds=2"] if quick else []), *cut], tmp, "clients100"
+        )
         sweep = run_sweep_pair(["rounds=2", *cut], tmp)
     return {"quick": quick, "jobs": {"default": default, "100 clients": many}, "sweep": sweep}
 
 
 def whole_job_markdown(f8: dict[str, Any]) -> list[str]:
     """Figure 8's section of the report."""
-    L = ["## 8. The whole job against a bare loop", "",
-         "Wall time from the process's start to its exit: `python -m fedhm_flwr run` (as `make run`) against "
-         "`python -m bench.floors` (plain torch, no project import; the same clients, levels, data and evaluations, "
-         "on as many one-thread worker processes as the job has one-thread Ray workers). "
-         f"Target: job ÷ bare loop ≤ {TARGET:g}.", "",
-         "| job | clients (per round) | rounds | job s | bare loop s | job ÷ bare |", "|---|---|---|---|---|---|"]
+    L = [
+        "## 8. The whole job against a bare loop",
+        "",
+        "Wall time from the process's start to its exit: `python -m fedhm_flwr run` (as `make run`) against "
+        "`python -m bench.floors` (plain torch, no project import; the same clients, levels, data and evaluations, "
+        "on as many one-thread worker processes as the job has one-thread Ray workers). "
+        f"Target: job ÷ bare loop ≤ {TARGET:g}.",
+        "",
+        "| job | clients (per round) | rounds | job s | bare loop s | job ÷ bare |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, j in f8["jobs"].items():
-        L.append(f"| {name} | {j['clients']} ({j['per_round']}) | {j['rounds']} | {j['job']['wall_seconds']:.1f} | "
-                 f"{j['bare']['wall_seconds']:.1f} | **{j['ratio']:.2f}** |")
+        L.append(
+            f"| {name} | {j['clients']} ({j['per_round']}) | {j['rounds']} | {j['job']['wall_seconds']:.1f} | "
+            f"{j['bare']['wall_seconds']:.1f} | **{j['ratio']:.2f}** |"
+        )
     for name, j in f8["jobs"].items():
         job, bare = j["job"], j["bare"]
-        L += ["", f"**{name}**: `{' '.join(j['overrides']) or '(defaults)'}`; final accuracy job "
-              f"{j['job_final_accuracy']:.4f}, bare loop {bare['final_accuracy']:.4f}; {j['workers']} workers each.",
-              "", "| part | job s | bare loop s |", "|---|---|---|"]
+        L += [
+            "",
+            f"**{name}**: `{' '.join(j['overrides']) or '(defaults)'}`; final accuracy job "
+            f"{j['job_final_accuracy']:.4f}, bare loop {bare['final_accuracy']:.4f}; {j['workers']} workers each.",
+            "",
+            "| part | job s | bare loop s |",
+            "|---|---|---|",
+        ]
         for section, total in (("startup", "start-up"), ("rounds", "rounds"), ("end", "end")):
             L.append(f"| **{total}** | **{job[f'{section}_seconds']:.2f}** | |")
             L += [f"| {part} | {seconds:.2f} | |" for part, seconds in job[section].items()]
-        L += [f"| bare: {part} | | {bare[part]:.2f} |" for part in ("process start and imports", "data load and model",
-              "client training", "server (SVD cuts, multiply back, average)", "evaluation (global + levels)",
-              "process exit")]
+        L += [
+            f"| bare: {part} | | {bare[part]:.2f} |"
+            for part in (
+                "process start and imports",
+                "data load and model",
+                "client training",
+                "server (SVD cuts, multiply back, average)",
+                "evaluation (global + levels)",
+                "process exit",
+            )
+        ]
         L.append(f"| **total** | **{job['wall_seconds']:.2f}** | **{bare['wall_seconds']:.2f}** |")
     s = f8["sweep"]
-    L += ["", f"**A sweep's jobs** (`fedhm sweep {' '.join(s['overrides'])}`): each job's wall time (launcher start "
-          "to its clean-up), its start-up (to round 1) and its node queries (Ray starts meanwhile).", "",
-          "| Ray | sweep s | job 0 s (start-up, queries) | job 1 s (start-up, queries) |", "|---|---|---|---|"]
+    L += [
+        "",
+        f"**A sweep's jobs** (`fedhm sweep {' '.join(s['overrides'])}`): each job's wall time (launcher start "
+        "to its clean-up), its start-up (to round 1) and its node queries (Ray starts meanwhile).",
+        "",
+        "| Ray | sweep s | job 0 s (start-up, queries) | job 1 s (start-up, queries) |",
+        "|---|---|---|---|",
+    ]
     for label, r in s["sweeps"].items():
-        jobs = " | ".join(f"{j['job_seconds']:.1f} ({j['startup_seconds']:.1f}, {j['node_queries_seconds']:.1f})"
-                          for j in r["jobs"])
+        jobs = " | ".join(
+            f"{j['job_seconds']:.1f} ({j['startup_seconds']:.1f}, {j['node_queries_seconds']:.1f})" for j in r["jobs"]
+        )
         L.append(f"| {label} | {r['sweep_seconds']:.1f} | {jobs} |")
-    L += ["", f"Final models of the two sweeps identical, bit for bit: **{'yes' if s['identical_final_models'] else 'NO'}**.",
-          ""]
+    L += [
+        "",
+        f"Final models of the two sweeps identical, bit for bit: **{'yes' if s['identical_final_models'] else 'NO'}**.",
+        "",
+    ]
     return L

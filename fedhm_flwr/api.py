@@ -50,7 +50,7 @@ class Summary:
     def level_accuracy(self) -> dict[str, float]:
         """Final accuracy of each level's deployable model, level (``"0.125"``) -> accuracy."""
         prefix = "final_acc/level_"
-        return {k[len(prefix):]: v for k, v in self.summary.items() if k.startswith(prefix)}
+        return {k[len(prefix) :]: v for k, v in self.summary.items() if k.startswith(prefix)}
 
     @classmethod
     def from_summary(cls, summary: dict[str, Any]) -> Summary:
@@ -68,8 +68,9 @@ def _launch(items: list[str], run_dir: Path | None, resume: Path | None, progres
         return Summary.from_summary(run_job(items, run_dir=run_dir, resume=resume, quiet=True, commands=API_COMMANDS))
 
 
-def run(overrides: str | Sequence[str] | None = None, run_dir: str | Path | None = None,
-        progress: bool = False) -> Summary:
+def run(
+    overrides: str | Sequence[str] | None = None, run_dir: str | Path | None = None, progress: bool = False
+) -> Summary:
     """Run one job (Hydra overrides as a list or one string); ``run_dir`` defaults to
     ``outputs/<date>/<time>-<method>``. ``progress=True`` prints the progress line meanwhile.
     Raises :class:`~fedhm_flwr.config.ConfigError` on a bad value, before anything starts;

@@ -14,7 +14,8 @@ from fedhm_flwr.data.files import fashion_files
 REPO = Path(__file__).resolve().parent.parent
 needs_fmnist = pytest.mark.skipif(
     any(fashion_files(split, D.FASHION_MNIST_SYSTEM_DIR) is None for split in ("train", "test")),
-    reason="Fashion-MNIST IDX files not installed (apt-get install dataset-fashion-mnist)")
+    reason="Fashion-MNIST IDX files not installed (apt-get install dataset-fashion-mnist)",
+)
 
 
 def train_messages(cfg, grid):

@@ -12,8 +12,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def fedhm_status(run_dir: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fedhm_flwr", "status", str(run_dir)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "fedhm_flwr", "status", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def process_state(pid: int) -> str | None:

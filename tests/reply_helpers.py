@@ -22,8 +22,14 @@ def counts_summing_to(counts: Sequence[int], n: int) -> list[int]:
     return out
 
 
-def reply(msg: Message, state: Mapping[str, torch.Tensor], n: int, counts: Sequence[int],
-          loss: float = 1.0, accuracy: float = 0.5) -> Message:
+def reply(
+    msg: Message,
+    state: Mapping[str, torch.Tensor],
+    n: int,
+    counts: Sequence[int],
+    loss: float = 1.0,
+    accuracy: float = 0.5,
+) -> Message:
     """A reply to ``msg`` holding ``state`` (float32 on the wire) and complete training metrics: ``n``
     examples over the classes ``counts`` holds, at the level ``msg`` was sent."""
     level = float(msg.content[protocol.CONFIG][protocol.LEVEL])

@@ -37,8 +37,13 @@ def test_weighted_average_and_classifier_rows_per_class():
     prev = {"w": torch.zeros(3), "fc.weight": torch.full((4, 2), -1.0), "fc.bias": torch.full((4,), -1.0)}
     a = {"w": torch.ones(3), "fc.weight": torch.ones(4, 2), "fc.bias": torch.ones(4)}
     b = {"w": torch.full((3,), 3.0), "fc.weight": torch.full((4, 2), 3.0), "fc.bias": torch.full((4,), 3.0)}
-    holds = np.array([[1, 1, 0, 0],   # client a holds classes 0, 1
-                      [0, 1, 1, 0]], dtype=bool)  # client b holds 1, 2; nobody holds class 3
+    holds = np.array(
+        [
+            [1, 1, 0, 0],  # client a holds classes 0, 1
+            [0, 1, 1, 0],
+        ],
+        dtype=bool,
+    )  # client b holds 1, 2; nobody holds class 3
     out = average_states(prev, [a, b], [0.25, 0.75], holds, ["fc.weight", "fc.bias"])
     assert torch.allclose(out["w"], torch.full((3,), 0.25 * 1 + 0.75 * 3))
     rows = out["fc.weight"][:, 0]
@@ -65,8 +70,14 @@ def _reference_average(prev, full_states, weights, holds, classifier_keys):
         if key in classifier_keys:
             for c in range(p.shape[0]):
                 tot = sum(float(w) for w, h in zip(weights, holds[:, c]) if h)
-                acc[c] = (sum(float(w) * s[key][c].double() for w, s, h in zip(weights, full_states, holds[:, c]) if h)
-                          / tot) if tot > 0 else p[c].double()
+                acc[c] = (
+                    (
+                        sum(float(w) * s[key][c].double() for w, s, h in zip(weights, full_states, holds[:, c]) if h)
+                        / tot
+                    )
+                    if tot > 0
+                    else p[c].double()
+                )
         out[key] = acc.to(p.dtype)
     return out
 

@@ -25,8 +25,7 @@ MAX_LINES = 400
 LINE_LIMITED = ("scripts", "bench", "tests")
 
 #: the layers, bottom first (docs/ARCHITECTURE.md, "Rooms"); a module imports its layer and below
-ORDER = ("base", "math", "models", "data", "config", "reporting", "method", "round", "client", "operations",
-         "faces")
+ORDER = ("base", "math", "models", "data", "config", "reporting", "method", "round", "client", "operations", "faces")
 #: layers of the same height that must not import each other (the server's round and the client)
 SIBLINGS = {("round", "client"), ("client", "round")}
 
@@ -92,7 +91,10 @@ TORCH_FREE_PATH = {
     ("fedhm_flwr.config.specs", "fedhm_flwr.models.vit"): "a ViT's model spec",
     ("fedhm_flwr.api", "fedhm_flwr.ops.export"): "api.load_model builds a model (importing fedhm_flwr.api stays light)",
     ("fedhm_flwr.ops.launch", "fedhm_flwr.ops.inspect"): "FedHM's level sizes, counted on a model before round 1",
-    ("fedhm_flwr.reporting.results", "safetensors.torch"): "checkpoints as torch tensors (the launcher reads their headers)",
+    (
+        "fedhm_flwr.reporting.results",
+        "safetensors.torch",
+    ): "checkpoints as torch tensors (the launcher reads their headers)",
     ("fedhm_flwr.core.wire_arrays", "torch"): "the wire dtypes, read by the config check (through protocol)",
 }
 
@@ -201,8 +203,12 @@ def _circles() -> list[frozenset[str]]:
 
 
 def _upward() -> set[tuple[str, str]]:
-    return {(m, t) for m, targets in EDGES.items() for t in targets
-            if _rank(t) > _rank(m) or (LAYER_OF[m], LAYER_OF[t]) in SIBLINGS}
+    return {
+        (m, t)
+        for m, targets in EDGES.items()
+        for t in targets
+        if _rank(t) > _rank(m) or (LAYER_OF[m], LAYER_OF[t]) in SIBLINGS
+    }
 
 
 def _optional(name: str) -> bool:
@@ -224,8 +230,9 @@ def _long_files() -> set[str]:
 def test_every_module_has_a_layer():
     """A module lies in a layer's package (a new top-level module of ``fedhm_flwr`` has none: it
     belongs in a group), and every listed package exists."""
-    assert sorted(m for m, layer in LAYER_OF.items() if layer is None) == [], \
+    assert sorted(m for m, layer in LAYER_OF.items() if layer is None) == [], (
         "new module: put it in its layer's package (docs/ARCHITECTURE.md)"
+    )
     listed = [e.lstrip("=") for entries in LAYERS.values() for e in entries]
     assert sorted(set(listed) - set(MODULES)) == [], "listed packages that no longer exist"
     assert set(LAYERS) == set(ORDER)

@@ -11,8 +11,7 @@ import json
 import torch
 
 from bench.bare_fedavg import run_bare_fedavg, sample
-from fedhm_flwr.config import data_spec
-from fedhm_flwr.config import model_spec as flower_spec
+from fedhm_flwr.config import data_spec, model_spec as flower_spec
 from fedhm_flwr.data import client_dataset
 from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.server_app import initial_state, run
@@ -20,8 +19,10 @@ from fedhm_flwr.reporting.results import load_checkpoint
 
 # non-IID (Dir(0.1): clients miss classes, so masked CE and per-class classifier rows matter),
 # half the clients per round, a cosine schedule, two local epochs
-BARE = "method=fedavg rounds=3 fraction_train=0.5 partition.alpha=0.1 train.lr_schedule=cosine " \
-       "train.local_epochs=2 evaluation.levels=false"
+BARE = (
+    "method=fedavg rounds=3 fraction_train=0.5 partition.alpha=0.1 train.lr_schedule=cosine "
+    "train.local_epochs=2 evaluation.levels=false"
+)
 
 
 def test_bare_pytorch_fedavg_equals_the_flower_run(toy_cfg, tmp_path):
@@ -31,7 +32,9 @@ def test_bare_pytorch_fedavg_equals_the_flower_run(toy_cfg, tmp_path):
     flower, _ = load_checkpoint(tmp_path / "run")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     # the same partitions trained in every round, at the same learning rate
-    assert [sorted(int(p[1:]) for p in json.loads(r["assignments"])) for r in rows] == [h["partitions"] for h in history]
+    assert [sorted(int(p[1:]) for p in json.loads(r["assignments"])) for r in rows] == [
+        h["partitions"] for h in history
+    ]
     assert [r["lr"] for r in rows] == [h["lr"] for h in history]
     # the work exercises masking and per-class rows: some sampled client misses some class
     data = data_spec(cfg)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord
+from reply_helpers import reply
 from torch.utils.data import TensorDataset
 
 from fedhm_flwr.config import ConfigError, model_spec
@@ -20,7 +21,6 @@ from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.server_app import initial_state, run
 from fedhm_flwr.server.registry import STRATEGIES, FedAvgStrategy, FedRolexStrategy, HeteroFLStrategy
 from fedhm_flwr.server.strategy import Reply
-from reply_helpers import reply
 
 
 @pytest.fixture(autouse=True)
@@ -37,9 +37,18 @@ def _configure(strategy, grid, state, rnd=1):
 
 
 def _replies(states, levels, counts, holds, level_index=None):
-    return [Reply(node_id=i, level_index=level_index[i] if level_index else 0, level=levels[i], state=s,
-                  num_examples=counts[i], class_counts=np.asarray(holds[i], dtype=np.int64), metrics={})
-            for i, s in enumerate(states)]
+    return [
+        Reply(
+            node_id=i,
+            level_index=level_index[i] if level_index else 0,
+            level=levels[i],
+            state=s,
+            num_examples=counts[i],
+            class_counts=np.asarray(holds[i], dtype=np.int64),
+            metrics={},
+        )
+        for i, s in enumerate(states)
+    ]
 
 
 def _noisy(state, scale=0.1):
@@ -58,17 +67,21 @@ def test_methods_registered_with_their_configs(toy_cfg):
     cfg = toy_cfg("method=fedavg")
     assert (cfg.method.variant, cfg.method.family) == ("full", "fedhm")
     # both rate sets are expressible
-    assert list(toy_cfg("method=heterofl levels.ratios=[1,0.5,0.25,0.125,0.0625] "
-                        "levels.proportions=[1,1,1,1,1]").levels.ratios) == [1, 0.5, 0.25, 0.125, 0.0625]
+    assert list(
+        toy_cfg("method=heterofl levels.ratios=[1,0.5,0.25,0.125,0.0625] levels.proportions=[1,1,1,1,1]").levels.ratios
+    ) == [1, 0.5, 0.25, 0.125, 0.0625]
     assert list(toy_cfg("method=fedrolex levels.ratios=[1,0.64,0.5,0.35]").levels.ratios) == [1, 0.64, 0.5, 0.35]
 
 
-@pytest.mark.parametrize("override,field", [
-    ("method=fedavg method.variant=half", "method.variant"),
-    ("method=fedavg method.family=prism", "method.family"),
-    ("method=heterofl method.grad_clip=-1", "method.grad_clip"),
-    ("method=fedrolex method.scaler=maybe", "method.scaler"),
-])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("method=fedavg method.variant=half", "method.variant"),
+        ("method=fedavg method.family=prism", "method.family"),
+        ("method=heterofl method.grad_clip=-1", "method.grad_clip"),
+        ("method=fedrolex method.scaler=maybe", "method.scaler"),
+    ],
+)
 def test_bad_values_refused_naming_the_field(toy_cfg, override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         toy_cfg(override)
@@ -95,7 +108,7 @@ def test_heterofl_nodes_receive_their_levels_first_channels(toy_cfg):
         k1, k2 = model.conv1.out_channels, model.conv2.out_channels
         assert k1 == math.ceil(rate * 4) and k2 == math.ceil(rate * 8)
         assert torch.equal(got["conv2.weight"], state["conv2.weight"][:k2, :k1])
-        assert torch.equal(got["fc.weight"], state["fc.weight"][:, :model.fc.in_features])
+        assert torch.equal(got["fc.weight"], state["fc.weight"][:, : model.fc.in_features])
     assert seen == {1.0, 0.5, 0.25, 0.125}
 
 
@@ -119,10 +132,12 @@ def test_fedrolex_payload_follows_the_rounds_window(toy_cfg):
 
 def _plus_one_handler(counts_by_pid):
     """A client that adds 1 to every received tensor and holds the given classes."""
+
     def handle(msg, context):
         pid = int(context.node_config["partition-id"])
         out = {k: v + 1 for k, v in msg.content["arrays"].to_torch_state_dict().items()}
         return reply(msg, out, 10 + pid, counts_by_pid[pid])
+
     return handle
 
 
@@ -151,8 +166,12 @@ def test_fedrolex_round_updates_exactly_the_rounds_window(toy_cfg):
 
 @pytest.mark.parametrize("by_samples", [False, True])
 def test_full_rate_heterofl_round_equals_fedavg_on_identical_replies(toy_cfg, by_samples):
-    heterofl = _strategy(toy_cfg(f"method=heterofl levels.ratios=[1] levels.proportions=[1] "
-                                 f"method.weight_by_samples={str(by_samples).lower()}"))
+    heterofl = _strategy(
+        toy_cfg(
+            f"method=heterofl levels.ratios=[1] levels.proportions=[1] "
+            f"method.weight_by_samples={str(by_samples).lower()}"
+        )
+    )
     fedavg = _strategy(toy_cfg("method=fedavg"))
     assert fedavg.levels == [1.0]
     state = initial_state(toy_cfg(), heterofl.spec)
@@ -234,8 +253,13 @@ def test_frobenius_decay_off_means_weight_decay_on_everything(toy_cfg):
     for frob in (True, False):
         m = build_model(spec, spectral_init=False)
         m.load_state_dict(on.level_payload(index, state)[1])
-        train_local(m, data, TrainOptions(lr=0.1, batch_size=8, weight_decay=0.5, frobenius_decay=frob,
-                                          masked_ce=False), torch.device("cpu"), seed=0)
+        train_local(
+            m,
+            data,
+            TrainOptions(lr=0.1, batch_size=8, weight_decay=0.5, frobenius_decay=frob, masked_ce=False),
+            torch.device("cpu"),
+            seed=0,
+        )
         trained.append(m.state_dict())
     assert not torch.allclose(trained[0]["conv3.a.weight"], trained[1]["conv3.a.weight"])
     assert torch.allclose(trained[0]["conv1.weight"], trained[1]["conv1.weight"])  # full-rank: decayed either way
@@ -281,13 +305,16 @@ def test_weight_by_samples_multiplies_by_the_sample_counts(toy_cfg):
 # ---------------------------------------------------------------- whole in-process runs
 
 
-@pytest.mark.parametrize("overrides,levels", [
-    ("method=heterofl", [1.0, 0.5, 0.25, 0.125]),
-    ("method=fedrolex levels.ratios=[1,0.64,0.5,0.35]", [1.0, 0.64, 0.5, 0.35]),
-    ("method=fedavg", [1.0]),
-    ("method=fedavg method.variant=smallest", [0.125]),
-    ("method=fedavg method.variant=smallest method.family=heterofl", [0.125]),
-])
+@pytest.mark.parametrize(
+    "overrides,levels",
+    [
+        ("method=heterofl", [1.0, 0.5, 0.25, 0.125]),
+        ("method=fedrolex levels.ratios=[1,0.64,0.5,0.35]", [1.0, 0.64, 0.5, 0.35]),
+        ("method=fedavg", [1.0]),
+        ("method=fedavg method.variant=smallest", [0.125]),
+        ("method=fedavg method.variant=smallest method.family=heterofl", [0.125]),
+    ],
+)
 def test_two_round_run_writes_per_level_accuracies(toy_cfg, tmp_path, overrides, levels):
     cfg = toy_cfg(f"rounds=2 num_clients=4 dataset.max_train_examples=600 {overrides}")
     summary = run(LocalGrid(4, client_handlers()), cfg, tmp_path)

@@ -29,9 +29,21 @@ def _imports(path: Path) -> set[str]:
 
 def test_floor_code_imports_nothing_from_the_project():
     imported = _imports(FLOORS)
-    allowed = {"__future__", "gzip", "inspect", "json", "math", "multiprocessing", "sys", "time", "pathlib",
-               "collections", "typing",
-               "numpy", "torch"}
+    allowed = {
+        "__future__",
+        "gzip",
+        "inspect",
+        "json",
+        "math",
+        "multiprocessing",
+        "sys",
+        "time",
+        "pathlib",
+        "collections",
+        "typing",
+        "numpy",
+        "torch",
+    }
     assert imported and imported <= allowed, imported
     assert floors.where(floors.average_floor).startswith("bench/floors.py:")
 
@@ -79,8 +91,19 @@ ENGINE_FLOOR = Path(floors.__file__).with_name("engine_floor.py")
 
 
 def test_engine_floor_imports_nothing_from_the_project():
-    assert _imports(ENGINE_FLOOR) <= {"__future__", "argparse", "json", "random", "subprocess", "sys", "time",
-                                      "pathlib", "typing", "numpy", "flwr"}, _imports(ENGINE_FLOOR)
+    assert _imports(ENGINE_FLOOR) <= {
+        "__future__",
+        "argparse",
+        "json",
+        "random",
+        "subprocess",
+        "sys",
+        "time",
+        "pathlib",
+        "typing",
+        "numpy",
+        "flwr",
+    }, _imports(ENGINE_FLOOR)
 
 
 @pytest.mark.slow
@@ -108,7 +131,8 @@ def test_whole_job_floor_cut_is_exact_at_full_rank():
     x = torch.randn(8, 1, 28, 28)
     factored = {k: v for k, v in state.items() if k != "conv3.weight"}
     factored["conv3.b.weight"], factored["conv3.a.weight"] = floors.cut(
-        state["conv3.weight"], floors.svd_of(state["conv3.weight"]), 3 * 32)
+        state["conv3.weight"], floors.svd_of(state["conv3.weight"]), 3 * 32
+    )
     torch.testing.assert_close(floors.cnn_forward(factored, x), floors.cnn_forward(state, x), rtol=1e-4, atol=1e-4)
 
 
@@ -119,8 +143,10 @@ def test_whole_job_floor_average_equals_a_hand_computed_one():
     a = torch.tensor([[[[1.0], [0.0], [-1.0]]], [[[2.0], [1.0], [0.0]]]])  # (n=2, r=1, k=3, 1)
     pair = torch.einsum("ori,rcj->ocij", a[..., 0], b[:, :, 0, :])  # W[o, c, i, j] = a[o, 0, i] b[0, c, j]
     state = {"conv3.weight": torch.zeros(2, 1, 3, 3), "fc.bias": torch.zeros(2)}
-    replies = [(1.0, {"conv3.weight": full, "fc.bias": torch.tensor([1.0, 0.0])}),
-               (0.5, {"conv3.b.weight": b, "conv3.a.weight": a, "fc.bias": torch.tensor([0.0, 1.0])})]
+    replies = [
+        (1.0, {"conv3.weight": full, "fc.bias": torch.tensor([1.0, 0.0])}),
+        (0.5, {"conv3.b.weight": b, "conv3.a.weight": a, "fc.bias": torch.tensor([0.0, 1.0])}),
+    ]
     e1, e2 = np.exp(1.0), np.exp(0.5)
     w1, w2 = e1 / (e1 + e2), e2 / (e1 + e2)
     got = floors.fedhm_average(state, replies)
@@ -133,8 +159,7 @@ def test_whole_job_floor_trains_the_projects_level_shapes():
     spec = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28, "width": 16}
     model = build_model(spec)
     ours = floors.cnn_state(16)
-    assert {k: tuple(v.shape) for k, v in ours.items()} == {
-        k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert {k: tuple(v.shape) for k, v in ours.items()} == {k: tuple(v.shape) for k, v in model.state_dict().items()}
     svds = {k: floors.svd_of(v) for k, v in ours.items() if k in ("conv3.weight", "conv4.weight")}
     for gamma in (1.0, 0.5, 0.25, 0.125):
         plan = plan_ranks(model, gamma)

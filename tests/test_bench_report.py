@@ -7,27 +7,55 @@ import json
 from statistics import median
 
 import pytest
+from data_helpers import needs_fmnist
 
 from bench import run, scale
-from data_helpers import needs_fmnist
 
 
 def _run(seconds: list[float]) -> dict:
-    return {"round_seconds": seconds, "server_seconds": [0.1] * len(seconds), "queried": [100] * len(seconds),
-            "query_seconds": [0.01] * len(seconds), "replies": [100] * len(seconds), "round1_over_round2": 1.0,
-            "max_query_share": 0.01, "peak_rss_bytes_process_tree": 3 * 2**30, "job_wall_seconds": 60.0,
-            "startup_seconds": 4.0, "startup_queried": 100}
+    return {
+        "round_seconds": seconds,
+        "server_seconds": [0.1] * len(seconds),
+        "queried": [100] * len(seconds),
+        "query_seconds": [0.01] * len(seconds),
+        "replies": [100] * len(seconds),
+        "round1_over_round2": 1.0,
+        "max_query_share": 0.01,
+        "peak_rss_bytes_process_tree": 3 * 2**30,
+        "job_wall_seconds": 60.0,
+        "startup_seconds": 4.0,
+        "startup_queried": 100,
+    }
 
 
 def _saved(clients: int, ratio: float) -> dict:
-    large = {"clients": clients, "run": {**_run([9.0, 6.0, 6.0]), "round2_over_small_round2": ratio},
-             "reference": _run([5.5, 4.5, 4.5]), "overrides": ["partition.scheme=iid"], "goal": "g",
-             "server_state": {"note": "n", "bytes_per_node": 321.0,
-                              "rows": {"1000": {"server_state_bytes": 2**20, "bytes_per_known_node": 1048.6}}}}
-    figure = {"clients": 1000, "per_round": 100, "rounds": 3, "runs": {"sampled": _run([5.0, 4.0, 4.0])},
-              "goal": "g", "large": large}
-    return {"machine": "m", "commit": "abc1234", "date": "2026-01-01 00:00 UTC",
-            "command": f"python -m bench.run --only 5 --scale-clients {clients}", "figure": figure}
+    large = {
+        "clients": clients,
+        "run": {**_run([9.0, 6.0, 6.0]), "round2_over_small_round2": ratio},
+        "reference": _run([5.5, 4.5, 4.5]),
+        "overrides": ["partition.scheme=iid"],
+        "goal": "g",
+        "server_state": {
+            "note": "n",
+            "bytes_per_node": 321.0,
+            "rows": {"1000": {"server_state_bytes": 2**20, "bytes_per_known_node": 1048.6}},
+        },
+    }
+    figure = {
+        "clients": 1000,
+        "per_round": 100,
+        "rounds": 3,
+        "runs": {"sampled": _run([5.0, 4.0, 4.0])},
+        "goal": "g",
+        "large": large,
+    }
+    return {
+        "machine": "m",
+        "commit": "abc1234",
+        "date": "2026-01-01 00:00 UTC",
+        "command": f"python -m bench.run --only 5 --scale-clients {clients}",
+        "figure": figure,
+    }
 
 
 def test_the_newest_largest_saved_figure_reaches_every_report(tmp_path, monkeypatch):
@@ -51,7 +79,9 @@ def test_save_writes_the_figure_and_its_section(tmp_path, monkeypatch):
     assert "**1.20**" in path.with_suffix(".md").read_text()
 
 
-@pytest.mark.parametrize("argv, needle", [(["--only", "1,9"], "--only"), (["--scale-clients", "50"], "--scale-clients")])
+@pytest.mark.parametrize(
+    "argv, needle", [(["--only", "1,9"], "--only"), (["--scale-clients", "50"], "--scale-clients")]
+)
 def test_bad_arguments_are_refused_before_any_figure(argv, needle, capsys, monkeypatch):
     monkeypatch.setattr(run, "FIGURES", {k: (n, _fail, md) for k, (n, _, md) in run.FIGURES.items()})
     with pytest.raises(SystemExit):
@@ -79,11 +109,30 @@ def test_the_project_alone_runs_each_node_count_in_process_and_reports_their_rat
 def test_the_whole_job_breakdown_adds_up_to_the_jobs_wall_time_and_reaches_the_report():
     from bench.whole_job import job_breakdown
 
-    marks = {"launcher_started_at": 102.0, "checked_at": 103.0, "superlink_ready_at": 105.0, "app_staged_at": 105.5,
-             "run_started_at": 108.0, "flwr_run_exited_at": 160.0, "status_checked_at": 161.0, "cleaned_up_at": 162.0}
+    marks = {
+        "launcher_started_at": 102.0,
+        "checked_at": 103.0,
+        "superlink_ready_at": 105.0,
+        "app_staged_at": 105.5,
+        "run_started_at": 108.0,
+        "flwr_run_exited_at": 160.0,
+        "status_checked_at": 161.0,
+        "cleaned_up_at": 162.0,
+    }
     summary = {"started_at": 112.0, "startup_seconds": 6.0, "rounds_started_at": 120.0, "finished_at": 158.0}
-    rows = [{"round": r, "seconds": 17.0, "server_seconds": 1.0, "train_seconds": 10.0, "client_seconds_sum": 16.0,
-             "replies": 4, "eval_seconds": 5.0, "deploy_stats_seconds": 0.5 * (r == 2)} for r in (1, 2)]
+    rows = [
+        {
+            "round": r,
+            "seconds": 17.0,
+            "server_seconds": 1.0,
+            "train_seconds": 10.0,
+            "client_seconds_sum": 16.0,
+            "replies": 4,
+            "eval_seconds": 5.0,
+            "deploy_stats_seconds": 0.5 * (r == 2),
+        }
+        for r in (1, 2)
+    ]
     b = job_breakdown(100.0, 163.0, marks, summary, rows, workers=2)
     assert b["wall_seconds"] == 63.0
     assert b["startup_seconds"] + b["rounds_seconds"] + b["end_seconds"] == pytest.approx(63.0)
@@ -91,13 +140,36 @@ def test_the_whole_job_breakdown_adds_up_to_the_jobs_wall_time_and_reaches_the_r
     assert b["rounds"]["client training (clients' own seconds ÷ parallel workers)"] == pytest.approx(16.0)
     assert b["rounds"]["messaging and client set-up (rest of push → last reply)"] == pytest.approx(4.0)
     assert b["startup"]["ServerApp set-up (test set, model)"] == pytest.approx(2.0)
-    job = {"overrides": [], "clients": 20, "per_round": 10, "rounds": 2, "workers": 2, "job": b,
-           "job_final_accuracy": 0.5, "ratio": 1.26, "target": 1.3,
-           "bare": {"wall_seconds": 50.0, "process start and imports": 1.0, "data load and model": 1.0,
-                    "client training": 30.0, "server (SVD cuts, multiply back, average)": 1.0,
-                    "evaluation (global + levels)": 16.0, "process exit": 1.0, "final_accuracy": 0.5}}
-    sweep = {"overrides": ["rounds=2", "seed=0,1"], "identical_final_models": True,
-             "sweeps": {"one shared Ray instance": {"sweep_seconds": 40.0, "jobs": [
-                 {"job_seconds": 18.0, "startup_seconds": 8.0, "node_queries_seconds": 1.0}] * 2}}}
+    job = {
+        "overrides": [],
+        "clients": 20,
+        "per_round": 10,
+        "rounds": 2,
+        "workers": 2,
+        "job": b,
+        "job_final_accuracy": 0.5,
+        "ratio": 1.26,
+        "target": 1.3,
+        "bare": {
+            "wall_seconds": 50.0,
+            "process start and imports": 1.0,
+            "data load and model": 1.0,
+            "client training": 30.0,
+            "server (SVD cuts, multiply back, average)": 1.0,
+            "evaluation (global + levels)": 16.0,
+            "process exit": 1.0,
+            "final_accuracy": 0.5,
+        },
+    }
+    sweep = {
+        "overrides": ["rounds=2", "seed=0,1"],
+        "identical_final_models": True,
+        "sweeps": {
+            "one shared Ray instance": {
+                "sweep_seconds": 40.0,
+                "jobs": [{"job_seconds": 18.0, "startup_seconds": 8.0, "node_queries_seconds": 1.0}] * 2,
+            }
+        },
+    }
     text = run.markdown({"machine": "here", "figures": {"8_whole_job": {"jobs": {"default": job}, "sweep": sweep}}})
     assert "**1.26**" in text and "| **total** | **63.00** | **50.00** |" in text and "bit for bit: **yes**" in text

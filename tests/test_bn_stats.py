@@ -25,8 +25,12 @@ SPEC = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28, "w
 
 def _clients(n=3, size=40, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [TensorDataset(torch.randn(size + 7 * i, 1, 28, 28, generator=g) * (1 + i), torch.zeros(size + 7 * i, dtype=torch.long))
-            for i in range(n)]
+    return [
+        TensorDataset(
+            torch.randn(size + 7 * i, 1, 28, 28, generator=g) * (1 + i), torch.zeros(size + 7 * i, dtype=torch.long)
+        )
+        for i in range(n)
+    ]
 
 
 def test_federated_statistics_equal_central_statistics_over_the_union():
@@ -36,13 +40,15 @@ def test_federated_statistics_equal_central_statistics_over_the_union():
     fed = statistics(combine_bn_sums(bn_sums(model, ds, 16, torch.device("cpu")) for ds in clients))
     # central: record every norm layer's inputs over the union (same batches) and use torch's var
     seen = {name: [] for name in norm_layers(model)}
-    hooks = [m.register_forward_pre_hook(lambda mod, inp, n=name: seen[n].append(inp[0].detach()))
-             for name, m in norm_layers(model).items()]
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, inp, n=name: seen[n].append(inp[0].detach()))
+        for name, m in norm_layers(model).items()
+    ]
     model.train()
     with torch.no_grad():
         for ds in clients:
             for i in range(0, len(ds), 16):
-                x = ds.tensors[0][i:i + 16]
+                x = ds.tensors[0][i : i + 16]
                 if len(x) >= 2:
                     model(x)
     for h in hooks:
@@ -80,8 +86,9 @@ def test_a_run_with_federated_statistics_asks_every_client(toy_cfg, tmp_path):
     assert len(queries) == 6 + 6  # node-info once, then one bn-stats for the global and the 0.25 model together
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["bn_stats"] == "federated"
-    assert summary["bytes_total"] == (summary["bytes_sent"] + summary["bytes_received"] + summary["bytes_bn_stats"]
-                                     + summary["bytes_queries"])
+    assert summary["bytes_total"] == (
+        summary["bytes_sent"] + summary["bytes_received"] + summary["bytes_bn_stats"] + summary["bytes_queries"]
+    )
 
 
 def test_scaled_sub_model_statistics_describe_what_evaluation_sees():
@@ -131,9 +138,15 @@ def _direct_sums(queries, cfg):
         dataset = client_dataset({**data, "augment": False}, int(context.node_config[wire.PARTITION_ID]), None, "train")
         per_model = []
         for i, spec in enumerate(specs):
-            model = client.load_model(spec, msg.content[bn_wire.bn_record(i)].to_torch_state_dict(), torch.device("cpu"))
-            per_model.append({k: v.float() for k, v in bn_sums(model, dataset, int(cfg.train.batch_size),
-                                                               torch.device("cpu")).items()})
+            model = client.load_model(
+                spec, msg.content[bn_wire.bn_record(i)].to_torch_state_dict(), torch.device("cpu")
+            )
+            per_model.append(
+                {
+                    k: v.float()
+                    for k, v in bn_sums(model, dataset, int(cfg.train.batch_size), torch.device("cpu")).items()
+                }
+            )
         out.append(per_model)
     return out
 
@@ -207,8 +220,14 @@ def _reply(*records: dict[str, torch.Tensor]) -> RecordDict:
 
 
 SHAPES = bn_wire.bn_sum_shapes({"bn1": 3, "bn2": 2})
-GOOD = {"bn1.sum": torch.ones(3), "bn1.sumsq": torch.ones(3), "bn1.count": torch.tensor(5.0),
-        "bn2.sum": torch.ones(2), "bn2.sumsq": torch.ones(2), "bn2.count": torch.tensor(5.0)}
+GOOD = {
+    "bn1.sum": torch.ones(3),
+    "bn1.sumsq": torch.ones(3),
+    "bn1.count": torch.tensor(5.0),
+    "bn2.sum": torch.ones(2),
+    "bn2.sumsq": torch.ones(2),
+    "bn2.count": torch.tensor(5.0),
+}
 
 
 def test_bn_reply_check_takes_whole_models_and_refuses_anything_else():
@@ -218,16 +237,19 @@ def test_bn_reply_check_takes_whole_models_and_refuses_anything_else():
     bad = {
         "a model missing": (_reply(GOOD), "missing ['arrays.1']"),
         "an extra record": (_reply(GOOD, GOOD, GOOD), "unexpected ['arrays.2']"),
-        "a layer without its count": (_reply(GOOD, {k: v for k, v in GOOD.items() if k != "bn2.count"}),
-                                      "lacks ['bn2.count']"),
+        "a layer without its count": (
+            _reply(GOOD, {k: v for k, v in GOOD.items() if k != "bn2.count"}),
+            "lacks ['bn2.count']",
+        ),
         "a key of no layer": (_reply(GOOD, {**GOOD, "fc.sum": torch.ones(2)}), "no norm layer"),
         "a wrong shape": (_reply(GOOD, {**GOOD, "bn1.sumsq": torch.ones(4)}), "bn1.sumsq"),
         "a count that is not a scalar": (_reply(GOOD, {**GOOD, "bn2.count": torch.ones(1)}), "bn2.count"),
         "an integer array": (_reply(GOOD, {**GOOD, "bn2.sum": torch.ones(2, dtype=torch.int64)}), "int64"),
     }
     lying = _reply(GOOD, GOOD)  # the record says shape (2,), the bytes hold 3 values
-    lying[bn_wire.bn_record(1)]["bn2.sum"] = dataclasses.replace(ArrayRecord.from_torch_state_dict(
-        {"x": torch.ones(3)})["x"], shape=(2,))
+    lying[bn_wire.bn_record(1)]["bn2.sum"] = dataclasses.replace(
+        ArrayRecord.from_torch_state_dict({"x": torch.ones(3)})["x"], shape=(2,)
+    )
     bad["bytes of another shape"] = (lying, "bytes declare float32 of shape (3,)")
     garbage = _reply(GOOD, GOOD)
     garbage[bn_wire.bn_record(1)]["bn2.sum"] = dataclasses.replace(garbage[bn_wire.bn_record(1)]["bn2.sum"], data=b"xx")
@@ -260,7 +282,9 @@ def test_a_node_sums_statistics_over_a_seeded_subset_of_at_most_bn_examples(toy_
         subset = torch.utils.data.Subset(dataset, picked.tolist())
         spec = json.loads(config[wire.MODEL_SPECS][0])
         model = client.load_model(spec, msg.content[bn_wire.bn_record(0)].to_torch_state_dict(), torch.device("cpu"))
-        parts.append({k: v.float() for k, v in bn_sums(model, subset, int(cfg.train.batch_size), torch.device("cpu")).items()})
+        parts.append(
+            {k: v.float() for k, v in bn_sums(model, subset, int(cfg.train.batch_size), torch.device("cpu")).items()}
+        )
     expected = combine_bn_sums(parts)
     first = next(k for k in expected if k.endswith(".count"))
     assert float(expected[first]) == 6 * 40 * 28 * 28  # 40 images a node, every pixel of the first layer's input

@@ -80,8 +80,9 @@ def _every_level_trains_as_a_client(overrides: list[str], head: str) -> list[int
 def test_torchvision_models_inspect_and_train_every_level(one_thread):
     start = time.perf_counter()
     for name, head in TORCHVISION:
-        _every_level_trains_as_a_client([f"model.target=torchvision.models:{name}", "model.kwargs.num_classes=10",
-                                         "dataset=cifar10", LEVELS], head)
+        _every_level_trains_as_a_client(
+            [f"model.target=torchvision.models:{name}", "model.kwargs.num_classes=10", "dataset=cifar10", LEVELS], head
+        )
     assert time.perf_counter() - start < 120  # the whole list (typically ~25 s on a shared 2-core CPU)
 
 
@@ -91,13 +92,20 @@ def test_a_users_groupnorm_cnn_inspects_and_trains_every_level(one_thread):
 
 
 def test_squeezenet_conv_head_stays_full_in_inspect_and_is_averaged_per_class(capsys):
-    assert main(["model.target=torchvision.models:squeezenet1_1", "model.kwargs.num_classes=10",
-                 "dataset=cifar10"]) == 0
+    assert (
+        main(["model.target=torchvision.models:squeezenet1_1", "model.kwargs.num_classes=10", "dataset=cifar10"]) == 0
+    )
     out = capsys.readouterr().out
     assert "| classifier.1 |" not in out  # not in the plan: the logits layer is never factorized
     assert "| features.12.expand3x3 | Conv2d |" in out  # the layers before it are
-    spec = {"arch": "custom", "target": "torchvision.models:squeezenet1_1", "kwargs": {"num_classes": 10},
-            "num_classes": 10, "in_channels": 3, "image_size": 32}
+    spec = {
+        "arch": "custom",
+        "target": "torchvision.models:squeezenet1_1",
+        "kwargs": {"num_classes": 10},
+        "num_classes": 10,
+        "in_channels": 3,
+        "image_size": 32,
+    }
     with torch.device("meta"):
         model = build_model(spec)
     assert model.classifier_name == "classifier.1"
@@ -110,8 +118,14 @@ def test_squeezenet_conv_head_stays_full_in_inspect_and_is_averaged_per_class(ca
 def test_mnasnet_loads_a_state_without_metadata_also_after_a_copy():
     import torchvision
 
-    spec = {"arch": "custom", "target": "torchvision.models:mnasnet0_5", "kwargs": {"num_classes": 3},
-            "num_classes": 3, "in_channels": 3, "image_size": 32}
+    spec = {
+        "arch": "custom",
+        "target": "torchvision.models:mnasnet0_5",
+        "kwargs": {"num_classes": 3},
+        "num_classes": 3,
+        "in_channels": 3,
+        "image_size": 32,
+    }
     with torch.device("meta"):
         plain = torchvision.models.mnasnet0_5(num_classes=3)
         with pytest.raises(ValueError, match="version should be set to 1 or 2"):  # what clients met
@@ -130,10 +144,16 @@ def test_mnasnet_loads_a_state_without_metadata_also_after_a_copy():
 
 def test_the_check_refuses_what_a_client_could_not_load_or_train():
     cnn = "dataset=fashion_mnist model.kwargs.width=2"
-    with pytest.raises(ConfigError, match=r"model\.target='tests\.tv_models:unloadable_cnn'; allowed: a factory whose "
-                                          r"model loads its own state dict as clients receive it .*needs its own"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.target='tests\.tv_models:unloadable_cnn'; allowed: a factory whose "
+        r"model loads its own state dict as clients receive it .*needs its own",
+    ):
         load_config(f"model.target=tests.tv_models:unloadable_cnn {cnn}")
-    with pytest.raises(ConfigError, match=r"model\.target='tests\.tv_models:pair_cnn'; .*returns the logits.*"
-                                          r"it returned a tuple"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.target='tests\.tv_models:pair_cnn'; .*returns the logits.*"
+        r"it returned a tuple",
+    ):
         load_config(f"model.target=tests.tv_models:pair_cnn {cnn}")
     load_config(f"model.target=tests.tv_models:gn_cnn {cnn}")  # the same CNN, plain: accepted

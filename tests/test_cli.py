@@ -15,8 +15,20 @@ from fedhm_flwr.config import ConfigError
 from fedhm_flwr.ops.cli import COMMANDS, compare_plan, main
 from fedhm_flwr.ops.progress import Follower, eta_seconds, format_seconds, progress_text
 
-SUBCOMMANDS = ["run", "resume", "sweep", "compare", "status", "deploy-local", "inspect", "summary", "shards", "supernode",
-               "export", "bench"]
+SUBCOMMANDS = [
+    "run",
+    "resume",
+    "sweep",
+    "compare",
+    "status",
+    "deploy-local",
+    "inspect",
+    "summary",
+    "shards",
+    "supernode",
+    "export",
+    "bench",
+]
 
 # a recorded metrics.jsonl (the columns the progress line reads, as a run writes them)
 RECORDED = [
@@ -64,8 +76,12 @@ def test_inspect_example_runs_and_prints_one_row_per_level(capsys):
 
 
 def test_python_m_alias_and_module_paths_stay(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "fedhm_flwr", "export", f"run={tmp_path}", "level=1"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedhm_flwr", "export", f"run={tmp_path}", "level=1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "invalid config: run=" in proc.stderr
 
 
@@ -82,30 +98,52 @@ def test_compare_plan_runs_every_method_on_every_seed_then_each_ablation():
     root, sweeps = compare_plan([], now=now)
     assert root == "outputs/compare/2026-01-02_03-04-05"
     common = ["seed=0,1,2", "levels.match=fedhm_params", "rounds=8", "dataset.max_train_examples=30000"]
-    assert sweeps[0] == ["method=fedhm,heterofl,fedrolex,fedavg,fedavg_smallest", *common,
-                         f"hydra.sweep.dir={root}/methods"]
-    assert sweeps[1:] == [["method=fedhm", option, *common, f"hydra.sweep.dir={root}/{option.split('=')[0]}"]
-                          for option in ("train.distill.enabled=true", "method.official_weights=true",
-                                         "method.add_previous_global=true")]
+    assert sweeps[0] == [
+        "method=fedhm,heterofl,fedrolex,fedavg,fedavg_smallest",
+        *common,
+        f"hydra.sweep.dir={root}/methods",
+    ]
+    assert sweeps[1:] == [
+        ["method=fedhm", option, *common, f"hydra.sweep.dir={root}/{option.split('=')[0]}"]
+        for option in ("train.distill.enabled=true", "method.official_weights=true", "method.add_previous_global=true")
+    ]
     # the user's overrides replace the defaults with the same key, directory and methods included
     root, sweeps = compare_plan(["rounds=2", "method=fedhm,heterofl", "hydra.sweep.dir=/tmp/c"], "1", "none", (), now)
     assert root == "/tmp/c"
-    assert sweeps == [["method=fedhm,heterofl", "seed=1", "levels.match=none", "dataset.max_train_examples=30000",
-                       "rounds=2", "hydra.sweep.dir=/tmp/c/methods"]]
+    assert sweeps == [
+        [
+            "method=fedhm,heterofl",
+            "seed=1",
+            "levels.match=none",
+            "dataset.max_train_examples=30000",
+            "rounds=2",
+            "hydra.sweep.dir=/tmp/c/methods",
+        ]
+    ]
 
 
 def test_compare_match_names_the_resource_and_refuses_others(capsys):
     from fedhm_flwr.ops.multirun import match_option
 
     assert [match_option(v) for v in ("params", "macs", "memory", "fedhm_memory", "none")] == [
-        "fedhm_params", "fedhm_macs", "fedhm_memory", "fedhm_memory", "none"]
+        "fedhm_params",
+        "fedhm_macs",
+        "fedhm_memory",
+        "fedhm_memory",
+        "none",
+    ]
     assert main(["compare", "--match", "flops", "--seeds", "0"]) == 2
     assert "'flops'; allowed: params, macs, memory, none" in capsys.readouterr().err
 
 
 def test_api_summary_reads_a_finished_run(tmp_path):
-    summary = {"output_dir": str(tmp_path), "final_acc/global": 0.7, "final_acc/level_0.5": 0.6,
-               "final_acc/level_0.125": 0.4, "best_acc/level_0.5": 0.65}
+    summary = {
+        "output_dir": str(tmp_path),
+        "final_acc/global": 0.7,
+        "final_acc/level_0.5": 0.6,
+        "final_acc/level_0.125": 0.4,
+        "best_acc/level_0.5": 0.65,
+    }
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     result = api.load(tmp_path)
     assert result.final_accuracy == 0.7 and result.run_dir == tmp_path
@@ -178,4 +216,3 @@ def test_resumed_run_counts_only_this_sessions_rounds_and_terminal_mode_rewrites
 
 # `fedhm run` through the launcher (progress lines, TensorBoard events every round): one of the
 # end-to-end runs of tests/test_end_to_end.py
-

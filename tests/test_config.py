@@ -113,16 +113,25 @@ def test_a_resumed_config_gets_the_keys_added_since_it_was_saved(tmp_path):
 
 
 def test_more_clients_than_training_examples_are_refused_naming_num_clients():
-    with pytest.raises(ConfigError, match=r"num_clients=100000; allowed: an integer <= 3,000: "
-                                          r"dataset\.max_train_examples=6000 training examples and "
-                                          r"partition\.scheme=dirichlet gives every client at least 2") as info:
+    with pytest.raises(
+        ConfigError,
+        match=r"num_clients=100000; allowed: an integer <= 3,000: "
+        r"dataset\.max_train_examples=6000 training examples and "
+        r"partition\.scheme=dirichlet gives every client at least 2",
+    ) as info:
         load_config("num_clients=100000 dataset.max_train_examples=6000")
     assert info.value.field == "num_clients"
-    with pytest.raises(ConfigError, match=r"num_clients=6001; allowed: an integer <= 6,000: .*every client needs at "
-                                          r"least one \(lower num_clients or raise dataset\.max_train_examples\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"num_clients=6001; allowed: an integer <= 6,000: .*every client needs at "
+        r"least one \(lower num_clients or raise dataset\.max_train_examples\)",
+    ):
         load_config("num_clients=6001 dataset.max_train_examples=6000 partition.scheme=iid")
-    with pytest.raises(ConfigError, match=r"<= 50,000: dataset\.name=cifar10 has 50,000 training examples.*"
-                                          r"\(lower num_clients\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"<= 50,000: dataset\.name=cifar10 has 50,000 training examples.*"
+        r"\(lower num_clients\)",
+    ):
         load_config("num_clients=50001 dataset=cifar10 partition.scheme=pathological")
     assert load_config("num_clients=6000 dataset.max_train_examples=6000 partition.scheme=iid").num_clients == 6000
     assert load_config("num_clients=3000 dataset.max_train_examples=6000").num_clients == 3000

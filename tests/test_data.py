@@ -25,8 +25,7 @@ FMNIST_FILES = [
 HAVE_FMNIST = all((FMNIST_DIR / f).is_file() for f in FMNIST_FILES)
 needs_fmnist = pytest.mark.skipif(
     not HAVE_FMNIST,
-    reason=f"Fashion-MNIST IDX files not in {FMNIST_DIR} "
-    "(apt-get install dataset-fashion-mnist)",
+    reason=f"Fashion-MNIST IDX files not in {FMNIST_DIR} (apt-get install dataset-fashion-mnist)",
 )
 
 
@@ -61,7 +60,9 @@ def entropy(counts: np.ndarray) -> float:
 
 def test_dataset_info_and_registry() -> None:
     assert D.dataset_info("fashion_mnist") == {
-        "num_classes": 10, "in_channels": 1, "image_size": 28,
+        "num_classes": 10,
+        "in_channels": 1,
+        "image_size": 28,
     }
     assert D.dataset_info("cifar10") == {"num_classes": 10, "in_channels": 3, "image_size": 32}
     assert D.dataset_info("cifar100")["num_classes"] == 100
@@ -126,9 +127,7 @@ def test_load_fashion_mnist_arrays() -> None:
 
 
 @needs_fmnist
-def test_fashion_mnist_from_explicit_dir_and_env(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_fashion_mnist_from_explicit_dir_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # torchvision-style layout with the .gz files, given as data_dir
     raw = tmp_path / "FashionMNIST" / "raw"
     raw.mkdir(parents=True)
@@ -157,9 +156,7 @@ def test_unknown_split_refused() -> None:
 
 
 @pytest.mark.parametrize("name", ["cifar10", "cifar100"])
-def test_cifar_missing_without_download_is_file_not_found(
-    tmp_path: Path, name: str, no_network: None
-) -> None:
+def test_cifar_missing_without_download_is_file_not_found(tmp_path: Path, name: str, no_network: None) -> None:
     with pytest.raises(FileNotFoundError, match="download"):
         D.load_arrays(name, "train", data_dir=tmp_path)
     spec = D.make_data_spec(name, 2)
@@ -256,9 +253,7 @@ def test_iid_dirichlet_cover_disjoint_and_seeded(scheme: str) -> None:
 @pytest.mark.parametrize("cpp", [1, 2, 3])
 def test_pathological_classes_per_partition(mode: str, cpp: int) -> None:
     y = train_labels()
-    parts = D.partition(
-        y, 20, "pathological", seed=0, classes_per_partition=cpp, class_assignment=mode
-    )
+    parts = D.partition(y, 20, "pathological", seed=0, classes_per_partition=cpp, class_assignment=mode)
     _assert_disjoint(parts)
     for p in parts:
         assert 1 <= len(np.unique(y[p])) <= cpp
@@ -353,9 +348,7 @@ def test_client_dataset_is_normalised_tensors() -> None:
 
 @needs_fmnist
 def test_max_train_examples_subset_then_partition() -> None:
-    spec = D.make_data_spec(
-        "fashion_mnist", 5, scheme="dirichlet", alpha=0.3, seed=7, max_train_examples=3000
-    )
+    spec = D.make_data_spec("fashion_mnist", 5, scheme="dirichlet", alpha=0.3, seed=7, max_train_examples=3000)
     parts = D.partition_indices(spec)
     allp = _assert_disjoint(parts)
     assert len(allp) == 3000

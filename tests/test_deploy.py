@@ -49,12 +49,22 @@ from fedhm_flwr.server.registry import FedHMStrategy
 ROOT = Path(__file__).resolve().parent.parent
 FEDHM = [sys.executable, "-m", "fedhm_flwr"]  # the `fedhm` command of this checkout (run from ROOT)
 
-HAVE_FMNIST = bool(os.environ.get(D.DATA_DIR_ENV)) or (Path(D.FASHION_MNIST_SYSTEM_DIR) / "train-images-idx3-ubyte.gz").is_file()
+HAVE_FMNIST = (
+    bool(os.environ.get(D.DATA_DIR_ENV)) or (Path(D.FASHION_MNIST_SYSTEM_DIR) / "train-images-idx3-ubyte.gz").is_file()
+)
 needs_fmnist = pytest.mark.skipif(not HAVE_FMNIST, reason="Fashion-MNIST not installed (make data)")
 
 # the deployment test's job: 1 round of a tiny CNN on 2,000 images (levels over rounds: tests/test_devices.py)
-TOY = ["rounds=1", "num_clients=2", "fraction_train=1.0", "dataset.max_train_examples=2000",
-       "dataset.max_test_examples=500", "model.width=8", "evaluation.levels=false", "timeout=300"]
+TOY = [
+    "rounds=1",
+    "num_clients=2",
+    "fraction_train=1.0",
+    "dataset.max_train_examples=2000",
+    "dataset.max_test_examples=500",
+    "model.width=8",
+    "evaluation.levels=false",
+    "timeout=300",
+]
 
 
 def _processes_with(needle: str) -> list[int]:
@@ -117,8 +127,9 @@ def test_declared_budgets_map_to_the_largest_fitting_level_and_silence_to_the_de
         4: {},  # declares nothing: levels.default
     }
     grid = LocalGrid(5, client_handlers(), node_config=lambda i: declared[i])
-    msgs = list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.spec)),
-                                         None, grid))
+    msgs = list(
+        strategy.configure_train(1, ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.spec)), None, grid)
+    )
     got = {strategy.nodes[m.metadata.dst_node_id].partition_id: m.content["config"]["level"] for m in msgs}
     assert got[0] == _expected_level(strategy, "memory", declared[0]["capability-memory"])
     assert got[1] == _expected_level(strategy, "macs", declared[1]["capability-macs"]) == 0.5
@@ -176,7 +187,8 @@ def _serverapps(tag: str) -> list[int]:
 @pytest.mark.slow
 @needs_fmnist
 def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_after_a_superlink_sigterm(
-        tmp_path, ctrl_c_reaches_children, devices_deployment):
+    tmp_path, ctrl_c_reaches_children, devices_deployment
+):
     # devices_deployment: tests/test_devices.py's deployment runs beside this one, in the background (both
     # mostly wait on Flower's heartbeat windows); its own test checks it
     cfg = load_config(TLS_JOB)
@@ -215,8 +227,9 @@ def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_aft
             dep.register(name)
         for i, name in enumerate(("node-0", "node-1")):
             dep.start_supernode(name, dl.node_config(i, 2, declared[name]))
-        intruder = dep.start_supernode("intruder", dl.node_config(2, 3), max_retries=1, max_wait_time=30,
-                                       restart_wait=0)  # refused for good: no second start
+        intruder = dep.start_supernode(
+            "intruder", dl.node_config(2, 3), max_retries=1, max_wait_time=30, restart_wait=0
+        )  # refused for good: no second start
         no_ca = dep.start_supernode("no-ca", dl.node_config(3, 4), with_ca=False, max_retries=1, max_wait_time=30)
         pids = [p.pid for _, p, _ in dep.processes.started]
         dep.wait_online(["node-0", "node-1"])
@@ -242,8 +255,10 @@ def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_aft
         while _serverapps(dep.tag) or RunLock.is_held(run_dir):
             assert time.monotonic() - t_term < 20, f"ServerApp {_serverapps(dep.tag)} still there after 20 s"
             time.sleep(0.2)
-        print(f"[test] ServerApp gone, lock free {time.monotonic() - t_term:.1f} s after the SuperLink's SIGTERM",
-              flush=True)
+        print(
+            f"[test] ServerApp gone, lock free {time.monotonic() - t_term:.1f} s after the SuperLink's SIGTERM",
+            flush=True,
+        )
         saved = checkpoint_round(run_dir)
         assert saved == 1, saved  # stopped in mid-run: round 2 was not checkpointed
         stopped = status()
@@ -286,7 +301,7 @@ def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_aft
         assert set(nodes) == {str(dep.node_ids[n]) for n in ("node-0", "node-1", "no-ca")}  # no intruder
         assert nodes[str(dep.node_ids["no-ca"])]["online-at"] == "N/A"  # registered, never connected
         log = dep.log_tail("flwr-run", 100000)
-        resumed = log[log.index(f"resuming {run_dir.resolve()} after round {saved}"):]
+        resumed = log[log.index(f"resuming {run_dir.resolve()} after round {saved}") :]
         done = [int(r) for r in re.findall(r"\[round (\d+)/2\]", resumed)]
         assert done == list(range(saved + 1, 3)), done  # the resumed session: round saved+1 on, each once
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -306,11 +321,28 @@ def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_aft
 @needs_fmnist
 def test_fedhm_deploy_local_stops_everything_it_started_when_the_job_fails(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [*FEDHM, "deploy-local", "--nodes", "1", "--capabilities", "level=0.25", "--run-dir", str(run_dir),
-           "--timeout", "1", *TOY]
+    cmd = [
+        *FEDHM,
+        "deploy-local",
+        "--nodes",
+        "1",
+        "--capabilities",
+        "level=0.25",
+        "--run-dir",
+        str(run_dir),
+        "--timeout",
+        "1",
+        *TOY,
+    ]
     # as `make deploy-local` runs it: .venv/bin/python without an activated environment
-    env = {**os.environ, "PATH": os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
-                                                 if Path(p).resolve() != Path(sys.executable).parent.resolve())}
+    env = {
+        **os.environ,
+        "PATH": os.pathsep.join(
+            p
+            for p in os.environ.get("PATH", "").split(os.pathsep)
+            if Path(p).resolve() != Path(sys.executable).parent.resolve()
+        ),
+    }
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-3000:]
@@ -327,24 +359,37 @@ def test_a_deployment_names_the_process_that_died_with_its_exit_and_its_last_lin
     dep = dl.LocalDeployment(tmp_path / "deploy", say=lambda msg: None)
     try:
         env = dep.env(tmp_path / "home")
-        programs = {"superlink": "import os, signal; print('SuperLink: database locked', flush=True); "
-                                 "os.kill(os.getpid(), signal.SIGKILL)",
-                    "node-1": "print('node-1: out of memory'); raise SystemExit(3)",
-                    "node-0": "import time; time.sleep(60)"}
-        procs = {name: dep.processes.start(name, [sys.executable, "-c", code], env, dep.logs / f"{name}.log")
-                 for name, code in programs.items()}
+        programs = {
+            "superlink": "import os, signal; print('SuperLink: database locked', flush=True); "
+            "os.kill(os.getpid(), signal.SIGKILL)",
+            "node-1": "print('node-1: out of memory'); raise SystemExit(3)",
+            "node-0": "import time; time.sleep(60)",
+        }
+        procs = {
+            name: dep.processes.start(name, [sys.executable, "-c", code], env, dep.logs / f"{name}.log")
+            for name, code in programs.items()
+        }
         procs["superlink"].wait(timeout=30), procs["node-1"].wait(timeout=30)
         flower_log = dep.logs / "flwr-run.log"
-        failed = dep.explain(RunFailed("the run did not complete (flwr run: exit code 0, run 7, status None, summary "
-                                       f"not written by this run); Flower's output: {flower_log}", log=flower_log))
+        failed = dep.explain(
+            RunFailed(
+                "the run did not complete (flwr run: exit code 0, run 7, status None, summary "
+                f"not written by this run); Flower's output: {flower_log}",
+                log=flower_log,
+            )
+        )
         text = str(failed)
-        assert ("why: the SuperLink (flower-superlink) ended: killed by SIGKILL; SuperNode node-1 (fedhm supernode) "
-                "ended: exit code 3") in text, text
+        assert (
+            "why: the SuperLink (flower-superlink) ended: killed by SIGKILL; SuperNode node-1 (fedhm supernode) "
+            "ended: exit code 3"
+        ) in text, text
         assert "SuperLink: database locked" in text and "node-1: out of memory" in text
         assert "node-0" not in text and "names no error" not in text
         # any other error of a step (a flwr CLI command that failed): the same lines after it
         other = str(dep.explain(RuntimeError("`flwr supernode ls fedhm-local --format json` failed (exit 1)")))
-        assert other.startswith("`flwr supernode ls") and "SuperLink (flower-superlink) ended: killed by SIGKILL" in other
+        assert (
+            other.startswith("`flwr supernode ls") and "SuperLink (flower-superlink) ended: killed by SIGKILL" in other
+        )
         # an error that shows a process's last lines already (wait_online's, start_superlink's): not twice
         shown = RuntimeError(f"... the last lines of {dep.logs / 'node-1.log'}:\nnode-1: out of memory")
         assert str(dep.explain(shown)).count("out of memory") == 1
@@ -364,15 +409,17 @@ def test_deploy_md_credential_commands_write_the_files_it_names(tmp_path):
     text = (ROOT / "docs" / "DEPLOY.md").read_text()
     (manual,) = [b for b in _deploy_md_blocks() if "ssh-keygen" in b]
     if shutil.which("openssl") and shutil.which("ssh-keygen"):
-        done = subprocess.run(["bash", "-euo", "pipefail", "-c", manual], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=60)
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", manual], cwd=tmp_path, capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == 0, done.stderr
         for name in ("ca.pem", "ca.key", "server.pem", "server.key", "node.key", "node.key.pub"):
             assert (tmp_path / name).is_file(), name
         assert not (tmp_path / "node.pub").exists()  # ssh-keygen's public key is node.key.pub, as the docs say
         assert "`node.key.pub`" in text
-        verify = subprocess.run(["openssl", "verify", "-CAfile", "ca.pem", "server.pem"], cwd=tmp_path,
-                                capture_output=True, text=True)
+        verify = subprocess.run(
+            ["openssl", "verify", "-CAfile", "ca.pem", "server.pem"], cwd=tmp_path, capture_output=True, text=True
+        )
         assert verify.returncode == 0, verify.stdout + verify.stderr
         load_ssh_public_key((tmp_path / "node.key.pub").read_bytes())  # what `flwr supernode register` reads
     line = [ln for b in _deploy_md_blocks() for ln in b.splitlines() if "--credentials-only" in ln][0]
@@ -386,7 +433,9 @@ def test_deploy_md_credential_commands_write_the_files_it_names(tmp_path):
         assert (creds / path.replace("<i>", "0")).is_file(), path
     # the register commands name a file that exists there (paths from the credentials folder or its parent)
     registered = [p.replace("<i>", "0").replace("$i", "0") for p in re.findall(r"flwr supernode register (\S+)", text)]
-    assert registered and all((creds / path).is_file() or (tmp_path / path).is_file() for path in registered), registered
+    assert registered and all((creds / path).is_file() or (tmp_path / path).is_file() for path in registered), (
+        registered
+    )
 
 
 def test_deploy_md_says_where_the_serverapp_lines_are_and_gives_each_local_supernode_a_port():

@@ -26,25 +26,27 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from test_deploy import ROOT, needs_fmnist
 
 from fedhm_flwr.ops.procs import Processes, alive, command_name, stat_field, tagged_pids
 from fedhm_flwr.ops.superlink import flower_env, free_port, stage_app
 from fedhm_flwr.ops.supernode import children
-from test_deploy import ROOT, needs_fmnist
 
 DOC = ROOT / "docs" / "DEPLOY.md"
 #: the walk-through's job, made tiny: 3 devices, 1 round, a width-4 CNN on 600 examples, two levels (the full
 #: model and the 0.25 that the guide exports: after the last round every level's deployment statistics are
 #: one more query to every device, each a ClientApp process)
-TINY = ("num_clients=3 rounds=1 evaluation.where=clients availability.min_nodes=3 availability.wait_seconds=120 "
-        "dataset.max_train_examples=600 model.width=4 levels.ratios=[1,0.25] evaluation.levels=false timeout=120")
+TINY = (
+    "num_clients=3 rounds=1 evaluation.where=clients availability.min_nodes=3 availability.wait_seconds=120 "
+    "dataset.max_train_examples=600 model.width=4 levels.ratios=[1,0.25] evaluation.levels=false timeout=120"
+)
 
 
 def _section(title: str) -> str:
     text = DOC.read_text()
     start = text.index(f"## {title}")
     end = text.find("\n## ", start + 1)
-    return text[start:end if end > 0 else None]
+    return text[start : end if end > 0 else None]
 
 
 def _blocks(section: str, lang: str = "bash") -> list[str]:
@@ -63,12 +65,14 @@ def test_deploy_md_walkthrough_runs_as_written_on_loopback(tmp_path):
     stopping = _only(_blocks(_section("Stopping a device")), "pgrep")
     (connection,) = [b for b in _blocks(_section("The operator: connection, registration, runs"), "toml")]
     port = free_port()
-    where = {"fl.example.org:8000": f"127.0.0.1:{port}",
-             "--host 0.0.0.0 --port 8000": f"--host 127.0.0.1 --port {port}",
-             "/var/lib/fedhm/state.db": str(tmp_path / "state.db"),
-             "/data/fedhm-shards": str(tmp_path / "shards"),
-             "/srv/fedhm/run1": str(tmp_path / "run1"),
-             "flwr run . fedhm": f"flwr run {stage_app(tmp_path / 'app')} fedhm"}
+    where = {
+        "fl.example.org:8000": f"127.0.0.1:{port}",
+        "--host 0.0.0.0 --port 8000": f"--host 127.0.0.1 --port {port}",
+        "/var/lib/fedhm/state.db": str(tmp_path / "state.db"),
+        "/data/fedhm-shards": str(tmp_path / "shards"),
+        "/srv/fedhm/run1": str(tmp_path / "run1"),
+        "flwr run . fedhm": f"flwr run {stage_app(tmp_path / 'app')} fedhm",
+    }
 
     def local(block: str, **more: str) -> str:
         for old, new in {**where, **more}.items():
@@ -87,12 +91,18 @@ def test_deploy_md_walkthrough_runs_as_written_on_loopback(tmp_path):
         base["COLUMNS"] = "200"  # the flwr CLI's tables whole
         return procs.env(base)
 
-    def bash(script: str, home: str = "operator", cwd: Path = tmp_path, timeout: float = 300,
-             check: bool = True) -> subprocess.CompletedProcess[str]:
+    def bash(
+        script: str, home: str = "operator", cwd: Path = tmp_path, timeout: float = 300, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         (tmp_path / home).mkdir(exist_ok=True)
-        done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", prelude + script], cwd=cwd, env=env(home),
-                              capture_output=True,
-                              text=True, timeout=timeout)
+        done = subprocess.run(
+            ["bash", "-e", "-o", "pipefail", "-c", prelude + script],
+            cwd=cwd,
+            env=env(home),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check:
             assert done.returncode == 0, f"{script}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         return done
@@ -128,7 +138,8 @@ def test_deploy_md_walkthrough_runs_as_written_on_loopback(tmp_path):
         # 4. the operator's connection (the guide's config.toml) and the registrations
         (tmp_path / "operator").mkdir(exist_ok=True)
         (tmp_path / "operator" / "config.toml").write_text(
-            local(connection, **{"/abs/path/to/ca.pem": str(creds / "ca" / "ca.pem")}))
+            local(connection, **{"/abs/path/to/ca.pem": str(creds / "ca" / "ca.pem")})
+        )
         bash(local(_only(walk, "flwr supernode register")))
         # 5. devices 0-2, each in its folder, each with its own Runtime API port
         device = _only(walk, "fedhm supernode")
@@ -138,14 +149,25 @@ def test_deploy_md_walkthrough_runs_as_written_on_loopback(tmp_path):
             while (runtime := free_port()) in ports:
                 pass
             ports.add(runtime)
-            nodes[i] = background(f"node-{i}", local(device, **{
-                "<i>": str(i), "/data/fedhm/partition-": str(tmp_path / "shards" / "partition-"),
-                "--port 9094": f"--port {runtime}"}), f"device-{i}", creds / "supernodes" / f"node-{i}")
+            nodes[i] = background(
+                f"node-{i}",
+                local(
+                    device,
+                    **{
+                        "<i>": str(i),
+                        "/data/fedhm/partition-": str(tmp_path / "shards" / "partition-"),
+                        "--port 9094": f"--port {runtime}",
+                    },
+                ),
+                f"device-{i}",
+                creds / "supernodes" / f"node-{i}",
+            )
         listing = _only(walk, "flwr supernode ls")
         deadline = time.monotonic() + 180
         while (online := bash(local(listing)).stdout.count("online")) < 3:
-            assert all(p.poll() is None for p in nodes.values()), [(tmp_path / f"node-{i}.log").read_text()[-2000:]
-                                                                    for i in nodes]
+            assert all(p.poll() is None for p in nodes.values()), [
+                (tmp_path / f"node-{i}.log").read_text()[-2000:] for i in nodes
+            ]
             assert time.monotonic() < deadline, f"{online} devices online after 180 s"
             time.sleep(2)
         # 6. the run, its real final status, the ServerApp's own lines
@@ -154,7 +176,7 @@ def test_deploy_md_walkthrough_runs_as_written_on_loopback(tmp_path):
         started = bash(local(run_block[0]), timeout=600)
         run_id = re.search(r"Successfully started run (\d+)", started.stdout + started.stderr).group(1)
         listed = bash(local(run_block[1])).stdout
-        runs = {str(r["run-id"]): r for r in json.loads(listed[listed.index("{"):])["runs"]}
+        runs = {str(r["run-id"]): r for r in json.loads(listed[listed.index("{") :])["runs"]}
         assert runs[run_id]["status"] == "finished:completed", runs[run_id]
         lines = bash(local(run_block[2], **{"<run-id>": run_id})).stdout
         assert lines.count(" joined (node id") == 3 and "[round 1/1]" in lines, lines[-3000:]
@@ -183,9 +205,15 @@ def test_deploy_md_walkthrough_runs_as_written_on_loopback(tmp_path):
         while any(alive(p) for p in left) and time.monotonic() - t_kill < 20:
             time.sleep(0.2)
         survivors = [p for p in left if alive(p)]
-        print(f"[test] after kill -9: {len(left)} child(ren) of the SuperNode; "
-              + (f"{len(survivors)} still running after 20 s" if survivors
-                 else f"gone by themselves after {time.monotonic() - t_kill:.1f} s"), flush=True)
+        print(
+            f"[test] after kill -9: {len(left)} child(ren) of the SuperNode; "
+            + (
+                f"{len(survivors)} still running after 20 s"
+                if survivors
+                else f"gone by themselves after {time.monotonic() - t_kill:.1f} s"
+            ),
+            flush=True,
+        )
         for pid in survivors:
             bash(kill_line.replace("<pid>", str(pid)), check=False)
         _until_gone(left, 15)
@@ -196,8 +224,11 @@ def test_deploy_md_walkthrough_runs_as_written_on_loopback(tmp_path):
         bash(kill_line.replace("<pid>", str(nodes[0].pid)))
         nodes[0].wait(timeout=30)
         _until_gone([*own, *kids], 15)
-        print(f"[test] kill <pid> of `fedhm supernode`: the node and its {len(kids)} child(ren) gone in "
-              f"{time.monotonic() - t_term:.1f} s", flush=True)
+        print(
+            f"[test] kill <pid> of `fedhm supernode`: the node and its {len(kids)} child(ren) gone in "
+            f"{time.monotonic() - t_term:.1f} s",
+            flush=True,
+        )
     finally:
         procs.close(grace=10.0, settle=3.0)
         print(f"[test] walk-through test took {time.monotonic() - t0:.0f} s", flush=True)

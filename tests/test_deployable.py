@@ -41,7 +41,7 @@ def _run(*overrides: str, run_dir: Path) -> None:
 
 def _accuracy(predict, images: torch.Tensor, labels: torch.Tensor, batch: int) -> float:
     with torch.no_grad():
-        preds = torch.cat([predict(images[i:i + batch]).argmax(1) for i in range(0, len(labels), batch)])
+        preds = torch.cat([predict(images[i : i + batch]).argmax(1) for i in range(0, len(labels), batch)])
     return float((preds == labels).float().mean())
 
 
@@ -99,9 +99,18 @@ def test_a_torchvision_bn_model_learns_with_defaults_and_its_export_ignores_the_
     from fedhm_flwr.data import source_arrays
 
     imgs, out = _coloured_folder(tmp_path / "imgs"), tmp_path / "run"
-    _run("model.target=torchvision.models:shufflenet_v2_x0_5", "model.kwargs.num_classes=5",
-         "dataset=imagefolder", f"dataset.path={imgs}", "dataset.image_size=32", "dataset.channels=3",
-         "rounds=3", "num_clients=2", "fraction_train=1.0", run_dir=out)
+    _run(
+        "model.target=torchvision.models:shufflenet_v2_x0_5",
+        "model.kwargs.num_classes=5",
+        "dataset=imagefolder",
+        f"dataset.path={imgs}",
+        "dataset.image_size=32",
+        "dataset.channels=3",
+        "rounds=3",
+        "num_clients=2",
+        "fraction_train=1.0",
+        run_dir=out,
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     print([{k: v for k, v in row.items() if k.startswith(("acc/", "bn_stats"))} for row in rows])
     assert rows[-1]["bn_stats"] == "test_batch"  # static BN (the default for a model.target) with test batches
@@ -135,8 +144,10 @@ def test_a_torchvision_bn_model_learns_with_defaults_and_its_export_ignores_the_
 def test_fedhm_inspect_makes_every_reduced_level_strictly_smaller(name, capsys):
     from fedhm_flwr.ops.inspect import main
 
-    assert main([f"model.target=torchvision.models:{name}", "model.kwargs.num_classes=10", "dataset=cifar10",
-                 "--json"]) == 0
+    assert (
+        main([f"model.target=torchvision.models:{name}", "model.kwargs.num_classes=10", "dataset=cifar10", "--json"])
+        == 0
+    )
     captured = capsys.readouterr()
     rows = json.loads(captured.out)
     full = next(r["params"] for r in rows if r["ratio"] == 1.0)
@@ -149,8 +160,17 @@ def test_fedhm_inspect_makes_every_reduced_level_strictly_smaller(name, capsys):
 def test_inspect_warns_when_no_level_is_smaller(capsys):
     from fedhm_flwr.ops.inspect import main
 
-    assert main(["model.target=torchvision.models:shufflenet_v2_x0_5", "model.kwargs.num_classes=10",
-                 "dataset=cifar10", "model.factorize.pointwise=false"]) == 0  # only the stem: kept full
+    assert (
+        main(
+            [
+                "model.target=torchvision.models:shufflenet_v2_x0_5",
+                "model.kwargs.num_classes=10",
+                "dataset=cifar10",
+                "model.factorize.pointwise=false",
+            ]
+        )
+        == 0
+    )  # only the stem: kept full
     err = capsys.readouterr().err
     assert "factorizes no layer" in err and "model.factorize" in err
 

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_deploy import ROOT, needs_fmnist
 
 from fedhm_flwr.ops import deployment as dl
 from fedhm_flwr.ops.procs import alive, tagged_pids
-from test_deploy import ROOT, needs_fmnist
 
 # Four devices, 3 rounds. node-3's shard is broken: it sits out from the start (asked once). Round 1:
 # node-0 and node-1 (node-2 starts during it). Round 2: three nodes; node-1 is SIGKILLed (its whole
@@ -44,10 +44,23 @@ from test_deploy import ROOT, needs_fmnist
 # more query to every node, a ClientApp process each; nothing of an export is checked here,
 # tests/test_deploy_docs.py exports).
 ROUNDS = 3
-JOB = ["num_clients=3", f"rounds={ROUNDS}", "fraction_train=1.0", "min_train_nodes=2",
-       "dataset.max_train_examples=2000", "dataset.max_test_examples=300", "model.width=4", "evaluation.where=both",
-       f"evaluation.every={ROUNDS}", "evaluation.levels=false", "evaluation.deploy_stats=false", "timeout=70",
-       "availability.min_nodes=3", "availability.wait_seconds=90", "availability.poll_seconds=1"]
+JOB = [
+    "num_clients=3",
+    f"rounds={ROUNDS}",
+    "fraction_train=1.0",
+    "min_train_nodes=2",
+    "dataset.max_train_examples=2000",
+    "dataset.max_test_examples=300",
+    "model.width=4",
+    "evaluation.where=both",
+    f"evaluation.every={ROUNDS}",
+    "evaluation.levels=false",
+    "evaluation.deploy_stats=false",
+    "timeout=70",
+    "availability.min_nodes=3",
+    "availability.wait_seconds=90",
+    "availability.poll_seconds=1",
+]
 
 
 #: the test below: tests/conftest.py's ``devices_deployment`` runs :func:`run_deployment` only if it is selected
@@ -89,8 +102,13 @@ def run_deployment(tmp_path: Path, stop: threading.Event | None = None) -> Outco
     everything. Raises what went wrong on the way (a step that timed out, the run's own failure);
     :class:`Stopped` once ``stop`` is set."""
     shards = tmp_path / "shards"
-    export = subprocess.run([sys.executable, "-m", "fedhm_flwr.ops.shards", *JOB, f"out={shards}"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
+    export = subprocess.run(
+        [sys.executable, "-m", "fedhm_flwr.ops.shards", *JOB, f"out={shards}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert export.returncode == 0, export.stderr[-2000:]
     broken = shutil.copytree(shards / "partition-0", tmp_path / "broken")  # a shard whose data was altered
     manifest = json.loads((broken / "manifest.json").read_text())
@@ -139,8 +157,13 @@ def run_deployment(tmp_path: Path, stop: threading.Event | None = None) -> Outco
         start(2)
         _until("round 1", lambda: rounds_done() >= 1, 400, ended, stop)
         # node-1 takes its round-2 training message and dies with all its processes (no goodbye) ...
-        _until("node-1's second training message", lambda: log("node-1").count("Receiving: train message") >= 2,
-               300, ended, stop)
+        _until(
+            "node-1's second training message",
+            lambda: log("node-1").count("Receiving: train message") >= 2,
+            300,
+            ended,
+            stop,
+        )
         killed = dep.supernodes["node-1"]
         pids.append(killed.pid)
         os.killpg(killed.pid, signal.SIGKILL)
@@ -157,8 +180,15 @@ def run_deployment(tmp_path: Path, stop: threading.Event | None = None) -> Outco
         dep.close()
     logs = {name: log(name) for name in ["flwr-run", *names]}
     time.sleep(1)
-    return Outcome(run_dir, broken, dict(dep.node_ids), logs, result["summary"], [p for p in pids if alive(p)],
-                   tagged_pids(dep.tag))
+    return Outcome(
+        run_dir,
+        broken,
+        dict(dep.node_ids),
+        logs,
+        result["summary"],
+        [p for p in pids if alive(p)],
+        tagged_pids(dep.tag),
+    )
 
 
 @pytest.mark.slow

@@ -61,9 +61,23 @@ def test_reported_loss_is_ce_plus_weight_t2_kl_by_hand():
     lam, t, lr = 0.7, 2.5, 0.2
     model = _model(1)
     hand = copy.deepcopy(model).train()
-    stats = train_local(model, data, TrainOptions(lr=lr, batch_size=6, local_epochs=2, momentum=0.0, weight_decay=0.0,
-                                                  masked_ce=False, distill=True, distill_weight=lam,
-                                                  distill_temperature=t), torch.device("cpu"), seed=5)
+    stats = train_local(
+        model,
+        data,
+        TrainOptions(
+            lr=lr,
+            batch_size=6,
+            local_epochs=2,
+            momentum=0.0,
+            weight_decay=0.0,
+            masked_ce=False,
+            distill=True,
+            distill_weight=lam,
+            distill_temperature=t,
+        ),
+        torch.device("cpu"),
+        seed=5,
+    )
     teacher_logits = hand(x).detach()
     loss1 = F.cross_entropy(hand(x), y)
     grads = torch.autograd.grad(loss1, list(hand.parameters()))
@@ -88,9 +102,14 @@ def test_distill_options_travel_in_the_train_message(toy_cfg):
         assert TrainOptions.from_dict(train).distill_weight == 0.25
 
 
-@pytest.mark.parametrize("override,field", [("train.distill.enabled=yes", "train.distill.enabled"),
-                                            ("train.distill.temperature=0", "train.distill.temperature"),
-                                            ("train.distill.weight=-1", "train.distill.weight")])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("train.distill.enabled=yes", "train.distill.enabled"),
+        ("train.distill.temperature=0", "train.distill.temperature"),
+        ("train.distill.weight=-1", "train.distill.weight"),
+    ],
+)
 def test_bad_distill_values_are_refused(toy_cfg, override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         toy_cfg(override)

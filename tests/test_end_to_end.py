@@ -31,7 +31,8 @@ def _check_outputs(out_dir, rounds, levels, nodes):
     assert all(r["queried"] == 0 for r in rows)
     # (+ the norm statistics of every level gathered after the last round for deployment, when the model has sBN)
     assert summary["bytes_total"] == summary["startup_bytes"] + sum(
-        r["bytes_sent"] + r["bytes_received"] + r["bytes_queries"] + r.get("bytes_bn_stats", 0) for r in rows)
+        r["bytes_sent"] + r["bytes_received"] + r["bytes_queries"] + r.get("bytes_bn_stats", 0) for r in rows
+    )
     state, saved = load_checkpoint(out_dir)
     assert saved["round"] == rounds and state
     assert (out_dir / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -58,9 +59,23 @@ def test_fedhm_run_of_the_vit_writes_outputs_progress_and_tensorboard_and_leaves
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "fedhm_flwr", "run", "method=fedhm", "model=vit", "model.width=16", "model.depth=2",
-           "rounds=2", "num_clients=2", "fraction_train=1.0", "dataset.max_train_examples=400",
-           "dataset.max_test_examples=200", "--run-dir", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fedhm_flwr",
+        "run",
+        "method=fedhm",
+        "model=vit",
+        "model.width=16",
+        "model.depth=2",
+        "rounds=2",
+        "num_clients=2",
+        "fraction_train=1.0",
+        "dataset.max_train_examples=400",
+        "dataset.max_test_examples=200",
+        "--run-dir",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     leftover = subprocess.run(["pgrep", "-f", str(out / ".flwr")], capture_output=True, text=True).stdout
@@ -83,8 +98,12 @@ def test_fedhm_run_of_the_vit_writes_outputs_progress_and_tensorboard_and_leaves
 @pytest.mark.slow
 def test_launch_refuses_bad_config_before_starting_anything(tmp_path):
     out = tmp_path / "never"
-    proc = subprocess.run([sys.executable, "-m", "fedhm_flwr.ops.launch", "partition.scheme=shards", "--run-dir", str(out)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedhm_flwr.ops.launch", "partition.scheme=shards", "--run-dir", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "partition.scheme" in proc.stderr and "dirichlet" in proc.stderr
     assert not out.exists()

@@ -20,8 +20,17 @@ from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.server_app import run
 from fedhm_flwr.reporting.summary import collect, markdown_table
 
-FED_KEYS = ("fed_acc/all", "fed_loss/all", "fed_clients", "fed_acc_clients/mean", "fed_acc_clients/std",
-            "fed_acc_clients/worst10", "fed_failures", "bytes_eval_sent", "bytes_eval_received")
+FED_KEYS = (
+    "fed_acc/all",
+    "fed_loss/all",
+    "fed_clients",
+    "fed_acc_clients/mean",
+    "fed_acc_clients/std",
+    "fed_acc_clients/worst10",
+    "fed_failures",
+    "bytes_eval_sent",
+    "bytes_eval_received",
+)
 
 
 def _rows(folder):
@@ -46,15 +55,22 @@ def test_weighted_mean_and_spread_on_numbers_worked_by_hand():
 
 
 def test_federated_figures_weight_by_examples_and_split_by_level():
-    scores = [ev.ClientScore("p0", 1.0, 100, 0.5, 0.8), ev.ClientScore("p1", 1.0, 300, 1.0, 0.4),
-              ev.ClientScore("p2", 0.25, 100, 2.0, 0.2)]
+    scores = [
+        ev.ClientScore("p0", 1.0, 100, 0.5, 0.8),
+        ev.ClientScore("p1", 1.0, 300, 1.0, 0.4),
+        ev.ClientScore("p2", 0.25, 100, 2.0, 0.2),
+    ]
     out = ev.federated_figures(scores, [1.0, 0.5, 0.25])
     assert out["fed_acc/all"] == pytest.approx((80 + 120 + 20) / 500)
     assert out["fed_loss/all"] == pytest.approx((50 + 300 + 200) / 500)
     assert out["fed_acc/level_1"] == pytest.approx(200 / 400) and out["fed_acc/level_0.25"] == pytest.approx(0.2)
     assert out["fed_loss/level_1"] == pytest.approx(350 / 400)
-    assert (out["fed_clients"], out["fed_clients/level_1"], out["fed_clients/level_0.5"],
-            out["fed_clients/level_0.25"]) == (3, 2, 0, 1)
+    assert (
+        out["fed_clients"],
+        out["fed_clients/level_1"],
+        out["fed_clients/level_0.5"],
+        out["fed_clients/level_0.25"],
+    ) == (3, 2, 0, 1)
     assert "fed_acc/level_0.5" not in out  # no client: no figure, not a zero
     assert out["fed_acc_clients/mean"] == pytest.approx(1.4 / 3)  # unweighted: each client once
     assert out["fed_acc_clients/worst10"] == pytest.approx(0.2)
@@ -100,11 +116,17 @@ def test_clients_evaluate_at_their_level_and_figures_are_the_weighted_replies(to
         failed_level = next(a[2] for a in asked if a[0] == rnd)
         for level in cfg.levels.ratios:
             assert row[f"fed_clients/level_{level:g}"] == row[f"clients/level_{level:g}"] - (level == failed_level)
-        assert row["fed_failures"] == 1 and row["fed_clients"] == 3 and "evaluation crashed" in row["fed_failure_reasons"]
+        assert (
+            row["fed_failures"] == 1 and row["fed_clients"] == 3 and "evaluation crashed" in row["fed_failure_reasons"]
+        )
         mine = [m for r, _, m in replies if r == rnd]
         n = sum(m["num-examples"] for m in mine)
-        assert row["fed_acc/all"] == pytest.approx(sum(m["num-examples"] * m["eval-accuracy"] for m in mine) / n, abs=1e-12)
-        assert row["fed_loss/all"] == pytest.approx(sum(m["num-examples"] * m["eval-loss"] for m in mine) / n, abs=1e-12)
+        assert row["fed_acc/all"] == pytest.approx(
+            sum(m["num-examples"] * m["eval-accuracy"] for m in mine) / n, abs=1e-12
+        )
+        assert row["fed_loss/all"] == pytest.approx(
+            sum(m["num-examples"] * m["eval-loss"] for m in mine) / n, abs=1e-12
+        )
         for level in {lvl for r, lvl, _ in replies if r == rnd}:
             ms = [m for r, lvl, m in replies if r == rnd and lvl == level]
             expected = sum(m["num-examples"] * m["eval-accuracy"] for m in ms) / sum(m["num-examples"] for m in ms)
@@ -115,9 +137,13 @@ def test_clients_evaluate_at_their_level_and_figures_are_the_weighted_replies(to
     assert summary["best_fed_acc/all"] == max(r["fed_acc/all"] for r in rows)
     assert summary["final_fed_acc_clients/worst10"] == rows[-1]["fed_acc_clients/worst10"]
     assert summary["fed_failures"] == 2
-    assert summary["bytes_total"] == (summary["bytes_sent"] + summary["bytes_received"] + summary["bytes_bn_stats"]
-                                      + sum(r["bytes_eval_sent"] + r["bytes_eval_received"] for r in rows)
-                                      + summary["bytes_queries"])
+    assert summary["bytes_total"] == (
+        summary["bytes_sent"]
+        + summary["bytes_received"]
+        + summary["bytes_bn_stats"]
+        + sum(r["bytes_eval_sent"] + r["bytes_eval_received"] for r in rows)
+        + summary["bytes_queries"]
+    )
 
 
 def test_a_server_without_a_test_set_runs_with_client_evaluation_only(toy_cfg, tmp_path, monkeypatch):
@@ -154,7 +180,11 @@ def test_federated_sbn_falls_back_to_test_batch_statistics_when_no_client_answer
         return real_query(msg, context)
 
     handlers[MessageType.QUERY] = query
-    run(LocalGrid(6, handlers), toy_cfg("rounds=1 evaluation.bn_stats=federated levels.ratios=[1,0.25]"), tmp_path / "fed")
+    run(
+        LocalGrid(6, handlers),
+        toy_cfg("rounds=1 evaluation.bn_stats=federated levels.ratios=[1,0.25]"),
+        tmp_path / "fed",
+    )
     run(LocalGrid(6, client_handlers()), toy_cfg("rounds=1 levels.ratios=[1,0.25]"), tmp_path / "test_batch")
     (fallback,), (plain,) = _rows(tmp_path / "fed"), _rows(tmp_path / "test_batch")
     assert fallback["bn_stats"] == "test_batch_fallback" and fallback["bn_fallbacks"] == 2  # global + level 0.25

@@ -24,8 +24,10 @@ from fedhm_flwr.reporting.results import atomic_write
 
 ort = pytest.importorskip("onnxruntime")  # installed by `make setup` (a dependency of the project)
 
-CLIENTS = ("num_clients=4 fraction_train=1.0 dataset.max_train_examples=800 dataset.max_test_examples=200 "
-           "model.width=4 train.batch_size=64 evaluation.batch_size=100 rounds=2 evaluation.where=clients")
+CLIENTS = (
+    "num_clients=4 fraction_train=1.0 dataset.max_train_examples=800 dataset.max_test_examples=200 "
+    "model.width=4 train.batch_size=64 evaluation.batch_size=100 rounds=2 evaluation.where=clients"
+)
 LEVEL = "0.125"
 
 
@@ -67,15 +69,28 @@ def test_atomic_write_gives_a_new_file_open_s_permissions(tmp_path):
 
 def test_a_runs_files_follow_the_umask(clients_run):
     files = {p.relative_to(clients_run).as_posix(): p for p in clients_run.rglob("*") if p.is_file()}
-    assert {"summary.json", "config.yaml", "metrics.jsonl", "metrics.csv", "accuracy.png", "status.json",
-            "checkpoint/global_model.safetensors", "checkpoint/bn_statistics.safetensors"} <= set(files)
+    assert {
+        "summary.json",
+        "config.yaml",
+        "metrics.jsonl",
+        "metrics.csv",
+        "accuracy.png",
+        "status.json",
+        "checkpoint/global_model.safetensors",
+        "checkpoint/bn_statistics.safetensors",
+    } <= set(files)
     assert {name: oct(_mode(p)) for name, p in files.items() if _mode(p) != 0o640} == {}
 
 
 def test_onnx_runtime_one_image_at_a_time_has_the_cards_accuracy(clients_run, exported):
     folder, card = exported
     assert sorted(p.name for p in folder.iterdir()) == [  # one self-contained ONNX file, no external data
-        "model.onnx", "model.pt2", "model.safetensors", "model_card.json", "model_card.md"]
+        "model.onnx",
+        "model.pt2",
+        "model.safetensors",
+        "model_card.json",
+        "model_card.md",
+    ]
     assert all(_mode(p) == 0o644 for p in folder.iterdir())
 
     cfg = load_config(CLIENTS)
@@ -83,7 +98,7 @@ def test_onnx_runtime_one_image_at_a_time_has_the_cards_accuracy(clients_run, ex
     x, y = test.images.numpy(), test.labels.numpy()
     session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()] == ["input"] and session.get_inputs()[0].shape == ["batch", 1, 28, 28]
-    logits = np.concatenate([session.run(None, {"input": x[i:i + 1]})[0] for i in range(len(x))])
+    logits = np.concatenate([session.run(None, {"input": x[i : i + 1]})[0] for i in range(len(x))])
     with torch.no_grad():
         reference = load_model(folder / "model.safetensors")(test.images).numpy()
 
@@ -110,7 +125,9 @@ def test_the_card_reports_the_clients_federated_accuracy(clients_run, exported):
     last = [r for r in rows if r.get(f"fed_acc/level_{LEVEL}") is not None][-1]
     assert card["final_accuracy"] is None
     assert card["final_fed_accuracy"] == summary[f"final_fed_acc/level_{LEVEL}"] == last[f"fed_acc/level_{LEVEL}"]
-    assert card["best_fed_accuracy"] == max(r[f"fed_acc/level_{LEVEL}"] for r in rows if r.get(f"fed_acc/level_{LEVEL}") is not None)
+    assert card["best_fed_accuracy"] == max(
+        r[f"fed_acc/level_{LEVEL}"] for r in rows if r.get(f"fed_acc/level_{LEVEL}") is not None
+    )
     assert card["fed_accuracy_round"] == last["round"] == 2
     md = (folder / "model_card.md").read_text()
     line = next(x for x in md.splitlines() if x.startswith("| final federated accuracy"))
@@ -118,7 +135,9 @@ def test_the_card_reports_the_clients_federated_accuracy(clients_run, exported):
     assert "not recorded" not in md
 
 
-def test_the_cards_snippet_classifies_raw_test_images_as_the_pytorch_model_does(exported, tmp_path, monkeypatch, capsys):
+def test_the_cards_snippet_classifies_raw_test_images_as_the_pytorch_model_does(
+    exported, tmp_path, monkeypatch, capsys
+):
     from PIL import Image
 
     folder = exported[0]
@@ -138,7 +157,7 @@ def test_the_cards_snippet_classifies_raw_test_images_as_the_pytorch_model_does(
     for k in picks:
         Image.fromarray(raw[k][:, :, 0]).save(tmp_path / "image.png")
         namespace: dict = {}
-        exec(compile(snippet, "model_card.md", "exec"), namespace)  # noqa: S102 - the card's own code
+        exec(compile(snippet, "model_card.md", "exec"), namespace)
         want = int(logits[k].argmax())
         assert namespace["prediction"] == want and capsys.readouterr().out.strip() == names[want]
 
@@ -171,6 +190,7 @@ def test_an_export_whose_onnx_file_disagrees_is_refused_and_writes_nothing(clien
 
             def forward(self, x):
                 return self.inner(x) + 0.01
+
         return real(Shifted(), example)
 
     monkeypatch.setattr(export, "onnx_bytes", off_by_a_bias)

@@ -71,13 +71,16 @@ def _excess_error(M: torch.Tensor, svd, r: int) -> float:
 
 
 @pytest.mark.parametrize("rows,cols", [(192, 96), (96, 288), (150, 150)])
-@pytest.mark.parametrize("spectrum,gammas,fast", [
-    ("gaussian", (1 / 16, 1 / 24, 1 / 32), True),  # a freshly initialised layer: float32 eigh of the Gram
-    ("gaussian", (1 / 2, 1 / 4, 1 / 8), True),  # flat spectrum, small gaps: float32 all the same
-    ("power", (1 / 2, 1 / 4, 1 / 8), True),  # sigma_i = i^-1/2: small gaps deep in the spectrum
-    # singular values spanning 1 .. 1e-8: the Gram's eigh cannot cut there, one float32 subspace step can
-    ("log", (1 / 2, 1 / 4, 1 / 8), True),
-])
+@pytest.mark.parametrize(
+    "spectrum,gammas,fast",
+    [
+        ("gaussian", (1 / 16, 1 / 24, 1 / 32), True),  # a freshly initialised layer: float32 eigh of the Gram
+        ("gaussian", (1 / 2, 1 / 4, 1 / 8), True),  # flat spectrum, small gaps: float32 all the same
+        ("power", (1 / 2, 1 / 4, 1 / 8), True),  # sigma_i = i^-1/2: small gaps deep in the spectrum
+        # singular values spanning 1 .. 1e-8: the Gram's eigh cannot cut there, one float32 subspace step can
+        ("log", (1 / 2, 1 / 4, 1 / 8), True),
+    ],
+)
 def test_fast_svd_meets_the_tolerance_at_every_level_rank(rows, cols, spectrum, gammas, fast):
     k = min(rows, cols)
     if spectrum == "gaussian":
@@ -134,8 +137,7 @@ def _backward_errors_rank_by_rank(matrix, Q, C, ranks):
     outside = (matrix @ C.t() - Q @ H).square().sum(dim=0)
     lam = H.diagonal()
     total = float(matrix.square().sum())
-    return {r: math.sqrt(float(((outside[:r] + H[r:, :r].square().sum(dim=0)) / lam[:r]).sum()) / total)
-            for r in ranks}
+    return {r: math.sqrt(float(((outside[:r] + H[r:, :r].square().sum(dim=0)) / lam[:r]).sum()) / total) for r in ranks}
 
 
 @pytest.mark.parametrize("rows,cols", [(96, 192), (192, 96), (64, 64)])
@@ -201,8 +203,13 @@ def test_levels_cut_from_shared_wire_factors_equal_their_own_factorization(exact
     """Factors made once up to the top rank (:func:`wire_factors`) and cut per level give every
     level's hybrid state bit for bit as factorizing it alone (conv and linear, float32 and float64
     SVD): the same keys, order, shapes, contiguous float32 tensors; a rank beyond them is refused."""
-    state = {"c.weight": torch.randn(32, 16, 3, 3), "c.bias": torch.randn(32), "l.weight": torch.randn(10, 64),
-             "l.bias": torch.randn(10), "bn.weight": torch.randn(4)}
+    state = {
+        "c.weight": torch.randn(32, 16, 3, 3),
+        "c.bias": torch.randn(32),
+        "l.weight": torch.randn(10, 64),
+        "l.bias": torch.randn(10),
+        "bn.weight": torch.randn(4),
+    }
     top = {"c": 24, "l": 6}
     svds = {n: layer_svd(state[f"{n}.weight"], () if exact else (r // 4, r // 2, r)) for n, r in top.items()}
     factors = {n: wire_factors(svds[n], state[f"{n}.weight"].shape, r) for n, r in top.items()}

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+from reply_helpers import reply
 
 import fedhm_flwr.math.lowrank as lowrank
 from fedhm_flwr.config import model_spec
@@ -17,7 +18,6 @@ from fedhm_flwr.models import build_model
 from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.server_app import initial_state, run
 from fedhm_flwr.server.registry import FedHMStrategy
-from reply_helpers import reply
 
 
 def _strategy(cfg):
@@ -68,11 +68,13 @@ def test_each_node_receives_its_levels_hybrid_model(toy_cfg):
 
 def _shift_handler(shift_by_pid, counts_by_pid):
     """A client that adds a known constant to every received tensor."""
+
     def handle(msg, context):
         pid = int(context.node_config["partition-id"])
         arrays = msg.content["arrays"].to_torch_state_dict()
         out = {k: v + shift_by_pid[pid] for k, v in arrays.items()}
         return reply(msg, out, 10 + pid, counts_by_pid[pid])
+
     return handle
 
 
@@ -169,7 +171,11 @@ def test_declared_capabilities_override_the_assignment(toy_cfg):
     by_pid = {strategy.nodes[m.metadata.dst_node_id].partition_id: m.content["config"]["level"] for m in msgs}
     assert by_pid[0] == 0.25
     # the largest level whose parameter count fits 60 % of the full model's
-    fits = [lvl for i, lvl in enumerate(strategy.levels) if strategy.level_cost(i)["params"] <= declared[1]["capability-params"]]
+    fits = [
+        lvl
+        for i, lvl in enumerate(strategy.levels)
+        if strategy.level_cost(i)["params"] <= declared[1]["capability-params"]
+    ]
     assert by_pid[1] == max(fits) < 1.0
 
 
@@ -211,8 +217,9 @@ def test_one_decomposition_per_layer_per_model_version_evaluation_included(toy_c
     monkeypatch.setattr(lowrank, "layer_svd", lambda w, *a: calls.append(tuple(w.shape)) or real(w, *a))
     run(LocalGrid(6, client_handlers()), cfg, tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(len([k for k in r if k.startswith("acc/level_")]) == len(cfg.levels.ratios) > 1
-                                  for r in rows)
+    assert len(rows) == 2 and all(
+        len([k for k in r if k.startswith("acc/level_")]) == len(cfg.levels.ratios) > 1 for r in rows
+    )
     factorized = _strategy(cfg).factorized
     assert len(factorized) > 0 and len(calls) == (2 + 1) * len(factorized)
 

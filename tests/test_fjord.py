@@ -226,16 +226,16 @@ def test_distillation_is_the_references_two_losses():
 
 def test_bad_fjord_options_and_hooks_are_refused_naming_them():
     with pytest.raises(ConfigError) as err:
-        load_config("method=fjord levels.ratios=[1,0.5] method.p_values=[0.25,1]".split())
+        load_config(["method=fjord", "levels.ratios=[1,0.5]", "method.p_values=[0.25,1]"])
     assert err.value.field == "method.p_values"
     with pytest.raises(ConfigError) as err:
-        load_config("method=fjord method.p_values=[1,0.5] levels.match=fedhm_params".split())
+        load_config(["method=fjord", "method.p_values=[1,0.5]", "levels.match=fedhm_params"])
     assert err.value.field == "method.p_values" and "levels.match" in str(err.value)
     with pytest.raises(ConfigError) as err:
-        load_config("method=fjord method.distill=maybe".split())
+        load_config(["method=fjord", "method.distill=maybe"])
     assert err.value.field == "method.distill"
     with pytest.raises(ConfigError) as err:
-        load_config("method=fjord model=vit".split())
+        load_config(["method=fjord", "model=vit"])
     assert err.value.field == "model.arch"
     for name in ("nope", "train", "../x", "os"):  # only a module of fedhm_flwr.math with a train_hook
         with pytest.raises(ValueError, match="hook="):
@@ -247,9 +247,21 @@ def test_bad_fjord_options_and_hooks_are_refused_naming_them():
 def test_fjord_runs_in_process_and_learns(tmp_path):
     from inprocess_helpers import run_in_process
 
-    cfg = load_config(("method=fjord num_clients=4 fraction_train=1.0 rounds=2 dataset.max_train_examples=1600 "
-                       "dataset.max_test_examples=400 model.width=8 train.batch_size=32 evaluation.batch_size=400 "
-                       "levels.ratios=[1,0.5,0.25] partition.scheme=iid").split())
+    cfg = load_config(
+        [
+            "method=fjord",
+            "num_clients=4",
+            "fraction_train=1.0",
+            "rounds=2",
+            "dataset.max_train_examples=1600",
+            "dataset.max_test_examples=400",
+            "model.width=8",
+            "train.batch_size=32",
+            "evaluation.batch_size=400",
+            "levels.ratios=[1,0.5,0.25]",
+            "partition.scheme=iid",
+        ]
+    )
     summary = run_in_process(cfg, tmp_path)
     assert summary["rounds_completed"] == 2
     assert summary["final_acc/global"] > 0.3, summary  # 10 classes: chance is 0.1

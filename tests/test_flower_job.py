@@ -54,9 +54,13 @@ def test_the_final_status_waits_for_a_superlink_that_answers_and_not_for_one_tha
     monkeypatch.setattr(flower_job.time, "sleep", lambda s: None)
     job = _job(tmp_path)
     job.run_id = 5
-    answers = iter([{"success": True, "runs": [{"status": "running"}]},
-                    {"success": True, "runs": [{"status": "running"}]},
-                    {"success": True, "runs": [{"status": "finished:completed"}]}])
+    answers = iter(
+        [
+            {"success": True, "runs": [{"status": "running"}]},
+            {"success": True, "runs": [{"status": "running"}]},
+            {"success": True, "runs": [{"status": "finished:completed"}]},
+        ]
+    )
     job.cli = lambda *args, timeout=60: job.asked.append(args) or next(answers)
     assert job.status() == "finished:completed" and len(job.asked) == 3
     # the SuperLink stopped under the run: `flwr list` says so; asked once, not for the whole wait

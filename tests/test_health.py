@@ -18,8 +18,16 @@ from fedhm_flwr.ops.server_app import run
 
 
 def _row(round_: int, **values) -> dict:
-    row = {"round": round_, "sampled": 4, "replies": 4, "failures": 0, "rejected": 0, "train_loss": 1.0,
-           "acc/global": 0.6, "loss/global": 1.1}
+    row = {
+        "round": round_,
+        "sampled": 4,
+        "replies": 4,
+        "failures": 0,
+        "rejected": 0,
+        "train_loss": 1.0,
+        "acc/global": 0.6,
+        "loss/global": 1.1,
+    }
     row.update(values)
     return {k: v for k, v in row.items() if v is not ...}
 
@@ -35,10 +43,13 @@ def test_a_healthy_run_ends_with_its_plain_line(tmp_path):
     assert final_line(summary) == (0, f"run complete: final global accuracy 0.7000; outputs in {tmp_path}")
 
 
-@pytest.mark.parametrize("last, said", [
-    ({"acc/global": 0.2, "loss/global": math.log(10)}, "its test loss 2.3026 is ln 10"),
-    ({"acc/global": 0.1, "loss/global": 3.9}, "its accuracy 0.1000 is chance for 10 classes"),
-])
+@pytest.mark.parametrize(
+    "last, said",
+    [
+        ({"acc/global": 0.2, "loss/global": math.log(10)}, "its test loss 2.3026 is ln 10"),
+        ({"acc/global": 0.1, "loss/global": 3.9}, "its accuracy 0.1000 is chance for 10 classes"),
+    ],
+)
 def test_a_collapsed_model_is_said_in_the_last_line(tmp_path, last, said):
     summary = _run_dir(tmp_path, [_row(1), _row(2, **last)])
     code, line = final_line(summary)
@@ -50,13 +61,14 @@ def test_a_diverged_model_ends_with_exit_1_and_a_hint(tmp_path):
     nan = json.dumps([["p1", "train-loss is not finite (nan)"], ["p2", "conv1.weight holds NaN or Inf"]])
     rows = [_row(1), _row(2, replies=0, rejected=2, train_loss=..., failure_reasons=nan)]
     code, line = final_line(_run_dir(tmp_path, rows))
-    assert code == 1 and line.startswith("error: the run ended, but the model diverged: every reply of round 2 (2) "
-                                         "was refused as non-finite or oversized (train-loss is not finite (nan))")
+    assert code == 1 and line.startswith(
+        "error: the run ended, but the model diverged: every reply of round 2 (2) "
+        "was refused as non-finite or oversized (train-loss is not finite (nan))"
+    )
     assert "lower train.lr (it is 0.05; e.g. train.lr=0.0125) or clip gradients" in line
     # a loss recorded as not finite (metrics.jsonl writes NaN as null)
     _run_dir(tmp_path, [_row(1, **{"loss/global": None})])
-    assert judge(tmp_path).problem.startswith(
-        "the model diverged: loss/global is not finite in round 1")
+    assert judge(tmp_path).problem.startswith("the model diverged: loss/global is not finite in round 1")
     # refusals of another kind in a round do not say divergence; under an attack refusals are expected
     other = json.dumps([["p1", "num-examples 900 exceeds the 30 training examples"]])
     _run_dir(tmp_path, [_row(1), _row(2, replies=0, rejected=1, failure_reasons=other)])

@@ -13,15 +13,23 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_deploy import TOY, needs_fmnist
 
 from fedhm_flwr.config import load_config
 from fedhm_flwr.ops import deployment as dl
 from fedhm_flwr.server.untrusted import Attacks, attacker_partitions
-from test_deploy import TOY, needs_fmnist
 
-JOB = [*TOY, "num_clients=3", "evaluation.deploy_stats=false", "failures.attack.kind=malformed",
-       "failures.attack.fraction=0.34", "failures.slow_probability=0.2", "failures.slow_seconds=400",
-       "stragglers.min_seconds=10", "stragglers.factor=2"]
+JOB = [
+    *TOY,
+    "num_clients=3",
+    "evaluation.deploy_stats=false",
+    "failures.attack.kind=malformed",
+    "failures.attack.fraction=0.34",
+    "failures.slow_probability=0.2",
+    "failures.slow_seconds=400",
+    "stragglers.min_seconds=10",
+    "stragglers.factor=2",
+]
 
 
 @pytest.mark.slow

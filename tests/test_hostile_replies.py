@@ -13,31 +13,55 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Message, MessageType
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
+from inprocess_helpers import SERVER_THREADS
 
 from bench import fuzz
 from fedhm_flwr.client import handlers as base
 from fedhm_flwr.client.hostile import BENIGN, MUTATIONS, malformed
 from fedhm_flwr.core.attack_kinds import MALFORMED_KINDS
 from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.reporting.results import load_checkpoint
 from fedhm_flwr.ops.server_app import run
-from inprocess_helpers import SERVER_THREADS
+from fedhm_flwr.reporting.results import load_checkpoint
 
 #: what the refusal of each class must say (written from the protocol, not from the code's messages)
 REASONS = {
-    "int-arrays": "int64", "float64-array": "float64", "lying-shape": "bytes", "wrong-shape": "shape",
-    "oversized-bytes": "bytes", "truncated-bytes": "bytes", "bad-header": "bytes", "fortran-order": "Fortran",
-    "other-stype": "torch.Tensor", "nan-values": "NaN", "inf-values": "Inf", "huge-values": "max_norm",
-    "extra-key": "rogue.weight", "missing-key": "missing", "inf-examples": "num-examples",
-    "nan-examples": "num-examples", "fractional-examples": "num-examples", "float-examples": "num-examples",
-    "huge-examples": "reported when it joined", "zero-examples": "num-examples", "negative-examples": "num-examples",
-    "missing-examples": "num-examples", "list-examples": "num-examples", "nan-counts": "class-counts",
-    "short-counts": "class-counts", "float-counts": "class-counts", "negative-counts": "class-counts",
-    "counts-off": "class-counts", "nan-loss": "train-loss", "inf-seconds": "seconds",
-    "accuracy-above-1": "train-accuracy", "other-level": "level", "extra-metric": "weight",
-    "extra-record": "config", "missing-metrics": "metrics", "missing-arrays": "arrays",
+    "int-arrays": "int64",
+    "float64-array": "float64",
+    "lying-shape": "bytes",
+    "wrong-shape": "shape",
+    "oversized-bytes": "bytes",
+    "truncated-bytes": "bytes",
+    "bad-header": "bytes",
+    "fortran-order": "Fortran",
+    "other-stype": "torch.Tensor",
+    "nan-values": "NaN",
+    "inf-values": "Inf",
+    "huge-values": "max_norm",
+    "extra-key": "rogue.weight",
+    "missing-key": "missing",
+    "inf-examples": "num-examples",
+    "nan-examples": "num-examples",
+    "fractional-examples": "num-examples",
+    "float-examples": "num-examples",
+    "huge-examples": "reported when it joined",
+    "zero-examples": "num-examples",
+    "negative-examples": "num-examples",
+    "missing-examples": "num-examples",
+    "list-examples": "num-examples",
+    "nan-counts": "class-counts",
+    "short-counts": "class-counts",
+    "float-counts": "class-counts",
+    "negative-counts": "class-counts",
+    "counts-off": "class-counts",
+    "nan-loss": "train-loss",
+    "inf-seconds": "seconds",
+    "accuracy-above-1": "train-accuracy",
+    "other-level": "level",
+    "extra-metric": "weight",
+    "extra-record": "config",
+    "missing-metrics": "metrics",
+    "missing-arrays": "arrays",
     "metrics-as-config": "MetricRecord",
 }
 
@@ -51,6 +75,7 @@ def federations():
         if name not in made:
             made[name] = fuzz.Federation.make(name, fuzz.CONFIGS[name])
         return made[name]
+
     return get
 
 
@@ -95,15 +120,21 @@ def test_duplicate_unsolicited_failed_and_missing_replies_are_each_counted_once(
     assert fed.strategy.round_log.late == [nodes[2]]
 
 
-@settings(max_examples=120, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=120,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(st.data())
 def test_fuzzed_rounds_never_raise_never_leave_a_non_finite_model_and_count_every_refusal(federations, data):
     fed = federations(data.draw(st.sampled_from(["fedhm none", "fedhm clip", "fedavg"])))
     plan = fuzz.Plan(seed=data.draw(st.integers(0, 2**31 - 1)))
     for node in sorted(fed.honest):
-        plan.kinds[node] = sorted(set(data.draw(st.lists(st.sampled_from(sorted(MUTATIONS)), max_size=2))),
-                                  key=lambda k: (k not in BENIGN, k))
+        plan.kinds[node] = sorted(
+            set(data.draw(st.lists(st.sampled_from(sorted(MUTATIONS)), max_size=2))), key=lambda k: (k not in BENIGN, k)
+        )
         plan.delivery[node] = data.draw(st.sampled_from(fuzz.DELIVERIES))
     outcome = fuzz.fuzz_round(fed, plan)
     assert fuzz.check_round(fed, outcome) == []
@@ -112,8 +143,15 @@ def test_fuzzed_rounds_never_raise_never_leave_a_non_finite_model_and_count_ever
 # ------------------------------------------------------------------ the issue's rows, through the ServerApp
 
 #: partition -> what it does: a malformed class, "twice" (its reply delivered twice) or "silent"
-ROWS = {0: "int-arrays", 1: "lying-shape", 2: "inf-examples", 3: "fractional-examples", 4: "huge-examples",
-        5: "twice", 6: "silent"}
+ROWS = {
+    0: "int-arrays",
+    1: "lying-shape",
+    2: "inf-examples",
+    3: "fractional-examples",
+    4: "huge-examples",
+    5: "twice",
+    6: "silent",
+}
 
 
 class _Twice(LocalGrid):
@@ -143,14 +181,17 @@ def _hostile_handlers(crash_instead: bool):
             return None  # never answers
         reply = base.handle_train(msg, context)
         return Message(malformed(reply.content, role, np.random.default_rng(0)), reply_to=msg)
+
     handlers[MessageType.TRAIN] = train
     return handlers
 
 
 @pytest.mark.parametrize("method", ["method=fedavg", "aggregation.robust=clip"])
 def test_the_issue_s_rows_are_refused_and_the_honest_nodes_model_is_unchanged(toy_cfg, tmp_path, method):
-    cfg = toy_cfg(f"num_clients=10 rounds=2 {method} evaluation.levels=false evaluation.deploy_stats=false "
-                  "stragglers.min_seconds=2")
+    cfg = toy_cfg(
+        f"num_clients=10 rounds=2 {method} evaluation.levels=false evaluation.deploy_stats=false "
+        "stragglers.min_seconds=2"
+    )
     assert float(cfg.timeout) == 600  # the default: a silent node must not cost it
     hostile = _run(cfg, tmp_path / "hostile", crash_instead=False)
     crashed = _run(cfg, tmp_path / "crashed", crash_instead=True)

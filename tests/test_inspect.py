@@ -17,11 +17,14 @@ def _allocating_rows(overrides: list[str]):
     return _rows(cfg, spec, STRATEGIES[cfg.method.name](cfg, spec))
 
 
-@pytest.mark.parametrize("overrides", [
-    ["model=resnet18", "model.width=16", "dataset=cifar10"],
-    ["method=heterofl"],
-    ["method=fedrolex", "model=resnet18", "model.width=8", "dataset=cifar100"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model=resnet18", "model.width=16", "dataset=cifar10"],
+        ["method=heterofl"],
+        ["method=fedrolex", "model=resnet18", "model.width=8", "dataset=cifar100"],
+    ],
+)
 def test_meta_counts_equal_the_allocating_path(overrides, monkeypatch):
     import fedhm_flwr.math.lowrank as lowrank
 

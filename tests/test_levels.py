@@ -39,8 +39,11 @@ def test_sampling_is_seeded_sized_and_without_replacement():
     assert lv.sample_clients(keys, 0.2, 2, maker) == s1 and made == [1]
     shuffled = keys[::-1]
     for fraction, minimum in ((1.0, 2), (0.1, 50), (0.99, 50)):
-        assert lv.sample_clients(shuffled, fraction, minimum, maker) == keys == lv.sample_clients(
-            shuffled, fraction, minimum, lv.round_rng(0, 5))
+        assert (
+            lv.sample_clients(shuffled, fraction, minimum, maker)
+            == keys
+            == lv.sample_clients(shuffled, fraction, minimum, lv.round_rng(0, 5))
+        )
     assert made == [1]
 
 

@@ -53,9 +53,17 @@ from fedhm_flwr.reporting.results import load_checkpoint_state
 # takes at least that long on any machine, so a SIGKILL after round 3 and a Ctrl-C to the resume a
 # round later both land before round 7
 ROUNDS = 7
-JOB = ["failures.slow_probability=1.0", "failures.slow_seconds=3",
-       f"rounds={ROUNDS}", "num_clients=2", "fraction_train=1.0", "dataset.max_train_examples=3000",
-       "dataset.max_test_examples=300", "model.width=4", "evaluation.levels=false"]
+JOB = [
+    "failures.slow_probability=1.0",
+    "failures.slow_seconds=3",
+    f"rounds={ROUNDS}",
+    "num_clients=2",
+    "fraction_train=1.0",
+    "dataset.max_train_examples=3000",
+    "dataset.max_test_examples=300",
+    "model.width=4",
+    "evaluation.levels=false",
+]
 MODEL = Path("checkpoint") / "global_model.safetensors"
 
 
@@ -64,8 +72,14 @@ def _fedhm(run_dir: Path, *args: str, name: str = "run") -> tuple[subprocess.Pop
     and stderr to files next to the run directory. Returns (process, stdout file, stderr file)."""
     out, err = run_dir.parent / f"{run_dir.name}-{name}.out", run_dir.parent / f"{run_dir.name}-{name}.err"
     with out.open("wb") as o, err.open("wb") as e:
-        proc = subprocess.Popen([sys.executable, "-m", "fedhm_flwr", *args], cwd=ROOT, stdout=o, stderr=e,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fedhm_flwr", *args],
+            cwd=ROOT,
+            stdout=o,
+            stderr=e,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     return proc, out, err
 
 
@@ -88,8 +102,9 @@ def _checkpoint_round(run_dir: Path) -> int:
         return 0
 
 
-def _wait_for_round(run_dir: Path, proc: subprocess.Popen[bytes], log: Path, rounds: int = 1,
-                    timeout: float = 300, done=_rounds_logged) -> None:
+def _wait_for_round(
+    run_dir: Path, proc: subprocess.Popen[bytes], log: Path, rounds: int = 1, timeout: float = 300, done=_rounds_logged
+) -> None:
     deadline = time.monotonic() + timeout
     while done(run_dir) < rounds:
         assert proc.poll() is None, f"launcher exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
@@ -158,8 +173,9 @@ def _reference(run_dir: Path) -> Path:
     return run_dir
 
 
-def _interrupt_after_round(run_dir: Path, proc: subprocess.Popen[bytes], err: Path, rounds: int,
-                           sig: signal.Signals | None) -> int:
+def _interrupt_after_round(
+    run_dir: Path, proc: subprocess.Popen[bytes], err: Path, rounds: int, sig: signal.Signals | None
+) -> int:
     """Wait for the run's checkpoint of ``rounds``, then Ctrl-C (``sig`` None) or ``sig`` to the
     command; check that no process of the run is alive 10 s later; the checkpoint's round."""
     _wait_for_round(run_dir, proc, err, rounds, timeout=900, done=_checkpoint_round)
@@ -177,8 +193,7 @@ def _interrupt_after_round(run_dir: Path, proc: subprocess.Popen[bytes], err: Pa
 
 
 @pytest.mark.slow
-def test_fedhm_run_refuses_a_second_launch_survives_a_sigkill_and_a_ctrl_c_and_ends_as_an_uninterrupted_run(
-        tmp_path):
+def test_fedhm_run_refuses_a_second_launch_survives_a_sigkill_and_a_ctrl_c_and_ends_as_an_uninterrupted_run(tmp_path):
     """The SIGKILL test and the Ctrl-C test on one run (they paid the same start-up and resume)."""
     run_dir = tmp_path / "run"
     proc, out, err = _fedhm(run_dir, "run", *JOB, "--run-dir", str(run_dir))
@@ -187,9 +202,16 @@ def test_fedhm_run_refuses_a_second_launch_survives_a_sigkill_and_a_ctrl_c_and_e
     # a second launch into the live run's directory (a new run, a resume) is refused at once (both
     # started together: they take a round or two of the run)
     lock = (run_dir / ".lock").read_text()
-    others = [subprocess.Popen([sys.executable, "-m", "fedhm_flwr", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-              for args in (["run", *JOB, "--run-dir", str(run_dir)], ["resume", str(run_dir)])]
+    others = [
+        subprocess.Popen(
+            [sys.executable, "-m", "fedhm_flwr", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in (["run", *JOB, "--run-dir", str(run_dir)], ["resume", str(run_dir)])
+    ]
     for other in others:
         stdout, stderr = other.communicate(timeout=300)
         assert other.returncode == 2, stdout + stderr
@@ -202,8 +224,9 @@ def test_fedhm_run_refuses_a_second_launch_survives_a_sigkill_and_a_ctrl_c_and_e
     assert proc.returncode == -signal.SIGKILL
     before = (run_dir / "metrics.jsonl").read_text().splitlines()[:killed]
     status = fedhm_status(run_dir)
-    assert status.returncode == 1 and "stopped" in status.stderr and f"last checkpoint: round {killed}" in status.stderr, (
-        status.stdout + status.stderr)
+    assert (
+        status.returncode == 1 and "stopped" in status.stderr and f"last checkpoint: round {killed}" in status.stderr
+    ), status.stdout + status.stderr
     resumed, out, err = _fedhm(run_dir, "resume", str(run_dir), name="resume")
 
     # Ctrl-C to the resumed run a round later: exit 130, no traceback, nothing left, the resume command printed
@@ -228,11 +251,13 @@ def test_fedhm_run_refuses_a_second_launch_survives_a_sigkill_and_a_ctrl_c_and_e
     _same_model(run_dir, reference)
     status = fedhm_status(run_dir)
     assert status.returncode == 0 and f"completed ({ROUNDS}/{ROUNDS} rounds)" in status.stdout, (
-        status.stdout + status.stderr)
+        status.stdout + status.stderr
+    )
 
 
 def _timed_lines(path: Path, proc: subprocess.Popen[bytes], stamps: dict[str, float]) -> threading.Thread:
     """Note when each line first appears in ``path`` (the command's console) while ``proc`` runs."""
+
     def follow() -> None:
         while True:
             running = proc.poll() is None
@@ -251,8 +276,13 @@ def _timed_lines(path: Path, proc: subprocess.Popen[bytes], stamps: dict[str, fl
 def test_ctrl_c_to_a_sweep_names_its_jobs_and_the_continue_command_runs_only_what_is_missing(tmp_path):
     sweep_dir = tmp_path / "sweep"
     # every sampled client raises in its ClientApp (failure injection): a real client error
-    args = ["seed=0,1", "rounds=4", *[o for o in JOB if not o.startswith("rounds=")], "failures.crash_probability=1.0",
-            f"hydra.sweep.dir={sweep_dir}"]
+    args = [
+        "seed=0,1",
+        "rounds=4",
+        *[o for o in JOB if not o.startswith("rounds=")],
+        "failures.crash_probability=1.0",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
     proc, out, err = _fedhm(sweep_dir, "sweep", *args)
     stamps: dict[str, float] = {}
     follower = _timed_lines(out, proc, stamps)
@@ -270,8 +300,12 @@ def test_ctrl_c_to_a_sweep_names_its_jobs_and_the_continue_command_runs_only_wha
     command = re.search(r"continue the sweep .*with:\n  (.+)\n", stderr).group(1)
     assert command.endswith(f"fedhm sweep --continue {sweep_dir}"), command
     # the client's own exception on the console, within 10 s of the round that saw it
-    seen = [t for line, t in stamps.items() if line.startswith("job 0: first client error: round 1: node ")
-            and line.endswith("failed: client error: fedhm_flwr.client.handlers.InjectedFailure: injected client crash")]
+    seen = [
+        t
+        for line, t in stamps.items()
+        if line.startswith("job 0: first client error: round 1: node ")
+        and line.endswith("failed: client error: fedhm_flwr.client.handlers.InjectedFailure: injected client crash")
+    ]
     round_1 = [t for line, t in stamps.items() if line.startswith("job 0: round 1/4 ")]
     assert seen and round_1 and seen[0] - round_1[0] < 10, sorted(stamps)
     finished = {p: p.stat().st_mtime_ns for p in job0.iterdir() if p.is_file()}

@@ -33,9 +33,11 @@ time.sleep(300)
 
 
 def test_run_lock_refuses_a_live_holder_lets_its_own_job_in_and_ignores_a_dead_ones_file(tmp_path):
-    (tmp_path / ".lock").write_text(json.dumps({"pid": 2 ** 22 + 7, "tag": "old"}))  # left by a dead run
+    (tmp_path / ".lock").write_text(json.dumps({"pid": 2**22 + 7, "tag": "old"}))  # left by a dead run
     RunLock(tmp_path).acquire().release()
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RunDirectoryBusy) as refused:
@@ -61,8 +63,9 @@ time.sleep(300)
 
 
 def test_the_watchdog_stops_every_process_of_a_launcher_killed_outright(tmp_path):
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                                start_new_session=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER], cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     tag, watchdog = launcher.stdout.readline().split()
     deadline = time.monotonic() + 30
     pids: set[int] = set()
@@ -87,9 +90,22 @@ def test_missing_cifar_fails_at_once_with_one_line_and_starts_nothing(tmp_path):
     empty.mkdir()
     env = {**os.environ, "FEDHM_DATA_DIR": str(empty)}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "fedhm_flwr.ops.launch", "dataset=cifar10", f"dataset.data_dir={empty}",
-                           "--run-dir", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedhm_flwr.ops.launch",
+            "dataset=cifar10",
+            f"dataset.data_dir={empty}",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     elapsed = time.monotonic() - t0
     assert proc.returncode == 2, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
@@ -135,8 +151,13 @@ def test_resume_without_a_checkpoint_and_status_of_a_non_run_are_refused_at_once
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text("rounds: 2\n")  # what a run writes before its first round
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "fedhm_flwr", "resume", str(run_dir)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedhm_flwr", "resume", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert str(run_dir / "checkpoint") in line and "holds none" in line, line
@@ -150,7 +171,9 @@ def test_the_serverapp_watch_fires_only_once_its_superlinks_port_refuses_connect
     """The ServerApp's watch (server_app.watch_superlink): quiet while something listens on the
     SuperLink's address (its own ``--runtime-api-address``), on_gone once the port refuses."""
     assert runtime_address(["flwr-serverapp", "--runtime-api-address", "127.0.0.1:9091", "--token", "x"]) == (
-        "127.0.0.1", 9091)
+        "127.0.0.1",
+        9091,
+    )
     assert runtime_address(["flwr-serverapp", "--runtime-api-address", "[::1]:9091"]) == ("::1", 9091)
     assert runtime_address(["python", "-m", "pytest"]) is None
     listener = socket.create_server(("127.0.0.1", 0))

@@ -10,8 +10,9 @@ from fedhm_flwr.ops.local_grid import LocalGrid
 
 
 def _query(node_id: int) -> Message:
-    return Message(content=RecordDict({"config": ConfigRecord({"x": 1})}), dst_node_id=node_id,
-                   message_type=MessageType.QUERY)
+    return Message(
+        content=RecordDict({"config": ConfigRecord({"x": 1})}), dst_node_id=node_id, message_type=MessageType.QUERY
+    )
 
 
 def test_a_handlers_thread_count_stays_with_its_node_even_when_it_crashes():

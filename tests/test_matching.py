@@ -52,10 +52,15 @@ def test_each_resource_is_matched_on_its_own_figure():
         matching.submodel_cost(CNN, 0.5, "flops")
 
 
-@pytest.mark.parametrize("cls,method,resource", [(HeteroFLStrategy, "heterofl", "params"),
-                                                 (FedRolexStrategy, "fedrolex", "params"),
-                                                 (HeteroFLStrategy, "heterofl", "macs"),
-                                                 (FedRolexStrategy, "fedrolex", "memory")])
+@pytest.mark.parametrize(
+    "cls,method,resource",
+    [
+        (HeteroFLStrategy, "heterofl", "params"),
+        (FedRolexStrategy, "fedrolex", "params"),
+        (HeteroFLStrategy, "heterofl", "macs"),
+        (FedRolexStrategy, "fedrolex", "memory"),
+    ],
+)
 def test_matched_strategy_sends_the_matched_width_and_reports_both_counts(toy_cfg, cls, method, resource):
     cfg = toy_cfg(f"method={method} levels.match=fedhm_{resource}")
     strategy = cls(cfg, model_spec(cfg))
@@ -66,8 +71,9 @@ def test_matched_strategy_sends_the_matched_width_and_reports_both_counts(toy_cf
     for index in range(len(strategy.levels)):
         cost = strategy.level_cost(index)
         assert cost[f"fedhm_{resource}"] == fedhm.level_cost(index)[resource]
-        assert cost[resource] == matching.submodel_cost(strategy.spec, strategy.rates[index], resource,
-                                                        int(cfg.train.batch_size), float(cfg.train.momentum))
+        assert cost[resource] == matching.submodel_cost(
+            strategy.spec, strategy.rates[index], resource, int(cfg.train.batch_size), float(cfg.train.momentum)
+        )
         assert cost["params"] == matching.submodel_params(strategy.spec, strategy.rates[index])
         if index:  # matched widths differ from the unmatched width = gamma
             assert strategy.rates[index] != strategy.levels[index]

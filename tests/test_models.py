@@ -125,8 +125,14 @@ def test_cnn_pools_before_relu_with_the_same_outputs_and_gradients_bit_for_bit(e
     import torch.nn.functional as F
 
     torch.manual_seed(0)
-    model = build_model({"arch": "cnn", "num_classes": 5, "in_channels": 1, "image_size": 12, "width": 4, **extra},
-                        spectral_init=False).train().to(memory_format=torch.channels_last)
+    model = (
+        build_model(
+            {"arch": "cnn", "num_classes": 5, "in_channels": 1, "image_size": 12, "width": 4, **extra},
+            spectral_init=False,
+        )
+        .train()
+        .to(memory_format=torch.channels_last)
+    )
     assert model.relu_after_pool
 
     def reference(x):  # the HeteroFL layout, written out: conv, norm, ReLU, then pool

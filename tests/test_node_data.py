@@ -64,11 +64,12 @@ def test_holdout_zero_trains_on_exactly_todays_partition_and_a_fraction_is_split
         D.client_dataset(spec, 0, split="test")
 
 
-
-
 def _as_evaluate(msg: Message) -> Message:
-    return Message(RecordDict({"arrays": msg.content["arrays"], "config": msg.content["config"]}),
-                   dst_node_id=msg.metadata.dst_node_id, message_type=MessageType.EVALUATE)
+    return Message(
+        RecordDict({"arrays": msg.content["arrays"], "config": msg.content["config"]}),
+        dst_node_id=msg.metadata.dst_node_id,
+        message_type=MessageType.EVALUATE,
+    )
 
 
 @needs_fmnist
@@ -107,8 +108,14 @@ CHECK_SCRIPT = textwrap.dedent("""
 def test_cifar_without_its_data_fails_the_check_in_one_line_quickly_without_torch(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path)}  # no ~/.cache download root
     env.pop(D.DATA_DIR_ENV, None)
-    proc = subprocess.run([sys.executable, "-c", CHECK_SCRIPT, "dataset=cifar10", f"dataset.data_dir={tmp_path}"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK_SCRIPT, "dataset=cifar10", f"dataset.data_dir={tmp_path}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     timing, message = proc.stdout.strip().split("\n")
     torch_loaded, seconds, same = timing.split()

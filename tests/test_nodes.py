@@ -70,8 +70,9 @@ def test_named_nodes_keep_a_hashed_level_whatever_their_node_id(toy_cfg):
         ctx.node_config["node-name"] = names[pid]
     strategy.registry.refresh(grid, 1)
     by_name = {strategy.nodes[n].name: strategy.levels[strategy.registry.levels_of[n]] for n in strategy.nodes}
-    expected = {name: cfg.levels.ratios[lv.hashed_level(f"name:{name}", [1, 1, 1, 1], int(cfg.seed))]
-                for name in names.values()}
+    expected = {
+        name: cfg.levels.ratios[lv.hashed_level(f"name:{name}", [1, 1, 1, 1], int(cfg.seed))] for name in names.values()
+    }
     assert by_name == expected
     # the same names under other node ids, connecting in reverse order: the same levels
     other = FedHMStrategy(cfg, model_spec(cfg))
@@ -132,8 +133,9 @@ def test_client_seeds_are_distinct_across_rounds_and_many_partitions():
 def test_node_info_travels_through_the_one_wire_contract():
     from fedhm_flwr.core import protocol
 
-    sent = protocol.NodeInfo(partition_id=3, num_partitions=8, name="ward-3", capability={"memory": 6.5e6},
-                             examples=120)
+    sent = protocol.NodeInfo(
+        partition_id=3, num_partitions=8, name="ward-3", capability={"memory": 6.5e6}, examples=120
+    )
     record = sent.encode()
     assert set(record) == {"partition-id", "num-partitions", "node-name", "capability-memory", "num-examples"}
     assert protocol.NodeInfo.decode(record) == sent
@@ -149,11 +151,15 @@ def test_each_node_reports_the_examples_it_trains_on_and_they_add_up(toy_cfg):
     strategy.registry.startup(grid, 1)
     told = {n: info.examples for n, info in strategy.nodes.items()}
     arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.spec))
-    trained = {m.metadata.src_node_id: int(m.content["metrics"]["num-examples"])
-               for m in grid.send_and_receive(list(strategy.configure_train(1, arrays, None, grid)))}
+    trained = {
+        m.metadata.src_node_id: int(m.content["metrics"]["num-examples"])
+        for m in grid.send_and_receive(list(strategy.configure_train(1, arrays, None, grid)))
+    }
     assert told == trained and len(told) == 6
-    evaluated = [int(m.content["metrics"]["num-examples"])
-                 for m in grid.send_and_receive(list(strategy.configure_evaluate(1, arrays, None, grid)))]
+    evaluated = [
+        int(m.content["metrics"]["num-examples"])
+        for m in grid.send_and_receive(list(strategy.configure_evaluate(1, arrays, None, grid)))
+    ]
     assert len(evaluated) == 6 and sum(told.values()) + sum(evaluated) == int(cfg.dataset.max_train_examples)
     assert 0 < sum(evaluated) < sum(told.values())
 
@@ -177,8 +183,10 @@ def test_many_nodes_joining_at_once_are_logged_as_level_counts(toy_cfg, caplog):
         strategy.registry.startup(LocalGrid(20, client_handlers()), 1)
     lines = [r.getMessage() for r in caplog.records if "joined" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("round 1: 20 nodes joined -> ")
-    counts = {float(part.split(": ")[0].removeprefix("level ")): int(part.split(": ")[1])
-              for part in lines[0].split(" -> ")[1].split(", ")}
+    counts = {
+        float(part.split(": ")[0].removeprefix("level ")): int(part.split(": ")[1])
+        for part in lines[0].split(" -> ")[1].split(", ")
+    }
     held = [strategy.levels[i] for i in strategy.registry.levels_of.values()]
     assert counts == {level: held.count(level) for level in set(held)} and sum(counts.values()) == 20
 
@@ -211,7 +219,7 @@ def test_a_node_that_sits_out_is_recorded_and_asked_again_only_when_it_reconnect
     queries = lambda: sum(1 for n, kind in grid.delivered if n == bad and kind == MessageType.QUERY)  # noqa: E731
     assert queries() == 1  # asked once (the start-up), not every round
     for row in rows:
-        (label, why), = json.loads(row["excluded"]).items()
+        ((label, why),) = json.loads(row["excluded"]).items()
         assert label == f"n{bad}" and "partition-id" in why and "n" + str(bad) not in row["assignments"]
         assert row["sampled"] == 3 and row["failures"] == 0
     assert summary["excluded"] == json.loads(rows[-1]["excluded"])
@@ -255,7 +263,8 @@ def test_sampling_nodes_not_yet_queried_draws_the_same_sets_and_hashes_each_node
 
 
 def test_answers_asked_ahead_are_pulled_with_the_round_s_replies_and_counted_by_the_round_that_reads_them(
-        toy_cfg, tmp_path, monkeypatch):
+    toy_cfg, tmp_path, monkeypatch
+):
     """``availability.query = sampled``: ``start()`` asks the next round's new nodes behind this
     round's training and pulls their answers along with its replies, so that none waits in the
     grid while the round aggregates (under the simulation engine every stored message slows every

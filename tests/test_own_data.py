@@ -46,8 +46,16 @@ def _identities(images: np.ndarray) -> list[tuple[str, int]]:
 
 
 def _cfg(root, *extra):
-    return load_config(["dataset=imagefolder", f"dataset.path={root}", "dataset.image_size=8", "num_clients=3",
-                        "dataset.test_fraction=0.25", *extra])
+    return load_config(
+        [
+            "dataset=imagefolder",
+            f"dataset.path={root}",
+            "dataset.image_size=8",
+            "num_clients=3",
+            "dataset.test_fraction=0.25",
+            *extra,
+        ]
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -116,8 +124,9 @@ def _hf_split(names: list[str], start: int, features):
     import datasets
 
     images = [Image.fromarray(_pixels(n, start + i)) for i, n in enumerate(names)]
-    return datasets.Dataset.from_dict({"picture": images, "y": [sorted(CLASSES).index(n) for n in names]},
-                                      features=features)
+    return datasets.Dataset.from_dict(
+        {"picture": images, "y": [sorted(CLASSES).index(n) for n in names]}, features=features
+    )
 
 
 def test_hf_disk_dataset_dict_and_single_dataset_load_with_their_labels(tmp_path):
@@ -125,10 +134,19 @@ def test_hf_disk_dataset_dict_and_single_dataset_load_with_their_labels(tmp_path
 
     features = datasets.Features({"picture": datasets.Image(), "y": datasets.ClassLabel(names=sorted(CLASSES))})
     train_names = [c for c in CLASSES for _ in range(6)]
-    datasets.DatasetDict({"train": _hf_split(train_names, 0, features),
-                          "validation": _hf_split(["bee", "ant"], 100, features)}).save_to_disk(str(tmp_path / "dd"))
-    cfg = load_config(["dataset=hf_disk", f"dataset.path={tmp_path / 'dd'}", "dataset.image_column=picture",
-                       "dataset.label_column=y", "dataset.image_size=8", "num_clients=2"])
+    datasets.DatasetDict(
+        {"train": _hf_split(train_names, 0, features), "validation": _hf_split(["bee", "ant"], 100, features)}
+    ).save_to_disk(str(tmp_path / "dd"))
+    cfg = load_config(
+        [
+            "dataset=hf_disk",
+            f"dataset.path={tmp_path / 'dd'}",
+            "dataset.image_column=picture",
+            "dataset.label_column=y",
+            "dataset.image_size=8",
+            "num_clients=2",
+        ]
+    )
     check_data_available(cfg)
     assert model_spec(cfg)["num_classes"] == 3
     spec = D.check_data_spec(data_spec(cfg))
@@ -138,13 +156,26 @@ def test_hf_disk_dataset_dict_and_single_dataset_load_with_their_labels(tmp_path
     assert ytr.tolist() == [sorted(CLASSES).index(n) for n in train_names]
     assert sorted(np.concatenate(D.partition_indices(spec)).tolist()) == list(range(18))
     # one Dataset, integer labels, raw uint8 arrays: a fixed-seed stratified test fraction
-    raw = datasets.Dataset.from_dict({"image": np.stack([_pixels(n, i) for i, n in enumerate(train_names)]),
-                                      "label": [sorted(CLASSES).index(n) for n in train_names]},
-                                     features=datasets.Features({"image": datasets.Array3D((8, 8, 3), "uint8"),
-                                                                 "label": datasets.Value("int64")}))
+    raw = datasets.Dataset.from_dict(
+        {
+            "image": np.stack([_pixels(n, i) for i, n in enumerate(train_names)]),
+            "label": [sorted(CLASSES).index(n) for n in train_names],
+        },
+        features=datasets.Features({"image": datasets.Array3D((8, 8, 3), "uint8"), "label": datasets.Value("int64")}),
+    )
     raw.save_to_disk(str(tmp_path / "one"))
-    one = D.check_data_spec(data_spec(load_config(["dataset=hf_disk", f"dataset.path={tmp_path / 'one'}",
-                                                   "dataset.image_size=8", "dataset.test_fraction=0.5"])))
+    one = D.check_data_spec(
+        data_spec(
+            load_config(
+                [
+                    "dataset=hf_disk",
+                    f"dataset.path={tmp_path / 'one'}",
+                    "dataset.image_size=8",
+                    "dataset.test_fraction=0.5",
+                ]
+            )
+        )
+    )
     (a, ya), (b, yb) = D.source_arrays(one, "train"), D.source_arrays(one, "test")
     assert np.bincount(yb, minlength=3).tolist() == [3, 3, 3] and len(ya) == 9
     assert sorted(_identities(a) + _identities(b)) == sorted((n, i) for i, n in enumerate(train_names))
@@ -180,8 +211,9 @@ def test_missing_or_malformed_data_is_refused_before_start_naming_the_field(tmp_
     datasets.Dataset.from_dict({"img": [[1]], "label": [0]}).save_to_disk(str(tmp_path / "hf"))
     err = _refusal(["dataset=hf_disk", f"dataset.path={tmp_path / 'hf'}"])
     assert err.field == "dataset.image_column" and "'img'" in str(err)
-    err = _refusal(["dataset=hf_disk", f"dataset.path={tmp_path / 'hf'}", "dataset.image_column=img",
-                    "dataset.test_split=test"])
+    err = _refusal(
+        ["dataset=hf_disk", f"dataset.path={tmp_path / 'hf'}", "dataset.image_column=img", "dataset.test_split=test"]
+    )
     assert err.field == "dataset.test_split"
 
 
@@ -190,8 +222,14 @@ def test_two_rounds_of_fedhm_with_the_built_in_cnn_on_an_image_folder(tmp_path):
     from fedhm_flwr.ops.server_app import run
     from fedhm_flwr.reporting.results import load_checkpoint
 
-    cfg = _cfg(_image_folder(tmp_path / "imgs"), "rounds=2", "fraction_train=1.0", "model.width=4",
-               "partition.scheme=iid", "levels.ratios=[1.0,0.5]")
+    cfg = _cfg(
+        _image_folder(tmp_path / "imgs"),
+        "rounds=2",
+        "fraction_train=1.0",
+        "model.width=4",
+        "partition.scheme=iid",
+        "levels.ratios=[1.0,0.5]",
+    )
     check_data_available(cfg)
     summary = run(LocalGrid(3, client_handlers()), cfg, tmp_path / "run")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -225,9 +263,23 @@ def test_fedhm_run_refuses_a_corrupt_image_before_anything_starts(tmp_path):
     (root / "zebra" / "5.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
     env = {**__import__("os").environ, "FEDHM_CACHE": str(tmp_path / "cache")}
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "fedhm_flwr", "run", "dataset=imagefolder", f"dataset.path={root}",
-                           "dataset.image_size=8", "--run-dir", str(tmp_path / "run")],
-                          capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedhm_flwr",
+            "run",
+            "dataset=imagefolder",
+            f"dataset.path={root}",
+            "dataset.image_size=8",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     print(f"refused in {time.monotonic() - t0:.1f} s")
     assert done.returncode == 2, done.stderr
     assert str(root / "zebra" / "5.png") in done.stderr.strip().splitlines()[-1]  # the last line names the file

@@ -12,9 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 from test_results_page import RUNS, fake_run
 
-from bench import page_notes as notes
-from bench import results_page as page_mod
-from bench import studies as results
+from bench import page_notes as notes, results_page as page_mod, studies as results
 
 CHEAP = results.STUDIES["cheap"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +50,7 @@ def test_a_study_with_a_run_without_it_is_shown_with_test_batch_figures_and_says
     def all_but_one(variant, seed, summary):
         if (variant, seed) != ("heterofl", 1):
             _deployable(variant, seed, summary)
+
     page = page_mod.render(_runs(tmp_path / "r", all_but_one), [CHEAP], tmp_path / "fig", tmp_path / "R.md")
     assert "| FedHM | 3 | 82.00 ± 2.00 |" in page  # never a mix of the two figures
     assert "17 of these 18 runs recorded the deployable figure" in page
@@ -62,6 +61,7 @@ def test_runs_of_several_commits_or_uncommitted_code_flag_the_study(tmp_path):
     def mixed(variant, seed, summary):
         if seed == 2:  # code recorded at the start, uncommitted; the others only at the finish (abc1234)
             summary.update(code_commit="def5678", code_dirty=True)
+
     page = page_mod.render(_runs(tmp_path / "r", mixed), [CHEAP], tmp_path / "fig", tmp_path / "R.md")
     line = next(x for x in page.splitlines() if x.startswith("- code versions:"))
     assert "`abc1234 (recorded when the run finished)`: 12 run(s)" in line

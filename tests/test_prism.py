@@ -165,8 +165,11 @@ def test_per_kernel_aggregation_conserves():
     torch.manual_seed(3)
     factored = prism.decompose(torch.randn(6, 2, 3, 3))  # R = 6 kernels, 18 columns
     U0, V0 = prism.scaled_factors(factored)
-    draws = [prism.Draw(torch.tensor([0, 1, 3])), prism.Draw(torch.tensor([0, 3, 4])),
-             prism.Draw(torch.tensor([0, 1]), rows=torch.tensor([1, 4]))]  # the third computes rows 1 and 4
+    draws = [
+        prism.Draw(torch.tensor([0, 1, 3])),
+        prism.Draw(torch.tensor([0, 3, 4])),
+        prism.Draw(torch.tensor([0, 1]), rows=torch.tensor([1, 4])),
+    ]  # the third computes rows 1 and 4
     replies = []
     for d in draws:
         rows = d.rows if d.rows is not None else torch.arange(6)
@@ -190,8 +193,10 @@ def test_per_kernel_aggregation_conserves():
     # u'_1: sampled by clients 0 and 2; rows other than 1, 4 only by client 0
     assert torch.allclose(U[[0, 2, 3, 5], 1], replies[0][1][[0, 2, 3, 5], 1], atol=1e-12)
     # a client sending back what it got changes nothing
-    same = prism.aggregate_kernels(factored, [
-        (d, U0[d.rows if d.rows is not None else torch.arange(6)][:, d.kernels], V0[d.kernels]) for d in draws])
+    same = prism.aggregate_kernels(
+        factored,
+        [(d, U0[d.rows if d.rows is not None else torch.arange(6)][:, d.kernels], V0[d.kernels]) for d in draws],
+    )
     assert torch.allclose(same[0] @ same[1], U0 @ V0, atol=1e-12)
 
 
@@ -207,8 +212,10 @@ def test_refresh_leaves_the_product_unchanged_and_orthogonalises():
 
 # ------------------------------------------------------------------------------- the strategy, in process
 
-TOY = ("num_clients=6 fraction_train=1.0 dataset.max_train_examples=1200 dataset.max_test_examples=300 "
-       "model.width=4 train.batch_size=64 evaluation.batch_size=300 method=prism")
+TOY = (
+    "num_clients=6 fraction_train=1.0 dataset.max_train_examples=1200 dataset.max_test_examples=300 "
+    "model.width=4 train.batch_size=64 evaluation.batch_size=300 method=prism"
+)
 
 
 def _cfg(extra=""):
@@ -217,9 +224,11 @@ def _cfg(extra=""):
 
 def _echo_handler(shift: float = 0.0):
     """A client that sends back what it received (plus ``shift``), with valid metrics."""
+
     def handle(msg, context):
         arrays = {k: v + shift for k, v in msg.content["arrays"].to_torch_state_dict().items()}
         return reply(msg, arrays, 10 + int(context.node_config["partition-id"]), [3] * 10)
+
     return handle
 
 
@@ -376,8 +385,9 @@ def test_a_prism_run_learns_and_resumes_like_an_uninterrupted_one(tmp_path):
     cfg = _cfg("rounds=2 checkpoint.every=1 levels.ratios=[0.4,0.2] levels.proportions=[0.4,0.6] train.lr=0.1")
     summary = run(LocalGrid(6, client_handlers()), cfg, tmp_path / "full")
     assert summary["rounds_completed"] == 2 and summary["best_acc/global"] > 0.1  # 10 classes: chance 0.1
-    one = load_config(f"{TOY} rounds=1 checkpoint.every=1 levels.ratios=[0.4,0.2] levels.proportions=[0.4,0.6] "
-                      "train.lr=0.1")
+    one = load_config(
+        f"{TOY} rounds=1 checkpoint.every=1 levels.ratios=[0.4,0.2] levels.proportions=[0.4,0.6] train.lr=0.1"
+    )
     run(LocalGrid(6, client_handlers()), one, tmp_path / "cut")
     resumed = resume_config(tmp_path / "cut", "rounds=2")
     run(LocalGrid(6, client_handlers()), resumed, tmp_path / "cut", resume=tmp_path / "cut")

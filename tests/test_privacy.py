@@ -19,8 +19,10 @@ from fedhm_flwr.ops.server_app import initial_state
 from fedhm_flwr.server.registry import STRATEGIES
 from fedhm_flwr.server.strategy import Reply
 
-TOY = ("num_clients=6 dataset.max_train_examples=1200 dataset.max_test_examples=300 "
-       "model.width=4 train.batch_size=64 evaluation.batch_size=300")
+TOY = (
+    "num_clients=6 dataset.max_train_examples=1200 dataset.max_test_examples=300 "
+    "model.width=4 train.batch_size=64 evaluation.batch_size=300"
+)
 
 
 def _t(*xs):
@@ -108,8 +110,9 @@ def test_measured_sensitivity_never_exceeds_the_bound_the_noise_assumes(method):
     """Add or remove one client (every level, adversarial replies, several neighbouring sets): the
     released model moves by at most C / m, the noise std divided by sigma. The noise is reproduced
     (dp.seed) so that the difference of two releases is the difference of their means."""
-    cfg, strategy, state = _strategy(f"method={method} dp.enabled=true dp.clip=0.5 dp.noise_multiplier=1.0 "
-                                     "fraction_train=0.5 dp.seed=11")
+    cfg, strategy, state = _strategy(
+        f"method={method} dp.enabled=true dp.clip=0.5 dp.noise_multiplier=1.0 fraction_train=0.5 dp.seed=11"
+    )
     untrusted = strategy.untrusted
     m = untrusted.expected_clients
     assert m == 3.0  # fraction_train x num_clients
@@ -159,8 +162,12 @@ def test_the_noise_of_a_dp_round_is_not_reproducible_from_any_seed_a_client_rece
         valid = [r for r in (strategy._validate(m.metadata.src_node_id, m)[0] for m in replies) if r is not None]
         noisy = strategy.aggregate_train(1, replies)[0].to_torch_state_dict()
         std = strategy.untrusted.columns["dp_noise_std"]
-        mean, _ = privacy.dp_mean(state, [strategy.method.recovered(r, state)[0] for r in valid], float(cfg.dp.clip),
-                                  strategy.untrusted.expected_clients)
+        mean, _ = privacy.dp_mean(
+            state,
+            [strategy.method.recovered(r, state)[0] for r in valid],
+            float(cfg.dp.clip),
+            strategy.untrusted.expected_clients,
+        )
         keys = [k for k, v in state.items() if v.is_floating_point()]
         noise = torch.cat([(noisy[k].double() - mean[k].double()).flatten() for k in keys]) / std
         assert float(noise.std()) == pytest.approx(1.0, rel=0.05)
@@ -176,7 +183,9 @@ def test_the_noise_of_a_dp_round_is_not_reproducible_from_any_seed_a_client_rece
         best = 0.0
         for s in seeds:
             for gen in candidates(s):
-                guess = torch.cat([torch.randn(state[k].shape, generator=gen, dtype=torch.float64).flatten() for k in keys])
+                guess = torch.cat(
+                    [torch.randn(state[k].shape, generator=gen, dtype=torch.float64).flatten() for k in keys]
+                )
                 best = max(best, abs(float(torch.corrcoef(torch.stack([noise, guess]))[0, 1])))
         found[extra] = best
     assert found[""] < 0.05  # independent: |corr| ~ 1/sqrt(elements)

@@ -19,10 +19,21 @@ def ray_start(procs: Processes, temp_dir: str, *args: str) -> None:
     (other sessions on this machine may run Ray too: with Ray's default worker range a worker can
     find its port taken by another instance's, crash, and hold the job up for a minute), CPU count 1,
     its files under ``temp_dir``."""
-    ports = ["--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
-             "--metrics-export-port"]
-    cmd = [RAY, "start", "--node-ip-address=127.0.0.1", "--num-cpus=1", f"--temp-dir={temp_dir}",
-           "--disable-usage-stats", *args]
+    ports = [
+        "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port",
+        "--runtime-env-agent-port",
+        "--metrics-export-port",
+    ]
+    cmd = [
+        RAY,
+        "start",
+        "--node-ip-address=127.0.0.1",
+        "--num-cpus=1",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+        *args,
+    ]
     for flag in ports:
         cmd += [flag, str(free_port())]
     workers: set[int] = set()

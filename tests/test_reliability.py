@@ -17,8 +17,18 @@ from fedhm_flwr.reporting.results import load_checkpoint
 from fedhm_flwr.server.registry import FedHMStrategy
 
 # (a resumed server process asks every node for its node info again, in its start-up: no round's row differs)
-TIMING = ("seconds", "server_seconds", "query_seconds", "eval_seconds", "client_seconds_max", "reply_seconds_median",
-          "reply_seconds_max", "train_seconds", "client_seconds_sum", "deploy_stats_seconds")
+TIMING = (
+    "seconds",
+    "server_seconds",
+    "query_seconds",
+    "eval_seconds",
+    "client_seconds_max",
+    "reply_seconds_median",
+    "reply_seconds_max",
+    "train_seconds",
+    "client_seconds_sum",
+    "deploy_stats_seconds",
+)
 
 
 def _rows(out_dir):
@@ -106,7 +116,11 @@ def test_resumed_run_ends_like_an_uninterrupted_one(toy_cfg, tmp_path):
 
     def send(messages):  # the server process dies during round 3
         messages = list(messages)
-        if messages and messages[0].metadata.message_type == MessageType.TRAIN and messages[0].content["config"]["server-round"] == 3:
+        if (
+            messages
+            and messages[0].metadata.message_type == MessageType.TRAIN
+            and messages[0].content["config"]["server-round"] == 3
+        ):
             raise Stop
         return push(messages)
 

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import studies as results
-from bench import results_page as page_mod
+from bench import results_page as page_mod, studies as results
 from fedhm_flwr.math.stats import Estimate
 from fedhm_flwr.reporting.verdicts import verdict
 
@@ -32,24 +31,54 @@ RUNS = {
     "fedavg_smallest": ([0.78, 0.79, 0.80], None),
     "fedhm_distill": ([0.80, 0.83, 0.83], [0.79, 0.82, 0.82]),
 }
-SECONDS = {"fedhm": 300.0, "heterofl": 100.0, "fedrolex": 110.0, "fedavg": 200.0, "fedavg_smallest": 150.0,
-           "fedhm_distill": 400.0}
+SECONDS = {
+    "fedhm": 300.0,
+    "heterofl": 100.0,
+    "fedrolex": 110.0,
+    "fedavg": 200.0,
+    "fedavg_smallest": 150.0,
+    "fedhm_distill": 400.0,
+}
 
 
-def fake_run(root: Path, variant: str, seed: int, acc: float, small: float | None, study=CHEAP,
-             seconds: float | None = None, transport: str | None = None) -> None:
+def fake_run(
+    root: Path,
+    variant: str,
+    seed: int,
+    acc: float,
+    small: float | None,
+    study=CHEAP,
+    seconds: float | None = None,
+    transport: str | None = None,
+) -> None:
     path = results.run_dir(study, "dir0.5", variant, seed, root)
     path.mkdir(parents=True)
     (path / "config.yaml").write_text(f"seed: {seed}\nmethod:\n  name: {variant}\n")
     levels = {"1": acc} if small is None else {"1": acc, "0.125": small}
-    rounds = [{"round": r, "acc/global": acc - 0.01 * (3 - r), **{f"acc/level_{k}": v for k, v in levels.items()}}
-              for r in (1, 2, 3)]
+    rounds = [
+        {"round": r, "acc/global": acc - 0.01 * (3 - r), **{f"acc/level_{k}": v for k, v in levels.items()}}
+        for r in (1, 2, 3)
+    ]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
-    summary = {"method": variant, "final_acc/global": acc, **{f"final_acc/level_{k}": v for k, v in levels.items()},
-               "bytes_total": 2e6, "wall_seconds": seconds or SECONDS[variant], "rounds_completed": 3,
-               "commit": "abc1234", "machine": "x86_64, 2 cores, no GPU", "finished_at": "2026-11-23 12:00 UTC",
-               "level_costs": {k: {"params": 1000 if k == "1" else 200, "macs": 5000 if k == "1" else 900,
-                                   "memory": 40000 if k == "1" else 9000} for k in levels}}
+    summary = {
+        "method": variant,
+        "final_acc/global": acc,
+        **{f"final_acc/level_{k}": v for k, v in levels.items()},
+        "bytes_total": 2e6,
+        "wall_seconds": seconds or SECONDS[variant],
+        "rounds_completed": 3,
+        "commit": "abc1234",
+        "machine": "x86_64, 2 cores, no GPU",
+        "finished_at": "2026-11-23 12:00 UTC",
+        "level_costs": {
+            k: {
+                "params": 1000 if k == "1" else 200,
+                "macs": 5000 if k == "1" else 900,
+                "memory": 40000 if k == "1" else 9000,
+            }
+            for k in levels
+        },
+    }
     if transport:
         summary["transport"] = transport
     (path / "summary.json").write_text(json.dumps(summary))
@@ -60,8 +89,14 @@ def runs(tmp_path: Path) -> Path:
     root = tmp_path / "results"
     for variant, (accs, smalls) in RUNS.items():
         for seed, acc in enumerate(accs):
-            fake_run(root, variant, seed, acc, None if smalls is None else smalls[seed],
-                     transport="ray" if seed == 2 else None)
+            fake_run(
+                root,
+                variant,
+                seed,
+                acc,
+                None if smalls is None else smalls[seed],
+                transport="ray" if seed == 2 else None,
+            )
     partial = results.run_dir(CHEAP, "dir0.1", "fedrolex", 0, root).parent / ".seed0.partial"
     partial.mkdir(parents=True)  # an interrupted run: neither counted nor shown
     return root
@@ -88,29 +123,66 @@ def test_each_verdict_matches_a_hand_computation(runs: Path, tmp_path: Path):
     page = page_mod.render(runs, [CHEAP], tmp_path / "fig", tmp_path / "RESULTS.md")
     g, s = {k: v[0] for k, v in RUNS.items()}, {k: v[1] for k, v in RUNS.items()}
     cases = [  # claim, per-seed differences (pt), kind, expected verdict (decided here from the hand CI)
-        ("FedHM's global model beats FedAvg trained on the smallest FedHM model",
-         pt(g["fedhm"], g["fedavg_smallest"]), "greater", "supported"),              # [2, 3, 4]
-        ("FedHM beats HeteroFL (budget-matched), global model",
-         pt(g["fedhm"], g["heterofl"]), "greater", "not resolved at 3 seeds"),     # [1, 2, 3]
-        ("FedHM beats HeteroFL (budget-matched), smallest level",
-         pt(s["fedhm"], s["heterofl"]), "greater", "supported"),                   # [9.6, 10.4, 10.6]
-        ("FedHM beats FedRolex (budget-matched), global model",
-         pt(g["fedhm"], g["fedrolex"]), "greater", "contradicted"),                # [-3, -4, -3]
-        ("FedHM beats FedRolex (budget-matched), smallest level",
-         pt(s["fedhm"], s["fedrolex"]), "greater", "not resolved at 3 seeds"),     # [-0.4, 1.4, 3.6]
-        ("FedHM's smallest level is within 1 pt of FedHM's global model",
-         pt(s["fedhm"], g["fedhm"]), "within", "supported"),                       # [-0.4, -0.6, -0.4]
-        ("self-distillation improves FedHM's global model",
-         pt(g["fedhm_distill"], g["fedhm"]), "greater", "not resolved at 3 seeds"),  # [0, 1, -1]
+        (
+            "FedHM's global model beats FedAvg trained on the smallest FedHM model",
+            pt(g["fedhm"], g["fedavg_smallest"]),
+            "greater",
+            "supported",
+        ),  # [2, 3, 4]
+        (
+            "FedHM beats HeteroFL (budget-matched), global model",
+            pt(g["fedhm"], g["heterofl"]),
+            "greater",
+            "not resolved at 3 seeds",
+        ),  # [1, 2, 3]
+        (
+            "FedHM beats HeteroFL (budget-matched), smallest level",
+            pt(s["fedhm"], s["heterofl"]),
+            "greater",
+            "supported",
+        ),  # [9.6, 10.4, 10.6]
+        (
+            "FedHM beats FedRolex (budget-matched), global model",
+            pt(g["fedhm"], g["fedrolex"]),
+            "greater",
+            "contradicted",
+        ),  # [-3, -4, -3]
+        (
+            "FedHM beats FedRolex (budget-matched), smallest level",
+            pt(s["fedhm"], s["fedrolex"]),
+            "greater",
+            "not resolved at 3 seeds",
+        ),  # [-0.4, 1.4, 3.6]
+        (
+            "FedHM's smallest level is within 1 pt of FedHM's global model",
+            pt(s["fedhm"], g["fedhm"]),
+            "within",
+            "supported",
+        ),  # [-0.4, -0.6, -0.4]
+        (
+            "self-distillation improves FedHM's global model",
+            pt(g["fedhm_distill"], g["fedhm"]),
+            "greater",
+            "not resolved at 3 seeds",
+        ),  # [0, 1, -1]
     ]
     for claim, diffs, kind, expected in cases:
         mean, low, high = hand_ci(diffs)
-        by_hand = ("supported" if low > 0 else "contradicted" if high < 0 else "not resolved at 3 seeds") \
-            if kind == "greater" else ("supported" if -1 < low and high < 1 else
-                                       "contradicted" if low > 1 or high < -1 else "not resolved at 3 seeds")
+        by_hand = (
+            ("supported" if low > 0 else "contradicted" if high < 0 else "not resolved at 3 seeds")
+            if kind == "greater"
+            else (
+                "supported"
+                if -1 < low and high < 1
+                else "contradicted"
+                if low > 1 or high < -1
+                else "not resolved at 3 seeds"
+            )
+        )
         assert by_hand == expected, claim  # the fake numbers exercise the case they were picked for
-        assert verdict_line(page, claim) == (f"| {claim} | cheap | Dirichlet α = 0.5 | 3 | {mean:+.2f} | "
-                                             f"[{low:+.2f}, {high:+.2f}] | **{expected}** |")
+        assert verdict_line(page, claim) == (
+            f"| {claim} | cheap | Dirichlet α = 0.5 | 3 | {mean:+.2f} | [{low:+.2f}, {high:+.2f}] | **{expected}** |"
+        )
     assert "(−1, +1) pt" in page and "not resolved at n seeds" in page  # the rule is stated on the page
 
 
@@ -134,13 +206,21 @@ def test_verdict_rule_at_its_boundaries():
 def test_page_states_the_paired_difference_with_its_t_interval(runs: Path, tmp_path: Path):
     page = page_mod.render(runs, [CHEAP, CAPACITY], tmp_path / "fig", tmp_path / "RESULTS.md")
     # differences 1, 2, 3 pt: mean 2, sd 1, t(0.975, df 2) = 4.302653 -> half width 4.302653 / sqrt(3) = 2.4841
-    assert "FedHM − HeteroFL (budget-matched), final global accuracy: +2.00 pt, 95 % CI [-0.48, +4.48] over 3 paired seeds" in page
+    assert (
+        "FedHM − HeteroFL (budget-matched), final global accuracy: +2.00 pt, 95 % CI [-0.48, +4.48] over 3 paired seeds"
+        in page
+    )
     assert "the interval contains 0" in page
     # the headline row of FedHM: mean 82.00, sd 2.00, CI 82 ± 4.302653 * 2 / sqrt(3) = [77.03, 86.97]
     assert "| FedHM | 3 | 82.00 ± 2.00 | [77.03, 86.97] |" in page
     assert "runs 18 of 96" in page  # cheap 2 × 6 × 3 + capacity 2 × 6 × 5; the partial run is not a finished one
-    for plot in ("accuracy_by_round", "accuracy_vs_bytes", "accuracy_vs_params", "accuracy_vs_macs",
-                 "accuracy_vs_memory"):
+    for plot in (
+        "accuracy_by_round",
+        "accuracy_vs_bytes",
+        "accuracy_vs_params",
+        "accuracy_vs_macs",
+        "accuracy_vs_memory",
+    ):
         assert (tmp_path / "fig" / "dir0.5" / f"{plot}.png").stat().st_size > 1000
         assert f"fig/dir0.5/{plot}.png" in page
     # which runs used which transport, from each run's summary.json (seed 2 said "ray")
@@ -177,8 +257,10 @@ def test_plan_counts_missing_runs_and_estimates_their_time(runs: Path):
     assert "  cheap dir0.1: 18 run(s) missing (0 on Ray), estimated 1.1 h of run time" in lines
     # capacity dir0.5: 29 missing (fedavg seed 0 done): 3 × the cheap times, fedavg 600 s
     capacity_s = 5 * 3 * (300 + 100 + 110 + 200 + 150 + 400) - 600
-    assert (f"  capacity dir0.5: 29 run(s) missing (6 on Ray), estimated {capacity_s / 3600:.1f} h of run time"
-            " (Ray runs from in-process times: no Ray run of this study measured yet)") in lines
+    assert (
+        f"  capacity dir0.5: 29 run(s) missing (6 on Ray), estimated {capacity_s / 3600:.1f} h of run time"
+        " (Ray runs from in-process times: no Ray run of this study measured yet)"
+    ) in lines
     total = 3 * 1260 + capacity_s + 5 * 3 * 1260  # cheap dir0.1, capacity dir0.5, capacity dir0.1
     assert lines[-1].startswith(f"make results: {18 + 29 + 30} run(s) missing")
     assert f"estimated {total / 3600:.1f} h of run time, about {total / 2 / 3600:.1f} h on 2 worker" in lines[-1]

@@ -19,11 +19,15 @@ from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.server_app import initial_state, run
 from fedhm_flwr.server.registry import STRATEGIES
 
-TOY = ("num_clients=6 fraction_train=1.0 dataset.max_train_examples=1200 dataset.max_test_examples=300 "
-       "model.width=4 train.batch_size=64 evaluation.batch_size=300")
-TINY_IMAGE = ("model=vit dataset=fashion_mnist model.backbone=random model.width=16 model.depth=2 "
-              "num_clients=4 fraction_train=1.0 dataset.max_train_examples=400 dataset.max_test_examples=100 "
-              "train.batch_size=32 evaluation.batch_size=100")
+TOY = (
+    "num_clients=6 fraction_train=1.0 dataset.max_train_examples=1200 dataset.max_test_examples=300 "
+    "model.width=4 train.batch_size=64 evaluation.batch_size=300"
+)
+TINY_IMAGE = (
+    "model=vit dataset=fashion_mnist model.backbone=random model.width=16 model.depth=2 "
+    "num_clients=4 fraction_train=1.0 dataset.max_train_examples=400 dataset.max_test_examples=100 "
+    "train.batch_size=32 evaluation.batch_size=100"
+)
 
 
 # ------------------------------------------------------------------------------------ pure math
@@ -36,8 +40,13 @@ def _t(*xs):
 def test_median_trimmed_and_weighted_mean_over_the_covering_clients_on_known_numbers():
     prev = {"w": _t(-1, -1, -1, -1)}
     # element 0: everyone; 1: clients 0 and 1; 2: client 2 only; 3: nobody
-    values = [{"w": _t(1, 10, 0, 9)}, {"w": _t(2, 20, 0, 9)}, {"w": _t(6, 99, 7, 9)}, {"w": _t(7, 99, 0, 9)},
-              {"w": _t(100, 99, 0, 9)}]
+    values = [
+        {"w": _t(1, 10, 0, 9)},
+        {"w": _t(2, 20, 0, 9)},
+        {"w": _t(6, 99, 7, 9)},
+        {"w": _t(7, 99, 0, 9)},
+        {"w": _t(100, 99, 0, 9)},
+    ]
     covers = [[1, 1, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 0], [1, 0, 0, 0]]
     masks = [{"w": torch.tensor(c, dtype=torch.bool)} for c in covers]
     median = robust.combine(prev, values, masks, "median")["w"]
@@ -55,8 +64,10 @@ def test_classifier_rows_count_only_the_clients_holding_the_class():
     assert mask["conv.weight"].all()
     prev = {"fc.weight": torch.zeros(3, 2)}
     values = [{"fc.weight": torch.full((3, 2), 1.0)}, {"fc.weight": torch.full((3, 2), 3.0)}]
-    masks = [robust.with_class_rows(v, None, np.array(h), ["fc.weight"])
-             for v, h in zip(values, ([True, False, False], [True, True, False]))]
+    masks = [
+        robust.with_class_rows(v, None, np.array(h), ["fc.weight"])
+        for v, h in zip(values, ([True, False, False], [True, True, False]))
+    ]
     out = robust.combine(prev, values, masks, "median")["fc.weight"]
     assert out[:, 0].tolist() == [2.0, 3.0, 0.0]  # row 2: nobody holds class 2, keeps its value
 
@@ -93,8 +104,12 @@ def test_krum_picks_the_reply_closest_to_its_neighbours_as_flower_does():
     assert robust.krum_select(vectors, 0) == [1]
     assert robust.krum_select(vectors, 0, m=2) == [1, 0]
     gen = torch.Generator().manual_seed(1)
-    points = torch.cat([torch.randn(6, 5, generator=gen, dtype=torch.float64),
-                        100 + torch.randn(2, 5, generator=gen, dtype=torch.float64)])
+    points = torch.cat(
+        [
+            torch.randn(6, 5, generator=gen, dtype=torch.float64),
+            100 + torch.randn(2, 5, generator=gen, dtype=torch.float64),
+        ]
+    )
     contents = [RecordDict({"arrays": ArrayRecord([p.numpy()])}) for p in points]
     (chosen,) = select_multikrum(contents, num_malicious_nodes=2, num_nodes_to_select=1)
     assert robust.krum_select(points, 2) == [next(i for i, c in enumerate(contents) if c is chosen)]
@@ -107,8 +122,9 @@ def test_accountant_reproduces_tensorflow_privacys_published_values():
     # tensorflow/privacy rdp_accountant_test.py: test_compute_rdp and test_get_privacy_spent
     # (the latter is the example of Abadi et al.: q = 0.01, sigma = 4, 10000 steps, delta = 1e-5)
     assert privacy.compute_rdp(0.1, 2, 10, [5])[0] == pytest.approx(0.07737, abs=1e-5)
-    np.testing.assert_allclose(privacy.compute_rdp(0.01, 2.5, 50, [5, 50, 100]),
-                               [0.00218075, 0.023846, 167.416307], atol=1e-5)
+    np.testing.assert_allclose(
+        privacy.compute_rdp(0.01, 2.5, 50, [5, 50, 100]), [0.00218075, 0.023846, 167.416307], atol=1e-5
+    )
     orders = list(range(2, 33))
     eps, order = privacy.epsilon_from_rdp(privacy.compute_rdp(0.01, 4, 10000, orders), 1e-5, orders)
     assert eps == pytest.approx(1.258575, abs=1e-5) and order == 20
@@ -174,12 +190,16 @@ def test_an_attack_changes_exactly_the_chosen_clients_replies_in_the_chosen_way(
     attackers = {n for n in strategy.sent if strategy.is_attacker(n)}
     assert len(attackers) == 2  # round(0.34 * 6) partitions, fixed for the run
     assert json.loads(strategy.attacks.columns["attackers"]) == sorted(
-        (strategy.node_label(n) for n in attackers), key=lambda s: int(s[1:]))
+        (strategy.node_label(n) for n in attackers), key=lambda s: int(s[1:])
+    )
     received = {m.metadata.dst_node_id: m.content["arrays"].to_torch_state_dict() for m in messages}
     clean_by = {m.metadata.src_node_id: m for m in clean}
     for reply in attacked:
         node = reply.metadata.src_node_id
-        got, honest = reply.content["arrays"].to_torch_state_dict(), clean_by[node].content["arrays"].to_torch_state_dict()
+        got, honest = (
+            reply.content["arrays"].to_torch_state_dict(),
+            clean_by[node].content["arrays"].to_torch_state_dict(),
+        )
         if node not in attackers:
             assert all(torch.equal(got[k], honest[k]) for k in got)
             continue
@@ -191,8 +211,8 @@ def test_an_attack_changes_exactly_the_chosen_clients_replies_in_the_chosen_way(
         elif kind == "sign_flip":
             assert all(torch.allclose(sent_update[k], -update[k], atol=1e-6) for k in got)
         elif kind == "gaussian":
-            norm = math.sqrt(sum(float((u ** 2).sum()) for u in update.values()))
-            assert math.sqrt(sum(float((u ** 2).sum()) for u in sent_update.values())) == pytest.approx(norm, rel=1e-4)
+            norm = math.sqrt(sum(float((u**2).sum()) for u in update.values()))
+            assert math.sqrt(sum(float((u**2).sum()) for u in sent_update.values())) == pytest.approx(norm, rel=1e-4)
             assert _distance(sent_update, update) > 0.5 * norm
         else:  # label_flip: trained on y -> C - 1 - y, reported counts follow
             counts = list(reply.content["metrics"]["class-counts"])
@@ -221,7 +241,9 @@ def test_the_outlier_filter_rejects_and_counts_the_scaled_reply_and_krum_never_p
     cfg = load_config(f"{TOY} aggregation.outlier_z=3")
     strategy, filtered = _aggregate(cfg, state, grid, replies)
     assert strategy.untrusted.columns["robust_rejected"] == 1
-    assert json.loads(strategy.untrusted.columns["robust_rejected_nodes"]) == [strategy.node_label(n) for n in attackers]
+    assert json.loads(strategy.untrusted.columns["robust_rejected_nodes"]) == [
+        strategy.node_label(n) for n in attackers
+    ]
     _, clean = _aggregate(load_config(TOY), state, grid, honest)
     assert all(torch.equal(filtered[k], clean[k]) for k in clean)
     strategy, _ = _aggregate(load_config(f"{TOY} aggregation.robust=krum aggregation.krum_m=3"), state, grid, replies)
@@ -232,8 +254,9 @@ def test_the_outlier_filter_rejects_and_counts_the_scaled_reply_and_krum_never_p
     robust.krum_select = lambda vectors, f, m=1: assumed.append((len(vectors), f)) or real(vectors, f, m)
     try:
         for fraction in (0.1, 0.34, 0.49):
-            _aggregate(load_config(f"{TOY} aggregation.robust=krum aggregation.krum_fraction={fraction}"), state,
-                       grid, replies)
+            _aggregate(
+                load_config(f"{TOY} aggregation.robust=krum aggregation.krum_fraction={fraction}"), state, grid, replies
+            )
     finally:
         robust.krum_select = real
     assert assumed == [(6, 1), (6, 3), (6, 3)]
@@ -263,8 +286,9 @@ def test_every_method_runs_a_round_with_each_defence_it_accepts(method):
             assert new.keys() == state.keys()
             assert all(new[k].shape == state[k].shape and torch.isfinite(new[k]).all() for k in new)
     if "clip" in modes:  # a bound no update reaches: exactly the method's own weighted merge
-        _, unclipped = _aggregate(load_config(f"{base} aggregation.robust=clip aggregation.clip_norm=1e9"),
-                                  state, grid, replies)
+        _, unclipped = _aggregate(
+            load_config(f"{base} aggregation.robust=clip aggregation.clip_norm=1e9"), state, grid, replies
+        )
         for k in plain:
             torch.testing.assert_close(unclipped[k], plain[k], rtol=1e-5, atol=1e-6)
     else:
@@ -290,17 +314,20 @@ def test_dp_adds_calibrated_noise_to_the_clipped_mean_and_reports_epsilon(tmp_pa
     assert 0 < rows[0]["dp_epsilon"] < rows[1]["dp_epsilon"] == summary["dp_epsilon"]
 
 
-@pytest.mark.parametrize("override,field", [
-    ("aggregation.robust=krum method=heterofl", "aggregation.robust"),
-    ("aggregation.robust=median method=prism", "aggregation.robust"),
-    ("aggregation.robust=mean", "aggregation.robust"),
-    ("aggregation.trim_fraction=0.5", "aggregation.trim_fraction"),
-    ("failures.attack.kind=backdoor", "failures.attack.kind"),
-    ("failures.attack.fraction=1.5", "failures.attack.fraction"),
-    ("dp.enabled=true method=heterofl", "dp.enabled"),
-    ("dp.enabled=true aggregation.robust=median", "aggregation.robust"),
-    ("dp.noise_multiplier=0", "dp.noise_multiplier"),
-])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("aggregation.robust=krum method=heterofl", "aggregation.robust"),
+        ("aggregation.robust=median method=prism", "aggregation.robust"),
+        ("aggregation.robust=mean", "aggregation.robust"),
+        ("aggregation.trim_fraction=0.5", "aggregation.trim_fraction"),
+        ("failures.attack.kind=backdoor", "failures.attack.kind"),
+        ("failures.attack.fraction=1.5", "failures.attack.fraction"),
+        ("dp.enabled=true method=heterofl", "dp.enabled"),
+        ("dp.enabled=true aggregation.robust=median", "aggregation.robust"),
+        ("dp.noise_multiplier=0", "dp.noise_multiplier"),
+    ],
+)
 def test_bad_untrusted_settings_are_refused_naming_the_field(override, field):
     with pytest.raises(ConfigError) as err:
         load_config(f"{TOY} {override}")
@@ -337,7 +364,6 @@ def test_defences_never_select_or_produce_inf_nan_or_huge_values():
     assert robust.oversized({"w": _t(3, 4), "n": torch.tensor([10**9])}, 5.0) is None
 
 
-
 def test_the_screens_one_op_pass_over_a_whole_reply_clears_only_what_the_per_tensor_passes_clear():
     """``flat`` (all of a reply's floating values) clears a reply at once only when its whole norm is
     within the bound; otherwise the per-tensor passes decide, with the same reasons as without it."""
@@ -354,11 +380,14 @@ def test_the_screens_one_op_pass_over_a_whole_reply_clears_only_what_the_per_ten
     assert robust.oversized(big, 1e15, big["a"]).startswith("a has L2 norm 3e+30")
     assert robust.oversized({}, 1.0, torch.zeros(0)) is None
 
+
 def _huge_factors(reply, factor):
     """The reply with every factor (``.a.weight``/``.b.weight``) multiplied by ``factor``."""
     state = reply.content["arrays"].to_torch_state_dict()
     state = {k: v * factor if k.endswith((".a.weight", ".b.weight")) else v for k, v in state.items()}
-    reply.content = RecordDict({"arrays": ArrayRecord.from_torch_state_dict(state), "metrics": reply.content["metrics"]})
+    reply.content = RecordDict(
+        {"arrays": ArrayRecord.from_torch_state_dict(state), "metrics": reply.content["metrics"]}
+    )
     return reply
 
 

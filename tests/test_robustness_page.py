@@ -10,15 +10,19 @@ import re
 
 import dp_accounting
 
-from bench import robustness as rb
-from bench import robustness_fuzz as rf
+from bench import robustness as rb, robustness_fuzz as rf
 from bench.robustness import Cell
 
 #: t_{0.975, 2}: Student's t table, two degrees of freedom (three seeds)
 T2 = 4.302652729911275
 #: a DP run's record as the server loop writes it: q is its fraction_train override, ε the RDP one it logged
-DP_RUN = {"overrides": "rounds=20 num_clients=500 fraction_train=0.2 dp.enabled=true dp.noise_multiplier=1",
-          "dp_noise_multiplier": 1.0, "rounds_completed": 20, "dp_delta": 1e-5, "dp_epsilon": 8.514880382861215}
+DP_RUN = {
+    "overrides": "rounds=20 num_clients=500 fraction_train=0.2 dp.enabled=true dp.noise_multiplier=1",
+    "dp_noise_multiplier": 1.0,
+    "rounds_completed": 20,
+    "dp_delta": 1e-5,
+    "dp_epsilon": 8.514880382861215,
+}
 
 
 def _pld(q, sigma, rounds, delta):
@@ -33,8 +37,15 @@ def _fake(root, cell, accs, **extra):
     for seed, acc in enumerate(accs):
         path = cell.path(seed, root)
         path.mkdir(parents=True)
-        data = {"final_acc/global": acc, "seconds": 10.0, "commit": "abc1234", "machine": "test box",
-                "attackers_sampled": 4, "rejected": 1, **extra}
+        data = {
+            "final_acc/global": acc,
+            "seconds": 10.0,
+            "commit": "abc1234",
+            "machine": "test box",
+            "attackers_sampled": 4,
+            "rejected": 1,
+            **extra,
+        }
         (path / "summary.json").write_text(json.dumps(data))
 
 
@@ -95,8 +106,13 @@ def test_missing_runs_come_cell_by_cell_and_the_status_counts_them(tmp_path):
 def test_the_pld_epsilon_uses_each_runs_own_parameters_and_only_where_they_give_back_its_rdp_epsilon():
     from fedhm_flwr.math.privacy import compute_rdp, epsilon_from_rdp
 
-    run = {**DP_RUN, "overrides": "fraction_train=0.1", "dp_noise_multiplier": 2.0, "rounds_completed": 7,
-           "dp_delta": 1e-6}
+    run = {
+        **DP_RUN,
+        "overrides": "fraction_train=0.1",
+        "dp_noise_multiplier": 2.0,
+        "rounds_completed": 7,
+        "dp_delta": 1e-6,
+    }
     run["dp_epsilon"] = epsilon_from_rdp(compute_rdp(0.1, 2.0, 7), 1e-6)[0]
     assert rf.dp_parameters(run) == (0.1, 2.0, 7, 1e-6)
     assert rf.pld_text(run) == f"{_pld(0.1, 2.0, 7, 1e-6):.2f}"
@@ -105,18 +121,56 @@ def test_the_pld_epsilon_uses_each_runs_own_parameters_and_only_where_they_give_
     assert rf.pld_text({k: v for k, v in run.items() if k != "rounds_completed"}) == "–"
 
 
-FUZZ = {"commit": "abc1234", "dirty": True, "minutes": 30.0, "replies_tried": 3000, "malformed_replies": 2100, "rounds": 70,
-        "configs": ["fedhm none", "fedhm clip"], "escaped": 0, "non_finite_models": 0,
-        "classes": [
-            {"class": "int-arrays", "what": "every floating array sent back as int64", "tried": 1234,
-             "refused": 1234, "accepted": 0, "rounds": 40, "rounds_survived": 40, "model_finite": 39,
-             "reasons": {"conv1.weight is int64, level 1 was sent float32": 1000,
-                         "fc.bias is int64, level 3 was sent float32": 200, "x" * 200: 34}},
-            {"class": "nan-values", "what": "a NaN | in one array", "tried": 1766, "refused": 1700,
-             "accepted": 66, "rounds": 30, "rounds_survived": 29, "model_finite": 30,
-             "reasons": {"reply from node 17 has non-finite values in conv2.weight " + "y" * 100: 1700}},
-            {"class": "fine", "what": "a well-formed reply", "tried": 5, "refused": 0, "accepted": 5,
-             "rounds": 5, "rounds_survived": 5, "model_finite": 5, "reasons": {}}]}
+FUZZ = {
+    "commit": "abc1234",
+    "dirty": True,
+    "minutes": 30.0,
+    "replies_tried": 3000,
+    "malformed_replies": 2100,
+    "rounds": 70,
+    "configs": ["fedhm none", "fedhm clip"],
+    "escaped": 0,
+    "non_finite_models": 0,
+    "classes": [
+        {
+            "class": "int-arrays",
+            "what": "every floating array sent back as int64",
+            "tried": 1234,
+            "refused": 1234,
+            "accepted": 0,
+            "rounds": 40,
+            "rounds_survived": 40,
+            "model_finite": 39,
+            "reasons": {
+                "conv1.weight is int64, level 1 was sent float32": 1000,
+                "fc.bias is int64, level 3 was sent float32": 200,
+                "x" * 200: 34,
+            },
+        },
+        {
+            "class": "nan-values",
+            "what": "a NaN | in one array",
+            "tried": 1766,
+            "refused": 1700,
+            "accepted": 66,
+            "rounds": 30,
+            "rounds_survived": 29,
+            "model_finite": 30,
+            "reasons": {"reply from node 17 has non-finite values in conv2.weight " + "y" * 100: 1700},
+        },
+        {
+            "class": "fine",
+            "what": "a well-formed reply",
+            "tried": 5,
+            "refused": 0,
+            "accepted": 5,
+            "rounds": 5,
+            "rounds_survived": 5,
+            "model_finite": 5,
+            "reasons": {},
+        },
+    ],
+}
 
 
 def _rows(page):
@@ -131,7 +185,11 @@ def test_the_malformed_reply_table_shows_the_fuzz_files_numbers(tmp_path):
     path.parent.mkdir()
     path.write_text(json.dumps(FUZZ))
     page = rb.render(tmp_path / "runs", (0,), fuzz=path)
-    assert "`python -m bench.fuzz --minutes 30`" in page and "3000 replies tried (2100 of them malformed" in page and "over 70 rounds" in page
+    assert (
+        "`python -m bench.fuzz --minutes 30`" in page
+        and "3000 replies tried (2100 of them malformed" in page
+        and "over 70 rounds" in page
+    )
     assert "`abc1234` (with uncommitted changes)" in page and "`fedhm none`, `fedhm clip`" in page
     rows = _rows(page)
     assert len(rows) == len(FUZZ["classes"])
@@ -142,8 +200,10 @@ def test_the_malformed_reply_table_shows_the_fuzz_files_numbers(tmp_path):
         assert cells[6] == f"{c['model_finite']} of {c['rounds']}"
     int_arrays, nan_values, fine = (r[4] for r in rows)
     # the two most frequent reasons with their counts, and how many others
-    assert int_arrays == ("conv1.weight is int64, level 1 was sent float32 (1000); "
-                          "fc.bias is int64, level 3 was sent float32 (200); 1 other reason(s)")
+    assert int_arrays == (
+        "conv1.weight is int64, level 1 was sent float32 (1000); "
+        "fc.bias is int64, level 3 was sent float32 (200); 1 other reason(s)"
+    )
     reason = nan_values.rsplit(" (", 1)
     assert reason[1] == "1700)" and len(reason[0]) <= rf.REASON_WIDTH and reason[0].endswith("…")
     assert fine == "–"

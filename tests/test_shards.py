@@ -129,10 +129,12 @@ def test_a_corrupted_or_incomplete_shard_is_refused_naming_its_folder(exported, 
 def _query(node_config: dict) -> Message:
     """The node's reply to the server's first message (``node-info``), given its node config."""
     LocalGrid(1, {})  # sets the process's task identity, which building a Message needs
-    msg = Message(RecordDict({"config": ConfigRecord({"query": "node-info"})}), dst_node_id=1,
-                  message_type=MessageType.QUERY)
-    return base.handle_query(msg, Context(run_id=1, node_id=1, node_config=node_config, state=RecordDict(),
-                                          run_config={}))
+    msg = Message(
+        RecordDict({"config": ConfigRecord({"query": "node-info"})}), dst_node_id=1, message_type=MessageType.QUERY
+    )
+    return base.handle_query(
+        msg, Context(run_id=1, node_id=1, node_config=node_config, state=RecordDict(), run_config={})
+    )
 
 
 @needs_fmnist
@@ -140,8 +142,12 @@ def test_node_info_reports_the_shard_and_refuses_a_missing_or_broken_one(exporte
     _, out = exported
     reply = _query({"data-dir": str(out / "partition-3"), "node-name": "ward-7", "capability-level": 0.5})
     assert not reply.has_error()
-    assert dict(reply.content["config"]) == {"partition-id": 3, "num-partitions": 4, "node-name": "ward-7",
-                                             "capability-level": 0.5}
+    assert dict(reply.content["config"]) == {
+        "partition-id": 3,
+        "num-partitions": 4,
+        "node-name": "ward-7",
+        "capability-level": 0.5,
+    }
     (tmp_path / "empty").mkdir()
     for node_config in [{"data-dir": str(tmp_path / "empty")}, {"data-dir": str(tmp_path / "nowhere")}]:
         reply = _query(node_config)
@@ -207,8 +213,14 @@ def test_a_node_with_a_shard_never_opens_another_data_source(exported, tmp_path)
     empty.mkdir()
     env = {**os.environ, D.DATA_DIR_ENV: str(empty), "PYTHONPATH": str(REPO)}
     overrides = [*SMALL, "model.width=8", "train.batch_size=64", "fraction_train=1.0", "min_train_nodes=3"]
-    proc = subprocess.run([sys.executable, "-c", NODE_SCRIPT, json.dumps(folders), *overrides], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", NODE_SCRIPT, json.dumps(folders), *overrides],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     manifests = [json.loads((Path(f) / "manifest.json").read_text()) for f in folders]
@@ -240,17 +252,33 @@ def test_a_shard_written_by_hand_as_docs_deploy_describes_loads(tmp_path):
         return Dataset.from_dict({"image": images, "label": labels.astype(np.int64)}, features=features)
 
     def entry(images, labels):
-        digest = hashlib.sha256(np.ascontiguousarray(images, np.uint8).tobytes()
-                                + np.ascontiguousarray(labels, "<i8").tobytes()).hexdigest()
-        return {"num_examples": len(labels), "sha256": digest,
-                "class_counts": np.bincount(labels, minlength=10).tolist()}
+        digest = hashlib.sha256(
+            np.ascontiguousarray(images, np.uint8).tobytes() + np.ascontiguousarray(labels, "<i8").tobytes()
+        ).hexdigest()
+        return {
+            "num_examples": len(labels),
+            "sha256": digest,
+            "class_counts": np.bincount(labels, minlength=10).tolist(),
+        }
 
     DatasetDict({"train": split(train_x, train_y), "heldout": split(held_x, held_y)}).save_to_disk(
-        str(tmp_path), num_shards={"train": 1, "heldout": 1})
-    (tmp_path / "manifest.json").write_text(json.dumps({
-        "format": "fedhm-shard", "format_version": 1, "dataset": "fashion_mnist", "num_classes": 10,
-        "in_channels": 1, "image_size": 28, "mean": [0.5], "std": [0.25],
-        "splits": {"train": entry(train_x, train_y), "heldout": entry(held_x, held_y)}}))
+        str(tmp_path), num_shards={"train": 1, "heldout": 1}
+    )
+    (tmp_path / "manifest.json").write_text(
+        json.dumps(
+            {
+                "format": "fedhm-shard",
+                "format_version": 1,
+                "dataset": "fashion_mnist",
+                "num_classes": 10,
+                "in_channels": 1,
+                "image_size": 28,
+                "mean": [0.5],
+                "std": [0.25],
+                "splits": {"train": entry(train_x, train_y), "heldout": entry(held_x, held_y)},
+            }
+        )
+    )
     ds = shards.load_shard(tmp_path, "train")
     expected = (torch.from_numpy(train_x.transpose(0, 3, 1, 2).astype(np.float32)) / 255 - 0.5) / 0.25
     assert torch.allclose(ds.images, expected) and ds.labels.tolist() == train_y.tolist()

@@ -12,8 +12,15 @@ from fedhm_flwr.config import load_config
 from fedhm_flwr.ops import launch, multirun, shared_ray
 from fedhm_flwr.ops.shared_ray import SHARED_RAY_VAR
 
-TINY = ["rounds=2", "num_clients=4", "fraction_train=1.0", "dataset.max_train_examples=800",
-        "dataset.max_test_examples=200", "model.width=4", "evaluation.deploy_stats=false"]
+TINY = [
+    "rounds=2",
+    "num_clients=4",
+    "fraction_train=1.0",
+    "dataset.max_train_examples=800",
+    "dataset.max_test_examples=200",
+    "model.width=4",
+    "evaluation.deploy_stats=false",
+]
 
 
 @pytest.mark.parametrize("value, on", [("1", True), ("", True), ("0", False), ("false", False), ("Off", False)])
@@ -21,9 +28,14 @@ def test_the_switch_reads_the_environment(value, on):
     assert shared_ray.enabled({shared_ray.SHARED_RAY_SWITCH: value} if value else {}) is on
 
 
-@pytest.mark.parametrize("env, overrides", [({shared_ray.SHARED_RAY_SWITCH: "0"}, ["seed=0,1"]),
-                                            ({SHARED_RAY_VAR: "127.0.0.1:1"}, ["seed=0,1"]),
-                                            ({}, ["seed=0,1", "simulation.ray_address=auto"])])
+@pytest.mark.parametrize(
+    "env, overrides",
+    [
+        ({shared_ray.SHARED_RAY_SWITCH: "0"}, ["seed=0,1"]),
+        ({SHARED_RAY_VAR: "127.0.0.1:1"}, ["seed=0,1"]),
+        ({}, ["seed=0,1", "simulation.ray_address=auto"]),
+    ],
+)
 def test_a_sweep_starts_no_ray_instance_when_it_is_off_handed_down_or_configured(monkeypatch, env, overrides):
     monkeypatch.delenv(SHARED_RAY_VAR, raising=False)
     for key, value in env.items():
@@ -37,10 +49,13 @@ class _Stop(Exception):
     pass
 
 
-@pytest.mark.parametrize("configured, shared, expected", [(None, None, None), (None, "10.0.0.1:6379", "10.0.0.1:6379"),
-                                                          ("auto", "10.0.0.1:6379", "auto")])
-def test_the_launcher_gives_flower_the_configured_address_else_the_shared_one(monkeypatch, tmp_path, configured,
-                                                                               shared, expected):
+@pytest.mark.parametrize(
+    "configured, shared, expected",
+    [(None, None, None), (None, "10.0.0.1:6379", "10.0.0.1:6379"), ("auto", "10.0.0.1:6379", "auto")],
+)
+def test_the_launcher_gives_flower_the_configured_address_else_the_shared_one(
+    monkeypatch, tmp_path, configured, shared, expected
+):
     if shared:
         monkeypatch.setenv(SHARED_RAY_VAR, shared)
     else:

@@ -7,12 +7,27 @@ import math
 import pytest
 
 from fedhm_flwr.math.stats import mean_ci, t_cdf, t_quantile
-from fedhm_flwr.reporting.summary import (collect, find_runs, paired_differences, seed_statistics, tail_accuracies,
-                                          write_summary)
+from fedhm_flwr.reporting.summary import (
+    collect,
+    find_runs,
+    paired_differences,
+    seed_statistics,
+    tail_accuracies,
+    write_summary,
+)
 
 # Two-sided 95 % and 99 % critical values of Student's t (any printed table, 3 decimals)
-T_TABLE = {1: (12.706, 63.657), 2: (4.303, 9.925), 3: (3.182, 5.841), 4: (2.776, 4.604), 5: (2.571, 4.032),
-           10: (2.228, 3.169), 20: (2.086, 2.845), 30: (2.042, 2.750), 120: (1.980, 2.617)}
+T_TABLE = {
+    1: (12.706, 63.657),
+    2: (4.303, 9.925),
+    3: (3.182, 5.841),
+    4: (2.776, 4.604),
+    5: (2.571, 4.032),
+    10: (2.228, 3.169),
+    20: (2.086, 2.845),
+    30: (2.042, 2.750),
+    120: (1.980, 2.617),
+}
 
 
 @pytest.mark.parametrize("df", sorted(T_TABLE))
@@ -61,10 +76,12 @@ def _run(folder, method, seed, accs, alpha=0.5, levels=None, distill=None):
     (folder / ".hydra").mkdir()
     extra = "" if distill is None else f"- train.distill.enabled={str(distill).lower()}\n"
     (folder / ".hydra" / "overrides.yaml").write_text(
-        f"- method={method}\n- seed={seed}\n- partition.alpha={alpha}\n{extra}")
+        f"- method={method}\n- seed={seed}\n- partition.alpha={alpha}\n{extra}"
+    )
     (folder / "config.yaml").write_text(
         f"seed: {seed}\nmethod:\n  name: {method}\npartition:\n  alpha: {alpha}\nrounds: {len(accs)}\n"
-        f"train:\n  distill:\n    enabled: {str(bool(distill)).lower()}\n")
+        f"train:\n  distill:\n    enabled: {str(bool(distill)).lower()}\n"
+    )
     lines = []
     for r, a in enumerate(accs, start=1):
         row = {"round": r, "acc/global": a}
@@ -72,10 +89,17 @@ def _run(folder, method, seed, accs, alpha=0.5, levels=None, distill=None):
             row[f"acc/level_{lvl}"] = a + extra
         lines.append(json.dumps(row))
     (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    summary = {"method": method, "final_acc/global": accs[-1], "best_acc/global": max(accs),
-               "bytes_total": 1000, "wall_seconds": 1.0, "rounds_completed": len(accs),
-               "level_costs": {lvl: {"params": 100 * (i + 1), "macs": 1000, "fedhm_params": 99}
-                               for i, lvl in enumerate(levels or {})}}
+    summary = {
+        "method": method,
+        "final_acc/global": accs[-1],
+        "best_acc/global": max(accs),
+        "bytes_total": 1000,
+        "wall_seconds": 1.0,
+        "rounds_completed": len(accs),
+        "level_costs": {
+            lvl: {"params": 100 * (i + 1), "macs": 1000, "fedhm_params": 99} for i, lvl in enumerate(levels or {})
+        },
+    }
     for lvl, extra in (levels or {}).items():
         summary[f"final_acc/level_{lvl}"] = accs[-1] + extra
     (folder / "summary.json").write_text(json.dumps(summary))
@@ -89,8 +113,7 @@ def _sweep(tmp_path, alphas=(0.5,)):
     for alpha in alphas:
         for method, finals in FINAL.items():
             for seed, final in enumerate(finals):
-                _run(tmp_path / f"job{job}", method, seed, [0.5] * 9 + [final], alpha,
-                     levels={"1": 0.0, "0.5": -0.1})
+                _run(tmp_path / f"job{job}", method, seed, [0.5] * 9 + [final], alpha, levels={"1": 0.0, "0.5": -0.1})
                 job += 1
     return find_runs([tmp_path])
 
@@ -105,8 +128,9 @@ def test_statistics_group_by_configuration_without_the_seed(tmp_path):
     assert fedhm["final_mean"] == pytest.approx(est.mean) and fedhm["final_ci_low"] == pytest.approx(est.low)
     # 10 rounds: the last 10 % is the last round alone
     assert fedhm["tail_mean"] == pytest.approx(est.mean)
-    level = next(s for s in stats if s["method"] == "fedhm" and s["model"] == "level_0.5"
-                 and s["partition.alpha"] == 0.1)
+    level = next(
+        s for s in stats if s["method"] == "fedhm" and s["model"] == "level_0.5" and s["partition.alpha"] == 0.1
+    )
     assert level["final_mean"] == pytest.approx(est.mean - 0.1) and level["params"] == 200
     assert level["fedhm_params"] == 99
 
@@ -139,13 +163,23 @@ def test_write_summary_writes_tables_and_plots(tmp_path):
     _sweep(tmp_path / "runs")
     write_summary([tmp_path / "runs"], tmp_path / "out", reference="fedhm")
     out = tmp_path / "out"
-    for name in ("summary.md", "summary.csv", "statistics.md", "statistics.csv", "paired.csv",
-                 "accuracy_by_round.png", "accuracy_vs_bytes.png", "accuracy_vs_params.png", "accuracy_vs_macs.png"):
+    for name in (
+        "summary.md",
+        "summary.csv",
+        "statistics.md",
+        "statistics.csv",
+        "paired.csv",
+        "accuracy_by_round.png",
+        "accuracy_vs_bytes.png",
+        "accuracy_vs_params.png",
+        "accuracy_vs_macs.png",
+    ):
         assert (out / name).stat().st_size > 0, name
     with (out / "statistics.csv").open() as fh:
         stats = list(csv.DictReader(fh))
     assert {(s["method"], s["model"]) for s in stats} == {
-        (m, x) for m in FINAL for x in ("global", "level_1", "level_0.5")}
+        (m, x) for m in FINAL for x in ("global", "level_1", "level_0.5")
+    }
     text = (out / "statistics.md").read_text()
     assert "Paired differences against fedhm" in text and "0:+0.0050 1:-0.0020 2:-0.0010" in text
 
@@ -158,8 +192,9 @@ def test_an_ablation_sweep_is_paired_with_the_plain_method(tmp_path):
         _run(tmp_path / "distill" / f"job{seed}", "fedhm", seed, [acc], distill=True)
     swept, rows = collect(find_runs([tmp_path]))
     assert {r["method"] for r in rows} == {"fedhm", "heterofl", "fedhm train.distill.enabled=True"}
-    paired = {p["method"]: p for p in paired_differences(swept, rows) if p["model"] == "global"
-              and p["metric"] == "final"}
+    paired = {
+        p["method"]: p for p in paired_differences(swept, rows) if p["model"] == "global" and p["metric"] == "final"
+    }
     assert set(paired) == {"heterofl", "fedhm train.distill.enabled=True"}
     diffs = [a - b for a, b in zip([0.85, 0.87, 0.86], FINAL["fedhm"])]
     assert paired["fedhm train.distill.enabled=True"]["mean"] == pytest.approx(sum(diffs) / 3)

@@ -19,7 +19,8 @@ from fedhm_flwr.ops import supernode as sn
 from fedhm_flwr.ops.procs import Processes
 from fedhm_flwr.ops.superlink import bin_path, flower_env, free_port, start_superlink, write_connection
 
-APP = {"pyproject.toml": '''
+APP = {
+    "pyproject.toml": """
 [build-system]
 requires = ["hatchling"]
 build-backend = "hatchling.build"
@@ -39,7 +40,8 @@ serverapp = "sleepy:server"
 clientapp = "sleepy:client"
 
 [tool.flwr.app.config]
-''', "sleepy.py": '''
+""",
+    "sleepy.py": """
 import time
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
@@ -66,18 +68,23 @@ def main(grid: Grid, context: Context) -> None:
 def query(msg: Message, context: Context) -> Message:
     time.sleep(300)  # busy with the message
     return Message(RecordDict(), reply_to=msg)
-'''}
+""",
+}
 
 
 def _mine(program: str) -> list[int]:
     """Live processes of ``program`` that carry a ``fedhm supernode`` tag."""
-    return [p for p in sn._pids() if sn.program(p) == program and sn.alive(p)
-            and any(v.startswith(sn.TAG_VAR.encode()) for v in sn._proc(p, "environ"))]
+    return [
+        p
+        for p in sn._pids()
+        if sn.program(p) == program
+        and sn.alive(p)
+        and any(v.startswith(sn.TAG_VAR.encode()) for v in sn._proc(p, "environ"))
+    ]
 
 
 @pytest.mark.slow
-def test_real_clientapps_end_with_their_supernode_and_their_superlink_and_the_device_comes_back(tmp_path,
-                                                                                                 monkeypatch):
+def test_real_clientapps_end_with_their_supernode_and_their_superlink_and_the_device_comes_back(tmp_path, monkeypatch):
     t0 = time.monotonic()
     app = tmp_path / "sleepy"
     app.mkdir()
@@ -101,8 +108,13 @@ def test_real_clientapps_end_with_their_supernode_and_their_superlink_and_the_de
             (node,) = until("SuperNode up", lambda: _mine("flower-supernode"))
             cli = tmp_path / "cli"
             write_connection(cli, "t", f"127.0.0.1:{port}")
-            run = subprocess.run([bin_path("flwr"), "run", str(app), "t"], env=flower_env(cli), capture_output=True,
-                                 text=True, timeout=60)
+            run = subprocess.run(
+                [bin_path("flwr"), "run", str(app), "t"],
+                env=flower_env(cli),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert run.returncode == 0, run.stdout + run.stderr
             first = until("ClientApp busy", lambda: _mine("flwr-clientapp"))
             os.kill(node, signal.SIGKILL)
@@ -122,14 +134,18 @@ def test_real_clientapps_end_with_their_supernode_and_their_superlink_and_the_de
 
     ignore = signal.signal(signal.SIGTERM, lambda *_: None)  # what the wrapper restores: a late SIGTERM is lost
     try:
-        superlink = start_superlink(procs, port, tmp_path / "state.db", flower_env(tmp_path / "link-home"),
-                                    tmp_path / "superlink.log")
+        superlink = start_superlink(
+            procs, port, tmp_path / "state.db", flower_env(tmp_path / "link-home"), tmp_path / "superlink.log"
+        )
         for key, value in flower_env(tmp_path / "node-home").items():
             monkeypatch.setenv(key, value)  # the SuperNode's environment: the wrapper passes its own on
         thread = threading.Thread(target=operator, daemon=True)
         thread.start()
-        code = sn.supervise(["--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port())],
-                            watch=lambda: sn.LinkWatch(refused_patience=2.0), probe_every=(1.0, 0.5))
+        code = sn.supervise(
+            ["--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port())],
+            watch=lambda: sn.LinkWatch(refused_patience=2.0),
+            probe_every=(1.0, 0.5),
+        )
         thread.join(timeout=30)
     finally:
         signal.signal(signal.SIGTERM, ignore)

@@ -84,7 +84,7 @@ if what == "serve":
     sys.exit(3)
 '''
 
-SUPEREXEC = '''
+SUPEREXEC = """
 import os, subprocess, sys, time
 from pathlib import Path
 here = Path(__file__).resolve().parent
@@ -93,20 +93,19 @@ app = subprocess.Popen([str(here / "flwr-clientapp"), "--parent-pid", str(os.get
 out.with_suffix(".tmp").write_text(f"{os.getpid()} {app.pid}")
 out.with_suffix(".tmp").replace(out)
 time.sleep(120)
-'''
+"""
 
-CLIENTAPP = '''
+CLIENTAPP = """
 import signal, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # busy in a message: only SIGKILL ends it
 time.sleep(120)
-'''
+"""
 
 
 @pytest.fixture
 def standins(tmp_path):
     """The stand-ins' folder (:func:`_plan` says what each start does); after the test, none may be left."""
-    for name, code in (("flower-supernode", SUPERNODE), ("flower-superexec", SUPEREXEC),
-                       ("flwr-clientapp", CLIENTAPP)):
+    for name, code in (("flower-supernode", SUPERNODE), ("flower-superexec", SUPEREXEC), ("flwr-clientapp", CLIENTAPP)):
         path = tmp_path / name
         path.write_text(f"#!{sys.executable}\n{code}")
         path.chmod(0o755)
@@ -168,8 +167,9 @@ def test_a_killed_supernode_comes_back_with_backoff_and_what_it_started_ends_fir
     monkeypatch.setattr(sn, "HEALTHY_RUN", 2.0)  # the third start runs 3 s: a healthy run, the back-off starts over
     _plan(standins, "die", "die", "die-later", "give-up")
     waited: list[float] = []
-    code = sn.supervise(["--superlink", f"127.0.0.1:{_closed_port()}"], binary=str(standins / "flower-supernode"),
-                        sleep=waited.append)
+    code = sn.supervise(
+        ["--superlink", f"127.0.0.1:{_closed_port()}"], binary=str(standins / "flower-supernode"), sleep=waited.append
+    )
     assert code == 1  # Flower's own error exit (a bad key): no restart, its status
     assert waited == [1.0, 2.0, 1.0]
     runs = _runs(standins)
@@ -193,10 +193,18 @@ def test_sigterm_stops_the_wrapper_cleanly_and_ends_every_process_of_the_superno
     with socket.socket() as link:  # the SuperLink's port answers: nothing is ended for its sake
         link.bind(("127.0.0.1", 0))
         link.listen()
-        cmd = [sys.executable, "-m", "fedhm_flwr.ops.supernode", "--flower-supernode",
-               str(standins / "flower-supernode"), "--superlink", f"127.0.0.1:{link.getsockname()[1]}"]
-        wrapper = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "fedhm_flwr.ops.supernode",
+            "--flower-supernode",
+            str(standins / "flower-supernode"),
+            "--superlink",
+            f"127.0.0.1:{link.getsockname()[1]}",
+        ]
+        wrapper = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
         try:
             deadline = time.monotonic() + 20
             while not (standins / "pids-0").exists():
@@ -221,21 +229,30 @@ def test_sigterm_stops_the_wrapper_cleanly_and_ends_every_process_of_the_superno
 
 
 def test_a_supernode_whose_superlink_refuses_connections_is_started_afresh_without_its_clientapps(
-        standins, capsys, monkeypatch):
+    standins, capsys, monkeypatch
+):
     """A SuperLink that is down (its port refuses connections) under a busy ClientApp: the SuperNode is stopped
     cleanly, what it started is ended, and it starts again at once (no back-off: nothing died)."""
     monkeypatch.setattr(sn, "KILL_GRACE", 0.5)
     _plan(standins, "serve", "give-up")
     waited: list[float] = []
     t0 = time.monotonic()
-    code = sn.supervise(["--superlink", f"127.0.0.1:{_closed_port()}"], binary=str(standins / "flower-supernode"),
-                        sleep=waited.append, watch=lambda: sn.LinkWatch(refused_patience=1.0), probe_every=(0.2, 0.2))
+    code = sn.supervise(
+        ["--superlink", f"127.0.0.1:{_closed_port()}"],
+        binary=str(standins / "flower-supernode"),
+        sleep=waited.append,
+        watch=lambda: sn.LinkWatch(refused_patience=1.0),
+        probe_every=(0.2, 0.2),
+    )
     assert code == 1 and waited == []
     assert _runs(standins) == ["serve left=[]", "got SIGTERM", "said goodbye", "give-up left=[]"]
     assert time.monotonic() - t0 < 10
     err = capsys.readouterr().err
-    assert re.search(r"the SuperLink at 127\.0\.0\.1:\d+ has refused connections for 1 s .*: the runs of its "
-                     r"ClientApps \(flwr-clientapp \d+\) are over; starting the SuperNode afresh", err), err
+    assert re.search(
+        r"the SuperLink at 127\.0\.0\.1:\d+ has refused connections for 1 s .*: the runs of its "
+        r"ClientApps \(flwr-clientapp \d+\) are over; starting the SuperNode afresh",
+        err,
+    ), err
 
 
 def test_the_supernode_wrapper_waits_out_a_refused_activation_once(tmp_path, capsys):
@@ -256,8 +273,10 @@ def test_the_supernode_wrapper_waits_out_a_refused_activation_once(tmp_path, cap
     # retried): one wait, two starts; the refused one leaves a child holding its output open (as
     # flower-superexec does): no hang, and it is stopped
     child = tmp_path / "child"
-    make(f'if [ $(wc -l < {runs}) -eq 1 ]; then {sys.executable} -c "import time; time.sleep(300)" --parent-pid $$ & '
-         f'echo $! > {child}; {refused}; fi; {tls}')
+    make(
+        f'if [ $(wc -l < {runs}) -eq 1 ]; then {sys.executable} -c "import time; time.sleep(300)" --parent-pid $$ & '
+        f"echo $! > {child}; {refused}; fi; {tls}"
+    )
     waited: list[float] = []
     assert sn.supervise(["--x"], 3.0, str(stub), sleep=waited.append) == 1
     assert len(runs.read_text().splitlines()) == 2 and waited == [3.0]

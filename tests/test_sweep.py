@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from test_ray_cluster import RAY, ray_start
 
 from fedhm_flwr.ops.launch import free_port
 from fedhm_flwr.ops.procs import Processes, tagged_pids
 from fedhm_flwr.reporting.summary import write_summary
-from test_ray_cluster import RAY, ray_start
 
 RATIOS = ((1, 0.25), (0.5, 0.125))
 
@@ -38,14 +38,32 @@ def test_a_sweep_on_a_two_node_ray_cluster_has_one_row_per_job(tmp_path):
     procs = Processes()  # the cluster's processes carry this tag: stopped by it, and only they
     sweep_dir = tmp_path / "sweep"
     try:
-        ray_start(procs, temp_dir, "--head", f"--port={gcs}", "--include-dashboard=false",
-                  f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}")
+        ray_start(
+            procs,
+            temp_dir,
+            "--head",
+            f"--port={gcs}",
+            "--include-dashboard=false",
+            f"--dashboard-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
+        )
         ray_start(procs, temp_dir, f"--address=127.0.0.1:{gcs}")
-        cmd = [sys.executable, "-m", "fedhm_flwr.ops.sweep", "-m",
-               "levels.ratios=" + ",".join(f"[{a},{b}]" for a, b in RATIOS), "seed=1",
-               "rounds=2", "num_clients=4", "fraction_train=1.0", "dataset.max_train_examples=800",
-               "dataset.max_test_examples=200", "model.width=4", f"simulation.ray_address=127.0.0.1:{gcs}",
-               f"hydra.sweep.dir={sweep_dir}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fedhm_flwr.ops.sweep",
+            "-m",
+            "levels.ratios=" + ",".join(f"[{a},{b}]" for a, b in RATIOS),
+            "seed=1",
+            "rounds=2",
+            "num_clients=4",
+            "fraction_train=1.0",
+            "dataset.max_train_examples=800",
+            "dataset.max_test_examples=200",
+            "model.width=4",
+            f"simulation.ray_address=127.0.0.1:{gcs}",
+            f"hydra.sweep.dir={sweep_dir}",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     finally:
         procs.close(grace=5.0, settle=1.0)
@@ -80,9 +98,19 @@ def _fake_run(folder, seed, acc, ratios):
     folder.mkdir(parents=True)
     (folder / "config.yaml").write_text(f"seed: {seed}\nlevels:\n  ratios: {ratios}\nrounds: 1\n")
     (folder / "metrics.jsonl").write_text(json.dumps({"round": 1, "acc/global": acc}) + "\n")
-    (folder / "summary.json").write_text(json.dumps({
-        "method": "fedhm", "final_acc/global": acc, "best_acc/global": acc, "bytes_total": 1000 * (seed + 1),
-        "wall_seconds": 1.0, "rounds_completed": 1, "level_costs": {"1": {"params": 10}}}))
+    (folder / "summary.json").write_text(
+        json.dumps(
+            {
+                "method": "fedhm",
+                "final_acc/global": acc,
+                "best_acc/global": acc,
+                "bytes_total": 1000 * (seed + 1),
+                "wall_seconds": 1.0,
+                "rounds_completed": 1,
+                "level_costs": {"1": {"params": 10}},
+            }
+        )
+    )
 
 
 def test_summary_on_demand_reads_each_run_and_finds_the_swept_keys(tmp_path):

@@ -19,8 +19,10 @@ from fedhm_flwr.server.registry import STRATEGIES
 
 HAS_MLFLOW = __import__("importlib").util.find_spec("mlflow") is not None
 
-TINY = ("num_clients=4 fraction_train=1.0 dataset.max_train_examples=800 dataset.max_test_examples=200 "
-        "model.width=4 train.batch_size=64 evaluation.batch_size=100 rounds=2 failures.crash_probability=0.3")
+TINY = (
+    "num_clients=4 fraction_train=1.0 dataset.max_train_examples=800 dataset.max_test_examples=200 "
+    "model.width=4 train.batch_size=64 evaluation.batch_size=100 rounds=2 failures.crash_probability=0.3"
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +37,15 @@ def tiny_run(tmp_path_factory):
 
 
 def test_scalars_keep_every_numeric_key_and_nothing_else():
-    row = {"round": 3, "acc/global": 0.5, "bytes_sent": 10, "ok": True, "assignments": "{}", "fed_acc": None,
-           "loss/global": float("nan")}
+    row = {
+        "round": 3,
+        "acc/global": 0.5,
+        "bytes_sent": 10,
+        "ok": True,
+        "assignments": "{}",
+        "fed_acc": None,
+        "loss/global": float("nan"),
+    }
     assert scalars(row) == {"acc/global": 0.5, "bytes_sent": 10.0}
     assert flat_config({"a": {"b": [1, 2], "c": None}, "d": "x"}) == {"a.b": "[1, 2]", "a.c": "null", "d": "x"}
 
@@ -50,8 +59,11 @@ def test_tensorboard_events_hold_every_rounds_scalars_and_the_config(tiny_run):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     expected = {k for r in rows for k in scalars(r)}
-    assert {"acc/global", "loss/global", "acc/level_0.125", "bytes_sent", "bytes_received", "seconds",
-            "failures"} <= expected == tags
+    assert (
+        {"acc/global", "loss/global", "acc/level_0.125", "bytes_sent", "bytes_received", "seconds", "failures"}
+        <= expected
+        == tags
+    )
     assert sum(r["failures"] for r in rows) > 0  # the failures column is a real, non-zero series
     for key in tags:
         logged = {e.step: e.value for e in acc.Scalars(key)}
@@ -103,7 +115,8 @@ def test_a_resumed_run_goes_on_in_the_same_event_folder_and_mlflow_run(tiny_run,
     acc = EventAccumulator(str(out / TB_DIR), size_guidance={"scalars": 0})
     acc.Reload()
     assert {e.step: e.value for e in acc.Scalars("acc/global")} == pytest.approx(
-        {r["round"]: r["acc/global"] for r in rows}, rel=1e-6)
+        {r["round"]: r["acc/global"] for r in rows}, rel=1e-6
+    )
     if HAS_MLFLOW:
         from mlflow.tracking import MlflowClient
 
@@ -137,7 +150,8 @@ def test_export_is_the_in_run_cut_with_the_federated_statistics_fixed(tiny_run, 
     card = export_level(out, "1/8", tmp_path / "exp")
     folder = Path(card["out_dir"])
     assert {"model.safetensors", "model.pt2", "model.onnx", "model_card.md", "model_card.json"} == {
-        p.name for p in folder.iterdir()}
+        p.name for p in folder.iterdir()
+    }
 
     # the in-run deployable model, built here from the checkpoint and the strategy's own cut, with
     # the statistics the clients summed after the last round (saved beside the checkpoint)
@@ -161,12 +175,13 @@ def test_export_is_the_in_run_cut_with_the_federated_statistics_fixed(tiny_run, 
     weights = model.state_dict()
     assert all(torch.equal(weights[k], v) for k, v in level_state.items())  # the cut itself, bit for bit
     assert {k for k in weights if k not in level_state} and all(  # + every norm layer's fixed statistics
-        k.endswith(("running_mean", "running_var", "num_batches_tracked")) for k in weights if k not in level_state)
+        k.endswith(("running_mean", "running_var", "num_batches_tracked")) for k in weights if k not in level_state
+    )
     batch = torch.randn(16, 1, 28, 28, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = reference(batch)
         assert torch.equal(model(batch), want)
-        one_by_one = torch.cat([model(batch[i:i + 1]) for i in range(len(batch))])
+        one_by_one = torch.cat([model(batch[i : i + 1]) for i in range(len(batch))])
         torch.testing.assert_close(one_by_one, want, rtol=1e-5, atol=1e-5)  # the batch does not matter
         program = torch.export.load(str(folder / "model.pt2")).module()
         torch.testing.assert_close(program(batch[:1]), want[:1], rtol=1e-5, atol=1e-5)
@@ -225,7 +240,7 @@ def test_export_without_saved_statistics_uses_the_local_training_set_and_says_so
     model = load_model(Path(card["out_dir"]) / "model.safetensors")
     x = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        torch.testing.assert_close(torch.cat([model(x[i:i + 1]) for i in range(4)]), model(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.cat([model(x[i : i + 1]) for i in range(4)]), model(x), rtol=1e-5, atol=1e-5)
 
 
 def test_export_command_refuses_bad_input_naming_the_field(tiny_run, tmp_path, capsys):

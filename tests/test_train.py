@@ -29,8 +29,9 @@ def test_closed_form_frobenius_gradient_equals_autograd_of_the_penalty():
 
     torch.manual_seed(0)
     conv = FactorizedConv2d.from_conv(torch.nn.Conv2d(3, 8, 3, 2, 1, bias=True), rank=4)
-    model = torch.nn.Sequential(conv, torch.nn.ReLU(), torch.nn.Flatten(),
-                                FactorizedLinear.from_linear(torch.nn.Linear(8 * 4 * 4, 5), rank=3))
+    model = torch.nn.Sequential(
+        conv, torch.nn.ReLU(), torch.nn.Flatten(), FactorizedLinear.from_linear(torch.nn.Linear(8 * 4 * 4, 5), rank=3)
+    )
     assert conv_layout(model, torch.device("cpu")) == torch.channels_last
     x = torch.randn(4, 3, 8, 8)
     lam = 0.3  # large, so that the penalty's share of the gradient is far above float noise
@@ -38,8 +39,11 @@ def test_closed_form_frobenius_gradient_equals_autograd_of_the_penalty():
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     model.to(memory_format=torch.channels_last)
-    backward(torch.nn.functional.cross_entropy(model(x.contiguous(memory_format=torch.channels_last)),
-                                               torch.arange(4)), model, lam)
+    backward(
+        torch.nn.functional.cross_entropy(model(x.contiguous(memory_format=torch.channels_last)), torch.arange(4)),
+        model,
+        lam,
+    )
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
     model.zero_grad()
@@ -58,10 +62,21 @@ def test_local_training_runs_channels_last_and_hands_back_a_plain_layout():
         def __getitem__(self, i):
             return torch.full((1, 12, 12), float(i)), i % 3
 
-    model = build_model({"arch": "cnn", "num_classes": 3, "in_channels": 1, "image_size": 12, "width": 4,
-                         "ranks": {"conv3": 2, "conv4": 3}}, spectral_init=False)
+    model = build_model(
+        {
+            "arch": "cnn",
+            "num_classes": 3,
+            "in_channels": 1,
+            "image_size": 12,
+            "width": 4,
+            "ranks": {"conv3": 2, "conv4": 3},
+        },
+        spectral_init=False,
+    )
     seen = []
-    model.conv2.register_forward_pre_hook(lambda m, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last)))
+    model.conv2.register_forward_pre_hook(
+        lambda m, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last))
+    )
     train_local(model, Data(), TrainOptions(batch_size=4, frobenius_decay=True), torch.device("cpu"))
     assert seen and all(seen)  # trained in channels_last
     assert all(t.is_contiguous() for t in model.state_dict().values())  # what travels back: plain layout
@@ -74,8 +89,12 @@ def test_a_strided_pointwise_conv_of_few_channels_trains_in_the_plain_layout():
     from fedhm_flwr.math.train import conv_layout
 
     cpu = torch.device("cpu")
-    for channels, stride, kernel, layout in [(4, 2, 1, torch.contiguous_format), (7, (1, 2), 1, torch.contiguous_format),
-                                             (8, 2, 1, torch.channels_last), (4, 1, 1, torch.channels_last),
-                                             (4, 2, 3, torch.channels_last)]:
+    for channels, stride, kernel, layout in [
+        (4, 2, 1, torch.contiguous_format),
+        (7, (1, 2), 1, torch.contiguous_format),
+        (8, 2, 1, torch.channels_last),
+        (4, 1, 1, torch.channels_last),
+        (4, 2, 3, torch.channels_last),
+    ]:
         model = torch.nn.Sequential(torch.nn.Conv2d(16, 16, 3), torch.nn.Conv2d(channels, 8, kernel, stride))
         assert conv_layout(model, cpu) == layout, (channels, stride, kernel)

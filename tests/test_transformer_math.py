@@ -44,7 +44,10 @@ def test_zero_singular_values_get_random_a_rows_and_zero_b_columns():
     A, B = handout(torch.zeros(10, 12, dtype=torch.float64), 4, rows)
     assert torch.equal(A, rows[:4]) and torch.count_nonzero(B) == 0  # round 1: ΔW = 0 exactly
     # rank-2 ΔW handed out at rank 4: two true components, two started from random rows
-    u, v = torch.randn(10, 2, generator=_gen(4), dtype=torch.float64), torch.randn(2, 12, generator=_gen(5), dtype=torch.float64)
+    u, v = (
+        torch.randn(10, 2, generator=_gen(4), dtype=torch.float64),
+        torch.randn(2, 12, generator=_gen(5), dtype=torch.float64),
+    )
     delta = u @ v
     A, B = handout(delta, 4, rows)
     assert torch.allclose(B @ A, delta, atol=1e-12)
@@ -58,7 +61,10 @@ def test_zero_singular_values_get_random_a_rows_and_zero_b_columns():
 
 
 def test_handout_state_splits_only_the_deltas():
-    state = {"blk.q.lora_delta": torch.randn(6, 8, generator=_gen(6)), "head.weight": torch.randn(2, 8, generator=_gen(7))}
+    state = {
+        "blk.q.lora_delta": torch.randn(6, 8, generator=_gen(6)),
+        "head.weight": torch.randn(2, 8, generator=_gen(7)),
+    }
     out = handout_state(state, 3, {"blk.q": random_rows(4, 8, _gen(8))})
     assert set(out) == {"blk.q.lora_A", "blk.q.lora_B", "head.weight"}
     assert out["blk.q.lora_A"].dtype == torch.float32 and out["head.weight"] is state["head.weight"]
@@ -73,7 +79,8 @@ def test_aggregation_is_the_weighted_sum_of_products_never_of_factors():
     assert torch.allclose(got, want, atol=1e-12)
     same_rank = pairs[1:]
     naive = sum(wi * B.double() for (_, B), wi in zip(same_rank, [0.5, 0.5])) @ sum(
-        wi * A.double() for (A, _), wi in zip(same_rank, [0.5, 0.5]))
+        wi * A.double() for (A, _), wi in zip(same_rank, [0.5, 0.5])
+    )
     assert not torch.allclose(aggregate_products(same_rank, [0.5, 0.5]), naive)
     # identical replies are conserved
     state = {"L.lora_delta": torch.zeros(6, 8)}
@@ -100,7 +107,7 @@ def test_cmga_output_is_orthogonal_with_equal_norms_and_keeps_the_frobenius_norm
     G = torch.randn(200, n, generator=_gen(10), dtype=torch.float64) * torch.tensor([1.0, 5.0, 0.1, 2.0, 3.0])[:n]
     Gt = cmga(G, eps=1e-12)
     c = default_scale(G)
-    assert torch.allclose(Gt.T @ Gt, c ** 2 * torch.eye(n, dtype=torch.float64), atol=1e-8 * c ** 2)
+    assert torch.allclose(Gt.T @ Gt, c**2 * torch.eye(n, dtype=torch.float64), atol=1e-8 * c**2)
     assert math.isclose(float(torch.linalg.norm(Gt)), float(torch.linalg.norm(G)), rel_tol=1e-8)
     # explicit c
     Gc = cmga(G, c=2.0, eps=1e-12)
@@ -150,7 +157,15 @@ def test_dema_trains_only_its_own_share_adapters_and_starts_as_identity():
     ad = _random_dema()
     ad(torch.randn(4, 12, dtype=torch.float64)).sum().backward()
     with_grad = {k for k, p in ad.named_parameters() if p.grad is not None}
-    assert with_grad == {"down.weight", "down.bias", "up.weight", "up.bias", "gate_pre", "gate_post",
-                         "share_pre.1", "share_post.1"}
+    assert with_grad == {
+        "down.weight",
+        "down.bias",
+        "up.weight",
+        "up.bias",
+        "gate_pre",
+        "gate_post",
+        "share_pre.1",
+        "share_post.1",
+    }
     fresh = DeMAAdapter(12, 5, (0, 1), 0)
     assert torch.count_nonzero(fresh(torch.randn(3, 12))) == 0  # W_up = 0: the block is unchanged

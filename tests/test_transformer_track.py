@@ -28,12 +28,16 @@ from fedhm_flwr.ops.server_app import run
 from fedhm_flwr.server.registry import STRATEGIES
 from fedhm_flwr.server.strategy import Reply
 
-TINY_TEXT = ("model=minilm dataset=sentiment model.backbone=random model.width=32 model.depth=2 model.heads=2 "
-             "num_clients=4 fraction_train=1.0 dataset.max_train_examples=160 dataset.max_test_examples=64 "
-             "rounds=1 train.batch_size=16 evaluation.batch_size=64")
-TINY_IMAGE = ("model=vit dataset=fashion_mnist model.backbone=random model.width=16 model.depth=2 "
-              "num_clients=4 fraction_train=1.0 dataset.max_train_examples=400 dataset.max_test_examples=100 "
-              "rounds=1 train.batch_size=32 evaluation.batch_size=100")
+TINY_TEXT = (
+    "model=minilm dataset=sentiment model.backbone=random model.width=32 model.depth=2 model.heads=2 "
+    "num_clients=4 fraction_train=1.0 dataset.max_train_examples=160 dataset.max_test_examples=64 "
+    "rounds=1 train.batch_size=16 evaluation.batch_size=64"
+)
+TINY_IMAGE = (
+    "model=vit dataset=fashion_mnist model.backbone=random model.width=16 model.depth=2 "
+    "num_clients=4 fraction_train=1.0 dataset.max_train_examples=400 dataset.max_test_examples=100 "
+    "rounds=1 train.batch_size=32 evaluation.batch_size=100"
+)
 HETERO = "levels.ratios=[1,0.5] levels.proportions=[1,1] method.bottleneck=8"
 
 
@@ -56,9 +60,11 @@ def test_packaged_minilm_reproduces_the_sentence_transformers_reference_similari
     from fedhm_flwr.models.text import PACKAGE_BACKBONE
 
     model = build_model({"arch": "minilm", "num_classes": 2, "backbone": PACKAGE_BACKBONE}).eval()
-    pairs = [("The new movie is awesome", "The new movie is so great", 0.8939),
-             ("The cat sits outside", "The dog plays in the garden", 0.2838),
-             ("A man is playing guitar", "A woman watches TV", -0.0327)]
+    pairs = [
+        ("The new movie is awesome", "The new movie is so great", 0.8939),
+        ("The cat sits outside", "The dog plays in the garden", 0.2838),
+        ("A man is playing guitar", "A woman watches TV", -0.0327),
+    ]
     ids = tokenize([s for a, b, _ in pairs for s in (a, b)], 32)
     with torch.no_grad():
         emb = torch.nn.functional.normalize(model.features(ids), dim=1)
@@ -111,13 +117,19 @@ def test_vit_backbone_cache_round_trip_and_refusals(tmp_path, monkeypatch):
     state = trained.state_dict()
     (tmp_path / "vit").mkdir()
     meta = {k: str(v) for k, v in arch_of(spec).items()}
-    save_file({k: state[k] for k in backbone_keys(trained)}, str(tmp_path / "vit" / checkpoint_name(arch_of(spec))),
-              metadata=meta)
+    save_file(
+        {k: state[k] for k in backbone_keys(trained)},
+        str(tmp_path / "vit" / checkpoint_name(arch_of(spec))),
+        metadata=meta,
+    )
     model = build_model({**spec, "backbone": ref})
     assert all(torch.equal(model.state_dict()[k], state[k]) for k in model.local_keys)
     assert model.head.out_features == 10  # the source head is not part of the backbone
-    save_file({k: state[k] for k in backbone_keys(trained)},
-              str(tmp_path / "vit" / checkpoint_name({**arch_of(spec), "depth": 3})), metadata=meta)
+    save_file(
+        {k: state[k] for k in backbone_keys(trained)},
+        str(tmp_path / "vit" / checkpoint_name({**arch_of(spec), "depth": 3})),
+        metadata=meta,
+    )
     with pytest.raises(ValueError, match="does not match"):
         build_model({**spec, "depth": 3, "backbone": checkpoint_ref({**arch_of(spec), "depth": 3})})
     shallow = build_model({**spec, "depth": 1, "backbone": ref})  # fewer blocks: the leading ones are loaded
@@ -126,10 +138,13 @@ def test_vit_backbone_cache_round_trip_and_refusals(tmp_path, monkeypatch):
         build_model({**spec, "backbone": "cache:../outside.safetensors"})
 
 
-@pytest.mark.parametrize("spec", [
-    {"arch": "vit", "num_classes": 10, "in_channels": 1, "image_size": 28, "width": 16, "depth": 2},
-    {"arch": "minilm", "num_classes": 2, "width": 32, "depth": 1, "heads": 2},
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"arch": "vit", "num_classes": 10, "in_channels": 1, "image_size": 28, "width": 16, "depth": 2},
+        {"arch": "minilm", "num_classes": 2, "width": 32, "depth": 1, "heads": 2},
+    ],
+)
 def test_random_backbones_are_identical_on_every_node(spec):
     a = build_model({**spec, "backbone": "random", "backbone_seed": 5, "lora": {"rank": 2}})
     torch.manual_seed(123)  # another node's global RNG state must not matter
@@ -188,8 +203,17 @@ def test_only_the_intended_parameters_get_gradients_at_each_client_type(track):
 
 
 def test_load_federated_refuses_backbone_tensors_and_missing_adapters():
-    spec = {"arch": "vit", "num_classes": 10, "in_channels": 1, "image_size": 28, "width": 16, "depth": 1,
-            "backbone": "random", "lora": {"rank": 2}, "trainable_only": True}
+    spec = {
+        "arch": "vit",
+        "num_classes": 10,
+        "in_channels": 1,
+        "image_size": 28,
+        "width": 16,
+        "depth": 1,
+        "backbone": "random",
+        "lora": {"rank": 2},
+        "trainable_only": True,
+    }
     model = build_model(spec)
     state = {k: v for k, v in model.state_dict().items() if k in set(federated_keys(model))}
     load_federated(build_model(spec), state)
@@ -244,8 +268,9 @@ def test_fedlora_merge_is_the_fedhm_weighted_sum_of_products():
     t = strategy.targets[-1]
     want = sum(wi * r.state[f"{t}.lora_B"].double() @ r.state[f"{t}.lora_A"].double() for wi, r in zip(w, replies))
     assert torch.allclose(new[f"{t}.lora_delta"].double(), want, atol=1e-5)
-    assert torch.allclose(new["head.bias"].double(), sum(wi * r.state["head.bias"].double() for wi, r in zip(w, replies)),
-                          atol=1e-6)
+    assert torch.allclose(
+        new["head.bias"].double(), sum(wi * r.state["head.bias"].double() for wi, r in zip(w, replies)), atol=1e-6
+    )
     assert set(new) == set(state)
 
 
@@ -282,8 +307,17 @@ def test_heterotune_merge_averages_within_types_and_aligns_share_updates_with_cm
     for node, i in enumerate((0, 0, 1)):
         spec, payload, _ = strategy.level_payload(i, state)
         keys = strategy.reply_keys(i, spec, payload)
-        replies.append(Reply(node, i, strategy.levels[i], {k: payload[k] + torch.randn(payload[k].shape, generator=g)
-                                                           for k in keys}, 10 * (node + 1), np.ones(10, int), {}))
+        replies.append(
+            Reply(
+                node,
+                i,
+                strategy.levels[i],
+                {k: payload[k] + torch.randn(payload[k].shape, generator=g) for k in keys},
+                10 * (node + 1),
+                np.ones(10, int),
+                {},
+            )
+        )
     new = strategy.merge(1, state, replies)
     # local adapters: sample-weighted mean within type 0 (nodes 0 and 1: weights 1/3, 2/3)
     key = "adapters.0.down.weight"
@@ -302,7 +336,7 @@ def test_heterotune_merge_averages_within_types_and_aligns_share_updates_with_cm
         aligned.append(torch.cat([(new[k].double() - state[k].double()).flatten() for k in keys]))
     G, Gt = torch.stack(deltas, 1), torch.stack(aligned, 1)
     c = default_scale(G)
-    assert torch.allclose(Gt.T @ Gt, c ** 2 * torch.eye(2, dtype=torch.float64), rtol=1e-4, atol=1e-4 * c ** 2)
+    assert torch.allclose(Gt.T @ Gt, c**2 * torch.eye(2, dtype=torch.float64), rtol=1e-4, atol=1e-4 * c**2)
     assert float(torch.linalg.norm(Gt)) == pytest.approx(float(torch.linalg.norm(G)), rel=1e-4)
     # without CMGA: S_i <- S_i + Δ_i
     cfg, plain = _strategy(f"method=heterotune method.cmga=false {TINY_IMAGE} {HETERO}")
@@ -316,7 +350,9 @@ def test_heterotune_types_by_depth_share_slots_only_where_they_exist():
     assert strategy.depths == [2, 1] and strategy.members == [[0, 1], [0]]
     state = strategy.initial_state(0)
     _, small, _ = strategy.level_payload(1, state)
-    assert {k for k in small if ".share_" in k} == {f"adapters.0.share_{s}.{j}" for s in ("pre", "post") for j in (0, 1)}
+    assert {k for k in small if ".share_" in k} == {
+        f"adapters.0.share_{s}.{j}" for s in ("pre", "post") for j in (0, 1)
+    }
     costs = [strategy.level_cost(i) for i in range(2)]
     assert costs[0]["params"] > costs[1]["params"] and costs[1]["bytes_down"] > costs[1]["bytes_up"]
     cfg, vit = _strategy(f"method=heterotune {TINY_IMAGE} {HETERO}")  # ViT: types by width (auto)
@@ -377,8 +413,17 @@ def test_flwr_run_finishes_for_both_methods_on_both_tracks(tmp_path):
     procs = {}
     for (method, track), (base, extra) in jobs.items():
         out = tmp_path / f"{method}-{track}"
-        cmd = [sys.executable, "-m", "fedhm_flwr.ops.launch", f"method={method}", *base.split(), *extra.split(),
-               "rounds=2", "--run-dir", str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fedhm_flwr.ops.launch",
+            f"method={method}",
+            *base.split(),
+            *extra.split(),
+            "rounds=2",
+            "--run-dir",
+            str(out),
+        ]
         console = tmp_path / f"{method}-{track}.console"
         with console.open("wb") as sink:  # a file, not a pipe: neither launch waits for its output to be read
             procs[method, track] = (out, console, subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT))

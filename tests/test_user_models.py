@@ -14,28 +14,40 @@ from fedhm_flwr.config import SUPPORTED_MODELS, ConfigError, load_config, model_
 from fedhm_flwr.math.aggregation import average_hybrid
 from fedhm_flwr.math.lowrank import factorize_state, recover_state
 from fedhm_flwr.models import build_model, count_parameters
-from fedhm_flwr.models.rules import plan_ranks, FactorizeRule, select_layers
+from fedhm_flwr.models.rules import FactorizeRule, plan_ranks, select_layers
 from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.server_app import run
 
 GREY = "model.target=tests.tv_models:grey model.kwargs.name=mobilenet_v3_small model.kwargs.num_classes=10"
-TINY = ("num_clients=2 fraction_train=1.0 dataset.max_train_examples=40 dataset.max_test_examples=20 rounds=1 "
-        "levels.ratios=[1,0.5] evaluation.levels=false train.batch_size=32 evaluation.batch_size=20 "
-        "tracking.tensorboard=false")
+TINY = (
+    "num_clients=2 fraction_train=1.0 dataset.max_train_examples=40 dataset.max_test_examples=20 rounds=1 "
+    "levels.ratios=[1,0.5] evaluation.levels=false train.batch_size=32 evaluation.batch_size=20 "
+    "tracking.tensorboard=false"
+)
 
 
 def tv_spec(name: str, **extra) -> dict:
-    return {"arch": "custom", "target": f"torchvision.models:{name}", "kwargs": {"num_classes": 5},
-            "num_classes": 5, "in_channels": 3, "image_size": 32, **extra}
+    return {
+        "arch": "custom",
+        "target": f"torchvision.models:{name}",
+        "kwargs": {"num_classes": 5},
+        "num_classes": 5,
+        "in_channels": 3,
+        "image_size": 32,
+        **extra,
+    }
 
 
 class Toy(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, 8, 3, padding=1)
-        self.body = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 1),  # 3x3, 1x1
-                                  nn.Conv2d(8, 8, 3, padding=1, groups=8),  # depthwise
-                                  nn.Conv2d(8, 8, 3, padding=2, dilation=2))  # dilated
+        self.body = nn.Sequential(
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.Conv2d(8, 8, 1),  # 3x3, 1x1
+            nn.Conv2d(8, 8, 3, padding=1, groups=8),  # depthwise
+            nn.Conv2d(8, 8, 3, padding=2, dilation=2),
+        )  # dilated
         self.attn = nn.MultiheadAttention(8, 2)  # out_proj is read as a raw weight: never selected
         self.hidden = nn.Linear(8, 16)
         self.head = nn.Linear(16, 4)
@@ -74,8 +86,14 @@ def test_shortcuts_stay_full_by_the_default_rule():
 def test_a_layer_whose_factors_would_be_larger_stays_full():
     """1x1 convs take the linear rank rule; any layer whose rank-r factors would hold more
     parameters than the layer itself is kept full at that level (counted from the shapes)."""
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 1024, 1), nn.Conv2d(1024, 192, 1), nn.Conv2d(48, 48, 1),
-                          nn.Linear(64, 64), nn.Linear(10, 2))
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.Conv2d(8, 1024, 1),
+        nn.Conv2d(1024, 192, 1),
+        nn.Conv2d(48, 48, 1),
+        nn.Linear(64, 64),
+        nn.Linear(10, 2),
+    )
     model.factorize_rule = FactorizeRule(keep_first=1, head=True)
     plan = plan_ranks(model, 0.5)
     # 8->1024: r = round(0.5 * 8) = 4, 4 * 1032 <= 8192; 1024->192: r = 96, 96 * 1216 < 196608;
@@ -88,8 +106,13 @@ def test_a_layer_whose_factors_would_be_larger_stays_full():
 def test_built_in_models_keep_their_plans_through_the_rule():
     cnn = build_model({"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28})
     assert select_layers(cnn) == ["conv2", "conv3", "conv4"] and list(plan_ranks(cnn, 0.5)) == ["conv3", "conv4"]
-    spec = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28,
-            "factorize": {"keep_first": 0, "exclude": ["conv1", "conv4"]}}
+    spec = {
+        "arch": "cnn",
+        "num_classes": 10,
+        "in_channels": 1,
+        "image_size": 28,
+        "factorize": {"keep_first": 0, "exclude": ["conv1", "conv4"]},
+    }
     assert list(plan_ranks(build_model(spec), 0.5)) == ["conv2", "conv3"]  # model.factorize on a built-in
 
 
@@ -104,12 +127,15 @@ def test_mobilenet_default_rule_factorizes_pointwise_and_leaves_head_and_depthwi
     assert model.classifier_name == "classifier.3" and "classifier.3" not in chosen  # the logits layer: left full
 
 
-@pytest.mark.parametrize("name,rule", [
-    # ResNet-18: the first two stages (a float64 SVD of layer3/4's 1536x1536 matrices takes minutes on
-    # this shared CPU); they hold every kind of block conv, strided ones included
-    ("resnet18", {"include": ["layer1.*", "layer2.*"], "keep_first": 0}),
-    ("mobilenet_v3_small", {"keep_first": 0}),  # the stem and classifier.0
-])
+@pytest.mark.parametrize(
+    "name,rule",
+    [
+        # ResNet-18: the first two stages (a float64 SVD of layer3/4's 1536x1536 matrices takes minutes on
+        # this shared CPU); they hold every kind of block conv, strided ones included
+        ("resnet18", {"include": ["layer1.*", "layer2.*"], "keep_first": 0}),
+        ("mobilenet_v3_small", {"keep_first": 0}),  # the stem and classifier.0
+    ],
+)
 def test_torchvision_models_factorize_exactly_at_full_rank(name, rule):
     torch.manual_seed(0)
     spec = tv_spec(name, factorize=rule)
@@ -169,12 +195,21 @@ def test_resnet18_from_torchvision_has_the_papers_layer_plan():
 
 
 def test_running_statistics_travel_and_are_averaged_as_buffers():
-    prev = {"bn.running_mean": torch.zeros(3), "bn.running_var": torch.ones(3),
-            "bn.num_batches_tracked": torch.tensor(0)}
-    a = {"bn.running_mean": torch.tensor([1.0, 2, 3]), "bn.running_var": torch.tensor([2.0, 2, 2]),
-         "bn.num_batches_tracked": torch.tensor(4)}
-    b = {"bn.running_mean": torch.tensor([3.0, 2, 1]), "bn.running_var": torch.tensor([4.0, 4, 4]),
-         "bn.num_batches_tracked": torch.tensor(8)}
+    prev = {
+        "bn.running_mean": torch.zeros(3),
+        "bn.running_var": torch.ones(3),
+        "bn.num_batches_tracked": torch.tensor(0),
+    }
+    a = {
+        "bn.running_mean": torch.tensor([1.0, 2, 3]),
+        "bn.running_var": torch.tensor([2.0, 2, 2]),
+        "bn.num_batches_tracked": torch.tensor(4),
+    }
+    b = {
+        "bn.running_mean": torch.tensor([3.0, 2, 1]),
+        "bn.running_var": torch.tensor([4.0, 4, 4]),
+        "bn.num_batches_tracked": torch.tensor(8),
+    }
     out = average_hybrid(prev, [a, b], [{}, {}], [0.25, 0.75])
     assert torch.allclose(out["bn.running_mean"], torch.tensor([2.5, 2.0, 1.5]))
     assert torch.allclose(out["bn.running_var"], torch.tensor([3.5, 3.5, 3.5]))
@@ -211,8 +246,11 @@ def test_vit_is_factorized_in_blocks_and_exact_at_full_rank():
     spec = model_spec(load_config("method=fedhm model=vit model.backbone=random model.width=16 model.depth=2"))
     model = build_model(spec).eval()
     names = select_layers(model)
-    assert names == [f"blocks.{b}.{p}" for b in range(2)
-                     for p in ("attn.query", "attn.key", "attn.value", "attn.out", "mlp.0", "mlp.2")]
+    assert names == [
+        f"blocks.{b}.{p}"
+        for b in range(2)
+        for p in ("attn.query", "attn.key", "attn.value", "attn.out", "mlp.0", "mlp.2")
+    ]
     assert set(plan_ranks(model, 0.25)) == set(names[6:])  # the first block stays full (default rho)
     assert all(p.requires_grad for p in model.parameters())  # FedHM trains the whole ViT
     ranks = {n: min(model.get_submodule(n).weight.shape) for n in names}
@@ -230,22 +268,34 @@ def test_inspect_prints_the_plan_of_a_torchvision_model(capsys):
     out = capsys.readouterr().out
     assert "torchvision.models:resnet18" in out and "| g4 | 0.125 | 1,176,138 |" in out
     # layer4.1.conv2: 512x512x3x3, rank round(512 / 8) = 64, 64 * (1536 + 1536) parameters
-    assert "| layer4.1.conv2 | Conv2d | 512x512x3x3 | 2,359,296 | full | r=256 (786,432) | r=128 (393,216) " \
-           "| r=64 (196,608) |" in out
+    assert (
+        "| layer4.1.conv2 | Conv2d | 512x512x3x3 | 2,359,296 | full | r=256 (786,432) | r=128 (393,216) "
+        "| r=64 (196,608) |" in out
+    )
     assert "| conv1 | Conv2d | 64x3x7x7 | 9,408 | full | full | full | full |" in out
 
 
 # ------------------------------------------------------------------------------------ pairs
 
-_MODELS = {"cnn": "model=cnn model.width=2", "resnet18": "model=resnet18 model.width=2",
-           "resnet34": "model=resnet34 model.width=2",
-           "vit": "model=vit dataset=fashion_mnist model.backbone=random model.width=16 model.depth=2",
-           "custom": f"dataset=fashion_mnist {GREY}",
-           "minilm": "model=minilm dataset=sentiment model.backbone=random model.width=32 model.depth=1 model.heads=2"}
-_METHODS = {"fedhm": "method=fedhm", "fedavg": "method=fedavg", "fedavg_smallest": "method=fedavg_smallest",
-            "fedavg/heterofl": "method=fedavg_smallest method.family=heterofl", "heterofl": "method=heterofl",
-            "fedrolex": "method=fedrolex", "prism": "method=prism", "fedlora": "method=fedlora method.max_rank=2",
-            "heterotune": "method=heterotune method.bottleneck=4"}
+_MODELS = {
+    "cnn": "model=cnn model.width=2",
+    "resnet18": "model=resnet18 model.width=2",
+    "resnet34": "model=resnet34 model.width=2",
+    "vit": "model=vit dataset=fashion_mnist model.backbone=random model.width=16 model.depth=2",
+    "custom": f"dataset=fashion_mnist {GREY}",
+    "minilm": "model=minilm dataset=sentiment model.backbone=random model.width=32 model.depth=1 model.heads=2",
+}
+_METHODS = {
+    "fedhm": "method=fedhm",
+    "fedavg": "method=fedavg",
+    "fedavg_smallest": "method=fedavg_smallest",
+    "fedavg/heterofl": "method=fedavg_smallest method.family=heterofl",
+    "heterofl": "method=heterofl",
+    "fedrolex": "method=fedrolex",
+    "prism": "method=prism",
+    "fedlora": "method=fedlora method.max_rank=2",
+    "heterotune": "method=heterotune method.bottleneck=4",
+}
 
 
 def _key(method: str) -> str:
@@ -271,10 +321,12 @@ def test_the_config_check_knows_every_architecture_without_importing_torch():
     from fedhm_flwr.models import ARCHS
 
     assert set(ARCH_NAMES) == set(ARCHS) == {arch for archs in SUPPORTED_MODELS.values() for arch in archs}
-    code = ("import sys; from fedhm_flwr.config import ConfigError, load_config\n"
-            "try:\n    load_config('method=heterofl model=vit')\nexcept ConfigError as err:\n"
-            "    assert err.field == 'model.arch', err\n"
-            "assert 'torch' not in sys.modules, 'the pair check imported torch'\n")
+    code = (
+        "import sys; from fedhm_flwr.config import ConfigError, load_config\n"
+        "try:\n    load_config('method=heterofl model=vit')\nexcept ConfigError as err:\n"
+        "    assert err.field == 'model.arch', err\n"
+        "assert 'torch' not in sys.modules, 'the pair check imported torch'\n"
+    )
     import subprocess
     import sys
 
@@ -305,11 +357,17 @@ def test_bad_targets_and_rules_are_refused_naming_the_field():
     with pytest.raises(ConfigError, match=r"model\.factorize\.keep_first=-1"):
         load_config("model.factorize.keep_first=-1")
     # the model is run on the meta device: its outputs must be the dataset's classes, its input the dataset's images
-    with pytest.raises(ConfigError, match=r"model\.kwargs\.num_classes=100; allowed: 10: dataset\.name=fashion_mnist "
-                                          r"has 10 classes and the model gives 100 outputs"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.kwargs\.num_classes=100; allowed: 10: dataset\.name=fashion_mnist "
+        r"has 10 classes and the model gives 100 outputs",
+    ):
         load_config(GREY.replace("num_classes=10", "num_classes=100"))
-    with pytest.raises(ConfigError, match=r"model\.target='torchvision\.models:resnet18'; allowed: a factory whose model "
-                                          r"takes a batch of shape \(N, 1, 28, 28\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.target='torchvision\.models:resnet18'; allowed: a factory whose model "
+        r"takes a batch of shape \(N, 1, 28, 28\)",
+    ):
         load_config("model.target=torchvision.models:resnet18 model.kwargs.num_classes=10")
 
 

@@ -29,8 +29,15 @@ with torch.device("meta"):  # the plans need the full model's shapes only
 CNN4 = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28, "width": 4}
 
 #: HeteroFL's a..e and the FedHM journal's matched-size set, as exact fractions
-RATES = {1.0: Fraction(1), 0.5: Fraction(1, 2), 0.25: Fraction(1, 4), 0.125: Fraction(1, 8),
-         0.0625: Fraction(1, 16), 0.64: Fraction(16, 25), 0.35: Fraction(7, 20)}
+RATES = {
+    1.0: Fraction(1),
+    0.5: Fraction(1, 2),
+    0.25: Fraction(1, 4),
+    0.125: Fraction(1, 8),
+    0.0625: Fraction(1, 16),
+    0.64: Fraction(16, 25),
+    0.35: Fraction(7, 20),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +64,7 @@ def _expected_r18_params(rate: Fraction, num_classes: int = 10) -> int:
     total = conv(3, stem, 3) + bn(stem)
     full_in, sub_in = 64, stem
     for stage in range(4):
-        full_out = 64 * 2 ** stage
+        full_out = 64 * 2**stage
         sub_out = _c(full_out, rate)
         for block in range(2):
             a = sub_in if block == 0 else sub_out
@@ -212,7 +219,9 @@ def test_each_element_is_the_mean_over_its_holders_and_untouched_ones_stay():
     assert torch.allclose(new["conv2.weight"][:2, 1:2], s[0][:2, 1:2])
     assert torch.equal(new["conv2.weight"][4:], w[4:]) and torch.equal(new["conv2.weight"][:, 2:], w[:, 2:])
     assert torch.equal(new["conv1.weight"][2:], previous["conv1.weight"][2:])  # conv1: 4 -> 2 and 1 channels
-    assert torch.allclose(new["bn1.bias"][:1], (subs[0]["bn1.bias"][:1] + subs[1]["bn1.bias"] + subs[2]["bn1.bias"]) / 3)
+    assert torch.allclose(
+        new["bn1.bias"][:1], (subs[0]["bn1.bias"][:1] + subs[1]["bn1.bias"] + subs[2]["bn1.bias"]) / 3
+    )
     assert torch.allclose(new["bn1.bias"][1], subs[0]["bn1.bias"][1])
     # sample weights, when asked for
     weighted = aggregate(previous, subs, plans, weights=[1.0, 2.0, 5.0])
@@ -226,13 +235,16 @@ def test_rolling_aggregation_puts_elements_back_where_they_came_from():
     rows0, cols0 = plans[0]["conv2.weight"][:2]
     rows1, cols1 = plans[1]["conv2.weight"][:2]
     assert rows1.tolist() == [6, 7] and cols1.tolist() == [2]
-    both = (subs[0]["conv2.weight"][rows0.tolist().index(6)][cols0.tolist().index(2)] + subs[1]["conv2.weight"][0][0]) / 2
+    both = (
+        subs[0]["conv2.weight"][rows0.tolist().index(6)][cols0.tolist().index(2)] + subs[1]["conv2.weight"][0][0]
+    ) / 2
     assert torch.allclose(new["conv2.weight"][6, 2], both)
     assert torch.equal(new["conv2.weight"][2, 0], previous["conv2.weight"][2, 0])  # row 2 is in no window
     values, mask = embed(subs[0], plans[0], {k: v.shape for k, v in previous.items()})
     assert int(mask["conv2.weight"].sum()) == subs[0]["conv2.weight"].numel()
-    assert torch.equal(values["conv2.weight"][mask["conv2.weight"]].sort().values,
-                       subs[0]["conv2.weight"].flatten().sort().values)
+    assert torch.equal(
+        values["conv2.weight"][mask["conv2.weight"]].sort().values, subs[0]["conv2.weight"].flatten().sort().values
+    )
 
 
 def test_classifier_rows_only_from_clients_holding_the_class():
@@ -247,12 +259,17 @@ def test_classifier_rows_only_from_clients_holding_the_class():
     assert torch.allclose(new["fc.weight"][1, 16:], a[1, 16:])
     assert torch.allclose(new["fc.weight"][2, :16], b[2]) and torch.equal(new["fc.weight"][2, 16:], p[2, 16:])
     assert torch.equal(new["fc.weight"][3:], p[3:])  # nobody holds classes 3..9
-    assert torch.allclose(new["fc.bias"][:3], torch.stack([subs[0]["fc.bias"][0],
-                                                           (subs[0]["fc.bias"][1] + subs[1]["fc.bias"][1]) / 2,
-                                                           subs[1]["fc.bias"][2]]))
+    assert torch.allclose(
+        new["fc.bias"][:3],
+        torch.stack(
+            [subs[0]["fc.bias"][0], (subs[0]["fc.bias"][1] + subs[1]["fc.bias"][1]) / 2, subs[1]["fc.bias"][2]]
+        ),
+    )
     assert torch.equal(new["fc.bias"][3:], previous["fc.bias"][3:])
     # hidden layers are not per class: both clients count
-    assert torch.allclose(new["conv4.weight"][0, 0], (subs[0]["conv4.weight"][0, 0] + subs[1]["conv4.weight"][0, 0]) / 2)
+    assert torch.allclose(
+        new["conv4.weight"][0, 0], (subs[0]["conv4.weight"][0, 0] + subs[1]["conv4.weight"][0, 0]) / 2
+    )
 
 
 def test_aggregation_refuses_shapes_that_do_not_match_the_plan():
@@ -268,16 +285,23 @@ def test_aggregation_refuses_shapes_that_do_not_match_the_plan():
 
 def _capture(model, names):
     seen = {}
-    hooks = [model.get_submodule(n).register_forward_hook(
-        lambda m, i, o, n=n: seen.__setitem__(n, (i[0].detach().clone(), o.detach().clone()))) for n in names]
+    hooks = [
+        model.get_submodule(n).register_forward_hook(
+            lambda m, i, o, n=n: seen.__setitem__(n, (i[0].detach().clone(), o.detach().clone()))
+        )
+        for n in names
+    ]
     return seen, hooks
 
 
-@pytest.mark.parametrize("spec,conv,norm", [
-    (CNN4, "conv2", "bn2"),
-    ({**R18, "width": 8, "image_size": 8}, "layer2.0.shortcut.0", "layer2.0.shortcut.1"),
-    ({**R18, "width": 8, "image_size": 8}, "layer3.1.conv2", "layer3.1.bn2"),
-])
+@pytest.mark.parametrize(
+    "spec,conv,norm",
+    [
+        (CNN4, "conv2", "bn2"),
+        ({**R18, "width": 8, "image_size": 8}, "layer2.0.shortcut.0", "layer2.0.shortcut.1"),
+        ({**R18, "width": 8, "image_size": 8}, "layer3.1.conv2", "layer3.1.bn2"),
+    ],
+)
 def test_scaler_divides_by_the_rate_before_each_norm_in_training_only(spec, conv, norm):
     rate = 0.25
     scaled = build_model(submodel_spec(spec, rate, scaler=True))

@@ -63,7 +63,7 @@ def test_float16_and_bfloat16_halve_the_bytes_both_ways_and_aggregate_within_the
     base = "model.width=16 train.lr=1e-30"
     ref, sent32, recv32, _ = _one_round(toy_cfg(base))
     assert 4.0 <= sent32 < 4.1 and 4.0 <= recv32 < 4.1  # float32 (+ each array's .npy header)
-    for dtype, unit in (("float16", 2.0 ** -11), ("bfloat16", 2.0 ** -8)):
+    for dtype, unit in (("float16", 2.0**-11), ("bfloat16", 2.0**-8)):
         got, sent, recv, replies = _one_round(toy_cfg(f"{base} wire.dtype={dtype}"))
         assert 2.0 <= sent < 2.1 and 2.0 <= recv < 2.1, dtype
         assert all(a.dtype in ("float16", "int16") for m in replies for a in m.content["arrays"].values())
@@ -135,6 +135,7 @@ def test_exchange_polls_until_every_reply_came_or_the_timeout():
     from fedhm_flwr.core.protocol import collect, exchange
 
     LocalGrid(1, {})  # sets the process's task identity, which a new Message needs (as a ServerApp has it)
+
     class SlowGrid:  # replies show up after a few pulls, like a SuperLink's (never from ``silent`` nodes)
         def __init__(self, pulls_needed, silent=()):
             self.pulls, self.needed, self.sent, self.silent = 0, pulls_needed, {}, set(silent)
@@ -149,8 +150,11 @@ def test_exchange_polls_until_every_reply_came_or_the_timeout():
             self.pulls += 1
             if self.pulls < self.needed:
                 return []
-            return [Message(RecordDict(), reply_to=self.sent[i]) for i in ids
-                    if self.sent[i].metadata.dst_node_id not in self.silent]
+            return [
+                Message(RecordDict(), reply_to=self.sent[i])
+                for i in ids
+                if self.sent[i].metadata.dst_node_id not in self.silent
+            ]
 
     msgs = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in (1, 2, 3)]
     grid = SlowGrid(4)
@@ -170,8 +174,11 @@ def test_exchange_polls_until_every_reply_came_or_the_timeout():
 def test_no_exchange_waits_on_flower_s_three_second_poll():
     """``Grid.send_and_receive`` sleeps 3 s between pulls; the package exchanges through
     :func:`fedhm_flwr.core.protocol.exchange` (the in-process LocalGrid implements it)."""
-    calls = [str(path.relative_to(ROOT)) for path in (ROOT / "fedhm_flwr").rglob("*.py")
-             if path.name != "local_grid.py" and ".send_and_receive(" in path.read_text()]
+    calls = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "fedhm_flwr").rglob("*.py")
+        if path.name != "local_grid.py" and ".send_and_receive(" in path.read_text()
+    ]
     assert calls == []
 
 
@@ -202,8 +209,13 @@ def protocol_keys() -> set[str]:
         names = target.elts if isinstance(target, ast.Tuple) else [target]
         values = value.elts if isinstance(value, ast.Tuple) else [value]
         for name, v in zip(names, values):
-            if (isinstance(name, ast.Name) and name.id.isupper() and isinstance(v, ast.Constant)
-                    and isinstance(v.value, str) and _KEY.fullmatch(v.value)):
+            if (
+                isinstance(name, ast.Name)
+                and name.id.isupper()
+                and isinstance(v, ast.Constant)
+                and isinstance(v.value, str)
+                and _KEY.fullmatch(v.value)
+            ):
                 out.add(v.value)
     return out
 
@@ -214,8 +226,9 @@ def _annotation_names(annotation: ast.expr | None) -> set[str]:
 
 
 def _constructor(node: ast.expr) -> bool:
-    return isinstance(node, ast.Call) and (getattr(node.func, "id", None) in RECORD_TYPES
-                                           or getattr(node.func, "attr", None) in RECORD_TYPES)
+    return isinstance(node, ast.Call) and (
+        getattr(node.func, "id", None) in RECORD_TYPES or getattr(node.func, "attr", None) in RECORD_TYPES
+    )
 
 
 class _KeyScan(ast.NodeVisitor):
@@ -295,8 +308,9 @@ def literal_record_keys(source: str, keys: set[str]) -> list[tuple[int, str]]:
 
 
 def _keyed_files() -> list[Path]:
-    return [p for folder in KEYED_SOURCES for p in sorted((ROOT / folder).rglob("*.py"))
-            if p != PROTOCOL and p not in APART]
+    return [
+        p for folder in KEYED_SOURCES for p in sorted((ROOT / folder).rglob("*.py")) if p != PROTOCOL and p not in APART
+    ]
 
 
 def test_every_record_key_comes_from_protocol():
@@ -304,21 +318,27 @@ def test_every_record_key_comes_from_protocol():
     is written once (``fedhm_flwr/core/protocol.py``)."""
     keys = protocol_keys()
     assert {"arrays", "config", "metrics", "level", "num-examples", "partition-id", "capability-"} <= keys
-    found = {f"{p.relative_to(ROOT)}:{line}: {key}" for p in _keyed_files()
-             for line, key in literal_record_keys(p.read_text(), keys)}
+    found = {
+        f"{p.relative_to(ROOT)}:{line}: {key}"
+        for p in _keyed_files()
+        for line, key in literal_record_keys(p.read_text(), keys)
+    }
     assert sorted(found) == [], "use fedhm_flwr.core.protocol's constant for these keys"
 
 
-@pytest.mark.parametrize("snippet", [
-    'x = msg.content["arrays"]',
-    'level = float(msg.content[CONFIG]["level"])',
-    'n = metrics.get("num-examples")',
-    'r = RecordDict({"metrics": MetricRecord({"seconds": 1.0})})',
-    'def f(config: ConfigRecord):\n    return config["seed"]',
-    'def f(context):\n    node = context.node_config\n    return "data-dir" in node',
-    'config = {"partition-id": 0}',
-    'cap = {f"capability-{kind}": 1.0}',
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        'x = msg.content["arrays"]',
+        'level = float(msg.content[CONFIG]["level"])',
+        'n = metrics.get("num-examples")',
+        'r = RecordDict({"metrics": MetricRecord({"seconds": 1.0})})',
+        'def f(config: ConfigRecord):\n    return config["seed"]',
+        'def f(context):\n    node = context.node_config\n    return "data-dir" in node',
+        'config = {"partition-id": 0}',
+        'cap = {f"capability-{kind}": 1.0}',
+    ],
+)
 def test_the_key_check_sees_a_literal_key(snippet):
     assert literal_record_keys(snippet, protocol_keys()) != []
 
@@ -332,12 +352,15 @@ def test_the_key_check_sees_a_key_planted_in_a_project_module():
     assert literal_record_keys(planted, protocol_keys()) == [(line, "level")]
 
 
-@pytest.mark.parametrize("snippet", [
-    'row["seed"] = 1',  # a metric row's column, not a record key
-    'spec.get("level")',
-    'card = {"config": text, "method": name}',
-    'parser.add_argument("--data-dir")',
-    'print("num-examples")',
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        'row["seed"] = 1',  # a metric row's column, not a record key
+        'spec.get("level")',
+        'card = {"config": text, "method": name}',
+        'parser.add_argument("--data-dir")',
+        'print("num-examples")',
+    ],
+)
 def test_the_key_check_leaves_other_strings(snippet):
     assert literal_record_keys(snippet, protocol_keys()) == []

@@ -17,8 +17,16 @@ from fedhm_flwr.core import protocol
 from fedhm_flwr.ops.server_app import initial_state
 from fedhm_flwr.server.registry import FedHMStrategy
 
-TENSORS = [torch.randn(3, 4), torch.randn(()), torch.zeros(0, 5), torch.randint(-9, 9, (7,)),
-           torch.rand(4) > 0.5, torch.randn(16, 8, 3, 3), torch.randn(5, 3).t(), torch.randn(2, 3, dtype=torch.float64)]
+TENSORS = [
+    torch.randn(3, 4),
+    torch.randn(()),
+    torch.zeros(0, 5),
+    torch.randint(-9, 9, (7,)),
+    torch.rand(4) > 0.5,
+    torch.randn(16, 8, 3, 3),
+    torch.randn(5, 3).t(),
+    torch.randn(2, 3, dtype=torch.float64),
+]
 
 
 @pytest.mark.parametrize("dtype", protocol.WIRE_DTYPES)
@@ -30,7 +38,12 @@ def test_wire_arrays_are_byte_for_byte_flowers(dtype):
             if dtype == "bfloat16":
                 expected = expected.view(torch.int16)
         ours, flowers = protocol.wire_array(tensor, dtype), Array.from_torch_tensor(expected.contiguous())
-        assert (ours.dtype, ours.shape, ours.stype, ours.data) == (flowers.dtype, flowers.shape, flowers.stype, flowers.data)
+        assert (ours.dtype, ours.shape, ours.stype, ours.data) == (
+            flowers.dtype,
+            flowers.shape,
+            flowers.stype,
+            flowers.data,
+        )
 
 
 def test_replies_read_alike_whatever_wrote_their_header():
@@ -50,7 +63,6 @@ def test_replies_read_alike_whatever_wrote_their_header():
     assert torch.equal(read["v2"], torch.from_numpy(plain)) and torch.equal(read["fortran"], torch.from_numpy(plain))
 
 
-
 @pytest.mark.parametrize("dtype", protocol.WIRE_DTYPES)
 def test_a_reply_reads_into_one_flat_float32_tensor_as_it_reads_tensor_by_tensor(dtype):
     """``reply_tensors`` gives what ``from_wire(record_tensors(...))`` gives, key for key, value for
@@ -61,7 +73,9 @@ def test_a_reply_reads_into_one_flat_float32_tensor_as_it_reads_tensor_by_tensor
     read, flat = protocol.reply_tensors(honest, dtype)
     assert list(read) == list(expected)
     for key, tensor in expected.items():
-        assert read[key].dtype == tensor.dtype and read[key].shape == tensor.shape and torch.equal(read[key], tensor), key
+        assert read[key].dtype == tensor.dtype and read[key].shape == tensor.shape and torch.equal(read[key], tensor), (
+            key
+        )
     floats = [t.reshape(-1) for t in expected.values() if t.is_floating_point()]
     assert flat is not None and flat.dtype == torch.float32 and torch.equal(flat, torch.cat(floats))
     assert all(read[k].data_ptr() != read[j].data_ptr() for k in read for j in read if k < j and read[k].numel())
@@ -72,6 +86,7 @@ def test_a_reply_reads_into_one_flat_float32_tensor_as_it_reads_tensor_by_tensor
     assert flat is None and list(read) == list(expected) and all(torch.equal(read[k], expected[k]) for k in expected)
     empty, flat = protocol.reply_tensors(protocol.array_record({}), dtype)
     assert empty == {} and flat is not None and flat.numel() == 0
+
 
 def test_records_share_the_payloads_arrays_but_not_their_keys():
     arrays = {"w": protocol.wire_array(torch.randn(3))}

@@ -12,8 +12,18 @@ def grey(name: str, **kwargs) -> nn.Module:
     for parent in model.modules():
         for child_name, child in parent.named_children():
             if isinstance(child, nn.Conv2d):
-                setattr(parent, child_name, nn.Conv2d(1, child.out_channels, child.kernel_size, child.stride,
-                                                      child.padding, bias=child.bias is not None))
+                setattr(
+                    parent,
+                    child_name,
+                    nn.Conv2d(
+                        1,
+                        child.out_channels,
+                        child.kernel_size,
+                        child.stride,
+                        child.padding,
+                        bias=child.bias is not None,
+                    ),
+                )
                 return model
     raise ValueError(f"{name} has no convolution")
 
@@ -26,9 +36,16 @@ class GroupNormCNN(nn.Module):
         super().__init__()
         self.head = nn.Conv2d(2 * width, num_classes, 1)  # the logits, registered first
         self.body = nn.Sequential(
-            nn.Conv2d(in_channels, width, 3, padding=1), nn.GroupNorm(2, width), nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1), nn.GroupNorm(2, 2 * width), nn.ReLU(),
-            nn.Conv2d(2 * width, 2 * width, 3, padding=1), nn.GroupNorm(2, 2 * width), nn.ReLU())
+            nn.Conv2d(in_channels, width, 3, padding=1),
+            nn.GroupNorm(2, width),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1),
+            nn.GroupNorm(2, 2 * width),
+            nn.ReLU(),
+            nn.Conv2d(2 * width, 2 * width, 3, padding=1),
+            nn.GroupNorm(2, 2 * width),
+            nn.ReLU(),
+        )
 
     def forward(self, x):
         return self.head(self.body(x)).mean((2, 3))

@@ -61,11 +61,15 @@ def node_shard(context: Context) -> Path | None:
     if protocol.PARTITION_ID in node:
         return None
     if not data_dir:
-        raise NodeDataError("node config lacks data-dir: set data-dir=<this node's shard folder> (written by "
-                            "`python -m fedhm_flwr.ops.shards <overrides> out=DIR`) in --node-config")
-    raise NodeDataError(f"node config data-dir={data_dir}: no shard there (no {shards.MANIFEST}); point data-dir "
-                        f"at this node's shard folder (e.g. DIR/partition-0 written by `python -m "
-                        f"fedhm_flwr.ops.shards <overrides> out=DIR`), or give partition-id with a full dataset copy")
+        raise NodeDataError(
+            "node config lacks data-dir: set data-dir=<this node's shard folder> (written by "
+            "`python -m fedhm_flwr.ops.shards <overrides> out=DIR`) in --node-config"
+        )
+    raise NodeDataError(
+        f"node config data-dir={data_dir}: no shard there (no {shards.MANIFEST}); point data-dir "
+        f"at this node's shard folder (e.g. DIR/partition-0 written by `python -m "
+        f"fedhm_flwr.ops.shards <overrides> out=DIR`), or give partition-id with a full dataset copy"
+    )
 
 
 def shard_manifest(folder: Path, data_spec: dict[str, Any] | None = None, verify: bool = False) -> dict[str, Any]:
@@ -83,8 +87,10 @@ def shard_manifest(folder: Path, data_spec: dict[str, Any] | None = None, verify
 def check_shard_dataset(folder: Path, manifest: dict[str, Any], data_spec: dict[str, Any]) -> None:
     """NodeDataError naming ``data-dir`` when the shard holds another dataset than the data spec's."""
     if manifest["dataset"] != data_spec.get("name"):
-        raise NodeDataError(f"node config data-dir={folder}: the shard holds {manifest['dataset']!r}, the server's "
-                            f"run uses dataset.name={data_spec.get('name')!r}; give this node a shard of that dataset")
+        raise NodeDataError(
+            f"node config data-dir={folder}: the shard holds {manifest['dataset']!r}, the server's "
+            f"run uses dataset.name={data_spec.get('name')!r}; give this node a shard of that dataset"
+        )
 
 
 def node_partition(context: Context, data_spec: dict[str, Any]) -> tuple[int, str | None, dict[str, Any]]:
@@ -186,15 +192,24 @@ def handle_train(msg: Message, context: Context) -> Message:
     counts = dataset.class_counts()
     present = torch.as_tensor(counts > 0)
     stats = train_local(model, dataset, options, device, present_classes=present, seed=int(config[protocol.SEED]))
-    metrics = protocol.train_metrics(stats[protocol.NUM_EXAMPLES], stats[protocol.TRAIN_LOSS], stats[protocol.TRAIN_ACCURACY],
-                                     stats[protocol.SECONDS], float(config[protocol.LEVEL]), counts, ray_node_id())
+    metrics = protocol.train_metrics(
+        stats[protocol.NUM_EXAMPLES],
+        stats[protocol.TRAIN_LOSS],
+        stats[protocol.TRAIN_ACCURACY],
+        stats[protocol.SECONDS],
+        float(config[protocol.LEVEL]),
+        counts,
+        ray_node_id(),
+    )
     if spec.get("trainable_only"):  # only what this client trained travels back
         state = trainable_state(model)
     else:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if attack in attacks.UPDATE_ATTACKS:
         received = received_state(msg)
-        state = attacks.tamper(attack, received, state, float(config.get(protocol.ATTACK_SCALE, 1.0)), int(config[protocol.SEED]))
+        state = attacks.tamper(
+            attack, received, state, float(config.get(protocol.ATTACK_SCALE, 1.0)), int(config[protocol.SEED])
+        )
     dtype = wire_dtype(msg)  # the reply travels in the wire dtype too
     arrays = ArrayRecord.from_array_dict({k: protocol.wire_array(v, dtype) for k, v in state.items()})
     content = RecordDict({ARRAYS: arrays, METRICS: metrics})
@@ -204,7 +219,9 @@ def handle_train(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
-def _model_over_local_data(msg: Message, context: Context, split: str = "train") -> tuple[torch.nn.Module, Any, torch.device]:
+def _model_over_local_data(
+    msg: Message, context: Context, split: str = "train"
+) -> tuple[torch.nn.Module, Any, torch.device]:
     """The received model and one split of this node's data without augmentation (evaluation passes)."""
     dataset = local_dataset(msg.content[CONFIG], context, augment=False, split=split)
     device = pick_device()
@@ -218,8 +235,10 @@ def handle_evaluate(msg: Message, context: Context) -> Message:
     try:
         model, dataset, device = _model_over_local_data(msg, context, split="heldout")
         if len(dataset) == 0:
-            raise NodeDataError("this node has no held-out examples to evaluate on: run with evaluation.where="
-                                "clients|both and evaluation.holdout > 0 (a shard: export it with those settings)")
+            raise NodeDataError(
+                "this node has no held-out examples to evaluate on: run with evaluation.where="
+                "clients|both and evaluation.holdout > 0 (a shard: export it with those settings)"
+            )
     except NodeDataError as exc:
         return data_error(msg, exc)
     stats = evaluate(model, dataset, int(msg.content[CONFIG].get(protocol.BATCH_SIZE, 256)), device)
@@ -256,11 +275,14 @@ def node_info(context: Context, data_spec: dict[str, Any] | None = None) -> Conf
             partition, data_dir, spec = node_partition(context, data_spec)
             examples = client_size(spec, partition, data_dir)
     info = protocol.NodeInfo(
-        partition_id=None if pid is None else int(pid), num_partitions=None if count is None else int(count),
+        partition_id=None if pid is None else int(pid),
+        num_partitions=None if count is None else int(count),
         name=str(node[protocol.NODE_NAME]) if node.get(protocol.NODE_NAME) else None,
-        capability={k[len(protocol.CAPABILITY):]: float(v) for k, v in node.items()
-                    if k.startswith(protocol.CAPABILITY)},
-        examples=examples)
+        capability={
+            k[len(protocol.CAPABILITY) :]: float(v) for k, v in node.items() if k.startswith(protocol.CAPABILITY)
+        },
+        examples=examples,
+    )
     return info.encode()
 
 
@@ -310,4 +332,3 @@ def handle_query(msg: Message, context: Context) -> Message:
         if what == protocol.NODE_INFO:  # the device owner sees why, in the SuperNode's own log
             log(WARNING, "this node sits out of the run: %s", " ".join(str(exc).split()))
         return data_error(msg, exc)
-

@@ -58,8 +58,9 @@ def _with(content: RecordDict, **records: Any) -> RecordDict:
     return out
 
 
-def _arrays(content: RecordDict, change: Callable[[dict[str, Array], np.random.Generator], None],
-            rng: np.random.Generator) -> RecordDict:
+def _arrays(
+    content: RecordDict, change: Callable[[dict[str, Array], np.random.Generator], None], rng: np.random.Generator
+) -> RecordDict:
     arrays = dict(content[ARRAYS].items())
     change(arrays, rng)
     record = ArrayRecord()
@@ -84,8 +85,11 @@ ROGUE = "rogue.weight"
 
 
 def _pick(arrays: dict[str, Array], rng: np.random.Generator, min_dim: int = 0) -> str:
-    keys = [k for k in _floating(arrays) if k != ROGUE and len(arrays[k].shape) >= min_dim
-            and math.prod(arrays[k].shape) > 0]
+    keys = [
+        k
+        for k in _floating(arrays)
+        if k != ROGUE and len(arrays[k].shape) >= min_dim and math.prod(arrays[k].shape) > 0
+    ]
     return keys[int(rng.integers(len(keys)))]
 
 
@@ -113,7 +117,9 @@ def _lying_shape(arrays: dict[str, Array], rng: np.random.Generator) -> None:
     values = _values(sent)
     kind = int(rng.integers(3))
     if kind == 0:
-        other = np.concatenate([values.reshape(-1), values.reshape(-1)[:1] if values.size else np.zeros(1, values.dtype)])
+        other = np.concatenate(
+            [values.reshape(-1), values.reshape(-1)[:1] if values.size else np.zeros(1, values.dtype)]
+        )
     elif kind == 1:
         other = values.reshape(-1)[:-1]
     else:
@@ -153,8 +159,11 @@ def _bad_header(arrays: dict[str, Array], rng: np.random.Generator) -> None:
         size = len(sent.data) - values.nbytes
         data = bytes(rng.integers(0, 256, size, dtype=np.uint8)) + sent.data[size:]
     else:
-        other = next(d for d in (np.int16, np.float16, np.int32, np.float32, np.int64, np.float64)
-                     if np.dtype(d).itemsize == values.dtype.itemsize and np.dtype(d) != values.dtype)
+        other = next(
+            d
+            for d in (np.int16, np.float16, np.int32, np.float32, np.int64, np.float64)
+            if np.dtype(d).itemsize == values.dtype.itemsize and np.dtype(d) != values.dtype
+        )
         data = _npy(values.view(other))
     arrays[key] = Array(dtype=sent.dtype, shape=tuple(sent.shape), stype=sent.stype, data=data)
 
@@ -183,6 +192,7 @@ def _value(fill: float) -> Callable[[dict[str, Array], np.random.Generator], Non
         else:
             values.reshape(-1)[int(rng.integers(values.size))] = fill
         arrays[key] = _array(values)
+
     return change
 
 
@@ -196,8 +206,9 @@ def _missing_key(arrays: dict[str, Array], rng: np.random.Generator) -> None:
 
 def _header_v2(arrays: dict[str, Array], rng: np.random.Generator) -> None:
     for key, array in list(arrays.items()):
-        arrays[key] = Array(dtype=array.dtype, shape=tuple(array.shape), stype=array.stype,
-                            data=_npy(_values(array), version=(2, 0)))
+        arrays[key] = Array(
+            dtype=array.dtype, shape=tuple(array.shape), stype=array.stype, data=_npy(_values(array), version=(2, 0))
+        )
 
 
 def _reordered(arrays: dict[str, Array], rng: np.random.Generator) -> None:
@@ -222,32 +233,48 @@ def _counts(content: RecordDict, rng: np.random.Generator, kind: str) -> RecordD
 
 
 MUTATIONS: dict[str, tuple[str, Mutation]] = {
-    "int-arrays": ("every floating array sent back as int64 (values ×1e12, or just 3)",
-                   lambda c, r: _arrays(c, _int_arrays, r)),
+    "int-arrays": (
+        "every floating array sent back as int64 (values ×1e12, or just 3)",
+        lambda c, r: _arrays(c, _int_arrays, r),
+    ),
     "float64-array": ("one floating array sent back as float64", lambda c, r: _arrays(c, _float64, r)),
-    "lying-shape": ("an Array whose bytes hold another shape than its declared shape",
-                    lambda c, r: _arrays(c, _lying_shape, r)),
+    "lying-shape": (
+        "an Array whose bytes hold another shape than its declared shape",
+        lambda c, r: _arrays(c, _lying_shape, r),
+    ),
     "wrong-shape": ("an array of another shape than the one sent", lambda c, r: _arrays(c, _wrong_shape, r)),
-    "oversized-bytes": ("an Array of the sent dtype and shape followed by 1-8 MB more bytes",
-                        lambda c, r: _arrays(c, _oversized, r)),
+    "oversized-bytes": (
+        "an Array of the sent dtype and shape followed by 1-8 MB more bytes",
+        lambda c, r: _arrays(c, _oversized, r),
+    ),
     "truncated-bytes": ("an Array's bytes cut short", lambda c, r: _arrays(c, _truncated, r)),
-    "bad-header": ("an Array's .npy header garbage, or declaring another dtype", lambda c, r: _arrays(c, _bad_header, r)),
+    "bad-header": (
+        "an Array's .npy header garbage, or declaring another dtype",
+        lambda c, r: _arrays(c, _bad_header, r),
+    ),
     "fortran-order": ("an Array's bytes in Fortran order", lambda c, r: _arrays(c, _fortran, r)),
     "other-stype": ("an Array of another serialisation type", lambda c, r: _arrays(c, _stype, r)),
     "nan-values": ("a floating value NaN", lambda c, r: _arrays(c, _value(math.nan), r)),
     "inf-values": ("a floating value inf", lambda c, r: _arrays(c, _value(math.inf), r)),
-    "huge-values": ("a floating value 1e20 (finite, far above aggregation.max_norm)",
-                    lambda c, r: _arrays(c, _value(1e20), r)),
+    "huge-values": (
+        "a floating value 1e20 (finite, far above aggregation.max_norm)",
+        lambda c, r: _arrays(c, _value(1e20), r),
+    ),
     "extra-key": ("an array the node was not sent", lambda c, r: _arrays(c, _extra_key, r)),
     "missing-key": ("an array the node was sent left out", lambda c, r: _arrays(c, _missing_key, r)),
     "inf-examples": ("num-examples = inf", lambda c, r: _metrics(c, **{NUM_EXAMPLES: math.inf})),
     "nan-examples": ("num-examples = NaN", lambda c, r: _metrics(c, **{NUM_EXAMPLES: math.nan})),
     "fractional-examples": ("num-examples = 0.5", lambda c, r: _metrics(c, **{NUM_EXAMPLES: 0.5})),
-    "float-examples": ("num-examples as a float of its own value",
-                       lambda c, r: _metrics(c, **{NUM_EXAMPLES: float(c[METRICS][NUM_EXAMPLES])})),
-    "huge-examples": ("num-examples = 10^9 (class counts to match)",
-                      lambda c, r: _metrics(c, **{NUM_EXAMPLES: 10**9, CLASS_COUNTS: [10**9] + [0] * (
-                          len(c[METRICS][CLASS_COUNTS]) - 1)})),
+    "float-examples": (
+        "num-examples as a float of its own value",
+        lambda c, r: _metrics(c, **{NUM_EXAMPLES: float(c[METRICS][NUM_EXAMPLES])}),
+    ),
+    "huge-examples": (
+        "num-examples = 10^9 (class counts to match)",
+        lambda c, r: _metrics(
+            c, **{NUM_EXAMPLES: 10**9, CLASS_COUNTS: [10**9] + [0] * (len(c[METRICS][CLASS_COUNTS]) - 1)}
+        ),
+    ),
     "zero-examples": ("num-examples = 0", lambda c, r: _metrics(c, **{NUM_EXAMPLES: 0})),
     "negative-examples": ("num-examples = -30", lambda c, r: _metrics(c, **{NUM_EXAMPLES: -30})),
     "missing-examples": ("no num-examples", lambda c, r: _metrics(c, **{NUM_EXAMPLES: None})),
@@ -260,15 +287,21 @@ MUTATIONS: dict[str, tuple[str, Mutation]] = {
     "nan-loss": ("train-loss = NaN", lambda c, r: _metrics(c, **{TRAIN_LOSS: math.nan})),
     "inf-seconds": ("seconds = inf", lambda c, r: _metrics(c, **{SECONDS: math.inf})),
     "accuracy-above-1": ("train-accuracy = 1.5", lambda c, r: _metrics(c, **{TRAIN_ACCURACY: 1.5})),
-    "other-level": ("a level other than the one sent",
-                    lambda c, r: _metrics(c, **{LEVEL: float(c[METRICS][LEVEL]) + 0.25})),
+    "other-level": (
+        "a level other than the one sent",
+        lambda c, r: _metrics(c, **{LEVEL: float(c[METRICS][LEVEL]) + 0.25}),
+    ),
     "extra-metric": ("a metric the protocol does not have", lambda c, r: _metrics(c, **{"weight": 1e9})),
-    "extra-record": ("a record besides arrays and metrics",
-                     lambda c, r: _with(c, **{CONFIG: ConfigRecord({"note": "hello"})})),
+    "extra-record": (
+        "a record besides arrays and metrics",
+        lambda c, r: _with(c, **{CONFIG: ConfigRecord({"note": "hello"})}),
+    ),
     "missing-metrics": ("no metrics record", lambda c, r: _with(c, **{METRICS: None})),
     "missing-arrays": ("no arrays record", lambda c, r: _with(c, **{ARRAYS: None})),
-    "metrics-as-config": ("the metrics sent as a ConfigRecord",
-                          lambda c, r: _with(c, **{METRICS: ConfigRecord(dict(c[METRICS].items()))})),
+    "metrics-as-config": (
+        "the metrics sent as a ConfigRecord",
+        lambda c, r: _with(c, **{METRICS: ConfigRecord(dict(c[METRICS].items()))}),
+    ),
     # benign: how an honest reply may be written; must be accepted
     "header-v2": ("every array's .npy header in format 2.0 (benign)", lambda c, r: _arrays(c, _header_v2, r)),
     "reordered": ("the arrays in another order (benign)", lambda c, r: _arrays(c, _reordered, r)),

@@ -71,8 +71,9 @@ def int_at_least(cfg: DictConfig, field: str, low: int) -> None:
     require(is_int(value) and value >= low, field, value, f"an integer >= {low}")
 
 
-def num_in(cfg: DictConfig, field: str, low: float, high: float, low_open: bool = False,
-           high_open: bool = False) -> None:
+def num_in(
+    cfg: DictConfig, field: str, low: float, high: float, low_open: bool = False, high_open: bool = False
+) -> None:
     value = OmegaConf.select(cfg, field)
     ok = is_num(value) and not math.isnan(value)
     if ok:
@@ -84,27 +85,40 @@ def num_in(cfg: DictConfig, field: str, low: float, high: float, low_open: bool 
 def _validate_levels(cfg: DictConfig) -> None:
     ratios = OmegaConf.select(cfg, "levels.ratios")
     ratios = list(ratios) if OmegaConf.is_list(ratios) else ratios
-    require(isinstance(ratios, list) and len(ratios) > 0, "levels.ratios", ratios,
-            "a non-empty list of numbers in (0, 1], largest first")
+    require(
+        isinstance(ratios, list) and len(ratios) > 0,
+        "levels.ratios",
+        ratios,
+        "a non-empty list of numbers in (0, 1], largest first",
+    )
     for r in ratios:
-        require(is_num(r) and 0 < r <= 1, "levels.ratios", ratios,
-                "a non-empty list of numbers in (0, 1], largest first")
-    require(all(a > b for a, b in itertools.pairwise(ratios)), "levels.ratios", ratios,
-            "distinct levels listed largest first, e.g. [1, 0.5, 0.25, 0.125]")
+        require(
+            is_num(r) and 0 < r <= 1, "levels.ratios", ratios, "a non-empty list of numbers in (0, 1], largest first"
+        )
+    require(
+        all(a > b for a, b in itertools.pairwise(ratios)),
+        "levels.ratios",
+        ratios,
+        "distinct levels listed largest first, e.g. [1, 0.5, 0.25, 0.125]",
+    )
     props = OmegaConf.select(cfg, "levels.proportions")
     if props is None:  # equal shares
         props = [1] * len(ratios)
     props = list(props) if OmegaConf.is_list(props) else props
-    require(isinstance(props, list) and len(props) == len(ratios)
-            and all(is_num(p) and p >= 0 for p in props) and sum(props) > 0,
-            "levels.proportions", props,
-            f"null (equal shares) or {len(ratios)} non-negative numbers (one per level) with a positive sum")
+    require(
+        isinstance(props, list)
+        and len(props) == len(ratios)
+        and all(is_num(p) and p >= 0 for p in props)
+        and sum(props) > 0,
+        "levels.proportions",
+        props,
+        f"null (equal shares) or {len(ratios)} non-negative numbers (one per level) with a positive sum",
+    )
     choice(cfg, "levels.assignment", ASSIGNMENTS)
     if OmegaConf.select(cfg, "levels.match") is not None:  # absent from configs saved before it existed
         choice(cfg, "levels.match", LEVEL_MATCH)
     default = OmegaConf.select(cfg, "levels.default")
-    require(default is None or default in ratios, "levels.default", default,
-            f"null or one of levels.ratios {ratios}")
+    require(default is None or default in ratios, "levels.default", default, f"null or one of levels.ratios {ratios}")
 
 
 def _validate_source(cfg: DictConfig) -> None:
@@ -129,22 +143,36 @@ def _validate_partition_count(cfg: DictConfig) -> None:
         return
     limit = int(cfg.dataset.max_train_examples)
     examples = min(info.num_train, limit) if limit > 0 else info.num_train
-    source = (f"dataset.max_train_examples={limit}" if 0 < limit < info.num_train
-              else f"dataset.name={cfg.dataset.name} has {info.num_train:,}")
+    source = (
+        f"dataset.max_train_examples={limit}"
+        if 0 < limit < info.num_train
+        else f"dataset.name={cfg.dataset.name} has {info.num_train:,}"
+    )
     each = int(DATA_SPEC_DEFAULTS["min_partition_size"]) if cfg.partition.scheme == "dirichlet" else 1
-    why = (f"partition.scheme=dirichlet gives every client at least {each} examples" if each > 1
-           else "every client needs at least one")
+    why = (
+        f"partition.scheme=dirichlet gives every client at least {each} examples"
+        if each > 1
+        else "every client needs at least one"
+    )
     fix = "lower num_clients" + (" or raise dataset.max_train_examples" if examples < info.num_train else "")
-    require(int(cfg.num_clients) * each <= examples, "num_clients", cfg.num_clients,
-            f"an integer <= {examples // each:,}: {source} training examples and {why} ({fix})")
+    require(
+        int(cfg.num_clients) * each <= examples,
+        "num_clients",
+        cfg.num_clients,
+        f"an integer <= {examples // each:,}: {source} training examples and {why} ({fix})",
+    )
 
 
 def validate_common(cfg: DictConfig, robust: tuple[str, ...]) -> None:
     """The sections every method shares, after the method and model checks (the first invalid value
     raises); ``robust``: the ``aggregation.robust`` values the method accepts."""
     width = OmegaConf.select(cfg, "model.width")
-    require(width is None or (is_int(width) and width >= 1), "model.width", width,
-            "null (the architecture's default) or an integer >= 1")
+    require(
+        width is None or (is_int(width) and width >= 1),
+        "model.width",
+        width,
+        "null (the architecture's default) or an integer >= 1",
+    )
     choice(cfg, "dataset.name", [*DATASETS, *EXTERNAL_DATASETS, *FOLDER_SOURCES])
     _validate_source(cfg)
     for field in ("dataset.max_train_examples", "dataset.max_test_examples"):
@@ -175,8 +203,12 @@ def validate_common(cfg: DictConfig, robust: tuple[str, ...]) -> None:
     choice(cfg, "train.lr_schedule", LR_SCHEDULES)
     num_in(cfg, "train.lr_gamma", 0.0, 1.0, low_open=True)
     steps = OmegaConf.select(cfg, "train.lr_step_rounds")
-    require(OmegaConf.is_list(steps) and all(is_num(s) and 0 < s < 1 for s in steps),
-            "train.lr_step_rounds", steps, "a list of fractions of the run in (0, 1)")
+    require(
+        OmegaConf.is_list(steps) and all(is_num(s) and 0 < s < 1 for s in steps),
+        "train.lr_step_rounds",
+        steps,
+        "a list of fractions of the run in (0, 1)",
+    )
     num_in(cfg, "train.momentum", 0.0, 1.0, high_open=True)
     num_in(cfg, "train.weight_decay", 0.0, math.inf, high_open=True)
     num_in(cfg, "train.grad_clip", 0.0, math.inf, high_open=True)
@@ -192,19 +224,28 @@ def validate_common(cfg: DictConfig, robust: tuple[str, ...]) -> None:
     choice(cfg, "evaluation.bn_stats", BN_STATS)
     int_at_least(cfg, "evaluation.bn_clients", 0)
     int_at_least(cfg, "evaluation.bn_examples", 0)
-    deploy = OmegaConf.select(cfg, "evaluation.deploy_stats", default=True)  # absent from configs saved before it existed
+    deploy = OmegaConf.select(
+        cfg, "evaluation.deploy_stats", default=True
+    )  # absent from configs saved before it existed
     require(isinstance(deploy, bool), "evaluation.deploy_stats", deploy, "true or false")
     choice(cfg, "evaluation.where", EVALUATION_WHERE)
     num_in(cfg, "evaluation.holdout", 0.0, 1.0, high_open=True)
-    require(cfg.evaluation.where == "server" or cfg.evaluation.holdout > 0, "evaluation.holdout",
-            cfg.evaluation.holdout, f"a fraction in (0, 1) when evaluation.where={cfg.evaluation.where}")
+    require(
+        cfg.evaluation.where == "server" or cfg.evaluation.holdout > 0,
+        "evaluation.holdout",
+        cfg.evaluation.holdout,
+        f"a fraction in (0, 1) when evaluation.where={cfg.evaluation.where}",
+    )
     num_in(cfg, "simulation.num_cpus", 0.0, math.inf, low_open=True, high_open=True)
     num_in(cfg, "simulation.num_gpus", 0.0, math.inf, high_open=True)
     ray_address = OmegaConf.select(cfg, "simulation.ray_address")  # absent from configs saved before it existed
-    require(ray_address is None or (isinstance(ray_address, str) and RAY_ADDRESS.fullmatch(ray_address) is not None),
-            "simulation.ray_address", ray_address,
-            "null (a private Ray instance), auto (the cluster this machine belongs to) or HOST:PORT of a Ray "
-            "cluster's head (its GCS port, 6379 by default)")
+    require(
+        ray_address is None or (isinstance(ray_address, str) and RAY_ADDRESS.fullmatch(ray_address) is not None),
+        "simulation.ray_address",
+        ray_address,
+        "null (a private Ray instance), auto (the cluster this machine belongs to) or HOST:PORT of a Ray "
+        "cluster's head (its GCS port, 6379 by default)",
+    )
     int_at_least(cfg, "checkpoint.every", 0)
     keep_best = OmegaConf.select(cfg, "checkpoint.keep_best", default=False)  # absent from older saved configs
     require(isinstance(keep_best, bool), "checkpoint.keep_best", keep_best, "true or false")
@@ -214,8 +255,9 @@ def validate_common(cfg: DictConfig, robust: tuple[str, ...]) -> None:
     _validate_untrusted(cfg, robust)
     _validate_tracking(cfg)
     out = OmegaConf.select(cfg, "output_dir")
-    require(out is None or (isinstance(out, str) and Path(out).is_absolute()), "output_dir", out,
-            "null or an absolute path")
+    require(
+        out is None or (isinstance(out, str) and Path(out).is_absolute()), "output_dir", out, "null or an absolute path"
+    )
 
 
 def _validate_untrusted(cfg: DictConfig, modes: tuple[str, ...]) -> None:
@@ -226,9 +268,13 @@ def _validate_untrusted(cfg: DictConfig, modes: tuple[str, ...]) -> None:
     choice(cfg, "failures.attack.malformed", ("random", *attack_kinds.MALFORMED_KINDS))
     num_in(cfg, "failures.attack.scale", -math.inf, math.inf, low_open=True, high_open=True)
     mode = OmegaConf.select(cfg, "aggregation.robust")
-    require(mode in modes, "aggregation.robust", mode,
-            f"one of {list(modes)} for method={cfg.method.name}" + (
-                 " (krum needs replies that cover the whole model)" if mode == "krum" else ""))
+    require(
+        mode in modes,
+        "aggregation.robust",
+        mode,
+        f"one of {list(modes)} for method={cfg.method.name}"
+        + (" (krum needs replies that cover the whole model)" if mode == "krum" else ""),
+    )
     num_in(cfg, "aggregation.clip_norm", 0.0, math.inf, high_open=True)
     num_in(cfg, "aggregation.clip_quantile", 0.0, 1.0, low_open=True)
     num_in(cfg, "aggregation.trim_fraction", 0.0, 0.5, high_open=True)
@@ -237,23 +283,39 @@ def _validate_untrusted(cfg: DictConfig, modes: tuple[str, ...]) -> None:
     num_in(cfg, "aggregation.outlier_z", 0.0, math.inf, high_open=True)
     num_in(cfg, "aggregation.max_norm", 0.0, 1e15, low_open=True)  # bound² stays far below float32's max
     examples = OmegaConf.select(cfg, "aggregation.max_examples")
-    require(examples is None or (is_int(examples) and examples >= 1), "aggregation.max_examples", examples,
-            "null (the training set's size when known) or an integer >= 1")
+    require(
+        examples is None or (is_int(examples) and examples >= 1),
+        "aggregation.max_examples",
+        examples,
+        "null (the training set's size when known) or an integer >= 1",
+    )
     dp_seed = OmegaConf.select(cfg, "dp.seed")
-    require(dp_seed is None or (isinstance(dp_seed, int) and not isinstance(dp_seed, bool) and dp_seed >= 0),
-            "dp.seed", dp_seed, "null (OS entropy: the private setting) or an integer >= 0 (reproducible, not private)")
+    require(
+        dp_seed is None or (isinstance(dp_seed, int) and not isinstance(dp_seed, bool) and dp_seed >= 0),
+        "dp.seed",
+        dp_seed,
+        "null (OS entropy: the private setting) or an integer >= 0 (reproducible, not private)",
+    )
     enabled = OmegaConf.select(cfg, "dp.enabled")
     require(isinstance(enabled, bool), "dp.enabled", enabled, "true or false")
     num_in(cfg, "dp.clip", 0.0, math.inf, low_open=True, high_open=True)
     num_in(cfg, "dp.noise_multiplier", 0.0, math.inf, low_open=True, high_open=True)
     num_in(cfg, "dp.delta", 0.0, 1.0, low_open=True, high_open=True)
     if enabled:
-        require("krum" in modes, "dp.enabled", enabled,
-                f"false for method={cfg.method.name} (DP needs replies that cover the whole model: "
-                "fedhm, fedlora, fedavg with variant=full or family=fedhm)")
-        require(mode == "none" and float(cfg.aggregation.outlier_z) == 0, "aggregation.robust", mode,
-                "none, with aggregation.outlier_z=0, when dp.enabled (DP clips itself; a data-dependent "
-                "filter is outside the accountant)")
+        require(
+            "krum" in modes,
+            "dp.enabled",
+            enabled,
+            f"false for method={cfg.method.name} (DP needs replies that cover the whole model: "
+            "fedhm, fedlora, fedavg with variant=full or family=fedhm)",
+        )
+        require(
+            mode == "none" and float(cfg.aggregation.outlier_z) == 0,
+            "aggregation.robust",
+            mode,
+            "none, with aggregation.outlier_z=0, when dp.enabled (DP clips itself; a data-dependent "
+            "filter is outside the accountant)",
+        )
 
 
 def _validate_tracking(cfg: DictConfig) -> None:
@@ -262,8 +324,16 @@ def _validate_tracking(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, flag, default=flag.endswith("tensorboard"))
         require(isinstance(value, bool), flag, value, "true or false")
     uri = OmegaConf.select(cfg, "tracking.mlflow_uri", default=None)
-    require(uri is None or (isinstance(uri, str) and uri != ""), "tracking.mlflow_uri", uri,
-            "null (a file store in <run dir>/mlruns) or an MLflow tracking URI")
+    require(
+        uri is None or (isinstance(uri, str) and uri != ""),
+        "tracking.mlflow_uri",
+        uri,
+        "null (a file store in <run dir>/mlruns) or an MLflow tracking URI",
+    )
     if OmegaConf.select(cfg, "tracking.mlflow", default=False):  # refused before the run starts, not after round 1
-        require(importlib.util.find_spec("mlflow") is not None, "tracking.mlflow", True,
-                "false, or true with MLflow installed: pip install 'fedhm-flwr[mlflow]'")
+        require(
+            importlib.util.find_spec("mlflow") is not None,
+            "tracking.mlflow",
+            True,
+            "false, or true with MLflow installed: pip install 'fedhm-flwr[mlflow]'",
+        )

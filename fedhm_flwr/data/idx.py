@@ -40,9 +40,7 @@ def read_idx(path: Path) -> np.ndarray:
     dtype = np.dtype(dtypes[code])
     expected = int(np.prod(shape)) * dtype.itemsize
     if len(data) - header != expected:
-        raise ValueError(
-            f"{path}: IDX payload has {len(data) - header} bytes, header says {expected}"
-        )
+        raise ValueError(f"{path}: IDX payload has {len(data) - header} bytes, header says {expected}")
     arr = np.frombuffer(data, dtype=dtype, offset=header).reshape(shape)
     return arr.astype(dtype.newbyteorder("="), copy=True)
 

@@ -82,15 +82,10 @@ def partition(
     if labels.ndim != 1:
         raise ValueError(f"labels must be 1-D, got shape {labels.shape}")
     if scheme not in PARTITION_SCHEMES:
-        raise ValueError(
-            f"partition.scheme: unknown scheme {scheme!r}; allowed values: "
-            f"{list(PARTITION_SCHEMES)}"
-        )
+        raise ValueError(f"partition.scheme: unknown scheme {scheme!r}; allowed values: {list(PARTITION_SCHEMES)}")
     n = check_int("partition.num_partitions", num_partitions, 1)
     if n > len(labels):
-        raise ValueError(
-            f"partition.num_partitions ({n}) exceeds the number of examples ({len(labels)})"
-        )
+        raise ValueError(f"partition.num_partitions ({n}) exceeds the number of examples ({len(labels)})")
     seed = check_int("partition.seed", seed, 0)
     alpha = float(alpha)
     if scheme == "dirichlet" and not (alpha > 0 and math.isfinite(alpha)):
@@ -99,13 +94,11 @@ def partition(
     num_unique = len(np.unique(labels))
     if scheme == "pathological" and cpp > num_unique:
         raise ValueError(
-            f"partition.classes_per_partition ({cpp}) exceeds the number of classes "
-            f"present ({num_unique})"
+            f"partition.classes_per_partition ({cpp}) exceeds the number of classes present ({num_unique})"
         )
     if class_assignment not in CLASS_ASSIGNMENTS:
         raise ValueError(
-            f"partition.class_assignment: unknown value {class_assignment!r}; allowed "
-            f"values: {list(CLASS_ASSIGNMENTS)}"
+            f"partition.class_assignment: unknown value {class_assignment!r}; allowed values: {list(CLASS_ASSIGNMENTS)}"
         )
     min_size = check_int("partition.min_partition_size", min_partition_size, 0)
 
@@ -188,9 +181,7 @@ def seeded_subset(n: int, k: int, seed: int, stream: int) -> np.ndarray | None:
     return np.sort(rng.choice(n, size=k, replace=False)).astype(np.int64)
 
 
-def holdout_split(
-    num_examples: int, fraction: float, seed: int, partition_id: int
-) -> tuple[np.ndarray, np.ndarray]:
+def holdout_split(num_examples: int, fraction: float, seed: int, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Split positions ``0..num_examples-1`` of one partition into (train, heldout).
 
     ``round(fraction * num_examples)`` positions, drawn by a plain permutation seeded by

@@ -30,8 +30,16 @@ from fedhm_flwr.data.idx import load_fashion_mnist
 from fedhm_flwr.data.spec import SOURCE_DEFAULTS, check_data_spec
 
 __all__ = [
-    "CLASS_NAMES", "DATASETS", "EXTERNAL_DATASETS", "SPLITS", "DatasetInfo", "class_names", "dataset_info",
-    "load_arrays", "source_arrays", "source_info",
+    "CLASS_NAMES",
+    "DATASETS",
+    "EXTERNAL_DATASETS",
+    "SPLITS",
+    "DatasetInfo",
+    "class_names",
+    "dataset_info",
+    "load_arrays",
+    "source_arrays",
+    "source_info",
 ]
 
 #: folder source name -> its loader module (``num_classes``, ``load_splits``)
@@ -51,8 +59,11 @@ def dataset_info(name: str, spec: dict[str, Any] | None = None) -> dict[str, int
         if spec is None:
             raise ValueError(f"dataset.name={name!r}: its classes depend on dataset.path; pass the data spec")
         spec = check_data_spec(spec)
-        return {"num_classes": FOLDER_LOADERS[name].num_classes(spec), "in_channels": spec["channels"],
-                "image_size": spec["image_size"]}
+        return {
+            "num_classes": FOLDER_LOADERS[name].num_classes(spec),
+            "in_channels": spec["channels"],
+            "image_size": spec["image_size"],
+        }
     if name in EXTERNAL_DATASETS:
         return text_dataset_info(name)
     info = image_info(name)
@@ -148,10 +159,14 @@ def source_info(spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = 
             images, labels = source_arrays(spec, "train", data_dir)
             channels = [images[..., c].astype(np.float32) / 255.0 for c in range(images.shape[-1])]
             INFO_CACHE[key] = DatasetInfo(
-                name, FOLDER_LOADERS[name].num_classes(spec, data_dir), spec["channels"], spec["image_size"],
+                name,
+                FOLDER_LOADERS[name].num_classes(spec, data_dir),
+                spec["channels"],
+                spec["image_size"],
                 tuple(float(x.mean(dtype=np.float64)) for x in channels),
                 tuple(max(float(x.std(dtype=np.float64)), 1e-3) for x in channels),
-                len(labels), len(source_arrays(spec, "test", data_dir)[1]),
+                len(labels),
+                len(source_arrays(spec, "test", data_dir)[1]),
             )
         return INFO_CACHE[key]
 

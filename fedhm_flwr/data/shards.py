@@ -44,8 +44,17 @@ FORMAT = "fedhm-shard"
 FORMAT_VERSION = 1
 SPLITS = CLIENT_SPLITS
 #: manifest keys a node needs to load a shard (the others describe where it came from)
-REQUIRED_KEYS = ("format", "format_version", "dataset", "num_classes", "in_channels", "image_size",
-                 "mean", "std", "splits")
+REQUIRED_KEYS = (
+    "format",
+    "format_version",
+    "dataset",
+    "num_classes",
+    "in_channels",
+    "image_size",
+    "mean",
+    "std",
+    "splits",
+)
 
 _LOCK = threading.Lock()
 _VERIFIED: dict[tuple[str, str], tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]]] = {}
@@ -70,13 +79,16 @@ def partitioner_params(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["scheme"] == "dirichlet":
         params.update(alpha=spec["alpha"], min_partition_size=spec["min_partition_size"])
     elif spec["scheme"] == "pathological":
-        params.update(classes_per_partition=spec["classes_per_partition"],
-                      class_assignment=spec["class_assignment"])
+        params.update(classes_per_partition=spec["classes_per_partition"], class_assignment=spec["class_assignment"])
     return params
 
 
-def make_manifest(spec: dict[str, Any], partition_id: int,
-                  splits: dict[str, tuple[np.ndarray, np.ndarray]], info: DatasetInfo | None = None) -> dict[str, Any]:
+def make_manifest(
+    spec: dict[str, Any],
+    partition_id: int,
+    splits: dict[str, tuple[np.ndarray, np.ndarray]],
+    info: DatasetInfo | None = None,
+) -> dict[str, Any]:
     """The manifest of partition ``partition_id`` of a validated data spec, given its split arrays
     (``info``: the dataset's facts, :func:`fedhm_flwr.data.registry.source_info`; looked up when None)."""
     info = info if info is not None else source_info(spec)
@@ -106,8 +118,7 @@ def make_manifest(spec: dict[str, Any], partition_id: int,
     }
 
 
-def write_shard(folder: str | Path, splits: dict[str, tuple[np.ndarray, np.ndarray]],
-                manifest: dict[str, Any]) -> Path:
+def write_shard(folder: str | Path, splits: dict[str, tuple[np.ndarray, np.ndarray]], manifest: dict[str, Any]) -> Path:
     """Save the split arrays as a ``DatasetDict`` under ``folder`` and the manifest beside them."""
     import datasets
 
@@ -115,26 +126,32 @@ def write_shard(folder: str | Path, splits: dict[str, tuple[np.ndarray, np.ndarr
     folder = Path(folder)
     parts = {}
     for name, (images, labels) in splits.items():
-        features = datasets.Features({
-            "image": datasets.Array3D(shape=tuple(images.shape[1:]), dtype="uint8"),
-            "label": datasets.Value("int64"),
-        })
+        features = datasets.Features(
+            {
+                "image": datasets.Array3D(shape=tuple(images.shape[1:]), dtype="uint8"),
+                "label": datasets.Value("int64"),
+            }
+        )
         parts[name] = datasets.Dataset.from_dict(
             {"image": np.ascontiguousarray(images, dtype=np.uint8), "label": np.asarray(labels, np.int64)},
-            features=features)
+            features=features,
+        )
     # one file per split, also for an empty split (0 files could not be loaded back)
     datasets.DatasetDict(parts).save_to_disk(str(folder), num_shards={k: 1 for k in parts})
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return folder
 
 
-def export_shards(data_spec: dict[str, Any], out: str | Path, data_dir: str | None = None,
-                  echo: Callable[[str], None] = print) -> list[Path]:
+def export_shards(
+    data_spec: dict[str, Any], out: str | Path, data_dir: str | None = None, echo: Callable[[str], None] = print
+) -> list[Path]:
     """Write every partition of ``data_spec`` as ``out/partition-<i>/``; one line per shard."""
     spec = check_data_spec(data_spec)
     if spec["name"] in EXTERNAL_DATASETS:
-        raise ShardError(f"dataset.name={spec['name']!r}: shards hold image datasets only; "
-                         f"allowed values: {sorted(DATASETS) + list(FOLDER_SOURCES)}")
+        raise ShardError(
+            f"dataset.name={spec['name']!r}: shards hold image datasets only; "
+            f"allowed values: {sorted(DATASETS) + list(FOLDER_SOURCES)}"
+        )
     info = source_info(spec, data_dir)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -145,8 +162,10 @@ def export_shards(data_spec: dict[str, Any], out: str | Path, data_dir: str | No
         manifest = make_manifest(spec, pid, splits, info)
         folder = write_shard(partition_dir(out, pid), splits, manifest)
         counts = {name: manifest["splits"][name]["num_examples"] for name in SPLITS}
-        echo(f"{folder}: {counts['train']} train + {counts['heldout']} held-out examples, "
-             f"classes {manifest['splits']['train']['class_counts']}")
+        echo(
+            f"{folder}: {counts['train']} train + {counts['heldout']} held-out examples, "
+            f"classes {manifest['splits']['train']['class_counts']}"
+        )
         written.append(folder)
     echo(f"wrote {len(written)} shards of {spec['name']} into {out}")
     return written
@@ -160,8 +179,10 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder)
     path = folder / MANIFEST
     if not path.is_file():
-        raise ShardError(f"{folder}: not a shard (no {MANIFEST}); export one with "
-                         f"`python -m fedhm_flwr.ops.shards <overrides> out=DIR` (docs/DEPLOY.md, Shard format)")
+        raise ShardError(
+            f"{folder}: not a shard (no {MANIFEST}); export one with "
+            f"`python -m fedhm_flwr.ops.shards <overrides> out=DIR` (docs/DEPLOY.md, Shard format)"
+        )
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -170,8 +191,10 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     if missing:
         raise ShardError(f"{path}: manifest lacks {missing} (required: {list(REQUIRED_KEYS)})")
     if manifest["format"] != FORMAT or manifest["format_version"] != FORMAT_VERSION:
-        raise ShardError(f"{path}: format {manifest['format']!r} version {manifest['format_version']!r}; "
-                         f"this code reads {FORMAT!r} version {FORMAT_VERSION}")
+        raise ShardError(
+            f"{path}: format {manifest['format']!r} version {manifest['format_version']!r}; "
+            f"this code reads {FORMAT!r} version {FORMAT_VERSION}"
+        )
     return manifest
 
 
@@ -196,11 +219,15 @@ def _read_split(folder: Path, manifest: dict[str, Any], split: str) -> tuple[np.
     c, size = int(manifest["in_channels"]), int(manifest["image_size"])
     images = np.asarray(images, dtype=np.uint8).reshape(-1, size, size, c) if len(labels) == 0 else images
     if images.shape[1:] != (size, size, c) or len(images) != len(labels):
-        raise ShardError(f"{folder}: split {split!r} holds images {images.shape} / {len(labels)} labels; "
-                         f"the manifest says (N, {size}, {size}, {c})")
+        raise ShardError(
+            f"{folder}: split {split!r} holds images {images.shape} / {len(labels)} labels; "
+            f"the manifest says (N, {size}, {size}, {c})"
+        )
     if len(labels) != int(entry["num_examples"]) or checksum(images, labels) != entry["sha256"]:
-        raise ShardError(f"{folder}: split {split!r} does not match the manifest's checksum "
-                         f"(num_examples / sha256): the shard is corrupted; export it again")
+        raise ShardError(
+            f"{folder}: split {split!r} does not match the manifest's checksum "
+            f"(num_examples / sha256): the shard is corrupted; export it again"
+        )
     if len(labels) and not (0 <= labels.min() and labels.max() < int(manifest["num_classes"])):
         raise ShardError(f"{folder}: split {split!r} has labels outside 0..{manifest['num_classes'] - 1}")
     return images, labels
@@ -228,9 +255,16 @@ def shard_arrays(folder: str | Path, split: str = "train") -> tuple[np.ndarray, 
 
 def shard_info(manifest: dict[str, Any]) -> DatasetInfo:
     """The dataset facts a node needs (shape, classes, normalisation), from a manifest."""
-    return DatasetInfo(str(manifest["dataset"]), int(manifest["num_classes"]), int(manifest["in_channels"]),
-                         int(manifest["image_size"]), tuple(float(m) for m in manifest["mean"]),
-                         tuple(float(s) for s in manifest["std"]), 0, 0)
+    return DatasetInfo(
+        str(manifest["dataset"]),
+        int(manifest["num_classes"]),
+        int(manifest["in_channels"]),
+        int(manifest["image_size"]),
+        tuple(float(m) for m in manifest["mean"]),
+        tuple(float(s) for s in manifest["std"]),
+        0,
+        0,
+    )
 
 
 def verify_shard(folder: str | Path) -> dict[str, Any]:

@@ -47,12 +47,12 @@ DATA_SPEC_DEFAULTS: dict[str, Any] = {
 _REQUIRED_KEYS = ("name", "num_partitions")
 
 _IMAGE_SOURCE_DEFAULTS: dict[str, Any] = {
-    "path": None,            # the folder (required)
-    "image_size": 32,        # images are resized (shorter side) and centre-cropped to this square
-    "channels": 3,           # 1: grayscale, 3: RGB
-    "test_fraction": 0.2,    # without a test split: this share of each class (fixed seed) is the test set
+    "path": None,  # the folder (required)
+    "image_size": 32,  # images are resized (shorter side) and centre-cropped to this square
+    "channels": 3,  # 1: grayscale, 3: RGB
+    "test_fraction": 0.2,  # without a test split: this share of each class (fixed seed) is the test set
     "train_split": "train",
-    "test_split": None,      # null: the first of test / val / validation present
+    "test_split": None,  # null: the first of test / val / validation present
 }
 #: the data spec keys of each folder source (only these datasets take them), with their defaults
 SOURCE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -75,12 +75,15 @@ SOURCE_RULES: dict[str, tuple[Any, str]] = {
     "path": (_name, "the folder holding the data"),
     "image_size": (lambda x: _int(x) and x >= 1, "an integer >= 1 (pixels of the square images)"),
     "channels": (lambda x: _int(x) and x in (1, 3), "1 (grayscale) or 3 (RGB)"),
-    "test_fraction": (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < 1,
-                      "a fraction in (0, 1): the share of each class held out as the test set when the data "
-                      "has no test split"),
+    "test_fraction": (
+        lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < 1,
+        "a fraction in (0, 1): the share of each class held out as the test set when the data has no test split",
+    ),
     "train_split": (_name, "the name of the training split"),
-    "test_split": (lambda x: x is None or _name(x), "null (test / val / validation when present, else "
-                   "dataset.test_fraction) or the name of the test split"),
+    "test_split": (
+        lambda x: x is None or _name(x),
+        "null (test / val / validation when present, else dataset.test_fraction) or the name of the test split",
+    ),
     "image_column": (_name, "the name of the column holding the images"),
     "label_column": (_name, "the name of the column holding the labels"),
 }
@@ -131,8 +134,7 @@ def check_data_spec(spec: dict[str, Any]) -> dict[str, Any]:
         out["test_fraction"] = float(out["test_fraction"])
     if out["scheme"] not in PARTITION_SCHEMES:
         raise ValueError(
-            f"partition.scheme: unknown scheme {out['scheme']!r}; allowed values: "
-            f"{list(PARTITION_SCHEMES)}"
+            f"partition.scheme: unknown scheme {out['scheme']!r}; allowed values: {list(PARTITION_SCHEMES)}"
         )
     if out["class_assignment"] not in CLASS_ASSIGNMENTS:
         raise ValueError(
@@ -140,19 +142,11 @@ def check_data_spec(spec: dict[str, Any]) -> dict[str, Any]:
             f"allowed values: {list(CLASS_ASSIGNMENTS)}"
         )
     out["num_partitions"] = check_int("partition.num_partitions", out["num_partitions"], 1)
-    out["classes_per_partition"] = check_int(
-        "partition.classes_per_partition", out["classes_per_partition"], 1
-    )
+    out["classes_per_partition"] = check_int("partition.classes_per_partition", out["classes_per_partition"], 1)
     out["seed"] = check_int("partition.seed", out["seed"], 0)
-    out["max_train_examples"] = check_int(
-        "dataset.max_train_examples", out["max_train_examples"], 0
-    )
-    out["max_test_examples"] = check_int(
-        "dataset.max_test_examples", out["max_test_examples"], 0
-    )
-    out["min_partition_size"] = check_int(
-        "partition.min_partition_size", out["min_partition_size"], 0
-    )
+    out["max_train_examples"] = check_int("dataset.max_train_examples", out["max_train_examples"], 0)
+    out["max_test_examples"] = check_int("dataset.max_test_examples", out["max_test_examples"], 0)
+    out["min_partition_size"] = check_int("partition.min_partition_size", out["min_partition_size"], 0)
     try:
         alpha = float(out["alpha"])
     except (TypeError, ValueError):

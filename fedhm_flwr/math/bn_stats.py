@@ -63,6 +63,7 @@ def bn_sums(model: nn.Module, dataset: Dataset[Any], batch_size: int, device: to
             n = torch.tensor(float(x.numel() // x.shape[1]), dtype=torch.float64)
             for key, value in ((f"{name}.sum", s), (f"{name}.sumsq", ss), (f"{name}.count", n)):
                 acc[key] = acc[key] + value.cpu() if key in acc else value.cpu()
+
         return record
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in layers.items()]

@@ -73,8 +73,14 @@ def width_forward(model: nn.Module, x: Tensor, sizes: Mapping[str, Sequence[int]
     return functional_call(model, narrowed(tensors, sizes), (x,))
 
 
-def fjord_step(model: nn.Module, x: Tensor, y: Tensor, loss: Callable[[Tensor, Tensor], Tensor],
-               sizes: Mapping[str, Sequence[int]], distill: bool) -> tuple[Tensor, Tensor]:
+def fjord_step(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    loss: Callable[[Tensor, Tensor], Tensor],
+    sizes: Mapping[str, Sequence[int]],
+    distill: bool,
+) -> tuple[Tensor, Tensor]:
     """One batch of FjORD: (loss, logits of the sampled width ``sizes``). With ``distill``, the
     full received model (``p_max``) learns the labels and the sampled width its detached softmax."""
     if not distill:

@@ -72,8 +72,9 @@ def client_seed(seed: int, server_round: int, key: int) -> int:
     with no arithmetic collisions between rounds and keys (two of a run's million seeds coincide with
     odds ~1e-7). A hash, not a SeedSequence: the server makes one per sampled node per round, and a
     SeedSequence costs ~10 µs each in a round (a tenth of the CNN's configure_train)."""
-    digest = hashlib.blake2b(f"{int(seed)}:{int(server_round)}:{int(key)}".encode(), digest_size=8,
-                             person=b"fedhm-client").digest()
+    digest = hashlib.blake2b(
+        f"{int(seed)}:{int(server_round)}:{int(key)}".encode(), digest_size=8, person=b"fedhm-client"
+    ).digest()
     return int.from_bytes(digest, "big") >> 1
 
 
@@ -83,8 +84,9 @@ def dynamic_levels(n: int, proportions: Sequence[float], rng: np.random.Generato
     return rng.choice(len(p), size=n, p=p / p.sum()).tolist()
 
 
-def sample_clients(keys: Sequence[int], fraction: float, minimum: int,
-                   rng: np.random.Generator | Callable[[], np.random.Generator]) -> list[int]:
+def sample_clients(
+    keys: Sequence[int], fraction: float, minimum: int, rng: np.random.Generator | Callable[[], np.random.Generator]
+) -> list[int]:
     """Sample ``max(minimum, int(fraction * len(keys)))`` keys without replacement (sorted).
     ``rng``: the generator, or a function making it, called only when a draw is needed (a sample of
     every key is all of them: making a generator costs more than a small round's other sampling)."""

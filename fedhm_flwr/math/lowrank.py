@@ -78,8 +78,9 @@ def _swap_middle(x: Tensor) -> Tensor:
     42 µs for the (128·3, 64·3) matrix of a 128 × 64 conv). Elsewhere, or under autograd, the copy.
     """
     a, b, c, d = x.shape
-    if (x.device.type != "cpu" or x.requires_grad or not x.is_contiguous() or x.numel() >= 2**31
-            or b == 1 or c == 1):  # (b or c = 1: nothing moves, the permuted view is contiguous)
+    if (
+        x.device.type != "cpu" or x.requires_grad or not x.is_contiguous() or x.numel() >= 2**31 or b == 1 or c == 1
+    ):  # (b or c = 1: nothing moves, the permuted view is contiguous)
         return x.permute(0, 2, 1, 3).contiguous()
     return x.reshape(-1).index_select(0, _swap_index((a, b, c, d))).view(a, c, b, d)
 
@@ -222,8 +223,9 @@ def _rank_masks(ranks: tuple[int, ...], k: int, dtype: torch.dtype) -> Tensor:
     return ((i < r) & ((j == i) | (j >= r))).to(dtype).reshape(len(ranks), k * k)
 
 
-def truncation_backward_errors(matrix: Tensor, Q: Tensor, C: Tensor, ranks: Iterable[int],
-                               total: float | None = None) -> dict[int, float]:
+def truncation_backward_errors(
+    matrix: Tensor, Q: Tensor, C: Tensor, ranks: Iterable[int], total: float | None = None
+) -> dict[int, float]:
     """A posteriori backward error of each rank-``r`` truncation ``Q_r Q_rᵀ M`` (``C = Q_kᵀ M``,
     ``k = Q``'s columns ≥ every rank; ``Q`` orthonormal, from the side of ``M``'s rows).
 
@@ -242,8 +244,9 @@ def truncation_backward_errors(matrix: Tensor, Q: Tensor, C: Tensor, ranks: Iter
     return _backward_errors(matrix, Q, C, C @ C.t(), tuple(int(r) for r in ranks), total)
 
 
-def _backward_errors(matrix: Tensor, Q: Tensor, C: Tensor, H: Tensor, ranks: tuple[int, ...],
-                     total: float) -> dict[int, float]:
+def _backward_errors(
+    matrix: Tensor, Q: Tensor, C: Tensor, H: Tensor, ranks: tuple[int, ...], total: float
+) -> dict[int, float]:
     """:func:`truncation_backward_errors` given ``H = C Cᵀ`` (``Q_kᵀ M Mᵀ Q_k``) and ``total = ‖M‖_F²``.
 
     Every rank at once: with ``D[j, i] = H[j, i]² / σ_i²`` off the diagonal and ``D[i, i] = o_i``,
@@ -266,8 +269,9 @@ def _exact_svd(matrix: Tensor) -> SVD:
     return SVD(U, S, Vh)
 
 
-def _gram_svd(matrix: Tensor, ranks: tuple[int, ...], dtype: torch.dtype, tolerance: float,
-              refine: bool = False) -> SVD | None:
+def _gram_svd(
+    matrix: Tensor, ranks: tuple[int, ...], dtype: torch.dtype, tolerance: float, refine: bool = False
+) -> SVD | None:
     """Leading ``max(ranks)`` singular triplets from ``eigh`` of the smaller Gram matrix in ``dtype``,
     or None when :func:`truncation_backward_errors` exceeds ``tolerance`` at one of ``ranks``.
 
@@ -287,7 +291,7 @@ def _gram_svd(matrix: Tensor, ranks: tuple[int, ...], dtype: torch.dtype, tolera
     # eigh of −Gram: its ascending order is the Gram's descending one, so the top eigenvectors are
     # the leading columns (a view, no flip)
     _, Q = torch.linalg.eigh(gram.neg_())
-    Q = Q[:, :max(ranks)]
+    Q = Q[:, : max(ranks)]
     C = Q.t() @ side  # k × (other side)
     H = C @ C.t()
     if max(_backward_errors(side, Q, C, H, ranks, total).values()) > tolerance:
@@ -487,9 +491,7 @@ def recover_state(hybrid_state: Mapping[str, Tensor], ranks: Mapping[str, int]) 
                     raise KeyError(f"hybrid state lacks {owner}.a.weight")
                 A, B, shape = factor_matrices(a_weight, value)
                 if A.shape[1] != int(ranks[owner]) or B.shape[0] != int(ranks[owner]):
-                    raise ValueError(
-                        f"layer {owner!r}: factors have rank {A.shape[1]}, expected {ranks[owner]}"
-                    )
+                    raise ValueError(f"layer {owner!r}: factors have rank {A.shape[1]}, expected {ranks[owner]}")
                 product = A.to(torch.float64) @ B.to(torch.float64)
                 out[f"{owner}.weight"] = _fold(product, shape).to(a_weight.dtype).contiguous()
             elif key == f"{owner}.a.bias":

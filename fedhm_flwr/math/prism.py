@@ -177,8 +177,9 @@ class Draw(NamedTuple):
     rows: Tensor | None = None
 
 
-def draw(R: int, count: int, sampling: str, rng: np.random.Generator | None = None,
-         probabilities: np.ndarray | None = None) -> Tensor:
+def draw(
+    R: int, count: int, sampling: str, rng: np.random.Generator | None = None, probabilities: np.ndarray | None = None
+) -> Tensor:
     """``count`` distinct kernel indices, sorted.
 
     ``orthdrop``: the top ``count`` (``0..count-1``; the SVD sorts σ descending), no randomness.
@@ -253,8 +254,10 @@ def aggregate_kernels(factored: Factored, replies: Sequence[tuple[Draw, Tensor, 
         kernels = sample.kernels
         rows = sample.rows if sample.rows is not None else torch.arange(n)
         if Vq.shape != (len(kernels), V0.shape[1]) or Uq.shape != (len(rows), len(kernels)):
-            raise ValueError(f"reply factors {tuple(Uq.shape)}, {tuple(Vq.shape)} do not match the draw "
-                             f"({len(rows)} rows, {len(kernels)} kernels)")
+            raise ValueError(
+                f"reply factors {tuple(Uq.shape)}, {tuple(Vq.shape)} do not match the draw "
+                f"({len(rows)} rows, {len(kernels)} kernels)"
+            )
         v_sum.index_add_(0, kernels, Vq.to(V0.dtype))
         v_cnt.index_add_(0, kernels, torch.ones(len(kernels), dtype=V0.dtype))
         grid = (rows[:, None].expand(-1, len(kernels)), kernels[None, :].expand(len(rows), -1))

@@ -91,8 +91,9 @@ def compute_rdp(q: float, sigma: float, steps: int, orders: Sequence[int] = ORDE
     return rdp_sampled_gaussian(q, sigma, orders) * int(steps)
 
 
-def epsilon_from_rdp(rdp: Sequence[float] | np.ndarray, delta: float,
-                     orders: Sequence[int] = ORDERS) -> tuple[float, int]:
+def epsilon_from_rdp(
+    rdp: Sequence[float] | np.ndarray, delta: float, orders: Sequence[int] = ORDERS
+) -> tuple[float, int]:
     """``(ε, optimal order)`` for ``δ``: ``min_α rdp_α + log(1/δ) / (α - 1)``."""
     if not 0.0 < delta < 1.0:
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
@@ -152,12 +153,20 @@ def contributions(global_state: Mapping[str, Tensor], models: Sequence[Mapping[s
     """``Δ_p = v_p − w`` (float64) on every floating key of the global state; a key a model does not
     hold contributes 0."""
     keys = [k for k, v in global_state.items() if v.is_floating_point()]
-    return [{k: (m[k].to(torch.float64) - global_state[k].to(torch.float64)) if k in m
-             else torch.zeros(global_state[k].shape, dtype=torch.float64) for k in keys} for m in models]
+    return [
+        {
+            k: (m[k].to(torch.float64) - global_state[k].to(torch.float64))
+            if k in m
+            else torch.zeros(global_state[k].shape, dtype=torch.float64)
+            for k in keys
+        }
+        for m in models
+    ]
 
 
-def dp_mean(global_state: Mapping[str, Tensor], models: Sequence[Mapping[str, Tensor]], clip: float,
-            expected_clients: float) -> tuple[State, np.ndarray]:
+def dp_mean(
+    global_state: Mapping[str, Tensor], models: Sequence[Mapping[str, Tensor]], clip: float, expected_clients: float
+) -> tuple[State, np.ndarray]:
     """The noiseless DP-FedAvg update ``w + Σ_p clip_C(v_p − w) / m`` and each model's clip scale
     (see the module docstring). Non-floating tensors keep the global value; no model: ``w``."""
     sensitivity(clip, expected_clients)  # validates

@@ -57,8 +57,9 @@ def covered(state: Mapping[str, Tensor], coverage: Coverage, key: str, shape: Se
     return torch.zeros(tuple(shape), dtype=torch.bool) if mask is None else mask.to(torch.bool)
 
 
-def with_class_rows(state: Mapping[str, Tensor], coverage: Coverage, holds: np.ndarray,
-                    classifier_keys: Sequence[str]) -> dict[str, Tensor]:
+def with_class_rows(
+    state: Mapping[str, Tensor], coverage: Coverage, holds: np.ndarray, classifier_keys: Sequence[str]
+) -> dict[str, Tensor]:
     """A coverage where the classifier rows (first dimension: classes) of classes the client does
     not hold are uncovered (``holds``: one flag per class)."""
     out = {key: covered(state, coverage, key, value.shape) for key, value in state.items()}
@@ -82,7 +83,7 @@ def update_norms(updates: Sequence[Mapping[str, Tensor]], coverages: Sequence[Co
                 continue
             part = value.to(torch.float64) * covered(delta, coverage, key, value.shape)
             total += float((part * part).sum())
-        out.append(total ** 0.5)
+        out.append(total**0.5)
     return np.asarray(out, dtype=np.float64)
 
 
@@ -128,8 +129,7 @@ def outlier_keep(norms: Sequence[float] | np.ndarray, z: float) -> np.ndarray:
 # ----------------------------------------------------------------------------------- combine
 
 
-def _combine_key(prev: Tensor, values: Tensor, cover: Tensor, rule: str, weights: Tensor,
-                 trim: float) -> Tensor:
+def _combine_key(prev: Tensor, values: Tensor, cover: Tensor, rule: str, weights: Tensor, trim: float) -> Tensor:
     """One tensor: ``values``/``cover`` are (clients, *shape) float64 / bool."""
     count = cover.sum(dim=0)
     if rule == "mean":
@@ -155,9 +155,14 @@ def _combine_key(prev: Tensor, values: Tensor, cover: Tensor, rule: str, weights
     return torch.where(held, mixed, prev.to(torch.float64)).to(prev.dtype)
 
 
-def combine(previous: Mapping[str, Tensor], values: Sequence[Mapping[str, Tensor]],
-            coverages: Sequence[Coverage], rule: str = "mean", weights: Sequence[float] | None = None,
-            trim: float = 0.0) -> State:
+def combine(
+    previous: Mapping[str, Tensor],
+    values: Sequence[Mapping[str, Tensor]],
+    coverages: Sequence[Coverage],
+    rule: str = "mean",
+    weights: Sequence[float] | None = None,
+    trim: float = 0.0,
+) -> State:
     """The new state: every element over the clients covering it (see the module docstring).
 
     ``weights`` (one per client, default 1) weight the ``mean`` and are renormalised per element
@@ -171,8 +176,11 @@ def combine(previous: Mapping[str, Tensor], values: Sequence[Mapping[str, Tensor
         raise ValueError("need one coverage per client state, and at least one state")
     if not 0.0 <= trim < 0.5:
         raise ValueError(f"trim fraction must be in [0, 0.5), got {trim!r}")
-    w = torch.ones(len(values), dtype=torch.float64) if weights is None else torch.as_tensor(
-        np.asarray(weights, dtype=np.float64))
+    w = (
+        torch.ones(len(values), dtype=torch.float64)
+        if weights is None
+        else torch.as_tensor(np.asarray(weights, dtype=np.float64))
+    )
     if w.shape != (len(values),) or bool((w < 0).any()):
         raise ValueError("weights must be non-negative, one per client")
     out: State = {}
@@ -181,8 +189,9 @@ def combine(previous: Mapping[str, Tensor], values: Sequence[Mapping[str, Tensor
             out[key] = prev.clone()
             continue
         cover = torch.stack([covered(v, c, key, prev.shape) for v, c in zip(values, coverages)])
-        stacked = torch.stack([v[key].to(torch.float64) if key in v else torch.zeros(prev.shape, dtype=torch.float64)
-                               for v in values])
+        stacked = torch.stack(
+            [v[key].to(torch.float64) if key in v else torch.zeros(prev.shape, dtype=torch.float64) for v in values]
+        )
         cover &= torch.isfinite(stacked)  # a NaN/inf value covers nothing
         stacked = torch.where(cover, stacked, torch.zeros_like(stacked))  # (0 · inf would be NaN)
         if not bool(cover.any()):
@@ -272,5 +281,6 @@ def oversized(state: Mapping[str, Tensor], bound: float, flat: Tensor | None = N
 
 def finite_updates(updates: Sequence[Mapping[str, Tensor]]) -> np.ndarray:
     """Which updates hold only finite values (a recovery that overflowed does not)."""
-    return np.asarray([all(bool(torch.isfinite(v).all()) for v in u.values() if v.is_floating_point())
-                       for u in updates], dtype=bool)
+    return np.asarray(
+        [all(bool(torch.isfinite(v).all()) for v in u.values() if v.is_floating_point()) for u in updates], dtype=bool
+    )

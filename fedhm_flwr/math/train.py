@@ -65,8 +65,16 @@ class TrainOptions:
 def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """``T² · KL(softmax(teacher/T) || softmax(student/T))``, averaged over the batch."""
     t = float(temperature)
-    return t * t * F.kl_div(F.log_softmax(student_logits / t, dim=1), F.log_softmax(teacher_logits / t, dim=1),
-                            reduction="batchmean", log_target=True)
+    return (
+        t
+        * t
+        * F.kl_div(
+            F.log_softmax(student_logits / t, dim=1),
+            F.log_softmax(teacher_logits / t, dim=1),
+            reduction="batchmean",
+            log_target=True,
+        )
+    )
 
 
 def client_hook(name: str, model: nn.Module, options: Mapping[str, Any], seed: int) -> Callable[..., Any]:
@@ -80,8 +88,10 @@ def client_hook(name: str, model: nn.Module, options: Mapping[str, Any], seed: i
             module = None
     hook = getattr(module, "train_hook", None)
     if not callable(hook):
-        raise ValueError(f"train option hook={name!r}: not a client hook; allowed: the name of a module of "
-                         f"{__package__} that defines train_hook (e.g. 'fjord'), or '' for none")
+        raise ValueError(
+            f"train option hook={name!r}: not a client hook; allowed: the name of a module of "
+            f"{__package__} that defines train_hook (e.g. 'fjord'), or '' for none"
+        )
     return hook(model, options, seed)
 
 
@@ -110,8 +120,9 @@ def parameter_groups(model: nn.Module, weight_decay: float, frobenius_decay: boo
     Frobenius decay is on (their biases are full-rank parameters and keep ordinary weight decay)."""
     low_rank: set[int] = set()
     if frobenius_decay:
-        low_rank = {id(p) for m in factorized_modules(model) for name, p in m.named_parameters()
-                    if not name.endswith("bias")}
+        low_rank = {
+            id(p) for m in factorized_modules(model) for name, p in m.named_parameters() if not name.endswith("bias")
+        }
     decayed = [p for p in model.parameters() if p.requires_grad and id(p) not in low_rank]
     pairs = [p for p in model.parameters() if p.requires_grad and id(p) in low_rank]
     groups = [{"params": decayed, "weight_decay": weight_decay}]
@@ -215,7 +226,9 @@ def train_local(
             if teacher is not None:
                 with torch.no_grad():
                     teacher_logits = teacher(x)
-                loss = loss + options.distill_weight * distillation_kl(logits, teacher_logits, options.distill_temperature)
+                loss = loss + options.distill_weight * distillation_kl(
+                    logits, teacher_logits, options.distill_temperature
+                )
             objective = loss
             if loss_extra is not None:
                 objective = objective + loss_extra(model, x, logits)

@@ -188,7 +188,7 @@ def _add_into(total: Tensor, entry: tuple[Tensor | None, ...], values: Tensor) -
         if idx is not None:
             idx = idx.to(total.device)
             part = total.index_select(d, idx)
-            _add_into(part, entry[:d] + (None,) + entry[d + 1:], values)
+            _add_into(part, entry[:d] + (None,) + entry[d + 1 :], values)
             total.index_copy_(d, idx, part)
             return
     total += values
@@ -220,8 +220,9 @@ def slice_state(full_state: Mapping[str, Tensor], plan: Plan) -> State:
     return out
 
 
-def embed(sub_state: Mapping[str, Tensor], plan: Plan, full_shapes: Mapping[str, Sequence[int]]
-          ) -> tuple[State, dict[str, Tensor]]:
+def embed(
+    sub_state: Mapping[str, Tensor], plan: Plan, full_shapes: Mapping[str, Sequence[int]]
+) -> tuple[State, dict[str, Tensor]]:
     """(values, mask) in full shape: the sub-model's elements placed where they came from
     (zeros elsewhere) and a boolean mask of the positions it holds."""
     values: State = {}

@@ -109,8 +109,13 @@ def static_bn(model: nn.Module) -> nn.Module:
     """
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
-            new = type(module)(module.num_features, eps=module.eps, momentum=module.momentum,
-                               affine=module.affine, track_running_stats=False)
+            new = type(module)(
+                module.num_features,
+                eps=module.eps,
+                momentum=module.momentum,
+                affine=module.affine,
+                track_running_stats=False,
+            )
             if module.affine:
                 new.load_state_dict({"weight": module.weight, "bias": module.bias})
             new.to(device=module.weight.device if module.affine else None)
@@ -122,8 +127,10 @@ def static_bn(model: nn.Module) -> nn.Module:
 def _width(model: nn.Module, spec: Mapping[str, Any], spectral_init: bool) -> nn.Module:
     sliced = float(spec.get("width_rate", 1.0)) != 1.0 or bool(spec.get("scaler", False))
     if sliced and spec["arch"] not in WIDTH_ARCHS:
-        raise ValueError(f"model spec: width slicing (width_rate, scaler) needs a model built by width: "
-                         f"arch one of {list(WIDTH_ARCHS)}, got {spec['arch']!r}")
+        raise ValueError(
+            f"model spec: width slicing (width_rate, scaler) needs a model built by width: "
+            f"arch one of {list(WIDTH_ARCHS)}, got {spec['arch']!r}"
+        )
     return model  # the width archs' builders took width_rate / scaler as constructor arguments
 
 
@@ -204,8 +211,9 @@ def build_model(spec: Mapping[str, Any], *, spectral_init: bool = True) -> nn.Mo
     return model
 
 
-def deployable_network(spec: Mapping[str, Any], state: Mapping[str, torch.Tensor],
-                       sums: Mapping[str, torch.Tensor] | None = None) -> tuple[dict[str, Any], nn.Module]:
+def deployable_network(
+    spec: Mapping[str, Any], state: Mapping[str, torch.Tensor], sums: Mapping[str, torch.Tensor] | None = None
+) -> tuple[dict[str, Any], nn.Module]:
     """(spec, model) of the network a device runs: ``spec``'s model with ``state`` loaded (a
     frozen-backbone model: its federated tensors over the local backbone), ``sums`` (sBN sums,
     :mod:`fedhm_flwr.math.bn_stats`) installed as its fixed norm statistics when given (the spec

@@ -150,9 +150,11 @@ class DeMAAdapter(nn.Module):
         nn.init.zeros_(self.up.bias)
         if self.members:
             self.share_pre = nn.ParameterDict(
-                {str(j): nn.Parameter(torch.zeros(bottleneck, bottleneck)) for j in self.members})
+                {str(j): nn.Parameter(torch.zeros(bottleneck, bottleneck)) for j in self.members}
+            )
             self.share_post = nn.ParameterDict(
-                {str(j): nn.Parameter(torch.zeros(bottleneck, bottleneck)) for j in self.members})
+                {str(j): nn.Parameter(torch.zeros(bottleneck, bottleneck)) for j in self.members}
+            )
             self.gate_pre = nn.Parameter(torch.zeros(len(self.members)))
             self.gate_post = nn.Parameter(torch.zeros(len(self.members)))
             for j in self.members:
@@ -227,7 +229,9 @@ def load_federated(model: nn.Module, state: Mapping[str, Tensor]) -> None:
     got = set(state)
     if expected != got:
         missing, extra = sorted(expected - got), sorted(got - expected)
-        raise ValueError(f"received keys are not the model's federated keys: missing {missing[:4]}"
-                         f"{'...' if len(missing) > 4 else ''}, unexpected {extra[:4]}{'...' if len(extra) > 4 else ''}")
+        raise ValueError(
+            f"received keys are not the model's federated keys: missing {missing[:4]}"
+            f"{'...' if len(missing) > 4 else ''}, unexpected {extra[:4]}{'...' if len(extra) > 4 else ''}"
+        )
     result = model.load_state_dict(dict(state), strict=False)
     assert not result.unexpected_keys, result.unexpected_keys

@@ -40,8 +40,9 @@ class CNN(nn.Module):
     #: the stem ``conv1`` is never factorized (nor ``fc``, the head, by the default rule)
     factorize_rule = FactorizeRule(exclude=("conv1",), pointwise=False)
 
-    def __init__(self, num_classes: int, in_channels: int = 1, width: int = 64, width_rate: float = 1.0,
-                 scaler: bool = False) -> None:
+    def __init__(
+        self, num_classes: int, in_channels: int = 1, width: int = 64, width_rate: float = 1.0, scaler: bool = False
+    ) -> None:
         super().__init__()
         hidden = [scaled_channels(c, width_rate) for c in (width, 2 * width, 4 * width, 8 * width)]
         self.hidden = hidden
@@ -75,5 +76,10 @@ class CNN(nn.Module):
 def build_cnn(spec: Mapping[str, Any]) -> CNN:
     """Registry builder: ``num_classes``, ``in_channels``, optional ``width`` (64), ``width_rate`` (1),
     ``scaler`` (false)."""
-    return CNN(int(spec["num_classes"]), int(spec["in_channels"]), int(spec.get("width", 64)),
-               float(spec.get("width_rate", 1.0)), bool(spec.get("scaler", False)))
+    return CNN(
+        int(spec["num_classes"]),
+        int(spec["in_channels"]),
+        int(spec.get("width", 64)),
+        float(spec.get("width_rate", 1.0)),
+        bool(spec.get("scaler", False)),
+    )

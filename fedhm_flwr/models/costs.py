@@ -88,8 +88,9 @@ def activation_elements(model: Any, input_shape: tuple[int, ...]) -> int:
     return total
 
 
-def training_memory_bytes(params: int, activations_per_input: int, batch_size: int,
-                          optimizer_slots: int = 1, bytes_per_value: int = 4) -> int:
+def training_memory_bytes(
+    params: int, activations_per_input: int, batch_size: int, optimizer_slots: int = 1, bytes_per_value: int = 4
+) -> int:
     """Estimated memory of local training (float32): what a ``capability-memory`` budget is compared with.
 
     ``(2 + optimizer_slots) * params`` values for weights, gradients and optimizer buffers

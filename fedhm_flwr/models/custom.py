@@ -26,8 +26,10 @@ from torch import nn
 
 from .rules import head_name
 
-_ALLOWED = ("an importable 'package.module:factory' returning an nn.Module, e.g. torchvision.models:resnet18 "
-            "(the module must be importable: an installed package, or its folder on PYTHONPATH, e.g. PYTHONPATH=.)")
+_ALLOWED = (
+    "an importable 'package.module:factory' returning an nn.Module, e.g. torchvision.models:resnet18 "
+    "(the module must be importable: an installed package, or its folder on PYTHONPATH, e.g. PYTHONPATH=.)"
+)
 
 
 def resolve_target(target: str) -> Callable[..., Any]:
@@ -92,10 +94,12 @@ def _called_layers(model: nn.Module, example: torch.Tensor) -> list[tuple[str, i
         def record(module: nn.Module, args: Any, output: Any) -> None:
             if isinstance(output, torch.Tensor) and output.dim() >= 1:
                 calls.append((name, int(output.shape[1 if isinstance(module, nn.Conv2d) else -1])))
+
         return record
 
-    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()
-               if isinstance(m, (nn.Conv2d, nn.Linear))]
+    handles = [
+        m.register_forward_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))
+    ]
     training = model.training
     try:
         model.eval()
@@ -145,8 +149,10 @@ def build_custom(spec: Mapping[str, Any]) -> nn.Module:
     """
     model = resolve_target(spec["target"])(**dict(spec.get("kwargs") or {}))
     if not isinstance(model, nn.Module):
-        raise ValueError(f"invalid config: model.target={spec['target']!r} returned a {type(model).__name__}; "
-                         "allowed: a factory returning an nn.Module")
+        raise ValueError(
+            f"invalid config: model.target={spec['target']!r} returned a {type(model).__name__}; "
+            "allowed: a factory returning an nn.Module"
+        )
     if getattr(model, "classifier_name", None) is None:
         head = traced_head(model, spec)
         if head is not None:

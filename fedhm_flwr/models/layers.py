@@ -26,8 +26,15 @@ from fedhm_flwr.math.prism import reply_factors
 from fedhm_flwr.math.width import check_rate
 
 __all__ = [
-    "FactorizedConv2d", "FactorizedLinear", "PrismConv2d", "PrismLinear", "Scaler", "factorize_modules",
-    "factorized_modules", "make_scaler", "prismify_modules",
+    "FactorizedConv2d",
+    "FactorizedLinear",
+    "PrismConv2d",
+    "PrismLinear",
+    "Scaler",
+    "factorize_modules",
+    "factorized_modules",
+    "make_scaler",
+    "prismify_modules",
 ]
 
 
@@ -48,8 +55,9 @@ def _pair(value: int | tuple[int, ...], what: str) -> int:
 _Factorized = TypeVar("_Factorized", "FactorizedConv2d", "FactorizedLinear")
 
 
-def _initialised(layer: _Factorized, full: nn.Conv2d | nn.Linear, rank: int, svd: SVD | None,
-                 spectral_init: bool) -> _Factorized:
+def _initialised(
+    layer: _Factorized, full: nn.Conv2d | nn.Linear, rank: int, svd: SVD | None, spectral_init: bool
+) -> _Factorized:
     """``layer`` (the factorized form of ``full``) on ``full``'s device and dtype, its factors the
     rank-``rank`` cut of ``full``'s weight (or of ``svd``) when ``spectral_init``, its bias ``full``'s."""
     layer.to(device=full.weight.device, dtype=full.weight.dtype)
@@ -97,9 +105,7 @@ class FactorizedConv2d(nn.Module):
         if conv.groups != 1 or _pair(conv.dilation, "dilation") != 1:
             raise ValueError("only convs with groups=1 and dilation=1 can be factorized")
         if not isinstance(conv.padding, tuple) or conv.padding_mode != "zeros":
-            raise ValueError(
-                f"only explicit zero padding is supported, got {conv.padding!r} ({conv.padding_mode})"
-            )
+            raise ValueError(f"only explicit zero padding is supported, got {conv.padding!r} ({conv.padding_mode})")
         layer = cls(
             conv.in_channels,
             conv.out_channels,
@@ -215,9 +221,7 @@ def factorize_modules(
         elif isinstance(module, nn.Linear):
             new = FactorizedLinear.from_linear(module, int(rank), svd, spectral_init)
         else:
-            raise ValueError(
-                f"layer {name!r} is a {type(module).__name__}; only Conv2d and Linear can be factorized"
-            )
+            raise ValueError(f"layer {name!r} is a {type(module).__name__}; only Conv2d and Linear can be factorized")
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
     return model
@@ -299,9 +303,17 @@ class PrismConv2d(_PrismLayer):
     """A conv ``(n, m, k, k)`` restricted to ``rank`` principal kernels: ``v`` (k×k conv, ``rank``
     filters, the original stride/padding) then ``u`` (1×1 conv, ``n`` filters, or ``|rows|``)."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, rank: int,
-                 stride: int | tuple[int, int] = 1, padding: int | tuple[int, int] = 0, bias: bool = False,
-                 rows: Sequence[int] | Tensor | None = None) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int,
+        rank: int,
+        stride: int | tuple[int, int] = 1,
+        padding: int | tuple[int, int] = 0,
+        bias: bool = False,
+        rows: Sequence[int] | Tensor | None = None,
+    ) -> None:
         super().__init__()
         R = min(out_channels, in_channels * kernel_size * kernel_size)
         if not 1 <= rank <= R:
@@ -325,8 +337,9 @@ class PrismConv2d(_PrismLayer):
         if conv.kernel_size != (k, k) or not isinstance(conv.padding, tuple):
             raise ValueError(f"only square kernels with explicit padding, got {conv.kernel_size}, {conv.padding!r}")
         stride, padding = cast("tuple[int, int]", conv.stride), cast("tuple[int, int]", conv.padding)  # (2-D conv)
-        return cls(conv.in_channels, conv.out_channels, k, rank, stride, padding, conv.bias is not None,
-                   rows).to(device=conv.weight.device, dtype=conv.weight.dtype)
+        return cls(conv.in_channels, conv.out_channels, k, rank, stride, padding, conv.bias is not None, rows).to(
+            device=conv.weight.device, dtype=conv.weight.dtype
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         return self._finish(self.u(self.v(x)), 1)
@@ -336,8 +349,14 @@ class PrismLinear(_PrismLayer):
     """A linear layer ``(out, in)`` restricted to ``rank`` principal kernels: ``v = Linear(in, rank)``
     then ``u = Linear(rank, out)`` (or ``|rows|`` outputs)."""
 
-    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = True,
-                 rows: Sequence[int] | Tensor | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        bias: bool = True,
+        rows: Sequence[int] | Tensor | None = None,
+    ) -> None:
         super().__init__()
         if not 1 <= rank <= min(in_features, out_features):
             raise ValueError(f"rank must be in [1, {min(in_features, out_features)}], got {rank}")
@@ -355,7 +374,8 @@ class PrismLinear(_PrismLayer):
     def like(cls, linear: nn.Linear, rank: int, rows: Sequence[int] | Tensor | None = None) -> PrismLinear:
         """An (uninitialised) sub-layer of ``linear``'s geometry."""
         return cls(linear.in_features, linear.out_features, rank, linear.bias is not None, rows).to(
-            device=linear.weight.device, dtype=linear.weight.dtype)
+            device=linear.weight.device, dtype=linear.weight.dtype
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         return self._finish(self.u(self.v(x)), -1)

@@ -15,8 +15,16 @@ from fedhm_flwr.models import build_model, input_shape, shape_device
 from fedhm_flwr.models.costs import model_costs
 from fedhm_flwr.models.rules import plan_ranks
 
-__all__ = ["MATCH_STEP", "RESOURCES", "fedhm_level_costs", "fedhm_level_params", "matched_rate", "matched_rates",
-           "submodel_cost", "submodel_params"]
+__all__ = [
+    "MATCH_STEP",
+    "RESOURCES",
+    "fedhm_level_costs",
+    "fedhm_level_params",
+    "matched_rate",
+    "matched_rates",
+    "submodel_cost",
+    "submodel_params",
+]
 
 #: resolution of a matched width rate (finer than one channel of a 512-channel layer)
 MATCH_STEP = 1e-3
@@ -36,8 +44,9 @@ def _spec_cost(spec: Mapping[str, Any], resource: str, batch_size: int, momentum
         return model_costs(model, input_shape(spec), batch_size, momentum)[resource]
 
 
-def submodel_cost(spec: Mapping[str, Any], rate: float, resource: str = "params", batch_size: int = 32,
-                  momentum: float = 0.9) -> float:
+def submodel_cost(
+    spec: Mapping[str, Any], rate: float, resource: str = "params", batch_size: int = 32, momentum: float = 0.9
+) -> float:
     """``resource`` of the rate-``rate`` sub-model of ``spec`` (memory: training at ``batch_size``,
     one optimizer slot when ``momentum`` > 0)."""
     _check_resource(resource)
@@ -49,8 +58,14 @@ def submodel_params(spec: Mapping[str, Any], rate: float) -> int:
     return int(submodel_cost(spec, rate, "params"))
 
 
-def fedhm_level_costs(spec: Mapping[str, Any], gammas: Sequence[float], rho: int | None = None,
-                      resource: str = "params", batch_size: int = 32, momentum: float = 0.9) -> list[float]:
+def fedhm_level_costs(
+    spec: Mapping[str, Any],
+    gammas: Sequence[float],
+    rho: int | None = None,
+    resource: str = "params",
+    batch_size: int = 32,
+    momentum: float = 0.9,
+) -> list[float]:
     """``resource`` of FedHM's hybrid model at each rank ratio (``rho``: the model's default when
     None), for the same model ``spec``."""
     _check_resource(resource)
@@ -58,8 +73,7 @@ def fedhm_level_costs(spec: Mapping[str, Any], gammas: Sequence[float], rho: int
     with shape_device(base):
         model = build_model(base)
         plans = [plan_ranks(model, float(gamma), rho) for gamma in gammas]
-    return [_spec_cost({**base, "ranks": ranks} if ranks else base, resource, batch_size, momentum)
-            for ranks in plans]
+    return [_spec_cost({**base, "ranks": ranks} if ranks else base, resource, batch_size, momentum) for ranks in plans]
 
 
 def fedhm_level_params(spec: Mapping[str, Any], gammas: Sequence[float], rho: int | None = None) -> list[int]:
@@ -67,8 +81,12 @@ def fedhm_level_params(spec: Mapping[str, Any], gammas: Sequence[float], rho: in
     return [int(c) for c in fedhm_level_costs(spec, gammas, rho, "params")]
 
 
-def matched_rate(spec: Mapping[str, Any], target: float, step: float = MATCH_STEP,
-                 cost: Callable[[Mapping[str, Any], float], float] = submodel_params) -> float:
+def matched_rate(
+    spec: Mapping[str, Any],
+    target: float,
+    step: float = MATCH_STEP,
+    cost: Callable[[Mapping[str, Any], float], float] = submodel_params,
+) -> float:
     """The width rate (a multiple of ``step`` in (0, 1]) whose sub-model's ``cost`` (default: its
     parameter count) is the closest to ``target`` (the smaller rate on a tie). Every cost never
     decreases with the rate, so the rate is found by bisection over the grid."""
@@ -87,9 +105,14 @@ def matched_rate(spec: Mapping[str, Any], target: float, step: float = MATCH_STE
     return round(best * step, 6)
 
 
-def matched_rates(spec: Mapping[str, Any], gammas: Sequence[float], rho: int | None = None,
-                  resource: str = "params", batch_size: int = 32,
-                  momentum: float = 0.9) -> tuple[list[float], list[float]]:
+def matched_rates(
+    spec: Mapping[str, Any],
+    gammas: Sequence[float],
+    rho: int | None = None,
+    resource: str = "params",
+    batch_size: int = 32,
+    momentum: float = 0.9,
+) -> tuple[list[float], list[float]]:
     """(width rates, FedHM's costs): for every rank ratio ``gamma``, the width rate whose sub-model's
     ``resource`` is the closest to FedHM's level ``gamma`` on the same model (on parameters, the
     FedHM journal's budget matching: widths about 1 / 0.64 / 0.5 / 0.35 against gamma = 1, 1/2,

@@ -22,8 +22,14 @@ class BasicBlock(nn.Module):
     ``scaler`` (HeteroFL's Scaler, or identity) runs right before every norm.
     """
 
-    def __init__(self, in_planes: int, planes: int, stride: int = 1, downsample: bool | None = None,
-                 scaler: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        in_planes: int,
+        planes: int,
+        stride: int = 1,
+        downsample: bool | None = None,
+        scaler: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.scaler = scaler if scaler is not None else nn.Identity()
         self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False)
@@ -88,8 +94,15 @@ class ResNet(nn.Module):
             layers = []
             for b in range(blocks):
                 s = stride if b == 0 else 1
-                layers.append(BasicBlock(scaled_channels(full_in, width_rate), scaled_channels(full_planes, width_rate),
-                                         s, s != 1 or full_in != full_planes, self.scaler))
+                layers.append(
+                    BasicBlock(
+                        scaled_channels(full_in, width_rate),
+                        scaled_channels(full_planes, width_rate),
+                        s,
+                        s != 1 or full_in != full_planes,
+                        self.scaler,
+                    )
+                )
                 full_in = full_planes
             setattr(self, f"layer{stage}", nn.Sequential(*layers))
         self.avgpool = nn.AdaptiveAvgPool2d(1)
@@ -105,22 +118,27 @@ class ResNet(nn.Module):
         return self.fc(self.avgpool(x).flatten(1))
 
 
-def resnet18(num_classes: int, in_channels: int = 3, width: int = 64, width_rate: float = 1.0,
-             scaler: bool = False) -> ResNet:
+def resnet18(
+    num_classes: int, in_channels: int = 3, width: int = 64, width_rate: float = 1.0, scaler: bool = False
+) -> ResNet:
     """ResNet-18; ``layer1.0`` stays full rank by default (``default_rho = 2``)."""
     return ResNet([2, 2, 2, 2], num_classes, in_channels, width, default_rho=2, width_rate=width_rate, scaler=scaler)
 
 
-def resnet34(num_classes: int, in_channels: int = 3, width: int = 64, width_rate: float = 1.0,
-             scaler: bool = False) -> ResNet:
+def resnet34(
+    num_classes: int, in_channels: int = 3, width: int = 64, width_rate: float = 1.0, scaler: bool = False
+) -> ResNet:
     """ResNet-34; ``layer1`` and ``layer2`` stay full rank by default (``default_rho = 6 + 8``)."""
     return ResNet([3, 4, 6, 3], num_classes, in_channels, width, default_rho=14, width_rate=width_rate, scaler=scaler)
 
 
 def _options(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Builder arguments of a spec: ``width`` (64), ``width_rate`` (1), ``scaler`` (false)."""
-    return {"width": int(spec.get("width", 64)), "width_rate": float(spec.get("width_rate", 1.0)),
-            "scaler": bool(spec.get("scaler", False))}
+    return {
+        "width": int(spec.get("width", 64)),
+        "width_rate": float(spec.get("width_rate", 1.0)),
+        "scaler": bool(spec.get("scaler", False)),
+    }
 
 
 def build_resnet18(spec: Mapping[str, Any]) -> ResNet:

@@ -62,8 +62,9 @@ class FactorizeRule:
     pointwise: bool = True
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any] | None, base: FactorizeRule | None = None,
-                     field: str = "model.factorize") -> FactorizeRule:
+    def from_mapping(
+        cls, values: Mapping[str, Any] | None, base: FactorizeRule | None = None, field: str = "model.factorize"
+    ) -> FactorizeRule:
         """``base`` (default: the plain rule) with the non-null entries of ``values`` on top.
 
         Raises ``ValueError`` naming ``field.<key>`` and the allowed values on bad input
@@ -74,8 +75,9 @@ class FactorizeRule:
         if problem is not None:
             key, value, allowed = problem
             raise ValueError(f"invalid config: {field}.{key}={value!r}; allowed: {allowed}")
-        changes: dict[str, Any] = {k: (tuple(v) if k in ("include", "exclude", "types") else v)
-                                   for k, v in values.items()}
+        changes: dict[str, Any] = {
+            k: (tuple(v) if k in ("include", "exclude", "types") else v) for k, v in values.items()
+        }
         return replace(base or cls(), **changes)
 
     def as_dict(self) -> dict[str, Any]:
@@ -127,12 +129,19 @@ def head_name(model: nn.Module, num_classes: int | None = None) -> str | None:
 
 def conv_factorizable(conv: nn.Conv2d) -> bool:
     """Whether :class:`~fedhm_flwr.models.layers.FactorizedConv2d` can replace ``conv`` exactly."""
+
     def square(v: Any) -> bool:
         return isinstance(v, int) or (len(v) == 2 and v[0] == v[1])
 
-    return (conv.groups == 1 and tuple(conv.dilation) in ((1, 1), 1) and conv.padding_mode == "zeros"
-            and isinstance(conv.padding, tuple) and square(conv.kernel_size) and square(conv.stride)
-            and square(conv.padding))
+    return (
+        conv.groups == 1
+        and tuple(conv.dilation) in ((1, 1), 1)
+        and conv.padding_mode == "zeros"
+        and isinstance(conv.padding, tuple)
+        and square(conv.kernel_size)
+        and square(conv.stride)
+        and square(conv.padding)
+    )
 
 
 def _kernel(conv: nn.Conv2d) -> int:

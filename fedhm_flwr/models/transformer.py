@@ -52,7 +52,8 @@ def adapt(model: MiniLMClassifier | ViT, spec: Mapping[str, Any]) -> nn.Module:
         own = dema.get("own")
         h = int(dema["bottleneck"])
         model.adapters = nn.ModuleList(
-            DeMAAdapter(model.block_dim, h, [int(j) for j in m], None if own is None else int(own)) for m in members)
+            DeMAAdapter(model.block_dim, h, [int(j) for j in m], None if own is None else int(own)) for m in members
+        )
     return model
 
 

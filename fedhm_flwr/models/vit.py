@@ -60,8 +60,10 @@ def arch_of(spec: Mapping[str, Any]) -> dict[str, int]:
 def checkpoint_name(arch: Mapping[str, int]) -> str:
     """File name of a pre-trained backbone, e.g. ``vit-w128-d4-h4-p7-m2-c1-s28.safetensors``."""
     a = {k: int(arch[k]) for k in ARCH_KEYS}
-    return (f"vit-w{a['width']}-d{a['depth']}-h{a['heads']}-p{a['patch']}-m{a['mlp_ratio']}"
-            f"-c{a['in_channels']}-s{a['image_size']}.safetensors")
+    return (
+        f"vit-w{a['width']}-d{a['depth']}-h{a['heads']}-p{a['patch']}-m{a['mlp_ratio']}"
+        f"-c{a['in_channels']}-s{a['image_size']}.safetensors"
+    )
 
 
 def checkpoint_ref(arch: Mapping[str, int]) -> str:
@@ -73,7 +75,7 @@ def resolve_ref(ref: str) -> Path:
     """The local file a ``cache:<relative path>`` reference names on this node."""
     if not ref.startswith("cache:"):
         raise ValueError(f"not a cache reference: {ref!r}")
-    rel = Path(ref[len("cache:"):])
+    rel = Path(ref[len("cache:") :])
     if rel.is_absolute() or ".." in rel.parts:
         raise ValueError(f"cache reference must be a relative path inside the cache: {ref!r}")
     return cache_dir() / rel
@@ -129,8 +131,17 @@ class ViT(nn.Module):
     default_rho = 6
     factorize_rule = FactorizeRule(include=("blocks.*.attn.*", "blocks.*.mlp.*"), types=("Linear",))
 
-    def __init__(self, num_classes: int, in_channels: int, image_size: int, width: int, depth: int, heads: int,
-                 patch: int, mlp_ratio: int) -> None:
+    def __init__(
+        self,
+        num_classes: int,
+        in_channels: int,
+        image_size: int,
+        width: int,
+        depth: int,
+        heads: int,
+        patch: int,
+        mlp_ratio: int,
+    ) -> None:
         super().__init__()
         if image_size % patch:
             raise ValueError(f"image size {image_size} is not a multiple of the patch size {patch}")
@@ -183,8 +194,16 @@ def new_vit(spec: Mapping[str, Any], seed: int | None = None) -> ViT:
     with torch.random.fork_rng(devices=[], enabled=seed is not None):
         if seed is not None:
             torch.manual_seed(int(seed))
-        model = ViT(int(spec["num_classes"]), a["in_channels"], a["image_size"], a["width"], a["depth"], a["heads"],
-                    a["patch"], a["mlp_ratio"])
+        model = ViT(
+            int(spec["num_classes"]),
+            a["in_channels"],
+            a["image_size"],
+            a["width"],
+            a["depth"],
+            a["heads"],
+            a["patch"],
+            a["mlp_ratio"],
+        )
         model.apply(_vit_init)
     return model
 
@@ -199,7 +218,8 @@ def load_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     if not path.is_file():
         raise FileNotFoundError(
             f"pre-trained ViT backbone {path} not found: run `make pretrain` (python -m fedhm_flwr.ops.pretrain) "
-            f"on this node first (cache folder: ${CACHE_ENV} or ~/.cache/fedhm-flwr), or use model.backbone=random")
+            f"on this node first (cache folder: ${CACHE_ENV} or ~/.cache/fedhm-flwr), or use model.backbone=random"
+        )
     key = (str(path), path.stat().st_mtime)
     with _LOCK:
         if key not in _CHECKPOINTS:
@@ -225,8 +245,10 @@ def vit_backbone(spec: Mapping[str, Any]) -> ViT:
         stored = {k: int(meta[k]) for k in ARCH_KEYS if k in meta}
         same = all(stored.get(k) == arch[k] for k in ARCH_KEYS if k != "depth")
         if not same or len(stored) != len(ARCH_KEYS) or stored["depth"] < arch["depth"]:
-            raise ValueError(f"{path}: checkpoint architecture {stored} does not match the spec's {arch} "
-                             "(only the depth may be smaller: the leading blocks are kept)")
+            raise ValueError(
+                f"{path}: checkpoint architecture {stored} does not match the spec's {arch} "
+                "(only the depth may be smaller: the leading blocks are kept)"
+            )
         keys = backbone_keys(model)
         missing = [k for k in keys if k not in tensors]
         if missing:

@@ -54,16 +54,21 @@ def _run_job(overrides: list[str], run_dir: Path | None, resume: Path | None, pr
 
 def _parser(name: str) -> argparse.ArgumentParser:
     cmd = COMMANDS[name]
-    return argparse.ArgumentParser(prog=f"fedhm {name}", description=cmd.summary, epilog=_examples(cmd),
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    return argparse.ArgumentParser(
+        prog=f"fedhm {name}",
+        description=cmd.summary,
+        epilog=_examples(cmd),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def cmd_run(argv: list[str]) -> int:
     parser = _parser("run")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. method.tau=2 levels.ratios=[1,0.5]")
     parser.add_argument("--run-dir", type=Path, help="run directory (default: outputs/<date>/<time>-<method>)")
-    parser.add_argument("--no-progress", action="store_true",
-                        help="Flower's own output on the console instead of the progress line")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="Flower's own output on the console instead of the progress line"
+    )
     args = parser.parse_args(argv)
     return _run_job(split_overrides(args.overrides), args.run_dir, None, not args.no_progress)
 
@@ -114,9 +119,11 @@ def _delegate(name: str) -> Callable[[list[str]], int]:
         except ModuleNotFoundError as err:
             if err.name not in (cmd.module, cmd.module.split(".")[0]):
                 raise
-            print(f"{'note' if helping else 'error'}: `fedhm {name}` needs {cmd.module}, which this installation "
-                  "does not have" + (" (run it from the repository root)" if cmd.module.startswith("bench") else ""),
-                  file=sys.stdout if helping else sys.stderr)
+            print(
+                f"{'note' if helping else 'error'}: `fedhm {name}` needs {cmd.module}, which this installation "
+                "does not have" + (" (run it from the repository root)" if cmd.module.startswith("bench") else ""),
+                file=sys.stdout if helping else sys.stderr,
+            )
             return 0 if helping else 2
         if helping and name != "export":
             print(f"Runs `python -m {cmd.module}`; its options:\n")
@@ -140,67 +147,119 @@ def _import(module: str):
 
 
 COMMANDS: dict[str, Command] = {
-    "run": Command("Run one job through `flwr run` on a private SuperLink (Ray simulation engine), with a "
-                   "progress line; Flower's output goes to <run dir>/flwr_run.log.",
-                   ("fedhm run rounds=2 model.width=8 'levels.ratios=[1,0.25]' --run-dir /tmp/fedhm/r1",
-                    "fedhm run method=heterofl partition.alpha=0.1 rounds=3"), cmd_run,
-                   short="one job through `flwr run` (Ray simulation), with a progress line"),
-    "resume": Command("Continue a run from its checkpoint; plain key=value overrides such as rounds=20 extend it.",
-                      ("fedhm resume /tmp/fedhm/r1 rounds=4",), cmd_resume,
-                      short="continue a run from its checkpoint (rounds=N extends it)"),
-    "sweep": Command("Hydra multirun: every combination is one job (one progress line each); the sweep "
-                     "directory gets summary.md/.csv and plots.",
-                     ("fedhm sweep 'levels.ratios=[1,0.5,0.25,0.125],[1,0.25]' method.tau=1,inf rounds=3",
-                      "fedhm sweep seed=0,1,2 rounds=3 hydra/launcher=joblib hydra.launcher.n_jobs=2"), cmd_sweep,
-                     short="a Hydra multirun of jobs; summary table and plots in the sweep directory"),
-    "compare": Command("FedHM vs HeteroFL and FedRolex (budget-matched), FedAvg-full and FedAvg-smallest on every "
-                       "seed, then FedHM with each ablation (self-distillation, the official code's two switches) "
-                       f"on the same seeds ({' '.join(COMPARE_OVERRIDES)} unless you override them); statistics "
-                       "over seeds and paired differences against FedHM in outputs/compare/<time>/statistics.md.",
-                       ("fedhm compare rounds=3 dataset.max_train_examples=5000 --seeds 0 --ablations ''",
-                        "fedhm compare method=fedhm,heterofl --match none"), cmd_compare,
-                       short="FedHM vs HeteroFL, FedRolex (matched), FedAvg-full/smallest + ablations over seeds"),
-    "status": Command("A run's final status from its directory (also a deployed run started with `flwr run`): "
-                      "exit 0 completed, 1 failed or stopped (with why and the last checkpoint), 3 still running, "
-                      "2 not a run directory.",
-                      ("fedhm status /tmp/fedhm/r1", "fedhm status /srv/runs/r7 --wait"), cmd_status,
-                      short="a run's final status (exit 0 completed, 1 failed or stopped, 3 running)"),
-    "deploy-local": Command("A real Flower deployment on this machine: a SuperLink with TLS and SuperNode "
-                            "authentication, N SuperNodes with declared capabilities, the job through `flwr run`, "
-                            "everything stopped at the end (docs/DEPLOY.md); `--credentials-only DIR` writes a "
-                            "deployment's credentials for real machines.",
-                            ("fedhm deploy-local --nodes 3 --capabilities 'params=2e4 memory=6.5M -' rounds=2 "
-                             "model.width=8",
-                             "fedhm deploy-local --nodes 4 --credentials-only creds --san fl.example.org"),
-                            _delegate("deploy-local"), "fedhm_flwr.ops.deploy_local",
-                            "SuperLink (TLS, node auth) + N SuperNodes on loopback, runs the job"),
-    "inspect": Command("Per-level parameters, MACs and payload bytes of a configuration, and FedHM's per-layer plan, without training.",
-                       ("fedhm inspect model=resnet18 dataset=cifar10", "fedhm inspect levels.ratios=[1,0.5,0.25] --json",
-                        "fedhm inspect model.target=torchvision.models:resnet18 model.kwargs.num_classes=10 dataset=cifar10"),
-                       _delegate("inspect"), "fedhm_flwr.ops.inspect", "per-level parameters, MACs, payload bytes (no training)"),
-    "summary": Command("One table and two plots over finished runs or sweep folders.",
-                       ("fedhm summary outputs/multirun outputs/compare --out outputs/all-runs",),
-                       _delegate("summary"), "fedhm_flwr.reporting.summary", "one table and plots over finished runs"),
-    "shards": Command("A node's own data shard (export / load), for real devices; runs fedhm_flwr.ops.shards "
-                      "(imported when called: available once that module is installed).",
-                      ("fedhm shards --help",), _delegate("shards"), "fedhm_flwr.ops.shards",
-                      "a node's own data shard for real devices (fedhm_flwr.ops.shards, when installed)"),
-    "supernode": Command("flower-supernode with the same arguments, kept running: started again after it dies "
-                         "(with a back-off; after a refused activation once the heartbeat window is out), and "
-                         "what it started (its ClientApps) ended with it; for devices (docs/DEPLOY.md).",
-                         ("fedhm supernode --superlink fl.example.org:8000 --root-certificates ca.pem "
-                          "--auth-supernode-private-key node.key --node-config node-config.toml",),
-                         _delegate("supernode"), "fedhm_flwr.ops.supernode",
-                         "flower-supernode kept running, its ClientApps ended with it (a device's SuperNode)"),
-    "export": Command("A level's deployable model from a run's checkpoint: safetensors (spec in the metadata), "
-                      "torch.export .pt2, ONNX where an exporter is installed, and a model card.",
-                      ("fedhm export run=/tmp/fedhm/r1 level=1/4",
-                       "fedhm export run=/tmp/fedhm/r1 level=1 out=/tmp/fedhm/r1-full"),
-                      _delegate("export"), "fedhm_flwr.ops.export", "a level's deployable model: safetensors, .pt2, model card"),
-    "bench": Command("The benchmarks: server time, bytes, step time per level, Flower overhead, scale "
-                     "(bench/reports/bench.{json,md}).",
-                     ("fedhm bench --quick --only 2",), _delegate("bench"), "bench.run",
-                     "the benchmarks (bench/reports/bench.{json,md})"),
+    "run": Command(
+        "Run one job through `flwr run` on a private SuperLink (Ray simulation engine), with a "
+        "progress line; Flower's output goes to <run dir>/flwr_run.log.",
+        (
+            "fedhm run rounds=2 model.width=8 'levels.ratios=[1,0.25]' --run-dir /tmp/fedhm/r1",
+            "fedhm run method=heterofl partition.alpha=0.1 rounds=3",
+        ),
+        cmd_run,
+        short="one job through `flwr run` (Ray simulation), with a progress line",
+    ),
+    "resume": Command(
+        "Continue a run from its checkpoint; plain key=value overrides such as rounds=20 extend it.",
+        ("fedhm resume /tmp/fedhm/r1 rounds=4",),
+        cmd_resume,
+        short="continue a run from its checkpoint (rounds=N extends it)",
+    ),
+    "sweep": Command(
+        "Hydra multirun: every combination is one job (one progress line each); the sweep "
+        "directory gets summary.md/.csv and plots.",
+        (
+            "fedhm sweep 'levels.ratios=[1,0.5,0.25,0.125],[1,0.25]' method.tau=1,inf rounds=3",
+            "fedhm sweep seed=0,1,2 rounds=3 hydra/launcher=joblib hydra.launcher.n_jobs=2",
+        ),
+        cmd_sweep,
+        short="a Hydra multirun of jobs; summary table and plots in the sweep directory",
+    ),
+    "compare": Command(
+        "FedHM vs HeteroFL and FedRolex (budget-matched), FedAvg-full and FedAvg-smallest on every "
+        "seed, then FedHM with each ablation (self-distillation, the official code's two switches) "
+        f"on the same seeds ({' '.join(COMPARE_OVERRIDES)} unless you override them); statistics "
+        "over seeds and paired differences against FedHM in outputs/compare/<time>/statistics.md.",
+        (
+            "fedhm compare rounds=3 dataset.max_train_examples=5000 --seeds 0 --ablations ''",
+            "fedhm compare method=fedhm,heterofl --match none",
+        ),
+        cmd_compare,
+        short="FedHM vs HeteroFL, FedRolex (matched), FedAvg-full/smallest + ablations over seeds",
+    ),
+    "status": Command(
+        "A run's final status from its directory (also a deployed run started with `flwr run`): "
+        "exit 0 completed, 1 failed or stopped (with why and the last checkpoint), 3 still running, "
+        "2 not a run directory.",
+        ("fedhm status /tmp/fedhm/r1", "fedhm status /srv/runs/r7 --wait"),
+        cmd_status,
+        short="a run's final status (exit 0 completed, 1 failed or stopped, 3 running)",
+    ),
+    "deploy-local": Command(
+        "A real Flower deployment on this machine: a SuperLink with TLS and SuperNode "
+        "authentication, N SuperNodes with declared capabilities, the job through `flwr run`, "
+        "everything stopped at the end (docs/DEPLOY.md); `--credentials-only DIR` writes a "
+        "deployment's credentials for real machines.",
+        (
+            "fedhm deploy-local --nodes 3 --capabilities 'params=2e4 memory=6.5M -' rounds=2 model.width=8",
+            "fedhm deploy-local --nodes 4 --credentials-only creds --san fl.example.org",
+        ),
+        _delegate("deploy-local"),
+        "fedhm_flwr.ops.deploy_local",
+        "SuperLink (TLS, node auth) + N SuperNodes on loopback, runs the job",
+    ),
+    "inspect": Command(
+        "Per-level parameters, MACs and payload bytes of a configuration, and FedHM's per-layer plan, without training.",
+        (
+            "fedhm inspect model=resnet18 dataset=cifar10",
+            "fedhm inspect levels.ratios=[1,0.5,0.25] --json",
+            "fedhm inspect model.target=torchvision.models:resnet18 model.kwargs.num_classes=10 dataset=cifar10",
+        ),
+        _delegate("inspect"),
+        "fedhm_flwr.ops.inspect",
+        "per-level parameters, MACs, payload bytes (no training)",
+    ),
+    "summary": Command(
+        "One table and two plots over finished runs or sweep folders.",
+        ("fedhm summary outputs/multirun outputs/compare --out outputs/all-runs",),
+        _delegate("summary"),
+        "fedhm_flwr.reporting.summary",
+        "one table and plots over finished runs",
+    ),
+    "shards": Command(
+        "A node's own data shard (export / load), for real devices; runs fedhm_flwr.ops.shards "
+        "(imported when called: available once that module is installed).",
+        ("fedhm shards --help",),
+        _delegate("shards"),
+        "fedhm_flwr.ops.shards",
+        "a node's own data shard for real devices (fedhm_flwr.ops.shards, when installed)",
+    ),
+    "supernode": Command(
+        "flower-supernode with the same arguments, kept running: started again after it dies "
+        "(with a back-off; after a refused activation once the heartbeat window is out), and "
+        "what it started (its ClientApps) ended with it; for devices (docs/DEPLOY.md).",
+        (
+            "fedhm supernode --superlink fl.example.org:8000 --root-certificates ca.pem "
+            "--auth-supernode-private-key node.key --node-config node-config.toml",
+        ),
+        _delegate("supernode"),
+        "fedhm_flwr.ops.supernode",
+        "flower-supernode kept running, its ClientApps ended with it (a device's SuperNode)",
+    ),
+    "export": Command(
+        "A level's deployable model from a run's checkpoint: safetensors (spec in the metadata), "
+        "torch.export .pt2, ONNX where an exporter is installed, and a model card.",
+        ("fedhm export run=/tmp/fedhm/r1 level=1/4", "fedhm export run=/tmp/fedhm/r1 level=1 out=/tmp/fedhm/r1-full"),
+        _delegate("export"),
+        "fedhm_flwr.ops.export",
+        "a level's deployable model: safetensors, .pt2, model card",
+    ),
+    "bench": Command(
+        "The benchmarks: server time, bytes, step time per level, Flower overhead, scale "
+        "(bench/reports/bench.{json,md}).",
+        ("fedhm bench --quick --only 2",),
+        _delegate("bench"),
+        "bench.run",
+        "the benchmarks (bench/reports/bench.{json,md})",
+    ),
 }
 
 
@@ -210,13 +269,20 @@ def _examples(cmd: Command) -> str:
 
 def usage() -> str:
     width = max(len(n) for n in COMMANDS)
-    lines = ["usage: fedhm <command> [HYDRA OVERRIDES | OPTIONS ...]", "",
-             "FedHM and its sibling methods on Flower's Message API. Commands:", ""]
+    lines = [
+        "usage: fedhm <command> [HYDRA OVERRIDES | OPTIONS ...]",
+        "",
+        "FedHM and its sibling methods on Flower's Message API. Commands:",
+        "",
+    ]
     for name, cmd in COMMANDS.items():
         lines.append(f"  {name:<{width}}  {cmd.short or cmd.summary}")
         lines.append(f"  {'':<{width}}    e.g. {cmd.examples[0]}")
-    lines += ["", "`fedhm <command> --help` for a command's options and examples. The same overrides work with",
-              "`make run ARGS=...` and `python -m fedhm_flwr.ops.launch ...`; Python: fedhm_flwr.api.run([...])."]
+    lines += [
+        "",
+        "`fedhm <command> --help` for a command's options and examples. The same overrides work with",
+        "`make run ARGS=...` and `python -m fedhm_flwr.ops.launch ...`; Python: fedhm_flwr.api.run([...]).",
+    ]
     return "\n".join(lines)
 
 
@@ -244,8 +310,11 @@ def main(argv: list[str] | None = None) -> int:
         if name not in ("run", "resume", "deploy-local"):  # bench: its runs live in temporary folders
             code = stop.exit_code if isinstance(stop, Interrupted) else 130
             what = signal_name(stop)
-            print(f"\n{what} received: `fedhm {name}` stopped; every process it started has been stopped.",
-                  file=sys.stderr, flush=True)
+            print(
+                f"\n{what} received: `fedhm {name}` stopped; every process it started has been stopped.",
+                file=sys.stderr,
+                flush=True,
+            )
             return code
         return report_stop(stop)
 

@@ -47,25 +47,42 @@ def create_ca(directory: Path, days: int = 30, name: str = "fedhm-flwr deploymen
     now = dt.datetime.now(dt.timezone.utc)
     cert = (
         x509.CertificateBuilder()
-        .subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "ca.pem").write_bytes(_pem(cert))
-    _write_private(directory / "ca.key", key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                          serialization.NoEncryption()))
+    _write_private(
+        directory / "ca.key",
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+    )
     return directory / "ca.pem", directory / "ca.key"
 
 
-def create_server_certificate(directory: Path, ca_cert: Path, ca_key: Path, sans: Sequence[str] = DEFAULT_SANS,
-                              days: int = 30) -> tuple[Path, Path]:
+def create_server_certificate(
+    directory: Path, ca_cert: Path, ca_key: Path, sans: Sequence[str] = DEFAULT_SANS, days: int = 30
+) -> tuple[Path, Path]:
     """The SuperLink's TLS certificate signed by the CA, valid for ``sans``: (``server.pem``, ``server.key``).
 
     Each SAN is an IP address when it parses as one, else a DNS name. A SuperNode (and the
@@ -84,9 +101,11 @@ def create_server_certificate(directory: Path, ca_cert: Path, ca_key: Path, sans
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, str(sans[0]))]))
-        .issuer_name(ca.subject).public_key(key.public_key())
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
@@ -95,9 +114,10 @@ def create_server_certificate(directory: Path, ca_cert: Path, ca_key: Path, sans
     )
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "server.pem").write_bytes(_pem(cert))
-    _write_private(directory / "server.key", key.private_bytes(serialization.Encoding.PEM,
-                                                               serialization.PrivateFormat.PKCS8,
-                                                               serialization.NoEncryption()))
+    _write_private(
+        directory / "server.key",
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+    )
     return directory / "server.pem", directory / "server.key"
 
 
@@ -107,9 +127,12 @@ def create_node_keys(directory: Path, comment: str = "") -> tuple[Path, Path]:
     The same as ``ssh-keygen -t ecdsa -b 384 -N "" -f node.key`` (``node.key.pub`` there).
     """
     key = ec.generate_private_key(ec.SECP384R1())
-    _write_private(directory / "node.key", key.private_bytes(serialization.Encoding.PEM,
-                                                             serialization.PrivateFormat.OpenSSH,
-                                                             serialization.NoEncryption()))
+    _write_private(
+        directory / "node.key",
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+        ),
+    )
     public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     (directory / "node.pub").write_bytes(public + (f" {comment}".encode() if comment else b"") + b"\n")
     return directory / "node.key", directory / "node.pub"
@@ -137,13 +160,14 @@ class Credentials:
         return self.root / "supernodes" / name
 
 
-def create_credentials(root: Path, node_names: Sequence[str], sans: Sequence[str] = DEFAULT_SANS,
-                       days: int = 30) -> Credentials:
+def create_credentials(
+    root: Path, node_names: Sequence[str], sans: Sequence[str] = DEFAULT_SANS, days: int = 30
+) -> Credentials:
     """The files of a deployment, laid out as they are handed out to the machines::
 
-        ca/ca.pem, ca/ca.key                  the CA (keep ca.key offline)
-        superlink/ca.pem, server.pem, server.key      -> the server
-        supernodes/<name>/ca.pem, node.key, node.pub  -> device <name> (node.pub also to the server admin)
+    ca/ca.pem, ca/ca.key                  the CA (keep ca.key offline)
+    superlink/ca.pem, server.pem, server.key      -> the server
+    supernodes/<name>/ca.pem, node.key, node.pub  -> device <name> (node.pub also to the server admin)
     """
     creds = Credentials(root.resolve())
     ca_cert, ca_key = create_ca(creds.ca_cert.parent, days)

@@ -67,10 +67,18 @@ from fedhm_flwr.ops.runlock import RunLock
 from fedhm_flwr.reporting.results import refuse_existing_run
 
 
-def deploy(num_nodes: int, overrides: Sequence[str], capabilities: Sequence[str] | None = None,
-           data_dir: str | None = None, run_dir: Path | None = None, port: int | None = None,
-           sans: Sequence[str] = DEFAULT_SANS, timeout: float | None = None, resume: Path | None = None,
-           command: Sequence[str] | None = None) -> dict[str, Any]:
+def deploy(
+    num_nodes: int,
+    overrides: Sequence[str],
+    capabilities: Sequence[str] | None = None,
+    data_dir: str | None = None,
+    run_dir: Path | None = None,
+    port: int | None = None,
+    sans: Sequence[str] = DEFAULT_SANS,
+    timeout: float | None = None,
+    resume: Path | None = None,
+    command: Sequence[str] | None = None,
+) -> dict[str, Any]:
     """The whole sequence of the module docstring; returns the run's summary.
 
     ``resume``: continue the run stored in that run directory. ``command``: how this deployment
@@ -121,30 +129,44 @@ def deploy(num_nodes: int, overrides: Sequence[str], capabilities: Sequence[str]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fedhm deploy-local", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="fedhm deploy-local", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the job, e.g. rounds=3 model.width=16")
     parser.add_argument("--nodes", "-n", type=int, default=2, help="number of SuperNodes (default 2)")
-    parser.add_argument("--capabilities", default="",
-                        help='one capability spec per node, space separated, cycled: e.g. "level=1 params=2e4 macs=4e5 -"')
+    parser.add_argument(
+        "--capabilities",
+        default="",
+        help='one capability spec per node, space separated, cycled: e.g. "level=1 params=2e4 macs=4e5 -"',
+    )
     parser.add_argument("--data-dir", help="node config data-dir of every node; {i} is replaced by the node index")
     parser.add_argument("--run-dir", type=Path, help="run directory (default: outputs/<date>/<time>-<method>-deploy)")
     parser.add_argument("--port", type=int, help="SuperLink port (default: a free one)")
-    parser.add_argument("--san", action="append", default=[],
-                        help="extra name or IP address the SuperLink certificate is valid for (repeatable)")
+    parser.add_argument(
+        "--san",
+        action="append",
+        default=[],
+        help="extra name or IP address the SuperLink certificate is valid for (repeatable)",
+    )
     parser.add_argument("--timeout", type=float, help="give up on the job after this many seconds")
     parser.add_argument("--resume", type=Path, help="continue the run stored in this run directory")
     parser.add_argument("--days", type=int, default=30, help="validity of the certificates in days (default 30)")
-    parser.add_argument("--credentials-only", type=Path, metavar="DIR",
-                        help="only write the credentials of --nodes SuperNodes into DIR (for real machines) and exit")
+    parser.add_argument(
+        "--credentials-only",
+        type=Path,
+        metavar="DIR",
+        help="only write the credentials of --nodes SuperNodes into DIR (for real machines) and exit",
+    )
     args = parser.parse_args(argv)
     if args.nodes < 1:
         parser.error("--nodes must be at least 1")
     sans = list(args.san) + list(DEFAULT_SANS)  # the first name is also the certificate's common name
     if args.credentials_only:
         creds = create_credentials(args.credentials_only, [f"node-{i}" for i in range(args.nodes)], sans, args.days)
-        say(f"credentials written to {creds.root}: ca/ (keep ca.key offline), superlink/ (server), "
-             f"supernodes/node-<i>/ (one folder per device)")
+        say(
+            f"credentials written to {creds.root}: ca/ (keep ca.key offline), superlink/ (server), "
+            f"supernodes/node-<i>/ (one folder per device)"
+        )
         return 0
 
     command = [*fedhm_program(), "deploy-local", "--nodes", str(args.nodes)]
@@ -156,8 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     def job() -> dict[str, Any]:
         for spec in capabilities or ():
             parse_capability(spec)  # a bad capability is refused before anything starts
-        return deploy(args.nodes, split_overrides(args.overrides), capabilities, args.data_dir, args.run_dir,
-                      args.port, sans, args.timeout, args.resume, command)
+        return deploy(
+            args.nodes,
+            split_overrides(args.overrides),
+            capabilities,
+            args.data_dir,
+            args.run_dir,
+            args.port,
+            sans,
+            args.timeout,
+            args.resume,
+            command,
+        )
 
     code, summary = run_command(job, refused=(ConfigError, ValueError, FileExistsError))
     if summary is None:

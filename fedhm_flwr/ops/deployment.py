@@ -78,7 +78,9 @@ def parse_capability(spec: str) -> dict[str, float]:
         return {}
     kind, sep, raw = spec.partition("=")
     if not sep or kind not in CAPABILITY_KINDS:
-        raise ValueError(f"capability {spec!r}: expected one of {', '.join(k + '=VALUE' for k in CAPABILITY_KINDS)} or '-'")
+        raise ValueError(
+            f"capability {spec!r}: expected one of {', '.join(k + '=VALUE' for k in CAPABILITY_KINDS)} or '-'"
+        )
     raw = raw.strip()
     scale = 1.0
     if raw and raw[-1] in _SUFFIX:
@@ -92,8 +94,9 @@ def parse_capability(spec: str) -> dict[str, float]:
     return {CAPABILITY + kind: value}
 
 
-def node_config(partition_id: int, num_partitions: int, capability: dict[str, float] | None = None,
-                data_dir: str | None = None) -> dict[str, Any]:
+def node_config(
+    partition_id: int, num_partitions: int, capability: dict[str, float] | None = None, data_dir: str | None = None
+) -> dict[str, Any]:
     """The node config of one SuperNode (what ``fedhm_flwr/client/handlers.py`` reads)."""
     config: dict[str, Any] = {PARTITION_ID: int(partition_id), NUM_PARTITIONS: int(num_partitions)}
     if data_dir:
@@ -115,7 +118,6 @@ def node_config_toml(config: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-
 # --------------------------------------------------------------------------- the deployment
 
 
@@ -125,8 +127,14 @@ class LocalDeployment:
     Use as a context manager: leaving the ``with`` block stops every process it started.
     """
 
-    def __init__(self, work_dir: Path, port: int | None = None, tag: str | None = None,
-                 say: Callable[[str], None] = say, keep_fds: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        work_dir: Path,
+        port: int | None = None,
+        tag: str | None = None,
+        say: Callable[[str], None] = say,
+        keep_fds: Sequence[int] = (),
+    ) -> None:
         self.work_dir = work_dir.resolve()
         self.port = port or free_port()
         self.tag = tag or new_tag()
@@ -154,16 +162,24 @@ class LocalDeployment:
     def flwr(self, *args: str, timeout: float = 120) -> dict[str, Any]:
         """Run a ``flwr`` CLI command with ``--format json`` against this SuperLink; its JSON answer."""
         cmd = [bin_path("flwr"), *args, CONNECTION, "--format", "json"]
-        out = subprocess.run(cmd, env=self.env(self.cli_home), cwd=APP_DIR, capture_output=True, text=True,
-                             timeout=timeout, start_new_session=True)
+        out = subprocess.run(
+            cmd,
+            env=self.env(self.cli_home),
+            cwd=APP_DIR,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            start_new_session=True,
+        )
         text = out.stdout
         try:
-            answer = json.loads(text[text.index("{"):])
+            answer = json.loads(text[text.index("{") :])
         except ValueError:
             answer = {}
         if out.returncode != 0 or not answer.get("success", False):
-            raise RuntimeError(f"`{' '.join(cmd[1:])}` failed (exit {out.returncode}): "
-                               f"{(out.stdout + out.stderr).strip()[-1500:]}")
+            raise RuntimeError(
+                f"`{' '.join(cmd[1:])}` failed (exit {out.returncode}): {(out.stdout + out.stderr).strip()[-1500:]}"
+            )
         return answer
 
     def log_tail(self, name: str, lines: int = 25) -> str:
@@ -210,8 +226,17 @@ class LocalDeployment:
         (server / "flwr-home").mkdir(parents=True, exist_ok=True)
         write_connection(self.cli_home, CONNECTION, self.address, server / "ca.pem")
         tls = Tls(server / "ca.pem", server / "server.pem", server / "server.key")
-        proc = start_superlink(self.processes, self.port, server / "state.db", self.env(server / "flwr-home"),
-                               self.logs / "superlink.log", tls=tls, supernode_auth=True, cwd=server, timeout=timeout)
+        proc = start_superlink(
+            self.processes,
+            self.port,
+            server / "state.db",
+            self.env(server / "flwr-home"),
+            self.logs / "superlink.log",
+            tls=tls,
+            supernode_auth=True,
+            cwd=server,
+            timeout=timeout,
+        )
         self.superlink = proc
         self.say(f"SuperLink up at https://{self.address} (TLS, SuperNode authentication on)")
         return proc
@@ -226,10 +251,17 @@ class LocalDeployment:
         """``flwr supernode ls``: every registered SuperNode with its status."""
         return list(self.flwr("supernode", "ls").get("nodes", []))
 
-    def start_supernode(self, name: str, config: dict[str, Any], *, with_ca: bool = True,
-                        max_retries: int | None = None, max_wait_time: float | None = None,
-                        extra_env: dict[str, str] | None = None,
-                        restart_wait: float | None = None) -> subprocess.Popen[bytes]:
+    def start_supernode(
+        self,
+        name: str,
+        config: dict[str, Any],
+        *,
+        with_ca: bool = True,
+        max_retries: int | None = None,
+        max_wait_time: float | None = None,
+        extra_env: dict[str, str] | None = None,
+        restart_wait: float | None = None,
+    ) -> subprocess.Popen[bytes]:
         """Start SuperNode ``name`` with its key, the CA certificate (unless ``with_ca=False``) and ``config``
         (``extra_env``: variables of the device's own environment, e.g. where its other data would be),
         as a device does: through ``fedhm supernode`` (:mod:`fedhm_flwr.ops.supernode`), which starts it
@@ -242,10 +274,19 @@ class LocalDeployment:
         wrapper = [sys.executable, "-m", "fedhm_flwr.ops.supernode"]
         if restart_wait is not None:
             wrapper += ["--restart-wait", str(restart_wait)]
-        cmd = [*wrapper, "--superlink", self.address,
-               "--auth-supernode-private-key", str(folder / "node.key"),
-               "--node-config", str(folder / "node-config.toml"),
-               "--host", "127.0.0.1", "--port", str(free_port())]
+        cmd = [
+            *wrapper,
+            "--superlink",
+            self.address,
+            "--auth-supernode-private-key",
+            str(folder / "node.key"),
+            "--node-config",
+            str(folder / "node-config.toml"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port()),
+        ]
         if with_ca:
             cmd += ["--root-certificates", str(folder / "ca.pem")]
         if max_retries is not None:
@@ -267,8 +308,10 @@ class LocalDeployment:
             for name in names:
                 proc = self.supernodes[name]
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{label(name)} ended before it was online ({exit_status(proc.returncode)}); "
-                                       f"the last lines of {self.logs / f'{name}.log'}:\n{self.log_tail(name)}")
+                    raise RuntimeError(
+                        f"{label(name)} ended before it was online ({exit_status(proc.returncode)}); "
+                        f"the last lines of {self.logs / f'{name}.log'}:\n{self.log_tail(name)}"
+                    )
             online = {str(n["node-id"]) for n in self.nodes() if n.get("status") == "online"}
             if set(wanted) <= online:
                 self.say(f"{len(names)} SuperNode(s) online: {', '.join(names)}")
@@ -278,8 +321,15 @@ class LocalDeployment:
                 raise RuntimeError(f"SuperNodes not online after {timeout:.0f} s: {missing}")
             time.sleep(2.0)
 
-    def run_job(self, overrides: Sequence[str], run_dir: Path, timeout: float | None = None,
-                echo: bool = True, resume: Path | None = None, commands: Commands | None = None) -> dict[str, Any]:
+    def run_job(
+        self,
+        overrides: Sequence[str],
+        run_dir: Path,
+        timeout: float | None = None,
+        echo: bool = True,
+        resume: Path | None = None,
+        commands: Commands | None = None,
+    ) -> dict[str, Any]:
         """The staged app through ``flwr run <app> <connection> --stream`` (the launcher's runner:
         own run id, final status, summary); returns ``summary.json``."""
         run_dir = run_dir.resolve()
@@ -287,10 +337,12 @@ class LocalDeployment:
         run_config = write_run_config(self.cli_home / "run-config.toml", overrides, run_dir, resume)
         app = stage_app(self.work_dir / "app")  # the app's own files, not tests/ bench/ scripts/ docs/
         self.say(f"flwr run {app} {CONNECTION} --stream --run-config {run_config}  (outputs in {run_dir})")
-        job = self.job = FlowerJob(self.processes, self.env(self.cli_home), CONNECTION, self.logs / "flwr-run.log",
-                                   echo)
-        return run_flower_job(job, app, run_config, run_dir, timeout=timeout, see=f" and {self.logs}/superlink.log",
-                              commands=commands)
+        job = self.job = FlowerJob(
+            self.processes, self.env(self.cli_home), CONNECTION, self.logs / "flwr-run.log", echo
+        )
+        return run_flower_job(
+            job, app, run_config, run_dir, timeout=timeout, see=f" and {self.logs}/superlink.log", commands=commands
+        )
 
     def close(self) -> None:
         """Stop every process this deployment started (SuperNodes, then the SuperLink, then stragglers)."""

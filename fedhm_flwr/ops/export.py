@@ -57,10 +57,14 @@ def parse_level(text: str | float, levels: list[float]) -> int:
     for index, level in enumerate(levels):
         if value is not None and abs(level - value) < 1e-9:
             return index
-    raise ConfigError("level", text, f"one of the run's levels {[f'{x:g}' for x in levels]} (a number or a fraction such as 1/8)")
+    raise ConfigError(
+        "level", text, f"one of the run's levels {[f'{x:g}' for x in levels]} (a number or a fraction such as 1/8)"
+    )
 
 
-def deployable_model(run_dir: Path, level: str | float) -> tuple[Any, float, dict[str, Any], nn.Module, dict[str, Any], dict[str, str]]:
+def deployable_model(
+    run_dir: Path, level: str | float
+) -> tuple[Any, float, dict[str, Any], nn.Module, dict[str, Any], dict[str, str]]:
     """(config, level, spec, model with the level's weights and fixed normalisation statistics,
     strategy state, which statistics) from a run's checkpoint. The model predicts in eval mode
     independently of the batch (:func:`fix_statistics`); it is built by the function the run's
@@ -71,13 +75,16 @@ def deployable_model(run_dir: Path, level: str | float) -> tuple[Any, float, dic
     strategy.restore(saved)
     index = parse_level(level, strategy.levels)
     spec, level_state = strategy.deployable(index, state)
-    sums, statistics = fix_statistics(run_dir, cfg, spec, level_state, strategy.levels[index], int(saved.get("round", 0)))
+    sums, statistics = fix_statistics(
+        run_dir, cfg, spec, level_state, strategy.levels[index], int(saved.get("round", 0))
+    )
     spec, model = deployable_network(spec, level_state, sums)
     return cfg, strategy.levels[index], spec, model, saved, statistics
 
 
-def fix_statistics(run_dir: Path, cfg: Any, spec: dict[str, Any], state: dict[str, torch.Tensor], level: float,
-                   checkpoint_round: int) -> tuple[dict[str, torch.Tensor] | None, dict[str, str]]:
+def fix_statistics(
+    run_dir: Path, cfg: Any, spec: dict[str, Any], state: dict[str, torch.Tensor], level: float, checkpoint_round: int
+) -> tuple[dict[str, torch.Tensor] | None, dict[str, str]]:
     """(the sBN sums to install as the fixed normalisation statistics of ``spec``'s static norm
     layers, so that it predicts in eval mode independently of the batch, or None when it needs
     none; which statistics, over which data):
@@ -93,28 +100,37 @@ def fix_statistics(run_dir: Path, cfg: Any, spec: dict[str, Any], state: dict[st
     _, model = deployable_network(spec, state)
     if not batch_statistics_layers(model):
         if norm_layers(model):
-            return None, {"statistics": "running_averaged",
-                          "data": "running statistics tracked by the clients in training, averaged over the clients"}
+            return None, {
+                "statistics": "running_averaged",
+                "data": "running statistics tracked by the clients in training, averaged over the clients",
+            }
         return None, {"statistics": "none", "data": "the model has no batch normalisation"}
     saved = load_bn_statistics(run_dir)
     prefix = f"level_{level:g}/"
     if saved is not None and saved[1].get("round") == str(checkpoint_round):
-        sums = {k[len(prefix):]: v for k, v in saved[0].items() if k.startswith(prefix)}
+        sums = {k[len(prefix) :]: v for k, v in saved[0].items() if k.startswith(prefix)}
         if sums:
             cap = int(saved[1].get("examples_per_node", "0"))  # (absent from checkpoints saved before it: all)
             examples = f", at most {cap} examples each" if cap > 0 else ""
-            return sums, {"statistics": "federated",
-                          "data": f"the training data of the {saved[1].get('nodes_asked', '?')} clients asked after "
-                                  f"round {checkpoint_round}{examples} (sBN sums; no data left them)"}
+            return sums, {
+                "statistics": "federated",
+                "data": f"the training data of the {saved[1].get('nodes_asked', '?')} clients asked after "
+                f"round {checkpoint_round}{examples} (sBN sums; no data left them)",
+            }
     try:
         train = client_dataset({**data_spec(cfg, 1), "scheme": "iid", "holdout": 0.0}, 0, cfg.dataset.get("data_dir"))
     except (OSError, ValueError) as err:
-        raise ConfigError("run", str(run_dir), "a run whose last round saved its deployment statistics "
-                          f"(evaluation.deploy_stats=true), or its training data on this machine ({err})") from None
+        raise ConfigError(
+            "run",
+            str(run_dir),
+            "a run whose last round saved its deployment statistics "
+            f"(evaluation.deploy_stats=true), or its training data on this machine ({err})",
+        ) from None
     return bn_sums(model, train, int(cfg.evaluation.batch_size), torch.device("cpu")), {
         "statistics": "training_data",
         "data": f"the training set on the exporting machine ({len(train)} examples): the checkpoint of round "
-                f"{checkpoint_round} holds no federated statistics"}
+        f"{checkpoint_round} holds no federated statistics",
+    }
 
 
 def load_model(path: str | Path) -> nn.Module:
@@ -161,8 +177,9 @@ def export_level(run_dir: str | Path, level: str | float, out: str | Path | None
     if image:
         program = None
         try:
-            program = torch.export.export(model, (example_input(spec),),
-                                          dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=4096)},))
+            program = torch.export.export(
+                model, (example_input(spec),), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=4096)},)
+            )
             buf = io.BytesIO()
             torch.export.save(program, buf)
             blobs["model.pt2"] = buf.getvalue()
@@ -182,8 +199,13 @@ def export_level(run_dir: str | Path, level: str | float, out: str | Path | None
             else:  # no test set here: the same comparison on seeded random inputs
                 x = example_input(spec, 64)
                 with torch.inference_mode():
-                    onnx_check = check_onnx(blobs["model.onnx"], x, exported(x), None, "64 random inputs "
-                                            "(the run's test set is not on this machine)")
+                    onnx_check = check_onnx(
+                        blobs["model.onnx"],
+                        x,
+                        exported(x),
+                        None,
+                        "64 random inputs (the run's test set is not on this machine)",
+                    )
     else:
         notes.append("torch.export / ONNX not written: token-input models are exported as safetensors only")
     if image and test is None:
@@ -211,8 +233,15 @@ def export_level(run_dir: str | Path, level: str | float, out: str | Path | None
         **run_accuracy(run_dir, level_value),
         "factorized_layers": spec.get("ranks", {}),
         "model_spec": spec,
-        "files": {kind: name for kind, name in (("safetensors", "model.safetensors"), ("torch_export", "model.pt2"),
-                                                 ("onnx", "model.onnx")) if name in blobs},
+        "files": {
+            kind: name
+            for kind, name in (
+                ("safetensors", "model.safetensors"),
+                ("torch_export", "model.pt2"),
+                ("onnx", "model.onnx"),
+            )
+            if name in blobs
+        },
         "notes": notes,
         "run_dir": str(run_dir),
         "config": to_yaml(cfg),
@@ -233,7 +262,7 @@ def _test_logits(cfg: Any, model: nn.Module, batch_size: int = 256) -> dict[str,
         return None
     images, labels = test.images, test.labels
     with torch.inference_mode():
-        logits = torch.cat([model(images[i:i + batch_size]) for i in range(0, len(images), batch_size)])
+        logits = torch.cat([model(images[i : i + batch_size]) for i in range(0, len(images), batch_size)])
     # the accuracy as the run's evaluation scores it (the summary's final_deployable_acc/level_<γ>)
     scored = evaluate(model, test, int(cfg.evaluation.batch_size), torch.device("cpu"))
     return {"images": images, "labels": labels, "logits": logits, "accuracy": scored["accuracy"]}
@@ -270,8 +299,10 @@ def parse_pairs(argv: list[str]) -> dict[str, str]:
     return pairs
 
 
-USAGE = ("usage: python -m fedhm_flwr.ops.export run=DIR level=GAMMA [out=DIR]\n\n"
-         "A level's deployable model from a run's checkpoint.\n")
+USAGE = (
+    "usage: python -m fedhm_flwr.ops.export run=DIR level=GAMMA [out=DIR]\n\n"
+    "A level's deployable model from a run's checkpoint.\n"
+)
 HELP = """arguments (key=value):
   run=DIR      a run directory (config.yaml, checkpoint/)
   level=GAMMA  one of the run's levels, a number or a fraction: 1, 0.5, 1/8
@@ -288,8 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     command's own help has printed the usage line and examples, so ``--help`` adds the rest)."""
     args = sys.argv[1:] if argv is None else list(argv)
     if {"-h", "--help"} & set(args):
-        print((USAGE + "\n" if argv is None else "") + HELP
-              + ("\nexample:\n  python -m fedhm_flwr.ops.export run=/tmp/fedhm/r1 level=1/4" if argv is None else ""))
+        print(
+            (USAGE + "\n" if argv is None else "")
+            + HELP
+            + ("\nexample:\n  python -m fedhm_flwr.ops.export run=/tmp/fedhm/r1 level=1/4" if argv is None else "")
+        )
         return 0
     try:
         pairs = parse_pairs(args)
@@ -301,14 +335,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     ort, acc = card["onnx_runtime"], lambda x: "-" if x is None else f"{x:.4f}"
-    print(f"level {card['level']:g}: {card['parameters']:,} parameters; wrote {', '.join(card['files'].values())} "
-          f"and model_card.md/.json to {card['out_dir']}")
-    print(f"  exported model on the test set: {acc(card['test_accuracy'])} (PyTorch)" + ("" if not ort else
-          f", {acc(ort['accuracy'])} (ONNX Runtime, one image at a time; max logit difference "
-          f"{ort['max_abs_logit_difference']:.2g}, "
-          f"predictions agree on {ort['predictions_agreeing']}/{ort['examples']})"))
-    print(f"  this level in the run: {acc(card['final_accuracy'])} (server's test set), "
-          f"{acc(card['final_fed_accuracy'])} (its clients, federated)")
+    print(
+        f"level {card['level']:g}: {card['parameters']:,} parameters; wrote {', '.join(card['files'].values())} "
+        f"and model_card.md/.json to {card['out_dir']}"
+    )
+    print(
+        f"  exported model on the test set: {acc(card['test_accuracy'])} (PyTorch)"
+        + (
+            ""
+            if not ort
+            else f", {acc(ort['accuracy'])} (ONNX Runtime, one image at a time; max logit difference "
+            f"{ort['max_abs_logit_difference']:.2g}, "
+            f"predictions agree on {ort['predictions_agreeing']}/{ort['examples']})"
+        )
+    )
+    print(
+        f"  this level in the run: {acc(card['final_accuracy'])} (server's test set), "
+        f"{acc(card['final_fed_accuracy'])} (its clients, federated)"
+    )
     for note in card["notes"]:
         print(f"note: {note}")
     return 0

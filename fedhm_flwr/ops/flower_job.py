@@ -71,7 +71,7 @@ class ErrorScan:
             elif match := NODE_ERROR.search(text):
                 found = match.group(1)
                 if WRAPPED.search(found):  # Ray's "<class 'ray.exceptions.RayTaskError(...)'>:<..." + traceback
-                    self._client_head, self._client_lines = found[:found.index(WRAPPED.search(found).group(0))], 0
+                    self._client_head, self._client_lines = found[: found.index(WRAPPED.search(found).group(0))], 0
                 else:
                     self._tell_client(found)
         if self.server is None:
@@ -86,7 +86,8 @@ class ErrorScan:
     def reason(self) -> str | None:
         """One line: why the run failed, as far as its output says."""
         parts = ([f"ServerApp: {self.server}"] if self.server else []) + (
-            [f"first client error: {self.client}"] if self.client else [])
+            [f"first client error: {self.client}"] if self.client else []
+        )
         return "; ".join(parts) or None
 
 
@@ -96,8 +97,15 @@ class FlowerJob:
     ``env`` is the CLI's environment (``FLWR_HOME`` holding a ``config.toml`` that names
     ``connection``); every CLI process is started through ``procs`` (tagged, own session)."""
 
-    def __init__(self, procs: Processes, env: dict[str, str], connection: str, log_file: Path,
-                 echo: bool = True, on_error: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        procs: Processes,
+        env: dict[str, str],
+        connection: str,
+        log_file: Path,
+        echo: bool = True,
+        on_error: Callable[[str], None] | None = None,
+    ) -> None:
         self.procs, self.env, self.connection, self.log_file, self.echo = procs, env, connection, log_file, echo
         self.run_id: int | None = None
         self.record_path: Path | None = None  # where the run is recorded (:data:`FLOWER_RUN_FILE`), if anywhere
@@ -108,14 +116,21 @@ class FlowerJob:
     def cli(self, *args: str, timeout: float = 60) -> dict[str, Any]:
         """A ``flwr`` command with ``--format json`` on this connection; its JSON answer ({} if none)."""
         try:
-            out = self.procs.run([bin_path("flwr"), *args, self.connection, "--format", "json"], self.env,
-                                 timeout=timeout, cwd=APP_DIR).stdout
-            return dict(json.loads(out[out.index("{"):]))
+            out = self.procs.run(
+                [bin_path("flwr"), *args, self.connection, "--format", "json"], self.env, timeout=timeout, cwd=APP_DIR
+            ).stdout
+            return dict(json.loads(out[out.index("{") :]))
         except (ValueError, subprocess.SubprocessError, OSError):
             return {}
 
-    def run(self, app: Path, run_config: Path, extra: Sequence[str] = (), timeout: float | None = None,
-            record: Path | None = None) -> int:
+    def run(
+        self,
+        app: Path,
+        run_config: Path,
+        extra: Sequence[str] = (),
+        timeout: float | None = None,
+        record: Path | None = None,
+    ) -> int:
         """``flwr run <app> <connection> --stream``: copy its output to the log (and the console),
         note the run id (and record it in ``record``, :data:`FLOWER_RUN_FILE`, as soon as Flower names
         it: :meth:`stop` and :meth:`status` mark it ended there); returns its exit code. Raises
@@ -156,7 +171,8 @@ class FlowerJob:
         """Write :data:`FLOWER_RUN_FILE` (when the run is recorded): run id, connection, whether it ended."""
         if self.record_path is not None:
             self.record_path.write_text(
-                json.dumps({"run_id": self.run_id, "connection": self.connection, "ended": ended}) + "\n")
+                json.dumps({"run_id": self.run_id, "connection": self.connection, "ended": ended}) + "\n"
+            )
 
     def stop_earlier(self, path: Path) -> bool:
         """``flwr stop`` of the run an earlier session recorded in ``path`` (:data:`FLOWER_RUN_FILE`)
@@ -212,8 +228,16 @@ class FlowerJob:
         return stopped
 
 
-def run_flower_job(job: FlowerJob, app: Path, run_config: Path, run_dir: Path, extra: Sequence[str] = (),
-                   timeout: float | None = None, see: str = "", commands: Commands | None = None) -> dict[str, Any]:
+def run_flower_job(
+    job: FlowerJob,
+    app: Path,
+    run_config: Path,
+    run_dir: Path,
+    extra: Sequence[str] = (),
+    timeout: float | None = None,
+    see: str = "",
+    commands: Commands | None = None,
+) -> dict[str, Any]:
     """Run ``job`` to its end and return the summary the run wrote.
 
     Raises :class:`RunFailed` unless ``flwr run`` exited 0, this run's own status is
@@ -226,8 +250,9 @@ def run_flower_job(job: FlowerJob, app: Path, run_config: Path, run_dir: Path, e
 
     def failed(message: str) -> RunFailed:
         resume = resume_hint(run_dir, commands, [])[1] if commands is not None else None
-        return RunFailed(f"{message}; Flower's output: {job.log_file}{see}", run_dir, job.errors.reason(),
-                         job.log_file, resume)
+        return RunFailed(
+            f"{message}; Flower's output: {job.log_file}{see}", run_dir, job.errors.reason(), job.log_file, resume
+        )
 
     record = run_dir / FLOWER_RUN_FILE
     job.stop_earlier(record)
@@ -244,6 +269,8 @@ def run_flower_job(job: FlowerJob, app: Path, run_config: Path, run_dir: Path, e
     summary_file = run_dir / SUMMARY_FILE
     fresh = summary_file.is_file() and summary_file.stat().st_mtime >= started - 1
     if code != 0 or status != "finished:completed" or not fresh:
-        raise failed(f"the run did not complete (flwr run: {exit_status(code)}, run {job.run_id}, status {status!r}, "
-                     f"summary {'written' if fresh else 'not written'} by this run)")
+        raise failed(
+            f"the run did not complete (flwr run: {exit_status(code)}, run {job.run_id}, status {status!r}, "
+            f"summary {'written' if fresh else 'not written'} by this run)"
+        )
     return dict(json.loads(summary_file.read_text()))

@@ -74,8 +74,9 @@ def _num_classes(cfg: Any) -> int | None:
 def _lr_hint(cfg: Any) -> str:
     lr = None if cfg is None else OmegaConf.select(cfg, "train.lr")
     clip = None if cfg is None else OmegaConf.select(cfg, "train.grad_clip")
-    lower = (f"lower train.lr (it is {lr:g}; e.g. train.lr={lr / 4:g})" if isinstance(lr, (int, float))
-             else "lower train.lr")
+    lower = (
+        f"lower train.lr (it is {lr:g}; e.g. train.lr={lr / 4:g})" if isinstance(lr, (int, float)) else "lower train.lr"
+    )
     return lower + ("" if clip else " or clip gradients (e.g. train.grad_clip=1.0)")
 
 
@@ -115,8 +116,9 @@ def _collapse(rows: list[dict[str, Any]], classes: int | None) -> str | None:
         if isinstance(loss, (int, float)) and abs(loss - math.log(classes)) <= LOSS_TOLERANCE:
             said.append(f"its test loss {loss:.4f} is ln {classes} (the same output for every input)")
         if acc <= 1.0 / classes + CHANCE_MARGIN:
-            said.append(f"its accuracy {acc:.4f} is chance for {classes} classes (what predicting one class "
-                        "everywhere gives)")
+            said.append(
+                f"its accuracy {acc:.4f} is chance for {classes} classes (what predicting one class everywhere gives)"
+            )
         return " and ".join(said) or None
     return None
 
@@ -135,12 +137,20 @@ def judge(run_dir: str | Path) -> Health:
     refused = None if attacked else _all_refused_non_finite(rows)
     if refused is not None:
         round_, count, why = refused
-        return Health(1, f"the model diverged: every reply of round {round_} ({count}) was refused as non-finite "
-                         f"or oversized ({why}), so the global model stopped learning there; {_lr_hint(cfg)}", True)
+        return Health(
+            1,
+            f"the model diverged: every reply of round {round_} ({count}) was refused as non-finite "
+            f"or oversized ({why}), so the global model stopped learning there; {_lr_hint(cfg)}",
+            True,
+        )
     sent = sum(int(r.get("replies", 0)) + int(r.get("failures", 0)) + int(r.get("rejected", 0)) for r in rows)
     if not attacked and sent and not any(r.get("replies", 0) for r in rows):
-        return Health(1, f"no reply of the whole run was accepted ({sent} failed or refused; metrics.jsonl's "
-                         "failure_reasons say why), so the global model is the initial one", True)
+        return Health(
+            1,
+            f"no reply of the whole run was accepted ({sent} failed or refused; metrics.jsonl's "
+            "failure_reasons say why), so the global model is the initial one",
+            True,
+        )
     collapsed = _collapse(rows, None if cfg is None else _num_classes(cfg))
     if collapsed:
         return Health(0, f"the model collapsed: {collapsed}; {_lr_hint(cfg)}, or check the data and the model")

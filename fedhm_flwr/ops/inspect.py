@@ -50,12 +50,14 @@ def _rows(cfg: Any, spec: dict[str, Any], strategy: Any) -> list[dict[str, Any]]
     for index, level in enumerate(strategy.levels):
         cost = strategy.level_cost(index)
         _, payload, _ = strategy.level_payload(index, state)
-        rows.append({
-            "level": f"g{index + 1}",
-            "ratio": level,
-            **{k: int(v) for k, v in cost.items() if k != "bytes"},
-            "payload_bytes": int(sum(t.numel() * t.element_size() for t in payload.values())),
-        })
+        rows.append(
+            {
+                "level": f"g{index + 1}",
+                "ratio": level,
+                **{k: int(v) for k, v in cost.items() if k != "bytes"},
+                "payload_bytes": int(sum(t.numel() * t.element_size() for t in payload.values())),
+            }
+        )
         if full:
             rows[-1]["of_full"] = rows[-1]["params"] / full
     return rows
@@ -80,10 +82,16 @@ def plan_rows(cfg: Any) -> list[dict[str, Any]] | None:
         shape = tuple(module.weight.shape)
         rows_, cols = (shape[0] * shape[2], shape[1] * shape[3]) if len(shape) == 4 else shape
         ranks = [r.get(name) for r in inner.ranks]
-        rows.append({"layer": name, "type": type(module).__name__, "shape": list(shape),
-                     "params": int(module.weight.numel()), "ranks": ranks,
-                     "level_params": [int(module.weight.numel()) if r is None else int(r * (rows_ + cols))
-                                      for r in ranks]})
+        rows.append(
+            {
+                "layer": name,
+                "type": type(module).__name__,
+                "shape": list(shape),
+                "params": int(module.weight.numel()),
+                "ranks": ranks,
+                "level_params": [int(module.weight.numel()) if r is None else int(r * (rows_ + cols)) for r in ranks],
+            }
+        )
     return rows
 
 
@@ -91,16 +99,20 @@ def format_plan(cfg: Any, levels: list[float], plan: list[dict[str, Any]]) -> st
     """The plan as a Markdown table: a level's cell is ``full`` or ``r=<rank> (<params>)``."""
     cols = ["layer", "type", "weight shape", "full params"] + [f"g{i + 1} ({g:g})" for i, g in enumerate(levels)]
     factorized = sum(any(r is not None for r in row["ranks"]) for row in plan)
-    lines = [f"FedHM plan: {len(plan)} layers selected by the rule (model.factorize), {factorized} of them "
-             "factorized below gamma=1 (the others are the first rho, kept full rank)",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines = [
+        f"FedHM plan: {len(plan)} layers selected by the rule (model.factorize), {factorized} of them "
+        "factorized below gamma=1 (the others are the first rho, kept full rank)",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
     for row in plan:
         cells = [row["layer"], row["type"], "x".join(map(str, row["shape"])), f"{row['params']:,}"]
         cells += ["full" if r is None else f"r={r} ({p:,})" for r, p in zip(row["ranks"], row["level_params"])]
         lines.append("| " + " | ".join(cells) + " |")
     totals = [sum(row["level_params"][i] for row in plan) for i in range(len(levels))]
-    lines.append("| total | | | " + f"{sum(row['params'] for row in plan):,} | "
-                 + " | ".join(f"{t:,}" for t in totals) + " |")
+    lines.append(
+        "| total | | | " + f"{sum(row['params'] for row in plan):,} | " + " | ".join(f"{t:,}" for t in totals) + " |"
+    )
     return "\n".join(lines)
 
 
@@ -112,14 +124,18 @@ def size_warnings(cfg: Any) -> list[str]:
         return []
     gammas = [float(g) for g in cfg.levels.ratios]
     full, *params = fedhm_level_params(model_spec(cfg), [1.0, *gammas], cfg.method.get("rho"))
-    fix = ("select more layers with model.factorize (include, exclude, types, pointwise, head, "
-           "keep_first) or method.rho")
+    fix = "select more layers with model.factorize (include, exclude, types, pointwise, head, keep_first) or method.rho"
     small = [(g, p) for g, p in zip(gammas, params) if g < 1]
     if small and all(p >= full for _, p in small):
-        return [f"FedHM factorizes no layer of this model at any level: every level is the full model "
-                f"({full:,} parameters), so the run is FedAvg; {fix}"]
-    return [f"level {g:g} is not smaller than the full model ({p:,} >= {full:,} parameters); {fix}"
-            for g, p in small if p >= full]
+        return [
+            f"FedHM factorizes no layer of this model at any level: every level is the full model "
+            f"({full:,} parameters), so the run is FedAvg; {fix}"
+        ]
+    return [
+        f"level {g:g} is not smaller than the full model ({p:,} >= {full:,} parameters); {fix}"
+        for g, p in small
+        if p >= full
+    ]
 
 
 def _human(n: float) -> str:
@@ -130,24 +146,36 @@ def _human(n: float) -> str:
 
 
 def format_table(cfg: Any, rows: list[dict[str, Any]]) -> str:
-    model = (f"{cfg.model.target} {dict(cfg.model.get('kwargs') or {})}" if cfg.model.arch == "custom"
-             else f"{cfg.model.arch} (width {cfg.model.get('width')})")
+    model = (
+        f"{cfg.model.target} {dict(cfg.model.get('kwargs') or {})}"
+        if cfg.model.arch == "custom"
+        else f"{cfg.model.arch} (width {cfg.model.get('width')})"
+    )
     head = f"method {cfg.method.name} | model {model} | dataset {cfg.dataset.name}"
     extra = [k for k in rows[0] if k not in ("level", "ratio", "params", "macs", "payload_bytes", "of_full")]
     cols = ["level", "ratio", "parameters", "params (M)", "of full model", "MACs / input", "payload bytes"] + extra
     lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        cells = [r["level"], f"{r['ratio']:g}", f"{r['params']:,}", f"{r['params'] / 1e6:.2f}",
-                 f"{r['of_full']:.3f}" if "of_full" in r else "-",
-                 _human(r["macs"]) if "macs" in r else "-", _human(r["payload_bytes"])]
+        cells = [
+            r["level"],
+            f"{r['ratio']:g}",
+            f"{r['params']:,}",
+            f"{r['params'] / 1e6:.2f}",
+            f"{r['of_full']:.3f}" if "of_full" in r else "-",
+            _human(r["macs"]) if "macs" in r else "-",
+            _human(r["payload_bytes"]),
+        ]
         cells += [f"{r[k]:,}" for k in extra]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedhm_flwr.ops.inspect", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m fedhm_flwr.ops.inspect",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=resnet18 dataset=cifar10")
     parser.add_argument("--json", action="store_true", help="print JSON rows")
     args = parser.parse_args(argv)

@@ -46,20 +46,55 @@ from omegaconf import DictConfig
 from fedhm_flwr.config import compose_config, load_config, resume_config, split_overrides
 from fedhm_flwr.data.files import check_data_available
 from fedhm_flwr.ops.flower_job import ErrorScan, FlowerJob, run_flower_job
-from fedhm_flwr.ops.outcome import (Commands, PythonCommands, RunFailed, RunInterrupted, checkpoint_round,
-                                    fedhm_commands, fedhm_program, interrupted, report_finished, report_stop,
-                                    require_checkpoint, resume_hint, run_command)
+from fedhm_flwr.ops.outcome import (
+    Commands,
+    PythonCommands,
+    RunFailed,
+    RunInterrupted,
+    checkpoint_round,
+    fedhm_commands,
+    fedhm_program,
+    interrupted,
+    report_finished,
+    report_stop,
+    require_checkpoint,
+    resume_hint,
+    run_command,
+)
 from fedhm_flwr.ops.procs import Interrupted, Processes, new_tag, on_signals
 from fedhm_flwr.ops.runlock import RunLock
 from fedhm_flwr.ops.shared_ray import SHARED_RAY_VAR
-from fedhm_flwr.ops.superlink import (APP_DIR, SIMULATION_CONNECTION, free_port, stage_app, start_simulation_superlink,
-                                      superlink_env, write_run_config)
+from fedhm_flwr.ops.superlink import (
+    APP_DIR,
+    SIMULATION_CONNECTION,
+    free_port,
+    stage_app,
+    start_simulation_superlink,
+    superlink_env,
+    write_run_config,
+)
 from fedhm_flwr.reporting.results import refuse_existing_run
 
 #: names other modules and tests import from here (the launcher's public face)
-__all__ = ["Commands", "ErrorScan", "PythonCommands", "RunFailed", "RunInterrupted", "checkpoint_round", "check_data",
-           "default_run_dir", "fedhm_commands", "fedhm_program", "free_port", "main", "report_stop",
-           "require_checkpoint", "resume_hint", "run_job", "superlink_env"]
+__all__ = [
+    "Commands",
+    "ErrorScan",
+    "PythonCommands",
+    "RunFailed",
+    "RunInterrupted",
+    "check_data",
+    "checkpoint_round",
+    "default_run_dir",
+    "fedhm_commands",
+    "fedhm_program",
+    "free_port",
+    "main",
+    "report_stop",
+    "require_checkpoint",
+    "resume_hint",
+    "run_job",
+    "superlink_env",
+]
 
 #: ``<run dir>/timings.json``: when each part of a launched job's start-up and end happened (wall clock,
 #: ``time.time()``; the ServerApp's own marks are in the summary): bench figure 8 breaks the job's wall time down
@@ -93,9 +128,14 @@ def warn_level_sizes(cfg: DictConfig) -> None:
         print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
-def run_job(overrides: list[str], run_dir: Path | None = None, resume: Path | None = None,
-            quiet: bool = False, commands: Commands | None = None,
-            on_error: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_job(
+    overrides: list[str],
+    run_dir: Path | None = None,
+    resume: Path | None = None,
+    quiet: bool = False,
+    commands: Commands | None = None,
+    on_error: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Validate, run through ``flwr run``, verify; returns the run's summary.
 
     Raises ConfigError / FileExistsError (incl. RunDirectoryBusy) before anything starts,
@@ -135,16 +175,26 @@ def run_job(overrides: list[str], run_dir: Path | None = None, resume: Path | No
             raise interrupted(stop, run_dir, commands, overrides if resume is None else []) from None
 
 
-def _run(procs: Processes, cfg: DictConfig, overrides: list[str], run_dir: Path, resume: Path | None,
-         quiet: bool, commands: Commands, on_error: Callable[[str], None] | None = None,
-         marks: dict[str, float] | None = None) -> dict[str, Any]:
+def _run(
+    procs: Processes,
+    cfg: DictConfig,
+    overrides: list[str],
+    run_dir: Path,
+    resume: Path | None,
+    quiet: bool,
+    commands: Commands,
+    on_error: Callable[[str], None] | None = None,
+    marks: dict[str, float] | None = None,
+) -> dict[str, Any]:
     marks = {} if marks is None else marks
     flwr_home = run_dir / ".flwr"
     run_config = write_run_config(flwr_home / "run_config.toml", overrides, run_dir, resume)
-    federation = (f"num-supernodes={int(cfg.num_clients)} backend=\"ray\" "
-                  f"client-resources-num-cpus={max(1, int(cfg.simulation.num_cpus))} "
-                  f"client-resources-num-gpus={float(cfg.simulation.num_gpus)} "
-                  "init-args-logging-level=\"ERROR\" init-args-log-to-driver=true")
+    federation = (
+        f'num-supernodes={int(cfg.num_clients)} backend="ray" '
+        f"client-resources-num-cpus={max(1, int(cfg.simulation.num_cpus))} "
+        f"client-resources-num-gpus={float(cfg.simulation.num_gpus)} "
+        'init-args-logging-level="ERROR" init-args-log-to-driver=true'
+    )
     # the config's cluster, else the sweep's shared Ray instance (fedhm_flwr/ops/shared_ray.py), else a private one
     ray_address = cfg.simulation.get("ray_address") or os.environ.get(SHARED_RAY_VAR) or None
     env = start_simulation_superlink(procs, flwr_home, run_dir / "superlink.log", ray_address=ray_address)
@@ -153,15 +203,25 @@ def _run(procs: Processes, cfg: DictConfig, overrides: list[str], run_dir: Path,
     marks["app_staged_at"] = time.time()
     job = FlowerJob(procs, env, SIMULATION_CONNECTION, run_dir / "flwr_run.log", echo=not quiet, on_error=on_error)
     try:
-        return run_flower_job(job, app, run_config, run_dir, ["--federation-config", federation],
-                              see=f" and {run_dir}/superlink.log", commands=commands)
+        return run_flower_job(
+            job,
+            app,
+            run_config,
+            run_dir,
+            ["--federation-config", federation],
+            see=f" and {run_dir}/superlink.log",
+            commands=commands,
+        )
     finally:
         marks.update(job.marks)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedhm_flwr.ops.launch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m fedhm_flwr.ops.launch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. method.tau=2 levels.ratios=[1,0.5]")
     parser.add_argument("--run-dir", type=Path, help="absolute run directory (default: outputs/<date>/<time>-<method>)")
     parser.add_argument("--resume", type=Path, help="continue the run stored in this run directory")

@@ -53,8 +53,9 @@ class LocalGrid(Grid):
             config: dict[str, Any] = {PARTITION_ID: i, NUM_PARTITIONS: num_nodes}
             if node_config is not None:
                 config.update(node_config(i))
-            self.contexts[node_id] = Context(run_id=1, node_id=node_id, node_config=config,
-                                             state=RecordDict(), run_config={})
+            self.contexts[node_id] = Context(
+                run_id=1, node_id=node_id, node_config=config, state=RecordDict(), run_config={}
+            )
         self._ids = itertools.count(1)
         self._run = None
         self._replies: dict[str, Message | None] = {}  # message id -> reply not yet pulled
@@ -69,8 +70,9 @@ class LocalGrid(Grid):
     def run(self) -> Any:
         return self._run
 
-    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
-                       ttl: float | None = None) -> Message:
+    def create_message(
+        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
+    ) -> Message:
         return Message(content=content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:
@@ -119,5 +121,8 @@ class LocalGrid(Grid):
 
 def client_handlers() -> dict[str, Handler]:
     """The project's ClientApp handlers, keyed by message type."""
-    return {MessageType.TRAIN: base.handle_train, MessageType.EVALUATE: base.handle_evaluate,
-            MessageType.QUERY: base.handle_query}
+    return {
+        MessageType.TRAIN: base.handle_train,
+        MessageType.EVALUATE: base.handle_evaluate,
+        MessageType.QUERY: base.handle_query,
+    }

@@ -48,29 +48,39 @@ def _num(x: float | None) -> str:
 def _run_rows(card: dict[str, Any]) -> list[str]:
     rows = []
     if card["final_accuracy"] is not None or card.get("final_fed_accuracy") is None:
-        rows += [f"| final accuracy of this level in the run, server's test set | {_num(card['final_accuracy'])} "
-                 f"(statistics: {card['run_bn_stats']}) |",
-                 f"| best accuracy of this level in the run, server's test set | {_num(card['best_accuracy'])} |"]
+        rows += [
+            f"| final accuracy of this level in the run, server's test set | {_num(card['final_accuracy'])} "
+            f"(statistics: {card['run_bn_stats']}) |",
+            f"| best accuracy of this level in the run, server's test set | {_num(card['best_accuracy'])} |",
+        ]
     if card.get("final_deployable_accuracy") is not None:
-        rows.append(f"| final deployable accuracy of this level in the run, server's test set | "
-                    f"{_num(card['final_deployable_accuracy'])} (statistics: {card['deployable_bn_stats']}) |")
+        rows.append(
+            f"| final deployable accuracy of this level in the run, server's test set | "
+            f"{_num(card['final_deployable_accuracy'])} (statistics: {card['deployable_bn_stats']}) |"
+        )
     if card.get("final_fed_accuracy") is not None:
         clients = card.get("fed_accuracy_clients")
-        where = f"round {card.get('fed_accuracy_round')}" + ("" if clients is None else
-                                                              f", {clients:g} client{'s' * (clients != 1)}")
-        rows += [f"| final federated accuracy of this level in the run: its clients on their held-out examples | "
-                 f"{_num(card['final_fed_accuracy'])} ({where}) |",
-                 f"| best federated accuracy of this level in the run | {_num(card['best_fed_accuracy'])} |"]
+        where = f"round {card.get('fed_accuracy_round')}" + (
+            "" if clients is None else f", {clients:g} client{'s' * (clients != 1)}"
+        )
+        rows += [
+            f"| final federated accuracy of this level in the run: its clients on their held-out examples | "
+            f"{_num(card['final_fed_accuracy'])} ({where}) |",
+            f"| best federated accuracy of this level in the run | {_num(card['best_fed_accuracy'])} |",
+        ]
     return rows
 
 
 def model_card_markdown(card: dict[str, Any]) -> str:
     macs, ort = card["macs_per_input"], card.get("onnx_runtime")
     lines = [
-        f"# {card['method']} · {card['model']} · {card['dataset']} · level {card['level']:g}", "",
+        f"# {card['method']} · {card['model']} · {card['dataset']} · level {card['level']:g}",
+        "",
         f"The deployable model of level {card['level']:g} from the run in `{card['run_dir']}` "
-        f"(checkpoint of round {card['checkpoint_round']}).", "",
-        "| | |", "|---|---|",
+        f"(checkpoint of round {card['checkpoint_round']}).",
+        "",
+        "| | |",
+        "|---|---|",
         f"| parameters | {card['parameters']:,} |",
         f"| MACs per input | {'-' if macs is None else f'{macs:,}'} |",
         f"| accuracy of this exported model on the test set (PyTorch) | {_num(card['test_accuracy'])} "
@@ -88,24 +98,41 @@ def model_card_markdown(card: dict[str, Any]) -> str:
         f"| normalisation statistics | {card['normalisation']['statistics']}: {card['normalisation']['data']} |",
         *_run_rows(card),
         f"| factorized layers (rank) | {len(card['factorized_layers'])} |",
-        "", "Files: " + ", ".join(f"`{f}`" for f in card["files"].values()), "",
+        "",
+        "Files: " + ", ".join(f"`{f}`" for f in card["files"].values()),
+        "",
     ]
     pre = card.get("preprocessing")
     if pre:
-        lines += ["## Input", "",
-                  f"{pre['color']} images, {pre['resize']}, {pre['scale']}, normalised with mean {pre['mean']} and "
-                  f"std {pre['std']} ({pre['layout']}). The model is in eval mode with fixed statistics: "
-                  "one image at a time gives the same prediction as a batch.", ""]
+        lines += [
+            "## Input",
+            "",
+            f"{pre['color']} images, {pre['resize']}, {pre['scale']}, normalised with mean {pre['mean']} and "
+            f"std {pre['std']} ({pre['layout']}). The model is in eval mode with fixed statistics: "
+            "one image at a time gives the same prediction as a batch.",
+            "",
+        ]
         if pre["class_names"]:
-            lines += ["Classes (output index order): " + ", ".join(f"{i}: {c}" for i, c in enumerate(pre["class_names"])), ""]
+            lines += [
+                "Classes (output index order): " + ", ".join(f"{i}: {c}" for i, c in enumerate(pre["class_names"])),
+                "",
+            ]
     lines += [
         "Load: `fedhm_flwr.ops.export.load_model('model.safetensors')` (the spec is in the file's metadata) "
-        "or `torch.export.load('model.pt2').module()`.", "",
+        "or `torch.export.load('model.pt2').module()`.",
+        "",
     ]
     if card.get("onnx_snippet"):
-        lines += ["## Run it with ONNX Runtime", "",
-                  "One image (`image.png`) in the folder of `model.onnx` (`pip install onnxruntime numpy pillow`):", "",
-                  "```python", card["onnx_snippet"], "```", ""]
+        lines += [
+            "## Run it with ONNX Runtime",
+            "",
+            "One image (`image.png`) in the folder of `model.onnx` (`pip install onnxruntime numpy pillow`):",
+            "",
+            "```python",
+            card["onnx_snippet"],
+            "```",
+            "",
+        ]
     lines += [f"Note: {n}" for n in card["notes"]]
     lines += ["", "## Config", "", "```yaml", card["config"].rstrip(), "```", ""]
     return "\n".join(lines)

@@ -27,8 +27,7 @@ from omegaconf import OmegaConf
 from fedhm_flwr.config import ConfigError, split_overrides
 from fedhm_flwr.ops.outcome import fedhm_program
 from fedhm_flwr.ops.procs import SIGNALS
-from fedhm_flwr.ops.shared_ray import SHARED_RAY_VAR, shared_ray
-from fedhm_flwr.ops.shared_ray import enabled as shared_ray_enabled
+from fedhm_flwr.ops.shared_ray import SHARED_RAY_VAR, enabled as shared_ray_enabled, shared_ray
 from fedhm_flwr.reporting.summary import main as summary_main
 
 #: `fedhm compare` (`make compare`): the baselines on the same work, every method on every seed,
@@ -47,8 +46,9 @@ def match_option(value: str) -> str:
     if match != "none" and match not in MATCH_WORDS:
         raise argparse.ArgumentTypeError(f"{value!r}; allowed: params, macs, memory, none")
     return match
-COMPARE_ABLATIONS = ("train.distill.enabled=true", "method.official_weights=true", "method.add_previous_global=true")
 
+
+COMPARE_ABLATIONS = ("train.distill.enabled=true", "method.official_weights=true", "method.add_previous_global=true")
 
 
 #: set for a sweep that continues an interrupted one: its finished jobs are kept, an interrupted job
@@ -75,8 +75,12 @@ def _hydra_sweep(overrides: list[str], env: dict[str, str] | None = None) -> int
     its job, says which jobs finished and how to continue, and exits 128 + the signal, which is
     this command's exit code."""
     cmd = [sys.executable, "-m", "fedhm_flwr.ops.sweep", "-m", *[o for o in overrides if o not in ("-m", "--multirun")]]
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, process_group=0,
-                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, **(env or {})},
+        process_group=0,
+        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+    )
     sent: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
@@ -87,8 +91,11 @@ def _hydra_sweep(overrides: list[str], env: dict[str, str] | None = None) -> int
             except ProcessLookupError:
                 pass
         else:
-            print(f"{signal.Signals(signum).name} received: the sweep is still stopping its job, please wait",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{signal.Signals(signum).name} received: the sweep is still stopping its job, please wait",
+                file=sys.stderr,
+                flush=True,
+            )
 
     previous = {sig: signal.signal(sig, forward) for sig in SIGNALS}
     try:
@@ -106,8 +113,11 @@ def sweep_ray(overrides: list[str]) -> Iterator[dict[str, str]]:
     """The environment that gives a sweep's jobs one shared Ray instance (:mod:`fedhm_flwr.ops.shared_ray`),
     started here and stopped when the block ends; none (``{}``) where ``FEDHM_SHARED_RAY=0``, where the
     overrides name ``simulation.ray_address`` or where a shared instance is already handed down."""
-    if (not shared_ray_enabled() or os.environ.get(SHARED_RAY_VAR)
-            or any(_key(o) == "simulation.ray_address" for o in overrides)):
+    if (
+        not shared_ray_enabled()
+        or os.environ.get(SHARED_RAY_VAR)
+        or any(_key(o) == "simulation.ray_address" for o in overrides)
+    ):
         yield {}
         return
     with shared_ray() as address:
@@ -119,17 +129,23 @@ def _sweep_continuation(sweep_dir: Path) -> list[str]:
     its task overrides and its Hydra overrides (launcher, ...) from Hydra's ``multirun.yaml``."""
     saved = sweep_dir / "multirun.yaml"
     if not saved.is_file():
-        raise ConfigError("--continue", str(sweep_dir), "a sweep directory holding Hydra's multirun.yaml "
-                          "(the folder an interrupted sweep named)")
+        raise ConfigError(
+            "--continue",
+            str(sweep_dir),
+            "a sweep directory holding Hydra's multirun.yaml (the folder an interrupted sweep named)",
+        )
     cfg = OmegaConf.load(saved)
-    hydra_overrides = [o for o in cfg.hydra.overrides.hydra
-                       if _key(o) not in ("hydra.mode", "hydra.sweep.dir")]
+    hydra_overrides = [o for o in cfg.hydra.overrides.hydra if _key(o) not in ("hydra.mode", "hydra.sweep.dir")]
     return [*cfg.hydra.overrides.task, *hydra_overrides, f"hydra.sweep.dir={sweep_dir}"]
 
 
 def _sweep_help(parser: argparse.ArgumentParser) -> int:
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides; comma-separated values are swept "
-                        "(`-m` is implied), hydra/launcher=... picks a Hydra launcher")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="Hydra overrides; comma-separated values are swept "
+        "(`-m` is implied), hydra/launcher=... picks a Hydra launcher",
+    )
     parser.print_help()
     return 0
 
@@ -157,9 +173,13 @@ def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def compare_plan(user: list[str], seeds: str = COMPARE_SEEDS, match: str = COMPARE_MATCH,
-                 ablations: tuple[str, ...] = COMPARE_ABLATIONS,
-                 now: dt.datetime | None = None) -> tuple[str, list[list[str]]]:
+def compare_plan(
+    user: list[str],
+    seeds: str = COMPARE_SEEDS,
+    match: str = COMPARE_MATCH,
+    ablations: tuple[str, ...] = COMPARE_ABLATIONS,
+    now: dt.datetime | None = None,
+) -> tuple[str, list[list[str]]]:
     """(compare directory, one sweep's overrides per sweep): the methods on every seed, then plain
     FedHM with each ablation on the same seeds. The user's overrides replace a default with the
     same key (``method=...`` the method list, ``hydra.sweep.dir=...`` the directory)."""
@@ -177,38 +197,65 @@ def compare_plan(user: list[str], seeds: str = COMPARE_SEEDS, match: str = COMPA
 
 def cmd_compare(argv: list[str], parser: argparse.ArgumentParser) -> int:
     """``fedhm compare`` (``parser``: the command's, options are added here)."""
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides of every run (rounds=3, method=fedhm,heterofl ...)")
+    parser.add_argument(
+        "overrides", nargs="*", help="Hydra overrides of every run (rounds=3, method=fedhm,heterofl ...)"
+    )
     parser.add_argument("--seeds", default=COMPARE_SEEDS, help=f"comma-separated seeds (default {COMPARE_SEEDS})")
-    parser.add_argument("--match", default=COMPARE_MATCH, type=match_option,
-                        help="the resource HeteroFL/FedRolex widths match FedHM's levels on: params (bytes on the "
-                             "wire), macs (compute), memory (training memory), or none (width rates = levels); "
-                             "default params (the fedhm_ prefix of levels.match is also accepted)")
-    parser.add_argument("--ablations", default=" ".join(COMPARE_ABLATIONS),
-                        help="space-separated FedHM options, one extra sweep each ('' for none)")
-    parser.add_argument("--continue", dest="cont", type=Path, metavar="DIR",
-                        help="continue the interrupted comparison in DIR: its finished jobs are kept")
+    parser.add_argument(
+        "--match",
+        default=COMPARE_MATCH,
+        type=match_option,
+        help="the resource HeteroFL/FedRolex widths match FedHM's levels on: params (bytes on the "
+        "wire), macs (compute), memory (training memory), or none (width rates = levels); "
+        "default params (the fedhm_ prefix of levels.match is also accepted)",
+    )
+    parser.add_argument(
+        "--ablations",
+        default=" ".join(COMPARE_ABLATIONS),
+        help="space-separated FedHM options, one extra sweep each ('' for none)",
+    )
+    parser.add_argument(
+        "--continue",
+        dest="cont",
+        type=Path,
+        metavar="DIR",
+        help="continue the interrupted comparison in DIR: its finished jobs are kept",
+    )
     args = parser.parse_intermixed_args(argv)
     if args.cont is not None:
         plan_file = args.cont.resolve() / "compare.json"
         if not plan_file.is_file():
-            print(f"error: invalid config: --continue={str(args.cont)!r}; allowed: a comparison directory holding "
-                  "compare.json (the folder an interrupted `fedhm compare` named)", file=sys.stderr)
+            print(
+                f"error: invalid config: --continue={str(args.cont)!r}; allowed: a comparison directory holding "
+                "compare.json (the folder an interrupted `fedhm compare` named)",
+                file=sys.stderr,
+            )
             return 2
         plan = json.loads(plan_file.read_text())
         root, sweeps, matched, seeds = plan["root"], plan["sweeps"], plan["matched"], plan["seeds"]
     else:
-        root, sweeps = compare_plan(split_overrides(args.overrides), args.seeds, args.match,
-                                    tuple(args.ablations.split()))
-        matched = (f"budget-matched comparison (levels.match={args.match}: HeteroFL/FedRolex width rates chosen per "
-                   f"level to match FedHM's {MATCH_WORDS[args.match]})" if args.match != "none"
-                   else "unmatched comparison (levels.match=none: width rates = levels)")
+        root, sweeps = compare_plan(
+            split_overrides(args.overrides), args.seeds, args.match, tuple(args.ablations.split())
+        )
+        matched = (
+            f"budget-matched comparison (levels.match={args.match}: HeteroFL/FedRolex width rates chosen per "
+            f"level to match FedHM's {MATCH_WORDS[args.match]})"
+            if args.match != "none"
+            else "unmatched comparison (levels.match=none: width rates = levels)"
+        )
         seeds = args.seeds
         root = str(Path(root).resolve())
-        sweeps = [[o if _key(o) != "hydra.sweep.dir" else f"hydra.sweep.dir={Path(o.split('=', 1)[1]).resolve()}"
-                   for o in overrides] for overrides in sweeps]
+        sweeps = [
+            [
+                o if _key(o) != "hydra.sweep.dir" else f"hydra.sweep.dir={Path(o.split('=', 1)[1]).resolve()}"
+                for o in overrides
+            ]
+            for overrides in sweeps
+        ]
         Path(root).mkdir(parents=True, exist_ok=True)
-        (Path(root) / "compare.json").write_text(json.dumps({"root": root, "sweeps": sweeps, "matched": matched,
-                                                             "seeds": seeds}, indent=1))
+        (Path(root) / "compare.json").write_text(
+            json.dumps({"root": root, "sweeps": sweeps, "matched": matched, "seeds": seeds}, indent=1)
+        )
     print(f"fedhm compare: {matched}, seeds {seeds}, {len(sweeps)} sweep(s), outputs in {root}", flush=True)
     again = {CONTINUE_COMMAND_VAR: shlex.join([*fedhm_program(), "compare", "--continue", root])}
     with sweep_ray([o for overrides in sweeps for o in overrides]) as ray_env:  # one Ray instance for every sweep

@@ -49,11 +49,21 @@ def missing_packages() -> list[str]:
 
 def onnx_bytes(source: nn.Module | torch.export.ExportedProgram, example: torch.Tensor) -> bytes:
     """``source`` (an exported program with a dynamic batch, or the model) as ONNX file bytes."""
-    dynamic = None if isinstance(source, torch.export.ExportedProgram) else ({0: torch.export.Dim(BATCH, min=1, max=4096)},)
+    dynamic = (
+        None if isinstance(source, torch.export.ExportedProgram) else ({0: torch.export.Dim(BATCH, min=1, max=4096)},)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(source, (example,), None, input_names=[INPUT], output_names=[OUTPUT],
-                                    dynamic_shapes=dynamic, external_data=False, verbose=False)
+        program = torch.onnx.export(
+            source,
+            (example,),
+            None,
+            input_names=[INPUT],
+            output_names=[OUTPUT],
+            dynamic_shapes=dynamic,
+            external_data=False,
+            verbose=False,
+        )
     proto = program.model_proto
     # the program names its batch dimension s<N>: call it `batch` in the file's signature
     first = proto.graph.input[0].type.tensor_type.shape.dim[0].dim_param
@@ -65,8 +75,13 @@ def onnx_bytes(source: nn.Module | torch.export.ExportedProgram, example: torch.
     return bytes(proto.SerializeToString())
 
 
-def check_onnx(data: bytes, images: torch.Tensor, reference: torch.Tensor, labels: torch.Tensor | None = None,
-               what: str = "the run's test set") -> dict[str, Any]:
+def check_onnx(
+    data: bytes,
+    images: torch.Tensor,
+    reference: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    what: str = "the run's test set",
+) -> dict[str, Any]:
     """Run the ONNX file in ONNX Runtime (CPU, one thread) on ``images`` one at a time and compare
     with ``reference`` (the PyTorch model's logits for them): the figures for the card, or
     :class:`OnnxCheckFailed` when a logit lies beyond :data:`TOLERANCE` (or is not finite)."""
@@ -76,7 +91,7 @@ def check_onnx(data: bytes, images: torch.Tensor, reference: torch.Tensor, label
     options.intra_op_num_threads = options.inter_op_num_threads = 1  # a device's one image, no thread pool
     session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
     x = np.ascontiguousarray(images.detach().cpu().numpy(), dtype=np.float32)
-    out = np.concatenate([session.run([OUTPUT], {INPUT: x[i:i + 1]})[0] for i in range(len(x))])
+    out = np.concatenate([session.run([OUTPUT], {INPUT: x[i : i + 1]})[0] for i in range(len(x))])
     ref = reference.detach().cpu().numpy().astype(np.float32)
     diff = np.abs(out.astype(np.float64) - ref)
     bad = ~(diff <= ATOL + RTOL * np.abs(ref))  # NaN counts as beyond
@@ -99,7 +114,8 @@ def check_onnx(data: bytes, images: torch.Tensor, reference: torch.Tensor, label
             f"model.onnx refused: ONNX Runtime's logits (one image at a time) differ from the PyTorch model's beyond "
             f"{TOLERANCE} on {len(rows)} of {len(x)} images of {what} (first: image {int(rows[0])}; max difference "
             f"{figures['max_abs_logit_difference']:.3g}); predictions agree on {figures['predictions_agreeing']} of "
-            f"{len(x)}. Nothing was written.")
+            f"{len(x)}. Nothing was written."
+        )
     return figures
 
 

@@ -100,11 +100,18 @@ def resume_hint(run_dir: Path, commands: Commands, overrides: Sequence[str]) -> 
             again = commands.start_line(overrides, run_dir)
         except FileExistsError:  # rows but no checkpoint (checkpoint.every > rounds done): a new directory
             again = commands.start_line(overrides, None)
-        return ("no checkpoint was written yet, so there is nothing to resume; start the run again with:\n"
-                f"  {again}", None, None)
+        return (
+            f"no checkpoint was written yet, so there is nothing to resume; start the run again with:\n  {again}",
+            None,
+            None,
+        )
     command = commands.resume_line(run_dir)
-    return (f"the last complete checkpoint (round {saved}) is in {run_dir / CHECKPOINT_DIR}; "
-            f"resume the run with:\n  {command}", command, saved)
+    return (
+        f"the last complete checkpoint (round {saved}) is in {run_dir / CHECKPOINT_DIR}; "
+        f"resume the run with:\n  {command}",
+        command,
+        saved,
+    )
 
 
 class RunInterrupted(Interrupted):
@@ -115,8 +122,9 @@ class RunInterrupted(Interrupted):
     ``exit_code`` 128 + the signal number (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP). ``str()`` is
     the report the commands print. A :class:`KeyboardInterrupt`, as an interrupt should be."""
 
-    def __init__(self, signum: int, run_dir: Path, hint: str, resume_command: str | None,
-                 checkpoint_round: int | None) -> None:
+    def __init__(
+        self, signum: int, run_dir: Path, hint: str, resume_command: str | None, checkpoint_round: int | None
+    ) -> None:
         super().__init__(signum)
         self.run_dir, self.hint = run_dir, hint
         self.resume_command, self.checkpoint_round = resume_command, checkpoint_round
@@ -133,8 +141,15 @@ class RunFailed(RuntimeError):
     checkpoint), ``details`` (e.g. the last lines of a dead process's log). ``str()`` ends with the
     reason's line, then the details."""
 
-    def __init__(self, message: str, run_dir: Path | None = None, reason: str | None = None,
-                 log: Path | None = None, resume_command: str | None = None, details: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        run_dir: Path | None = None,
+        reason: str | None = None,
+        log: Path | None = None,
+        resume_command: str | None = None,
+        details: str | None = None,
+    ) -> None:
         self.message, self.run_dir, self.reason, self.log = message, run_dir, reason, log
         self.resume_command, self.details = resume_command, details
         super().__init__(message)
@@ -164,14 +179,25 @@ def require_checkpoint(run_dir: Path) -> None:
         return
     marks = (CONFIG_FILE, STATUS_FILE, METRICS_JSONL, CHECKPOINT_DIR)
     if not run_dir.is_dir():
-        raise ConfigError("resume", str(run_dir), "the directory of a run (e.g. outputs/<date>/<time>-<method>): "
-                          "this folder does not exist")
+        raise ConfigError(
+            "resume",
+            str(run_dir),
+            "the directory of a run (e.g. outputs/<date>/<time>-<method>): this folder does not exist",
+        )
     if not any((run_dir / name).exists() for name in marks):
-        raise ConfigError("resume", str(run_dir), "the directory of a run (e.g. outputs/<date>/<time>-<method>): "
-                          f"this folder is not a run (it holds none of {', '.join(marks)}); start a run with "
-                          "`fedhm run`, or give the folder a run wrote")
-    raise ConfigError("resume", str(run_dir), f"a run directory with a checkpoint ({run_dir / CHECKPOINT_DIR} "
-                      "holds none: the run stopped before its first one): start it again")
+        raise ConfigError(
+            "resume",
+            str(run_dir),
+            "the directory of a run (e.g. outputs/<date>/<time>-<method>): "
+            f"this folder is not a run (it holds none of {', '.join(marks)}); start a run with "
+            "`fedhm run`, or give the folder a run wrote",
+        )
+    raise ConfigError(
+        "resume",
+        str(run_dir),
+        f"a run directory with a checkpoint ({run_dir / CHECKPOINT_DIR} "
+        "holds none: the run stopped before its first one): start it again",
+    )
 
 
 def report_stop(stop: KeyboardInterrupt) -> int:
@@ -179,8 +205,11 @@ def report_stop(stop: KeyboardInterrupt) -> int:
     if isinstance(stop, RunInterrupted):
         print(f"\n{stop}", file=sys.stderr, flush=True)
     elif isinstance(stop, Interrupted):
-        print(f"\n{signal.Signals(stop.signum).name} received before the run started: nothing was started.",
-              file=sys.stderr, flush=True)
+        print(
+            f"\n{signal.Signals(stop.signum).name} received before the run started: nothing was started.",
+            file=sys.stderr,
+            flush=True,
+        )
     return stop.exit_code if isinstance(stop, Interrupted) else 130
 
 
@@ -200,8 +229,10 @@ def report_finished(summary: Mapping, prefix: str = "", suffix: str = "") -> int
     return code
 
 
-def run_command(job: Callable[[], Mapping], refused: tuple[type[Exception], ...] = (ConfigError, FileExistsError),
-                ) -> tuple[int, Mapping | None]:
+def run_command(
+    job: Callable[[], Mapping],
+    refused: tuple[type[Exception], ...] = (ConfigError, FileExistsError),
+) -> tuple[int, Mapping | None]:
     """A command's job under the one signal handler, as (exit code, its summary or None): 0 when it
     ended; 2 when it was refused before anything ran (``refused``: a bad config, a used or locked run
     directory); 1 when it failed (:class:`RunFailed`, ending with the line that says why); 128 + the

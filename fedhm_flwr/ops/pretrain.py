@@ -62,9 +62,16 @@ def vit_spec(width: int, num_classes: int = 10) -> dict[str, Any]:
     return {"arch": "vit", "num_classes": num_classes, "in_channels": 1, "image_size": 28, **DEFAULTS, "width": width}
 
 
-def pretrain_vit(width: int, epochs: int = 3, source: Sequence[int] = SOURCE_CLASSES, seed: int = 0,
-                 batch_size: int = 128, lr: float = 1e-3, out_dir: Path | None = None,
-                 log: Callable[[str], None] = print) -> Path:
+def pretrain_vit(
+    width: int,
+    epochs: int = 3,
+    source: Sequence[int] = SOURCE_CLASSES,
+    seed: int = 0,
+    batch_size: int = 128,
+    lr: float = 1e-3,
+    out_dir: Path | None = None,
+    log: Callable[[str], None] = print,
+) -> Path:
     """Train one ViT size on the source classes and save its backbone; returns the file."""
     x, y = _fmnist("train")
     keep = torch.isin(y, torch.tensor(list(source)))
@@ -84,7 +91,7 @@ def pretrain_vit(width: int, epochs: int = 3, source: Sequence[int] = SOURCE_CLA
         order = torch.randperm(len(y), generator=gen)
         total, correct = 0.0, 0
         for i in range(0, len(y), batch_size):
-            idx = order[i:i + batch_size]
+            idx = order[i : i + batch_size]
             logits = model(x[idx])
             loss = F.cross_entropy(logits, y[idx])
             opt.zero_grad(set_to_none=True)
@@ -93,8 +100,10 @@ def pretrain_vit(width: int, epochs: int = 3, source: Sequence[int] = SOURCE_CLA
             sched.step()
             total += float(loss.detach()) * len(idx)
             correct += int((logits.argmax(1) == y[idx]).sum())
-        log(f"vit width {width}: epoch {epoch + 1}/{epochs} loss {total / len(y):.4f} "
-            f"source-train acc {correct / len(y):.4f} ({time.perf_counter() - t0:.0f}s)")
+        log(
+            f"vit width {width}: epoch {epoch + 1}/{epochs} loss {total / len(y):.4f} "
+            f"source-train acc {correct / len(y):.4f} ({time.perf_counter() - t0:.0f}s)"
+        )
     xt, yt = _fmnist("test")
     keep = torch.isin(yt, torch.tensor(list(source)))
     source_acc = _accuracy(model, xt[keep], remap[yt[keep]])
@@ -104,8 +113,15 @@ def pretrain_vit(width: int, epochs: int = 3, source: Sequence[int] = SOURCE_CLA
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / checkpoint_name(arch)
     meta = {k: str(v) for k, v in arch.items()}
-    meta.update({"source_classes": ",".join(map(str, source)), "epochs": str(epochs), "seed": str(seed),
-                 "source_test_accuracy": f"{source_acc:.4f}", "dataset": "fashion_mnist"})
+    meta.update(
+        {
+            "source_classes": ",".join(map(str, source)),
+            "epochs": str(epochs),
+            "seed": str(seed),
+            "source_test_accuracy": f"{source_acc:.4f}",
+            "dataset": "fashion_mnist",
+        }
+    )
     state = model.state_dict()
     tmp = path.with_suffix(".tmp")
     save_file({k: state[k].contiguous() for k in backbone_keys(model)}, str(tmp), metadata=meta)
@@ -117,7 +133,7 @@ def pretrain_vit(width: int, epochs: int = 3, source: Sequence[int] = SOURCE_CLA
 @torch.no_grad()
 def _accuracy(model: nn.Module, x: Tensor, y: Tensor, batch: int = 1000) -> float:
     model.eval()
-    correct = sum(int((model(x[i:i + batch]).argmax(1) == y[i:i + batch]).sum()) for i in range(0, len(y), batch))
+    correct = sum(int((model(x[i : i + batch]).argmax(1) == y[i : i + batch]).sum()) for i in range(0, len(y), batch))
     return correct / len(y)
 
 
@@ -128,11 +144,18 @@ def _accuracy(model: nn.Module, x: Tensor, y: Tensor, batch: int = 1000) -> floa
 def features(model: nn.Module, x: Tensor, batch: int = 500) -> Tensor:
     """Frozen features (``model.features``) of ``x``, in batches."""
     model.eval()
-    return torch.cat([model.features(x[i:i + batch]) for i in range(0, len(x), batch)])
+    return torch.cat([model.features(x[i : i + batch]) for i in range(0, len(x), batch)])
 
 
-def linear_probe(train_f: Tensor, train_y: Tensor, test_f: Tensor, test_y: Tensor, num_classes: int,
-                 steps: int = 300, weight_decay: float = 1e-4) -> float:
+def linear_probe(
+    train_f: Tensor,
+    train_y: Tensor,
+    test_f: Tensor,
+    test_y: Tensor,
+    num_classes: int,
+    steps: int = 300,
+    weight_decay: float = 1e-4,
+) -> float:
     """Test accuracy of a logistic-regression head on frozen features (standardised, full-batch L-BFGS)."""
     mean, std = train_f.mean(0), train_f.std(0).clamp_min(1e-6)
     a, b = (train_f - mean) / std, (test_f - mean) / std
@@ -162,8 +185,16 @@ def probe_vit(widths: Sequence[int] = WIDTHS, train_size: int = 10000, seed: int
         for name, backbone in (("pre-trained", checkpoint_ref(arch_of(spec))), ("random", "random")):
             model = build_model({**spec, "backbone": backbone, "backbone_seed": seed})
             acc = linear_probe(features(model, x), y, features(model, xt), yt, 10)
-            rows.append({"track": "image", "model": f"ViT width {width}", "backbone": name, "probe_accuracy": acc,
-                         "train_examples": len(y), "test_examples": len(yt)})
+            rows.append(
+                {
+                    "track": "image",
+                    "model": f"ViT width {width}",
+                    "backbone": name,
+                    "probe_accuracy": acc,
+                    "train_examples": len(y),
+                    "test_examples": len(yt),
+                }
+            )
     return rows
 
 
@@ -174,28 +205,52 @@ def probe_minilm(train_size: int = 2000, test_size: int = 1000, seed: int = 0) -
     rows = []
     for name, backbone in (("pre-trained", PACKAGE_BACKBONE), ("random", "random")):
         model = build_model({"arch": "minilm", "num_classes": 2, "backbone": backbone, "backbone_seed": seed})
-        acc = linear_probe(features(model, train.ids, 250), train.labels, features(model, test.ids, 250),
-                           test.labels, 2)
-        rows.append({"track": "text", "model": "MiniLM-L6", "backbone": name, "probe_accuracy": acc,
-                     "train_examples": len(train), "test_examples": len(test)})
+        acc = linear_probe(
+            features(model, train.ids, 250), train.labels, features(model, test.ids, 250), test.labels, 2
+        )
+        rows.append(
+            {
+                "track": "text",
+                "model": "MiniLM-L6",
+                "backbone": name,
+                "probe_accuracy": acc,
+                "train_examples": len(train),
+                "test_examples": len(test),
+            }
+        )
     majority = float(max(test.class_counts()) / len(test))
-    rows.append({"track": "text", "model": "(majority class)", "backbone": "-", "probe_accuracy": majority,
-                 "train_examples": len(train), "test_examples": len(test)})
+    rows.append(
+        {
+            "track": "text",
+            "model": "(majority class)",
+            "backbone": "-",
+            "probe_accuracy": majority,
+            "train_examples": len(train),
+            "test_examples": len(test),
+        }
+    )
     return rows
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| track | model | backbone | frozen-backbone (linear probe) accuracy | train / test examples |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| track | model | backbone | frozen-backbone (linear probe) accuracy | train / test examples |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['track']} | {r['model']} | {r['backbone']} | {100 * r['probe_accuracy']:.2f} % | "
-                     f"{r['train_examples']} / {r['test_examples']} |")
+        lines.append(
+            f"| {r['track']} | {r['model']} | {r['backbone']} | {100 * r['probe_accuracy']:.2f} % | "
+            f"{r['train_examples']} / {r['test_examples']} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedhm_flwr.ops.pretrain", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m fedhm_flwr.ops.pretrain",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="what", required=True)
     p = sub.add_parser("vit", help="pre-train the ViT backbones into the cache")
     p.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS))

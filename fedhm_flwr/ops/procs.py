@@ -52,7 +52,7 @@ def is_zombie(pid: int) -> bool:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return HAVE_PROC
-    return stat[stat.rfind(")") + 2:].startswith(("Z", "X"))
+    return stat[stat.rfind(")") + 2 :].startswith(("Z", "X"))
 
 
 def alive(pid: int) -> bool:
@@ -72,7 +72,7 @@ def stat_field(pid: int, index: int) -> int | None:
     """Field ``index`` of ``/proc/<pid>/stat`` after the name (1: parent, 3: session); None if gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat[stat.rfind(")") + 2:].split()[index])
+        return int(stat[stat.rfind(")") + 2 :].split()[index])
     except (OSError, IndexError, ValueError):
         return None
 
@@ -193,9 +193,15 @@ def start_watchdog(tag: str, keep_fds: Sequence[int] = ()) -> tuple[subprocess.P
     read, write = os.pipe()
     env = {k: v for k, v in os.environ.items() if k != TAG_VAR}
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "fedhm_flwr.ops.procs", "--watch", tag], stdin=read,
-                                stdout=subprocess.DEVNULL, pass_fds=tuple(keep_fds), env=env,
-                                cwd=str(Path(__file__).resolve().parents[2]), start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fedhm_flwr.ops.procs", "--watch", tag],
+            stdin=read,
+            stdout=subprocess.DEVNULL,
+            pass_fds=tuple(keep_fds),
+            env=env,
+            cwd=str(Path(__file__).resolve().parents[2]),
+            start_new_session=True,
+        )
     finally:
         os.close(read)
     return proc, os.fdopen(write, "wb", buffering=0)
@@ -216,9 +222,12 @@ def watch(tag: str, pipe: IO[bytes]) -> int:
         left = tagged_pids(tag)
         if stopped or left:  # the launcher did not stop them: it died (its console may be gone too)
             with contextlib.suppress(OSError):
-                print(f"[fedhm watchdog] the launcher is gone: stopped {len(stopped)} process(es) of its run in "
-                      f"{time.monotonic() - t0:.1f} s" + (f"; still running: {left}" if left else ""),
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[fedhm watchdog] the launcher is gone: stopped {len(stopped)} process(es) of its run in "
+                    f"{time.monotonic() - t0:.1f} s" + (f"; still running: {left}" if left else ""),
+                    file=sys.stderr,
+                    flush=True,
+                )
     else:  # no /proc (macOS): the process groups the launcher announced
         for sig, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 0.0)):
             for pgid in groups:
@@ -235,8 +244,14 @@ class Processes:
 
     Use as a context manager: leaving it stops everything that was started (and the watchdog)."""
 
-    def __init__(self, tag: str | None = None, watchdog: bool = True, keep_fds: Sequence[int] = (),
-                 grace: float = 5.0, settle: float = 1.0) -> None:
+    def __init__(
+        self,
+        tag: str | None = None,
+        watchdog: bool = True,
+        keep_fds: Sequence[int] = (),
+        grace: float = 5.0,
+        settle: float = 1.0,
+    ) -> None:
         self.tag = tag or new_tag()
         self.grace, self.settle = grace, settle
         self.started: list[tuple[str, subprocess.Popen[bytes], Any]] = []
@@ -249,27 +264,43 @@ class Processes:
         """``base`` (default: this environment) with the job's tag."""
         return {**(os.environ if base is None else base), TAG_VAR: self.tag}
 
-    def start(self, name: str, cmd: list[str], env: dict[str, str], log_file: Path | None,
-              cwd: Path | None = None) -> subprocess.Popen[bytes]:
+    def start(
+        self, name: str, cmd: list[str], env: dict[str, str], log_file: Path | None, cwd: Path | None = None
+    ) -> subprocess.Popen[bytes]:
         """Start ``cmd`` tagged, in its own session; output to ``log_file`` (None: a pipe)."""
         handle = None
         if log_file is not None:
             log_file.parent.mkdir(parents=True, exist_ok=True)
             handle = log_file.open("ab")
-        proc = subprocess.Popen(cmd, env=self.env(env), stdout=handle or subprocess.PIPE,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            env=self.env(env),
+            stdout=handle or subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd,
+            start_new_session=True,
+        )
         self.started.append((name, proc, handle))
         if self._pipe is not None:
             with contextlib.suppress(OSError):
                 self._pipe.write(f"pgid {proc.pid}\n".encode())
         return proc
 
-    def run(self, cmd: list[str], env: dict[str, str], timeout: float, cwd: Path | None = None
-            ) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, cmd: list[str], env: dict[str, str], timeout: float, cwd: Path | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """Run a short command tagged, in its own session; killed (with its group) after ``timeout`` s."""
-        proc = subprocess.Popen(cmd, env=self.env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                stdin=subprocess.DEVNULL, cwd=cwd, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            env=self.env(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd,
+            text=True,
+            start_new_session=True,
+        )
         try:
             out, err = proc.communicate(timeout=timeout)
         except BaseException:
@@ -294,8 +325,9 @@ class Processes:
         for proc in procs:  # members of a group that outlived their leader
             killpg_quietly(proc.pid, signal.SIGKILL)
 
-    def stop_all(self, grace: float = 10.0, last: Sequence[str] = ("superlink",), settle: float | None = None
-                 ) -> list[int]:
+    def stop_all(
+        self, grace: float = 10.0, last: Sequence[str] = ("superlink",), settle: float | None = None
+    ) -> list[int]:
         """Stop everything: the processes not named in ``last`` first, then those in ``last``, then
         every tagged process that left its group (a detached SuperExec, Ray).
 

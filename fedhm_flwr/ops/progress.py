@@ -22,8 +22,9 @@ from fedhm_flwr.ops.outcome import checkpoint_round, require_checkpoint
 from fedhm_flwr.reporting.results import METRICS_JSONL
 
 
-def eta_seconds(elapsed: float, done: int, remaining: int, since_first: float | None = None,
-                round_seconds: float | None = None) -> float | None:
+def eta_seconds(
+    elapsed: float, done: int, remaining: int, since_first: float | None = None, round_seconds: float | None = None
+) -> float | None:
     """Seconds left if the remaining rounds take as long as the ones done so far (None: none done).
 
     ``since_first``: seconds since the first round of this session ended. With two rounds or more
@@ -58,8 +59,14 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def progress_text(rows: list[Mapping[str, Any]], total: int, elapsed: float, done: int, label: str = "",
-                  since_first: float | None = None) -> str:
+def progress_text(
+    rows: list[Mapping[str, Any]],
+    total: int,
+    elapsed: float,
+    done: int,
+    label: str = "",
+    since_first: float | None = None,
+) -> str:
     """The progress line after ``rows`` (all of the run's rows; ``done`` of them in this session,
     the first of which ended ``since_first`` seconds ago)."""
     current = int(rows[-1]["round"]) if rows else 0
@@ -74,8 +81,16 @@ def progress_text(rows: list[Mapping[str, Any]], total: int, elapsed: float, don
 class Follower:
     """Follows a run directory's ``metrics.jsonl`` and writes the progress to ``stream``."""
 
-    def __init__(self, run_dir: Path, total: int, stream: TextIO | None = None, tty: bool | None = None,
-                 label: str = "", clock: Callable[[], float] = time.monotonic, done: int | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        total: int,
+        stream: TextIO | None = None,
+        tty: bool | None = None,
+        label: str = "",
+        clock: Callable[[], float] = time.monotonic,
+        done: int | None = None,
+    ) -> None:
         self.path = Path(run_dir) / METRICS_JSONL
         self.total, self.label, self.clock = total, label, clock
         self.stream = stream or sys.stdout
@@ -87,7 +102,7 @@ class Follower:
         # resume rewrites them; until then they are not shown
         self.seen = len(rows) if done is None else min(done, len(rows))
         self.first = self.seen
-        self._stale = rows[self.seen:]
+        self._stale = rows[self.seen :]
         self.first_done_at: float | None = None  # when this session's first round was seen
         self._lock = threading.Lock()  # the poller thread and say() write to one stream
         self._stop = threading.Event()
@@ -119,11 +134,14 @@ class Follower:
             self.first_done_at = now
         since = None if self.first_done_at is None else now - self.first_done_at
         if self.tty:
-            self.stream.write("\r" + progress_text(rows, self.total, elapsed, len(rows) - self.first, self.label, since)
-                              + "\x1b[K")
+            self.stream.write(
+                "\r" + progress_text(rows, self.total, elapsed, len(rows) - self.first, self.label, since) + "\x1b[K"
+            )
         else:
             for n in range(self.seen + 1, len(rows) + 1):
-                self.stream.write(progress_text(rows[:n], self.total, elapsed, n - self.first, self.label, since) + "\n")
+                self.stream.write(
+                    progress_text(rows[:n], self.total, elapsed, n - self.first, self.label, since) + "\n"
+                )
         self.seen = max(self.seen, len(rows))
         self.stream.flush()
 
@@ -146,8 +164,14 @@ class Follower:
             self.stream.flush()
 
 
-def run_with_progress(overrides: list[str], run_dir: Path | None = None, resume: Path | None = None,
-                      label: str = "", stream: TextIO | None = None, commands: Any = None) -> dict[str, Any]:
+def run_with_progress(
+    overrides: list[str],
+    run_dir: Path | None = None,
+    resume: Path | None = None,
+    label: str = "",
+    stream: TextIO | None = None,
+    commands: Any = None,
+) -> dict[str, Any]:
     """One job through the launcher (``run_job(..., quiet=True)``) with a progress line; its summary.
     ``commands``: the terms of the resume command its RunInterrupted / RunFailed carry."""
     if resume is not None:
@@ -157,8 +181,10 @@ def run_with_progress(overrides: list[str], run_dir: Path | None = None, resume:
         run_dir = resume
     run_dir = (run_dir or (Path(cfg.output_dir) if cfg.output_dir else default_run_dir(cfg.method.name))).resolve()
     out = stream or sys.stdout
-    out.write(f"{label}{cfg.method.name} on {cfg.model.arch}/{cfg.dataset.name}, {cfg.rounds} rounds; "
-              f"outputs in {run_dir} (Flower's log: flwr_run.log)\n")
+    out.write(
+        f"{label}{cfg.method.name} on {cfg.model.arch}/{cfg.dataset.name}, {cfg.rounds} rounds; "
+        f"outputs in {run_dir} (Flower's log: flwr_run.log)\n"
+    )
     done = checkpoint_round(run_dir) if resume is not None else None
     with Follower(run_dir, int(cfg.rounds), out, label=label, done=done) as follower:
         return run_job(overrides, run_dir=run_dir, resume=resume, quiet=True, commands=commands, on_error=follower.say)

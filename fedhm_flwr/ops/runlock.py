@@ -58,9 +58,11 @@ class RunLock:
                 why = f"a live run (PID {pid}) is using it"
             else:
                 why = f"the processes of a run whose launcher (PID {pid}) has died are still being stopped"
-            raise RunDirectoryBusy(f"run directory {self.run_dir} is locked: {why} ({self.path}); "
-                                   "wait for that run to end or stop it (Ctrl-C / kill -INT <PID>), "
-                                   "or choose another run directory") from None
+            raise RunDirectoryBusy(
+                f"run directory {self.run_dir} is locked: {why} ({self.path}); "
+                "wait for that run to end or stop it (Ctrl-C / kill -INT <PID>), "
+                "or choose another run directory"
+            ) from None
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "tag": self.tag}).encode())
         self.fd = fd

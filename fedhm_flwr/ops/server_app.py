@@ -31,8 +31,15 @@ from fedhm_flwr.models import build_model
 from fedhm_flwr.ops.procs import TAG_VAR
 from fedhm_flwr.ops.runlock import RunLock
 from fedhm_flwr.reporting.provenance import code_version
-from fedhm_flwr.reporting.results import (METRICS_JSONL, RunRecorder, load_checkpoint, load_checkpoint_state,
-                                          refuse_existing_run, summarize, write_status)
+from fedhm_flwr.reporting.results import (
+    METRICS_JSONL,
+    RunRecorder,
+    load_checkpoint,
+    load_checkpoint_state,
+    refuse_existing_run,
+    summarize,
+    write_status,
+)
 from fedhm_flwr.reporting.tracking import open_tracker
 from fedhm_flwr.server.evaluation import make_evaluator
 from fedhm_flwr.server.registry import STRATEGIES
@@ -66,8 +73,9 @@ def runtime_address(argv: Sequence[str]) -> tuple[str, int] | None:
     return (host.strip("[]"), int(port)) if host and port.isdigit() else None
 
 
-def watch_superlink(address: tuple[str, int], on_gone: Callable[[], None], every: float = 1.0,
-                    misses: int = 3) -> threading.Thread:
+def watch_superlink(
+    address: tuple[str, int], on_gone: Callable[[], None], every: float = 1.0, misses: int = 3
+) -> threading.Thread:
     """A daemon thread that calls ``on_gone`` once the SuperLink's port has refused ``misses``
     connections in a row, ``every`` s apart.
 
@@ -97,8 +105,10 @@ def watch_superlink(address: tuple[str, int], on_gone: Callable[[], None], every
 
 def _stop_with_superlink(out_dir: Path, cfg: DictConfig, address: tuple[str, int], lock: RunLock) -> None:
     """The SuperLink stopped under this ServerApp: record it (the last checkpoint stays) and exit now."""
-    reason = (f"the SuperLink at {address[0]}:{address[1]} stopped under the ServerApp (its port refuses "
-              "connections); the run stopped with it and can be resumed from its last checkpoint")
+    reason = (
+        f"the SuperLink at {address[0]}:{address[1]} stopped under the ServerApp (its port refuses "
+        "connections); the run stopped with it and can be resumed from its last checkpoint"
+    )
     log(ERROR, "fedhm-flwr: %s", reason)
     write_status(out_dir, "failed", error=reason, rounds=int(cfg.rounds), round=_rounds_done(out_dir))
     lock.release()
@@ -122,10 +132,11 @@ def run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None = None) 
         write_status(out_dir, "running", rounds=int(cfg.rounds), resumed=str(resume) if resume else None, **code)
         try:
             summary = _run(grid, cfg, out_dir, resume, code)
-        except BaseException as exc:  # noqa: BLE001 - recorded, then raised as it was
+        except BaseException as exc:
             reason = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
-            write_status(out_dir, "failed", error=reason[:2000], rounds=int(cfg.rounds), round=_rounds_done(out_dir),
-                         **code)
+            write_status(
+                out_dir, "failed", error=reason[:2000], rounds=int(cfg.rounds), round=_rounds_done(out_dir), **code
+            )
             raise
         write_status(out_dir, "completed", rounds=int(cfg.rounds), round=summary.get("rounds_completed"), **code)
         return summary
@@ -140,8 +151,9 @@ def _rounds_done(out_dir: Path) -> int:
         return 0
 
 
-def _run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None,
-         code: dict[str, Any] | None = None) -> dict[str, Any]:
+def _run(
+    grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None, code: dict[str, Any] | None = None
+) -> dict[str, Any]:
     t0, started_at = time.perf_counter(), time.time()
     if resume is None:
         refuse_existing_run(out_dir)
@@ -159,33 +171,52 @@ def _run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None,
         strategy.restore(saved)
         recorder.load_rows(saved.get("history", []))
         log(INFO, "resuming %s after round %d", resume, strategy.start_round - 1)
-    log(INFO, "fedhm-flwr: %s on %s/%s, %d rounds, outputs in %s", cfg.method.name, cfg.model.arch,
-        cfg.dataset.name, cfg.rounds, recorder.out_dir)
-    strategy.start(grid, ArrayRecord.from_torch_state_dict(state), num_rounds=int(cfg.rounds),
-                            timeout=float(cfg.timeout))
+    log(
+        INFO,
+        "fedhm-flwr: %s on %s/%s, %d rounds, outputs in %s",
+        cfg.method.name,
+        cfg.model.arch,
+        cfg.dataset.name,
+        cfg.rounds,
+        recorder.out_dir,
+    )
+    strategy.start(
+        grid, ArrayRecord.from_torch_state_dict(state), num_rounds=int(cfg.rounds), timeout=float(cfg.timeout)
+    )
     costs = {f"{level:g}": strategy.level_cost(i) for i, level in enumerate(strategy.levels)}
-    summary = summarize(recorder.rows, {
-        "method": cfg.method.name,
-        "model": cfg.model.arch,
-        "dataset": cfg.dataset.name,
-        "levels": strategy.levels,
-        "level_costs": costs,
-        # what the last evaluation normalised with (final_acc/*; a running-statistics model: running_averaged)
-        "bn_stats": next((r["bn_stats"] for r in reversed(recorder.rows) if "bn_stats" in r), cfg.evaluation.bn_stats),
-        # final_deployable_acc/*: the statistics the exported models carry, or why there is no such figure
-        **deployable_label(cfg, recorder.rows[-1] if recorder.rows else {}),
-        **(code or {}),  # code_commit, code_dirty: the code the run started with
-        "wall_seconds": time.perf_counter() - t0,
-        "started_at": started_at, "finished_at": time.time(),  # wall clock (bench figure 8: the job's parts)
-        "checkpoint_seconds": recorder.checkpoint_seconds,  # this session's checkpoint writing (bench figure 7)
-        **strategy.startup_info,  # start-up: nodes learnt before round 1 (seconds, asked, bytes)
-        "output_dir": str(recorder.out_dir),
-        **strategy.untrusted.summary(),  # attack, defence and DP (epsilon) totals, when configured
-    })
+    summary = summarize(
+        recorder.rows,
+        {
+            "method": cfg.method.name,
+            "model": cfg.model.arch,
+            "dataset": cfg.dataset.name,
+            "levels": strategy.levels,
+            "level_costs": costs,
+            # what the last evaluation normalised with (final_acc/*; a running-statistics model: running_averaged)
+            "bn_stats": next(
+                (r["bn_stats"] for r in reversed(recorder.rows) if "bn_stats" in r), cfg.evaluation.bn_stats
+            ),
+            # final_deployable_acc/*: the statistics the exported models carry, or why there is no such figure
+            **deployable_label(cfg, recorder.rows[-1] if recorder.rows else {}),
+            **(code or {}),  # code_commit, code_dirty: the code the run started with
+            "wall_seconds": time.perf_counter() - t0,
+            "started_at": started_at,
+            "finished_at": time.time(),  # wall clock (bench figure 8: the job's parts)
+            "checkpoint_seconds": recorder.checkpoint_seconds,  # this session's checkpoint writing (bench figure 7)
+            **strategy.startup_info,  # start-up: nodes learnt before round 1 (seconds, asked, bytes)
+            "output_dir": str(recorder.out_dir),
+            **strategy.untrusted.summary(),  # attack, defence and DP (epsilon) totals, when configured
+        },
+    )
     recorder.write_summary(summary)
     recorder.plot(title=f"{cfg.method.name} · {cfg.model.arch} · {cfg.dataset.name}")
-    log(INFO, "fedhm-flwr: done; final accuracy: server test set %s, clients %s; outputs in %s",
-        summary.get("final_acc/global"), summary.get("final_fed_acc/all"), recorder.out_dir)
+    log(
+        INFO,
+        "fedhm-flwr: done; final accuracy: server test set %s, clients %s; outputs in %s",
+        summary.get("final_acc/global"),
+        summary.get("final_fed_acc/all"),
+        recorder.out_dir,
+    )
     return summary
 
 
@@ -194,10 +225,14 @@ def deployable_label(cfg: DictConfig, last: dict[str, Any]) -> dict[str, Any]:
     the exported models carry, docs/METHODS.md#deployable-statistics), or ``not measured: <why>``."""
     if "deployable_bn_stats" in last:
         return {"deployable_bn_stats": last["deployable_bn_stats"]}
-    why = ("evaluation.where=clients: the server holds no test set (the deployment statistics are saved; "
-           "fedhm export scores the exported model where the test set is)" if cfg.evaluation.where == "clients"
-           else "evaluation.deploy_stats=false: no deployment statistics after the last round"
-           if not cfg.evaluation.deploy_stats else "the run did not reach its last round in this session")
+    why = (
+        "evaluation.where=clients: the server holds no test set (the deployment statistics are saved; "
+        "fedhm export scores the exported model where the test set is)"
+        if cfg.evaluation.where == "clients"
+        else "evaluation.deploy_stats=false: no deployment statistics after the last round"
+        if not cfg.evaluation.deploy_stats
+        else "the run did not reach its last round in this session"
+    )
     return {"deployable_bn_stats": f"not measured: {why}"}
 
 

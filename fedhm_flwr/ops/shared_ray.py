@@ -36,7 +36,11 @@ READY = "fedhm-shared-ray address "
 def enabled(environ: dict[str, str] | None = None) -> bool:
     """Whether sweeps share one Ray instance (:data:`SHARED_RAY_SWITCH`, on unless set to 0/false/no/off)."""
     return (environ if environ is not None else os.environ).get(SHARED_RAY_SWITCH, "1").strip().lower() not in (
-        "0", "false", "no", "off")
+        "0",
+        "false",
+        "no",
+        "off",
+    )
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -52,9 +56,15 @@ def shared_ray(num_cpus: int | None = None, timeout: float = 120) -> Iterator[st
     cmd = [sys.executable, "-m", "fedhm_flwr.ops.ray_supervisor", str(num_cpus or os.cpu_count() or 1)]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
-                            start_new_session=True,
-                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+    )
     try:
         address = _await_address(proc, timeout)
         yield address
@@ -69,16 +79,18 @@ def _await_address(proc: subprocess.Popen[str], timeout: float) -> str:
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith(READY):
-                found.append(line[len(READY):].strip())
+                found.append(line[len(READY) :].strip())
                 return
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     reader.join(timeout)
     if not found:
-        raise RuntimeError(f"the shared Ray instance did not start in {timeout:g} s "
-                           f"({'still starting' if proc.poll() is None else f'exit {proc.returncode}'}); "
-                           f"{SHARED_RAY_SWITCH}=0 runs each job with its own")
+        raise RuntimeError(
+            f"the shared Ray instance did not start in {timeout:g} s "
+            f"({'still starting' if proc.poll() is None else f'exit {proc.returncode}'}); "
+            f"{SHARED_RAY_SWITCH}=0 runs each job with its own"
+        )
     return found[0]
 
 

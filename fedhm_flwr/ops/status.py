@@ -46,8 +46,10 @@ def run_status(run_dir: Path) -> tuple[int, str]:
     if state == "running":
         if RunLock.is_held(run_dir):
             return RUNNING, f"{run_dir}: running ({_rounds(run_dir)}/{rounds} rounds done{where})"
-        return FAILED, (f"{run_dir}: stopped: its ServerApp is gone without an end (killed, or its SuperLink "
-                        f"stopped) after {_rounds(run_dir)}/{rounds} rounds{where}")
+        return FAILED, (
+            f"{run_dir}: stopped: its ServerApp is gone without an end (killed, or its SuperLink "
+            f"stopped) after {_rounds(run_dir)}/{rounds} rounds{where}"
+        )
     return FAILED, f"{run_dir}: failed after {status.get('round')}/{rounds} rounds{where}: {status.get('error')}"
 
 
@@ -73,4 +75,3 @@ def main(run_dir: Path, wait: bool = False, poll: float = 2.0) -> int:
         code, line = run_status(run_dir)
     print(line, file=sys.stdout if code in (COMPLETED, RUNNING) else sys.stderr)
     return code
-

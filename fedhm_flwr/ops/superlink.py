@@ -69,14 +69,16 @@ def flower_env(flwr_home: Path, base: dict[str, str] | None = None) -> dict[str,
     environment's ``bin`` first on ``PATH`` (Flower starts ``flower-superexec``, ``flwr-serverapp``,
     ``flwr-clientapp`` by name, also where the virtualenv is not activated: ``make``)."""
     env = dict(os.environ if base is None else base)
-    env.update({
-        "FLWR_HOME": str(flwr_home),
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "FLWR_DISABLE_UPDATE_CHECK": "1",
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "PYTHONUNBUFFERED": "1",
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
-    })
+    env.update(
+        {
+            "FLWR_HOME": str(flwr_home),
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "PYTHONUNBUFFERED": "1",
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
+        }
+    )
     return env
 
 
@@ -88,8 +90,11 @@ def write_connection(cli_home: Path, name: str, address: str, root_certificates:
     """The CLI's ``$FLWR_HOME/config.toml`` naming one SuperLink connection, the default one
     (TLS with ``root_certificates``, else insecure)."""
     cli_home.mkdir(parents=True, exist_ok=True)
-    trust = (f"root-certificates = {toml_string(str(root_certificates))}\n" if root_certificates is not None
-             else "insecure = true\n")
+    trust = (
+        f"root-certificates = {toml_string(str(root_certificates))}\n"
+        if root_certificates is not None
+        else "insecure = true\n"
+    )
     path = cli_home / "config.toml"
     path.write_text(f'[superlink]\ndefault = "{name}"\n\n[superlink.{name}]\naddress = "{address}"\n{trust}')
     return path
@@ -115,9 +120,19 @@ class Tls:
     key: Path
 
 
-def start_superlink(procs: Processes, port: int, database: Path, env: dict[str, str], log_file: Path, *,
-                    tls: Tls | None = None, simulation: bool = False, supernode_auth: bool = False,
-                    cwd: Path | None = None, timeout: float = 60) -> subprocess.Popen[bytes]:
+def start_superlink(
+    procs: Processes,
+    port: int,
+    database: Path,
+    env: dict[str, str],
+    log_file: Path,
+    *,
+    tls: Tls | None = None,
+    simulation: bool = False,
+    supernode_auth: bool = False,
+    cwd: Path | None = None,
+    timeout: float = 60,
+) -> subprocess.Popen[bytes]:
     """``flower-superlink`` on ``127.0.0.1:port`` (all its APIs), runtime dependency installation
     disabled, started through ``procs`` (tagged, own session); returns once its ``/health`` answers
     (over TLS, checking its certificate against ``tls.ca``). ``simulation``: Flower's simulation
@@ -131,16 +146,25 @@ def start_superlink(procs: Processes, port: int, database: Path, env: dict[str, 
         cmd += ["--simulation", "--isolation", "subprocess"]
     if supernode_auth:
         cmd.append("--enable-supernode-auth")
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--database", str(database),
-            "--disable-runtime-dependency-installation"]
+    cmd += [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--database",
+        str(database),
+        "--disable-runtime-dependency-installation",
+    ]
     proc = procs.start("superlink", cmd, env, log_file, cwd=cwd)
     context = ssl.create_default_context(cafile=str(tls.ca)) if tls is not None else None
     url = f"{'https' if tls is not None else 'http'}://127.0.0.1:{port}/health"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"flower-superlink ended during its start ({exit_status(proc.returncode)}); the last "
-                               f"lines of {log_file}:\n{log_tail(log_file)}")
+            raise RuntimeError(
+                f"flower-superlink ended during its start ({exit_status(proc.returncode)}); the last "
+                f"lines of {log_file}:\n{log_tail(log_file)}"
+            )
         try:
             with urllib.request.urlopen(url, timeout=2, context=context) as r:
                 if r.status == 200:
@@ -170,17 +194,20 @@ def superlink_env(flwr_home: Path, port: int, ray_address: str | None = None) ->
     without one, ``local``, a private Ray instance even where a cluster runs on this machine
     (plain ``ray.init()`` would join the last one started here)."""
     env = flower_env(flwr_home)
-    env.update({
-        "RAY_ADDRESS": ray_address or "local",
-        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(port),
-        "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
-        "RAY_USAGE_STATS_ENABLED": "0",
-    })
+    env.update(
+        {
+            "RAY_ADDRESS": ray_address or "local",
+            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(port),
+            "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
+    )
     return env
 
 
-def start_simulation_superlink(procs: Processes, flwr_home: Path, log_file: Path, timeout: float = 60,
-                               ray_address: str | None = None) -> dict[str, str]:
+def start_simulation_superlink(
+    procs: Processes, flwr_home: Path, log_file: Path, timeout: float = 60, ray_address: str | None = None
+) -> dict[str, str]:
     """A private simulation SuperLink on a free loopback port; returns the CLI's environment.
     Its simulations run their clients on the Ray cluster at ``ray_address`` (see :func:`superlink_env`)."""
     port = free_port()

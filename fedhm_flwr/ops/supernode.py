@@ -113,7 +113,7 @@ def _proc(pid: int, name: str) -> list[bytes]:
 def alive(pid: int) -> bool:
     """Running (not gone, not a zombie waiting for a parent that does not reap it)."""
     stat = b"".join(_proc(pid, "stat"))
-    return bool(stat) and stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+    return bool(stat) and stat[stat.rfind(b")") + 2 :][:1] not in (b"Z", b"X")
 
 
 def program(pid: int) -> str:
@@ -154,7 +154,6 @@ def stop(pids: list[int], grace: float | None = None) -> None:
 
 def _named(pids: list[int]) -> str:
     return ", ".join(f"{program(p) or '?'} {p}" for p in pids)
-
 
 
 def superlink_address(args: list[str]) -> tuple[str, int] | None:
@@ -204,8 +203,10 @@ class LinkWatch:
         if self.refused_since is not None and now - self.refused_since >= self.refused_patience:
             return f"has refused connections for {now - self.refused_since:.0f} s (the SuperLink is down)"
         if now - self.down_since >= self.unreachable_patience:
-            return (f"has not answered for {now - self.down_since:.0f} s (it has marked this node offline and "
-                    "answered its messages `node unavailable`)")
+            return (
+                f"has not answered for {now - self.down_since:.0f} s (it has marked this node offline and "
+                "answered its messages `node unavailable`)"
+            )
         return None
 
 
@@ -248,9 +249,14 @@ class Ended:
 class Supervisor:
     """Runs ``command`` (``flower-supernode ...``) again and again: :meth:`run`."""
 
-    def __init__(self, command: list[str], refused_wait: float = HEARTBEAT_WINDOW + MARGIN,
-                 sleep: Callable[[float], object] | None = None, watch: Callable[[], LinkWatch] = LinkWatch,
-                 probe_every: tuple[float, float] = PROBE_EVERY) -> None:
+    def __init__(
+        self,
+        command: list[str],
+        refused_wait: float = HEARTBEAT_WINDOW + MARGIN,
+        sleep: Callable[[float], object] | None = None,
+        watch: Callable[[], LinkWatch] = LinkWatch,
+        probe_every: tuple[float, float] = PROBE_EVERY,
+    ) -> None:
         self.command, self.refused_wait, self.watch, self.probe_every = command, refused_wait, watch, probe_every
         self.stopping = threading.Event()
         self.sigterm_at: float | None = None  # when the SuperNode is due a SIGTERM (unless it is leaving)
@@ -283,24 +289,32 @@ class Supervisor:
                 continue
             if ended.refused and (refused_before or self.refused_wait <= 0):
                 if refused_before:
-                    _say(f"still refused after {self.refused_wait:g} s: the key is not registered with this "
-                         "SuperLink, or belongs to another node (`flwr supernode ls`, `flwr supernode register`)")
+                    _say(
+                        f"still refused after {self.refused_wait:g} s: the key is not registered with this "
+                        "SuperLink, or belongs to another node (`flwr supernode ls`, `flwr supernode register`)"
+                    )
                 return ended.code
             if ended.refused:
                 refused_before, delay = True, self.refused_wait
-                _say(f"the SuperLink refused to activate this node ({ACTIVATION_FAILED}): after a kill it keeps the "
-                     f"node's old session online until its heartbeats lapse ({HEARTBEAT_WINDOW:g} s); starting again "
-                     f"in {delay:g} s (an unregistered key fails the same way: see `flwr supernode ls`)")
+                _say(
+                    f"the SuperLink refused to activate this node ({ACTIVATION_FAILED}): after a kill it keeps the "
+                    f"node's old session online until its heartbeats lapse ({HEARTBEAT_WINDOW:g} s); starting again "
+                    f"in {delay:g} s (an unregistered key fails the same way: see `flwr supernode ls`)"
+                )
             elif ended.flower_code is not None:
-                _say(f"flower-supernode ended with Flower's exit code {ended.flower_code} ({exit_status(ended.code)}): "
-                     "a restart cannot fix that; see its lines above")
+                _say(
+                    f"flower-supernode ended with Flower's exit code {ended.flower_code} ({exit_status(ended.code)}): "
+                    "a restart cannot fix that; see its lines above"
+                )
                 return ended.code
             else:
                 refused_before = False
                 failures = 1 if ended.seconds >= HEALTHY_RUN else failures + 1
                 delay = backoff(failures)
-                _say(f"flower-supernode {exit_status(ended.code)} after {ended.seconds:.0f} s (its last line: "
-                     f"{ended.last_line or 'none'}); starting it again in {delay:g} s")
+                _say(
+                    f"flower-supernode {exit_status(ended.code)} after {ended.seconds:.0f} s (its last line: "
+                    f"{ended.last_line or 'none'}); starting it again in {delay:g} s"
+                )
             self.sleep(delay)
         return 0
 
@@ -309,8 +323,9 @@ class Supervisor:
         stops it); then every process it started is ended."""
         tag, t0, ended, done = uuid.uuid4().hex, time.monotonic(), Ended(), threading.Event()
         self.sigterm_at = time.monotonic() if self.stopping.is_set() else None  # a stop during the start
-        proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env={**os.environ, TAG_VAR: tag})
+        proc = subprocess.Popen(
+            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, TAG_VAR: tag}
+        )
 
         def pass_through() -> None:
             assert proc.stdout is not None
@@ -368,14 +383,21 @@ class Supervisor:
             state = probe(self.address, timeout=min(5.0, self.probe_every[0]))
             wait = self.probe_every[0] if state == "up" else self.probe_every[1]
             if (why := watch.note(state, time.monotonic())) is not None and not done.is_set():
-                _say(f"the SuperLink at {self.address[0]}:{self.address[1]} {why}: the runs of its ClientApps "
-                     f"({_named(apps)}) are over; starting the SuperNode afresh")
+                _say(
+                    f"the SuperLink at {self.address[0]}:{self.address[1]} {why}: the runs of its ClientApps "
+                    f"({_named(apps)}) are over; starting the SuperNode afresh"
+                )
                 ended.afresh, self.sigterm_at = True, time.monotonic()
                 return
 
 
-def supervise(args: list[str], wait: float = HEARTBEAT_WINDOW + MARGIN, binary: str | None = None,
-              sleep: Callable[[float], object] | None = None, **options: object) -> int:
+def supervise(
+    args: list[str],
+    wait: float = HEARTBEAT_WINDOW + MARGIN,
+    binary: str | None = None,
+    sleep: Callable[[float], object] | None = None,
+    **options: object,
+) -> int:
     """Run ``flower-supernode args`` (``binary``: another program) as the module says; ``wait``: after a refused
     activation (0: give up). 0 after a stop, else the SuperNode's last status. ``options``: :class:`Supervisor`'s."""
     return Supervisor([binary or flower_supernode(), *args], wait, sleep, **options).run()  # type: ignore
@@ -383,14 +405,26 @@ def supervise(args: list[str], wait: float = HEARTBEAT_WINDOW + MARGIN, binary: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="fedhm supernode", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__, epilog="e.g. fedhm supernode --superlink fl.example.org:8000 --root-certificates ca.pem "
-        "--auth-supernode-private-key node.key --node-config node-config.toml")
-    parser.add_argument("--restart-wait", type=float, default=HEARTBEAT_WINDOW + MARGIN, metavar="SECONDS",
-                        help="after a refused activation, wait this long, then start once more "
-                             f"(default {HEARTBEAT_WINDOW + MARGIN:g}: the heartbeat window plus {MARGIN:g} s; 0: no)")
-    parser.add_argument("--flower-supernode", metavar="PROGRAM",
-                        help="the program to run (default: flower-supernode of this Python environment)")
+        prog="fedhm supernode",
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__,
+        epilog="e.g. fedhm supernode --superlink fl.example.org:8000 --root-certificates ca.pem "
+        "--auth-supernode-private-key node.key --node-config node-config.toml",
+    )
+    parser.add_argument(
+        "--restart-wait",
+        type=float,
+        default=HEARTBEAT_WINDOW + MARGIN,
+        metavar="SECONDS",
+        help="after a refused activation, wait this long, then start once more "
+        f"(default {HEARTBEAT_WINDOW + MARGIN:g}: the heartbeat window plus {MARGIN:g} s; 0: no)",
+    )
+    parser.add_argument(
+        "--flower-supernode",
+        metavar="PROGRAM",
+        help="the program to run (default: flower-supernode of this Python environment)",
+    )
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     return supervise(rest[1:] if rest[:1] == ["--"] else rest, args.restart_wait, args.flower_supernode)
 

@@ -34,13 +34,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedhm_flwr.config import validate
 from fedhm_flwr.ops.multirun import CONTINUE_COMMAND_VAR, CONTINUE_VAR  # set by `fedhm sweep|compare --continue`
-from fedhm_flwr.ops.outcome import (RunFailed, RunInterrupted, checkpoint_round, fedhm_commands, fedhm_program,
-                                    report_stop)
+from fedhm_flwr.ops.outcome import (
+    RunFailed,
+    RunInterrupted,
+    checkpoint_round,
+    fedhm_commands,
+    fedhm_program,
+    report_stop,
+)
 from fedhm_flwr.ops.procs import on_signals
 from fedhm_flwr.ops.progress import run_with_progress
 from fedhm_flwr.reporting.results import METRICS_CSV, METRICS_JSONL, SUMMARY_FILE
 from fedhm_flwr.reporting.summary import markdown_table, write_summary
-
 
 
 def continue_command(sweep_dir: Path) -> str:
@@ -60,8 +65,10 @@ def sweep_jobs(sweep_dir: Path) -> int | None:
 
 def finished_jobs(sweep_dir: Path) -> list[str]:
     """The job folders of the sweep that hold a completed run (``summary.json``)."""
-    return sorted((p.name for p in sweep_dir.glob("job*") if (p / SUMMARY_FILE).is_file()),
-                  key=lambda name: int(name[3:]) if name[3:].isdigit() else 0)
+    return sorted(
+        (p.name for p in sweep_dir.glob("job*") if (p / SUMMARY_FILE).is_file()),
+        key=lambda name: int(name[3:]) if name[3:].isdigit() else 0,
+    )
 
 
 def sweep_report(sweep_dir: Path, job: str, what: str) -> str:
@@ -70,9 +77,11 @@ def sweep_report(sweep_dir: Path, job: str, what: str) -> str:
     done = finished_jobs(sweep_dir)
     total = sweep_jobs(sweep_dir)
     left = "" if total is None else f"; not started: {max(0, total - len(done) - 1)}"
-    return (f"sweep {sweep_dir}: finished: {', '.join(done) or 'none'}; {what}: {job}{left}\n"
-            f"continue the sweep (finished jobs are kept, {job} resumes from its checkpoint) with:\n"
-            f"  {continue_command(sweep_dir)}")
+    return (
+        f"sweep {sweep_dir}: finished: {', '.join(done) or 'none'}; {what}: {job}{left}\n"
+        f"continue the sweep (finished jobs are kept, {job} resumes from its checkpoint) with:\n"
+        f"  {continue_command(sweep_dir)}"
+    )
 
 
 @hydra.main(config_path="../../conf", config_name="config", version_base="1.3")
@@ -101,11 +110,19 @@ def main(cfg: DictConfig) -> float | None:
             for name in (METRICS_JSONL, METRICS_CSV):
                 (job_dir / name).unlink(missing_ok=True)
     try:
-        summary = run_with_progress([] if resume else list(hc.overrides.task), run_dir=None if resume else job_dir,
-                                    resume=resume, label=label, commands=fedhm_commands())
+        summary = run_with_progress(
+            [] if resume else list(hc.overrides.task),
+            run_dir=None if resume else job_dir,
+            resume=resume,
+            label=label,
+            commands=fedhm_commands(),
+        )
     except RunInterrupted as stop:
-        print(f"\n{label}{str(stop).splitlines()[0]}\n{sweep_report(sweep_dir, job_dir.name, 'interrupted')}",
-              file=sys.stderr, flush=True)
+        print(
+            f"\n{label}{str(stop).splitlines()[0]}\n{sweep_report(sweep_dir, job_dir.name, 'interrupted')}",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SystemExit(stop.exit_code) from None
     except RunFailed as err:
         print(f"\n{label}error: {err}\n{sweep_report(sweep_dir, job_dir.name, 'failed')}", file=sys.stderr, flush=True)
@@ -128,8 +145,10 @@ class SweepSummary(Callback):
         except FileNotFoundError as err:
             print(f"sweep summary: {err}", file=sys.stderr)
             return
-        print(f"\nSweep summary ({len(rows)} jobs) in {sweep_dir}/summary.md, statistics over seeds in "
-              f"{sweep_dir}/statistics.md\n")
+        print(
+            f"\nSweep summary ({len(rows)} jobs) in {sweep_dir}/summary.md, statistics over seeds in "
+            f"{sweep_dir}/statistics.md\n"
+        )
         print(markdown_table(rows))
         print((sweep_dir / "statistics.md").read_text())
 

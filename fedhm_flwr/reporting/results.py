@@ -103,8 +103,10 @@ def refuse_existing_run(out_dir: str | Path) -> None:
     folder = Path(out_dir)
     taken = [name for name in (METRICS_JSONL, SUMMARY_FILE, CHECKPOINT_DIR) if (folder / name).exists()]
     if taken:
-        raise FileExistsError(f"{folder} already holds a run ({', '.join(taken)}); resume it "
-                              "(run-config resume=<dir>, launcher --resume <dir>) or choose another output directory")
+        raise FileExistsError(
+            f"{folder} already holds a run ({', '.join(taken)}); resume it "
+            "(run-config resume=<dir>, launcher --resume <dir>) or choose another output directory"
+        )
 
 
 class RunRecorder:
@@ -186,8 +188,10 @@ class RunRecorder:
         """The deployable models' fixed norm statistics beside the checkpoint (atomically)."""
         from safetensors.torch import save
 
-        data = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
-                    metadata={k: str(v) for k, v in metadata.items()})
+        data = save(
+            {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+            metadata={k: str(v) for k, v in metadata.items()},
+        )
         atomic_write(self.out_dir / CHECKPOINT_DIR / BN_STATS_FILE, data)
 
     # -- summary and plot
@@ -209,7 +213,9 @@ class RunRecorder:
         import matplotlib.pyplot as plt
 
         for prefix in ("acc/level_", "fed_acc/level_"):
-            keys += sorted({k for r in self.rows for k in r if k.startswith(prefix)}, key=lambda k: -float(k.split("_")[-1]))
+            keys += sorted(
+                {k for r in self.rows for k in r if k.startswith(prefix)}, key=lambda k: -float(k.split("_")[-1])
+            )
         colours = {}  # one colour per level (and one for global/all), shared by the two sources
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for key in keys:
@@ -217,9 +223,16 @@ class RunRecorder:
             clients, level = key.startswith("fed_"), key.split("level_")[-1] if "level_" in key else None
             what = f"level {level}" if level else "global model" if key == "acc/global" else "all clients"
             colour = colours.setdefault(level, f"C{len(colours)}")
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s" if clients else "o", ms=3, color=colour,
-                    ls="--" if clients else "-", lw=1.2 if level else 2.2,
-                    label=f"{'clients (federated)' if clients else 'server test set'}: {what}")
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="s" if clients else "o",
+                ms=3,
+                color=colour,
+                ls="--" if clients else "-",
+                lw=1.2 if level else 2.2,
+                label=f"{'clients (federated)' if clients else 'server test set'}: {what}",
+            )
         ax.set_xlabel("round")
         ax.set_ylabel("accuracy (top-1)")
         ax.xaxis.get_major_locator().set_params(integer=True)
@@ -309,8 +322,9 @@ def summarize(rows: list[dict[str, Any]], extra: Mapping[str, Any]) -> dict[str,
     out["bytes_eval"] = int(sum(r.get("bytes_eval_sent", 0) + r.get("bytes_eval_received", 0) for r in rows))
     # node-info queries of the rounds and of the start-up before round 1 (``startup_bytes``)
     out["bytes_queries"] = int(sum(r.get("bytes_queries", 0) for r in rows) + out.get("startup_bytes", 0))
-    out["bytes_total"] = (out["bytes_sent"] + out["bytes_received"] + out["bytes_bn_stats"] + out["bytes_eval"]
-                          + out["bytes_queries"])
+    out["bytes_total"] = (
+        out["bytes_sent"] + out["bytes_received"] + out["bytes_bn_stats"] + out["bytes_eval"] + out["bytes_queries"]
+    )
     out["failures"] = int(sum(r.get("failures", 0) for r in rows))
     out["rejected"] = int(sum(r.get("rejected", 0) for r in rows))
     out["fed_failures"] = int(sum(r.get("fed_failures", 0) for r in rows))

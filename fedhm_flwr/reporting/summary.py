@@ -41,16 +41,34 @@ from omegaconf import OmegaConf
 
 from fedhm_flwr.reporting.results import CONFIG_FILE, SUMMARY_FILE, atomic_write
 from fedhm_flwr.reporting.summary_plots import write_plots
+
 # the statistics over seeds (re-exported: the names callers have used from this module)
-from fedhm_flwr.reporting.summary_stats import (COSTS, METHOD_OPTIONS, TAIL_FRACTION, group_keys, group_runs, models_of,
-                                                paired_differences, read_metrics, seed_statistics, setting_keys,
-                                                statistics_markdown, tail_accuracies)
+from fedhm_flwr.reporting.summary_stats import (
+    COSTS,
+    METHOD_OPTIONS,
+    TAIL_FRACTION,
+    group_keys,
+    group_runs,
+    models_of,
+    paired_differences,
+    read_metrics,
+    seed_statistics,
+    setting_keys,
+    statistics_markdown,
+    tail_accuracies,
+)
 
 IGNORED = ("output_dir", "dataset.data_dir", "timeout")
 # summary keys shown as accuracy columns: the server's test set (test-batch or federated statistics, then the
 # deployable figure: the exported model's statistics), then the clients' federated figures
-ACC_PREFIXES = ("final_acc/", "best_acc/", "final_deployable_acc/", "final_fed_acc/", "best_fed_acc/",
-                "final_fed_acc_clients/")
+ACC_PREFIXES = (
+    "final_acc/",
+    "best_acc/",
+    "final_deployable_acc/",
+    "final_fed_acc/",
+    "best_fed_acc/",
+    "final_fed_acc_clients/",
+)
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
@@ -107,8 +125,11 @@ def collect(run_dirs: list[Path]) -> tuple[list[str], list[dict[str, Any]]]:
     else:
         keys = sorted({k for c in configs for k in c})
         values = [{k: c.get(k) for k in keys} for c in configs]
-    swept = [k for k in keys if k not in IGNORED and not k.startswith("hydra.")
-             and len({json.dumps(v.get(k)) for v in values}) > 1]
+    swept = [
+        k
+        for k in keys
+        if k not in IGNORED and not k.startswith("hydra.") and len({json.dumps(v.get(k)) for v in values}) > 1
+    ]
     rows = []
     for run_dir, value, config in zip(run_dirs, values, configs):
         summary = json.loads((run_dir / SUMMARY_FILE).read_text())
@@ -178,11 +199,15 @@ def _columns(rows: list[dict[str, Any]]) -> list[str]:
         return -float(tail[1]) if len(tail) == 2 else -float("inf")
 
     kinds = ("final_acc/", "best_acc/", "tail_acc/", "final_fed_acc/", "best_fed_acc/", "final_fed_acc_clients/")
-    accs = sorted((c for c in cols if c.startswith(kinds)),
-                  key=lambda c: ("fed_" in c, level_of(c), [c.startswith(k) for k in kinds].index(True)))
+    accs = sorted(
+        (c for c in cols if c.startswith(kinds)),
+        key=lambda c: ("fed_" in c, level_of(c), [c.startswith(k) for k in kinds].index(True)),
+    )
     costs = tuple(f"{c}/" for c in COSTS)
-    params = sorted((c for c in cols if c.startswith(costs)),
-                    key=lambda c: ([c.startswith(k) for k in costs].index(True), level_of(c)))
+    params = sorted(
+        (c for c in cols if c.startswith(costs)),
+        key=lambda c: ([c.startswith(k) for k in costs].index(True), level_of(c)),
+    )
     tail = [c for c in ("bytes_total", "wall_seconds", "rounds", "dir") if c in cols]
     head = [c for c in cols if c not in accs + params + tail]
     return head + accs + params + tail
@@ -222,12 +247,18 @@ def write_summary(paths: list[Path], out: Path, reference: str = "fedhm") -> lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedhm_flwr.reporting.summary", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m fedhm_flwr.reporting.summary",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("paths", nargs="+", type=Path, help="run directories or folders of them")
     parser.add_argument("--out", type=Path, help="where to write the table and plots (default: the first path)")
-    parser.add_argument("--reference", default="fedhm",
-                        help="the method every other one is compared with, seed by seed (default: fedhm)")
+    parser.add_argument(
+        "--reference",
+        default="fedhm",
+        help="the method every other one is compared with, seed by seed (default: fedhm)",
+    )
     args = parser.parse_args(argv)
     out = args.out or args.paths[0]
     try:

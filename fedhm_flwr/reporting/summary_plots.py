@@ -56,11 +56,17 @@ def write_plots(swept: list[str], rows: list[dict[str, Any]], out: Path) -> None
         if not rounds:
             continue
         est = [mean_ci(by_round[x]) for x in rounds]
-        line, = ax.plot(rounds, [e.mean for e in est], marker="o", ms=3,
-                        label=f"{_label(members[0], keys)} (n={len(members)})")
+        (line,) = ax.plot(
+            rounds, [e.mean for e in est], marker="o", ms=3, label=f"{_label(members[0], keys)} (n={len(members)})"
+        )
         if len(members) > 1:
-            ax.fill_between(rounds, [max(0.0, e.low) if e.n > 1 else e.mean for e in est],  # accuracies: [0, 1]
-                            [min(1.0, e.high) if e.n > 1 else e.mean for e in est], color=line.get_color(), alpha=0.2)
+            ax.fill_between(
+                rounds,
+                [max(0.0, e.low) if e.n > 1 else e.mean for e in est],  # accuracies: [0, 1]
+                [min(1.0, e.high) if e.n > 1 else e.mean for e in est],
+                color=line.get_color(),
+                alpha=0.2,
+            )
     ax.set_xlabel("round")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("global model test accuracy (mean, 95 % CI band)")
@@ -80,10 +86,17 @@ def write_plots(swept: list[str], rows: list[dict[str, Any]], out: Path) -> None
             acc = column_values(members, f"final_acc/{model}")
             if not acc:
                 continue
-            bar = ax.errorbar(x, math.fsum(acc) / len(acc), yerr=_half(acc), xerr=xerr, capsize=3, color=colour,
-                              fmt="o" if i == 0 else markers[(i - 1) % len(markers)],
-                              mfc=None if i == 0 else "none",
-                              label=_label(members[0], keys) if i == 0 else None)
+            bar = ax.errorbar(
+                x,
+                math.fsum(acc) / len(acc),
+                yerr=_half(acc),
+                xerr=xerr,
+                capsize=3,
+                color=colour,
+                fmt="o" if i == 0 else markers[(i - 1) % len(markers)],
+                mfc=None if i == 0 else "none",
+                label=_label(members[0], keys) if i == 0 else None,
+            )
             colour = bar.lines[0].get_color()
     ax.set_xlabel("cumulative bytes moved, both directions (MB)")
     ax.set_ylabel("final accuracy (global: filled; levels, largest first: s v ^ < >)")
@@ -92,8 +105,11 @@ def write_plots(swept: list[str], rows: list[dict[str, Any]], out: Path) -> None
         ax.legend(fontsize=7)
     _save(fig, out / "accuracy_vs_bytes.png")
 
-    for cost, name in (("params", "parameters"), ("macs", "MACs per input"),
-                       ("memory", "estimated training memory, bytes")):
+    for cost, name in (
+        ("params", "parameters"),
+        ("macs", "MACs per input"),
+        ("memory", "estimated training memory, bytes"),
+    ):
         fig, ax = plt.subplots(figsize=(6.5, 4.5))
         for members in groups:
             points = []
@@ -104,8 +120,15 @@ def write_plots(swept: list[str], rows: list[dict[str, Any]], out: Path) -> None
                     points.append((float(x), math.fsum(acc) / len(acc), _half(acc)))
             if points:
                 points.sort()
-                ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points],
-                            fmt="o-", ms=4, capsize=3, label=_label(members[0], keys))
+                ax.errorbar(
+                    [p[0] for p in points],
+                    [p[1] for p in points],
+                    yerr=[p[2] for p in points],
+                    fmt="o-",
+                    ms=4,
+                    capsize=3,
+                    label=_label(members[0], keys),
+                )
         ax.set_xscale("log")
         ax.set_xlabel(f"{name} of the level's model (log)")
         ax.set_ylabel("final accuracy of the level's model")
@@ -113,5 +136,3 @@ def write_plots(swept: list[str], rows: list[dict[str, Any]], out: Path) -> None
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
         _save(fig, out / f"accuracy_vs_{cost}.png")
-
-

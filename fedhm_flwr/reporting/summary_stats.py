@@ -45,16 +45,22 @@ def group_runs(rows: list[dict[str, Any]], keys: list[str]) -> dict[tuple[str, .
 
 def models_of(rows: list[dict[str, Any]]) -> list[str]:
     """``global`` then the levels present in the rows' final accuracies, largest first."""
-    levels = sorted({k.split("/", 1)[1] for r in rows for k in r if k.startswith("final_acc/level_")},
-                    key=lambda m: -float(m.rsplit("_", 1)[1]))
+    levels = sorted(
+        {k.split("/", 1)[1] for r in rows for k in r if k.startswith("final_acc/level_")},
+        key=lambda m: -float(m.rsplit("_", 1)[1]),
+    )
     return ["global", *levels]
 
 
 def _estimate_fields(prefix: str, est: Estimate | None) -> dict[str, Any]:
     if est is None:
         return {}
-    return {f"{prefix}_mean": est.mean, f"{prefix}_std": est.std, f"{prefix}_ci_low": est.low,
-            f"{prefix}_ci_high": est.high}
+    return {
+        f"{prefix}_mean": est.mean,
+        f"{prefix}_std": est.std,
+        f"{prefix}_ci_low": est.low,
+        f"{prefix}_ci_high": est.high,
+    }
 
 
 def column_values(rows: list[dict[str, Any]], column: str) -> list[float]:
@@ -102,20 +108,30 @@ def paired_differences(swept: list[str], rows: list[dict[str, Any]], reference: 
             for model in models_of(runs):
                 for metric in ("final", "tail"):
                     column = f"{metric}_acc/{model}"
-                    pairs = [(r.get("seed"), float(r[column]) - float(ref[r.get("seed")][column]))
-                             for r in runs if r.get("seed") in ref and r.get(column) is not None
-                             and ref[r.get("seed")].get(column) is not None]
+                    pairs = [
+                        (r.get("seed"), float(r[column]) - float(ref[r.get("seed")][column]))
+                        for r in runs
+                        if r.get("seed") in ref
+                        and r.get(column) is not None
+                        and ref[r.get("seed")].get(column) is not None
+                    ]
                     if not pairs:
                         continue
                     diff: dict[str, Any] = {k: members[0].get(k) for k in setting}
-                    diff.update({"method": runs[0].get("method"), "reference": reference, "model": model,
-                                 "metric": metric, "n": len(pairs),
-                                 "per_seed": " ".join(f"{seed}:{d:+.4f}" for seed, d in pairs)})
+                    diff.update(
+                        {
+                            "method": runs[0].get("method"),
+                            "reference": reference,
+                            "model": model,
+                            "metric": metric,
+                            "n": len(pairs),
+                            "per_seed": " ".join(f"{seed}:{d:+.4f}" for seed, d in pairs),
+                        }
+                    )
                     est = mean_ci([d for _, d in pairs])
                     diff.update({"mean": est.mean, "std": est.std, "ci_low": est.low, "ci_high": est.high})
                     out.append(diff)
     return out
-
 
 
 def _pm(mean: Any, std: Any) -> str:
@@ -132,22 +148,38 @@ def statistics_markdown(stats: list[dict[str, Any]], paired: list[dict[str, Any]
     """The two tables of ``statistics.md``, rendered for reading (the CSVs keep the numbers)."""
     lines = ["## Accuracy over seeds (mean ± std, 95 % Student-t CI)", ""]
     if stats:
-        keys = [k for k in stats[0] if k not in ("model", "n", "seeds") and not k.startswith(
-            ("final_", "tail_", *COSTS, "bytes_total"))]
+        keys = [
+            k
+            for k in stats[0]
+            if k not in ("model", "n", "seeds") and not k.startswith(("final_", "tail_", *COSTS, "bytes_total"))
+        ]
         matched = [c for c in COSTS if c.startswith("fedhm_") and (c == "fedhm_params" or any(c in s for s in stats))]
-        view = [{**{k: s.get(k) for k in keys}, "model": s["model"], "n": s["n"], "seeds": s["seeds"],
-                 "final": _pm(s.get("final_mean"), s.get("final_std")),
-                 "final 95% CI": _ci(s.get("final_ci_low"), s.get("final_ci_high")),
-                 "last 10%": _pm(s.get("tail_mean"), s.get("tail_std")),
-                 "last 10% 95% CI": _ci(s.get("tail_ci_low"), s.get("tail_ci_high")),
-                 "params": s.get("params"),
-                 **{f"FedHM {c.removeprefix('fedhm_')}": s.get(c) for c in matched}} for s in stats]
+        view = [
+            {
+                **{k: s.get(k) for k in keys},
+                "model": s["model"],
+                "n": s["n"],
+                "seeds": s["seeds"],
+                "final": _pm(s.get("final_mean"), s.get("final_std")),
+                "final 95% CI": _ci(s.get("final_ci_low"), s.get("final_ci_high")),
+                "last 10%": _pm(s.get("tail_mean"), s.get("tail_std")),
+                "last 10% 95% CI": _ci(s.get("tail_ci_low"), s.get("tail_ci_high")),
+                "params": s.get("params"),
+                **{f"FedHM {c.removeprefix('fedhm_')}": s.get(c) for c in matched},
+            }
+            for s in stats
+        ]
         lines.append(_plain_table(view))
     lines += ["", f"## Paired differences against {reference} (same seed; method − {reference})", ""]
     if paired:
-        view = [{**{k: p[k] for k in p if k not in ("mean", "std", "ci_low", "ci_high", "reference")},
-                 "mean ± std": _pm(p["mean"], p["std"]), "95% CI": _ci(p["ci_low"], p["ci_high"])}
-                for p in paired]
+        view = [
+            {
+                **{k: p[k] for k in p if k not in ("mean", "std", "ci_low", "ci_high", "reference")},
+                "mean ± std": _pm(p["mean"], p["std"]),
+                "95% CI": _ci(p["ci_low"], p["ci_high"]),
+            }
+            for p in paired
+        ]
         lines.append(_plain_table(view))
     else:
         lines.append(f"(no run of the reference method {reference!r} shares a setting and seed with another method)")
@@ -171,7 +203,6 @@ def _plain_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / METRICS_JSONL
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
@@ -192,5 +223,3 @@ def tail_accuracies(metrics: list[dict[str, Any]], fraction: float = TAIL_FRACTI
         tail = [v for rnd, v in series if rnd > last - window] or [series[-1][1]]
         out[f"tail_acc/{key.split('/', 1)[1]}"] = math.fsum(tail) / len(tail)
     return out
-
-

@@ -104,8 +104,9 @@ class MlflowTracker(Tracker):
         try:
             from mlflow.tracking import MlflowClient
         except ImportError:
-            raise RuntimeError("tracking.mlflow=true needs MLflow: pip install 'fedhm-flwr[mlflow]' "
-                               "(mlflow-skinny)") from None
+            raise RuntimeError(
+                "tracking.mlflow=true needs MLflow: pip install 'fedhm-flwr[mlflow]' (mlflow-skinny)"
+            ) from None
         if not uri:
             uri = (Path(out_dir) / MLFLOW_DIR).resolve().as_uri()
             # MLflow 3 keeps its file store only on request; a store in the run directory is offline
@@ -132,7 +133,7 @@ class MlflowTracker(Tracker):
             return
         params = [Param(k, str(v)[:6000]) for k, v in flat_config(yaml.safe_load(yaml_text) or {}).items()]
         for start in range(0, len(params), 100):  # MLflow's batch limit
-            self.client.log_batch(self.run_id, params=params[start:start + 100])
+            self.client.log_batch(self.run_id, params=params[start : start + 100])
         self.client.log_text(self.run_id, yaml_text, "config.yaml")
 
     def round(self, row: Mapping[str, Any]) -> None:

@@ -21,11 +21,13 @@ from typing import Any
 from fedhm_flwr.math.stats import Estimate, mean_ci
 
 SUPPORTED, CONTRADICTED = "supported", "contradicted"
-RULE = ("each claim is judged on the 95 % Student-t interval of its paired per-seed difference: a claim "
-        "that A beats B is *supported* when the interval lies above 0, *contradicted* when it lies below 0, "
-        "otherwise *not resolved at n seeds*; a claim that A is within 1 pt of B is *supported* when the "
-        "interval lies inside (−1, +1) pt, *contradicted* when it lies wholly outside, otherwise *not "
-        "resolved at n seeds*; fewer than 2 paired seeds: *not resolved*")
+RULE = (
+    "each claim is judged on the 95 % Student-t interval of its paired per-seed difference: a claim "
+    "that A beats B is *supported* when the interval lies above 0, *contradicted* when it lies below 0, "
+    "otherwise *not resolved at n seeds*; a claim that A is within 1 pt of B is *supported* when the "
+    "interval lies inside (−1, +1) pt, *contradicted* when it lies wholly outside, otherwise *not "
+    "resolved at n seeds*; fewer than 2 paired seeds: *not resolved*"
+)
 
 
 def not_resolved(n: int) -> str:
@@ -61,20 +63,57 @@ class Claim:
 
 #: the claims the results page judges (accuracies are fractions: 0.01 = 1 pt)
 CLAIMS = (
-    Claim("FedHM's global model beats FedAvg trained on the smallest FedHM model",
-          "fedhm", "final_acc/global", "fedavg_smallest", "final_acc/global"),
-    Claim("FedHM beats HeteroFL (budget-matched), global model",
-          "fedhm", "final_acc/global", "heterofl", "final_acc/global"),
-    Claim("FedHM beats HeteroFL (budget-matched), smallest level",
-          "fedhm", "final_acc/level_{smallest}", "heterofl", "final_acc/level_{smallest}"),
-    Claim("FedHM beats FedRolex (budget-matched), global model",
-          "fedhm", "final_acc/global", "fedrolex", "final_acc/global"),
-    Claim("FedHM beats FedRolex (budget-matched), smallest level",
-          "fedhm", "final_acc/level_{smallest}", "fedrolex", "final_acc/level_{smallest}"),
-    Claim("FedHM's smallest level is within 1 pt of FedHM's global model",
-          "fedhm", "final_acc/level_{smallest}", "fedhm", "final_acc/global", kind="within", margin=0.01),
-    Claim("self-distillation improves FedHM's global model",
-          "fedhm_distill", "final_acc/global", "fedhm", "final_acc/global"),
+    Claim(
+        "FedHM's global model beats FedAvg trained on the smallest FedHM model",
+        "fedhm",
+        "final_acc/global",
+        "fedavg_smallest",
+        "final_acc/global",
+    ),
+    Claim(
+        "FedHM beats HeteroFL (budget-matched), global model",
+        "fedhm",
+        "final_acc/global",
+        "heterofl",
+        "final_acc/global",
+    ),
+    Claim(
+        "FedHM beats HeteroFL (budget-matched), smallest level",
+        "fedhm",
+        "final_acc/level_{smallest}",
+        "heterofl",
+        "final_acc/level_{smallest}",
+    ),
+    Claim(
+        "FedHM beats FedRolex (budget-matched), global model",
+        "fedhm",
+        "final_acc/global",
+        "fedrolex",
+        "final_acc/global",
+    ),
+    Claim(
+        "FedHM beats FedRolex (budget-matched), smallest level",
+        "fedhm",
+        "final_acc/level_{smallest}",
+        "fedrolex",
+        "final_acc/level_{smallest}",
+    ),
+    Claim(
+        "FedHM's smallest level is within 1 pt of FedHM's global model",
+        "fedhm",
+        "final_acc/level_{smallest}",
+        "fedhm",
+        "final_acc/global",
+        kind="within",
+        margin=0.01,
+    ),
+    Claim(
+        "self-distillation improves FedHM's global model",
+        "fedhm_distill",
+        "final_acc/global",
+        "fedhm",
+        "final_acc/global",
+    ),
 )
 
 
@@ -84,14 +123,18 @@ def smallest_level(rows: Iterable[Mapping[str, Any]]) -> str | None:
     return min(levels, key=float) if levels else None
 
 
-def paired(rows: Iterable[Mapping[str, Any]], method: str, column: str, reference: str,
-           ref_column: str) -> tuple[list[tuple[Any, float]], Estimate | None]:
+def paired(
+    rows: Iterable[Mapping[str, Any]], method: str, column: str, reference: str, ref_column: str
+) -> tuple[list[tuple[Any, float]], Estimate | None]:
     """The per-seed differences ``method[column] − reference[ref_column]`` (seeds both have) and
     their :class:`~fedhm_flwr.math.stats.Estimate` (None without a pair)."""
     rows = list(rows)
     ref = {r["seed"]: float(r[ref_column]) for r in rows if r["method"] == reference and r.get(ref_column) is not None}
-    diffs = sorted((r["seed"], float(r[column]) - ref[r["seed"]]) for r in rows
-                   if r["method"] == method and r.get(column) is not None and r["seed"] in ref)
+    diffs = sorted(
+        (r["seed"], float(r[column]) - ref[r["seed"]])
+        for r in rows
+        if r["method"] == method and r.get(column) is not None and r["seed"] in ref
+    )
     return diffs, (mean_ci([d for _, d in diffs]) if diffs else None)
 
 
@@ -102,6 +145,15 @@ def judge(rows: list[Mapping[str, Any]], claims: Iterable[Claim] = CLAIMS) -> li
     for c in claims:
         column, ref_column = (col.replace("{smallest}", str(small)) for col in (c.column, c.ref_column))
         diffs, est = paired(rows, c.method, column, c.reference, ref_column)
-        out.append({"claim": c.text, "n": len(diffs), "per_seed": diffs, "estimate": est,
-                    "verdict": verdict(est, c.kind, c.margin), "kind": c.kind, "margin": c.margin})
+        out.append(
+            {
+                "claim": c.text,
+                "n": len(diffs),
+                "per_seed": diffs,
+                "estimate": est,
+                "verdict": verdict(est, c.kind, c.margin),
+                "kind": c.kind,
+                "margin": c.margin,
+            }
+        )
     return out

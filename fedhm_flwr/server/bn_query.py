@@ -71,11 +71,17 @@ class BnQuery:
         examples = int(cfg.evaluation.bn_examples)  # per node, a seeded subset of its training examples (0: all)
         self.bytes, self.messages = 0, []
         for node_id in node_ids:
-            config = ConfigRecord({wire.QUERY: wire.BN_STATS, wire.MODEL_SPECS: specs,
-                                   wire.DATA_SPEC: json.dumps(data_spec(cfg, nodes[node_id].num_partitions)),
-                                   wire.BATCH_SIZE: int(cfg.train.batch_size), wire.BN_EXAMPLES: examples,
-                                   wire.SEED: lv.client_seed(int(cfg.seed), view.server_round, view.registry.key(node_id)),
-                                   **view.wire_config})
+            config = ConfigRecord(
+                {
+                    wire.QUERY: wire.BN_STATS,
+                    wire.MODEL_SPECS: specs,
+                    wire.DATA_SPEC: json.dumps(data_spec(cfg, nodes[node_id].num_partitions)),
+                    wire.BATCH_SIZE: int(cfg.train.batch_size),
+                    wire.BN_EXAMPLES: examples,
+                    wire.SEED: lv.client_seed(int(cfg.seed), view.server_round, view.registry.key(node_id)),
+                    **view.wire_config,
+                }
+            )
             content = RecordDict({CONFIG: config})
             for index, model_arrays in enumerate(arrays):
                 record = ArrayRecord.from_array_dict(model_arrays)  # fresh record, shared bytes
@@ -92,8 +98,11 @@ class BnQuery:
         parts: list[list[Sums]] = [[] for _ in range(self.count)]
         for node_id, reply in sorted(asked_nodes(self.messages, replies), key=lambda pair: view.registry.key(pair[0])):
             try:  # (sums in node order)
-                sums, why = (None, error_reason(reply)) if reply.has_error() else bn_wire.check_bn_reply(
-                    reply.content, self.expected)
+                sums, why = (
+                    (None, error_reason(reply))
+                    if reply.has_error()
+                    else bn_wire.check_bn_reply(reply.content, self.expected)
+                )
             except Exception as exc:  # noqa: BLE001 (no reply can raise out of the round)
                 sums, why = None, f"reply could not be read: {type(exc).__name__}: {exc}"
             if sums is None:

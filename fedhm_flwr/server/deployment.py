@@ -77,8 +77,15 @@ class DeploymentQuery:
                 tensors.update({f"{key}/{k}": v for k, v in sums.items()})
         if not tensors:
             return None
-        return tensors, {"source": "federated", "nodes_asked": str(len(asked_nodes_of(self.view))),
-                         "examples_per_node": str(int(self.view.cfg.evaluation.bn_examples))}, nbytes
+        return (
+            tensors,
+            {
+                "source": "federated",
+                "nodes_asked": str(len(asked_nodes_of(self.view))),
+                "examples_per_node": str(int(self.view.cfg.evaluation.bn_examples)),
+            },
+            nbytes,
+        )
 
 
 def deployable_figures(view: Any, query: DeploymentQuery) -> dict[str, Any]:
@@ -100,10 +107,11 @@ def deployable_figures(view: Any, query: DeploymentQuery) -> dict[str, Any]:
         if index not in scored:
             spec, state = query.models[index]
             scored[index] = view.evaluate_fn(spec, state, query.found.get(index))
-        out[f"deployable_acc/{key}"], out[f"deployable_loss/{key}"] = (scored[index]["accuracy"],
-                                                                       scored[index]["loss"])
-    out["deployable_bn_stats"] = (",".join(sorted({query.statistics[i] for i in scored}))
-                                  or "not measured: no client gave the deployment statistics")
+        out[f"deployable_acc/{key}"], out[f"deployable_loss/{key}"] = (scored[index]["accuracy"], scored[index]["loss"])
+    out["deployable_bn_stats"] = (
+        ",".join(sorted({query.statistics[i] for i in scored}))
+        or "not measured: no client gave the deployment statistics"
+    )
     if missing:
         out["deployable_missing"] = ",".join(missing)
     return out

@@ -109,7 +109,9 @@ def make_evaluator(cfg: DictConfig, device: torch.device):
     test = test_dataset(data_spec(cfg), data_dir=cfg.dataset.data_dir)
     batch = int(cfg.evaluation.batch_size)
 
-    def evaluate_fn(spec: dict[str, Any], state: State, bn_sums: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+    def evaluate_fn(
+        spec: dict[str, Any], state: State, bn_sums: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, float]:
         # with federated sBN sums: fixed statistics, as the exported model carries; else test-batch statistics
         return evaluate(deployable_network(spec, state, bn_sums)[1], test, batch, device)
 
@@ -169,8 +171,9 @@ def statistics_label(configured: str, spec: dict[str, Any]) -> str:
     return configured
 
 
-def distinct_models(method: Any, global_state: State, levels: bool = True
-                    ) -> tuple[list[tuple[dict[str, Any], State]], dict[str, int]]:
+def distinct_models(
+    method: Any, global_state: State, levels: bool = True
+) -> tuple[list[tuple[dict[str, Any], State]], dict[str, int]]:
     """(models, keys): the global model, then (``levels``) each level's deployable model, a level
     whose model equals the global one (spec and every tensor) listed once; ``keys``: the row-key
     suffix (``global``, ``level_<γ>``) -> its index in ``models``."""
@@ -179,8 +182,11 @@ def distinct_models(method: Any, global_state: State, levels: bool = True
     keys = {"global": 0}
     for index, level in enumerate(method.levels if levels else []):
         spec, state = method.deployable(index, global_state)
-        same = spec == global_spec and state.keys() == global_model.keys() and all(
-            torch.equal(state[k], global_model[k]) for k in state)
+        same = (
+            spec == global_spec
+            and state.keys() == global_model.keys()
+            and all(torch.equal(state[k], global_model[k]) for k in state)
+        )
         if not same:
             models.append((spec, state))
         keys[f"level_{level:g}"] = 0 if same else len(models) - 1
@@ -204,12 +210,17 @@ def evaluate_levels(view: RoundView, global_state: State, bn: BnUse | None = Non
     return out
 
 
-def evaluate_models(view: RoundView, models: Sequence[tuple[dict[str, Any], State]], bn: BnUse) -> list[dict[str, float]]:
+def evaluate_models(
+    view: RoundView, models: Sequence[tuple[dict[str, Any], State]], bn: BnUse
+) -> list[dict[str, float]]:
     """Evaluate each model; with federated sBN the norm statistics of all of them come from the
     clients in one query, a model none answered for uses its test batches (logged, counted in ``bn``)."""
     assert view.evaluate_fn is not None
-    federated = [i for i, (spec, _) in enumerate(models)
-                 if view.cfg.evaluation.bn_stats == "federated" and not spec.get("trainable_only")]
+    federated = [
+        i
+        for i, (spec, _) in enumerate(models)
+        if view.cfg.evaluation.bn_stats == "federated" and not spec.get("trainable_only")
+    ]
     found: dict[int, dict[str, torch.Tensor] | None] = {}
     if federated:
         sums, nbytes = federated_bn_sums(view, [models[i] for i in federated])
@@ -254,19 +265,26 @@ class FederatedEvaluation:
                 models[index] = (spec, view.arrays(state))
             spec, arrays = models[index]
             record = ArrayRecord.from_array_dict(arrays)  # fresh record, shared bytes
-            config = ConfigRecord({
-                wire.SERVER_ROUND: server_round,
-                wire.LEVEL: self.levels[index],
-                wire.LEVEL_INDEX: index,
-                wire.MODEL_SPEC: json.dumps(spec),
-                wire.DATA_SPEC: json.dumps(data_spec(cfg, nodes[node_id].num_partitions)),
-                wire.BATCH_SIZE: int(cfg.evaluation.batch_size),
-                **view.wire_config,
-            })
+            config = ConfigRecord(
+                {
+                    wire.SERVER_ROUND: server_round,
+                    wire.LEVEL: self.levels[index],
+                    wire.LEVEL_INDEX: index,
+                    wire.MODEL_SPEC: json.dumps(spec),
+                    wire.DATA_SPEC: json.dumps(data_spec(cfg, nodes[node_id].num_partitions)),
+                    wire.BATCH_SIZE: int(cfg.evaluation.batch_size),
+                    **view.wire_config,
+                }
+            )
             self.bytes_sent += record.count_bytes()
             self.level_of[node_id] = index
-            self.messages.append(Message(content=RecordDict({ARRAYS: record, CONFIG: config}), dst_node_id=node_id,
-                                         message_type=MessageType.EVALUATE))
+            self.messages.append(
+                Message(
+                    content=RecordDict({ARRAYS: record, CONFIG: config}),
+                    dst_node_id=node_id,
+                    message_type=MessageType.EVALUATE,
+                )
+            )
 
     def score(self, node_id: int, msg: Message) -> tuple[ClientScore | None, str]:
         """Node ``node_id``'s reply as a :class:`ClientScore`, or (None, why it is refused)."""
@@ -284,8 +302,9 @@ class FederatedEvaluation:
             return None, f"eval-accuracy missing or not in [0, 1] ({acc!r:.40})"
         if type(loss) not in (int, float) or not math.isfinite(loss):
             return None, f"eval-loss missing or not finite ({loss!r:.40})"
-        return ClientScore(self.registry.label(node_id), self.levels[self.level_of[node_id]],
-                           int(n), float(loss), float(acc)), ""
+        return ClientScore(
+            self.registry.label(node_id), self.levels[self.level_of[node_id]], int(n), float(loss), float(acc)
+        ), ""
 
     def collect(self, replies: Iterable[Message]) -> dict[str, Any]:
         """The round's federated row entries: figures, failures (with reasons) and bytes."""
@@ -321,5 +340,8 @@ class FederatedEvaluation:
 
 def numeric(row: dict[str, Any], prefixes: tuple[str, ...]) -> dict[str, float]:
     """The row's finite numbers whose key starts with one of ``prefixes`` (for a MetricRecord)."""
-    return {k: float(v) for k, v in row.items() if k.startswith(prefixes) and isinstance(v, (int, float))
-            and not isinstance(v, bool) and math.isfinite(v)}
+    return {
+        k: float(v)
+        for k, v in row.items()
+        if k.startswith(prefixes) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }

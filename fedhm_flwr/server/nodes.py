@@ -40,12 +40,20 @@ from flwr.supercore import log
 from omegaconf import DictConfig
 
 from fedhm_flwr.config import data_spec, level_proportions
-from fedhm_flwr.core.protocol import (CAPABILITY_BUDGETS, CAPABILITY_LEVEL, NODE_UNAVAILABLE, NodeInfo, collect, content_bytes, node_info_queries,
-                                      parse_node_info, push)
+from fedhm_flwr.core.protocol import (
+    CAPABILITY_BUDGETS,
+    CAPABILITY_LEVEL,
+    NODE_UNAVAILABLE,
+    NodeInfo,
+    collect,
+    content_bytes,
+    node_info_queries,
+    parse_node_info,
+    push,
+)
 from fedhm_flwr.math import levels as lv
 from fedhm_flwr.math.privacy import poisson_sample, secret_uniform
 from fedhm_flwr.server.ahead import AheadQueries
-
 
 #: keys of nodes without a unique partition id start here (partition ids stay below)
 _HASHED_KEY_BASE = 1 << 40
@@ -131,22 +139,35 @@ class NodeRegistry:
             by_id.update({mid: n for n, mid in ahead.items()})
             brief = float(self.cfg.stragglers.min_seconds) if set(new) <= self.silent else math.inf
             wait = min(float(self.cfg.timeout), brief)
-            came = {by_id[m.metadata.reply_to_message_id]: m for m in collect(grid, pushed + list(ahead.values()), wait)
-                    if m.metadata.reply_to_message_id in by_id}
+            came = {
+                by_id[m.metadata.reply_to_message_id]: m
+                for m in collect(grid, pushed + list(ahead.values()), wait)
+                if m.metadata.reply_to_message_id in by_id
+            }
             moved += sum(content_bytes(m.content) for m in came.values() if m.has_content())
             answers.update(came)
         for node_id in new:
             info = parse_node_info(node_id, answers.get(node_id))
             if info.error == NODE_UNAVAILABLE or node_id not in answers:
-                log(WARNING, "round %d: node %d did not answer its node-info query (%s)", server_round, node_id,
-                    info.error)
+                log(
+                    WARNING,
+                    "round %d: node %d did not answer its node-info query (%s)",
+                    server_round,
+                    node_id,
+                    info.error,
+                )
                 self.silent.add(node_id)  # asked again (briefly) at the next round that finds it connected
                 continue
             self.silent.discard(node_id)
             if info.error is not None:
                 self.excluded[node_id] = info.error
-                log(WARNING, "round %d: node %d cannot take part and sits out until it reconnects: %s", server_round,
-                    node_id, info.error)
+                log(
+                    WARNING,
+                    "round %d: node %d cannot take part and sits out until it reconnects: %s",
+                    server_round,
+                    node_id,
+                    info.error,
+                )
                 continue
             self.nodes[node_id] = info
         asked = set(new)
@@ -175,9 +196,14 @@ class NodeRegistry:
         seconds = time.perf_counter() - t0
         told = [*self.nodes.values(), *(parse_node_info(n, m) for n, m in self.ahead.answers.items())]
         examples = sorted(info.examples for info in told if info.examples is not None)
-        log(INFO, "start-up: %d node(s) connected, %d asked for their node info in %.1fs%s",
-            len(list(grid.get_node_ids())), queried, seconds,
-            f"; training examples per node {examples[0]}..{examples[-1]}" if examples else "")
+        log(
+            INFO,
+            "start-up: %d node(s) connected, %d asked for their node info in %.1fs%s",
+            len(list(grid.get_node_ids())),
+            queried,
+            seconds,
+            f"; training examples per node {examples[0]}..{examples[-1]}" if examples else "",
+        )
         return {"startup_seconds": seconds, "startup_queried": queried, "startup_bytes": moved}
 
     def query_sampled(self, grid: Grid, server_round: int, node_ids: list[int]) -> tuple[list[int], int]:
@@ -222,23 +248,42 @@ class NodeRegistry:
         if count >= minimum:
             return connected
         avail = self.cfg.availability
-        log(INFO, "round %d: %d node(s) connected, waiting up to %gs for at least %d", server_round, count,
-            float(avail.wait_seconds), minimum)
+        log(
+            INFO,
+            "round %d: %d node(s) connected, waiting up to %gs for at least %d",
+            server_round,
+            count,
+            float(avail.wait_seconds),
+            minimum,
+        )
         t0 = time.monotonic()
         while time.monotonic() - t0 < float(avail.wait_seconds):
             time.sleep(min(1.0, float(avail.poll_seconds)))
             connected = set(grid.get_node_ids())
             count = len(connected - set(self.excluded))
             if count >= minimum:
-                log(INFO, "round %d: %d node(s) connected after %.1fs; going on", server_round, count,
-                    time.monotonic() - t0)
+                log(
+                    INFO,
+                    "round %d: %d node(s) connected after %.1fs; going on",
+                    server_round,
+                    count,
+                    time.monotonic() - t0,
+                )
                 return connected
         if avail.on_timeout == "stop":
-            raise RuntimeError(f"round {server_round}: only {count} of the {minimum} nodes needed "
-                               f"(availability.min_nodes) connected within {float(avail.wait_seconds):g}s "
-                               "(availability.wait_seconds); stopping as availability.on_timeout=stop says")
-        log(WARNING, "round %d: still %d node(s) of %d after %gs; going on with the nodes present", server_round,
-            count, minimum, float(avail.wait_seconds))
+            raise RuntimeError(
+                f"round {server_round}: only {count} of the {minimum} nodes needed "
+                f"(availability.min_nodes) connected within {float(avail.wait_seconds):g}s "
+                "(availability.wait_seconds); stopping as availability.on_timeout=stop says"
+            )
+        log(
+            WARNING,
+            "round %d: still %d node(s) of %d after %gs; going on with the nodes present",
+            server_round,
+            count,
+            minimum,
+            float(avail.wait_seconds),
+        )
         return connected
 
     def forget(self, node_id: int, server_round: int, why: str = "") -> None:
@@ -247,8 +292,14 @@ class NodeRegistry:
         if node_id not in self.nodes:
             return
         self._former[node_id] = self.label(node_id)
-        log(INFO, "round %d: node %s (node id %d) left%s", server_round, self.label(node_id), node_id,
-            f" ({why})" if why else "")
+        log(
+            INFO,
+            "round %d: node %s (node id %d) left%s",
+            server_round,
+            self.label(node_id),
+            node_id,
+            f" ({why})" if why else "",
+        )
         del self.nodes[node_id]
         self.keys.pop(node_id, None)
 
@@ -263,8 +314,12 @@ class NodeRegistry:
                 owners.setdefault(info.partition_id, []).append(n)
         shared = {pid: ns for pid, ns in owners.items() if len(ns) > 1}
         if shared:
-            log(WARNING, "nodes %s declare the same partition-id; each node config needs its own "
-                "(they still train, keyed by name or node id)", shared)
+            log(
+                WARNING,
+                "nodes %s declare the same partition-id; each node config needs its own "
+                "(they still train, keyed by name or node id)",
+                shared,
+            )
         self.keys = {}
         for n, info in self.nodes.items():
             if info.partition_id is not None and info.partition_id not in shared:
@@ -305,8 +360,15 @@ class NodeRegistry:
         identity = info.identity()
         before = self.seen.get(identity)
         if before is not None:
-            log(INFO, "round %d: node %s is back (node id %d) -> level %g (was %g)", server_round,
-                self.label(node_id), node_id, self.levels[index], self.levels[before])  # type: ignore[index]
+            log(
+                INFO,
+                "round %d: node %s is back (node id %d) -> level %g (was %g)",
+                server_round,
+                self.label(node_id),
+                node_id,
+                self.levels[index],
+                self.levels[before],
+            )  # type: ignore[index]
         self.seen[identity] = index  # type: ignore[assignment]
         return before is None
 
@@ -317,14 +379,25 @@ class NodeRegistry:
             for node_id in joined:
                 level = self.levels[self.levels_of[node_id]]
                 counts[level] = counts.get(level, 0) + 1
-            log(INFO, "round %d: %d nodes joined -> %s", server_round, len(joined),
-                ", ".join(f"level {level:g}: {n}" for level, n in sorted(counts.items(), reverse=True)))
+            log(
+                INFO,
+                "round %d: %d nodes joined -> %s",
+                server_round,
+                len(joined),
+                ", ".join(f"level {level:g}: {n}" for level, n in sorted(counts.items(), reverse=True)),
+            )
             return
         for node_id in joined:
             examples = self.nodes[node_id].examples
-            log(INFO, "round %d: node %s joined (node id %d) -> level %g%s", server_round, self.label(node_id),
-                node_id, self.levels[self.levels_of[node_id]],
-                "" if examples is None else f", {examples} training examples")
+            log(
+                INFO,
+                "round %d: node %s joined (node id %d) -> level %g%s",
+                server_round,
+                self.label(node_id),
+                node_id,
+                self.levels[self.levels_of[node_id]],
+                "" if examples is None else f", {examples} training examples",
+            )
 
     def _stable_level(self, info: NodeInfo) -> int:
         proportions, seed = self.proportions, self.seed
@@ -334,8 +407,12 @@ class NodeRegistry:
             if 0 <= info.partition_id < total:
                 return lv.partition_level(info.partition_id, total, proportions, seed)
         if info.name is None:
-            log(WARNING, "node %d has neither a partition-id nor a node-name; its level follows its node id, "
-                "which survives a restart only with SuperNode authentication", info.node_id)
+            log(
+                WARNING,
+                "node %d has neither a partition-id nor a node-name; its level follows its node id, "
+                "which survives a restart only with SuperNode authentication",
+                info.node_id,
+            )
         return lv.hashed_level(info.identity() if info.name else f"node:{info.node_id}", proportions, seed)
 
     def _declared_level(self, info: NodeInfo) -> int | None:
@@ -343,8 +420,13 @@ class NodeRegistry:
         if CAPABILITY_LEVEL in cap:
             index = lv.level_index_of(cap[CAPABILITY_LEVEL], self.levels)
             if index is None:
-                log(WARNING, "node %s declares level %s, not among %s; ignored", self.label(info.node_id),
-                    cap[CAPABILITY_LEVEL], self.levels)
+                log(
+                    WARNING,
+                    "node %s declares level %s, not among %s; ignored",
+                    self.label(info.node_id),
+                    cap[CAPABILITY_LEVEL],
+                    self.levels,
+                )
             return index
         for budget in CAPABILITY_BUDGETS:
             if budget in cap:
@@ -352,10 +434,21 @@ class NodeRegistry:
                 index = lv.level_for_budget(cap[budget], costs)
                 if index is None:
                     index = len(self.levels) - 1
-                    log(WARNING, "node %s: %s budget %g fits no level; it gets the smallest",
-                        self.label(info.node_id), budget, cap[budget])
-                log(INFO, "node %s: %s budget %g -> level %g", self.label(info.node_id), budget, cap[budget],
-                    self.levels[index])
+                    log(
+                        WARNING,
+                        "node %s: %s budget %g fits no level; it gets the smallest",
+                        self.label(info.node_id),
+                        budget,
+                        cap[budget],
+                    )
+                log(
+                    INFO,
+                    "node %s: %s budget %g -> level %g",
+                    self.label(info.node_id),
+                    budget,
+                    cap[budget],
+                    self.levels[index],
+                )
                 return index
         return None
 
@@ -376,8 +469,9 @@ class NodeRegistry:
         keys.update({hashed_key(f"node:{n}"): n for n in self.unknown})
         if self.dp:  # the accountant's Poisson sampling, from a stream no client knows
             return [keys[k] for k in self._poisson(server_round, list(keys))]
-        picked = lv.sample_clients(list(keys), self.fraction, self.min_train,
-                                   lambda: lv.round_rng(self.seed, server_round, stream=0))
+        picked = lv.sample_clients(
+            list(keys), self.fraction, self.min_train, lambda: lv.round_rng(self.seed, server_round, stream=0)
+        )
         return [keys[k] for k in picked]
 
     def _poisson(self, server_round: int, keys: list[int]) -> list[int]:
@@ -389,8 +483,7 @@ class NodeRegistry:
             del self._draws[old]
         mine = self._draws.setdefault(server_round, {})
         uniform = secret_uniform(None if seed is None else int(seed), server_round)
-        return poisson_sample(keys, self.fraction,
-                              lambda k: mine[k] if k in mine else mine.setdefault(k, uniform(k)))
+        return poisson_sample(keys, self.fraction, lambda k: mine[k] if k in mine else mine.setdefault(k, uniform(k)))
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps: the level each identity had."""

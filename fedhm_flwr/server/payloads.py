@@ -45,8 +45,13 @@ class ArrayCache:
     @staticmethod
     def _same(held: torch.Tensor, version: int, tensor: torch.Tensor) -> bool:
         return (held is tensor and held._version == version) or (
-            held.data_ptr() == tensor.data_ptr() and held.dtype == tensor.dtype and held.device == tensor.device
-            and held.shape == tensor.shape and held.stride() == tensor.stride() and tensor._version == version)
+            held.data_ptr() == tensor.data_ptr()
+            and held.dtype == tensor.dtype
+            and held.device == tensor.device
+            and held.shape == tensor.shape
+            and held.stride() == tensor.stride()
+            and tensor._version == version
+        )
 
     def arrays(self, state: Mapping[str, torch.Tensor], dtype: str = "float32") -> dict[str, Any]:
         out = {}
@@ -100,8 +105,11 @@ def train_options(distill: Mapping[str, Any] | None) -> dict[str, Any]:
     """The train options of ``train.distill = {enabled, temperature, weight}`` (none: off)."""
     if distill is None:
         return {}
-    return {"distill": bool(distill["enabled"]), "distill_temperature": float(distill["temperature"]),
-            "distill_weight": float(distill["weight"])}
+    return {
+        "distill": bool(distill["enabled"]),
+        "distill_temperature": float(distill["temperature"]),
+        "distill_weight": float(distill["weight"]),
+    }
 
 
 class TaskConfigs:
@@ -122,9 +130,19 @@ class TaskConfigs:
         self._made: dict[tuple[int, int | None], tuple[tuple[Any, ...], ConfigRecord, int]] = {}
         self._data: dict[int | None, str] = {}
 
-    def train(self, server_round: int, method: str, level: float, level_index: int, payload: Payload,
-              options: Callable[[], dict[str, Any]], num_partitions: int | None,
-              data_spec: Callable[[int | None], dict[str, Any]], seed: int, dtype: str) -> tuple[ConfigRecord, int]:
+    def train(
+        self,
+        server_round: int,
+        method: str,
+        level: float,
+        level_index: int,
+        payload: Payload,
+        options: Callable[[], dict[str, Any]],
+        num_partitions: int | None,
+        data_spec: Callable[[int | None], dict[str, Any]],
+        seed: int,
+        dtype: str,
+    ) -> tuple[ConfigRecord, int]:
         """The TRAIN task config of one node (``options()``: the round's train options) and its
         bytes (``count_bytes``)."""
         if self._round != server_round:  # the data specs stay: they do not change with the round
@@ -138,10 +156,19 @@ class TaskConfigs:
             if made is None or made[0] != said:
                 if num_partitions not in self._data:
                     self._data[num_partitions] = json.dumps(data_spec(num_partitions))
-                record = ConfigRecord({SERVER_ROUND: server_round, METHOD: method, LEVEL: level,
-                                       LEVEL_INDEX: level_index, MODEL_SPEC: json.dumps(payload.spec),
-                                       TRAIN: json.dumps(said[3]), DATA_SPEC: self._data[num_partitions],
-                                       SEED: seed, **wire_config(dtype)})
+                record = ConfigRecord(
+                    {
+                        SERVER_ROUND: server_round,
+                        METHOD: method,
+                        LEVEL: level,
+                        LEVEL_INDEX: level_index,
+                        MODEL_SPEC: json.dumps(payload.spec),
+                        TRAIN: json.dumps(said[3]),
+                        DATA_SPEC: self._data[num_partitions],
+                        SEED: seed,
+                        **wire_config(dtype),
+                    }
+                )
                 made = self._made[(level_index, num_partitions)] = (said, record, record.count_bytes())
             record = made[1].copy()
             record[SERVER_ROUND] = server_round

@@ -40,13 +40,21 @@ METHODS: dict[str, Callable[[DictConfig, dict[str, Any]], Method]] = {
 
 def _binding(name: str, method: Callable[[DictConfig, dict[str, Any]], Method]) -> type[HeteroStrategy]:
     """The round bound to one method: ``<Name>Strategy(cfg, model_spec, evaluate_fn, recorder)``."""
-    return type(name, (HeteroStrategy,), {"method_class": staticmethod(method), "__module__": __name__,
-                                          "__doc__": f"The shared round running {method.__name__}."})
+    return type(
+        name,
+        (HeteroStrategy,),
+        {
+            "method_class": staticmethod(method),
+            "__module__": __name__,
+            "__doc__": f"The shared round running {method.__name__}.",
+        },
+    )
 
 
 #: ``method.name`` -> strategy class (the round bound to the method: ``<Method>Strategy``)
 STRATEGIES: dict[str, type[HeteroStrategy]] = {
-    name: _binding(f"{method.__name__}Strategy", method) for name, method in METHODS.items()}
+    name: _binding(f"{method.__name__}Strategy", method) for name, method in METHODS.items()
+}
 
 FedHMStrategy = STRATEGIES["fedhm"]
 HeteroFLStrategy = STRATEGIES["heterofl"]

@@ -42,8 +42,14 @@ from fedhm_flwr.server.payloads import Payload
 #: the metrics a training reply holds (``protocol.train_metrics``) -> the Python types each may have
 #: on the wire; ``ray-node`` is optional (simulation only), every other key is required
 TRAIN_METRICS: dict[str, tuple[type, ...]] = {
-    wire.NUM_EXAMPLES: (int,), wire.TRAIN_LOSS: (float, int), wire.TRAIN_ACCURACY: (float, int),
-    wire.SECONDS: (float, int), wire.LEVEL: (float, int), wire.CLASS_COUNTS: (list,), wire.RAY_NODE: (int,)}
+    wire.NUM_EXAMPLES: (int,),
+    wire.TRAIN_LOSS: (float, int),
+    wire.TRAIN_ACCURACY: (float, int),
+    wire.SECONDS: (float, int),
+    wire.LEVEL: (float, int),
+    wire.CLASS_COUNTS: (list,),
+    wire.RAY_NODE: (int,),
+}
 OPTIONAL_METRICS = frozenset({wire.RAY_NODE})
 
 
@@ -97,9 +103,16 @@ def _metric_problem(metrics: Mapping[str, Any], level: float, num_classes: int) 
 Checked = tuple[dict[str, torch.Tensor], int, np.ndarray, dict[str, float]]
 
 
-def check_train_reply(content: RecordDict, payload: Payload, level: float, num_classes: int, dtype: str,
-                      screen: Callable[[dict[str, torch.Tensor], torch.Tensor | None], str | None],
-                      joined: int | None = None, cap: int | None = None) -> tuple[Checked | None, str]:
+def check_train_reply(
+    content: RecordDict,
+    payload: Payload,
+    level: float,
+    num_classes: int,
+    dtype: str,
+    screen: Callable[[dict[str, torch.Tensor], torch.Tensor | None], str | None],
+    joined: int | None = None,
+    cap: int | None = None,
+) -> tuple[Checked | None, str]:
     """A training reply checked against the payload sent: ((state in float32, the weight's example
     count, class counts, scalar metrics), "") or (None, why it is refused). Records, metrics, keys,
     dtypes, shapes and byte lengths are checked before any tensor is read; ``screen(state, flat)``
@@ -148,8 +161,12 @@ class Sorted:
     received_bytes: int = 0
 
 
-def sort_replies(messages: Iterable[Message], replies: Iterable[Message],
-                 validate: Callable[[int, Message], tuple[Any, str]], earlier: Iterable[str] = ()) -> Sorted:
+def sort_replies(
+    messages: Iterable[Message],
+    replies: Iterable[Message],
+    validate: Callable[[int, Message], tuple[Any, str]],
+    earlier: Iterable[str] = (),
+) -> Sorted:
     """Each reply to these pushed ``messages``, matched to the message it answers (never to its
     sender: the SuperLink answers for a node that missed its heartbeats; a message never pushed, which
     has no id, is matched by the node it went to: :func:`fedhm_flwr.core.protocol.asked_ids`): an error reply is a
@@ -194,5 +211,6 @@ def round_deadline(cfg: DictConfig, timeout: float | None = None) -> wire.Deadli
     """When a round's exchange stops waiting (``stragglers.*``, never after ``timeout``, default the
     config's): :class:`fedhm_flwr.core.protocol.Deadline`."""
     s = cfg.stragglers
-    return wire.Deadline(float(cfg.timeout if timeout is None else timeout), float(s.quorum), float(s.factor),
-                         float(s.min_seconds))
+    return wire.Deadline(
+        float(cfg.timeout if timeout is None else timeout), float(s.quorum), float(s.factor), float(s.min_seconds)
+    )

@@ -53,8 +53,14 @@ def train_metrics(valid: list[Reply]) -> dict[str, float]:
     return out
 
 
-def round_row(server_round: int, lr: float, log_: RoundLog, metrics: Mapping[str, float] | None,
-              columns: Mapping[str, Any], label: Callable[[int], str]) -> dict[str, Any]:
+def round_row(
+    server_round: int,
+    lr: float,
+    log_: RoundLog,
+    metrics: Mapping[str, float] | None,
+    columns: Mapping[str, Any],
+    label: Callable[[int], str],
+) -> dict[str, Any]:
     """The round's metrics row before evaluation (``columns``: the attack/defence/DP figures)."""
     row: dict[str, Any] = {
         "round": server_round,
@@ -84,8 +90,13 @@ def round_row(server_round: int, lr: float, log_: RoundLog, metrics: Mapping[str
         row["excluded"] = json.dumps(log_.excluded, sort_keys=True)
     row.update(columns)
     if log_.late or log_.late_arrivals:
-        row.update({"late": len(log_.late), "late_nodes": json.dumps([label(n) for n in log_.late]),
-                    "late_arrivals": log_.late_arrivals})
+        row.update(
+            {
+                "late": len(log_.late),
+                "late_nodes": json.dumps([label(n) for n in log_.late]),
+                "late_arrivals": log_.late_arrivals,
+            }
+        )
     if log_.arrivals:  # what the adaptive deadline sees (stragglers.*): the answers' times after the push
         row.update({"reply_seconds_median": float(np.median(log_.arrivals)), "reply_seconds_max": log_.arrivals[-1]})
     if log_.failures or log_.rejected:
@@ -102,8 +113,10 @@ def progress_line(row: dict[str, Any], num_rounds: int, levels: list[float]) -> 
         if per_level:
             parts.append("levels " + " ".join(per_level))
     if "fed_acc/all" in row:
-        parts.append(f"clients acc {row['fed_acc/all']:.4f} (worst10 {row['fed_acc_clients/worst10']:.3f}, "
-                     f"{row['fed_clients']} clients)")
+        parts.append(
+            f"clients acc {row['fed_acc/all']:.4f} (worst10 {row['fed_acc_clients/worst10']:.3f}, "
+            f"{row['fed_clients']} clients)"
+        )
     if "train_loss" in row:
         parts.append(f"train loss {row['train_loss']:.4f}")
     parts.append(f"replies {row['replies']}/{row['sampled']}")

@@ -48,9 +48,14 @@ class HeteroStrategy(Strategy):
     #: the method a binding runs (``FedHMStrategy.method_class = FedHM``)
     method_class: Callable[[DictConfig, dict[str, Any]], Method] | None = None
 
-    def __init__(self, cfg: DictConfig, model_spec: dict[str, Any],
-                 evaluate_fn: Callable[..., dict[str, float]] | None = None, recorder: Any | None = None,
-                 method: Method | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DictConfig,
+        model_spec: dict[str, Any],
+        evaluate_fn: Callable[..., dict[str, float]] | None = None,
+        recorder: Any | None = None,
+        method: Method | None = None,
+    ) -> None:
         if method is None:
             assert self.method_class is not None, "HeteroStrategy needs a method (or use a method's binding)"
             method = self.method_class(cfg, model_spec)
@@ -110,11 +115,17 @@ class HeteroStrategy(Strategy):
         return arrays.to_torch_state_dict()
 
     def _payload(self, cut: Cut) -> Payload:
-        return Payload(cut.spec, self.wire_arrays(cut.state), {k: tuple(v.shape) for k, v in cut.state.items()},
-                       cut.train, cut.returned)
+        return Payload(
+            cut.spec,
+            self.wire_arrays(cut.state),
+            {k: tuple(v.shape) for k, v in cut.state.items()},
+            cut.train,
+            cut.returned,
+        )
 
-    def node_payload(self, node_id: int, level_index: int, global_state: State,
-                     level_payloads: dict[int, Payload]) -> Payload:
+    def node_payload(
+        self, node_id: int, level_index: int, global_state: State, level_payloads: dict[int, Payload]
+    ) -> Payload:
         """The payload sent to one node this round: the node's own cut when the method makes one
         (PriSM), else its level's, cut once per level per round and shared (``level_payloads``)."""
         cut = self.method.node_cut(node_id, self.registry.key(node_id), level_index, global_state)
@@ -128,18 +139,30 @@ class HeteroStrategy(Strategy):
         if self._fixed_options is None:  # read once: a config lookup costs more than a small layer's work
             train = self.cfg.train
             self._fixed_options = {
-                "local_epochs": int(train.local_epochs), "batch_size": int(train.batch_size),
-                "momentum": float(train.momentum), "weight_decay": float(train.weight_decay),
-                "masked_ce": bool(train.masked_ce), "grad_clip": float(train.grad_clip),
+                "local_epochs": int(train.local_epochs),
+                "batch_size": int(train.batch_size),
+                "momentum": float(train.momentum),
+                "weight_decay": float(train.weight_decay),
+                "masked_ce": bool(train.masked_ce),
+                "grad_clip": float(train.grad_clip),
                 "threads": max(1, int(math.floor(float(self.cfg.simulation.num_cpus)))),
-                **train_options(train.get("distill"))}
+                **train_options(train.get("distill")),
+            }
         return {"lr": self._lr(server_round), **self._fixed_options}
 
     def _train_config(self, server_round: int, node_id: int, index: int, payload: Payload) -> tuple[ConfigRecord, int]:
         return self.tasks.train(
-            server_round, self.name, self.levels[index], index, payload, lambda: self._train_options(server_round),
-            self.nodes[node_id].num_partitions, lambda n: data_spec(self.cfg, n),
-            lv.client_seed(self.attacks.seed, server_round, self.registry.key(node_id)), self.wire_dtype)
+            server_round,
+            self.name,
+            self.levels[index],
+            index,
+            payload,
+            lambda: self._train_options(server_round),
+            self.nodes[node_id].num_partitions,
+            lambda n: data_spec(self.cfg, n),
+            lv.client_seed(self.attacks.seed, server_round, self.registry.key(node_id)),
+            self.wire_dtype,
+        )
 
     def _validate(self, node_id: int, msg: Message) -> tuple[Reply | None, str]:
         """Check a reply against what was sent to that node (:func:`fedhm_flwr.server.replies.check_train_reply`)."""
@@ -148,13 +171,21 @@ class HeteroStrategy(Strategy):
         index, payload = self.sent[node_id]
         info = self.nodes.get(node_id)
         checked, why = reply_checks.check_train_reply(
-            msg.content, payload, self.levels[index], int(self.method.spec["num_classes"]), self.wire_dtype,
-            self.untrusted.screen, info.examples if info is not None else None, self._examples_cap)
+            msg.content,
+            payload,
+            self.levels[index],
+            int(self.method.spec["num_classes"]),
+            self.wire_dtype,
+            self.untrusted.screen,
+            info.examples if info is not None else None,
+            self._examples_cap,
+        )
         if checked is None:
             return None, why
         state, n, counts, scalars = checked
-        return Reply(node_id, index, self.levels[index], state, n, counts, scalars,
-                     label=self.node_label(node_id), sent=payload), ""
+        return Reply(
+            node_id, index, self.levels[index], state, n, counts, scalars, label=self.node_label(node_id), sent=payload
+        ), ""
 
     def is_attacker(self, node_id: int) -> bool:
         return self.attacks.is_attacker(self.nodes.get(node_id), self.registry.key(node_id), node_id)
@@ -162,14 +193,27 @@ class HeteroStrategy(Strategy):
     # ------------------------------------------------------------------ Flower's Strategy API
 
     def summary(self) -> None:
-        log(INFO, "\t├──> Method: %s, levels %s, proportions %s, %s assignment", self.name,
-            self.levels, level_proportions(self.cfg), self.cfg.levels.assignment)
-        log(INFO, "\t└──> Sampling: fraction %.2f (min %d), seed %d", self.cfg.fraction_train,
-            self.cfg.min_train_nodes, self.cfg.seed)
+        log(
+            INFO,
+            "\t├──> Method: %s, levels %s, proportions %s, %s assignment",
+            self.name,
+            self.levels,
+            level_proportions(self.cfg),
+            self.cfg.levels.assignment,
+        )
+        log(
+            INFO,
+            "\t└──> Sampling: fraction %.2f (min %d), seed %d",
+            self.cfg.fraction_train,
+            self.cfg.min_train_nodes,
+            self.cfg.seed,
+        )
         for level, fmt, args in self.method.summary_lines():
             log(level, fmt, *args)
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         t0 = time.perf_counter()
         self.round_log = RoundLog()
         self._grid = grid
@@ -200,7 +244,8 @@ class HeteroStrategy(Strategy):
                 config.update(self.attacks.train_config())
             content = RecordDict({ARRAYS: payload.record(), CONFIG: config})  # (fresh record, shared Arrays)
             self.round_log.sent_bytes += payload.record_bytes() + (  # (content_bytes)
-                config.count_bytes() if node_id in injected or node_id in attackers else config_bytes)
+                config.count_bytes() if node_id in injected or node_id in attackers else config_bytes
+            )
             self.sent[node_id] = (index, payload)
             messages.append(Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN))
         self.round_log.sampled = len(messages)
@@ -210,7 +255,9 @@ class HeteroStrategy(Strategy):
         self._train_messages = messages
         return messages
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         t0 = time.perf_counter()
         rl = self.round_log
         got = reply_checks.sort_replies(self._train_messages, replies, self._validate, self._late_ids)
@@ -228,8 +275,12 @@ class HeteroStrategy(Strategy):
         rl.late = sorted(set(self.sent) - got.answered, key=self.registry.key)
         self._late_ids = [m.metadata.message_id for m in self._train_messages if m.metadata.dst_node_id in rl.late]
         for node_id in rl.late:
-            log(WARNING, "round %d: node %s sent no reply before the round's deadline (late)", server_round,
-                self.node_label(node_id))
+            log(
+                WARNING,
+                "round %d: node %s sent no reply before the round's deadline (late)",
+                server_round,
+                self.node_label(node_id),
+            )
         rl.assignments = {self.node_label(r.node_id): r.level for r in valid}  # those that trained
         metrics = train_metrics(valid)
         if not valid and not self.untrusted.merges_empty:  # DP: a round without replies still adds noise
@@ -245,14 +296,17 @@ class HeteroStrategy(Strategy):
         rl.server_seconds += time.perf_counter() - t0
         return self.global_record(new_state), MetricRecord(metrics)
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """Federated evaluation (``evaluation.where`` clients or both): the nodes sampled for
         training this round evaluate the global model at their own level."""
         if self.cfg.evaluation.where == "server":
             self._federated = None
             return []
-        self._federated = ev.FederatedEvaluation(self._view(), server_round, self.state_of(arrays),
-                                                 {n: index for n, (index, _) in self.sent.items()})
+        self._federated = ev.FederatedEvaluation(
+            self._view(), server_round, self.state_of(arrays), {n: index for n, (index, _) in self.sent.items()}
+        )
         return self._federated.messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
@@ -278,8 +332,10 @@ class HeteroStrategy(Strategy):
         round's row and ``evaluate_metrics_serverapp``."""
         self.summary()
         result = Result()
-        self.startup_info = {**self.registry.startup(grid, self.start_round),  # before the first round's clock
-                             "rounds_started_at": time.time()}  # wall clock: the bench's whole-job figure (8)
+        self.startup_info = {
+            **self.registry.startup(grid, self.start_round),  # before the first round's clock
+            "rounds_started_at": time.time(),
+        }  # wall clock: the bench's whole-job figure (8)
         arrays = initial_arrays
         result.arrays = arrays
         if evaluate_fn is not None:
@@ -294,9 +350,20 @@ class HeteroStrategy(Strategy):
                 self.registry.prefetch(grid, server_round + 1)
             # the answers to queries asked ahead are pulled as they come (kept unread for their round)
             arrivals: dict[str, float] = {}
-            replies = self.registry.ahead.take(collect(
-                grid, pushed, reply_checks.round_deadline(self.cfg, timeout), max_poll=0.5, arrivals=arrivals,
-                also=[*self.registry.ahead.ids(), *self._late_ids])) if pushed else []
+            replies = (
+                self.registry.ahead.take(
+                    collect(
+                        grid,
+                        pushed,
+                        reply_checks.round_deadline(self.cfg, timeout),
+                        max_poll=0.5,
+                        arrivals=arrivals,
+                        also=[*self.registry.ahead.ids(), *self._late_ids],
+                    )
+                )
+                if pushed
+                else []
+            )
             self.round_log.train_seconds = time.perf_counter() - t_push  # push to the last reply pulled
             new_arrays, train_metrics = self.aggregate_train(server_round, replies)
             self.round_log.arrivals = sorted(arrivals.values())
@@ -307,8 +374,11 @@ class HeteroStrategy(Strategy):
                 result.train_metrics_clientapp[server_round] = train_metrics
             row = self._round_row(server_round, train_metrics)
             last = server_round == num_rounds and self.recorder is not None and self._deploy_stats
-            early = (deployment.DeploymentQuery(self._view(), self.state_of(arrays))  # nodes sum while the server evaluates
-                     if last and str(self.cfg.evaluation.bn_stats) != "federated" else None)
+            early = (
+                deployment.DeploymentQuery(self._view(), self.state_of(arrays))  # nodes sum while the server evaluates
+                if last and str(self.cfg.evaluation.bn_stats) != "federated"
+                else None
+            )
             if self._evaluation_due(server_round, num_rounds):
                 t_eval = time.perf_counter()
                 if self.cfg.evaluation.where != "clients":
@@ -326,7 +396,8 @@ class HeteroStrategy(Strategy):
                 if given is not None:
                     row.update(dict(given))
                     result.evaluate_metrics_serverapp[server_round] = MetricRecord(
-                        {**dict(result.evaluate_metrics_serverapp.get(server_round, {})), **dict(given)})
+                        {**dict(result.evaluate_metrics_serverapp.get(server_round, {})), **dict(given)}
+                    )
             if last:
                 self._save_deployment_statistics(server_round, self.state_of(arrays), row, early)
             row["seconds"] = time.perf_counter() - t_round
@@ -341,23 +412,38 @@ class HeteroStrategy(Strategy):
         return result
 
     def _round_row(self, server_round: int, metrics: MetricRecord | None) -> dict[str, Any]:
-        return round_row(server_round, self._lr(server_round), self.round_log, metrics,
-                         {**self.attacks.columns, **self.untrusted.columns}, self.node_label)
+        return round_row(
+            server_round,
+            self._lr(server_round),
+            self.round_log,
+            metrics,
+            {**self.attacks.columns, **self.untrusted.columns},
+            self.node_label,
+        )
 
     # ------------------------------------------------------------------ evaluation (fedhm_flwr/server/evaluation.py)
 
     def _view(self) -> ev.RoundView:
         """What the evaluation is given of this round (never the strategy itself)."""
-        return ev.RoundView(self.cfg, self.method, self.evaluate_fn, self._grid, self.registry, self.wire_arrays,
-                            wire.wire_config(self.wire_dtype), len(self.history) + 1)
+        return ev.RoundView(
+            self.cfg,
+            self.method,
+            self.evaluate_fn,
+            self._grid,
+            self.registry,
+            self.wire_arrays,
+            wire.wire_config(self.wire_dtype),
+            len(self.history) + 1,
+        )
 
     def evaluate_levels(self, global_state: State) -> dict[str, Any]:
         """Server test-set accuracy and loss of the global model and each level's deployable model."""
         self._bn = ev.BnUse("")  # the federated sums of this model version (reused by the deployment statistics)
         return ev.evaluate_levels(self._view(), global_state, self._bn)
 
-    def _save_deployment_statistics(self, server_round: int, global_state: State, row: dict[str, Any],
-                                    early: deployment.DeploymentQuery | None) -> None:
+    def _save_deployment_statistics(
+        self, server_round: int, global_state: State, row: dict[str, Any], early: deployment.DeploymentQuery | None
+    ) -> None:
         """The fixed norm statistics of every level's deployable model (the clients' sBN sums; asked
         ``early`` or now, reusing what the final evaluation asked), saved beside the final checkpoint
         for ``fedhm export``, and each model's accuracy with them (docs/METHODS.md#deployable-statistics)."""
@@ -378,8 +464,13 @@ class HeteroStrategy(Strategy):
         return server_round == num_rounds or (every > 0 and server_round % every == 0)
 
     def checkpoint_state(self, server_round: int) -> dict[str, Any]:
-        return {"round": server_round, "history": self.history, "method": self.method.strategy_state(),
-                "method_name": self.name, "nodes": self.registry.state()}
+        return {
+            "round": server_round,
+            "history": self.history,
+            "method": self.method.strategy_state(),
+            "method_name": self.name,
+            "nodes": self.registry.state(),
+        }
 
     def restore(self, checkpoint: dict[str, Any]) -> None:
         """Continue after the checkpoint's round (draws are derived from seed and round)."""

@@ -190,8 +190,7 @@ class Untrusted:
         payload = reply.sent
         cached = self._references.get(id(payload))
         if cached is None or cached[0] is not payload:
-            sent = wire.from_wire(ArrayRecord.from_array_dict(payload.arrays).to_torch_state_dict(),
-                                  self.wire_dtype)
+            sent = wire.from_wire(ArrayRecord.from_array_dict(payload.arrays).to_torch_state_dict(), self.wire_dtype)
             sent = {k: sent[k] for k in reply.state}
             state, _ = self.method.recovered(dataclasses.replace(reply, state=sent), global_state)
             cached = self._references[id(payload)] = (payload, state)
@@ -227,8 +226,12 @@ class Untrusted:
                 if _finite(new):
                     return new
         except Exception:  # noqa: BLE001
-            log(ERROR, "round %d: the merge fails without the replies that fail alone:\n%s", server_round,
-                traceback.format_exc())
+            log(
+                ERROR,
+                "round %d: the merge fails without the replies that fail alone:\n%s",
+                server_round,
+                traceback.format_exc(),
+            )
         self.rejected = [(r.node_id, why) for r in replies]
         return global_state
 
@@ -240,14 +243,17 @@ class Untrusted:
         values = [v for v, _ in recovered]
         coverages = [c for _, c in recovered]
         refs = [global_state] * len(replies) if self.dp.enabled else [self.reference(r, global_state) for r in replies]
-        updates = [{k: v[k].to(torch.float64) - ref[k].to(torch.float64) for k in v if v[k].is_floating_point()}
-                   for v, ref in zip(values, refs)]
+        updates = [
+            {k: v[k].to(torch.float64) - ref[k].to(torch.float64) for k in v if v[k].is_floating_point()}
+            for v, ref in zip(values, refs)
+        ]
         finite = robust.finite_updates(updates)
         if not finite.all():  # refused like a malformed reply, before any defence
             for r in (r for r, ok in zip(replies, finite) if not ok):
                 self.rejected.append((r.node_id, "recovered update holds NaN or Inf"))
-            replies, values, coverages, refs, updates = ([x for x, k in zip(seq, finite) if k] for seq in
-                                                         (replies, values, coverages, refs, updates))
+            replies, values, coverages, refs, updates = (
+                [x for x, k in zip(seq, finite) if k] for seq in (replies, values, coverages, refs, updates)
+            )
         norms = robust.update_norms(updates, coverages)
         if len(norms):
             self.columns["update_norm_max"] = float(norms.max())  # not private (see the module docstring)
@@ -259,8 +265,9 @@ class Untrusted:
             keep = robust.outlier_keep(norms, float(self.agg.outlier_z))
             dropped = [r.label for r, k in zip(replies, keep) if not k]
             self.columns.update({"robust_rejected": len(dropped), "robust_rejected_nodes": json.dumps(dropped)})
-            replies, values, coverages, refs, updates = ([x for x, k in zip(seq, keep) if k] for seq in
-                                                         (replies, values, coverages, refs, updates))
+            replies, values, coverages, refs, updates = (
+                [x for x, k in zip(seq, keep) if k] for seq in (replies, values, coverages, refs, updates)
+            )
             norms = norms[keep]
         mode = str(self.agg.robust)
         if mode == "none":
@@ -277,8 +284,10 @@ class Untrusted:
             scales = robust.clip_scales(norms, max(bound, 1e-12))
             self.columns.update({"clip_bound": bound, "clipped": int((scales < 1).sum())})
             values = [_shifted(v, ref, u, a) for v, ref, u, a in zip(values, refs, updates, scales)]
-        masks = [robust.with_class_rows(v, c, r.class_counts > 0, s.classifier_keys)
-                 for v, c, r in zip(values, coverages, replies)]
+        masks = [
+            robust.with_class_rows(v, c, r.class_counts > 0, s.classifier_keys)
+            for v, c, r in zip(values, coverages, replies)
+        ]
         rule = "mean" if mode == "clip" else mode
         weights = s.reply_weights(replies) if rule == "mean" else None
         return robust.combine(global_state, values, masks, rule, weights, float(self.agg.trim_fraction))
@@ -295,9 +304,16 @@ class Untrusted:
         q = float(self.cfg.fraction_train)
         assert self.accountant is not None
         self.accountant.step(q, sigma)
-        self.columns.update({"dp_clipped": int((scales < 1).sum()), "dp_noise_std": std, "dp_q": q,
-                             "dp_sigma": sigma, "dp_expected_clients": m,
-                             "dp_epsilon": self.accountant.epsilon(float(self.dp.delta))})
+        self.columns.update(
+            {
+                "dp_clipped": int((scales < 1).sum()),
+                "dp_noise_std": std,
+                "dp_q": q,
+                "dp_sigma": sigma,
+                "dp_expected_clients": m,
+                "dp_epsilon": self.accountant.epsilon(float(self.dp.delta)),
+            }
+        )
         return new
 
     def _replay(self, server_round: int) -> None:
@@ -313,15 +329,27 @@ class Untrusted:
         rows = self.history
         out: dict[str, Any] = {}
         if str(self.attack.kind) != "none":
-            out.update({"attack": str(self.attack.kind), "attack_fraction": float(self.attack.fraction),
-                        "attackers_sampled": int(sum(r.get("attackers_count", 0) for r in rows))})
+            out.update(
+                {
+                    "attack": str(self.attack.kind),
+                    "attack_fraction": float(self.attack.fraction),
+                    "attackers_sampled": int(sum(r.get("attackers_count", 0) for r in rows)),
+                }
+            )
         if self.active:
-            out.update({"robust": str(self.agg.robust),
-                        "robust_rejected": int(sum(r.get("robust_rejected", 0) for r in rows))})
+            out.update(
+                {"robust": str(self.agg.robust), "robust_rejected": int(sum(r.get("robust_rejected", 0) for r in rows))}
+            )
         if self.dp.enabled:
             eps = [r["dp_epsilon"] for r in rows if r.get("dp_epsilon") is not None]
-            out.update({"dp_epsilon": eps[-1] if eps else 0.0, "dp_delta": float(self.dp.delta),
-                        "dp_noise_multiplier": float(self.dp.noise_multiplier), "dp_clip": float(self.dp.clip)})
+            out.update(
+                {
+                    "dp_epsilon": eps[-1] if eps else 0.0,
+                    "dp_delta": float(self.dp.delta),
+                    "dp_noise_multiplier": float(self.dp.noise_multiplier),
+                    "dp_clip": float(self.dp.clip),
+                }
+            )
         return out
 
 
@@ -341,4 +369,3 @@ def _shifted(value: State, reference: State, update: State, scale: float) -> Sta
         moved = reference[key].to(torch.float64) + (float(scale) * delta if scale > 0 else 0.0)
         out[key] = moved.to(value[key].dtype)
     return out
-

@@ -39,8 +39,9 @@ def class_holds(replies: Sequence[Any]) -> np.ndarray:
 
 def record_bytes(state: dict[str, torch.Tensor]) -> int:
     """Bytes of ``state`` in a message, counted as the round counts them (``ArrayRecord.count_bytes``)."""
-    return int(ArrayRecord.from_torch_state_dict({k: v.detach().float().contiguous() for k, v in state.items()})
-               .count_bytes())
+    return int(
+        ArrayRecord.from_torch_state_dict({k: v.detach().float().contiguous() for k, v in state.items()}).count_bytes()
+    )
 
 
 def trained_costs(model: nn.Module, head_keys: list[str]) -> Costs:
@@ -55,8 +56,14 @@ def trained_costs(model: nn.Module, head_keys: list[str]) -> Costs:
     }
 
 
-def level_costs(spec: dict[str, Any] | None, cfg: Any, *, frozen_backbone: bool, head_keys: list[str],
-                extra: Callable[[nn.Module, Costs], Costs]) -> Costs:
+def level_costs(
+    spec: dict[str, Any] | None,
+    cfg: Any,
+    *,
+    frozen_backbone: bool,
+    head_keys: list[str],
+    extra: Callable[[nn.Module, Costs], Costs],
+) -> Costs:
     """The costs of the model ``spec`` describes (``{}`` when None), refined by ``extra(model, costs)``.
 
     ``frozen_backbone=False``: :func:`model_costs`, counted on a shapes-only (meta) model.

@@ -40,11 +40,20 @@ def family_config(cfg: DictConfig) -> DictConfig:
     m = cfg.method
     level = 1.0 if str(m.variant) == "full" else min(float(r) for r in cfg.levels.ratios)
     if str(m.family) == "fedhm":
-        inner = {"name": "fedhm", "tau": float("inf"), "weight_by_samples": True, "rho": m.rho,
-                 "frobenius_decay": bool(m.frobenius_decay)}
+        inner = {
+            "name": "fedhm",
+            "tau": float("inf"),
+            "weight_by_samples": True,
+            "rho": m.rho,
+            "frobenius_decay": bool(m.frobenius_decay),
+        }
     else:
-        inner = {"name": "heterofl", "scaler": bool(m.scaler), "grad_clip": float(m.grad_clip),
-                 "weight_by_samples": True}
+        inner = {
+            "name": "heterofl",
+            "scaler": bool(m.scaler),
+            "grad_clip": float(m.grad_clip),
+            "weight_by_samples": True,
+        }
     return _one_level_config(cfg, level, inner)
 
 

@@ -69,10 +69,14 @@ class FedHM(Method):
         reused while the layer's weight is unchanged (same tensor, or equal content: the evaluation and
         the next round receive the merged state through a fresh ArrayRecord; a tensor changed in place
         since is not)."""
+
         def fresh(name: str) -> bool:
             cached, weight = self._factor_cache.get(name), global_state[f"{name}.weight"]
-            return cached is not None and cached[0]._version == cached[1] and (cached[0] is weight or (
-                cached[0].shape == weight.shape and torch.equal(cached[0], weight)))
+            return (
+                cached is not None
+                and cached[0]._version == cached[1]
+                and (cached[0] is weight or (cached[0].shape == weight.shape and torch.equal(cached[0], weight)))
+            )
 
         stale = [name for name in self.factorized if not fresh(name)]
         for name, svd in compute_svds(global_state, stale, self.layer_ranks, self.svd_tolerance).items():
@@ -95,9 +99,14 @@ class FedHM(Method):
         too). Recognised by the global state's tensors themselves (held, so never confused with
         later ones) and their version counters (an in-place change makes them new)."""
         held = self._level_states.get(level_index)
-        if held is not None and len(held[0]) == len(global_state) and all(
+        if (
+            held is not None
+            and len(held[0]) == len(global_state)
+            and all(
                 key == k and tensor is t and tensor._version == v
-                for (key, tensor), (k, t, v) in zip(global_state.items(), held[0])):
+                for (key, tensor), (k, t, v) in zip(global_state.items(), held[0])
+            )
+        ):
             return dict(held[1])
         state = factorize_state(global_state, self.ranks[level_index], factors=self._factors(global_state))
         self._level_states[level_index] = ([(k, t, t._version) for k, t in global_state.items()], state)

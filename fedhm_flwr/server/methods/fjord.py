@@ -23,7 +23,6 @@ from typing import Any
 
 from fedhm_flwr.config.methods import FjORDOptions
 from fedhm_flwr.math import fjord, width
-
 from fedhm_flwr.server.methods.heterofl import HeteroFL
 from fedhm_flwr.server.methods.method import State
 

@@ -53,16 +53,28 @@ class HeteroFL(Method):
         self.match = str(cfg.levels.get("match", "none"))
         if self.match != "none":
             self.rates, self.fedhm_costs = matching.matched_rates(
-                self.spec, self.levels, resource=self.match.removeprefix("fedhm_"),
-                batch_size=int(cfg.train.batch_size), momentum=float(cfg.train.momentum))
+                self.spec,
+                self.levels,
+                resource=self.match.removeprefix("fedhm_"),
+                batch_size=int(cfg.train.batch_size),
+                momentum=float(cfg.train.momentum),
+            )
         self.current_round = 1
         self._plans: dict[tuple[int, int], width.Plan] = {}
 
     def summary_lines(self) -> list[tuple[int, str, tuple[Any, ...]]]:
         if self.fedhm_costs is None:
             return []
-        return [(INFO, "\t└──> Budget-matched widths (levels.match=%s): %s",
-                 (self.match, ", ".join(f"level {g:g} -> rate {r:g}" for g, r in zip(self.levels, self.rates)),))]
+        return [
+            (
+                INFO,
+                "\t└──> Budget-matched widths (levels.match=%s): %s",
+                (
+                    self.match,
+                    ", ".join(f"level {g:g} -> rate {r:g}" for g, r in zip(self.levels, self.rates)),
+                ),
+            )
+        ]
 
     # -- plans
 
@@ -96,8 +108,7 @@ class HeteroFL(Method):
         plans = [self.plan(r.level_index, server_round) for r in replies]
         weights = [float(r.num_examples) for r in replies] if self.weight_by_samples else None
         holds = class_holds(replies)
-        return width.aggregate(global_state, [r.state for r in replies], plans, weights, holds,
-                               self.classifier_keys)
+        return width.aggregate(global_state, [r.state for r in replies], plans, weights, holds, self.classifier_keys)
 
     def recovered(self, reply: Reply, global_state: State) -> tuple[State, State]:
         """The reply's width slice scattered into the global shapes (zeros elsewhere: uncovered

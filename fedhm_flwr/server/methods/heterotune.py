@@ -106,13 +106,19 @@ class HeteroTune(Method):
     def train_spec(self, i: int) -> dict[str, Any]:
         """Type ``i``'s training model: DeMA with the bank of each of its slots, own share ``i``."""
         members = [self.members[k] if self.bank else [] for k in range(self.depths[i])]
-        return {**self.type_specs[i], "dema": {"bottleneck": self.h, "members": members,
-                                               "own": i if self.bank else None}, "trainable_only": True}
+        return {
+            **self.type_specs[i],
+            "dema": {"bottleneck": self.h, "members": members, "own": i if self.bank else None},
+            "trainable_only": True,
+        }
 
     def deploy_spec(self, i: int) -> dict[str, Any]:
         """Type ``i``'s deployable model: plain adapters (the bank merged in)."""
-        return {**self.type_specs[i], "dema": {"bottleneck": self.h, "members": None, "own": None},
-                "trainable_only": True}
+        return {
+            **self.type_specs[i],
+            "dema": {"bottleneck": self.h, "members": None, "own": None},
+            "trainable_only": True,
+        }
 
     # -- state
 
@@ -134,7 +140,7 @@ class HeteroTune(Method):
 
     def level_payload(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State, dict[str, Any]]:
         i, prefix = level_index, type_prefix(level_index)
-        state = {k[len(prefix):]: v for k, v in global_state.items() if k.startswith(prefix)}
+        state = {k[len(prefix) :]: v for k, v in global_state.items() if k.startswith(prefix)}
         if self.bank:
             for k in range(self.depths[i]):
                 for j in self.members[k]:
@@ -154,7 +160,7 @@ class HeteroTune(Method):
         out = {k: v for k, v in state.items() if not k.startswith("adapters.")}
         for k in range(self.depths[level_index]):
             prefix = f"adapters.{k}."
-            local = {key[len(prefix):]: v for key, v in state.items() if key.startswith(prefix)}
+            local = {key[len(prefix) :]: v for key, v in state.items() if key.startswith(prefix)}
             merged = merge_dema(local, self.members[k] if self.bank else [])
             out.update({prefix + key: v for key, v in merged.items()})
         return self.deploy_spec(level_index), out
@@ -180,8 +186,12 @@ class HeteroTune(Method):
             averaged = average_states(previous, [r.state for r in group], w, holds, self.classifier_keys)
             new.update({prefix + k: v for k, v in averaged.items()})
             shares = [k for k in group[0].state if is_share(k)]
-            share_means[i] = {k: torch.tensordot(torch.as_tensor(w), torch.stack(
-                [r.state[k].to(torch.float64) for r in group]), dims=1) for k in shares}
+            share_means[i] = {
+                k: torch.tensordot(
+                    torch.as_tensor(w), torch.stack([r.state[k].to(torch.float64) for r in group]), dims=1
+                )
+                for k in shares
+            }
         if self.bank:
             new.update(self._merge_shares(global_state, share_means))
         return new
@@ -201,8 +211,10 @@ class HeteroTune(Method):
             if not present:
                 continue
             keys = {i: [f"adapters.{k}.share_{site}.{i}" for site in SITES] for i in present}
-            deltas = [torch.cat([(means[i][key] - global_state[key].to(torch.float64)).flatten() for key in keys[i]])
-                      for i in present]
+            deltas = [
+                torch.cat([(means[i][key] - global_state[key].to(torch.float64)).flatten() for key in keys[i]])
+                for i in present
+            ]
             G = torch.stack(deltas, dim=1)
             G_new = cmga(G, self.cmga_scale, self.cmga_eps) if self.use_cmga else G
             for col, i in enumerate(present):
@@ -210,7 +222,9 @@ class HeteroTune(Method):
                 for key in keys[i]:
                     prev = global_state[key]
                     size = prev.numel()
-                    out[key] = (prev.to(torch.float64) + G_new[offset:offset + size, col].view_as(prev)).to(prev.dtype)
+                    out[key] = (prev.to(torch.float64) + G_new[offset : offset + size, col].view_as(prev)).to(
+                        prev.dtype
+                    )
                     offset += size
         return out
 
@@ -236,8 +250,9 @@ class HeteroTune(Method):
             "share_params": float(share),
             "head_params": costs["head_params"],
             "frozen_params": costs["frozen_params"],
-            "deployed_adapter_params": float(sum(p.numel() for n, p in deployed.named_parameters()
-                                                 if n.startswith("adapters."))),
+            "deployed_adapter_params": float(
+                sum(p.numel() for n, p in deployed.named_parameters() if n.startswith("adapters."))
+            ),
             "bytes_up": costs["bytes_up"],
             "bytes_down": float(record_bytes(received)),
         }

@@ -68,8 +68,12 @@ class LevelCosts(Sequence):
         if index not in self._cache:
             m = self._method
             self._cache[index] = common.level_costs(
-                m.cost_spec(index), m.cfg, frozen_backbone=m.frozen_backbone, head_keys=m.classifier_keys,
-                extra=lambda model, costs: m.extra_costs(index, model, costs))
+                m.cost_spec(index),
+                m.cfg,
+                frozen_backbone=m.frozen_backbone,
+                head_keys=m.classifier_keys,
+                extra=lambda model, costs: m.extra_costs(index, model, costs),
+            )
         return self._cache[index]
 
 
@@ -133,9 +137,11 @@ class Method(ABC):
         Default (FedHM and every method whose replies are full-shape or hybrid low-rank): every
         factorized layer ``L.a.weight``/``L.b.weight`` recovered to ``L.weight = A·B`` at the rank
         the factors have, ``L.a.bias -> L.bias``; the reply covers everything it holds."""
-        ranks = {key[:-len(".b.weight")]: int(reply.state[key[:-len(".b.weight")] + ".a.weight"].shape[1])
-                 for key in reply.state if key.endswith(".b.weight")
-                 and key[:-len(".b.weight")] + ".a.weight" in reply.state}
+        ranks = {
+            key[: -len(".b.weight")]: int(reply.state[key[: -len(".b.weight")] + ".a.weight"].shape[1])
+            for key in reply.state
+            if key.endswith(".b.weight") and key[: -len(".b.weight")] + ".a.weight" in reply.state
+        }
         return (recover_state(reply.state, ranks) if ranks else dict(reply.state)), None
 
     def reply_weights(self, replies: list[Reply]) -> np.ndarray | None:

@@ -171,8 +171,9 @@ class PriSM(Method):
         holds = class_holds(replies)
         # FedAvg of every parameter sent whole (decomposed layers' weights are absent from the
         # replies and keep their values here; they are replaced below)
-        new = average_states(global_state, [r.state for r in replies], counts / counts.sum(), holds,
-                             self.classifier_keys)
+        new = average_states(
+            global_state, [r.state for r in replies], counts / counts.sum(), holds, self.classifier_keys
+        )
         for name in self.layers:
             contributions = []
             for r in replies:
@@ -215,9 +216,13 @@ class PriSM(Method):
         """Nothing a resume needs: the factored form is the SVD of the checkpointed global weights
         (recomputed bit for bit) and the draws depend only on (seed, round, partition). The
         settings are kept for the record."""
-        return {"sampling": self.sampling, "kappa": self.kappa, "u_subset": self.u_subset,
-                "u_subset_rows": self.u_rows, "layers": self.layers}
+        return {
+            "sampling": self.sampling,
+            "kappa": self.kappa,
+            "u_subset": self.u_subset,
+            "u_subset_rows": self.u_rows,
+            "layers": self.layers,
+        }
 
     def load_strategy_state(self, state: dict[str, Any]) -> None:
         self.factored, self._source, self._probabilities, self.draws = {}, {}, {}, {}
-
