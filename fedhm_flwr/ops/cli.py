@@ -22,7 +22,6 @@ from fedhm_flwr.ops.outcome import fedhm_commands, report_finished, report_stop
 from fedhm_flwr.ops.procs import Interrupted, on_signals
 from fedhm_flwr.ops.progress import run_with_progress
 from fedhm_flwr.ops.status import main as status_main
-from fedhm_flwr.ops.superlink import app_bundle_bytes, check_stage_dest, stage_app
 
 
 @dataclass(frozen=True)
@@ -98,27 +97,6 @@ def cmd_status(argv: list[str]) -> int:
     parser.add_argument("--wait", action="store_true", help="wait while the run is still running, then report")
     args = parser.parse_args(argv)
     return status_main(args.run_dir, wait=args.wait)
-
-
-# --------------------------------------------------------------------------- stage
-
-
-def cmd_stage(argv: list[str]) -> int:
-    parser = _parser("stage")
-    parser.add_argument("dest", type=Path, help="the folder to stage the app in: new, empty, or an earlier stage "
-                                                "(replaced)")
-    args = parser.parse_args(argv)
-    try:
-        dest = check_stage_dest(args.dest)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    app = stage_app(dest)
-    size = app_bundle_bytes(app)
-    print(f"staged the app in {app}: `flwr run` sends it as a {size / 1e6:.2f} MB bundle ({size} bytes)",
-          file=sys.stderr)
-    print(app)  # alone on stdout: flwr run "$(fedhm stage DEST)" ...
-    return 0
 
 
 # --------------------------------------------------------------------------- delegated commands
@@ -200,7 +178,8 @@ COMMANDS: dict[str, Command] = {
                      "outputs) to DEST and print DEST: what `flwr run DEST <connection>` sends to the SuperLink and "
                      "every device, as `fedhm deploy-local` does (docs/DEPLOY.md).",
                      ("fedhm stage /srv/fedhm/app", 'flwr run "$(fedhm stage /tmp/fedhm-app)" fedhm --stream'),
-                     cmd_stage, short="the app alone, staged for `flwr run` on real devices (not tests/ docs/ results/)"),
+                     _delegate("stage"), "fedhm_flwr.ops.stage",
+                     "the app alone, staged for `flwr run` on real devices (not tests/ docs/ results/)"),
     "inspect": Command("Per-level parameters, MACs and payload bytes of a configuration, and FedHM's per-layer plan, without training.",
                        ("fedhm inspect model=resnet18 dataset=cifar10", "fedhm inspect levels.ratios=[1,0.5,0.25] --json",
                         "fedhm inspect model.target=torchvision.models:resnet18 model.kwargs.num_classes=10 dataset=cifar10"),

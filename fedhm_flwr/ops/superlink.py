@@ -51,39 +51,6 @@ def stage_app(dest: Path) -> Path:
     return dest
 
 
-def check_stage_dest(dest: Path) -> Path:
-    """Where :func:`stage_app` may write for ``fedhm stage DEST``, resolved; ValueError naming DEST otherwise.
-
-    :func:`stage_app` empties its destination first, so DEST must be new, empty or an earlier stage
-    (nothing but :data:`APP_CONTENT` in it), never a file, the checkout or a folder inside the app's
-    own files (copied into itself). The app is staged from a checkout (``pip install -e .``): a
-    plain install has no ``pyproject.toml`` to stage."""
-    if not (APP_DIR / "pyproject.toml").is_file():
-        raise ValueError(f"no pyproject.toml in {APP_DIR}: the app is staged from a checkout of the repository "
-                         "(installed with `pip install -e .`)")
-    target = dest.expanduser().resolve()
-    if target == APP_DIR or target in APP_DIR.parents:
-        raise ValueError(f"DEST {dest} is the checkout or a folder above it: choose a folder of its own")
-    inside = [name for name in APP_CONTENT if target == APP_DIR / name or (APP_DIR / name) in target.parents]
-    if inside:
-        raise ValueError(f"DEST {dest} lies in the app's own files ({APP_DIR / inside[0]}): choose a folder outside them")
-    if target.exists() and not target.is_dir():
-        raise ValueError(f"DEST {dest} is a file: give a folder (new, empty, or an earlier `fedhm stage` folder)")
-    if target.is_dir():
-        other = sorted(p.name for p in target.iterdir() if p.name not in APP_CONTENT)
-        if other:
-            raise ValueError(f"DEST {dest} holds other files ({', '.join(other[:5])}{' ...' if len(other) > 5 else ''}); "
-                             "give a new or empty folder, or an earlier `fedhm stage` folder (it is replaced)")
-    return target
-
-
-def app_bundle_bytes(app: Path) -> int:
-    """The size of the Flower App Bundle that ``flwr run <app>`` builds from ``app`` and sends (Flower's own builder)."""
-    from flwr.cli.build import build_fab_from_disk
-
-    return len(build_fab_from_disk(app))
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
