@@ -189,23 +189,25 @@ def test_deploy_md_walkthrough_runs_as_written_on_loopback(tmp_path):
         status, export_model = [line for line in _only(walk, "fedhm export").splitlines() if line.strip()]
         assert bash(local(status)).returncode == 0
         bash(local(export_model))
-        assert list((tmp_path / "run1").glob("export*")) or list((tmp_path / "run1").rglob("*.safetensors"))
+        run1 = tmp_path / "srv" / "run1"  # /srv/fedhm/run1
+        assert list(run1.glob("export*")) or list(run1.rglob("*.safetensors"))
         # normalised with the deployment statistics the devices sent after the last round (over the wire:
         # tests/test_deployable.py checks such exports for batch independence after in-process runs)
-        (card,) = (tmp_path / "run1").glob("export/*/model_card.json")
+        (card,) = run1.glob("export/*/model_card.json")
         assert json.loads(card.read_text())["normalisation"]["statistics"] == "federated", card.read_text()
         # what shipped: the staged app, installed in each role's own FLWR_HOME, none of it in ~/.flwr
-        homes = [tmp_path / "var-lib-fedhm" / "flwr-home", *(tmp_path / "var-lib-fedhm" / f"ward-{i}" for i in range(3))]
-        for home in homes:
+        var_lib = tmp_path / "var-lib-fedhm"  # /var/lib/fedhm
+        for home in [var_lib / "flwr-home", *(var_lib / f"ward-{i}" for i in range(3))]:
             (installed,) = (home / "apps").glob("fedhm.fedhm-flwr.*")
             shipped = {f for f in _files(installed) if not f.startswith(".info/")}
             assert {"pyproject.toml", "conf/config.yaml", "fedhm_flwr/ops/client_app.py"} <= shipped <= _files(app)
             assert not {f.split("/")[0] for f in shipped} & {"tests", "docs", "results", "bench", "scripts"}, home
         # 9. the stopped run's stop, as written, on a run Flower has ended: Flower's refusal, then its status; exit 0
         stop_block = _lines(_only(walk, "flwr stop <run-id> fedhm ||"))
-        assert [line.split()[:3] for line in stop_block] == [["fedhm", "status", "/srv/fedhm/run1"],
-                                                              ["flwr", "stop", "<run-id>"], ["flwr", "run", "/srv/fedhm/app"]]
-        assert stop_block[2].startswith(run_block[1].split(" --run-config")[0]) and "resume='/srv/fedhm/run1'" in stop_block[2]
+        assert [line.split()[:3] for line in stop_block] == [
+            ["fedhm", "status", "/srv/fedhm/run1"], ["flwr", "stop", "<run-id>"], ["flwr", "run", "/srv/fedhm/app"]]
+        resume = stop_block[2]
+        assert resume.startswith(run_block[1].split(" --run-config")[0]) and "resume='/srv/fedhm/run1'" in resume
         ended = bash(local(stop_block[1], **{"<run-id>": run_id}))
         assert "[code: 18] Run is already finished" in ended.stderr and "finished:completed" in ended.stdout, ended
         print(f"[test] walk-through to results in {time.monotonic() - t0:.0f} s", flush=True)

@@ -34,13 +34,15 @@ def check_dest(dest: Path) -> Path:
         raise ValueError(f"DEST {dest} is the checkout or a folder above it: choose a folder of its own")
     inside = [name for name in APP_CONTENT if target == APP_DIR / name or (APP_DIR / name) in target.parents]
     if inside:
-        raise ValueError(f"DEST {dest} lies in the app's own files ({APP_DIR / inside[0]}): choose a folder outside them")
+        raise ValueError(f"DEST {dest} lies in the app's own files ({APP_DIR / inside[0]}): "
+                         "choose a folder outside them")
     if target.exists() and not target.is_dir():
         raise ValueError(f"DEST {dest} is a file: give a folder (new, empty, or an earlier `fedhm stage` folder)")
     if target.is_dir():
         other = sorted(p.name for p in target.iterdir() if p.name not in APP_CONTENT)
         if other:
-            raise ValueError(f"DEST {dest} holds other files ({', '.join(other[:5])}{' ...' if len(other) > 5 else ''}); "
+            shown = ", ".join(other[:5]) + (" ..." if len(other) > 5 else "")
+            raise ValueError(f"DEST {dest} holds other files ({shown}); "
                              "give a new or empty folder, or an earlier `fedhm stage` folder (it is replaced)")
     return target
 
