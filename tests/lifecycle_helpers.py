@@ -49,3 +49,31 @@ def descendants(root: int) -> set[int]:
                 found.add(child)
                 todo.append(child)
     return found
+
+
+def program(pid: int) -> str:
+    """The program a process runs (``flwr-clientapp`` also for ``python .../flwr-clientapp ...``); '' when gone."""
+    try:
+        argv = [a for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    except OSError:
+        return ""
+    names = [Path(a.decode(errors="replace")).name for a in argv[:2]]
+    return names[1] if len(names) == 2 and names[0].startswith("python") else (names[0] if names else "")
+
+
+def supernode_starts(needle: str) -> dict[str, dict[int, str]]:
+    """Live processes whose environment mentions ``needle`` (e.g. a deployment's folder), grouped by the
+    ``fedhm supernode`` start they belong to (the value of ``FEDHM_SUPERNODE_TAG`` the wrapper gives a
+    SuperNode and all it starts): {tag: {pid: program}}."""
+    starts: dict[str, dict[int, str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or not is_alive(int(entry.name)):
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        tags = [v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"FEDHM_SUPERNODE_TAG=")]
+        if tags and any(needle.encode() in v for v in environ):
+            starts.setdefault(tags[0], {})[int(entry.name)] = program(int(entry.name))
+    return starts

@@ -7,6 +7,7 @@ import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,7 @@ SUBCOMMANDS = [
     "compare",
     "status",
     "deploy-local",
+    "stage",
     "inspect",
     "summary",
     "shards",
@@ -53,6 +55,42 @@ def test_help_lists_every_subcommand_each_with_an_example(capsys):
 def test_unknown_subcommand_is_refused_naming_the_allowed_ones(capsys):
     assert main(["train"]) == 2
     assert "unknown command 'train'; allowed: ['run', 'resume', 'sweep'" in capsys.readouterr().err
+
+
+def test_stage_ships_the_app_alone_and_refuses_a_destination_it_would_wreck(tmp_path, capsys):
+    """`fedhm stage DEST` (docs/DEPLOY.md's `flwr run` step): the app's packages, conf/ and pyproject
+    in DEST, named alone on stdout; none of tests/, docs/, results/; the bundle Flower builds of it a
+    fraction of the checkout's. A DEST it would empty or copy into itself is refused, untouched."""
+    from flwr.cli.build import build_fab_from_disk
+
+    root = Path(__file__).resolve().parents[1]
+    dest = tmp_path / "app"
+    assert main(["stage", str(dest)]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{dest}\n"
+    staged = {p.name for p in dest.iterdir()}
+    assert {"fedhm_flwr", "strategies", "clients", "conf", "pyproject.toml"} <= staged
+    assert not staged & {"tests", "docs", "results", "bench", "scripts", "outputs", ".venv", "Makefile"}
+    assert (dest / "conf" / "config.yaml").is_file() and (dest / "fedhm_flwr" / "ops" / "server_app.py").is_file()
+    assert not list(dest.rglob("__pycache__"))
+    shipped, whole = len(build_fab_from_disk(dest)), len(build_fab_from_disk(root))  # what `flwr run` sends
+    assert f"({shipped} bytes)" in err and shipped < whole / 3, (shipped, whole)
+    (dest / "fedhm_flwr" / "stale.py").write_text("")
+    assert main(["stage", str(dest)]) == 0 and not (dest / "fedhm_flwr" / "stale.py").exists()  # replaced
+    capsys.readouterr()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    (tmp_path / "a-file").write_text("keep")
+    for bad, says in (
+        (tmp_path / "mine", "holds other files (notes.txt)"),
+        (tmp_path / "a-file", "is a file"),
+        (root / "fedhm_flwr" / "x", "lies in the app's own files"),
+        (root, "the checkout"),
+        (root.parent, "the checkout or a folder above it"),
+    ):
+        assert main(["stage", str(bad)]) == 2, bad
+        assert f"error: DEST {bad} " in (err := capsys.readouterr().err) and says in err, err
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep" and not (root / "fedhm_flwr" / "x").exists()
 
 
 def test_run_refuses_a_bad_value_before_starting_anything(tmp_path, capsys):

@@ -4,8 +4,9 @@ Fast tests: credentials, node-config files, capability specs, the memory estimat
 budget -> level mapping through the in-process grid, what is said of a process that died. Slow
 tests: a SuperLink with TLS and SuperNode authentication and real SuperNodes on loopback (``flwr
 run``, 2 rounds), the refusal of an unregistered key and of a node without the CA certificate, a
-SuperLink stopped with SIGTERM mid-run (its ServerApp gone within seconds, ``fedhm status``
-non-zero, the resume going on from the last checkpoint), and the cleanup of every process, also
+SuperLink stopped with SIGTERM mid-round while a ClientApp trains on each device (its ServerApp gone
+within seconds, no process of those SuperNode starts left on either device 30 s later, ``fedhm
+status`` non-zero, the resume going on from the last checkpoint), and the cleanup of every process, also
 when the command fails. The ``fedhm supernode`` wrapper: tests/test_supernode_wrapper.py.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import stat
 import subprocess
@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 from flwr.app import ArrayRecord
 from flwr.common.config import parse_config_args
+from lifecycle_helpers import supernode_starts
 from omegaconf import OmegaConf
 
 from fedhm_flwr import data as D
@@ -172,9 +173,9 @@ def test_credentials_form_a_chain_and_keys_are_what_flower_reads(tmp_path):
 # --------------------------------------------------------------------------- slow
 
 
-#: the TLS test's job: TOY over 2 rounds. A SuperLink stopped right after round 1's checkpoint stops the run in
-#: round 2: a round through real SuperNodes takes seconds (a node polls every 3 s when idle, then starts a
-#: ClientApp process), the test's SIGTERM follows the checkpoint within 0.2 s. No deployment statistics after
+#: the TLS test's job: TOY over 2 rounds. The SuperLink is stopped in round 2, once both devices' ClientApps are
+#: busy with its training (a node polls every 3 s when idle, then starts a ClientApp process that takes seconds to
+#: import torch and train; the test's SIGTERM follows within 0.1 s). No deployment statistics after
 #: the last round (one more query to every node, all levels in it, a ClientApp process each; nothing of an
 #: export is checked here, tests/test_deploy_docs.py exports)
 TLS_JOB = [*TOY, "rounds=2", "evaluation.deploy_stats=false"]
@@ -240,7 +241,8 @@ def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_aft
         assert "No SuperNode found with the given public key" in dep.log_tail("superlink", 400)
         assert "CERTIFICATE_VERIFY_FAILED" in dep.log_tail("no-ca", 200)
 
-        # the run; once round 1 is checkpointed, the SuperLink gets SIGTERM (an operator's `kill <pid>`)
+        # the run; once round 1 is checkpointed and round 2's training has a ClientApp busy on each device (not one
+        # of round 1's), the SuperLink gets SIGTERM (an operator's `kill <pid>`)
         runner = threading.Thread(target=job, daemon=True)
         runner.start()
         deadline = time.monotonic() + 400
@@ -248,8 +250,24 @@ def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_aft
             assert runner.is_alive(), result
             assert time.monotonic() < deadline, "no checkpoint in 400 s"
             time.sleep(0.2)
+        earlier = {pid for start in supernode_starts(str(work)).values() for pid in start}
+        deadline = time.monotonic() + 120
+        while (
+            len(
+                busy := {
+                    tag
+                    for tag, start in supernode_starts(str(work)).items()
+                    if any(name == "flwr-clientapp" and pid not in earlier for pid, name in start.items())
+                }
+            )
+            < 2
+        ):
+            assert runner.is_alive(), result
+            assert time.monotonic() < deadline, f"round 2: a ClientApp busy on {len(busy)} device(s) in 120 s"
+            time.sleep(0.1)
         os.kill(superlink.pid, signal.SIGTERM)
         t_term = time.monotonic()
+        at_stop = {tag: start for tag, start in supernode_starts(str(work)).items() if tag in busy}
         # its ServerApp notices within seconds, records why and exits, freeing the run directory's lock (it
         # used to go on retrying the SuperLink, holding the lock, as long as the SuperLink took to exit)
         while _serverapps(dep.tag) or RunLock.is_held(run_dir):
@@ -272,10 +290,32 @@ def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_aft
         runner.join(120)
         assert not runner.is_alive() and "error" in result, result  # the run did not complete
         assert superlink.wait(timeout=120) is not None
+        # within 30 s of the SIGTERM the ClientApps busy at the stop are gone on both devices (their message done,
+        # or ended with their SuperNode by its wrapper, which starts a SuperNode afresh once the SuperLink's port
+        # has refused connections for 10 s while ClientApps run); 30 s after it no ClientApp runs on any device
+        apps_at_stop = {p for start in at_stop.values() for p, name in start.items() if name == "flwr-clientapp"}
+        while alive_apps := [p for p in apps_at_stop if alive(p)]:
+            assert time.monotonic() - t_term < 30, f"ClientApps {alive_apps} still running 30 s after the SIGTERM"
+            time.sleep(0.2)
+        afresh = [n for n in ("node-0", "node-1") if "starting the SuperNode afresh" in dep.log_tail(n, 400)]
+        print(
+            f"[test] the {len(apps_at_stop)} ClientApps busy at the stop gone {time.monotonic() - t_term:.1f} s "
+            f"after the SuperLink's SIGTERM; SuperNodes started afresh: {afresh or 'none'}",
+            flush=True,
+        )
+        time.sleep(max(0.0, t_term + 30 - time.monotonic()))
+        now = supernode_starts(str(work))
+        assert [p for start in now.values() for p, name in start.items() if name == "flwr-clientapp"] == [], now
+        # a SuperNode started afresh left nothing of its start behind: SuperNode, SuperExec, ClientApps
+        assert len([tag for tag in at_stop if tag not in now]) >= len(afresh), (afresh, at_stop, now)
         left = json.loads((run_dir / FLOWER_RUN_FILE).read_text())  # the run the stopped session left
         assert left["connection"] == dl.CONNECTION and not left["ended"] and left["run_id"], left
 
-        # the same SuperLink (its database) again; the SuperNodes reconnect; the documented resume
+        # the same SuperLink (its database) again, once the old sessions of the SuperNodes started afresh have
+        # lapsed: restarted sooner, it lists them online while it refuses the fresh ones for that window, and a
+        # resume then finds them unavailable (docs/DEPLOY.md, "A SuperLink stopped mid-run")
+        time.sleep(max(0.0, t_term + HEARTBEAT_WINDOW + MARGIN - time.monotonic()))
+        # the SuperNodes reconnect; the documented resume
         # (`flwr run ... --run-config "resume='<output-dir>'"`) goes on from the checkpoint's round
         dep.start_superlink()
         dep.wait_online(["node-0", "node-1"], timeout=180)
@@ -294,7 +334,6 @@ def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_aft
         # ... so they answer within the time a fresh start takes (9-10 s here), plus the old session's window
         # where a wrapper started its SuperNode afresh (its ClientApp was busy when the SuperLink went away)
         startup = re.findall(r"asked for their node info in ([\d.]+)s", dep.log_tail("flwr-run", 400))
-        afresh = any("starting the SuperNode afresh" in dep.log_tail(n, 400) for n in ("node-0", "node-1"))
         assert len(startup) == 2 and float(startup[-1]) < 40 + (HEARTBEAT_WINDOW + MARGIN if afresh else 0), startup
 
         nodes = {n["node-id"]: n for n in dep.nodes()}
@@ -307,7 +346,7 @@ def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_aft
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [r["round"] for r in rows] == [1, 2]
         for row in rows:
-            assert json.loads(row["assignments"]) == expected  # each node trained the level it can afford
+            assert json.loads(row["assignments"]) == expected, row  # each node trained the level it can afford
             assert row["replies"] == 2 and row["failures"] == 0 and row["rejected"] == 0
     finally:
         dep.close()
@@ -396,52 +435,3 @@ def test_a_deployment_names_the_process_that_died_with_its_exit_and_its_last_lin
     finally:
         dep.close()
     assert tagged_pids(dep.tag) == []
-
-
-def _deploy_md_blocks() -> list[str]:
-    text = (ROOT / "docs" / "DEPLOY.md").read_text()
-    return re.findall(r"```bash\n(.*?)```", text, flags=re.S)
-
-
-def test_deploy_md_credential_commands_write_the_files_it_names(tmp_path):
-    """DEPLOY.md's credential commands, run as written (in a scratch folder): the files its table and
-    its register commands name are the ones written, and the certificate chain holds."""
-    text = (ROOT / "docs" / "DEPLOY.md").read_text()
-    (manual,) = [b for b in _deploy_md_blocks() if "ssh-keygen" in b]
-    if shutil.which("openssl") and shutil.which("ssh-keygen"):
-        done = subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", manual], cwd=tmp_path, capture_output=True, text=True, timeout=60
-        )
-        assert done.returncode == 0, done.stderr
-        for name in ("ca.pem", "ca.key", "server.pem", "server.key", "node.key", "node.key.pub"):
-            assert (tmp_path / name).is_file(), name
-        assert not (tmp_path / "node.pub").exists()  # ssh-keygen's public key is node.key.pub, as the docs say
-        assert "`node.key.pub`" in text
-        verify = subprocess.run(
-            ["openssl", "verify", "-CAfile", "ca.pem", "server.pem"], cwd=tmp_path, capture_output=True, text=True
-        )
-        assert verify.returncode == 0, verify.stdout + verify.stderr
-        load_ssh_public_key((tmp_path / "node.key.pub").read_bytes())  # what `flwr supernode register` reads
-    line = [ln for b in _deploy_md_blocks() for ln in b.splitlines() if "--credentials-only" in ln][0]
-    args = line.split("#")[0].split()
-    assert args[:2] == ["fedhm", "deploy-local"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    out = subprocess.run([*FEDHM, *args[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
-    assert out.returncode == 0, out.stderr
-    creds = tmp_path / args[args.index("--credentials-only") + 1]
-    for path in re.findall(r"^\| `((?:ca|superlink|supernodes)/[^`]+)`", text, flags=re.M):
-        assert (creds / path.replace("<i>", "0")).is_file(), path
-    # the register commands name a file that exists there (paths from the credentials folder or its parent)
-    registered = [p.replace("<i>", "0").replace("$i", "0") for p in re.findall(r"flwr supernode register (\S+)", text)]
-    assert registered and all((creds / path).is_file() or (tmp_path / path).is_file() for path in registered), (
-        registered
-    )
-
-
-def test_deploy_md_says_where_the_serverapp_lines_are_and_gives_each_local_supernode_a_port():
-    text = (ROOT / "docs" / "DEPLOY.md").read_text()
-    assert "flwr log <run-id> fedhm" in text and "## Stopping a device" in text
-    assert "SIGKILL" in text and "flower-superexec" in text and "flwr-clientapp" in text
-    # the exit 1 / code 2004 row is not blamed on an unregistered key only
-    assert len([ln for ln in text.splitlines() if "[code: 2004]" in ln and ln.startswith("|")]) == 2
-    assert "own `--port`" in text

@@ -213,7 +213,7 @@ def test_shard_only_nodes_keep_their_levels_through_a_late_join_and_a_restart(de
     assert [r["failures"] for r in rows] == [0, 1, 0]
     assert rows[2]["sampled"] == 3 and rows[2]["replies"] == 3  # the returning node trained with the others
     # the restart: refused while the SuperLink held the old session, then started again by the wrapper,
-    # back under the same node id (with SuperNode authentication, Flower 1.41 keeps a node's id)
+    # back under the same node id (with SuperNode authentication, Flower 1.42 keeps a node's id)
     assert "[code: 2004] Failed to activate SuperNode" in out.logs["node-1"]
     assert "[fedhm supernode] the SuperLink refused to activate this node" in out.logs["node-1"]
     assert f"node p1 (node id {node_ids['node-1']}) left (node unavailable)" in text

@@ -206,6 +206,15 @@ COMMANDS: dict[str, Command] = {
         "fedhm_flwr.ops.deploy_local",
         "SuperLink (TLS, node auth) + N SuperNodes on loopback, runs the job",
     ),
+    "stage": Command(
+        "Copy the app alone (its packages, conf/, pyproject.toml; not tests/, docs/, results/, "
+        "outputs) to DEST and print DEST: what `flwr run DEST <connection>` sends to the SuperLink and "
+        "every device, as `fedhm deploy-local` does (docs/DEPLOY.md).",
+        ("fedhm stage /srv/fedhm/app", 'flwr run "$(fedhm stage /tmp/fedhm-app)" fedhm --stream'),
+        _delegate("stage"),
+        "fedhm_flwr.ops.stage",
+        "the app alone, staged for `flwr run` on real devices (not tests/ docs/ results/)",
+    ),
     "inspect": Command(
         "Per-level parameters, MACs and payload bytes of a configuration, and FedHM's per-layer plan, without training.",
         (

@@ -181,9 +181,10 @@ class FlowerJob:
         Nothing while another session holds the run directory's lock (:class:`RunLock`): its run is
         live. With the lock free or this job's own, no session of the directory is live, and that run
         is left over. Why stop it: a SuperLink restarted from its database keeps a run whose
-        ServerApp died ``running`` until that ServerApp's heartbeats lapse, and the SuperNodes wait
-        on the run's lost messages all that time (45 s here, Flower 1.41) before they answer the
-        next run."""
+        ServerApp died ``running`` until that ServerApp's heartbeats lapse (2 × 30 s after its last
+        one, Flower 1.42), and the SuperNodes wait on the run's lost messages all that time before
+        they answer the next run. Once they have lapsed Flower has ended the run itself and refuses
+        the stop (``[code: 18] Run is already finished``): False, and nothing is left to do."""
         try:
             earlier = json.loads(path.read_text())
         except (OSError, ValueError):
