@@ -327,7 +327,7 @@ def test_deploy_md_credential_commands_write_the_files_it_names(tmp_path):
         )
         assert verify.returncode == 0, verify.stdout + verify.stderr
         load_ssh_public_key((tmp_path / "node.key.pub").read_bytes())  # what `flwr supernode register` reads
-    line = [ln for b in _deploy_md_blocks() for ln in b.splitlines() if "--credentials-only" in ln][0]
+    line = next(ln for b in _deploy_md_blocks() for ln in b.splitlines() if "--credentials-only" in ln)
     args = line.split("#")[0].split()
     assert args[:2] == ["fedhm", "deploy-local"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}

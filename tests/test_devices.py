@@ -129,7 +129,7 @@ def run_deployment(tmp_path: Path, stop: threading.Event | None = None) -> Outco
     def job() -> None:
         try:
             result["summary"] = dep.run_job(JOB, run_dir, timeout=900, echo=False)
-        except BaseException as err:  # reported by the deployment's thread
+        except BaseException as err:  # noqa: BLE001  any failure of the job thread is reported by the deployment's thread
             result["error"] = err
 
     def rounds_done() -> int:

@@ -82,7 +82,7 @@ def cmd_resume(argv: list[str]) -> int:
     return _run_job(split_overrides(args.overrides), None, args.run_dir.resolve(), not args.no_progress)
 
 
-# --------------------------------------------------------------------------- sweep, compare (fedhm_flwr/ops/multirun.py)
+# ------------------------------------------------------------------------- sweep, compare (fedhm_flwr/ops/multirun.py)
 
 
 def cmd_sweep(argv: list[str]) -> int:
@@ -216,7 +216,8 @@ COMMANDS: dict[str, Command] = {
         "the app alone, staged for `flwr run` on real devices (not tests/ docs/ results/)",
     ),
     "inspect": Command(
-        "Per-level parameters, MACs and payload bytes of a configuration, and FedHM's per-layer plan, without training.",
+        "Per-level parameters, MACs and payload bytes of a configuration, and FedHM's per-layer plan, "
+        "without training.",
         (
             "fedhm inspect model=resnet18 dataset=cifar10",
             "fedhm inspect levels.ratios=[1,0.5,0.25] --json",
