@@ -68,7 +68,7 @@ class Background:
     def _run(self) -> None:
         try:
             self._outcome["value"] = self.target(*self.args, stop=self.stop)
-        except BaseException as err:  # raised again by result(), in the test that asks
+        except BaseException as err:  # noqa: BLE001  raised again by result(), in the test that asks
             self._outcome["error"] = err
 
     def result(self, timeout: float) -> Any:

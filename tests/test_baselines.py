@@ -1,4 +1,5 @@
-"""HeteroFL, FedRolex and FedAvg on the shared round; FedHM's ablation switches (docs/METHODS.md#heterofl, #fedrolex, #fedavg, #fedhm-official-code)."""
+"""HeteroFL, FedRolex and FedAvg on the shared round; FedHM's ablation switches (docs/METHODS.md#heterofl,
+#fedrolex, #fedavg, #fedhm-official-code)."""
 
 from __future__ import annotations
 

@@ -133,7 +133,7 @@ def test_fashion_mnist_from_explicit_dir_and_env(tmp_path: Path, monkeypatch: py
     raw.mkdir(parents=True)
     for f in FMNIST_FILES[2:]:
         (raw / f).symlink_to(FMNIST_DIR / f)
-    xt, yt = D.load_arrays("fashion_mnist", "test", data_dir=tmp_path)
+    _xt, yt = D.load_arrays("fashion_mnist", "test", data_dir=tmp_path)
     np.testing.assert_array_equal(yt, D.load_arrays("fashion_mnist", "test")[1])
     # an env data root without Fashion-MNIST falls back to the system path
     monkeypatch.setenv(D.DATA_DIR_ENV, str(tmp_path / "elsewhere"))

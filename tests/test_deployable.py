@@ -181,5 +181,5 @@ def test_the_config_check_builds_a_model_the_meta_device_cannot(tmp_path):
 
     cfg = load_config("model.target=torchvision.models:regnet_x_400mf model.kwargs.num_classes=10 dataset=cifar10")
     assert cfg.model.arch == "custom"
-    with pytest.raises(ConfigError, match="num_classes.*10 classes and the model gives 7 outputs"):
+    with pytest.raises(ConfigError, match=r"num_classes.*10 classes and the model gives 7 outputs"):
         load_config("model.target=torchvision.models:regnet_x_400mf model.kwargs.num_classes=7 dataset=cifar10")

@@ -41,7 +41,7 @@ def _check_outputs(out_dir, rounds, levels, nodes):
 
 def test_in_process_run_learns_and_writes_outputs(toy_cfg, tmp_path):
     cfg = toy_cfg("rounds=3 train.local_epochs=2 train.lr=0.05")
-    rows, summary = _check_outputs_after(run(LocalGrid(6, client_handlers()), cfg, tmp_path), tmp_path, 3, cfg)
+    _rows, summary = _check_outputs_after(run(LocalGrid(6, client_handlers()), cfg, tmp_path), tmp_path, 3, cfg)
     assert summary["best_acc/global"] > 0.3  # 10 classes: chance is 0.1
 
 

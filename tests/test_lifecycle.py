@@ -27,6 +27,7 @@ tests/test_lifecycle_parts.py.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -144,10 +145,8 @@ def _assert_all_gone(pids: set[int], run_dir: Path, since: float, limit: float =
         if time.monotonic() - since > limit:
             names = {p: Path(f"/proc/{p}/cmdline").read_bytes()[:120] for p in alive if process_state(p)}
             for p in alive:  # leave nothing behind for the next test
-                try:
+                with contextlib.suppress(OSError):
                     os.kill(p, signal.SIGKILL)
-                except OSError:
-                    pass
             pytest.fail(f"{len(alive)} process(es) of the run alive {limit:.0f} s after the signal: {names}")
         time.sleep(0.2)
 

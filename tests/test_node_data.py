@@ -60,7 +60,7 @@ def test_holdout_zero_trains_on_exactly_todays_partition_and_a_fraction_is_split
     expected = (torch.from_numpy(images[part].transpose(0, 3, 1, 2).astype(np.float32)) / 255 - 0.2860) / 0.3530
     assert torch.allclose(ds.images, expected, atol=1e-6)
     np.testing.assert_array_equal(ds.label_array(), labels[part])
-    with pytest.raises(ValueError, match="split.*allowed values.*heldout"):
+    with pytest.raises(ValueError, match=r"split.*allowed values.*heldout"):
         D.client_dataset(spec, 0, split="test")
 
 
@@ -129,7 +129,7 @@ def test_data_check_covers_the_server_and_the_simulated_clients(tmp_path, monkey
     (tmp_path / "cifar-10-batches-py").mkdir()
     server_only = load_config(["dataset=cifar10", f"dataset.data_dir={tmp_path}"])
     check_data_available(server_only, simulation=False)  # the server's copy is there
-    with pytest.raises(ConfigError, match="FEDHM_DATA_DIR.*simulated clients' training data") as err:
+    with pytest.raises(ConfigError, match=r"FEDHM_DATA_DIR.*simulated clients' training data") as err:
         check_data_available(server_only, simulation=True)  # simulated clients do not read data_dir
     assert err.value.field == "FEDHM_DATA_DIR"
     monkeypatch.setenv(D.DATA_DIR_ENV, str(tmp_path))
@@ -145,7 +145,7 @@ def test_data_check_covers_the_server_and_the_simulated_clients(tmp_path, monkey
 @needs_fmnist
 def test_data_check_finds_fashion_mnist_and_refuses_an_empty_folder(tmp_path, monkeypatch):
     check_data_available(load_config([]), simulation=True)  # the system copy
-    with pytest.raises(ConfigError, match="dataset.data_dir=.*Fashion-MNIST test files.*apt-get install") as err:
+    with pytest.raises(ConfigError, match=r"dataset\.data_dir=.*Fashion-MNIST test files.*apt-get install") as err:
         check_data_available(load_config([f"dataset.data_dir={tmp_path}"]), simulation=False)
     assert err.value.field == "dataset.data_dir" and "\n" not in str(err.value)
     monkeypatch.setenv(D.DATA_DIR_ENV, str(tmp_path))  # an empty $FEDHM_DATA_DIR: the system copy, as loading does

@@ -99,7 +99,7 @@ def test_a_round_waits_for_the_minimum_then_goes_on_or_stops(toy_cfg, caplog):
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "waiting up to 0.3s for at least 8" in text and "going on with the nodes present" in text
     stop = toy_cfg("availability.min_nodes=8 availability.wait_seconds=0.2 availability.on_timeout=stop")
-    with pytest.raises(RuntimeError, match="availability.min_nodes"):
+    with pytest.raises(RuntimeError, match=r"availability\.min_nodes"):
         _round(FedHMStrategy(stop, model_spec(stop)), LocalGrid(6, client_handlers()), 1)
 
 

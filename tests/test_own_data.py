@@ -189,7 +189,7 @@ def _refusal(overrides) -> ConfigError:
 
 
 def test_missing_or_malformed_data_is_refused_before_start_naming_the_field(tmp_path):
-    with pytest.raises(ConfigError, match="dataset.path=None"):
+    with pytest.raises(ConfigError, match=r"dataset\.path=None"):
         load_config(["dataset=imagefolder"])
     err = _refusal(["dataset=imagefolder", f"dataset.path={tmp_path / 'nowhere'}"])
     assert err.field == "dataset.path" and "no such folder" in str(err) and "ImageFolder layout" in str(err)
@@ -200,9 +200,9 @@ def test_missing_or_malformed_data_is_refused_before_start_naming_the_field(tmp_
     (tmp_path / "gap" / "bee").mkdir()
     (tmp_path / "gap" / "bee" / "notes.txt").write_text("no image")
     assert "['bee']" in str(_refusal(["dataset=imagefolder", f"dataset.path={tmp_path / 'gap'}"]))
-    with pytest.raises(ConfigError, match="dataset.channels=2"):
+    with pytest.raises(ConfigError, match=r"dataset\.channels=2"):
         load_config(["dataset=imagefolder", f"dataset.path={tmp_path / 'gap'}", "dataset.channels=2"])
-    with pytest.raises(ConfigError, match="dataset.data_dir="):  # one place says where the data is
+    with pytest.raises(ConfigError, match=r"dataset\.data_dir="):  # one place says where the data is
         load_config(["dataset=imagefolder", f"dataset.path={tmp_path / 'gap'}", f"dataset.data_dir={tmp_path}"])
     err = _refusal(["dataset=hf_disk", f"dataset.path={tmp_path / 'gap'}"])
     assert err.field == "dataset.path" and "save_to_disk" in str(err)

@@ -52,7 +52,7 @@ def test_ray_address_is_checked_and_reaches_ray_init(tmp_path):
     from fedhm_flwr.ops.launch import superlink_env
 
     for bad in ("6379", "ray://head:10001", "local"):
-        with pytest.raises(ConfigError, match="simulation.ray_address") as err:
+        with pytest.raises(ConfigError, match=r"simulation\.ray_address") as err:
             load_config([f"simulation.ray_address={bad}"])
         assert "HOST:PORT" in str(err.value)
     assert load_config(["simulation.ray_address=10.0.0.5:6379"]).simulation.ray_address == "10.0.0.5:6379"

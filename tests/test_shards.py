@@ -153,7 +153,7 @@ def test_node_info_reports_the_shard_and_refuses_a_missing_or_broken_one(exporte
         reply = _query(node_config)
         assert reply.has_error() and f"data-dir={node_config['data-dir']}" in reply.error.reason
         assert "no shard there" in reply.error.reason and "python -m fedhm_flwr.ops.shards" in reply.error.reason
-    with pytest.raises(base.NodeDataError, match="lacks data-dir.*python -m fedhm_flwr.ops.shards"):
+    with pytest.raises(base.NodeDataError, match=r"lacks data-dir.*python -m fedhm_flwr\.ops\.shards"):
         base.node_shard(Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={}))
     broken = shutil.copytree(out / "partition-1", tmp_path / "broken")
     manifest = json.loads((broken / "manifest.json").read_text())
@@ -207,7 +207,7 @@ NODE_SCRIPT = textwrap.dedent("""
 
 @needs_fmnist
 def test_a_node_with_a_shard_never_opens_another_data_source(exported, tmp_path):
-    spec, out = exported
+    _spec, out = exported
     folders = [str(out / f"partition-{i}") for i in range(3)]
     empty = tmp_path / "no-data"
     empty.mkdir()

@@ -127,7 +127,7 @@ def test_real_clientapps_end_with_their_supernode_and_their_superlink_and_the_de
             until("ClientApp of the stopped SuperLink gone", lambda: not any(sn.alive(p) for p in second), 10)
             # started afresh (no message of the dead runs left in it), it waits for its SuperLink
             until("SuperNode afresh", lambda: [p for p in _mine("flower-supernode") if p != back], 10)
-        except BaseException as err:  # reported by the main thread
+        except BaseException as err:  # noqa: BLE001  reported by the main thread
             failed.append(err)
         finally:
             os.kill(os.getpid(), signal.SIGTERM)  # the wrapper's stop (its handler is installed: it runs)

@@ -54,7 +54,7 @@ def test_tensorboard_events_hold_every_rounds_scalars_and_the_config(tiny_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    out, cfg, rows = tiny_run
+    out, _cfg, rows = tiny_run
     acc = EventAccumulator(str(out / TB_DIR), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
@@ -82,7 +82,7 @@ def test_tensorboard_events_hold_every_rounds_scalars_and_the_config(tiny_run):
 def test_mlflow_run_holds_the_same_metrics_and_the_config(tiny_run):
     from mlflow.tracking import MlflowClient
 
-    out, cfg, rows = tiny_run
+    out, _cfg, rows = tiny_run
     info = json.loads((out / "mlflow_run.json").read_text())
     client = MlflowClient(tracking_uri=info["tracking_uri"])
     mlrun = client.get_run(info["run_id"])
@@ -132,9 +132,9 @@ def test_mlflow_without_the_package_is_refused_before_the_run(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
-    with pytest.raises(ConfigError, match="tracking.mlflow"):
+    with pytest.raises(ConfigError, match=r"tracking\.mlflow"):
         load_config("tracking.mlflow=true")
-    with pytest.raises(ConfigError, match="tracking.tensorboard"):
+    with pytest.raises(ConfigError, match=r"tracking\.tensorboard"):
         load_config("tracking.tensorboard=maybe")
 
 
