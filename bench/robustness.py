@@ -28,7 +28,6 @@ import datetime as dt
 import json
 import logging
 import math
-import os
 import shutil
 import statistics
 import sys
@@ -328,7 +327,8 @@ def render(root: Path, seeds: tuple[int, ...], command: str = "python -m bench.r
         "δ = 1e-5 from the project's RDP accountant after the 20 rounds (beside it dp-accounting's PLD ε, "
         "computed by this page's generator)",
         f"- statistics: mean over seeds ± the half-width of its {CONFIDENCE:.0%} Student-t interval "
-        f"(t with n − 1 degrees of freedom; with n = {n} seeds t = {t_quantile((1 + CONFIDENCE) / 2, max(1, n - 1)):.2f}); "
+        "(t with n − 1 degrees of freedom; with n = "
+        f"{n} seeds t = {t_quantile((1 + CONFIDENCE) / 2, max(1, n - 1)):.2f}); "
         "in brackets the paired difference to the same method's clean run without defence (same seed: same "
         "partitions, sampling and initial model) ± its own half-width, marked * where that interval excludes 0",
         "",
