@@ -49,7 +49,8 @@ from typing import Any
 import torch
 
 from bench.jobs import checkpoint_markdown, figure_checkpoint, figure_wire, wire_markdown
-from bench.scale import figure_scale, scale_markdown
+from bench.scale import figure_scale
+from bench.scale_report import scale_markdown
 from bench.server import bytes_markdown, figure_bytes, figure_server_time, server_time_markdown
 from bench.training import figure_throughput, figure_train_step, throughput_markdown, train_step_markdown
 from bench.whole_job import figure_whole_job, whole_job_markdown
