@@ -103,7 +103,7 @@ def machine() -> str:
 
         if torch.cuda.is_available():
             gpu = torch.cuda.get_device_name(0)
-    except Exception:  # pragma: no cover - torch is a dependency
+    except (ImportError, RuntimeError):  # pragma: no cover - torch is a dependency; a broken CUDA set-up
         pass
     return f"{platform.machine()}, {os.cpu_count()} cores, {gpu}"
 

@@ -4,12 +4,12 @@
     python -m bench.robustness --no-run         # the page from the finished runs only
     python -m bench.robustness --status         # runs done / missing and the estimated time left
 
-The grid (:func:`cells`): FedHM and HeteroFL, the scaling and sign-flip attacks with 10 % and 30 %
-of the clients malicious, under every defence the method takes (Krum: FedHM only), plus the clean
-run (no attack) under every defence; and FedHM with client-level DP (``dp.enabled``) at
+The grid (:func:`bench.robustness_grid.cells`): FedHM and HeteroFL, the scaling and sign-flip attacks
+with 10 % and 30 % of the clients malicious, under every defence the method takes (Krum: FedHM only), plus
+the clean run (no attack) under every defence; and FedHM with client-level DP (``dp.enabled``) at
 ``σ ∈ {0.5, 1, 2}``. Every run is a whole job of the project's own server loop (strategy, messages,
 ClientApp handlers) on the in-process grid (:mod:`fedhm_flwr.ops.local_grid`: Flower's transport
-replaced, nothing else), in the reduced setting :data:`COMMON` stated on the page.
+replaced, nothing else), in the reduced setting :data:`bench.robustness_grid.COMMON` stated on the page.
 
 A finished run is a folder ``results/robustness/<method>/<condition>/<defence>/seed<k>/`` holding
 its ``summary.json`` (the run's own summary plus the overrides, commit, machine and finish time);
@@ -28,38 +28,41 @@ import datetime as dt
 import json
 import logging
 import math
-import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.page_notes import code_lines, recipe_lines, run_version, statistics_line, use_deployable
 from bench.robustness_fuzz import FUZZ, dp_accounting_version, pld_text, section as fuzz_section
-
-ROOT = Path(__file__).resolve().parents[1]
-RUNS = ROOT / "results" / "robustness"
-PAGE = ROOT / "docs" / "ROBUSTNESS.md"
-
-#: the reduced setting every run shares (Hydra overrides of conf/config.yaml)
-COMMON = (
-    "rounds=20 dataset.max_test_examples=2000 evaluation.levels=false evaluation.every=1000 tracking.tensorboard=false"
+from bench.robustness_grid import (
+    ATTACK_SETTING,
+    ATTACKS,
+    COMMON,
+    DEFENCES,
+    DP_CLIP,
+    DP_EXPECTED,
+    DP_SETTING,
+    FRACTIONS,
+    LABELS,
+    METHODS,
+    ROOT,
+    RUNS,
+    SEEDS,
+    SIGMAS,
+    Cell,
+    cells,
+    condition,
+    finished,
+    load,
 )
-#: the attack grid's federation: 20 clients, 10 sampled per round
-ATTACK_SETTING = "num_clients=20 fraction_train=0.5 dataset.max_train_examples=6000"
-#: the DP runs' federation: 500 clients, each in a round with probability q = 0.2 (m = 100 expected),
-#: since DP-FedAvg's noise std sigma C / m on each of the CNN's ~99k parameters swamps any model at m = 10
-DP_SETTING = "num_clients=500 fraction_train=0.2 dataset.max_train_examples=10000"
-DP_EXPECTED = 100
-METHODS = {"fedhm": "method=fedhm", "heterofl": "method=heterofl"}
-LABELS = {"fedhm": "FedHM", "heterofl": "HeteroFL"}
-#: the two attacks of the issue's held-out check (label_flip and gaussian also exist: failures.attack.kind)
-ATTACKS = ("scale", "sign_flip")
+
+PAGE = ROOT / "docs" / "ROBUSTNESS.md"
+#: the page's name of each attack
 ATTACK_NAMES = {
     "clean": "no attack",
     "scale": "scaled update (×100)",
@@ -67,85 +70,8 @@ ATTACK_NAMES = {
     "label_flip": "label flipping",
     "gaussian": "Gaussian update (same norm)",
 }
-FRACTIONS = (0.1, 0.3)
-DEFENCES = {
-    "fedhm": ("none", "clip", "median", "trimmed_mean", "krum"),
-    "heterofl": ("none", "clip", "median", "trimmed_mean"),
-}
-SIGMAS = (0.5, 1.0, 2.0)
-#: DP runs: clip bound C (about the median update norm of the clean runs' first rounds)
-DP_CLIP = 1.0
-SEEDS = (0, 1, 2)
+#: the level of the page's Student-t intervals
 CONFIDENCE = 0.95
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One cell of the grid: a method, a condition (``clean``, ``<attack>-<percent>``,
-    ``dp-sigma<σ>``) and a defence (``none`` for DP)."""
-
-    method: str
-    condition: str
-    defence: str
-
-    @property
-    def attack(self) -> str:
-        return self.condition.rsplit("-", 1)[0] if self.condition not in ("clean",) and not self.dp else "none"
-
-    @property
-    def fraction(self) -> float:
-        return int(self.condition.rsplit("-", 1)[1]) / 100 if self.attack != "none" else 0.0
-
-    @property
-    def dp(self) -> bool:
-        """A run of the DP setting (``dp-off`` is its reference without DP)."""
-        return self.condition.startswith("dp-")
-
-    @property
-    def sigma(self) -> float:
-        return float(self.condition[len("dp-sigma") :])
-
-    def overrides(self, seed: int) -> str:
-        out = f"{COMMON} {METHODS[self.method]} seed={seed}"
-        if self.dp:
-            out = f"{out} {DP_SETTING}"
-            return (
-                out
-                if self.condition == "dp-off"
-                else (f"{out} dp.enabled=true dp.clip={DP_CLIP:g} dp.noise_multiplier={self.sigma:g}")
-            )
-        out += f" {ATTACK_SETTING} aggregation.robust={self.defence}"
-        if self.attack != "none":
-            out += f" failures.attack.kind={self.attack} failures.attack.fraction={self.fraction:g}"
-        return out
-
-    def path(self, seed: int, root: Path = RUNS) -> Path:
-        return Path(root) / self.method / self.condition / self.defence / f"seed{seed}"
-
-
-def condition(attack: str, fraction: float) -> str:
-    return f"{attack}-{round(fraction * 100)}"
-
-
-def cells() -> list[Cell]:
-    """Every cell, in the order the missing runs are made (each cell's seeds together, so that an
-    unfinished grid has whole cells): FedHM's clean run, DP, the other clean runs, then the
-    attacks in the order of :data:`ATTACKS`, FedHM before HeteroFL."""
-    out = [Cell("fedhm", "clean", "none")]
-    out += [Cell("fedhm", c, "none") for c in ("dp-off", *(f"dp-sigma{s:g}" for s in SIGMAS))]
-    out += [Cell(m, "clean", d) for m, defences in DEFENCES.items() for d in defences if (m, d) != ("fedhm", "none")]
-    out += [
-        Cell(m, condition(a, f), d)
-        for a in ATTACKS
-        for m, defences in DEFENCES.items()
-        for f in FRACTIONS
-        for d in defences
-    ]
-    return out
-
-
-def finished(path: Path) -> bool:
-    return (path / "summary.json").is_file()
 
 
 # ------------------------------------------------------------------ running
@@ -205,16 +131,6 @@ def run_missing(root: Path, seeds: tuple[int, ...], jobs: int, limit: int | None
                 f"({r['seconds']:.0f}s)",
                 flush=True,
             )
-
-
-def load(root: Path, seeds: tuple[int, ...]) -> dict[Cell, dict[int, dict[str, Any]]]:
-    """Cell -> seed -> the finished run's summary."""
-    out: dict[Cell, dict[int, dict[str, Any]]] = {}
-    for c in cells():
-        for k in seeds:
-            if finished(c.path(k, root)):
-                out.setdefault(c, {})[k] = json.loads((c.path(k, root) / "summary.json").read_text())
-    return out
 
 
 def status(root: Path, seeds: tuple[int, ...], jobs: int) -> str:
@@ -328,7 +244,8 @@ def render(root: Path, seeds: tuple[int, ...], command: str = "python -m bench.r
         "δ = 1e-5 from the project's RDP accountant after the 20 rounds (beside it dp-accounting's PLD ε, "
         "computed by this page's generator)",
         f"- statistics: mean over seeds ± the half-width of its {CONFIDENCE:.0%} Student-t interval "
-        f"(t with n − 1 degrees of freedom; with n = {n} seeds t = {t_quantile((1 + CONFIDENCE) / 2, max(1, n - 1)):.2f}); "
+        "(t with n − 1 degrees of freedom; with n = "
+        f"{n} seeds t = {t_quantile((1 + CONFIDENCE) / 2, max(1, n - 1)):.2f}); "
         "in brackets the paired difference to the same method's clean run without defence (same seed: same "
         "partitions, sampling and initial model) ± its own half-width, marked * where that interval excludes 0",
         "",

@@ -30,7 +30,8 @@ figure (for a smoke test); ``--only 1,3`` runs some figures; ``--scale-clients 1
 10,000-client run to figure 5 (kept in ``bench/scale/``, shown by every later report).
 
 The figures live by subject: :mod:`bench.server` (1, 2), :mod:`bench.training` (3, 4),
-:mod:`bench.scale` (5), :mod:`bench.jobs` (6, 7), :mod:`bench.whole_job` (8); their floors in :mod:`bench.floors`.
+:mod:`bench.scale` (5), :mod:`bench.jobs` (6, 7), :mod:`bench.whole_job` (8); their floors in :mod:`bench.floors`,
+:mod:`bench.engine_floor` (5) and :mod:`bench.whole_job_floor` (8).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ from typing import Any
 import torch
 
 from bench.jobs import checkpoint_markdown, figure_checkpoint, figure_wire, wire_markdown
-from bench.scale import figure_scale, scale_markdown
+from bench.scale import figure_scale
+from bench.scale_report import scale_markdown
 from bench.server import bytes_markdown, figure_bytes, figure_server_time, server_time_markdown
 from bench.training import figure_throughput, figure_train_step, throughput_markdown, train_step_markdown
 from bench.whole_job import figure_whole_job, whole_job_markdown

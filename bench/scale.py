@@ -4,7 +4,8 @@ peak memory of the process tree) and the server's per-node state.
 The 1000-client runs are part of every ``make bench``. ``--scale-clients N`` adds an N-client run
 (100 per round) and the per-node state at three node counts; that run takes long, so its figure is
 also written to ``bench/scale/scale-N.json`` (kept in the repository) and every later report
-shows the newest such file, with the machine, date and command that produced it."""
+shows the newest such file, with the machine, date and command that produced it. The figure's section of
+the report is written by :mod:`bench.scale_report`."""
 
 from __future__ import annotations
 
@@ -255,7 +256,7 @@ def figure_scale(quick: bool, scale_clients: int | None = None) -> dict[str, Any
         ref = scale_run(clients, per_round, LARGE_ROUNDS, "sampled", large_settings(clients))
         big = scale_run(scale_clients, per_round, LARGE_ROUNDS, "sampled", large_settings(scale_clients))
         big["round2_over_small_round2"] = big["round_seconds"][1] / ref["round_seconds"][1]
-        big["middle_over_small_middle"] = _middle(big["round_seconds"]) / _middle(ref["round_seconds"])
+        big["middle_over_small_middle"] = middle_rounds(big["round_seconds"]) / middle_rounds(ref["round_seconds"])
         out["large"] = {
             "clients": scale_clients,
             "run": big,
@@ -272,7 +273,7 @@ def figure_scale(quick: bool, scale_clients: int | None = None) -> dict[str, Any
     return out
 
 
-def _middle(seconds: list[float]) -> float:
+def middle_rounds(seconds: list[float]) -> float:
     """The median of the rounds between the first and the last (see :data:`LARGE_ROUNDS`)."""
     return statistics.median(seconds[1:-1])
 
@@ -284,10 +285,11 @@ def engine_floor(reference: dict[str, Any], small: int, large: int, per_round: i
     middle rounds' median, fitted as a line through two runs at :data:`ENGINE_PROBES_MS`); then
     both sizes at that work with the node-info queries, and without them."""
     probes = {
-        w: _middle(engine_rounds(small, w, True, LARGE_ROUNDS, per_round)["round_seconds"]) for w in ENGINE_PROBES_MS
+        w: middle_rounds(engine_rounds(small, w, True, LARGE_ROUNDS, per_round)["round_seconds"])
+        for w in ENGINE_PROBES_MS
     }
     (w0, t0), (w1, t1) = probes.items()
-    work = max(0.0, w0 + (_middle(reference["round_seconds"]) - t0) * (w1 - w0) / (t1 - t0)) if t1 > t0 else w1
+    work = max(0.0, w0 + (middle_rounds(reference["round_seconds"]) - t0) * (w1 - w0) / (t1 - t0)) if t1 > t0 else w1
     runs = {
         f"{query}-{n}": engine_rounds(n, round(work, 1), query == "query", LARGE_ROUNDS, per_round)
         for query in ("query", "no-query")
@@ -301,7 +303,7 @@ def engine_floor(reference: dict[str, Any], small: int, large: int, per_round: i
     }
     for query in ("query", "no-query"):
         a, b = runs[f"{query}-{small}"]["round_seconds"], runs[f"{query}-{large}"]["round_seconds"]
-        out[f"{query}_round2_ratio"], out[f"{query}_middle_ratio"] = b[1] / a[1], _middle(b) / _middle(a)
+        out[f"{query}_round2_ratio"], out[f"{query}_middle_ratio"] = b[1] / a[1], middle_rounds(b) / middle_rounds(a)
     return out
 
 
@@ -310,6 +312,7 @@ def save_large(figure: dict[str, Any], clients: int) -> Path:
     reference included), with the machine, commit, date and command, and its section of the report as
     ``scale-N.md`` beside it."""
     from bench.results import commit, machine
+    from bench.scale_report import saved_markdown
 
     SCALE_DIR.mkdir(exist_ok=True)
     saved = {
@@ -329,154 +332,3 @@ def load_large() -> dict[str, Any] | None:
     """The saved ``--scale-clients`` figure with the most clients, or None."""
     found = sorted(SCALE_DIR.glob("scale-*.json"), key=lambda p: int(p.stem.split("-")[1]))
     return json.loads(found[-1].read_text()) if found else None
-
-
-def scale_markdown(f5: dict[str, Any]) -> list[str]:
-    """Figure 5's section of the report (with the saved large-run figure when this run made none)."""
-    L: list[str] = []
-    L += [
-        f"## 5. Scale: {f5['clients']} simulated clients, {f5['per_round']} per round",
-        "",
-        f"Goal: {f5['goal']}.",
-        "",
-        "| availability.query | round | seconds | server s | nodes asked | query s | query ÷ round | server ÷ round | replies |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for query, r in f5["runs"].items():
-        for i, (s, ss, na, qs, n) in enumerate(
-            zip(r["round_seconds"], r["server_seconds"], r["queried"], r["query_seconds"], r["replies"]), 1
-        ):
-            L.append(
-                f"| {query} | {i} | {s:.1f} | {ss:.2f} | {na} | {qs:.2f} | {100 * qs / s:.1f} % | "
-                f"{100 * ss / s:.1f} % | {n} |"
-            )
-    L.append("")
-    for query, r in f5["runs"].items():
-        ratio = r["round1_over_round2"]
-        L.append(
-            f"- `{query}`: round 1 ÷ round 2 **{ratio:.2f}**; largest query share "
-            f"**{100 * r['max_query_share']:.1f} %**; peak resident memory of the process tree (launcher, "
-            f"SuperLink, ServerApp, Ray) **{r['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB**; "
-            f"job {r['job_wall_seconds']:.0f} s."
-            + (
-                f" Blocking query time per asked node {1000 * r['query_seconds_per_node']:.1f} ms."
-                if r.get("query_seconds_per_node")
-                else ""
-            )
-            + (
-                f" Start-up before round 1 (Ray workers start on their first message, importing torch "
-                f"and the ClientApp; nodes find their data): {r['startup_seconds']:.1f} s, "
-                f"{r['startup_queried']} nodes asked."
-                if r.get("startup_seconds") is not None
-                else ""
-            )
-        )
-    L += project_alone_markdown(f5.get("project_alone"))
-    L.append("")
-    if "large" in f5:
-        L += large_markdown(f5["large"], f5)
-    elif f5.get("large_saved"):
-        L += saved_markdown(f5["large_saved"])
-    return L
-
-
-def project_alone_markdown(alone: dict[str, Any] | None) -> list[str]:
-    """The bullet of :func:`project_alone`: the project's own rounds at its smallest and largest node count."""
-    if not alone:
-        return []
-    (a, ra), (b, rb) = [(int(n), alone["rows"][str(n)]) for n in (alone["sizes"][0], alone["sizes"][-1])]
-    return [
-        f"- The project alone, in process (no Flower engine: `LocalGrid` calls the ClientApp's handlers "
-        f"node by node; the large run's settings, {alone['per_round']} clients per round): rounds after the "
-        f"first "
-        + ", ".join(f"{sec:.2f} s" for sec in ra["round_seconds"][1:])
-        + f" at {a:,} nodes, "
-        + ", ".join(f"{sec:.2f} s" for sec in rb["round_seconds"][1:])
-        + f" at {b:,}; median ratio "
-        f"**{alone['later_rounds_ratio']:.2f}** (the project's own work per round: server, clients and "
-        f"evaluation; near 1, it does not grow with the number of nodes)."
-    ]
-
-
-def saved_markdown(saved: dict[str, Any]) -> list[str]:
-    """The section of a saved ``--scale-clients`` figure, saying where, when and how it was measured."""
-    figure = saved["figure"]
-    alone = project_alone_markdown(figure.get("project_alone"))
-    return (
-        large_markdown(figure["large"], figure)
-        + alone
-        + [""] * bool(alone)
-        + [
-            f"(Saved figure `bench/scale/scale-{figure['large']['clients']}.json`: measured {saved['date']} on "
-            f"{saved['machine']} at commit {saved['commit']} by `{saved['command']}`, next to that run's own {figure['clients']}-client rounds.)",
-            "",
-        ]
-    )
-
-
-def large_markdown(large: dict[str, Any], f5: dict[str, Any]) -> list[str]:
-    """The large run's rows, its ratios against the 1000-client run and the per-node state."""
-    L: list[str] = []
-    r, st = large["run"], large["server_state"]
-    L += [
-        f"### {large['clients']:,} simulated clients, {f5['per_round']} per round (`availability.query=sampled`)",
-        "",
-        f"Goal: {large['goal']}.",
-        "",
-        "| round | seconds | server s | nodes asked | replies |",
-        "|---|---|---|---|---|",
-    ]
-    for i, (sec, ss, na, n) in enumerate(zip(r["round_seconds"], r["server_seconds"], r["queried"], r["replies"]), 1):
-        L.append(f"| {i} | {sec:.1f} | {ss:.2f} | {na} | {n} |")
-    ref = large.get("reference")
-    if ref:
-        L += [
-            "",
-            f"Both runs: {', '.join(large['overrides'])}. The {f5['clients']}-client reference's rounds: "
-            + ", ".join(f"{sec:.1f} s" for sec in ref["round_seconds"])
-            + f" (peak memory "
-            f"{ref['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB, start-up {ref['startup_seconds'] or 0:.1f} s).",
-        ]
-    middle = r.get("middle_over_small_middle")
-    L += [
-        "",
-        f"- round 2 ÷ the {f5['clients']}-client round 2: **{r['round2_over_small_round2']:.2f}**"
-        + (
-            f" (the median of rounds 2–{len(r['round_seconds']) - 1} ÷ the reference's: {middle:.2f})"
-            if middle is not None
-            else ""
-        )
-        + "; "
-        f"peak resident memory of the process tree **{r['peak_rss_bytes_process_tree'] / 2**30:.2f} GiB**; "
-        f"start-up before round 1 {r['startup_seconds'] or 0:.1f} s ({r['startup_queried']} nodes asked); "
-        f"job {r['job_wall_seconds']:.0f} s.",
-        f"- The server's per-node state ({st['note']}): "
-        + ", ".join(
-            f"{int(k):,} nodes {v['server_state_bytes'] / 2**20:.2f} MiB "
-            f"({v['bytes_per_known_node']:.0f} B per known node)"
-            for k, v in st["rows"].items()
-        )
-        + f"; **{st['bytes_per_node']:.0f} bytes per node** (slope).",
-    ]
-    return L + engine_markdown(large.get("engine_floor"), r, ref, f5["clients"], large["clients"]) + [""]
-
-
-def engine_markdown(
-    engine: dict[str, Any] | None, run: dict[str, Any], reference: dict[str, Any] | None, small: int, large: int
-) -> list[str]:
-    """The engine floor's bullet: Flower alone with the same traffic, its ratio beside ours."""
-    if not engine or not reference:
-        return []
-    at_small, at_large = engine["runs"][f"query-{small}"], engine["runs"][f"query-{large}"]
-    return [
-        f"- Flower's simulation engine alone (`{engine['code']}`: a bare ServerApp and ClientApp, nothing "
-        f"from the project, the same messages: {at_small['per_round']} training messages and the next round's "
-        f"{at_small['per_round']} node-info queries per round; its client spends {engine['work_ms']:.1f} ms of CPU per "
-        f"training message, fitted to make its {small:,}-node rounds as long as the reference's: middle rounds "
-        f"{_middle(at_small['round_seconds']):.1f} s against {_middle(reference['round_seconds']):.1f} s): round 2 "
-        f"{at_large['round_seconds'][1]:.1f} s at {large:,} nodes ÷ {at_small['round_seconds'][1]:.1f} s at {small:,} = "
-        f"**{engine['query_round2_ratio']:.2f}** (middle rounds {engine['query_middle_ratio']:.2f}); without the "
-        f"queries {engine['no-query_round2_ratio']:.2f} (middle rounds {engine['no-query_middle_ratio']:.2f}). "
-        f"This project at {large:,} ÷ the engine alone at {large:,}, round 2: "
-        f"**{run['round_seconds'][1] / at_large['round_seconds'][1]:.2f}**."
-    ]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,16 +51,9 @@ def figure_server_time(quick: bool) -> dict[str, Any]:
             grid = LocalGrid(replies_n, {MessageType.TRAIN: echo, MessageType.QUERY: identity_query})
             state = initial_state(cfg, spec)
             arrays = ArrayRecord.from_torch_state_dict(state)
-            counter = iter(range(1, 10_000))
             held: dict[str, Any] = {}
-
-            def configure() -> None:
-                held["round"] = next(counter)
-                held["msgs"] = list(strategy.configure_train(held["round"], arrays, None, grid))
-
-            def aggregate() -> None:
-                strategy.aggregate_train(held["round"], held["replies"])
-
+            configure = partial(_configure, held, iter(range(1, 10_000)), strategy, arrays, grid)
+            aggregate = partial(_aggregate, held, strategy)
             configure()
             held["replies"] = grid.send_and_receive(held["msgs"])
             t_conf = timed(configure, repeats, warmup=0)
@@ -107,6 +101,17 @@ def figure_server_time(quick: bool) -> dict[str, Any]:
         "note": "in-process grid: clients train one after another in the server process",
     }
     return out
+
+
+def _configure(held: dict[str, Any], counter: Iterator[int], strategy: Any, arrays: Any, grid: Any) -> None:
+    """The next round's ``configure_train`` (its messages kept in ``held`` for the replies)."""
+    held["round"] = next(counter)
+    held["msgs"] = list(strategy.configure_train(held["round"], arrays, None, grid))
+
+
+def _aggregate(held: dict[str, Any], strategy: Any) -> None:
+    """``aggregate_train`` of the round ``held`` configured, on the replies it holds."""
+    strategy.aggregate_train(held["round"], held["replies"])
 
 
 def fedhm_round_against_floor(
@@ -256,7 +261,8 @@ def server_time_markdown(f1: dict[str, Any]) -> list[str]:
             L.append(
                 f"| {model} | {method} | {p['configure_train']['median_s']:.3f} "
                 f"[{p['configure_train']['min_s']:.3f}–{p['configure_train']['max_s']:.3f}] | "
-                f"{p['aggregate_train']['median_s']:.3f} [{p['aggregate_train']['min_s']:.3f}–{p['aggregate_train']['max_s']:.3f}] | {pieces} |"
+                f"{p['aggregate_train']['median_s']:.3f} "
+                f"[{p['aggregate_train']['min_s']:.3f}–{p['aggregate_train']['max_s']:.3f}] | {pieces} |"
             )
         L.append(f"| {model} | FedHM / FedAvg | | | {row['fedhm_over_fedavg']:.2f}× |")
         for key, how in (
@@ -310,7 +316,8 @@ def bytes_markdown(f2: dict[str, Any]) -> list[str]:
     for model, rows in f2.items():
         for level, r in rows.items():
             L.append(
-                f"| {model} | {level} | {r['serialized_bytes']:,} | {r['bytes_ratio']:.3f} | {r['params']:,} | {r['params_ratio']:.3f} |"
+                f"| {model} | {level} | {r['serialized_bytes']:,} | {r['bytes_ratio']:.3f} | {r['params']:,} | "
+                f"{r['params_ratio']:.3f} |"
             )
     L.append("")
     return L

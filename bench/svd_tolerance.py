@@ -110,8 +110,6 @@ def one_run(seed: int, tolerance: float, mode: str, overrides: list[str]) -> dic
 
 def _distance(a: dict[str, Any], b: dict[str, Any]) -> float:
     """Relative Frobenius distance between two final global models (floating tensors)."""
-    import torch
-
     num = sum(float((a[k].double() - b[k].double()).square().sum()) for k in a if a[k].is_floating_point())
     den = sum(float(b[k].double().square().sum()) for k in b if b[k].is_floating_point())
     return (num / den) ** 0.5

@@ -55,7 +55,11 @@ def _train_steps(
         y = torch.randint(0, 10, (batch,), device=device)
 
         def step(
-            model: torch.nn.Module = model, opt: torch.optim.Optimizer = opt, x: torch.Tensor = x, y: torch.Tensor = y
+            model: torch.nn.Module = model,
+            opt: torch.optim.Optimizer = opt,
+            x: torch.Tensor = x,
+            y: torch.Tensor = y,
+            local: bool = local,
         ) -> None:
             loss = torch.nn.functional.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True)
@@ -138,7 +142,7 @@ def figure_train_step(quick: bool) -> dict[str, Any]:
                     for v, steps in variants.items():
                         full_t, full_m = statistics.median(times[(v, "1")]), steps["1"][1]
                         rows = {}
-                        for g, (step, macs) in steps.items():
+                        for g, (_step, macs) in steps.items():
                             ts = times[(v, g)]
                             t = statistics.median(ts)
                             rows[g] = {
@@ -284,7 +288,8 @@ def throughput_markdown(f4: dict[str, Any]) -> list[str]:
         "",
         "| setting | images/s |",
         "|---|---|",
-        f"| Flower simulation, 2 clients × 1 thread in parallel (client training time) | {fl['images_per_s_all_clients']:.0f} |",
+        "| Flower simulation, 2 clients × 1 thread in parallel (client training time) | "
+        f"{fl['images_per_s_all_clients']:.0f} |",
         f"| bare loop, 1 thread, partitions one after another | {bare['1_threads_sequential']['images_per_s']:.0f} |",
         f"| bare loop, 2 threads, partitions one after another | {bare['2_threads_sequential']['images_per_s']:.0f} |",
         "",

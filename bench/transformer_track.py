@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     groups = ["fedlora", "heterotune"] if args.group == "both" else [args.group]
     for track in tracks:
         for group in groups:
-            for name, label, extra in RUNS[group]:
+            for name, _label, extra in RUNS[group]:
                 if args.tables_only or (args.only is not None and name not in args.only):
                     continue
                 out = args.out / track / name

@@ -6,9 +6,10 @@ its exit. Its wall time is broken down from the run's own records: the launcher'
 (process start, config check, SuperLink, app staging, ``flwr run``'s bundle and submission, the end), the
 summary (the ServerApp's start, its start-up node queries, the rounds' start and end) and every round's row
 (server work, the training phase from push to last reply, the clients' own training seconds, evaluation,
-the final statistics query). The bare loop (``python -m bench.floors``, :func:`bench.floors.whole_job_floor`,
-which imports nothing from the project) does the same training and evaluations on the same data: the job
-hands it only data, the partitions' indices and each round's (partition, level) pairs from its rows.
+the final statistics query). The bare loop (``python -m bench.whole_job_floor``,
+:func:`bench.whole_job_floor.whole_job_floor`, which imports nothing from the project) does the same training
+and evaluations on the same data: the job hands it only data, the partitions' indices and each round's
+(partition, level) pairs from its rows.
 
 Then the start-up a sweep pays per job: a two-job sweep of 2-round jobs (``fedhm sweep``), with one shared
 Ray instance (the default, :mod:`fedhm_flwr.ops.shared_ray`) and with a Ray instance per job
@@ -155,7 +156,13 @@ def run_whole_job(overrides: list[str], tmp: Path, name: str) -> dict[str, Any]:
     spec = floor_spec(overrides, rows)
     (tmp / f"{name}-floor.json").write_text(json.dumps(spec))
     f_started, f_ended = _spawn(
-        [sys.executable, "-m", "bench.floors", str(tmp / f"{name}-floor.json"), str(tmp / f"{name}-floor-out.json")],
+        [
+            sys.executable,
+            "-m",
+            "bench.whole_job_floor",
+            str(tmp / f"{name}-floor.json"),
+            str(tmp / f"{name}-floor-out.json"),
+        ],
         tmp / f"{name}-floor.log",
     )
     out = json.loads((tmp / f"{name}-floor-out.json").read_text())
@@ -230,8 +237,8 @@ def whole_job_markdown(f8: dict[str, Any]) -> list[str]:
         "## 8. The whole job against a bare loop",
         "",
         "Wall time from the process's start to its exit: `python -m fedhm_flwr run` (as `make run`) against "
-        "`python -m bench.floors` (plain torch, no project import; the same clients, levels, data and evaluations, "
-        "on as many one-thread worker processes as the job has one-thread Ray workers). "
+        "`python -m bench.whole_job_floor` (plain torch, no project import; the same clients, levels, data and "
+        "evaluations, on as many one-thread worker processes as the job has one-thread Ray workers). "
         f"Target: job ÷ bare loop ≤ {TARGET:g}.",
         "",
         "| job | clients (per round) | rounds | job s | bare loop s | job ÷ bare |",

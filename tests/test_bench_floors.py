@@ -1,5 +1,6 @@
-"""The bench's floors (bench/floors.py) are written apart from the code they bound: they import
-nothing from the project, and each computes what the code it is compared with computes."""
+"""The bench's floors (bench/floors.py, figure 8's bare loop bench/whole_job_floor.py) are written apart
+from the code they bound: they import nothing from the project, and each computes what the code it is
+compared with computes."""
 
 from __future__ import annotations
 
@@ -11,41 +12,55 @@ import numpy as np
 import pytest
 import torch
 
-from bench import floors
+from bench import floors, whole_job_floor as job_floor
 from fedhm_flwr.math.aggregation import average_hybrid
 from fedhm_flwr.math.lowrank import factorize_state, layer_svd, rank_for
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.rules import plan_ranks
 
 FLOORS = Path(floors.__file__)
+JOB_FLOOR = Path(job_floor.__file__)
+#: what the floor modules may import: the standard library's pieces they use, numpy and torch
+FLOOR_IMPORTS = {
+    "__future__",
+    "gzip",
+    "inspect",
+    "json",
+    "math",
+    "multiprocessing",
+    "sys",
+    "time",
+    "pathlib",
+    "collections",
+    "typing",
+    "numpy",
+    "torch",
+}
+
+
+def _modules(path: Path) -> set[str]:
+    """The modules a file imports (anywhere in it), as written."""
+    tree = ast.parse(path.read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    return imported | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
 
 
 def _imports(path: Path) -> set[str]:
     """The top-level packages a file imports (anywhere in it)."""
-    tree = ast.parse(path.read_text())
-    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    return imported | {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    return {m.split(".")[0] for m in _modules(path)}
 
 
 def test_floor_code_imports_nothing_from_the_project():
     imported = _imports(FLOORS)
-    allowed = {
-        "__future__",
-        "gzip",
-        "inspect",
-        "json",
-        "math",
-        "multiprocessing",
-        "sys",
-        "time",
-        "pathlib",
-        "collections",
-        "typing",
-        "numpy",
-        "torch",
-    }
-    assert imported and imported <= allowed, imported
+    assert imported and imported <= FLOOR_IMPORTS, imported
     assert floors.where(floors.average_floor).startswith("bench/floors.py:")
+
+
+def test_whole_job_floor_imports_nothing_from_the_project():
+    """Figure 8's bare loop: the same allowance, plus bench.floors (checked above) and nothing else of bench."""
+    project = {m for m in _modules(JOB_FLOOR) if m.split(".")[0] not in FLOOR_IMPORTS}
+    assert project == {"bench.floors"}, project
+    assert _imports(JOB_FLOOR) <= FLOOR_IMPORTS | {"bench"}
 
 
 def test_average_floor_equals_the_projects_hybrid_average():
@@ -87,7 +102,7 @@ def test_training_floor_sees_every_example_each_epoch():
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-ENGINE_FLOOR = Path(floors.__file__).with_name("engine_floor.py")
+ENGINE_FLOOR = FLOORS.with_name("engine_floor.py")
 
 
 def test_engine_floor_imports_nothing_from_the_project():
@@ -125,15 +140,17 @@ def test_engine_floor_sends_the_scale_runs_traffic_and_every_message_is_answered
 def test_whole_job_floor_cut_is_exact_at_full_rank():
     torch.manual_seed(0)
     weight = torch.randn(64, 32, 3, 3)
-    b, a = floors.cut(weight, floors.svd_of(weight), 3 * 32)
-    torch.testing.assert_close(floors.multiply_back(b, a), weight, rtol=1e-4, atol=1e-5)
-    state = floors.cnn_state(16)
+    b, a = job_floor.cut(weight, job_floor.svd_of(weight), 3 * 32)
+    torch.testing.assert_close(job_floor.multiply_back(b, a), weight, rtol=1e-4, atol=1e-5)
+    state = job_floor.cnn_state(16)
     x = torch.randn(8, 1, 28, 28)
     factored = {k: v for k, v in state.items() if k != "conv3.weight"}
-    factored["conv3.b.weight"], factored["conv3.a.weight"] = floors.cut(
-        state["conv3.weight"], floors.svd_of(state["conv3.weight"]), 3 * 32
+    factored["conv3.b.weight"], factored["conv3.a.weight"] = job_floor.cut(
+        state["conv3.weight"], job_floor.svd_of(state["conv3.weight"]), 3 * 32
     )
-    torch.testing.assert_close(floors.cnn_forward(factored, x), floors.cnn_forward(state, x), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        job_floor.cnn_forward(factored, x), job_floor.cnn_forward(state, x), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_whole_job_floor_average_equals_a_hand_computed_one():
@@ -149,7 +166,7 @@ def test_whole_job_floor_average_equals_a_hand_computed_one():
     ]
     e1, e2 = np.exp(1.0), np.exp(0.5)
     w1, w2 = e1 / (e1 + e2), e2 / (e1 + e2)
-    got = floors.fedhm_average(state, replies)
+    got = job_floor.fedhm_average(state, replies)
     torch.testing.assert_close(got["conv3.weight"].float(), (w1 * full + w2 * pair).float())
     torch.testing.assert_close(got["fc.bias"].float(), torch.tensor([w1, w2], dtype=torch.float32))
 
@@ -158,13 +175,13 @@ def test_whole_job_floor_trains_the_projects_level_shapes():
     """The bare loop's level models have the shapes the project's FedHM hands its clients (the same work)."""
     spec = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28, "width": 16}
     model = build_model(spec)
-    ours = floors.cnn_state(16)
+    ours = job_floor.cnn_state(16)
     assert {k: tuple(v.shape) for k, v in ours.items()} == {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    svds = {k: floors.svd_of(v) for k, v in ours.items() if k in ("conv3.weight", "conv4.weight")}
+    svds = {k: job_floor.svd_of(v) for k, v in ours.items() if k in ("conv3.weight", "conv4.weight")}
     for gamma in (1.0, 0.5, 0.25, 0.125):
         plan = plan_ranks(model, gamma)
         theirs = factorize_state(model.state_dict(), plan) if plan else model.state_dict()
-        got = floors.level_model(ours, svds, gamma)
+        got = job_floor.level_model(ours, svds, gamma)
         assert {k: tuple(v.shape) for k, v in got.items()} == {k: tuple(v.shape) for k, v in theirs.items()}, gamma
 
 
@@ -172,5 +189,5 @@ def test_read_idx_reads_the_installed_fashion_mnist():
     folder = Path("/usr/share/datasets/fashion-mnist")
     if not folder.is_dir():
         pytest.skip("Fashion-MNIST is not installed")
-    x, y = floors.fashion_mnist(folder, "t10k")
+    x, y = job_floor.fashion_mnist(folder, "t10k")
     assert x.shape == (10000, 1, 28, 28) and y.shape == (10000,) and set(y.tolist()) == set(range(10))

@@ -1,5 +1,6 @@
-"""The bench's report (bench/run.py): a saved ``--scale-clients`` figure appears in every later
-report with where it came from, the newest size first; bad figure numbers are refused up front."""
+"""The bench's report (bench/run.py, figure 5's section from bench/scale_report.py): a saved
+``--scale-clients`` figure appears in every later report with where it came from, the newest size first;
+bad figure numbers are refused up front."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from statistics import median
 import pytest
 from data_helpers import needs_fmnist
 
-from bench import run, scale
+from bench import run, scale, scale_report
 
 
 def _run(seconds: list[float]) -> dict:
@@ -102,7 +103,7 @@ def test_the_project_alone_runs_each_node_count_in_process_and_reports_their_rat
     assert set(rows) == {"20", "60"} and all(len(r["round_seconds"]) == 3 for r in rows.values())
     expected = median(rows["60"]["round_seconds"][1:]) / median(rows["20"]["round_seconds"][1:])
     assert alone["later_rounds_ratio"] == pytest.approx(expected)
-    (line,) = scale.project_alone_markdown(alone)
+    (line,) = scale_report.project_alone_markdown(alone)
     assert " at 20 nodes" in line and " at 60;" in line and f"**{expected:.2f}**" in line
 
 

@@ -11,7 +11,7 @@ import re
 import dp_accounting
 
 from bench import robustness as rb, robustness_fuzz as rf
-from bench.robustness import Cell
+from bench.robustness_grid import Cell
 
 #: t_{0.975, 2}: Student's t table, two degrees of freedom (three seeds)
 T2 = 4.302652729911275
