@@ -38,10 +38,12 @@ def identity_query(msg: Any, context: Any) -> Any:
 
 
 def echo(msg: Any, context: Any) -> Any:
-    """A client that trains instantly: it sends back the arrays it received, 100 examples, every class."""
-    from flwr.app import Message, MetricRecord, RecordDict
+    """A client that trains instantly: it sends back the arrays it received, 100 examples, every class,
+    with the metrics an honest client's reply carries (so the server accepts it and aggregates)."""
+    from flwr.app import Message, RecordDict
 
-    from fedhm_flwr.core.protocol import ARRAYS, CLASS_COUNTS, METRICS, NUM_EXAMPLES, TRAIN_LOSS
+    from fedhm_flwr.core.protocol import ARRAYS, CONFIG, LEVEL, METRICS, train_metrics
 
-    metrics = MetricRecord({NUM_EXAMPLES: 100, TRAIN_LOSS: 0.0, CLASS_COUNTS: [10] * 10})
+    level = float(msg.content[CONFIG][LEVEL])
+    metrics = train_metrics(100, 0.0, 0.1, 0.0, level, [10] * 10)
     return Message(RecordDict({ARRAYS: msg.content[ARRAYS], METRICS: metrics}), reply_to=msg)

@@ -174,3 +174,25 @@ def test_the_whole_job_breakdown_adds_up_to_the_jobs_wall_time_and_reaches_the_r
     }
     text = run.markdown({"machine": "here", "figures": {"8_whole_job": {"jobs": {"default": job}, "sweep": sweep}}})
     assert "**1.26**" in text and "| **total** | **63.00** | **50.00** |" in text and "bit for bit: **yes**" in text
+
+
+def test_the_server_figures_echo_clients_are_accepted_so_aggregation_is_what_is_timed():
+    """Figure 1 times configure + aggregate on echoed replies: a reply the server refuses would time
+    the keep-the-old-model path instead of the aggregation."""
+    from flwr.app import ArrayRecord, MessageType
+
+    from bench.common import echo, identity_query
+    from fedhm_flwr.config import load_config, model_spec
+    from fedhm_flwr.ops.local_grid import LocalGrid
+    from fedhm_flwr.ops.server_app import initial_state
+    from fedhm_flwr.server.registry import STRATEGIES
+
+    for method in ("fedhm", "fedavg"):
+        cfg = load_config(f"method={method} model.width=4 num_clients=4 fraction_train=1.0")
+        spec = model_spec(cfg)
+        strategy = STRATEGIES[method](cfg, spec)
+        grid = LocalGrid(4, {MessageType.TRAIN: echo, MessageType.QUERY: identity_query})
+        arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg, spec))
+        replies = grid.send_and_receive(list(strategy.configure_train(1, arrays, None, grid)))
+        _, metrics = strategy.aggregate_train(1, replies)
+        assert strategy.round_log.rejected == [] and metrics["replies"] == 4
