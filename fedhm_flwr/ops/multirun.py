@@ -60,10 +60,8 @@ CONTINUE_COMMAND_VAR = "FEDHM_CONTINUE_COMMAND"
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """Linux: the sweep process gets SIGTERM when `fedhm` dies, even by SIGKILL (then it stops its job)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
-    except (OSError, AttributeError):
-        pass
 
 
 def _hydra_sweep(overrides: list[str], env: dict[str, str] | None = None) -> int:
@@ -86,10 +84,8 @@ def _hydra_sweep(overrides: list[str], env: dict[str, str] | None = None) -> int
     def forward(signum: int, _frame: object) -> None:
         if not sent:
             sent.append(signum)
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signum)
-            except ProcessLookupError:
-                pass
         else:
             print(
                 f"{signal.Signals(signum).name} received: the sweep is still stopping its job, please wait",
