@@ -31,8 +31,8 @@ from typing import Any
 from fedhm_flwr.config import split_overrides
 from fedhm_flwr.ops.launch import run_job
 from fedhm_flwr.ops.outcome import PythonCommands, RunFailed, RunInterrupted
-from fedhm_flwr.ops.procs import on_signals
 from fedhm_flwr.ops.progress import run_with_progress
+from fedhm_flwr.ops.signals import on_signals
 from fedhm_flwr.reporting.results import SUMMARY_FILE
 
 __all__ = ["RunFailed", "RunInterrupted", "Summary", "load", "resume", "run"]

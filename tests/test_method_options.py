@@ -1,5 +1,5 @@
 """Each method declares its config validation (``Method.options``), and it is the one the config
-check runs: the torch-free ``MethodOptions`` class of ``fedhm_flwr.config.methods``."""
+check runs: the torch-free ``MethodOptions`` class of ``fedhm_flwr.config.options``."""
 
 import pytest
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from fedhm_flwr.ops import supernode as sn
+from fedhm_flwr.ops.link_watch import DEFAULT_SUPERLINK
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,7 +156,7 @@ def test_the_constants_the_wrapper_keeps_are_flowers():
     assert sn.HEARTBEAT_WINDOW == constant.HEARTBEAT_PATIENCE * constant.HEARTBEAT_DEFAULT_INTERVAL
     error = importlib.import_module("flwr.supercore.error")
     assert sn.ACTIVATION_FAILED == f"[code: {int(error.ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED)}]"
-    assert sn.DEFAULT_SUPERLINK == importlib.import_module("flwr.supercore.constant").SUPERLINK_DEFAULT_CLIENT_ADDRESS
+    assert DEFAULT_SUPERLINK == importlib.import_module("flwr.supercore.constant").SUPERLINK_DEFAULT_CLIENT_ADDRESS
     # the line a SuperNode logs when a signal starts its clean stop
     assert sn.LEAVING in inspect.getsource(importlib.import_module("flwr.supernode.start_client_internal"))
     assert sn.superlink_address(["--superlink", "[::1]:9092"]) == ("::1", 9092)

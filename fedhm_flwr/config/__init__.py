@@ -7,8 +7,9 @@ expensive work (Ray, data loading, training) starts. No Flower import here, and 
 on the way to a valid config of a built-in model (the launcher checks a config first).
 
 The pieces: :mod:`fedhm_flwr.config.checks` (field rules, the shared sections),
-:mod:`fedhm_flwr.config.methods` (per-method validation, one ``MethodOptions`` class per method
+:mod:`fedhm_flwr.config.options` (per-method validation, one ``MethodOptions`` class per method
 that the method declares as ``Method.options``, and the supported (method, model) pairs),
+:mod:`fedhm_flwr.config.methods` (the pair and user-model checks),
 :mod:`fedhm_flwr.config.specs` (model and data specs derived from a config). Their public names
 are importable from here too.
 """

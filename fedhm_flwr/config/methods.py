@@ -1,14 +1,7 @@
-"""Per-method validation (the ``method`` group of each algorithm), the (method, model) pairs a run
-accepts and the user-model checks.
-
-Each method declares its validation: ``Method.options`` (``fedhm_flwr/server/methods/method.py``)
-is one :class:`MethodOptions` subclass of this module (:class:`FedHMOptions`, ...), whose
-:meth:`~MethodOptions.check` refuses a bad ``method`` group and whose ``models`` / ``needs`` give
-the models the method runs on; :data:`OPTIONS` maps ``method.name`` to them, and
-:data:`SUPPORTED_MODELS` is derived from it. The checks are written here rather than in the
-method modules because a method module imports torch and the config check must not (the
-launcher checks a config before importing torch; ``tests/test_shards.py`` and
-``tests/test_user_models.py`` assert it), and config sits below the method layer.
+"""The (method, model) pairs a run accepts (:func:`validate_pair`), the user-model checks
+(``model.target``) and the robust aggregations each method accepts; the per-method options
+themselves are in :mod:`fedhm_flwr.config.options` (one ``MethodOptions`` class per method,
+grouped by family), re-exported here as the methods import them.
 
 The config check's torch-free path: the launcher checks a config before importing torch, and
 ``fedhm_flwr.models`` imports torch, so the few checks that need a model (a ``model.factorize``
@@ -18,295 +11,48 @@ function, only on that path. These are the only imports inside functions of the 
 
 from __future__ import annotations
 
-import math
-from typing import ClassVar
-
 from omegaconf import DictConfig, OmegaConf
 
-from fedhm_flwr.config.checks import ROBUST, choice, flags, int_at_least, is_int, is_num, num_in, require
+from fedhm_flwr.config.checks import ROBUST, choice, require
+from fedhm_flwr.config.options import (
+    NEEDS,
+    OPTIONS,
+    SUPPORTED_MODELS,
+    FedAvgOptions,
+    FedHMOptions,
+    FedLoRAOptions,
+    FedRolexOptions,
+    FjORDOptions,
+    HeteroFLOptions,
+    HeteroTuneOptions,
+    MethodOptions,
+    PriSMOptions,
+    method_key,
+    supported_pairs,
+)
 from fedhm_flwr.config.specs import backbone_choice, model_spec
 from fedhm_flwr.core.errors import ConfigError
 from fedhm_flwr.data.registry import dataset_info
 
-
-def _check_tau(cfg: DictConfig) -> None:
-    """``method.tau`` > 0; YAML's ``.inf`` (a string to Hydra's override grammar) means infinity."""
-    tau = OmegaConf.select(cfg, "method.tau")
-    if isinstance(tau, str) and tau.strip().lower() in (".inf", "+.inf"):
-        tau = math.inf
-        OmegaConf.update(cfg, "method.tau", tau)
-    require(is_num(tau) and tau > 0, "method.tau", tau, "a number > 0 (inf or .inf for uniform weights)")
-
-
-def _check_rho(cfg: DictConfig, default: str = "null (the model's default) or an integer >= 0") -> None:
-    rho = OmegaConf.select(cfg, "method.rho")
-    require(rho is None or (is_int(rho) and rho >= 0), "method.rho", rho, default)
-
-
-CONV_ARCHS = ("cnn", "resnet18", "resnet34")
-_BY_WIDTH = (
-    "a model built by width (a constructor slicing channels by width_rate, as the built-in "
-    "cnn/resnet18/resnet34), since "
-)
-
-
-class MethodOptions:
-    """What a method accepts of a config: its ``method`` group (:meth:`check`) and the models it
-    runs on (:attr:`models`; :attr:`needs` says what a refused model lacks). One subclass per
-    method, registered in :data:`OPTIONS` and declared by the method as ``Method.options``."""
-
-    #: ``method.name``
-    name: ClassVar[str] = ""
-    #: the ``model.arch`` values the method runs on (``custom``: a ``model.target``)
-    models: ClassVar[tuple[str, ...]] = ()
-    #: what the method needs from a model (said when it refuses one)
-    needs: ClassVar[str] = ""
-
-    @classmethod
-    def check(cls, cfg: DictConfig) -> None:
-        """Refuse the first invalid value of the ``method`` group with a :class:`ConfigError`."""
-
-    @classmethod
-    def pairs(cls) -> dict[str, tuple[tuple[str, ...], str]]:
-        """Pair key (``method.name``, or ``fedavg/heterofl``) -> (models, needs)."""
-        return {cls.name: (cls.models, cls.needs)}
-
-    @classmethod
-    def pair_key(cls, cfg: DictConfig) -> str:
-        """The key of :meth:`pairs` that ``cfg`` runs under."""
-        return cls.name
-
-
-class FedHMOptions(MethodOptions):
-    name = "fedhm"
-    models = (*CONV_ARCHS, "vit", "custom")
-    needs = "Conv2d/Linear layers to factorize (cnn, resnet18, resnet34, vit, or a model.target)"
-
-    @classmethod
-    def check(cls, cfg: DictConfig) -> None:
-        _check_tau(cfg)
-        _check_rho(cfg)
-        flags(
-            cfg,
-            "method.weight_by_samples",
-            "method.frobenius_decay",
-            "method.official_weights",
-            "method.add_previous_global",
-        )
-        if OmegaConf.select(cfg, "method.svd_tolerance") is not None:  # absent from configs saved before it existed
-            num_in(cfg, "method.svd_tolerance", 0.0, 1.0, low_open=True, high_open=True)
-
-
-class WidthOptions(MethodOptions):
-    """HeteroFL / FedRolex: levels are width rates in (0, 1] (checked with ``levels``)."""
-
-    models = CONV_ARCHS
-
-    @classmethod
-    def check(cls, cfg: DictConfig) -> None:
-        flags(cfg, "method.scaler")
-        num_in(cfg, "method.grad_clip", 0.0, math.inf, high_open=True)
-        flags(cfg, "method.weight_by_samples")
-
-
-class HeteroFLOptions(WidthOptions):
-    name = "heterofl"
-    needs = _BY_WIDTH + "HeteroFL slices channel widths"
-
-
-class FedRolexOptions(WidthOptions):
-    name = "fedrolex"
-    needs = _BY_WIDTH + "FedRolex rolls channel windows"
-
-
-class FjORDOptions(MethodOptions):
-    """FjORD: levels are p_max widths; the widths P drawn per batch (``method.p_values``, null:
-    the levels' own), knowledge distillation, clipping, weights by sample count."""
-
-    name = "fjord"
-    models = CONV_ARCHS
-    needs = _BY_WIDTH + "FjORD trains nested channel widths"
-
-    @classmethod
-    def check(cls, cfg: DictConfig) -> None:
-        num_in(cfg, "method.grad_clip", 0.0, math.inf, high_open=True)
-        flags(cfg, "method.weight_by_samples", "method.distill")
-        p_values = OmegaConf.select(cfg, "method.p_values")
-        if p_values is None:
-            return
-        ratios = list(OmegaConf.select(cfg, "levels.ratios") or [])
-        match = OmegaConf.select(cfg, "levels.match") or "none"
-        plain = list(p_values) if OmegaConf.is_list(p_values) else p_values
-        require(
-            match == "none",
-            "method.p_values",
-            plain,
-            f"null with levels.match={match} (the widths drawn are then the matched rates)",
-        )
-        require(
-            isinstance(plain, list)
-            and plain
-            and all(is_num(p) and 0 < p <= 1 for p in plain)
-            and all(r in plain for r in ratios),
-            "method.p_values",
-            plain,
-            f"null (the levels) or a list of widths in (0, 1] holding every level of levels.ratios {ratios}",
-        )
-
-
-class FedAvgOptions(MethodOptions):
-    """Homogeneous FedAvg: the full model, or the smallest level of FedHM or HeteroFL; with
-    ``method.family=heterofl`` it runs on HeteroFL's models (pair key ``fedavg/heterofl``)."""
-
-    name = "fedavg"
-    models = (*CONV_ARCHS, "vit", "custom")
-    needs = "an image classifier (cnn, resnet18, resnet34, vit, or a model.target)"
-    heterofl_models = CONV_ARCHS
-    heterofl_needs = _BY_WIDTH + "method.family=heterofl slices widths"
-
-    @classmethod
-    def check(cls, cfg: DictConfig) -> None:
-        choice(cfg, "method.variant", ("full", "smallest"))
-        choice(cfg, "method.family", ("fedhm", "heterofl"))
-        _check_rho(cfg)
-        flags(cfg, "method.frobenius_decay", "method.scaler")
-        num_in(cfg, "method.grad_clip", 0.0, math.inf, high_open=True)
-
-    @classmethod
-    def pairs(cls) -> dict[str, tuple[tuple[str, ...], str]]:
-        return {**super().pairs(), "fedavg/heterofl": (cls.heterofl_models, cls.heterofl_needs)}
-
-    @classmethod
-    def pair_key(cls, cfg: DictConfig) -> str:
-        return "fedavg/heterofl" if cfg.method.get("family") == "heterofl" else cls.name
-
-
-class PriSMOptions(MethodOptions):
-    """PriSM / OrthDrop: kernel selection rule, kappa, rho, the U-subset option (levels: keep ratios)."""
-
-    name = "prism"
-    models = CONV_ARCHS
-    needs = "the built-in conv nets' kernel layout (cnn/resnet18/resnet34), since PriSM samples conv kernels"
-
-    @classmethod
-    def check(cls, cfg: DictConfig) -> None:
-        choice(cfg, "method.sampling", ("prism", "orthdrop", "uniform", "softmax"))
-        num_in(cfg, "method.kappa", 0.0, math.inf, high_open=True)
-        _check_rho(cfg, "null (the model's FedHM default) or an integer >= 0 (0: every factorizable layer)")
-        flags(cfg, "method.u_subset", "method.frobenius_decay")
-        choice(cfg, "method.u_subset_rows", ("first", "random"))
-
-
-class TransformerOptions(MethodOptions):
-    """FedLoRA / HeteroTune: a transformer over a frozen pre-trained (or seeded random) backbone,
-    trained by the client's own optimizer."""
-
-    models = ("minilm", "vit")
-
-    @classmethod
-    def check(cls, cfg: DictConfig) -> None:
-        arch = OmegaConf.select(cfg, "model.arch")
-        require(
-            arch in ("minilm", "vit"),
-            "model.arch",
-            arch,
-            f"one of ['minilm', 'vit'] (method={cls.name} fine-tunes a transformer: add "
-            "model=minilm dataset=sentiment, or model=vit dataset=fashion_mnist). "
-            f"Supported pairs: {supported_pairs()}",
-        )
-        choice(cfg, "model.backbone", ("auto", "pretrained", "random"))
-        int_at_least(cfg, "model.backbone_seed", 0)
-        for field in ("model.depth", "model.heads"):
-            value = OmegaConf.select(cfg, field)
-            require(
-                value is None or (is_int(value) and value >= 1),
-                field,
-                value,
-                "null (the architecture's default) or an integer >= 1",
-            )
-        text = cfg.model.arch == "minilm"
-        require(
-            text == (cfg.dataset.name == "sentiment"),
-            "dataset.name",
-            cfg.dataset.name,
-            f"'sentiment' with model=minilm, an image dataset with model=vit (method={cls.name})",
-        )
-        choice(cfg, "method.optimizer", ("adamw", "sgd"))
-        lr = OmegaConf.select(cfg, "method.lr")
-        require(lr is None or (is_num(lr) and 0 < lr < math.inf), "method.lr", lr, "null (train.lr) or a number > 0")
-
-
-class FedLoRAOptions(TransformerOptions):
-    """FedLoRA: LoRA ranks per level (or full fine-tuning), FedHM's softmax(gamma/tau) weights."""
-
-    name = "fedlora"
-    needs = "a transformer with LoRA targets (minilm, vit)"
-
-    @classmethod
-    def check(cls, cfg: DictConfig) -> None:
-        super().check(cfg)
-        choice(cfg, "method.mode", ("lora", "full"))
-        int_at_least(cfg, "method.max_rank", 1)
-        _check_tau(cfg)
-        flags(cfg, "method.weight_by_samples")
-
-
-class HeteroTuneOptions(TransformerOptions):
-    """HeteroTune: model types by depth or width, DeMA bottleneck, bank and CMGA switches."""
-
-    name = "heterotune"
-    needs = "a transformer with DeMA slots (minilm, vit)"
-
-    @classmethod
-    def check(cls, cfg: DictConfig) -> None:
-        super().check(cfg)
-        choice(cfg, "method.scale", ("auto", "depth", "width"))
-        if cfg.model.arch == "minilm":
-            choice(cfg, "method.scale", ("auto", "depth"))  # the packaged MiniLM has one width
-        int_at_least(cfg, "method.bottleneck", 1)
-        flags(cfg, "method.bank", "method.cmga")
-        num_in(cfg, "method.cmga_eps", 0.0, math.inf, high_open=True)
-        scale = OmegaConf.select(cfg, "method.cmga_scale")
-        require(
-            scale is None or (is_num(scale) and scale > 0),
-            "method.cmga_scale",
-            scale,
-            "null (c = ||G||_F / sqrt(N)) or a number > 0",
-        )
-
-
-#: ``method.name`` -> its options (every method adds itself here and declares them as ``Method.options``);
-#: this order is the order of the supported pairs in error messages.
-OPTIONS: dict[str, type[MethodOptions]] = {
-    o.name: o
-    for o in (
-        FedHMOptions,
-        FedAvgOptions,
-        HeteroFLOptions,
-        FedRolexOptions,
-        PriSMOptions,
-        FedLoRAOptions,
-        HeteroTuneOptions,
-        FjORDOptions,
-    )
-}
-
-#: The (method, model) pairs a run accepts: pair key (``method.name``; ``fedavg/heterofl``: fedavg
-#: with ``method.family=heterofl``) -> ``model.arch`` values (``custom``: a ``model.target``).
-SUPPORTED_MODELS: dict[str, tuple[str, ...]] = {
-    key: models for options in OPTIONS.values() for key, (models, _) in options.pairs().items()
-}
-#: What a method refusing a model would need from it (pair key -> text).
-_NEEDS: dict[str, str] = {key: needs for options in OPTIONS.values() for key, (_, needs) in options.pairs().items()}
-
-
-def method_key(cfg: DictConfig) -> str:
-    """The key of :data:`SUPPORTED_MODELS` for ``cfg``'s method."""
-    return OPTIONS[str(cfg.method.name)].pair_key(cfg)
-
-
-def supported_pairs() -> str:
-    return "; ".join(f"{m}: {list(a)}" for m, a in SUPPORTED_MODELS.items())
+__all__ = [  # the options re-exported (the methods import their class from here) and this module's own
+    "ARCH_NAMES",
+    "OPTIONS",
+    "SUPPORTED_MODELS",
+    "FedAvgOptions",
+    "FedHMOptions",
+    "FedLoRAOptions",
+    "FedRolexOptions",
+    "FjORDOptions",
+    "HeteroFLOptions",
+    "HeteroTuneOptions",
+    "MethodOptions",
+    "PriSMOptions",
+    "method_key",
+    "robust_modes",
+    "supported_pairs",
+    "validate_pair",
+    "validate_user_model",
+]
 
 
 def validate_user_model(cfg: DictConfig) -> None:
@@ -420,7 +166,7 @@ def validate_pair(cfg: DictConfig) -> None:
         what = "no model.target" if arch == "custom" else f"one of {list(allowed)}"
         method = "fedavg method.family=heterofl" if key == "fedavg/heterofl" else key
         raise ConfigError(
-            field, value, f"for method={method}, {what}: it needs {_NEEDS[key]}. Supported pairs: {supported_pairs()}"
+            field, value, f"for method={method}, {what}: it needs {NEEDS[key]}. Supported pairs: {supported_pairs()}"
         )
     if arch == "custom":
         from fedhm_flwr.models import resolve_target  # torch-free path; imports the user's module, calls nothing

@@ -85,9 +85,10 @@ Modules
 ``spec`` (validation), ``partitioning`` (flwr-datasets partitioners, subsets, held-out split),
 ``registry`` (:func:`dataset_info`, :func:`load_arrays`, :func:`source_arrays`), one module per
 source (``idx``, ``cifar``, ``imagefolder``, ``hf_disk``, ``text``), ``tensors`` (the torch Dataset),
-``clients`` (a partition's data and the test set from a spec), ``files`` (where files lie; the pre-start check) and
+``clients`` (a partition's data and the test set from a spec), ``files`` (where files lie; the pre-start check),
+``layouts`` (the layout of your own data's folders) and
 ``shards``. This package imports its submodules lazily, on first use of a name (PEP 562 ``__getattr__``): importing
-``fedhm_flwr.data.files`` or ``.catalog`` stays free of numpy and torch, as the launcher's data
+``fedhm_flwr.data.files``, ``.layouts`` or ``.catalog`` stays free of numpy and torch, as the launcher's data
 check needs. Modules inside this package import each other directly, never through this facade.
 """
 

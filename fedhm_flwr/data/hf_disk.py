@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from fedhm_flwr.core.errors import DataSourceError
-from fedhm_flwr.data.files import hf_disk_layout
 from fedhm_flwr.data.imagefolder import fit_image
+from fedhm_flwr.data.layouts import hf_disk_layout
 from fedhm_flwr.data.partitioning import fraction_split
 
 

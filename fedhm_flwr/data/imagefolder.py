@@ -2,7 +2,7 @@
 
 ``DIR`` holds one sub-folder per class (``DIR/cat/1.png``, ``DIR/dog/7.jpg``, ...), or
 ``DIR/train/`` does, with the test images in ``DIR/test/`` or ``DIR/val/`` laid out the same way
-(:func:`fedhm_flwr.data.files.imagefolder_layout`). Classes are the training split's sub-folders in
+(:func:`fedhm_flwr.data.layouts.imagefolder_layout`). Classes are the training split's sub-folders in
 sorted order (torchvision's ``find_classes``), so class ``i`` is the ``i``-th folder name, also in
 the test split. The files are listed by torchvision's ``make_dataset``, opened with PIL, converted
 to ``dataset.channels`` (L or RGB), and scaled and centre-cropped to ``dataset.image_size`` square
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from fedhm_flwr.data.files import IMAGE_EXTENSIONS, imagefolder_layout
+from fedhm_flwr.data.layouts import IMAGE_EXTENSIONS, imagefolder_layout
 from fedhm_flwr.data.partitioning import fraction_split
 
 

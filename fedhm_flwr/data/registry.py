@@ -25,8 +25,9 @@ from fedhm_flwr.data.catalog import (
     text_dataset_info,
 )
 from fedhm_flwr.data.cifar import load_cifar
-from fedhm_flwr.data.files import DATA_DIR_ENV, folder_source_layout
+from fedhm_flwr.data.files import DATA_DIR_ENV
 from fedhm_flwr.data.idx import load_fashion_mnist
+from fedhm_flwr.data.layouts import folder_source_layout
 from fedhm_flwr.data.spec import SOURCE_DEFAULTS, check_data_spec
 
 __all__ = [

@@ -62,8 +62,9 @@ from fedhm_flwr.ops.outcome import (
     require_checkpoint,
     run_command,
 )
-from fedhm_flwr.ops.procs import Interrupted, new_tag, on_signals
+from fedhm_flwr.ops.procs import new_tag
 from fedhm_flwr.ops.runlock import RunLock
+from fedhm_flwr.ops.signals import Interrupted, on_signals
 from fedhm_flwr.reporting.results import refuse_existing_run
 
 

@@ -61,9 +61,10 @@ from fedhm_flwr.ops.outcome import (
     resume_hint,
     run_command,
 )
-from fedhm_flwr.ops.procs import Interrupted, Processes, new_tag, on_signals
+from fedhm_flwr.ops.procs import Processes, new_tag
 from fedhm_flwr.ops.runlock import RunLock
 from fedhm_flwr.ops.shared_ray import SHARED_RAY_VAR
+from fedhm_flwr.ops.signals import Interrupted, on_signals
 from fedhm_flwr.ops.superlink import (
     APP_DIR,
     SIMULATION_CONNECTION,

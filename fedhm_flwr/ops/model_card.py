@@ -91,8 +91,8 @@ def model_card_markdown(card: dict[str, Any]) -> str:
             f"| accuracy of `model.onnx` in ONNX Runtime, one image at a time | {_num(ort['accuracy'])} "
             f"({ort['examples']:,} images of {ort['data']}) |",
             f"| ONNX Runtime against PyTorch, one image at a time | "
-            f"predictions agree on {ort['predictions_agreeing']:,} of {ort['examples']:,}; max logit difference {ort['max_abs_logit_difference']:.2g} "
-            f"(tolerance {ort['tolerance']}) |",
+            f"predictions agree on {ort['predictions_agreeing']:,} of {ort['examples']:,}; "
+            f"max logit difference {ort['max_abs_logit_difference']:.2g} (tolerance {ort['tolerance']}) |",
         ]
     lines += [
         f"| normalisation statistics | {card['normalisation']['statistics']}: {card['normalisation']['data']} |",

@@ -26,8 +26,8 @@ from omegaconf import OmegaConf
 
 from fedhm_flwr.config import ConfigError, split_overrides
 from fedhm_flwr.ops.outcome import fedhm_program
-from fedhm_flwr.ops.procs import SIGNALS
 from fedhm_flwr.ops.shared_ray import SHARED_RAY_VAR, enabled as shared_ray_enabled, shared_ray
+from fedhm_flwr.ops.signals import SIGNALS
 from fedhm_flwr.reporting.summary import main as summary_main
 
 #: `fedhm compare` (`make compare`): the baselines on the same work, every method on every seed,
@@ -60,10 +60,8 @@ CONTINUE_COMMAND_VAR = "FEDHM_CONTINUE_COMMAND"
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """Linux: the sweep process gets SIGTERM when `fedhm` dies, even by SIGKILL (then it stops its job)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
-    except (OSError, AttributeError):
-        pass
 
 
 def _hydra_sweep(overrides: list[str], env: dict[str, str] | None = None) -> int:
@@ -86,10 +84,8 @@ def _hydra_sweep(overrides: list[str], env: dict[str, str] | None = None) -> int
     def forward(signum: int, _frame: object) -> None:
         if not sent:
             sent.append(signum)
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signum)
-            except ProcessLookupError:
-                pass
         else:
             print(
                 f"{signal.Signals(signum).name} received: the sweep is still stopping its job, please wait",

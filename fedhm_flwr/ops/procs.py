@@ -11,8 +11,9 @@ Shared by ``fedhm_flwr.ops.launch`` (simulation) and ``fedhm deploy-local`` (dep
   process in a session of its own that ignores SIGINT, SIGTERM and SIGHUP and blocks reading a
   pipe whose write end only the launcher holds. When the launcher dies, even by SIGKILL, the
   pipe closes and the watchdog stops every tagged process, then exits;
-* :func:`on_signals` turns SIGINT / SIGTERM / SIGHUP into one :class:`Interrupted` exception, so
-  cleanup runs; a second signal during the cleanup only prints that the cleanup goes on;
+* :func:`~fedhm_flwr.ops.signals.on_signals` turns SIGINT / SIGTERM / SIGHUP into one
+  :class:`~fedhm_flwr.ops.signals.Interrupted` exception, so cleanup runs; a second signal during
+  the cleanup only prints that the cleanup goes on (:mod:`fedhm_flwr.ops.signals`);
 * the run directory's lock is :mod:`fedhm_flwr.ops.runlock`.
 
 The tag scan needs Linux's ``/proc`` (what CI runs). Where there is none (macOS), the fallback is
@@ -28,12 +29,14 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
+
+# re-exported for the CLI (fedhm_flwr/ops/cli.py), which imports them from here
+from fedhm_flwr.ops.signals import Interrupted as Interrupted, on_signals as on_signals
 
 TAG_VAR = "FEDHM_RUN_TAG"  # environment variable marking every process of one job
 HAVE_PROC = Path("/proc/self/environ").exists()
@@ -367,57 +370,6 @@ class Processes:
 
     def __exit__(self, *exc: Any) -> None:
         self.close(self.grace, self.settle)
-
-
-# --------------------------------------------------------------------------- signals
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGINT, SIGTERM or SIGHUP arrived; ``exit_code`` is 128 + the signal number."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-        self.exit_code = 128 + signum
-
-
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-_DEPTH = {"depth": 0, "raised": False}  # nested on_signals blocks share one "already interrupted" flag
-
-
-@contextlib.contextmanager
-def on_signals(say: Any = None) -> Iterator[None]:
-    """Within the block the first SIGINT / SIGTERM / SIGHUP raises :class:`Interrupted`; later ones
-    only print that the cleanup goes on (so a second Ctrl-C cannot cut the cleanup short).
-
-    Blocks may nest (an entry point's ``main`` and the launcher's ``run_job``): they share one
-    flag, so a signal that arrives while an outer block reports the first one only prints too;
-    the flag is reset when the outermost block ends (a notebook can run and interrupt again).
-    Outside the main thread this does nothing (Python delivers signals to the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
-
-    def handler(signum: int, _frame: Any) -> None:
-        if _DEPTH["raised"]:
-            say(f"{signal.Signals(signum).name} received: still stopping the run's processes, please wait")
-            return
-        _DEPTH["raised"] = True
-        raise Interrupted(signum)
-
-    previous = {sig: signal.signal(sig, handler) for sig in SIGNALS}
-    _DEPTH["depth"] += 1
-    try:
-        yield
-    finally:
-        _DEPTH["depth"] -= 1
-        if _DEPTH["depth"] == 0:
-            _DEPTH["raised"] = False
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 if __name__ == "__main__":

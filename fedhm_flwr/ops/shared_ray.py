@@ -44,10 +44,8 @@ def enabled(environ: dict[str, str] | None = None) -> bool:
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 @contextlib.contextmanager

@@ -41,23 +41,20 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-#: Flower's values (tests compare them): the code of a refused activation (``ApiErrorCode``), how long
-#: the SuperLink keeps a node that sent no goodbye online (``HEARTBEAT_PATIENCE * HEARTBEAT_DEFAULT_INTERVAL``),
-#: ``flower-supernode --superlink``'s default, the line of a SuperNode's clean stop, of an error exit
+from fedhm_flwr.ops.link_watch import HEARTBEAT_WINDOW, PROBE_EVERY, LinkWatch, behind_proxy, probe, superlink_address
+
+#: Flower's values (tests compare them; the SuperLink's in :mod:`fedhm_flwr.ops.link_watch`): the code of a
+#: refused activation (``ApiErrorCode``), the line of a SuperNode's clean stop, of an error exit
 ACTIVATION_FAILED = "[code: 2004]"
-HEARTBEAT_WINDOW = 60.0
-DEFAULT_SUPERLINK = "127.0.0.1:8000"
 LEAVING = "SuperNode terminated gracefully"
 FLOWER_EXIT = re.compile(r"Exit Code: (\d+)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -70,8 +67,6 @@ HEALTHY_RUN = 300.0  # a start that ran this long resets the back-off
 KILL_GRACE = 3.0  # SIGTERM, then SIGKILL this much later (the SuperNode's processes)
 STOP_GRACE = 15.0  # the SuperNode's own clean stop (Flower forces its exit after 5 s)
 FORWARD_AFTER = 1.0  # a stop signal goes on to a SuperNode not leaving by itself this much later
-REFUSED_PATIENCE = 10.0  # a SuperLink port that refuses connections this long: the SuperLink is down
-PROBE_EVERY = (10.0, 2.0)  # seconds between probes of the SuperLink while it answers / once it did not
 
 
 def _say(message: str) -> None:
@@ -95,7 +90,7 @@ def exit_status(code: int) -> str:
     return f"exit code {code}" if code >= 0 else f"killed by {names.get(code, f'signal {-code}')}"
 
 
-# --------------------------------------------------------------------------- processes (/proc), the SuperLink's port
+# --------------------------------------------------------------------------- processes (/proc)
 
 
 def _pids() -> list[int]:
@@ -154,60 +149,6 @@ def stop(pids: list[int], grace: float | None = None) -> None:
 
 def _named(pids: list[int]) -> str:
     return ", ".join(f"{program(p) or '?'} {p}" for p in pids)
-
-
-def superlink_address(args: list[str]) -> tuple[str, int] | None:
-    """(host, port) of ``--superlink HOST:PORT`` in ``flower-supernode`` arguments (``[v6]:port`` too)."""
-    value = DEFAULT_SUPERLINK
-    for i, arg in enumerate(args):
-        if arg.startswith("--superlink="):
-            value = arg.split("=", 1)[1]
-        elif arg == "--superlink" and i + 1 < len(args):
-            value = args[i + 1]
-    host, _, port = value.rpartition(":")
-    return (host.strip("[]"), int(port)) if host and port.isdigit() else None
-
-
-def probe(address: tuple[str, int], timeout: float = 5.0) -> str:
-    """``up`` (a TCP connection), ``refused`` (nothing listens: the SuperLink is down) or ``unreachable``."""
-    try:
-        with socket.create_connection(address, timeout=timeout):
-            return "up"
-    except ConnectionRefusedError:
-        return "refused"
-    except OSError:
-        return "unreachable"
-
-
-def behind_proxy(host: str) -> bool:
-    """An HTTPS proxy is set for ``host``: the SuperNode (httpx) goes through it, a direct probe would not."""
-    return bool(urllib.request.getproxies().get("https")) and not urllib.request.proxy_bypass(host)
-
-
-@dataclass
-class LinkWatch:
-    """Since when the SuperLink has been down, from a series of probes."""
-
-    refused_patience: float = REFUSED_PATIENCE
-    unreachable_patience: float = HEARTBEAT_WINDOW
-    down_since: float | None = None
-    refused_since: float | None = None
-
-    def note(self, state: str, now: float) -> str | None:
-        """Record one probe (:func:`probe`'s answer at ``now``); why the SuperLink's runs are over, or None."""
-        if state == "up":
-            self.down_since = self.refused_since = None
-            return None
-        self.down_since = now if self.down_since is None else self.down_since
-        self.refused_since = (now if self.refused_since is None else self.refused_since) if state == "refused" else None
-        if self.refused_since is not None and now - self.refused_since >= self.refused_patience:
-            return f"has refused connections for {now - self.refused_since:.0f} s (the SuperLink is down)"
-        if now - self.down_since >= self.unreachable_patience:
-            return (
-                f"has not answered for {now - self.down_since:.0f} s (it has marked this node offline and "
-                "answered its messages `node unavailable`)"
-            )
-        return None
 
 
 # --------------------------------------------------------------------------- one SuperNode start

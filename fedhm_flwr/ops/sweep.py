@@ -42,8 +42,8 @@ from fedhm_flwr.ops.outcome import (
     fedhm_program,
     report_stop,
 )
-from fedhm_flwr.ops.procs import on_signals
 from fedhm_flwr.ops.progress import run_with_progress
+from fedhm_flwr.ops.signals import on_signals
 from fedhm_flwr.reporting.results import METRICS_CSV, METRICS_JSONL, SUMMARY_FILE
 from fedhm_flwr.reporting.summary import markdown_table, write_summary
 

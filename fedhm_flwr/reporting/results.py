@@ -297,7 +297,7 @@ def load_bn_statistics(run_dir: str | Path) -> tuple[dict[str, torch.Tensor], di
     if not path.is_file():
         return None
     with safe_open(str(path), framework="pt") as fh:
-        return {k: fh.get_tensor(k) for k in fh.keys()}, dict(fh.metadata() or {})
+        return {k: fh.get_tensor(k) for k in fh.keys()}, dict(fh.metadata() or {})  # noqa: SIM118  safe_open is not iterable
 
 
 def summarize(rows: list[dict[str, Any]], extra: Mapping[str, Any]) -> dict[str, Any]:

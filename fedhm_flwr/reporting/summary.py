@@ -42,18 +42,13 @@ from omegaconf import OmegaConf
 from fedhm_flwr.reporting.results import CONFIG_FILE, SUMMARY_FILE, atomic_write
 from fedhm_flwr.reporting.summary_plots import write_plots
 
-# the statistics over seeds (re-exported: the names callers have used from this module)
+# the statistics over seeds (paired_differences, seed_statistics, tail_accuracies are also imported from here)
 from fedhm_flwr.reporting.summary_stats import (
     COSTS,
     METHOD_OPTIONS,
-    TAIL_FRACTION,
-    group_keys,
-    group_runs,
-    models_of,
     paired_differences,
     read_metrics,
     seed_statistics,
-    setting_keys,
     statistics_markdown,
     tail_accuracies,
 )

@@ -104,7 +104,7 @@ def paired_differences(swept: list[str], rows: list[dict[str, Any]], reference: 
         ref = {r.get("seed"): r for r in members if r.get("method") == reference}
         if not ref:
             continue
-        for method, runs in group_runs([r for r in members if r.get("method") != reference], ["method"]).items():
+        for runs in group_runs([r for r in members if r.get("method") != reference], ["method"]).values():
             for model in models_of(runs):
                 for metric in ("final", "tail"):
                     column = f"{metric}_acc/{model}"
