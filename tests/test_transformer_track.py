@@ -171,33 +171,33 @@ def test_only_the_intended_parameters_get_gradients_at_each_client_type(track):
     x = torch.randint(1000, 2000, (3, 12)) if track == "text" else torch.randn(3, 1, 28, 28)
     # FedLoRA, every rank: LoRA factors of Q, K, V, O and the head
     cfg, strategy = _strategy(f"method=fedlora {base} method.max_rank=4")
-    state = strategy.initial_state(0)
+    state = strategy.method.initial_state(0)
     for i in range(len(strategy.levels)):
-        spec, payload, _ = strategy.level_payload(i, state)
+        spec, payload, _ = strategy.method.level_payload(i, state)
         model, grads = _grads_after_backward(spec, payload, x)
         assert grads == set(payload) == set(trainable_state(model))
         assert all(k.endswith(("lora_A", "lora_B")) or k.startswith("head.") for k in grads)
         assert len([k for k in grads if k.endswith("lora_A")]) == len(model.lora_targets())
-        assert payload[next(k for k in payload if k.endswith("lora_A"))].shape[0] == strategy.ranks[i]
+        assert payload[next(k for k in payload if k.endswith("lora_A"))].shape[0] == strategy.method.ranks[i]
     # full fine-tuning: everything
     cfg, strategy = _strategy(f"method=fedlora method.mode=full {base} levels.ratios=[1] levels.proportions=[1]")
-    spec, payload, _ = strategy.level_payload(0, strategy.initial_state(0))
+    spec, payload, _ = strategy.method.level_payload(0, strategy.method.initial_state(0))
     model, grads = _grads_after_backward(spec, payload, x)
     assert grads == {k for k, _ in model.named_parameters()}
     # HeteroTune: local adapters, gates, own share-adapters, head; other types' shares frozen
     cfg, strategy = _strategy(f"method=heterotune {base} {HETERO}")
-    state = strategy.initial_state(0)
+    state = strategy.method.initial_state(0)
     for i in range(2):
-        spec, payload, _ = strategy.level_payload(i, state)
+        spec, payload, _ = strategy.method.level_payload(i, state)
         model, grads = _grads_after_backward(spec, payload, x)
         shares = {k for k in payload if ".share_" in k}
         assert shares and {k for k in grads if ".share_" in k} == {k for k in shares if k.endswith(f".{i}")}
-        assert grads == set(strategy.reply_keys(i, spec, payload)) == set(trainable_state(model))
+        assert grads == set(strategy.method.reply_keys(i, spec, payload)) == set(trainable_state(model))
         assert all(k.startswith(("adapters.", "head.")) for k in grads)
         assert any(".gate_pre" in k for k in grads) and any(".down." in k for k in grads)
     # Homo-Training: no bank at all
     cfg, strategy = _strategy(f"method=heterotune method.bank=false {base} {HETERO}")
-    spec, payload, _ = strategy.level_payload(1, strategy.initial_state(0))
+    spec, payload, _ = strategy.method.level_payload(1, strategy.method.initial_state(0))
     _, grads = _grads_after_backward(spec, payload, x)
     assert grads == set(payload) and not any(".share_" in k or ".gate_" in k for k in grads)
 
@@ -228,11 +228,11 @@ def test_load_federated_refuses_backbone_tensors_and_missing_adapters():
 
 def test_fedlora_messages_carry_only_factors_and_head_and_hand_out_the_truncation():
     cfg, strategy = _strategy(f"method=fedlora {TINY_IMAGE} method.max_rank=4")
-    assert strategy.ranks == [4, 2, 1, 1]
-    state = strategy.initial_state(0)
-    assert not set(state) & set(build_model(strategy.spec).local_keys)  # no backbone in the global state
+    assert strategy.method.ranks == [4, 2, 1, 1]
+    state = strategy.method.initial_state(0)
+    assert not set(state) & set(build_model(strategy.method.spec).local_keys)  # no backbone in the global state
     g = torch.Generator().manual_seed(0)
-    for t in strategy.targets:  # a non-trivial ΔW of rank 3
+    for t in strategy.method.targets:  # a non-trivial ΔW of rank 3
         k = f"{t}.lora_delta"
         state[k] = torch.randn(state[k].shape[0], 3, generator=g) @ torch.randn(3, state[k].shape[1], generator=g)
     grid = LocalGrid(4, client_handlers())
@@ -242,11 +242,11 @@ def test_fedlora_messages_carry_only_factors_and_head_and_hand_out_the_truncatio
     for msg in messages:
         config = msg.content["config"]
         spec = json.loads(config["model-spec"])
-        rank = strategy.ranks[config["level-index"]]
+        rank = strategy.method.ranks[config["level-index"]]
         got = msg.content["arrays"].to_torch_state_dict()
         assert spec["trainable_only"] and spec["lora"] == {"rank": rank}
         assert set(got) == set(federated_keys(build_model(spec)))
-        t = strategy.targets[0]
+        t = strategy.method.targets[0]
         delta = state[f"{t}.lora_delta"].double()
         S = torch.linalg.svdvals(delta)
         err = delta - got[f"{t}.lora_B"].double() @ got[f"{t}.lora_A"].double()
@@ -255,17 +255,17 @@ def test_fedlora_messages_carry_only_factors_and_head_and_hand_out_the_truncatio
 
 def test_fedlora_merge_is_the_fedhm_weighted_sum_of_products():
     cfg, strategy = _strategy(f"method=fedlora {TINY_IMAGE} method.max_rank=4")
-    state = strategy.initial_state(0)
+    state = strategy.method.initial_state(0)
     g = torch.Generator().manual_seed(1)
     replies = []
     for i in (0, 1, 3):
-        _, payload, _ = strategy.level_payload(i, state)
+        _, payload, _ = strategy.method.level_payload(i, state)
         trained = {k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in payload.items()}
         counts = np.array([5] * 10)
         replies.append(Reply(i, i, strategy.levels[i], trained, 50, counts, {}))
-    new = strategy.merge(1, state, replies)
+    new = strategy.method.merge(1, state, replies)
     w = level_weights([r.level for r in replies], 1.0)
-    t = strategy.targets[-1]
+    t = strategy.method.targets[-1]
     want = sum(wi * r.state[f"{t}.lora_B"].double() @ r.state[f"{t}.lora_A"].double() for wi, r in zip(w, replies))
     assert torch.allclose(new[f"{t}.lora_delta"].double(), want, atol=1e-5)
     assert torch.allclose(
@@ -283,15 +283,15 @@ def test_heterotune_deployable_model_equals_the_trained_dema_model(track):
     computes what the type-i training model computes."""
     base = TINY_TEXT if track == "text" else TINY_IMAGE
     cfg, strategy = _strategy(f"method=heterotune {base} {HETERO}")
-    state = strategy.initial_state(0)
+    state = strategy.method.initial_state(0)
     g = torch.Generator().manual_seed(2)
     state = {k: torch.randn(v.shape, generator=g) * 0.3 for k, v in state.items()}  # non-trivial everything
     x = torch.randint(1000, 2000, (4, 10)) if track == "text" else torch.randn(4, 1, 28, 28)
     for i in range(2):
-        spec, payload, _ = strategy.level_payload(i, state)
+        spec, payload, _ = strategy.method.level_payload(i, state)
         trained = build_model(spec)
         load_federated(trained, payload)
-        dspec, dstate = strategy.deployable(i, state)
+        dspec, dstate = strategy.method.deployable(i, state)
         deployed = build_model(dspec)
         load_federated(deployed, dstate)
         with torch.no_grad():
@@ -301,12 +301,12 @@ def test_heterotune_deployable_model_equals_the_trained_dema_model(track):
 
 def test_heterotune_merge_averages_within_types_and_aligns_share_updates_with_cmga():
     cfg, strategy = _strategy(f"method=heterotune {TINY_IMAGE} {HETERO}")
-    state = strategy.initial_state(0)
+    state = strategy.method.initial_state(0)
     g = torch.Generator().manual_seed(3)
     replies = []
     for node, i in enumerate((0, 0, 1)):
-        spec, payload, _ = strategy.level_payload(i, state)
-        keys = strategy.reply_keys(i, spec, payload)
+        spec, payload, _ = strategy.method.level_payload(i, state)
+        keys = strategy.method.reply_keys(i, spec, payload)
         replies.append(
             Reply(
                 node,
@@ -318,7 +318,7 @@ def test_heterotune_merge_averages_within_types_and_aligns_share_updates_with_cm
                 {},
             )
         )
-    new = strategy.merge(1, state, replies)
+    new = strategy.method.merge(1, state, replies)
     # local adapters: sample-weighted mean within type 0 (nodes 0 and 1: weights 1/3, 2/3)
     key = "adapters.0.down.weight"
     want = (replies[0].state[key] + 2 * replies[1].state[key]) / 3
@@ -340,25 +340,25 @@ def test_heterotune_merge_averages_within_types_and_aligns_share_updates_with_cm
     assert float(torch.linalg.norm(Gt)) == pytest.approx(float(torch.linalg.norm(G)), rel=1e-4)
     # without CMGA: S_i <- S_i + Δ_i
     cfg, plain = _strategy(f"method=heterotune method.cmga=false {TINY_IMAGE} {HETERO}")
-    new2 = plain.merge(1, state, replies)
+    new2 = plain.method.merge(1, state, replies)
     k = "adapters.0.share_pre.1"
     assert torch.allclose(new2[k], replies[2].state[k], atol=1e-6)
 
 
 def test_heterotune_types_by_depth_share_slots_only_where_they_exist():
     cfg, strategy = _strategy(f"method=heterotune {TINY_TEXT} {HETERO}")
-    assert strategy.depths == [2, 1] and strategy.members == [[0, 1], [0]]
-    state = strategy.initial_state(0)
-    _, small, _ = strategy.level_payload(1, state)
+    assert strategy.method.depths == [2, 1] and strategy.method.members == [[0, 1], [0]]
+    state = strategy.method.initial_state(0)
+    _, small, _ = strategy.method.level_payload(1, state)
     assert {k for k in small if ".share_" in k} == {
         f"adapters.0.share_{s}.{j}" for s in ("pre", "post") for j in (0, 1)
     }
-    costs = [strategy.level_cost(i) for i in range(2)]
+    costs = [strategy.method.level_cost(i) for i in range(2)]
     assert costs[0]["params"] > costs[1]["params"] and costs[1]["bytes_down"] > costs[1]["bytes_up"]
     cfg, vit = _strategy(f"method=heterotune {TINY_IMAGE} {HETERO}")  # ViT: types by width (auto)
-    assert vit.depths == [2, 2] and [s["width"] for s in vit.type_specs] == [16, 8]
+    assert vit.method.depths == [2, 2] and [s["width"] for s in vit.method.type_specs] == [16, 8]
     cfg, vit = _strategy(f"method=heterotune {TINY_IMAGE} {HETERO} method.scale=depth")
-    assert vit.depths == [2, 1] and [s["width"] for s in vit.type_specs] == [16, 16]
+    assert vit.method.depths == [2, 1] and [s["width"] for s in vit.method.type_specs] == [16, 16]
 
 
 # ------------------------------------------------------------------------------------ whole runs
@@ -394,7 +394,7 @@ def test_inspect_prints_exact_trainable_parameters_and_bytes(capsys):
     out = capsys.readouterr().out
     assert "adapter_params" in out and "head_params" in out and "bytes_up" in out
     cfg, strategy = _strategy(f"method=fedlora {TINY_IMAGE} method.max_rank=4")
-    cost = strategy.level_cost(0)
+    cost = strategy.method.level_cost(0)
     # rank 4 on Q, K, V, O of 2 blocks of width 16: 8 layers x 4 x (16 + 16); head 16 x 10 + 10
     assert cost["adapter_params"] == 8 * 4 * 32 and cost["head_params"] == 170
     assert lora_rank(0.125, 4) == 1

@@ -4,9 +4,11 @@ One round, one path, for every method: sample nodes, give each node its level, a
 for each level's (or node's) model, send one fresh message per node, validate the replies, let the
 method merge them (through the defences and DP, :class:`fedhm_flwr.server.untrusted.Untrusted`, which wrap
 the merge as Flower's DP strategies wrap a strategy), evaluate the global model and each level's
-deployable model, record, checkpoint. The method (:class:`fedhm_flwr.server.methods.method.Method`) is Flower-free
-and says only how a client's model is cut out of the global model and how replies are folded back
-in. The round's collaborators are handed what they need and never reach back into it: the node
+deployable model, and hand the round to the run's outputs (the ServerApp's :mod:`~fedhm_flwr.server.outputs`:
+rows, checkpoints, the best model, the deployment statistics; the strategy writes nothing). The method
+(:class:`fedhm_flwr.server.methods.method.Method`, ``strategy.method``) is Flower-free and says only how a
+client's model is cut out of the global model and how replies are folded back in. The round's
+collaborators are handed what they need and never reach back into it: the node
 registry (:mod:`~fedhm_flwr.server.nodes`, costs as data), what is sent (:mod:`~fedhm_flwr.server.payloads`),
 the replies (:mod:`~fedhm_flwr.server.replies`: untrusted input), the evaluation
 (:mod:`~fedhm_flwr.server.evaluation`) and the records (:mod:`~fedhm_flwr.server.report`).
@@ -32,9 +34,10 @@ from fedhm_flwr.config import data_spec, level_proportions, lr_schedule
 from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.core.protocol import ARRAYS, CONFIG, NODE_UNAVAILABLE, collect, content_bytes, exchange, push
 from fedhm_flwr.math import levels as lv
-from fedhm_flwr.server import deployment, evaluation as ev, replies as reply_checks
+from fedhm_flwr.server import evaluation as ev, replies as reply_checks
 from fedhm_flwr.server.methods.method import Cut, Method, Reply, State
 from fedhm_flwr.server.nodes import NodeInfo, NodeRegistry
+from fedhm_flwr.server.outputs import RoundEnd, RoundOutputs
 from fedhm_flwr.server.payloads import ArrayCache, Payload, TaskConfigs, train_options
 from fedhm_flwr.server.report import RoundLog, progress_line, round_row, train_metrics
 from fedhm_flwr.server.untrusted import Attacks, Untrusted
@@ -53,7 +56,7 @@ class HeteroStrategy(Strategy):
         cfg: DictConfig,
         model_spec: dict[str, Any],
         evaluate_fn: Callable[..., dict[str, float]] | None = None,
-        recorder: Any | None = None,
+        outputs: RoundOutputs | None = None,
         method: Method | None = None,
     ) -> None:
         if method is None:
@@ -64,7 +67,7 @@ class HeteroStrategy(Strategy):
         self.name = method.name
         self.levels = method.levels
         self.evaluate_fn = evaluate_fn
-        self.recorder = recorder
+        self.outputs = outputs  # what the run keeps of each round (the ServerApp's: rows, checkpoints)
         self.registry = NodeRegistry(self.cfg, self.levels, method.costs)
         self.startup_info: dict[str, Any] = {}  # what the start-up before round 1 took (NodeRegistry.startup)
         self.global_state: State | None = None
@@ -87,14 +90,6 @@ class HeteroStrategy(Strategy):
         self._global_record: ArrayRecord | None = None  # the record last made of self.global_state
         self._late_ids: list[str] = []  # the last round's messages it stopped waiting for (their answers: late)
         self._examples_cap = reply_checks.examples_cap(self.cfg)  # the most examples a reply's weight counts
-        self._deploy_stats = bool(self.cfg.evaluation.deploy_stats)  # every level's statistics after the last round
-
-    def __getattr__(self, name: str) -> Any:
-        """The method's attributes, read through the strategy (see the module docstring)."""
-        method = self.__dict__.get("method")
-        if method is None or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(method, name)
 
     # ------------------------------------------------------------------ the wire
 
@@ -373,12 +368,9 @@ class HeteroStrategy(Strategy):
             if train_metrics is not None:
                 result.train_metrics_clientapp[server_round] = train_metrics
             row = self._round_row(server_round, train_metrics)
-            last = server_round == num_rounds and self.recorder is not None and self._deploy_stats
-            early = (
-                deployment.DeploymentQuery(self._view(), self.state_of(arrays))  # nodes sum while the server evaluates
-                if last and str(self.cfg.evaluation.bn_stats) != "federated"
-                else None
-            )
+            end = self._round_end(server_round, num_rounds, arrays)
+            if self.outputs is not None:
+                self.outputs.trained(end)
             if self._evaluation_due(server_round, num_rounds):
                 t_eval = time.perf_counter()
                 if self.cfg.evaluation.where != "clients":
@@ -398,18 +390,20 @@ class HeteroStrategy(Strategy):
                     result.evaluate_metrics_serverapp[server_round] = MetricRecord(
                         {**dict(result.evaluate_metrics_serverapp.get(server_round, {})), **dict(given)}
                     )
-            if last:
-                self._save_deployment_statistics(server_round, self.state_of(arrays), row, early)
+            if self.outputs is not None:
+                end.known = self._bn.sums if self._bn is not None else None  # (the final evaluation's)
+                self.outputs.evaluated(end, row)
             row["seconds"] = time.perf_counter() - t_round
             self.history.append(row)
             log(INFO, "%s", progress_line(row, num_rounds, self.levels))
-            if self.recorder is not None:
-                self.recorder.log_round(row)
-                if self._checkpoint_due(server_round, num_rounds):
-                    self.recorder.save_checkpoint(self.state_of(arrays), self.checkpoint_state(server_round))
-                if self.cfg.checkpoint.get("keep_best", False):
-                    self.recorder.save_best(self.state_of(arrays), row)
+            if self.outputs is not None:
+                self.outputs.closed(end, row)
         return result
+
+    def _round_end(self, server_round: int, num_rounds: int, arrays: ArrayRecord) -> RoundEnd:
+        """What the run's outputs are handed of this round (never the strategy itself)."""
+        state = self.state_of(arrays)
+        return RoundEnd(server_round, num_rounds, state, self._view(), lambda: self.checkpoint_state(server_round))
 
     def _round_row(self, server_round: int, metrics: MetricRecord | None) -> dict[str, Any]:
         return round_row(
@@ -441,27 +435,8 @@ class HeteroStrategy(Strategy):
         self._bn = ev.BnUse("")  # the federated sums of this model version (reused by the deployment statistics)
         return ev.evaluate_levels(self._view(), global_state, self._bn)
 
-    def _save_deployment_statistics(
-        self, server_round: int, global_state: State, row: dict[str, Any], early: deployment.DeploymentQuery | None
-    ) -> None:
-        """The fixed norm statistics of every level's deployable model (the clients' sBN sums; asked
-        ``early`` or now, reusing what the final evaluation asked), saved beside the final checkpoint
-        for ``fedhm export``, and each model's accuracy with them (docs/METHODS.md#deployable-statistics)."""
-        known, t0 = self._bn.sums if self._bn is not None else None, time.perf_counter()  # (the final evaluation's)
-        found = (query := early or deployment.DeploymentQuery(self._view(), global_state, known)).result()
-        row["deploy_stats_seconds"] = time.perf_counter() - t0  # what the query took past the evaluation
-        if found is not None:
-            tensors, metadata, nbytes = found
-            self.recorder.save_bn_statistics(tensors, {**metadata, "round": str(server_round)})
-            row["bytes_bn_stats"] = row.get("bytes_bn_stats", 0) + nbytes
-        row.update(deployment.deployable_figures(self._view(), query))  # scored as exported
-
     def _evaluation_due(self, server_round: int, num_rounds: int) -> bool:
         return server_round == num_rounds or server_round % int(self.cfg.evaluation.every) == 0
-
-    def _checkpoint_due(self, server_round: int, num_rounds: int) -> bool:
-        every = int(self.cfg.checkpoint.every)
-        return server_round == num_rounds or (every > 0 and server_round % every == 0)
 
     def checkpoint_state(self, server_round: int) -> dict[str, Any]:
         return {
