@@ -248,17 +248,16 @@ def _round(cfg, handler=None, rnd=1):
 def test_each_node_gets_its_own_draw_and_only_ranks_travel():
     cfg = _cfg("levels.ratios=[0.4,0.2] levels.proportions=[0.4,0.6]")
     strategy, state, messages, _, _ = _round(cfg, _echo_handler())
-    assert strategy.method.layers == ["conv2", "conv3", "conv4"]  # rho = 0: every conv but the stem
+    method = strategy.method
+    assert method.layers == ["conv2", "conv3", "conv4"]  # rho = 0: every conv but the stem
     kernels = set()
     for msg in messages:
         node = msg.metadata.dst_node_id
         spec = json.loads(msg.content["config"]["model-spec"])
         index = msg.content["config"]["level-index"]
-        draws = strategy.method.draws[node]
-        for name in strategy.method.layers:
-            assert spec["prism"][name] == {
-                "rank": prism.keep_count(strategy.method.kernels[name], strategy.levels[index])
-            }
+        draws = method.draws[node]
+        for name in method.layers:
+            assert spec["prism"][name] == {"rank": prism.keep_count(method.kernels[name], strategy.levels[index])}
             assert len(draws[name].kernels) == spec["prism"][name]["rank"]
         kernels.add(tuple(draws["conv4"].kernels.tolist()))
         got = msg.content["arrays"].to_torch_state_dict()
@@ -271,9 +270,9 @@ def test_each_node_gets_its_own_draw_and_only_ranks_travel():
     # the draws are a function of (seed, round, partition): a second strategy draws the same
     again = PriSMStrategy(cfg, model_spec(cfg))
     again.method.factored_form(state)
-    for node, draws in strategy.method.draws.items():
+    for node, draws in method.draws.items():
         same = again.method.sample(1, strategy.registry.key(node), strategy.sent[node][0])
-        assert all(torch.equal(same[n].kernels, draws[n].kernels) for n in strategy.method.layers)
+        assert all(torch.equal(same[n].kernels, draws[n].kernels) for n in method.layers)
 
 
 def test_echoing_clients_leave_every_product_unchanged_and_refresh_keeps_it():
@@ -283,10 +282,9 @@ def test_echoing_clients_leave_every_product_unchanged_and_refresh_keeps_it():
         assert set(new) == set(state) and all(new[k].shape == state[k].shape for k in state)  # full-shape state
         for key in state:
             assert torch.allclose(new[key], state[key], atol=1e-5), (extra, key)
+        factored = strategy.method.factored
         for name in strategy.method.layers:  # after the refresh, the factored form is the new weights' SVD
-            assert torch.allclose(
-                prism.compose(strategy.method.factored[name]), new[f"{name}.weight"].double(), atol=1e-5
-            )
+            assert torch.allclose(prism.compose(factored[name]), new[f"{name}.weight"].double(), atol=1e-5)
 
 
 def test_merge_averages_each_kernel_over_its_samplers_through_the_round():
@@ -327,35 +325,31 @@ def test_merge_averages_each_kernel_over_its_samplers_through_the_round():
 
 
 def test_u_subset_changes_memory_not_the_layer_definition():
-    off = PriSMStrategy(_cfg("levels.ratios=[0.8,0.6,0.4,0.2] levels.proportions=[1,1,1,1]"), model_spec(_cfg()))
+    off = PriSMStrategy(_cfg("levels.ratios=[0.8,0.6,0.4,0.2] levels.proportions=[1,1,1,1]"), model_spec(_cfg())).method
     cfg_on = _cfg("levels.ratios=[0.8,0.6,0.4,0.2] levels.proportions=[1,1,1,1] method.u_subset=true")
-    on = PriSMStrategy(cfg_on, model_spec(cfg_on))
-    state = initial_state(cfg_on, on.method.spec)
+    on = PriSMStrategy(cfg_on, model_spec(cfg_on)).method
+    state = initial_state(cfg_on, on.spec)
     for index in range(4):  # memory (and Conv_U's parameters) go down
-        c_on, c_off = on.method.level_cost(index), off.method.level_cost(index)
+        c_on, c_off = on.level_cost(index), off.level_cost(index)
         assert c_on["activations"] < c_off["activations"] and c_on["params"] < c_off["params"]
-    assert (
-        on.method.layers == off.method.layers
-        and on.method.shapes == off.method.shapes
-        and on.method.kernels == off.method.kernels
-    )
-    for strategy in (on, off):
-        strategy.method.begin_round(1, state)
-    for name in on.method.layers:  # the server's layer: same factored form, same deployable model
-        assert torch.equal(on.method.factored[name].S, off.method.factored[name].S)
+    assert on.layers == off.layers and on.shapes == off.shapes and on.kernels == off.kernels
+    for method in (on, off):
+        method.begin_round(1, state)
+    for name in on.layers:  # the server's layer: same factored form, same deployable model
+        assert torch.equal(on.factored[name].S, off.factored[name].S)
     for index in range(4):
-        spec_on, dep_on = on.method.deployable(index, state)
-        spec_off, dep_off = off.method.deployable(index, state)
+        spec_on, dep_on = on.deployable(index, state)
+        spec_off, dep_off = off.deployable(index, state)
         assert spec_on == spec_off and all(torch.equal(dep_on[k], dep_off[k]) for k in dep_off)
     # the client's layer: the same V side; U restricted to the computed rows J, whose outputs are
     # exactly the full sub-layer's outputs on J; the other output channels are not computed (zero)
-    d_on = on.method.top_k(3)
-    _, s_on, _ = on.method.level_payload(3, state)
-    _, s_off, _ = off.method.level_payload(3, state)
+    d_on = on.top_k(3)
+    _, s_on, _ = on.level_payload(3, state)
+    _, s_off, _ = off.level_payload(3, state)
     rows = d_on["conv3"].rows
     assert torch.equal(s_on["conv3.v.weight"], s_off["conv3.v.weight"])
     assert torch.equal(s_on["conv3.u.weight"], s_off["conv3.u.weight"][rows])
-    conv = build_model(on.method.spec).conv3
+    conv = build_model(on.spec).conv3
     full, sub = (PrismConv2d.like(conv, len(d_on["conv3"].kernels), r) for r in (None, rows))
     full.load_state_dict({"v.weight": s_off["conv3.v.weight"], "u.weight": s_off["conv3.u.weight"]})
     sub.load_state_dict({"v.weight": s_on["conv3.v.weight"], "u.weight": s_on["conv3.u.weight"]})
