@@ -141,8 +141,8 @@ def fedhm_round_against_floor(
     from bench import floors
 
     arrays = ArrayRecord.from_torch_state_dict(state)
-    names = strategy.factorized
-    cut = [max(strategy.layer_ranks[name]) for name in names]
+    names = strategy.method.factorized
+    cut = [max(strategy.method.layer_ranks[name]) for name in names]
     keys = (
         "configure_train",
         "aggregate_train",
@@ -179,7 +179,7 @@ def fedhm_round_against_floor(
         t3 = clock()
         merged = strategy.state_of(arrays)  # as the evaluation gets it
         for index in range(len(strategy.levels)):
-            strategy.deployable(index, merged)
+            strategy.method.deployable(index, merged)
         t4 = clock()
         if not floor_first:
             decomposition, average = floor_of(merged, replies)
@@ -231,7 +231,7 @@ def figure_bytes(quick: bool) -> dict[str, Any]:
             rows[level] = {
                 "serialized_bytes": serialized_bytes(msg),
                 "array_bytes": msg.content[ARRAYS].count_bytes(),
-                "params": int(strategy.level_cost(index)["params"]),
+                "params": int(strategy.method.level_cost(index)["params"]),
             }
         full = rows[max(rows)]
         for r in rows.values():

@@ -94,7 +94,7 @@ def test_bad_values_refused_naming_the_field(toy_cfg, override, field):
 def test_heterofl_nodes_receive_their_levels_first_channels(toy_cfg):
     cfg = toy_cfg("method=heterofl")
     strategy = _strategy(cfg)
-    state = initial_state(cfg, strategy.spec)
+    state = initial_state(cfg, strategy.method.spec)
     seen = set()
     for msg in _configure(strategy, LocalGrid(6, client_handlers()), state):
         config = msg.content["config"]
@@ -116,7 +116,7 @@ def test_heterofl_nodes_receive_their_levels_first_channels(toy_cfg):
 def test_fedrolex_payload_follows_the_rounds_window(toy_cfg):
     cfg = toy_cfg("method=fedrolex levels.ratios=[0.5] levels.proportions=[1]")
     strategy = _strategy(cfg)
-    state = initial_state(cfg, strategy.spec)
+    state = initial_state(cfg, strategy.method.spec)
     grid = LocalGrid(6, client_handlers())
     for rnd in (1, 3, 8):
         msg = _configure(strategy, grid, state, rnd)[0]
@@ -145,7 +145,7 @@ def _plus_one_handler(counts_by_pid):
 def test_fedrolex_round_updates_exactly_the_rounds_window(toy_cfg):
     cfg = toy_cfg("method=fedrolex levels.ratios=[0.5,0.25] levels.proportions=[1,1]")
     strategy = _strategy(cfg)
-    state = initial_state(cfg, strategy.spec)
+    state = initial_state(cfg, strategy.method.spec)
     handlers = client_handlers()
     handlers["train"] = _plus_one_handler({p: [5] * 10 for p in range(6)})
     grid = LocalGrid(6, handlers)
@@ -175,13 +175,13 @@ def test_full_rate_heterofl_round_equals_fedavg_on_identical_replies(toy_cfg, by
     )
     fedavg = _strategy(toy_cfg("method=fedavg"))
     assert fedavg.levels == [1.0]
-    state = initial_state(toy_cfg(), heterofl.spec)
+    state = initial_state(toy_cfg(), heterofl.method.spec)
     states = [_noisy(state) for _ in range(3)]
     counts = [20, 20, 20] if not by_samples else [10, 30, 60]
     holds = [[3, 0, 1, 0, 5, 5, 5, 5, 5, 0], [0, 2, 2, 2, 2, 2, 2, 2, 2, 0], [1] * 9 + [0]]
     replies = _replies(states, [1.0] * 3, counts, holds)
-    a = heterofl.merge(1, state, replies)
-    b = fedavg.merge(1, state, replies)
+    a = heterofl.method.merge(1, state, replies)
+    b = fedavg.method.merge(1, state, replies)
     assert a.keys() == b.keys()
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6), k
@@ -190,25 +190,25 @@ def test_full_rate_heterofl_round_equals_fedavg_on_identical_replies(toy_cfg, by
 
 def test_fedavg_variants_train_the_right_model(toy_cfg):
     full = _strategy(toy_cfg("method=fedavg"))
-    state = initial_state(toy_cfg(), full.spec)
-    spec, payload, _ = full.level_payload(0, state)
-    assert spec == full.spec and all(torch.equal(payload[k], state[k]) for k in state)
+    state = initial_state(toy_cfg(), full.method.spec)
+    spec, payload, _ = full.method.level_payload(0, state)
+    assert spec == full.method.spec and all(torch.equal(payload[k], state[k]) for k in state)
 
     small = _strategy(toy_cfg("method=fedavg method.variant=smallest"))  # family fedhm: gamma = 0.125
     assert small.levels == [0.125]
-    small.begin_round(1, state)
-    spec, payload, options = small.level_payload(0, state)
-    assert spec["ranks"] == plan_ranks(build_model(full.spec), 0.125) and options["frobenius_decay"] is True
+    small.method.begin_round(1, state)
+    spec, payload, options = small.method.level_payload(0, state)
+    assert spec["ranks"] == plan_ranks(build_model(full.method.spec), 0.125) and options["frobenius_decay"] is True
     # aggregation: FedAvg by samples of the recovered models
     states = [_noisy(payload) for _ in range(2)]
     replies = _replies(states, [0.125] * 2, [10, 30], [[1] * 10] * 2)
-    new = small.merge(1, state, replies)
+    new = small.method.merge(1, state, replies)
     rec = [recover_state(s, spec["ranks"]) for s in states]
     for k in new:
         assert torch.allclose(new[k], 0.25 * rec[0][k] + 0.75 * rec[1][k], atol=1e-5), k
 
     width = _strategy(toy_cfg("method=fedavg method.variant=smallest method.family=heterofl"))
-    spec, payload, options = width.level_payload(0, state)
+    spec, payload, options = width.method.level_payload(0, state)
     assert spec["width_rate"] == 0.125 and spec["scaler"] is True and options["grad_clip"] == 1.0
     assert payload["conv2.weight"].shape == (1, 1, 3, 3)  # ceil(8/8), ceil(4/8)
 
@@ -218,15 +218,15 @@ def test_fedavg_variants_train_the_right_model(toy_cfg):
 
 def test_rho_zero_factorizes_everything_factorizable(toy_cfg):
     default, no_hybrid = _strategy(toy_cfg()), _strategy(toy_cfg("method.rho=0"))
-    model = build_model(default.spec)
+    model = build_model(default.method.spec)
     index = default.levels.index(0.5)
-    assert set(no_hybrid.ranks[index]) == set(model.factorizable_layers()) == {"conv2", "conv3", "conv4"}
-    assert set(default.ranks[index]) == {"conv3", "conv4"}  # conv2 kept full by default (rho = 1)
-    state = initial_state(toy_cfg(), default.spec)
+    assert set(no_hybrid.method.ranks[index]) == set(model.factorizable_layers()) == {"conv2", "conv3", "conv4"}
+    assert set(default.method.ranks[index]) == {"conv3", "conv4"}  # conv2 kept full by default (rho = 1)
+    state = initial_state(toy_cfg(), default.method.spec)
     for s in (default, no_hybrid):
-        s.begin_round(1, state)
-    assert "conv2.weight" in default.level_payload(index, state)[1]
-    sent = no_hybrid.level_payload(index, state)[1]
+        s.method.begin_round(1, state)
+    assert "conv2.weight" in default.method.level_payload(index, state)[1]
+    sent = no_hybrid.method.level_payload(index, state)[1]
     assert "conv2.weight" not in sent and "conv2.a.weight" in sent and "conv2.b.weight" in sent
     with torch.device("meta"):  # ResNet-18: all 16 block convs, never the stem, shortcuts or fc
         r18 = build_model({"arch": "resnet18", "num_classes": 10, "in_channels": 3, "image_size": 32})
@@ -235,13 +235,13 @@ def test_rho_zero_factorizes_everything_factorizable(toy_cfg):
 
 def test_frobenius_decay_off_means_weight_decay_on_everything(toy_cfg):
     on, off = _strategy(toy_cfg()), _strategy(toy_cfg("method.frobenius_decay=false"))
-    state = initial_state(toy_cfg(), on.spec)
+    state = initial_state(toy_cfg(), on.method.spec)
     index = on.levels.index(0.5)
     for s in (on, off):
-        s.begin_round(1, state)
-    assert on.level_payload(index, state)[2] == {"frobenius_decay": True}
-    assert off.level_payload(index, state)[2] == {"frobenius_decay": False}  # what is sent
-    spec = on.level_spec(index)
+        s.method.begin_round(1, state)
+    assert on.method.level_payload(index, state)[2] == {"frobenius_decay": True}
+    assert off.method.level_payload(index, state)[2] == {"frobenius_decay": False}  # what is sent
+    spec = on.method.level_spec(index)
     model = build_model(spec, spectral_init=False)
     factor_ids = {id(p) for n, p in model.named_parameters() if ".a." in n or ".b." in n}
     groups_on = parameter_groups(model, 0.1, True)
@@ -253,7 +253,7 @@ def test_frobenius_decay_off_means_weight_decay_on_everything(toy_cfg):
     trained = []
     for frob in (True, False):
         m = build_model(spec, spectral_init=False)
-        m.load_state_dict(on.level_payload(index, state)[1])
+        m.load_state_dict(on.method.level_payload(index, state)[1])
         train_local(
             m,
             data,
@@ -267,9 +267,9 @@ def test_frobenius_decay_off_means_weight_decay_on_everything(toy_cfg):
 
 
 def _two_level_replies(strategy, state, counts):
-    strategy.begin_round(1, state)
+    strategy.method.begin_round(1, state)
     torch.manual_seed(3)
-    states = [_noisy(strategy.level_payload(i, state)[1]) for i in (0, 1)]
+    states = [_noisy(strategy.method.level_payload(i, state)[1]) for i in (0, 1)]
     return states, _replies(states, [strategy.levels[0], strategy.levels[1]], counts, [[1] * 10] * 2, [0, 1])
 
 
@@ -278,11 +278,11 @@ def test_tau_inf_parses_and_gives_uniform_weights(toy_cfg):
     assert toy_cfg("method.tau=inf").method.tau == math.inf
     levels = "levels.ratios=[1,0.5] levels.proportions=[1,1]"
     soft, uniform = _strategy(toy_cfg(levels)), _strategy(toy_cfg(f"{levels} method.tau=.inf"))
-    state = initial_state(toy_cfg(), soft.spec)
+    state = initial_state(toy_cfg(), soft.method.spec)
     states, replies = _two_level_replies(soft, state, [10, 10])
-    uniform.begin_round(1, state)
-    rec = [recover_state(states[0], soft.ranks[0]), recover_state(states[1], soft.ranks[1])]
-    new_u, new_s = uniform.merge(1, state, replies), soft.merge(1, state, replies)
+    uniform.method.begin_round(1, state)
+    rec = [recover_state(states[0], soft.method.ranks[0]), recover_state(states[1], soft.method.ranks[1])]
+    new_u, new_s = uniform.method.merge(1, state, replies), soft.method.merge(1, state, replies)
     w0 = math.e / (math.e + math.exp(0.5))  # softmax(gamma / 1) over levels 1 and 0.5
     for k in ("conv3.weight", "fc.weight", "bn2.bias"):
         assert torch.allclose(new_u[k], 0.5 * rec[0][k] + 0.5 * rec[1][k], atol=1e-5)
@@ -293,11 +293,11 @@ def test_tau_inf_parses_and_gives_uniform_weights(toy_cfg):
 def test_weight_by_samples_multiplies_by_the_sample_counts(toy_cfg):
     base = "levels.ratios=[1,0.5] levels.proportions=[1,1] method.tau=inf"
     plain, by_n = _strategy(toy_cfg(base)), _strategy(toy_cfg(f"{base} method.weight_by_samples=true"))
-    state = initial_state(toy_cfg(), plain.spec)
+    state = initial_state(toy_cfg(), plain.method.spec)
     states, replies = _two_level_replies(plain, state, [10, 30])
-    by_n.begin_round(1, state)
-    rec = [recover_state(states[0], plain.ranks[0]), recover_state(states[1], plain.ranks[1])]
-    new_p, new_n = plain.merge(1, state, replies), by_n.merge(1, state, replies)
+    by_n.method.begin_round(1, state)
+    rec = [recover_state(states[0], plain.method.ranks[0]), recover_state(states[1], plain.method.ranks[1])]
+    new_p, new_n = plain.method.merge(1, state, replies), by_n.method.merge(1, state, replies)
     for k in ("conv3.weight", "fc.weight"):
         assert torch.allclose(new_p[k], 0.5 * rec[0][k] + 0.5 * rec[1][k], atol=1e-5)
         assert torch.allclose(new_n[k], 0.25 * rec[0][k] + 0.75 * rec[1][k], atol=1e-5)

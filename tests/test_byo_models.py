@@ -56,8 +56,8 @@ def _every_level_trains_as_a_client(overrides: list[str], head: str) -> list[int
     with shape_device(spec):  # what the server sends each level, from shapes (as `fedhm inspect`)
         strategy = STRATEGIES[cfg.method.name](cfg, spec)
         state = build_model(spec, spectral_init=False).state_dict()
-        strategy.begin_round(1, state)
-        payloads = [strategy.level_payload(i, state)[:2] for i in range(len(strategy.levels))]
+        strategy.method.begin_round(1, state)
+        payloads = [strategy.method.level_payload(i, state)[:2] for i in range(len(strategy.levels))]
         assert build_model(spec, spectral_init=False).classifier_name == head
     torch.manual_seed(0)
     x = torch.randn(2, int(spec["in_channels"]), int(spec["image_size"]), int(spec["image_size"]))

@@ -45,21 +45,21 @@ def test_memory_estimate_counts_weights_gradients_momentum_and_activations():
 def test_fedhm_level_costs_include_memory_that_follows_the_config():
     cfg = load_config(TOY)
     strategy = FedHMStrategy(cfg, model_spec(cfg))
-    costs = [strategy.level_cost(i) for i in range(len(strategy.levels))]
+    costs = [strategy.method.level_cost(i) for i in range(len(strategy.levels))]
     assert all(c["memory"] > 4 * 3 * c["params"] for c in costs)  # weights + grads + momentum + activations
     assert costs[-1]["memory"] < costs[0]["memory"]
     bigger = FedHMStrategy(OmegaConf.merge(cfg, {"train": {"batch_size": 64}}), model_spec(cfg))
     no_momentum = FedHMStrategy(OmegaConf.merge(cfg, {"train": {"momentum": 0.0}}), model_spec(cfg))
     for i, c in enumerate(costs):
-        acts = (bigger.level_cost(i)["memory"] - c["memory"]) / (4 * (64 - 32))  # activations per input
+        acts = (bigger.method.level_cost(i)["memory"] - c["memory"]) / (4 * (64 - 32))  # activations per input
         assert acts == int(acts) > 0
-        assert c["memory"] - no_momentum.level_cost(i)["memory"] == 4 * c["params"]  # one momentum buffer
+        assert c["memory"] - no_momentum.method.level_cost(i)["memory"] == 4 * c["params"]  # one momentum buffer
 
 
 def test_declared_budgets_map_to_the_largest_fitting_level_and_silence_to_the_default():
     cfg = load_config(TOY + ["num_clients=5", "levels.default=0.125"])
     strategy = FedHMStrategy(cfg, model_spec(cfg))
-    cost = lambda i, kind: strategy.level_cost(i)[kind]  # noqa: E731
+    cost = lambda i, kind: strategy.method.level_cost(i)[kind]  # noqa: E731
     declared = {
         0: {"capability-memory": (cost(1, "memory") + cost(2, "memory")) / 2},
         1: {"capability-macs": (cost(0, "macs") + cost(1, "macs")) / 2},
@@ -69,7 +69,9 @@ def test_declared_budgets_map_to_the_largest_fitting_level_and_silence_to_the_de
     }
     grid = LocalGrid(5, client_handlers(), node_config=lambda i: declared[i])
     msgs = list(
-        strategy.configure_train(1, ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.spec)), None, grid)
+        strategy.configure_train(
+            1, ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.method.spec)), None, grid
+        )
     )
     got = {strategy.nodes[m.metadata.dst_node_id].partition_id: m.content["config"]["level"] for m in msgs}
     assert got[0] == _expected_level(strategy, "memory", declared[0]["capability-memory"])

@@ -74,7 +74,7 @@ def _processes_with(needle: str) -> list[int]:
 
 def _expected_level(strategy: FedHMStrategy, kind: str, budget: float) -> float:
     """The largest level whose cost fits the budget (computed here, not by the strategy)."""
-    fits = [lvl for i, lvl in enumerate(strategy.levels) if strategy.level_cost(i)[kind] <= budget]
+    fits = [lvl for i, lvl in enumerate(strategy.levels) if strategy.method.level_cost(i)[kind] <= budget]
     return max(fits)
 
 
@@ -94,7 +94,7 @@ def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_aft
     # mostly wait on Flower's heartbeat windows); its own test checks it
     cfg = load_config(TLS_JOB)
     strategy = FedHMStrategy(cfg, model_spec(cfg))
-    cost = lambda i, kind: strategy.level_cost(i)[kind]  # noqa: E731
+    cost = lambda i, kind: strategy.method.level_cost(i)[kind]  # noqa: E731
     declared = {  # two nodes, two kinds of budget, two different levels
         "node-0": {"capability-params": (cost(0, "params") + cost(1, "params")) / 2},
         "node-1": {"capability-memory": (cost(1, "memory") + cost(2, "memory")) / 2},

@@ -35,32 +35,32 @@ def test_one_svd_per_factorizable_layer_per_round_whatever_the_levels(toy_cfg, m
     real = lowrank.layer_svd
     monkeypatch.setattr(lowrank, "layer_svd", lambda w, *a: calls.append(tuple(w.shape)) or real(w, *a))
     grid = LocalGrid(12, client_handlers())
-    messages = _configure(strategy, grid, initial_state(cfg, strategy.spec))
+    messages = _configure(strategy, grid, initial_state(cfg, strategy.method.spec))
     levels_sent = {json.loads(m.content["config"]["model-spec"]).get("ranks") is not None for m in messages}
     assert levels_sent == {True, False}  # full and factorized levels in this round
-    assert len(calls) == len(strategy.factorized) > 0
+    assert len(calls) == len(strategy.method.factorized) > 0
 
 
 def test_each_node_receives_its_levels_hybrid_model(toy_cfg):
     cfg = toy_cfg()
     strategy = _strategy(cfg)
     grid = LocalGrid(6, client_handlers())
-    state = initial_state(cfg, strategy.spec)
+    state = initial_state(cfg, strategy.method.spec)
     for msg in _configure(strategy, grid, state):
         config = msg.content["config"]
         spec = json.loads(config["model-spec"])
         index = config["level-index"]
-        assert spec.get("ranks", {}) == strategy.ranks[index]
+        assert spec.get("ranks", {}) == strategy.method.ranks[index]
         expected = build_model(spec, spectral_init=False).state_dict()
         got = msg.content["arrays"].to_torch_state_dict()
         assert {k: tuple(v.shape) for k, v in got.items()} == {k: tuple(v.shape) for k, v in expected.items()}
         if strategy.levels[index] == 1.0:  # full level: the global model itself
             assert all(torch.equal(got[k], state[k]) for k in state)
         else:  # factorized level: its recovery is the truncated SVD of the global weights
-            rec = lowrank.recover_state(got, strategy.ranks[index])
-            name = next(iter(strategy.ranks[index]))
+            rec = lowrank.recover_state(got, strategy.method.ranks[index])
+            name = next(iter(strategy.method.ranks[index]))
             svd = lowrank.layer_svd(state[f"{name}.weight"])
-            r = strategy.ranks[index][name]
+            r = strategy.method.ranks[index][name]
             truncated = (svd.U[:, :r] * svd.S[:r]) @ svd.Vh[:r]
             got_m = lowrank.layer_matrix(rec[f"{name}.weight"]).double()
             assert torch.allclose(got_m, truncated, atol=1e-5)
@@ -87,7 +87,7 @@ def test_aggregation_recovers_and_weights_by_softmax_gamma(toy_cfg):
     handlers = client_handlers()
     handlers[MessageType.TRAIN] = _shift_handler(shift, counts)
     grid = LocalGrid(6, handlers)
-    state = initial_state(cfg, strategy.spec)
+    state = initial_state(cfg, strategy.method.spec)
     messages = _configure(strategy, grid, state)
     replies = grid.send_and_receive(messages)
     new_arrays, metrics = strategy.aggregate_train(1, replies)
@@ -99,7 +99,9 @@ def test_aggregation_recovers_and_weights_by_softmax_gamma(toy_cfg):
         index, _ = strategy.sent[node]
         pids.append(strategy.nodes[node].partition_id)
         levels.append(strategy.levels[index])
-        recovered.append(lowrank.recover_state(msg.content["arrays"].to_torch_state_dict(), strategy.ranks[index]))
+        recovered.append(
+            lowrank.recover_state(msg.content["arrays"].to_torch_state_dict(), strategy.method.ranks[index])
+        )
     w = level_weights(levels, 0.5)
     key = "conv3.weight"
     expected = sum(wi * r[key].double() for wi, r in zip(w, recovered))
@@ -137,7 +139,7 @@ def test_all_replies_failing_keeps_the_global_model(toy_cfg):
     handlers = client_handlers()
     handlers[MessageType.TRAIN] = lambda msg, ctx: (_ for _ in ()).throw(RuntimeError("boom"))
     grid = LocalGrid(6, handlers)
-    state = initial_state(cfg, strategy.spec)
+    state = initial_state(cfg, strategy.method.spec)
     replies = grid.send_and_receive(_configure(strategy, grid, state))
     arrays, metrics = strategy.aggregate_train(1, replies)
     assert arrays is None and metrics["replies"] == 0
@@ -149,7 +151,7 @@ def test_level_assignment_modes(toy_cfg, assignment):
     cfg = toy_cfg(f"levels.assignment={assignment} num_clients=12 fraction_train=1.0")
     strategy = _strategy(cfg)
     grid = LocalGrid(12, client_handlers())
-    state = initial_state(cfg, strategy.spec)
+    state = initial_state(cfg, strategy.method.spec)
     per_round = []
     for rnd in (1, 2, 3):
         msgs = _configure(strategy, grid, state, rnd)
@@ -165,16 +167,16 @@ def test_level_assignment_modes(toy_cfg, assignment):
 def test_declared_capabilities_override_the_assignment(toy_cfg):
     cfg = toy_cfg()
     strategy = _strategy(cfg)
-    declared = {0: {"capability-level": 0.25}, 1: {"capability-params": 0.6 * strategy.level_cost(0)["params"]}}
+    declared = {0: {"capability-level": 0.25}, 1: {"capability-params": 0.6 * strategy.method.level_cost(0)["params"]}}
     grid = LocalGrid(6, client_handlers(), node_config=lambda i: declared.get(i, {}))
-    msgs = _configure(strategy, grid, initial_state(cfg, strategy.spec))
+    msgs = _configure(strategy, grid, initial_state(cfg, strategy.method.spec))
     by_pid = {strategy.nodes[m.metadata.dst_node_id].partition_id: m.content["config"]["level"] for m in msgs}
     assert by_pid[0] == 0.25
     # the largest level whose parameter count fits 60 % of the full model's
     fits = [
         lvl
         for i, lvl in enumerate(strategy.levels)
-        if strategy.level_cost(i)["params"] <= declared[1]["capability-params"]
+        if strategy.method.level_cost(i)["params"] <= declared[1]["capability-params"]
     ]
     assert by_pid[1] == max(fits) < 1.0
 
@@ -183,7 +185,7 @@ def test_nodes_sharing_a_partition_id_are_all_kept(toy_cfg):
     cfg = toy_cfg("fraction_train=1.0")
     strategy = _strategy(cfg)
     grid = LocalGrid(6, client_handlers(), node_config=lambda i: {"partition-id": min(i, 3)})  # 3, 4, 5 -> "3"
-    msgs = _configure(strategy, grid, initial_state(cfg, strategy.spec))
+    msgs = _configure(strategy, grid, initial_state(cfg, strategy.method.spec))
     assert len({m.metadata.dst_node_id for m in msgs}) == 6
     keys = {strategy.registry.key(n) for n in strategy.nodes}
     assert len(keys) == 6
@@ -193,7 +195,7 @@ def test_client_evaluate_handler_scores_the_received_model_on_local_data(toy_cfg
     cfg = toy_cfg("evaluation.where=both evaluation.holdout=0.2")
     strategy = _strategy(cfg)
     grid = LocalGrid(6, client_handlers())
-    (train_msg, *_) = _configure(strategy, grid, initial_state(cfg, strategy.spec))
+    (train_msg, *_) = _configure(strategy, grid, initial_state(cfg, strategy.method.spec))
     content = RecordDict({"arrays": train_msg.content["arrays"], "config": train_msg.content["config"]})
     msg = Message(content=content, dst_node_id=train_msg.metadata.dst_node_id, message_type=MessageType.EVALUATE)
     (reply,) = grid.send_and_receive([msg])
@@ -220,7 +222,7 @@ def test_one_decomposition_per_layer_per_model_version_evaluation_included(toy_c
     assert len(rows) == 2 and all(
         len([k for k in r if k.startswith("acc/level_")]) == len(cfg.levels.ratios) > 1 for r in rows
     )
-    factorized = _strategy(cfg).factorized
+    factorized = _strategy(cfg).method.factorized
     assert len(factorized) > 0 and len(calls) == (2 + 1) * len(factorized)
 
 
@@ -230,7 +232,7 @@ def test_start_honours_flowers_evaluate_fn_before_the_first_round_and_after_each
     is kept in ``evaluate_metrics_serverapp`` and joins the round's row."""
     cfg = toy_cfg("rounds=2 evaluation.levels=false")
     strategy = _strategy(cfg)
-    initial = ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.spec))
+    initial = ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.method.spec))
     seen = []
 
     def evaluate_fn(server_round, arrays):

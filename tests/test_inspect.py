@@ -14,7 +14,7 @@ def _allocating_rows(overrides: list[str]):
     """The previous path: real weights, real SVDs, payloads built from values."""
     cfg = load_config(overrides)
     spec = model_spec(cfg)
-    return _rows(cfg, spec, STRATEGIES[cfg.method.name](cfg, spec))
+    return _rows(cfg, spec, STRATEGIES[cfg.method.name](cfg, spec).method)
 
 
 @pytest.mark.parametrize(

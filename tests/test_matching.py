@@ -69,20 +69,24 @@ def test_matched_strategy_sends_the_matched_width_and_reports_both_counts(toy_cf
     plain = cls(toy_cfg(f"method={method}"), model_spec(cfg))
     assert strategy.levels == plain.levels == fedhm.levels  # the levels keep FedHM's names
     for index in range(len(strategy.levels)):
-        cost = strategy.level_cost(index)
-        assert cost[f"fedhm_{resource}"] == fedhm.level_cost(index)[resource]
+        cost = strategy.method.level_cost(index)
+        assert cost[f"fedhm_{resource}"] == fedhm.method.level_cost(index)[resource]
         assert cost[resource] == matching.submodel_cost(
-            strategy.spec, strategy.rates[index], resource, int(cfg.train.batch_size), float(cfg.train.momentum)
+            strategy.method.spec,
+            strategy.method.rates[index],
+            resource,
+            int(cfg.train.batch_size),
+            float(cfg.train.momentum),
         )
-        assert cost["params"] == matching.submodel_params(strategy.spec, strategy.rates[index])
+        assert cost["params"] == matching.submodel_params(strategy.method.spec, strategy.method.rates[index])
         if index:  # matched widths differ from the unmatched width = gamma
-            assert strategy.rates[index] != strategy.levels[index]
-    state = initial_state(cfg, strategy.spec)
+            assert strategy.method.rates[index] != strategy.levels[index]
+    state = initial_state(cfg, strategy.method.spec)
     grid = LocalGrid(6, client_handlers())
     for msg in strategy.configure_train(1, ArrayRecord.from_torch_state_dict(state), None, grid):
         index = msg.content["config"]["level-index"]
         sent = msg.content["arrays"].to_torch_state_dict()
-        assert sum(t.numel() for t in sent.values()) == strategy.level_cost(index)["params"]
+        assert sum(t.numel() for t in sent.values()) == strategy.method.level_cost(index)["params"]
 
 
 def test_match_is_refused_with_its_allowed_values(toy_cfg):
@@ -93,9 +97,9 @@ def test_match_is_refused_with_its_allowed_values(toy_cfg):
 def test_match_leaves_fedhm_alone(toy_cfg):
     a, b = toy_cfg(), toy_cfg("levels.match=fedhm_params")
     sa, sb = FedHMStrategy(a, model_spec(a)), FedHMStrategy(b, model_spec(b))
-    assert sa.ranks == sb.ranks
-    state = initial_state(a, sa.spec)
-    sa.begin_round(1, state), sb.begin_round(1, state)
-    _, pa, _ = sa.level_payload(2, state)
-    _, pb, _ = sb.level_payload(2, state)
+    assert sa.method.ranks == sb.method.ranks
+    state = initial_state(a, sa.method.spec)
+    sa.method.begin_round(1, state), sb.method.begin_round(1, state)
+    _, pa, _ = sa.method.level_payload(2, state)
+    _, pb, _ = sb.method.level_payload(2, state)
     assert all(torch.equal(pa[k], pb[k]) for k in pa)

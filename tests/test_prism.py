@@ -238,7 +238,7 @@ def _round(cfg, handler=None, rnd=1):
     if handler is not None:
         handlers[MessageType.TRAIN] = handler
     grid = LocalGrid(6, handlers)
-    state = initial_state(cfg, strategy.spec)
+    state = initial_state(cfg, strategy.method.spec)
     messages = list(strategy.configure_train(rnd, ArrayRecord.from_torch_state_dict(state), None, grid))
     replies = grid.send_and_receive(messages)
     new, _ = strategy.aggregate_train(rnd, replies)
@@ -248,15 +248,16 @@ def _round(cfg, handler=None, rnd=1):
 def test_each_node_gets_its_own_draw_and_only_ranks_travel():
     cfg = _cfg("levels.ratios=[0.4,0.2] levels.proportions=[0.4,0.6]")
     strategy, state, messages, _, _ = _round(cfg, _echo_handler())
-    assert strategy.layers == ["conv2", "conv3", "conv4"]  # rho = 0: every conv but the stem
+    method = strategy.method
+    assert method.layers == ["conv2", "conv3", "conv4"]  # rho = 0: every conv but the stem
     kernels = set()
     for msg in messages:
         node = msg.metadata.dst_node_id
         spec = json.loads(msg.content["config"]["model-spec"])
         index = msg.content["config"]["level-index"]
-        draws = strategy.draws[node]
-        for name in strategy.layers:
-            assert spec["prism"][name] == {"rank": prism.keep_count(strategy.kernels[name], strategy.levels[index])}
+        draws = method.draws[node]
+        for name in method.layers:
+            assert spec["prism"][name] == {"rank": prism.keep_count(method.kernels[name], strategy.levels[index])}
             assert len(draws[name].kernels) == spec["prism"][name]["rank"]
         kernels.add(tuple(draws["conv4"].kernels.tolist()))
         got = msg.content["arrays"].to_torch_state_dict()
@@ -268,10 +269,10 @@ def test_each_node_gets_its_own_draw_and_only_ranks_travel():
     assert len(kernels) > 1  # clients got different kernels
     # the draws are a function of (seed, round, partition): a second strategy draws the same
     again = PriSMStrategy(cfg, model_spec(cfg))
-    again.factored_form(state)
-    for node, draws in strategy.draws.items():
-        same = again.sample(1, strategy.registry.key(node), strategy.sent[node][0])
-        assert all(torch.equal(same[n].kernels, draws[n].kernels) for n in strategy.layers)
+    again.method.factored_form(state)
+    for node, draws in method.draws.items():
+        same = again.method.sample(1, strategy.registry.key(node), strategy.sent[node][0])
+        assert all(torch.equal(same[n].kernels, draws[n].kernels) for n in method.layers)
 
 
 def test_echoing_clients_leave_every_product_unchanged_and_refresh_keeps_it():
@@ -281,8 +282,9 @@ def test_echoing_clients_leave_every_product_unchanged_and_refresh_keeps_it():
         assert set(new) == set(state) and all(new[k].shape == state[k].shape for k in state)  # full-shape state
         for key in state:
             assert torch.allclose(new[key], state[key], atol=1e-5), (extra, key)
-        for name in strategy.layers:  # after the refresh, the factored form is the new weights' SVD
-            assert torch.allclose(prism.compose(strategy.factored[name]), new[f"{name}.weight"].double(), atol=1e-5)
+        factored = strategy.method.factored
+        for name in strategy.method.layers:  # after the refresh, the factored form is the new weights' SVD
+            assert torch.allclose(prism.compose(factored[name]), new[f"{name}.weight"].double(), atol=1e-5)
 
 
 def test_merge_averages_each_kernel_over_its_samplers_through_the_round():
@@ -296,7 +298,7 @@ def test_merge_averages_each_kernel_over_its_samplers_through_the_round():
 
     handlers[MessageType.TRAIN] = shifted
     grid = LocalGrid(6, handlers)
-    state = initial_state(cfg, strategy.spec)
+    state = initial_state(cfg, strategy.method.spec)
     before = prism.decompose(state["conv3.weight"])
     messages = list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(state), None, grid))
     new, _ = strategy.aggregate_train(1, grid.send_and_receive(messages))
@@ -304,7 +306,7 @@ def test_merge_averages_each_kernel_over_its_samplers_through_the_round():
     U0, V0 = prism.scaled_factors(before)
     U, V = U0.clone(), V0.clone()
     holders = {}
-    for node, draws in strategy.draws.items():
+    for node, draws in strategy.method.draws.items():
         d = draws["conv3"]
         for i in d.kernels.tolist():
             holders.setdefault(i, []).append((node, d))
@@ -323,16 +325,16 @@ def test_merge_averages_each_kernel_over_its_samplers_through_the_round():
 
 
 def test_u_subset_changes_memory_not_the_layer_definition():
-    off = PriSMStrategy(_cfg("levels.ratios=[0.8,0.6,0.4,0.2] levels.proportions=[1,1,1,1]"), model_spec(_cfg()))
+    off = PriSMStrategy(_cfg("levels.ratios=[0.8,0.6,0.4,0.2] levels.proportions=[1,1,1,1]"), model_spec(_cfg())).method
     cfg_on = _cfg("levels.ratios=[0.8,0.6,0.4,0.2] levels.proportions=[1,1,1,1] method.u_subset=true")
-    on = PriSMStrategy(cfg_on, model_spec(cfg_on))
+    on = PriSMStrategy(cfg_on, model_spec(cfg_on)).method
     state = initial_state(cfg_on, on.spec)
     for index in range(4):  # memory (and Conv_U's parameters) go down
         c_on, c_off = on.level_cost(index), off.level_cost(index)
         assert c_on["activations"] < c_off["activations"] and c_on["params"] < c_off["params"]
     assert on.layers == off.layers and on.shapes == off.shapes and on.kernels == off.kernels
-    for strategy in (on, off):
-        strategy.begin_round(1, state)
+    for method in (on, off):
+        method.begin_round(1, state)
     for name in on.layers:  # the server's layer: same factored form, same deployable model
         assert torch.equal(on.factored[name].S, off.factored[name].S)
     for index in range(4):

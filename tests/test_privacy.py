@@ -79,7 +79,7 @@ def _strategy(overrides):
     cfg = load_config(f"{TOY} {overrides}")
     spec = model_spec(cfg)
     strategy = STRATEGIES[cfg.method.name](cfg, spec)
-    state = strategy.initial_state(int(cfg.seed))
+    state = strategy.method.initial_state(int(cfg.seed))
     state = initial_state(cfg, spec) if state is None else state
     strategy.global_state = state
     return cfg, strategy, state
@@ -117,10 +117,10 @@ def test_measured_sensitivity_never_exceeds_the_bound_the_noise_assumes(method):
     m = untrusted.expected_clients
     assert m == 3.0  # fraction_train x num_clients
     gen = torch.Generator().manual_seed(0)
-    num_classes = int(strategy.spec["num_classes"])
+    num_classes = int(strategy.method.spec["num_classes"])
     candidates = []
     for index, level in enumerate(strategy.levels):
-        _, payload, _ = strategy.level_payload(index, state)
+        _, payload, _ = strategy.method.level_payload(index, state)
         candidates += _adversaries(payload, index, level, num_classes, gen)
     assert len(strategy.levels) == (4 if method == "fedhm" else 1)
     honest = [c for c in candidates if c.num_examples == 1][4::5]  # the small steps, one per level
@@ -225,9 +225,9 @@ def test_epsilon_uses_the_poisson_rate_and_dp_seed_is_checked():
 
 def test_a_replies_reported_example_count_does_not_move_the_dp_release():
     _, strategy, state = _strategy("method=fedavg dp.enabled=true dp.seed=1")
-    _, payload, _ = strategy.level_payload(0, state)
+    _, payload, _ = strategy.method.level_payload(0, state)
     gen = torch.Generator().manual_seed(1)
-    reply = _adversaries(payload, 0, 1.0, int(strategy.spec["num_classes"]), gen)[8]
+    reply = _adversaries(payload, 0, 1.0, int(strategy.method.spec["num_classes"]), gen)[8]
     small, huge = dataclasses.replace(reply, num_examples=1), dataclasses.replace(reply, num_examples=10**9)
     a = strategy.untrusted.merge(1, state, [small])
     b = strategy.untrusted.merge(1, state, [huge])

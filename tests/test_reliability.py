@@ -161,7 +161,7 @@ def test_bytes_moved_count_configs_queries_and_rejected_replies(toy_cfg):
     cfg = toy_cfg()
     strategy = FedHMStrategy(cfg, model_spec(cfg))
     grid = LocalGrid(6, client_handlers())
-    arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.spec))
+    arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.method.spec))
     msgs = list(strategy.configure_train(1, arrays, None, grid))
     assert strategy.round_log.sent_bytes == sum(content_bytes(m.content) for m in msgs)
     assert strategy.round_log.sent_bytes > sum(m.content["arrays"].count_bytes() for m in msgs)  # configs count

@@ -36,7 +36,7 @@ def _trained_round(cfg, num_nodes=None):
     """One round's configured messages and replies on the in-process grid."""
     spec = model_spec(cfg)
     strategy = STRATEGIES[cfg.method.name](cfg, spec)
-    state = strategy.initial_state(int(cfg.seed))
+    state = strategy.method.initial_state(int(cfg.seed))
     state = initial_state(cfg, spec) if state is None else state
     grid = LocalGrid(num_nodes or int(cfg.num_clients), client_handlers())
     messages = list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(state), None, grid))

@@ -157,7 +157,7 @@ def test_export_is_the_in_run_cut_with_the_federated_statistics_fixed(tiny_run, 
     # the statistics the clients summed after the last round (saved beside the checkpoint)
     state, saved = load_checkpoint(out)
     strategy = STRATEGIES["fedhm"](cfg, model_spec(cfg))
-    spec, level_state = strategy.deployable(3, state)
+    spec, level_state = strategy.method.deployable(3, state)
     from fedhm_flwr.math.bn_stats import apply_bn_statistics
     from fedhm_flwr.models import build_model
     from fedhm_flwr.reporting.results import load_bn_statistics

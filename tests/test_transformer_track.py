@@ -140,33 +140,33 @@ def test_only_the_intended_parameters_get_gradients_at_each_client_type(track):
     x = torch.randint(1000, 2000, (3, 12)) if track == "text" else torch.randn(3, 1, 28, 28)
     # FedLoRA, every rank: LoRA factors of Q, K, V, O and the head
     strategy = build_strategy(f"method=fedlora {base} method.max_rank=4")
-    state = strategy.initial_state(0)
+    state = strategy.method.initial_state(0)
     for i in range(len(strategy.levels)):
-        spec, payload, _ = strategy.level_payload(i, state)
+        spec, payload, _ = strategy.method.level_payload(i, state)
         model, grads = _grads_after_backward(spec, payload, x)
         assert grads == set(payload) == set(trainable_state(model))
         assert all(k.endswith(("lora_A", "lora_B")) or k.startswith("head.") for k in grads)
         assert len([k for k in grads if k.endswith("lora_A")]) == len(model.lora_targets())
-        assert payload[next(k for k in payload if k.endswith("lora_A"))].shape[0] == strategy.ranks[i]
+        assert payload[next(k for k in payload if k.endswith("lora_A"))].shape[0] == strategy.method.ranks[i]
     # full fine-tuning: everything
     strategy = build_strategy(f"method=fedlora method.mode=full {base} levels.ratios=[1] levels.proportions=[1]")
-    spec, payload, _ = strategy.level_payload(0, strategy.initial_state(0))
+    spec, payload, _ = strategy.method.level_payload(0, strategy.method.initial_state(0))
     model, grads = _grads_after_backward(spec, payload, x)
     assert grads == {k for k, _ in model.named_parameters()}
     # HeteroTune: local adapters, gates, own share-adapters, head; other types' shares frozen
     strategy = build_strategy(f"method=heterotune {base} {HETERO}")
-    state = strategy.initial_state(0)
+    state = strategy.method.initial_state(0)
     for i in range(2):
-        spec, payload, _ = strategy.level_payload(i, state)
+        spec, payload, _ = strategy.method.level_payload(i, state)
         model, grads = _grads_after_backward(spec, payload, x)
         shares = {k for k in payload if ".share_" in k}
         assert shares and {k for k in grads if ".share_" in k} == {k for k in shares if k.endswith(f".{i}")}
-        assert grads == set(strategy.reply_keys(i, spec, payload)) == set(trainable_state(model))
+        assert grads == set(strategy.method.reply_keys(i, spec, payload)) == set(trainable_state(model))
         assert all(k.startswith(("adapters.", "head.")) for k in grads)
         assert any(".gate_pre" in k for k in grads) and any(".down." in k for k in grads)
     # Homo-Training: no bank at all
     strategy = build_strategy(f"method=heterotune method.bank=false {base} {HETERO}")
-    spec, payload, _ = strategy.level_payload(1, strategy.initial_state(0))
+    spec, payload, _ = strategy.method.level_payload(1, strategy.method.initial_state(0))
     _, grads = _grads_after_backward(spec, payload, x)
     assert grads == set(payload) and not any(".share_" in k or ".gate_" in k for k in grads)
 
@@ -212,7 +212,7 @@ def test_inspect_prints_exact_trainable_parameters_and_bytes(capsys):
     out = capsys.readouterr().out
     assert "adapter_params" in out and "head_params" in out and "bytes_up" in out
     strategy = build_strategy(f"method=fedlora {TINY_IMAGE} method.max_rank=4")
-    cost = strategy.level_cost(0)
+    cost = strategy.method.level_cost(0)
     # rank 4 on Q, K, V, O of 2 blocks of width 16: 8 layers x 4 x (16 + 16); head 16 x 10 + 10
     assert cost["adapter_params"] == 8 * 4 * 32 and cost["head_params"] == 170
     assert lora_rank(0.125, 4) == 1

@@ -34,11 +34,11 @@ def _configure(strategy, grid, state, rnd=1):
 
 def test_fedlora_messages_carry_only_factors_and_head_and_hand_out_the_truncation():
     strategy = build_strategy(f"method=fedlora {TINY_IMAGE} method.max_rank=4")
-    assert strategy.ranks == [4, 2, 1, 1]
-    state = strategy.initial_state(0)
-    assert not set(state) & set(build_model(strategy.spec).local_keys)  # no backbone in the global state
+    assert strategy.method.ranks == [4, 2, 1, 1]
+    state = strategy.method.initial_state(0)
+    assert not set(state) & set(build_model(strategy.method.spec).local_keys)  # no backbone in the global state
     g = torch.Generator().manual_seed(0)
-    for t in strategy.targets:  # a non-trivial ΔW of rank 3
+    for t in strategy.method.targets:  # a non-trivial ΔW of rank 3
         k = f"{t}.lora_delta"
         state[k] = torch.randn(state[k].shape[0], 3, generator=g) @ torch.randn(3, state[k].shape[1], generator=g)
     grid = LocalGrid(4, client_handlers())
@@ -48,11 +48,11 @@ def test_fedlora_messages_carry_only_factors_and_head_and_hand_out_the_truncatio
     for msg in messages:
         config = msg.content["config"]
         spec = json.loads(config["model-spec"])
-        rank = strategy.ranks[config["level-index"]]
+        rank = strategy.method.ranks[config["level-index"]]
         got = msg.content["arrays"].to_torch_state_dict()
         assert spec["trainable_only"] and spec["lora"] == {"rank": rank}
         assert set(got) == set(federated_keys(build_model(spec)))
-        t = strategy.targets[0]
+        t = strategy.method.targets[0]
         delta = state[f"{t}.lora_delta"].double()
         S = torch.linalg.svdvals(delta)
         err = delta - got[f"{t}.lora_B"].double() @ got[f"{t}.lora_A"].double()
@@ -61,17 +61,17 @@ def test_fedlora_messages_carry_only_factors_and_head_and_hand_out_the_truncatio
 
 def test_fedlora_merge_is_the_fedhm_weighted_sum_of_products():
     strategy = build_strategy(f"method=fedlora {TINY_IMAGE} method.max_rank=4")
-    state = strategy.initial_state(0)
+    state = strategy.method.initial_state(0)
     g = torch.Generator().manual_seed(1)
     replies = []
     for i in (0, 1, 3):
-        _, payload, _ = strategy.level_payload(i, state)
+        _, payload, _ = strategy.method.level_payload(i, state)
         trained = {k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in payload.items()}
         counts = np.array([5] * 10)
         replies.append(Reply(i, i, strategy.levels[i], trained, 50, counts, {}))
-    new = strategy.merge(1, state, replies)
+    new = strategy.method.merge(1, state, replies)
     w = level_weights([r.level for r in replies], 1.0)
-    t = strategy.targets[-1]
+    t = strategy.method.targets[-1]
     want = sum(wi * r.state[f"{t}.lora_B"].double() @ r.state[f"{t}.lora_A"].double() for wi, r in zip(w, replies))
     assert torch.allclose(new[f"{t}.lora_delta"].double(), want, atol=1e-5)
     assert torch.allclose(
@@ -89,15 +89,15 @@ def test_heterotune_deployable_model_equals_the_trained_dema_model(track):
     computes what the type-i training model computes."""
     base = TINY_TEXT if track == "text" else TINY_IMAGE
     strategy = build_strategy(f"method=heterotune {base} {HETERO}")
-    state = strategy.initial_state(0)
+    state = strategy.method.initial_state(0)
     g = torch.Generator().manual_seed(2)
     state = {k: torch.randn(v.shape, generator=g) * 0.3 for k, v in state.items()}  # non-trivial everything
     x = torch.randint(1000, 2000, (4, 10)) if track == "text" else torch.randn(4, 1, 28, 28)
     for i in range(2):
-        spec, payload, _ = strategy.level_payload(i, state)
+        spec, payload, _ = strategy.method.level_payload(i, state)
         trained = build_model(spec)
         load_federated(trained, payload)
-        dspec, dstate = strategy.deployable(i, state)
+        dspec, dstate = strategy.method.deployable(i, state)
         deployed = build_model(dspec)
         load_federated(deployed, dstate)
         with torch.no_grad():
@@ -107,12 +107,12 @@ def test_heterotune_deployable_model_equals_the_trained_dema_model(track):
 
 def test_heterotune_merge_averages_within_types_and_aligns_share_updates_with_cmga():
     strategy = build_strategy(f"method=heterotune {TINY_IMAGE} {HETERO}")
-    state = strategy.initial_state(0)
+    state = strategy.method.initial_state(0)
     g = torch.Generator().manual_seed(3)
     replies = []
     for node, i in enumerate((0, 0, 1)):
-        spec, payload, _ = strategy.level_payload(i, state)
-        keys = strategy.reply_keys(i, spec, payload)
+        spec, payload, _ = strategy.method.level_payload(i, state)
+        keys = strategy.method.reply_keys(i, spec, payload)
         replies.append(
             Reply(
                 node,
@@ -124,7 +124,7 @@ def test_heterotune_merge_averages_within_types_and_aligns_share_updates_with_cm
                 {},
             )
         )
-    new = strategy.merge(1, state, replies)
+    new = strategy.method.merge(1, state, replies)
     # local adapters: sample-weighted mean within type 0 (nodes 0 and 1: weights 1/3, 2/3)
     key = "adapters.0.down.weight"
     want = (replies[0].state[key] + 2 * replies[1].state[key]) / 3
@@ -146,25 +146,25 @@ def test_heterotune_merge_averages_within_types_and_aligns_share_updates_with_cm
     assert float(torch.linalg.norm(Gt)) == pytest.approx(float(torch.linalg.norm(G)), rel=1e-4)
     # without CMGA: S_i <- S_i + Δ_i
     plain = build_strategy(f"method=heterotune method.cmga=false {TINY_IMAGE} {HETERO}")
-    new2 = plain.merge(1, state, replies)
+    new2 = plain.method.merge(1, state, replies)
     k = "adapters.0.share_pre.1"
     assert torch.allclose(new2[k], replies[2].state[k], atol=1e-6)
 
 
 def test_heterotune_types_by_depth_share_slots_only_where_they_exist():
     strategy = build_strategy(f"method=heterotune {TINY_TEXT} {HETERO}")
-    assert strategy.depths == [2, 1] and strategy.members == [[0, 1], [0]]
-    state = strategy.initial_state(0)
-    _, small, _ = strategy.level_payload(1, state)
+    assert strategy.method.depths == [2, 1] and strategy.method.members == [[0, 1], [0]]
+    state = strategy.method.initial_state(0)
+    _, small, _ = strategy.method.level_payload(1, state)
     assert {k for k in small if ".share_" in k} == {
         f"adapters.0.share_{s}.{j}" for s in ("pre", "post") for j in (0, 1)
     }
-    costs = [strategy.level_cost(i) for i in range(2)]
+    costs = [strategy.method.level_cost(i) for i in range(2)]
     assert costs[0]["params"] > costs[1]["params"] and costs[1]["bytes_down"] > costs[1]["bytes_up"]
     vit = build_strategy(f"method=heterotune {TINY_IMAGE} {HETERO}")  # ViT: types by width (auto)
-    assert vit.depths == [2, 2] and [s["width"] for s in vit.type_specs] == [16, 8]
+    assert vit.method.depths == [2, 2] and [s["width"] for s in vit.method.type_specs] == [16, 8]
     vit = build_strategy(f"method=heterotune {TINY_IMAGE} {HETERO} method.scale=depth")
-    assert vit.depths == [2, 1] and [s["width"] for s in vit.type_specs] == [16, 16]
+    assert vit.method.depths == [2, 1] and [s["width"] for s in vit.method.type_specs] == [16, 16]
 
 
 # ------------------------------------------------------------------------------------ whole runs

@@ -378,7 +378,7 @@ def test_inspect_counts_the_vit_levels_from_shapes_as_the_allocating_path_does()
     overrides = ["method=fedhm", "model=vit", "model.backbone=random", "model.width=16", "model.depth=2"]
     cfg, rows = level_rows(overrides)
     spec = model_spec(cfg)
-    assert rows == _rows(cfg, spec, STRATEGIES["fedhm"](cfg, spec))
+    assert rows == _rows(cfg, spec, STRATEGIES["fedhm"](cfg, spec).method)
     assert rows[0]["params"] == count_parameters(build_model(spec))
     plan = plan_rows(cfg)
     saved = [sum(p["params"] - lp for p in plan for lp in [p["level_params"][i]]) for i in range(len(rows))]

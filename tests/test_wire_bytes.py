@@ -99,19 +99,19 @@ def test_records_share_the_payloads_arrays_but_not_their_keys():
 def test_a_levels_cut_follows_the_global_state_in_place_changes_included(toy_cfg):
     cfg = toy_cfg("")
     strategy = FedHMStrategy(cfg, model_spec(cfg))
-    state = initial_state(cfg, strategy.spec)
-    level = next(i for i, ranks in enumerate(strategy.ranks) if ranks)
-    name = sorted(strategy.ranks[level])[0]
-    first = strategy.level_payload(level, state)[1]
-    again = strategy.level_payload(level, state)[1]
+    state = initial_state(cfg, strategy.method.spec)
+    level = next(i for i, ranks in enumerate(strategy.method.ranks) if ranks)
+    name = sorted(strategy.method.ranks[level])[0]
+    first = strategy.method.level_payload(level, state)[1]
+    again = strategy.method.level_payload(level, state)[1]
     assert all(again[k] is first[k] for k in first)  # one cut per model version
     with torch.no_grad():
         state[f"{name}.weight"].mul_(2.0)  # in place: the same tensor, a new version
-    changed = strategy.level_payload(level, state)[1]
+    changed = strategy.method.level_payload(level, state)[1]
     a, b = f"{name}.a.weight", f"{name}.b.weight"
     assert not torch.equal(changed[a], first[a])
     # the cut of the changed weight is the cut a fresh strategy makes of it
-    fresh = FedHMStrategy(cfg, model_spec(cfg)).level_payload(level, {k: v.clone() for k, v in state.items()})[1]
+    fresh = FedHMStrategy(cfg, model_spec(cfg)).method.level_payload(level, {k: v.clone() for k, v in state.items()})[1]
     assert torch.equal(changed[a], fresh[a]) and torch.equal(changed[b], fresh[b])
     replaced = dict(state, **{f"{name}.weight": state[f"{name}.weight"] / 2})  # a new tensor
-    assert torch.equal(strategy.level_payload(level, replaced)[1][a], first[a])
+    assert torch.equal(strategy.method.level_payload(level, replaced)[1][a], first[a])

@@ -2,7 +2,7 @@
 
 ``fedhm export run=DIR level=GAMMA [out=DIR]`` (``python -m fedhm_flwr.ops.export ...``) reads the run's
 checkpoint (``checkpoint/global_model.safetensors``, ``config.yaml``) and writes that level's
-deployable model, as the strategy defines it (:meth:`HeteroStrategy.deployable`; FedHM: the SVD
+deployable model, as the strategy defines it (:meth:`Method.deployable`; FedHM: the SVD
 truncation of the global model at the level's ranks, i.e. the factorized network, not the
 recovered full one):
 
@@ -74,7 +74,7 @@ def deployable_model(
     strategy = STRATEGIES[cfg.method.name](cfg, model_spec(cfg))
     strategy.restore(saved)
     index = parse_level(level, strategy.levels)
-    spec, level_state = strategy.deployable(index, state)
+    spec, level_state = strategy.method.deployable(index, state)
     sums, statistics = fix_statistics(
         run_dir, cfg, spec, level_state, strategy.levels[index], int(saved.get("round", 0))
     )

@@ -25,6 +25,7 @@ from fedhm_flwr.models import build_model, count_parameters, shape_device
 from fedhm_flwr.models.matching import fedhm_level_params
 from fedhm_flwr.models.rules import select_layers
 from fedhm_flwr.server.methods.fedhm import FedHM
+from fedhm_flwr.server.methods.method import Method
 from fedhm_flwr.server.registry import STRATEGIES  # the strategies define what a level's model is
 
 #: Methods whose level models and payloads are determined by shapes alone: counted on the meta device.
@@ -36,20 +37,20 @@ def level_rows(overrides: list[str]) -> tuple[Any, list[dict[str, Any]]]:
     cfg = load_config(overrides)
     spec = model_spec(cfg)
     if cfg.method.name not in SHAPE_ONLY:  # payloads that depend on values
-        return cfg, _rows(cfg, spec, STRATEGIES[cfg.method.name](cfg, spec))
+        return cfg, _rows(cfg, spec, STRATEGIES[cfg.method.name](cfg, spec).method)
     with shape_device(spec):  # shapes only: no weight allocated, no SVD (meta; else the CPU)
-        return cfg, _rows(cfg, spec, STRATEGIES[cfg.method.name](cfg, spec))
+        return cfg, _rows(cfg, spec, STRATEGIES[cfg.method.name](cfg, spec).method)
 
 
-def _rows(cfg: Any, spec: dict[str, Any], strategy: Any) -> list[dict[str, Any]]:
+def _rows(cfg: Any, spec: dict[str, Any], method: Method) -> list[dict[str, Any]]:
     torch.manual_seed(int(cfg.seed))
-    state = strategy.initial_state(int(cfg.seed)) or build_model(spec).state_dict()  # FedLoRA/HeteroTune keep their own
-    strategy.begin_round(1, state)
+    state = method.initial_state(int(cfg.seed)) or build_model(spec).state_dict()  # FedLoRA/HeteroTune keep their own
+    method.begin_round(1, state)
     full = count_parameters(build_model(spec, spectral_init=False)) if cfg.method.name in SHAPE_ONLY else None
     rows = []
-    for index, level in enumerate(strategy.levels):
-        cost = strategy.level_cost(index)
-        _, payload, _ = strategy.level_payload(index, state)
+    for index, level in enumerate(method.levels):
+        cost = method.level_cost(index)
+        _, payload, _ = method.level_payload(index, state)
         rows.append(
             {
                 "level": f"g{index + 1}",

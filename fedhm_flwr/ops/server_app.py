@@ -42,6 +42,7 @@ from fedhm_flwr.reporting.results import (
 )
 from fedhm_flwr.reporting.tracking import open_tracker
 from fedhm_flwr.server.evaluation import make_evaluator
+from fedhm_flwr.server.outputs import RunOutputs
 from fedhm_flwr.server.registry import STRATEGIES
 
 app = ServerApp()
@@ -162,8 +163,8 @@ def _run(
     spec = model_spec(cfg)
     # a deployment's server may hold no test set: with evaluation.where=clients none is loaded
     evaluator = None if cfg.evaluation.where == "clients" else make_evaluator(cfg, pick_device())
-    strategy = STRATEGIES[cfg.method.name](cfg, spec, evaluator, recorder)
-    state = strategy.initial_state(int(cfg.seed))
+    strategy = STRATEGIES[cfg.method.name](cfg, spec, evaluator, RunOutputs(cfg, recorder))
+    state = strategy.method.initial_state(int(cfg.seed))
     if state is None:
         state = initial_state(cfg, spec)
     if resume is not None:
@@ -183,7 +184,7 @@ def _run(
     strategy.start(
         grid, ArrayRecord.from_torch_state_dict(state), num_rounds=int(cfg.rounds), timeout=float(cfg.timeout)
     )
-    costs = {f"{level:g}": strategy.level_cost(i) for i, level in enumerate(strategy.levels)}
+    costs = {f"{level:g}": strategy.method.level_cost(i) for i, level in enumerate(strategy.levels)}
     summary = summarize(
         recorder.rows,
         {

@@ -1,18 +1,5 @@
-"""The node registry: who is connected, what each node declared, and its level for the run.
-
-A node's level depends only on that node (issue "levels that stay put"):
-
-1. the capability it declares in its node config (``capability-level``, or a ``capability-params``
-   / ``-macs`` / ``-memory`` budget mapped to the largest level that fits), else
-2. ``levels.default`` when set, else
-3. a stable function of its identity for the configured proportions: its partition id (a
-   simulated node's, or the one recorded in its data shard's manifest) indexes a seeded pool of
-   ``num_partitions`` levels; a node known only by its ``node-name`` (or, failing that, its node
-   id) draws its level from a seeded hash of that name.
-
-Never from how many nodes are connected or in what order they arrived: a node that leaves and
-comes back keeps its level. Flower keeps a SuperNode's node id across restarts only with SuperNode
-authentication: the level never depends on the id when a partition id or a ``node-name`` is known.
+"""The node registry: who is connected, what each node declared, and its level for the run (decided
+from the node alone: :mod:`fedhm_flwr.server.node_levels`).
 
 The registry queries a node's node config once (``node-info`` query, carrying the run's data
 spec: the node answers with its number of training examples), when the node is new or
@@ -41,8 +28,6 @@ from omegaconf import DictConfig
 
 from fedhm_flwr.config import data_spec, level_proportions
 from fedhm_flwr.core.protocol import (
-    CAPABILITY_BUDGETS,
-    CAPABILITY_LEVEL,
     NODE_UNAVAILABLE,
     NodeInfo,
     collect,
@@ -52,13 +37,11 @@ from fedhm_flwr.core.protocol import (
     push,
 )
 from fedhm_flwr.math import levels as lv
-from fedhm_flwr.math.privacy import poisson_sample, secret_uniform
 from fedhm_flwr.server.ahead import AheadQueries
+from fedhm_flwr.server.node_levels import PoissonDraws, declared_level, log_joined, stable_level
 
 #: keys of nodes without a unique partition id start here (partition ids stay below)
 _HASHED_KEY_BASE = 1 << 40
-#: more nodes than this joining at once are logged as one line (level counts), not one line each
-_JOIN_LINES = 10
 
 
 @functools.lru_cache(maxsize=1 << 17)  # each node's key hashed once, not at every draw (bounded)
@@ -90,7 +73,6 @@ class NodeRegistry:
         self._waited_for: int | None = None  # the round the start-up waited for nodes for
         self.data_spec = json.dumps(data_spec(cfg))  # each node reports its example count for it
         self.ahead = AheadQueries(self.data_spec)  # node-info queries asked ahead (start-up, prefetch)
-        self._draws: dict[int, dict[int, float]] = {}  # DP: round -> key -> its secret uniform draw
         # the round's rules, read once (a config lookup costs more than a round's sampling at 10 nodes)
         self.ask_when_sampled = cfg.availability.get("query", "all") == "sampled"
         self.fixed_levels = cfg.levels.assignment == "fixed"
@@ -98,6 +80,8 @@ class NodeRegistry:
         self.fraction, self.min_train = float(cfg.fraction_train), int(cfg.min_train_nodes)
         self.min_nodes = int(cfg.availability.min_nodes) or self.min_train
         self.proportions = level_proportions(cfg)
+        dp_seed = cfg.dp.get("seed")
+        self.poisson = PoissonDraws(self.fraction, None if dp_seed is None else int(dp_seed))  # DP: the round's sample
 
     # ------------------------------------------------------------------ discovery
 
@@ -173,7 +157,8 @@ class NodeRegistry:
         asked = set(new)
         self.unknown = [n for n in self.unknown if n not in asked]
         self._rekey()
-        self._log_joined(server_round, [n for n in new if n in self.nodes and self._settle(n, server_round)])
+        joined = [n for n in new if n in self.nodes and self._settle(n, server_round)]
+        log_joined(server_round, joined, lambda n: self.levels[self.levels_of[n]], self._joined_line)
         self.query_seconds += time.perf_counter() - t0
         self.queried += counted
         return moved
@@ -348,14 +333,14 @@ class NodeRegistry:
         """Fix a newly connected node's level for the run (and log a returning node's); True when
         the node is new to the run."""
         info = self.nodes[node_id]
-        index = self._declared_level(info)
+        index = declared_level(info, self.levels, self.costs, self.label(node_id))
         if index is not None:
             self.declared[node_id] = index
         elif self.cfg.levels.default is not None:
             index = lv.level_index_of(float(self.cfg.levels.default), self.levels)
             self.declared[node_id] = index  # type: ignore[assignment]
         else:
-            index = self._stable_level(info)
+            index = stable_level(info, self.keys[node_id], self.proportions, self.seed, int(self.cfg.num_clients))
         self.levels_of[node_id] = index  # type: ignore[assignment]
         identity = info.identity()
         before = self.seen.get(identity)
@@ -372,85 +357,11 @@ class NodeRegistry:
         self.seen[identity] = index  # type: ignore[assignment]
         return before is None
 
-    def _log_joined(self, server_round: int, joined: list[int]) -> None:
-        """One line per node that joined, or one line of level counts when many joined at once."""
-        if len(joined) > _JOIN_LINES:
-            counts: dict[float, int] = {}
-            for node_id in joined:
-                level = self.levels[self.levels_of[node_id]]
-                counts[level] = counts.get(level, 0) + 1
-            log(
-                INFO,
-                "round %d: %d nodes joined -> %s",
-                server_round,
-                len(joined),
-                ", ".join(f"level {level:g}: {n}" for level, n in sorted(counts.items(), reverse=True)),
-            )
-            return
-        for node_id in joined:
-            examples = self.nodes[node_id].examples
-            log(
-                INFO,
-                "round %d: node %s joined (node id %d) -> level %g%s",
-                server_round,
-                self.label(node_id),
-                node_id,
-                self.levels[self.levels_of[node_id]],
-                "" if examples is None else f", {examples} training examples",
-            )
-
-    def _stable_level(self, info: NodeInfo) -> int:
-        proportions, seed = self.proportions, self.seed
-        key = self.keys[info.node_id]
-        if info.partition_id is not None and key == info.partition_id:
-            total = int(info.num_partitions or self.cfg.num_clients)
-            if 0 <= info.partition_id < total:
-                return lv.partition_level(info.partition_id, total, proportions, seed)
-        if info.name is None:
-            log(
-                WARNING,
-                "node %d has neither a partition-id nor a node-name; its level follows its node id, "
-                "which survives a restart only with SuperNode authentication",
-                info.node_id,
-            )
-        return lv.hashed_level(info.identity() if info.name else f"node:{info.node_id}", proportions, seed)
-
-    def _declared_level(self, info: NodeInfo) -> int | None:
-        cap = info.capability
-        if CAPABILITY_LEVEL in cap:
-            index = lv.level_index_of(cap[CAPABILITY_LEVEL], self.levels)
-            if index is None:
-                log(
-                    WARNING,
-                    "node %s declares level %s, not among %s; ignored",
-                    self.label(info.node_id),
-                    cap[CAPABILITY_LEVEL],
-                    self.levels,
-                )
-            return index
-        for budget in CAPABILITY_BUDGETS:
-            if budget in cap:
-                costs = [self.costs[i].get(budget, math.inf) for i in range(len(self.levels))]
-                index = lv.level_for_budget(cap[budget], costs)
-                if index is None:
-                    index = len(self.levels) - 1
-                    log(
-                        WARNING,
-                        "node %s: %s budget %g fits no level; it gets the smallest",
-                        self.label(info.node_id),
-                        budget,
-                        cap[budget],
-                    )
-                log(
-                    INFO,
-                    "node %s: %s budget %g -> level %g",
-                    self.label(info.node_id),
-                    budget,
-                    cap[budget],
-                    self.levels[index],
-                )
-                return index
-        return None
+    def _joined_line(self, node_id: int) -> str:
+        examples = self.nodes[node_id].examples
+        return f"{self.label(node_id)} joined (node id {node_id}) -> level {self.levels[self.levels_of[node_id]]:g}" + (
+            "" if examples is None else f", {examples} training examples"
+        )
 
     def assign(self, server_round: int, node_ids: list[int]) -> dict[int, int]:
         """Level index of each sampled node this round (fixed: the node's own; dynamic: drawn)."""
@@ -468,22 +379,11 @@ class NodeRegistry:
         keys = {self.key(n): n for n in self.nodes}
         keys.update({hashed_key(f"node:{n}"): n for n in self.unknown})
         if self.dp:  # the accountant's Poisson sampling, from a stream no client knows
-            return [keys[k] for k in self._poisson(server_round, list(keys))]
+            return [keys[k] for k in self.poisson.sample(server_round, list(keys))]
         picked = lv.sample_clients(
             list(keys), self.fraction, self.min_train, lambda: lv.round_rng(self.seed, server_round, stream=0)
         )
         return [keys[k] for k in picked]
-
-    def _poisson(self, server_round: int, keys: list[int]) -> list[int]:
-        """DP runs: each key in with probability ``fraction_train`` (no minimum), drawn once per
-        round and key (:func:`fedhm_flwr.math.privacy.secret_uniform`; kept, so that the prefetch and
-        the round see the same draw)."""
-        seed = self.cfg.dp.get("seed")
-        for old in [r for r in self._draws if r < server_round - 1]:
-            del self._draws[old]
-        mine = self._draws.setdefault(server_round, {})
-        uniform = secret_uniform(None if seed is None else int(seed), server_round)
-        return poisson_sample(keys, self.fraction, lambda k: mine[k] if k in mine else mine.setdefault(k, uniform(k)))
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps: the level each identity had."""

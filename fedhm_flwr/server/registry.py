@@ -2,7 +2,7 @@
 Flower-free method per algorithm (:class:`fedhm_flwr.server.methods.method.Method`: ``FedHM``, ``HeteroFL``, ...).
 
 ``<Method>Strategy`` binds a method to the round (``FedHMStrategy(cfg, model_spec, evaluate_fn,
-recorder)`` runs FedHM); :data:`STRATEGIES` maps ``method.name`` to those bindings, :data:`METHODS`
+outputs)`` runs FedHM); :data:`STRATEGIES` maps ``method.name`` to those bindings, :data:`METHODS`
 to the methods themselves. A method is registered by its one entry in :data:`METHODS`; its binding
 follows from it.
 """
@@ -39,7 +39,7 @@ METHODS: dict[str, Callable[[DictConfig, dict[str, Any]], Method]] = {
 
 
 def _binding(name: str, method: Callable[[DictConfig, dict[str, Any]], Method]) -> type[HeteroStrategy]:
-    """The round bound to one method: ``<Name>Strategy(cfg, model_spec, evaluate_fn, recorder)``."""
+    """The round bound to one method: ``<Name>Strategy(cfg, model_spec, evaluate_fn, outputs)``."""
     return type(
         name,
         (HeteroStrategy,),

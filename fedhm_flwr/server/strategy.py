@@ -4,10 +4,13 @@ One round, one path, for every method: sample nodes, give each node its level, a
 for each level's (or node's) model, send one fresh message per node, validate the replies, let the
 method merge them (through the defences and DP, :class:`fedhm_flwr.server.untrusted.Untrusted`, which wrap
 the merge as Flower's DP strategies wrap a strategy), evaluate the global model and each level's
-deployable model, record, checkpoint. The method (:class:`fedhm_flwr.server.methods.method.Method`) is Flower-free
-and says only how a client's model is cut out of the global model and how replies are folded back
-in. The round's collaborators are handed what they need and never reach back into it: the node
-registry (:mod:`~fedhm_flwr.server.nodes`, costs as data), what is sent (:mod:`~fedhm_flwr.server.payloads`),
+deployable model, and hand the round to the run's outputs (the ServerApp's :mod:`~fedhm_flwr.server.outputs`:
+rows, checkpoints, the best model, the deployment statistics; the strategy writes nothing). The method
+(:class:`fedhm_flwr.server.methods.method.Method`, ``strategy.method``) is Flower-free and says only how a
+client's model is cut out of the global model and how replies are folded back in. The round's
+collaborators are handed what they need and never reach back into it: the node
+registry (:mod:`~fedhm_flwr.server.nodes`, costs as data), what is sent (:mod:`~fedhm_flwr.server.payloads`;
+each node's payload and the check of its reply: :mod:`~fedhm_flwr.server.round_wire`),
 the replies (:mod:`~fedhm_flwr.server.replies`: untrusted input), the evaluation
 (:mod:`~fedhm_flwr.server.evaluation`) and the records (:mod:`~fedhm_flwr.server.report`).
 
@@ -16,7 +19,6 @@ A strategy runs one method (``method=...``) or a method's binding (:data:`strate
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
@@ -28,21 +30,23 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 from omegaconf import DictConfig
 
-from fedhm_flwr.config import data_spec, level_proportions, lr_schedule
+from fedhm_flwr.config import level_proportions
 from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.core.protocol import ARRAYS, CONFIG, NODE_UNAVAILABLE, collect, content_bytes, exchange, push
 from fedhm_flwr.math import levels as lv
-from fedhm_flwr.server import deployment, evaluation as ev, replies as reply_checks
-from fedhm_flwr.server.methods.method import Cut, Method, Reply, State
+from fedhm_flwr.server import evaluation as ev, replies as reply_checks
+from fedhm_flwr.server.methods.method import Method, Reply, State
 from fedhm_flwr.server.nodes import NodeInfo, NodeRegistry
-from fedhm_flwr.server.payloads import ArrayCache, Payload, TaskConfigs, train_options
+from fedhm_flwr.server.outputs import RoundEnd, RoundOutputs
+from fedhm_flwr.server.payloads import Payload
 from fedhm_flwr.server.report import RoundLog, progress_line, round_row, train_metrics
+from fedhm_flwr.server.round_wire import RoundWire
 from fedhm_flwr.server.untrusted import Attacks, Untrusted
 
 __all__ = ["HeteroStrategy", "Payload", "Reply", "RoundLog", "State", "content_bytes", "progress_line"]
 
 
-class HeteroStrategy(Strategy):
+class HeteroStrategy(RoundWire, Strategy):
     """The round of every method (see the module docstring)."""
 
     #: the method a binding runs (``FedHMStrategy.method_class = FedHM``)
@@ -53,7 +57,7 @@ class HeteroStrategy(Strategy):
         cfg: DictConfig,
         model_spec: dict[str, Any],
         evaluate_fn: Callable[..., dict[str, float]] | None = None,
-        recorder: Any | None = None,
+        outputs: RoundOutputs | None = None,
         method: Method | None = None,
     ) -> None:
         if method is None:
@@ -64,7 +68,7 @@ class HeteroStrategy(Strategy):
         self.name = method.name
         self.levels = method.levels
         self.evaluate_fn = evaluate_fn
-        self.recorder = recorder
+        self.outputs = outputs  # what the run keeps of each round (the ServerApp's: rows, checkpoints)
         self.registry = NodeRegistry(self.cfg, self.levels, method.costs)
         self.startup_info: dict[str, Any] = {}  # what the start-up before round 1 took (NodeRegistry.startup)
         self.global_state: State | None = None
@@ -79,116 +83,8 @@ class HeteroStrategy(Strategy):
         self._bn: ev.BnUse | None = None  # the last server evaluation's norm statistics (federated sums)
         self.attacks = Attacks(self.cfg)  # failures.attack: which nodes attack
         self.untrusted = Untrusted(method, self.history)  # the merge, defended / private (aggregation, dp)
-        self.wire_dtype = str(self.cfg.get("wire", {}).get("dtype", "float32"))  # arrays both ways (wire.dtype)
-        self.array_cache = ArrayCache()
-        self.tasks = TaskConfigs()
-        self._fixed_options: dict[str, Any] | None = None  # the train options but the round's lr
-        self._lr = lr_schedule(self.cfg)  # the round's lr (the config read once)
-        self._global_record: ArrayRecord | None = None  # the record last made of self.global_state
         self._late_ids: list[str] = []  # the last round's messages it stopped waiting for (their answers: late)
-        self._examples_cap = reply_checks.examples_cap(self.cfg)  # the most examples a reply's weight counts
-        self._deploy_stats = bool(self.cfg.evaluation.deploy_stats)  # every level's statistics after the last round
-
-    def __getattr__(self, name: str) -> Any:
-        """The method's attributes, read through the strategy (see the module docstring)."""
-        method = self.__dict__.get("method")
-        if method is None or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(method, name)
-
-    # ------------------------------------------------------------------ the wire
-
-    def wire_arrays(self, state: State) -> dict[str, Any]:
-        """A model the server sends (payload, evaluation), as Arrays in the wire dtype."""
-        return self.array_cache.arrays(state, self.wire_dtype)
-
-    def global_record(self, state: State) -> ArrayRecord:
-        """The global state as the round's ArrayRecord (float32: the server keeps float32)."""
-        self._global_record = wire.array_record(self.array_cache.arrays(state, "float32"))
-        return self._global_record
-
-    def state_of(self, arrays: ArrayRecord) -> State:
-        """The state an ArrayRecord holds: the global state itself when the record was made of it
-        (no second deserialisation), else the record's tensors in float32."""
-        if arrays is self._global_record and self.global_state is not None:
-            return self.global_state
-        return arrays.to_torch_state_dict()
-
-    def _payload(self, cut: Cut) -> Payload:
-        return Payload(
-            cut.spec,
-            self.wire_arrays(cut.state),
-            {k: tuple(v.shape) for k, v in cut.state.items()},
-            cut.train,
-            cut.returned,
-        )
-
-    def node_payload(
-        self, node_id: int, level_index: int, global_state: State, level_payloads: dict[int, Payload]
-    ) -> Payload:
-        """The payload sent to one node this round: the node's own cut when the method makes one
-        (PriSM), else its level's, cut once per level per round and shared (``level_payloads``)."""
-        cut = self.method.node_cut(node_id, self.registry.key(node_id), level_index, global_state)
-        if cut is not None:
-            return self._payload(cut)
-        if level_index not in level_payloads:
-            level_payloads[level_index] = self._payload(self.method.level_cut(level_index, global_state))
-        return level_payloads[level_index]
-
-    def _train_options(self, server_round: int) -> dict[str, Any]:
-        if self._fixed_options is None:  # read once: a config lookup costs more than a small layer's work
-            train = self.cfg.train
-            self._fixed_options = {
-                "local_epochs": int(train.local_epochs),
-                "batch_size": int(train.batch_size),
-                "momentum": float(train.momentum),
-                "weight_decay": float(train.weight_decay),
-                "masked_ce": bool(train.masked_ce),
-                "grad_clip": float(train.grad_clip),
-                "threads": max(1, int(math.floor(float(self.cfg.simulation.num_cpus)))),
-                **train_options(train.get("distill")),
-            }
-        return {"lr": self._lr(server_round), **self._fixed_options}
-
-    def _train_config(self, server_round: int, node_id: int, index: int, payload: Payload) -> tuple[ConfigRecord, int]:
-        return self.tasks.train(
-            server_round,
-            self.name,
-            self.levels[index],
-            index,
-            payload,
-            lambda: self._train_options(server_round),
-            self.nodes[node_id].num_partitions,
-            lambda n: data_spec(self.cfg, n),
-            lv.client_seed(self.attacks.seed, server_round, self.registry.key(node_id)),
-            self.wire_dtype,
-        )
-
-    def _validate(self, node_id: int, msg: Message) -> tuple[Reply | None, str]:
-        """Check a reply against what was sent to that node (:func:`fedhm_flwr.server.replies.check_train_reply`)."""
-        if node_id not in self.sent:
-            return None, "reply from a node that was not sent a task this round"
-        index, payload = self.sent[node_id]
-        info = self.nodes.get(node_id)
-        checked, why = reply_checks.check_train_reply(
-            msg.content,
-            payload,
-            self.levels[index],
-            int(self.method.spec["num_classes"]),
-            self.wire_dtype,
-            self.untrusted.screen,
-            info.examples if info is not None else None,
-            self._examples_cap,
-        )
-        if checked is None:
-            return None, why
-        state, n, counts, scalars = checked
-        return Reply(
-            node_id, index, self.levels[index], state, n, counts, scalars, label=self.node_label(node_id), sent=payload
-        ), ""
-
-    def is_attacker(self, node_id: int) -> bool:
-        return self.attacks.is_attacker(self.nodes.get(node_id), self.registry.key(node_id), node_id)
+        self.init_wire(self.cfg)
 
     # ------------------------------------------------------------------ Flower's Strategy API
 
@@ -373,12 +269,9 @@ class HeteroStrategy(Strategy):
             if train_metrics is not None:
                 result.train_metrics_clientapp[server_round] = train_metrics
             row = self._round_row(server_round, train_metrics)
-            last = server_round == num_rounds and self.recorder is not None and self._deploy_stats
-            early = (
-                deployment.DeploymentQuery(self._view(), self.state_of(arrays))  # nodes sum while the server evaluates
-                if last and str(self.cfg.evaluation.bn_stats) != "federated"
-                else None
-            )
+            end = self._round_end(server_round, num_rounds, arrays)
+            if self.outputs is not None:
+                self.outputs.trained(end)
             if self._evaluation_due(server_round, num_rounds):
                 t_eval = time.perf_counter()
                 if self.cfg.evaluation.where != "clients":
@@ -398,18 +291,20 @@ class HeteroStrategy(Strategy):
                     result.evaluate_metrics_serverapp[server_round] = MetricRecord(
                         {**dict(result.evaluate_metrics_serverapp.get(server_round, {})), **dict(given)}
                     )
-            if last:
-                self._save_deployment_statistics(server_round, self.state_of(arrays), row, early)
+            if self.outputs is not None:
+                end.known = self._bn.sums if self._bn is not None else None  # (the final evaluation's)
+                self.outputs.evaluated(end, row)
             row["seconds"] = time.perf_counter() - t_round
             self.history.append(row)
             log(INFO, "%s", progress_line(row, num_rounds, self.levels))
-            if self.recorder is not None:
-                self.recorder.log_round(row)
-                if self._checkpoint_due(server_round, num_rounds):
-                    self.recorder.save_checkpoint(self.state_of(arrays), self.checkpoint_state(server_round))
-                if self.cfg.checkpoint.get("keep_best", False):
-                    self.recorder.save_best(self.state_of(arrays), row)
+            if self.outputs is not None:
+                self.outputs.closed(end, row)
         return result
+
+    def _round_end(self, server_round: int, num_rounds: int, arrays: ArrayRecord) -> RoundEnd:
+        """What the run's outputs are handed of this round (never the strategy itself)."""
+        state = self.state_of(arrays)
+        return RoundEnd(server_round, num_rounds, state, self._view(), lambda: self.checkpoint_state(server_round))
 
     def _round_row(self, server_round: int, metrics: MetricRecord | None) -> dict[str, Any]:
         return round_row(
@@ -441,27 +336,8 @@ class HeteroStrategy(Strategy):
         self._bn = ev.BnUse("")  # the federated sums of this model version (reused by the deployment statistics)
         return ev.evaluate_levels(self._view(), global_state, self._bn)
 
-    def _save_deployment_statistics(
-        self, server_round: int, global_state: State, row: dict[str, Any], early: deployment.DeploymentQuery | None
-    ) -> None:
-        """The fixed norm statistics of every level's deployable model (the clients' sBN sums; asked
-        ``early`` or now, reusing what the final evaluation asked), saved beside the final checkpoint
-        for ``fedhm export``, and each model's accuracy with them (docs/METHODS.md#deployable-statistics)."""
-        known, t0 = self._bn.sums if self._bn is not None else None, time.perf_counter()  # (the final evaluation's)
-        found = (query := early or deployment.DeploymentQuery(self._view(), global_state, known)).result()
-        row["deploy_stats_seconds"] = time.perf_counter() - t0  # what the query took past the evaluation
-        if found is not None:
-            tensors, metadata, nbytes = found
-            self.recorder.save_bn_statistics(tensors, {**metadata, "round": str(server_round)})
-            row["bytes_bn_stats"] = row.get("bytes_bn_stats", 0) + nbytes
-        row.update(deployment.deployable_figures(self._view(), query))  # scored as exported
-
     def _evaluation_due(self, server_round: int, num_rounds: int) -> bool:
         return server_round == num_rounds or server_round % int(self.cfg.evaluation.every) == 0
-
-    def _checkpoint_due(self, server_round: int, num_rounds: int) -> bool:
-        every = int(self.cfg.checkpoint.every)
-        return server_round == num_rounds or (every > 0 and server_round % every == 0)
 
     def checkpoint_state(self, server_round: int) -> dict[str, Any]:
         return {

@@ -15,6 +15,7 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
+from fedhm_flwr.math.aggregation import level_weights
 from fedhm_flwr.models import build_model, input_shape, shape_device
 from fedhm_flwr.models.adapters import trainable_state
 from fedhm_flwr.models.costs import model_costs
@@ -29,6 +30,13 @@ def classifier_keys(model: nn.Module) -> list[str]:
     are aggregated per class. None when the head is factorized (``classifier_name`` empty)."""
     name = head_name(model)
     return [k for k in model.state_dict() if k.startswith(f"{name}.")] if name else []
+
+
+def gamma_weights(replies: Sequence[Any], tau: float, by_samples: bool) -> np.ndarray:
+    """FedHM's ``softmax(γ/τ)`` weights of the replies' levels (docs/METHODS.md#fedhm), times
+    their sample counts with ``by_samples`` (``method.weight_by_samples``)."""
+    counts = [r.num_examples for r in replies] if by_samples else None
+    return level_weights([r.level for r in replies], tau, counts)
 
 
 def class_holds(replies: Sequence[Any]) -> np.ndarray:

@@ -24,10 +24,17 @@ import torch
 
 from fedhm_flwr.config.methods import FedHMOptions
 from fedhm_flwr.math.aggregation import average_hybrid, level_weights, official_code_weights
-from fedhm_flwr.math.lowrank import SVD_TOLERANCE, WireFactors, compute_svds, factorize_state, wire_factors
+from fedhm_flwr.math.lowrank import (
+    SVD_TOLERANCE,
+    WireFactors,
+    compute_svds,
+    factorize_state,
+    recover_state,
+    wire_factors,
+)
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.rules import plan_ranks
-from fedhm_flwr.server.methods.common import class_holds, classifier_keys
+from fedhm_flwr.server.methods.common import class_holds, classifier_keys, gamma_weights
 from fedhm_flwr.server.methods.method import Method, Reply, State
 
 
@@ -126,6 +133,21 @@ class FedHM(Method):
             if counts is not None:
                 counts.append(max(1, round(sum(counts) / len(counts))))
         return average_hybrid(global_state, states, ranks, self.weights(levels, counts), holds, self.classifier_keys)
+
+    def recovered(self, reply: Reply, global_state: State) -> tuple[State, None]:
+        """Every factorized layer ``L.a.weight``/``L.b.weight`` of the reply recovered to ``L.weight =
+        A·B`` at the rank the factors have, ``L.a.bias -> L.bias``; the reply covers everything it holds."""
+        ranks = {
+            key[: -len(".b.weight")]: int(reply.state[key[: -len(".b.weight")] + ".a.weight"].shape[1])
+            for key in reply.state
+            if key.endswith(".b.weight") and key[: -len(".b.weight")] + ".a.weight" in reply.state
+        }
+        return (recover_state(reply.state, ranks) if ranks else dict(reply.state)), None
+
+    def reply_weights(self, replies: list[Reply]) -> np.ndarray:
+        """The journal's ``softmax(γ/τ)`` (times the sample counts with ``method.weight_by_samples``),
+        as the defences and DP weigh the replies."""
+        return gamma_weights(replies, self.tau, self.weight_by_samples)
 
     def weights(self, levels: list[float], counts: list[int] | None) -> np.ndarray:
         """The round's aggregation weights: the journal's ``softmax(gamma / tau)``, or the

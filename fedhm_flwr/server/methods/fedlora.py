@@ -25,12 +25,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig
 
 from fedhm_flwr.config import backbone_choice, learning_rate
 from fedhm_flwr.config.methods import FedLoRAOptions
-from fedhm_flwr.math.aggregation import average_states, level_weights
+from fedhm_flwr.math.aggregation import average_states
 from fedhm_flwr.math.lora import (
     LORA_DELTA,
     aggregate_products,
@@ -44,7 +45,7 @@ from fedhm_flwr.models import build_model
 from fedhm_flwr.models.adapters import federated_keys
 from fedhm_flwr.models.text import PACKAGE_BACKBONE, package_config
 from fedhm_flwr.models.vit import DEFAULTS, arch_of, checkpoint_ref
-from fedhm_flwr.server.methods.common import class_holds, classifier_keys
+from fedhm_flwr.server.methods.common import class_holds, classifier_keys, gamma_weights
 from fedhm_flwr.server.methods.method import Method, Reply, State
 
 TRANSFORMER_ARCHS = ("minilm", "vit")
@@ -174,14 +175,17 @@ class FedLoRA(Method):
         return self.level_spec(level_index), state, options
 
     def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:
-        counts = [r.num_examples for r in replies] if self.cfg.method.weight_by_samples else None
-        weights = level_weights([r.level for r in replies], self.tau, counts)
+        weights = self.reply_weights(replies)
         holds = class_holds(replies)
         # full-shape keys (the head; every weight in full mode), rows of the head per class
         new = average_states(global_state, [r.state for r in replies], weights, holds, self.classifier_keys)
         if self.mode == "lora":
             new.update(merge_lora_replies(global_state, [r.state for r in replies], weights))
         return new
+
+    def reply_weights(self, replies: list[Reply]) -> np.ndarray:
+        """FedHM's ``softmax(γ/τ)`` weights (times the sample counts with ``method.weight_by_samples``)."""
+        return gamma_weights(replies, self.tau, bool(self.cfg.method.weight_by_samples))
 
     def recovered(self, reply: Reply, global_state: State) -> tuple[State, None]:
         """LoRA replies as ``L.lora_delta = B·A`` (full shape) and the head; full mode as it is."""

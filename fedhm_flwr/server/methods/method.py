@@ -19,8 +19,6 @@ import torch
 from omegaconf import DictConfig
 
 from fedhm_flwr.config.methods import MethodOptions
-from fedhm_flwr.math.aggregation import level_weights
-from fedhm_flwr.math.lowrank import recover_state
 from fedhm_flwr.server.methods import common
 
 State = dict[str, torch.Tensor]
@@ -132,27 +130,14 @@ class Method(ABC):
     def recovered(self, reply: Reply, global_state: State) -> tuple[State, dict[str, torch.Tensor] | None]:
         """A reply as a full-shape model over the global state's keys, and its coverage (key ->
         boolean mask of the elements it holds; None: every element of every key it has). Robust
-        aggregation and DP work on these (:mod:`fedhm_flwr.server.untrusted`).
-
-        Default (FedHM and every method whose replies are full-shape or hybrid low-rank): every
-        factorized layer ``L.a.weight``/``L.b.weight`` recovered to ``L.weight = A·B`` at the rank
-        the factors have, ``L.a.bias -> L.bias``; the reply covers everything it holds."""
-        ranks = {
-            key[: -len(".b.weight")]: int(reply.state[key[: -len(".b.weight")] + ".a.weight"].shape[1])
-            for key in reply.state
-            if key.endswith(".b.weight") and key[: -len(".b.weight")] + ".a.weight" in reply.state
-        }
-        return (recover_state(reply.state, ranks) if ranks else dict(reply.state)), None
+        aggregation and DP work on these (:mod:`fedhm_flwr.server.untrusted`). Default: the reply
+        as it is (full-shape, covering everything it holds)."""
+        return dict(reply.state), None
 
     def reply_weights(self, replies: list[Reply]) -> np.ndarray | None:
         """The weight of each reply in the method's average over the clients covering an element
-        (used by the clipping defence and DP). Default: FedHM's ``softmax(γ/τ)`` (times the sample
-        counts with ``method.weight_by_samples``); None: the method's merge is not such an average."""
-        method = self.cfg.method
-        if method.get("tau") is None:
-            return None
-        counts = [r.num_examples for r in replies] if method.get("weight_by_samples") else None
-        return level_weights([r.level for r in replies], float(method.tau), counts)
+        (used by the clipping defence and DP); None (the default): the method's merge is not such an average."""
+        return None
 
     # ------------------------------------------------------------------ models
 

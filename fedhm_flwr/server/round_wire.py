@@ -1,0 +1,144 @@
+"""The strategy's wire: what one node is sent each round and how its reply is checked (a part of
+:class:`fedhm_flwr.server.strategy.HeteroStrategy`, apart by topic).
+
+A payload is the node's own cut when the method makes one (PriSM), else its level's, cut once per
+level per round and shared; it travels in ``wire.dtype`` (:mod:`~fedhm_flwr.server.payloads`:
+the Arrays serialised once per model version, the task config once per level). A reply is checked
+against what that node was sent (:func:`fedhm_flwr.server.replies.check_train_reply`) before the
+method sees it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message
+from omegaconf import DictConfig
+
+from fedhm_flwr.config import data_spec, lr_schedule
+from fedhm_flwr.core import protocol as wire
+from fedhm_flwr.math import levels as lv
+from fedhm_flwr.server import replies as reply_checks
+from fedhm_flwr.server.methods.method import Cut, Method, Reply, State
+from fedhm_flwr.server.nodes import NodeRegistry
+from fedhm_flwr.server.payloads import ArrayCache, Payload, TaskConfigs, train_options
+from fedhm_flwr.server.untrusted import Attacks, Untrusted
+
+
+class RoundWire:
+    """Payloads out, replies checked (see the module docstring); the strategy it is part of holds
+    the method, the node registry, the attacks, the defences and what was sent this round."""
+
+    cfg: DictConfig
+    method: Method
+    name: str
+    levels: list[float]
+    registry: NodeRegistry
+    global_state: State | None
+    sent: dict[int, tuple[int, Payload]]
+    attacks: Attacks
+    untrusted: Untrusted
+    node_label: Callable[[int], str]
+
+    def init_wire(self, cfg: DictConfig) -> None:
+        self.wire_dtype = str(cfg.get("wire", {}).get("dtype", "float32"))  # arrays both ways (wire.dtype)
+        self.array_cache = ArrayCache()
+        self.tasks = TaskConfigs()
+        self._fixed_options: dict[str, Any] | None = None  # the train options but the round's lr
+        self._lr = lr_schedule(cfg)  # the round's lr (the config read once)
+        self._global_record: ArrayRecord | None = None  # the record last made of self.global_state
+        self._examples_cap = reply_checks.examples_cap(cfg)  # the most examples a reply's weight counts
+
+    def wire_arrays(self, state: State) -> dict[str, Any]:
+        """A model the server sends (payload, evaluation), as Arrays in the wire dtype."""
+        return self.array_cache.arrays(state, self.wire_dtype)
+
+    def global_record(self, state: State) -> ArrayRecord:
+        """The global state as the round's ArrayRecord (float32: the server keeps float32)."""
+        self._global_record = wire.array_record(self.array_cache.arrays(state, "float32"))
+        return self._global_record
+
+    def state_of(self, arrays: ArrayRecord) -> State:
+        """The state an ArrayRecord holds: the global state itself when the record was made of it
+        (no second deserialisation), else the record's tensors in float32."""
+        if arrays is self._global_record and self.global_state is not None:
+            return self.global_state
+        return arrays.to_torch_state_dict()
+
+    def _payload(self, cut: Cut) -> Payload:
+        return Payload(
+            cut.spec,
+            self.wire_arrays(cut.state),
+            {k: tuple(v.shape) for k, v in cut.state.items()},
+            cut.train,
+            cut.returned,
+        )
+
+    def node_payload(
+        self, node_id: int, level_index: int, global_state: State, level_payloads: dict[int, Payload]
+    ) -> Payload:
+        """The payload sent to one node this round: the node's own cut when the method makes one
+        (PriSM), else its level's, cut once per level per round and shared (``level_payloads``)."""
+        cut = self.method.node_cut(node_id, self.registry.key(node_id), level_index, global_state)
+        if cut is not None:
+            return self._payload(cut)
+        if level_index not in level_payloads:
+            level_payloads[level_index] = self._payload(self.method.level_cut(level_index, global_state))
+        return level_payloads[level_index]
+
+    def _train_options(self, server_round: int) -> dict[str, Any]:
+        if self._fixed_options is None:  # read once: a config lookup costs more than a small layer's work
+            train = self.cfg.train
+            self._fixed_options = {
+                "local_epochs": int(train.local_epochs),
+                "batch_size": int(train.batch_size),
+                "momentum": float(train.momentum),
+                "weight_decay": float(train.weight_decay),
+                "masked_ce": bool(train.masked_ce),
+                "grad_clip": float(train.grad_clip),
+                "threads": max(1, int(math.floor(float(self.cfg.simulation.num_cpus)))),
+                **train_options(train.get("distill")),
+            }
+        return {"lr": self._lr(server_round), **self._fixed_options}
+
+    def _train_config(self, server_round: int, node_id: int, index: int, payload: Payload) -> tuple[ConfigRecord, int]:
+        return self.tasks.train(
+            server_round,
+            self.name,
+            self.levels[index],
+            index,
+            payload,
+            lambda: self._train_options(server_round),
+            self.registry.nodes[node_id].num_partitions,
+            lambda n: data_spec(self.cfg, n),
+            lv.client_seed(self.attacks.seed, server_round, self.registry.key(node_id)),
+            self.wire_dtype,
+        )
+
+    def _validate(self, node_id: int, msg: Message) -> tuple[Reply | None, str]:
+        """Check a reply against what was sent to that node (:func:`fedhm_flwr.server.replies.check_train_reply`)."""
+        if node_id not in self.sent:
+            return None, "reply from a node that was not sent a task this round"
+        index, payload = self.sent[node_id]
+        info = self.registry.nodes.get(node_id)
+        checked, why = reply_checks.check_train_reply(
+            msg.content,
+            payload,
+            self.levels[index],
+            int(self.method.spec["num_classes"]),
+            self.wire_dtype,
+            self.untrusted.screen,
+            info.examples if info is not None else None,
+            self._examples_cap,
+        )
+        if checked is None:
+            return None, why
+        state, n, counts, scalars = checked
+        return Reply(
+            node_id, index, self.levels[index], state, n, counts, scalars, label=self.node_label(node_id), sent=payload
+        ), ""
+
+    def is_attacker(self, node_id: int) -> bool:
+        return self.attacks.is_attacker(self.registry.nodes.get(node_id), self.registry.key(node_id), node_id)
