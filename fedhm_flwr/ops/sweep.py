@@ -11,8 +11,8 @@ multirun ends, the :class:`SweepSummary` callback collects every job into ``summ
 key), in the sweep directory (``python -m fedhm_flwr.reporting.summary`` does the same on demand).
 
 Jobs run one after another (Hydra's basic launcher). Each job starts its own SuperLink on free ports;
-under ``fedhm sweep`` / ``fedhm compare`` the jobs share one Ray instance (:mod:`fedhm_flwr.ops.shared_ray`,
-handed down in ``FEDHM_SHARED_RAY_ADDRESS``), else each starts its own. Jobs may also run side by side
+with ``FEDHM_SHARED_RAY=1``, the jobs of ``fedhm sweep`` / ``fedhm compare`` share one Ray instance
+(:mod:`fedhm_flwr.ops.shared_ray`, handed down in ``FEDHM_SHARED_RAY_ADDRESS``), else each starts its own. Jobs may also run side by side
 with a parallel Hydra launcher (see the README).
 """
 
