@@ -12,8 +12,8 @@ key), in the sweep directory (``python -m fedhm_flwr.reporting.summary`` does th
 
 Jobs run one after another (Hydra's basic launcher). Each job starts its own SuperLink on free ports;
 with ``FEDHM_SHARED_RAY=1``, the jobs of ``fedhm sweep`` / ``fedhm compare`` share one Ray instance
-(:mod:`fedhm_flwr.ops.shared_ray`, handed down in ``FEDHM_SHARED_RAY_ADDRESS``), else each starts its own. Jobs may also run side by side
-with a parallel Hydra launcher (see the README).
+(:mod:`fedhm_flwr.ops.shared_ray`, handed down in ``FEDHM_SHARED_RAY_ADDRESS``), else each starts its own.
+Jobs may also run side by side with a parallel Hydra launcher (see the README).
 """
 
 from __future__ import annotations
