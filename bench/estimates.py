@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.studies import STAND_IN, STUDIES, VARIANTS, Job, Study, finished
+from bench.studies import ROOT, STAND_IN, STUDIES, VARIANTS, Job, Study, finished
 
 
 def job_seconds(path: Path) -> float:
@@ -205,13 +205,15 @@ def plan(root: Path, todo: list[Job], jobs: int) -> list[str]:
         for paths in probe_runs(root, STUDIES[st]).values()
         for p in paths
     )
+    # the repository's folders without the machine's path (the page quotes the plan)
+    under = root.resolve().relative_to(ROOT) if root.resolve().is_relative_to(ROOT) else root
     for source in [s for s in SOURCES if s in used]:
         where = (
             f" ({', '.join(f'{n} run(s) in {f}/' for f, n in Counter(probes).items())})" if source == "probe" else ""
         )
         lines.append(f"  [{source}]: {SOURCES[source]}{where}")
     lines.append(
-        f"make results: {len(todo)} run(s) missing under {root}; estimated {hours(total)} of run time, "
+        f"make results: {len(todo)} run(s) missing under {under}; estimated {hours(total)} of run time, "
         f"about {hours(total / max(1, jobs))} on {jobs} worker process(es)"
         + (f" (+ {unknown} run(s) not estimated)" if unknown else "")
     )
