@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import studies as R
+from bench import estimates as E, studies as R
 from bench.results import run_missing
 
 PROBE = R.RUNS / "probe"
@@ -68,7 +68,7 @@ def report(root: Path, names: list[str], seeds: tuple[int, ...], rounds: int | N
     """The probe's figures from its finished runs (see the module docstring)."""
     from fedhm_flwr.math.stats import mean_ci
 
-    measured = R.measured_seconds(root)
+    measured = E.measured_seconds(root)
     full_study = R.STUDIES["capacity"]
     out: dict[str, Any] = {
         "criterion": f"FedAvg full − FedAvg smallest ≥ {MIN_GAP * 100:.0f} pt, 95 % CI excluding 0",
@@ -124,18 +124,18 @@ def report(root: Path, names: list[str], seeds: tuple[int, ...], rounds: int | N
         probe_measured.update({("capacity", m, "ray"): v for m, v in ray_secs.items() if v})
         # the whole study as make results would run it: each (method, seed, α) on its planned transport
         per_run = {
-            (v, t): R.estimate_seconds({**measured, **probe_measured}, "capacity", v, t)
-            for v in R.VARIANTS
+            (v, t): E.estimate_seconds({**measured, **probe_measured}, "capacity", v, t)
+            for v in full_study.variants
             for t in ("grid", "ray")
         }
         if all(x is not None for x in per_run.values()):
             entry["estimated_study_seconds"] = math.fsum(
                 per_run[(v, full_study.transport(k))]
-                for v in R.VARIANTS
+                for v in full_study.variants
                 for k in full_study.seeds
                 for _ in full_study.settings
             )  # type: ignore[misc]
-            entry["estimated_seconds_per_method"] = {v: per_run[(v, "grid")] for v in R.VARIANTS}
+            entry["estimated_seconds_per_method"] = {v: per_run[(v, "grid")] for v in full_study.variants}
         out["candidates"][name] = entry
     return out
 

@@ -1,13 +1,23 @@
 """``make results``: run the comparison runs that are missing, then regenerate ``docs/RESULTS.md``.
 
-Two studies, each its own folder of runs (:data:`bench.studies.STUDIES`):
+Its studies, each its own folder of runs (:data:`bench.studies.STUDIES`):
 
 * ``cheap`` (``results/``): Fashion-MNIST on a seeded 6,000-example subset, the CNN at width 16,
   FedHM's four levels, 20 clients with half of them sampled per round, Dirichlet 0.5 and 0.1, a
   cosine learning rate over 30 rounds, seeds 0, 1, 2;
 * ``capacity`` (``results/capacity/``): a setting where the model's capacity matters, chosen by
   the measured probe of :mod:`bench.capacity_probe` (its figures: ``results/probe/capacity.json``),
-  seeds 0 to 4, one seed per method through ``flwr run`` on Ray.
+  seeds 0 to 4, one seed per method through ``flwr run`` on Ray;
+* ``full`` (``results/full/``): the whole Fashion-MNIST (60,000 examples) over 50 clients, 10 per
+  round, evaluated every few rounds, HeteroFL and FedRolex also matched on training memory; seeds 0
+  to 4 at Dirichlet 0.5 (0, 1, 2 of every method first) and 0 to 2 at 0.1;
+* ``full_cifar10`` (``results/full_cifar10/``, only with ``--study full_cifar10``): the full study on
+  the user's CIFAR-10 (``--data-dir``) with ResNet-18.
+
+``--rounds N`` shortens every selected run to N rounds, evaluated after each (with ``--seeds``,
+``--settings`` and ``--variants`` to pick runs): a try-out or a probe, kept apart in
+``<study>/rounds<N>/`` and never counted as the study's runs; its seconds per round estimate the
+study's runs while none has finished (:mod:`bench.estimates`).
 
 Each study runs the methods in :data:`bench.studies.VARIANTS`: FedHM, HeteroFL and FedRolex with widths matched
 to FedHM's parameters per level, FedAvg on the full and on the smallest model, and FedHM with
@@ -21,15 +31,15 @@ A finished run is a folder ``<study root>/<setting>/<variant>/seed<k>/`` holding
 temporary folder and moved into place only when it has finished, so an interrupted ``make
 results`` leaves no half run behind and the next one (in this session or a later one) runs only
 what is missing. Before running, ``make results`` prints per study and setting how many runs are
-missing and their estimated time, from the measured wall time of the finished runs
-(:func:`bench.studies.estimate_seconds`). The studies themselves are defined in
-:mod:`bench.studies`; the page is built by :mod:`bench.results_page` from the run folders: no
-number on it is typed by hand.
+missing and their estimated time, from measured figures only (:mod:`bench.estimates`). The studies
+themselves are defined in :mod:`bench.studies`; the page is built by :mod:`bench.results_page`
+from the run folders: no number on it is typed by hand.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -43,7 +53,22 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.studies import FIGURES, KEEP, PAGE, ROOT, RUNS, STUDIES, Job, Study, missing, plan, studies_with_seeds
+from bench.estimates import plan
+from bench.studies import (
+    ALPHAS,
+    FIGURES,
+    KEEP,
+    PAGE,
+    ROOT,
+    RUNS,
+    STUDIES,
+    VARIANTS,
+    Job,
+    Study,
+    missing,
+    shortened,
+    studies_with_seeds,
+)
 
 
 def one_run(job: Job) -> dict[str, Any]:
@@ -108,11 +133,25 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, {gpu}"
 
 
+def check_data(todo: list[Job]) -> None:
+    """Refuse, before any run starts, a study whose data is not where its runs would look (e.g. CIFAR-10
+    without ``--data-dir``)."""
+    from fedhm_flwr.config import load_config
+    from fedhm_flwr.data.files import missing_data
+
+    for overrides in {j.study: j.overrides for j in todo}.values():
+        d = load_config(overrides).dataset
+        for split in ("train", "test"):
+            if problem := missing_data(str(d.name), split, d.data_dir, bool(d.download)):
+                raise SystemExit(f"make results: {problem}; give the folder with --data-dir")
+
+
 def run_missing(root: Path, studies: list[Study], jobs: int) -> None:
     todo = missing(root, studies)
     print("\n".join(plan(root, todo, jobs)), flush=True)
     if not todo:
         return
+    check_data(todo)
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         for r in pool.map(one_run, todo):
             print(
@@ -122,11 +161,36 @@ def run_missing(root: Path, studies: list[Study], jobs: int) -> None:
             )
 
 
+def chosen(args: argparse.Namespace, seeds: bool = True) -> list[Study]:
+    """The studies the command line selects, with its seeds, methods, rounds and data folder."""
+    studies = studies_with_seeds(args.study, tuple(args.seeds) if args.seeds and seeds else None)
+    for field, keep in (("variants", args.variants), ("settings", args.settings)):
+        if keep:
+            studies = [
+                dataclasses.replace(st, **{field: tuple(x for x in getattr(st, field) if x in keep)}) for st in studies
+            ]
+    if args.data_dir:
+        if any(c.isspace() for c in args.data_dir):
+            raise SystemExit(f"--data-dir: {args.data_dir!r} holds white space (a path without spaces, please)")
+        studies = [dataclasses.replace(st, common=f"{st.common} dataset.data_dir={args.data_dir}") for st in studies]
+    return [shortened(st, args.rounds) for st in studies] if args.rounds is not None else studies
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.results", description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, default=RUNS, help="where finished runs are kept")
     parser.add_argument("--study", choices=list(STUDIES), nargs="+", help="run only these studies' missing runs")
     parser.add_argument("--seeds", type=int, nargs="+", help="seeds to run (default: each study's own)")
+    parser.add_argument("--variants", choices=list(VARIANTS), nargs="+", help="run only these methods")
+    parser.add_argument("--settings", choices=list(ALPHAS), nargs="+", help="run only these data settings")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="shorten every run to this many rounds (a probe or a try-out; kept apart in <study>/rounds<N>/)",
+    )
+    parser.add_argument(
+        "--data-dir", help="the folder holding the dataset's files (dataset.data_dir), e.g. cifar-10-batches-py"
+    )
     parser.add_argument("--jobs", type=int, default=2, help="worker processes for the missing runs")
     parser.add_argument("--no-run", action="store_true", help="tabulate the finished runs only")
     parser.add_argument("--plan", action="store_true", help="print the missing runs and their estimated time only")
@@ -135,15 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", type=Path, default=ROOT / "README.md", help="README whose results block to update")
     parser.add_argument("--no-readme", dest="readme", action="store_const", const=None, help="leave the README alone")
     args = parser.parse_args(argv)
-    seeds = tuple(args.seeds) if args.seeds else None
+    studies = chosen(args)
     if args.plan:
-        print("\n".join(plan(args.runs, missing(args.runs, studies_with_seeds(args.study, seeds)), args.jobs)))
+        print("\n".join(plan(args.runs, missing(args.runs, studies), args.jobs)))
         return 0
     if not args.no_run:
-        run_missing(args.runs, studies_with_seeds(args.study, seeds), args.jobs)
+        run_missing(args.runs, studies, args.jobs)
     from bench.results_page import write_page
 
-    write_page(args.runs, args.page, args.figures, args.readme)
+    shown = {st.key: st for st in chosen(args, seeds=False)} if args.rounds is not None else {}
+    write_page(args.runs, args.page, args.figures, args.readme, shown)
     print(f"make results: wrote {args.page}" + (f" and the results block of {args.readme}" if args.readme else ""))
     return 0
 

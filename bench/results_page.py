@@ -14,7 +14,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from bench.estimates import plan
 from bench.page_notes import DEPLOYABLE, code_lines, recipe_lines, run_version, statistics_line, use_deployable
+from bench.results_progress import progress_lines
 from bench.results_tables import fedhm_vs_heterofl, headline, level_table, paired_table, verdict_table
 from bench.studies import (
     FIGURES,
@@ -27,7 +29,6 @@ from bench.studies import (
     Study,
     finished,
     missing,
-    plan,
     run_dir,
 )
 from fedhm_flwr.reporting.verdicts import RULE, smallest_level
@@ -45,7 +46,7 @@ def variant_rows(root: Path, study: Study, setting: str) -> list[dict[str, Any]]
     dirs = [
         run_dir(study, setting, v, k, root)
         for v in study.variants
-        for k in study.seeds
+        for k in study.seeds_of(setting)
         if finished(run_dir(study, setting, v, k, root))
     ]
     if not dirs:
@@ -183,13 +184,24 @@ def setting_section(rows: list[dict[str, Any]], title: str, out: Path, page: Pat
     ]
 
 
+def shown_studies(root: Path, replaced: dict[str, Study] | None = None) -> list[Study]:
+    """The studies on the page: every default study and any other with a finished run under ``root``
+    (e.g. CIFAR-10's, for a user who ran it), each replaced by ``replaced``'s (a shortened one) where given."""
+    out = []
+    for key, st in STUDIES.items():
+        st = (replaced or {}).get(key, st)
+        if st.default or any(finished(run_dir(st, s, v, k, root)) for s, v, k in st.runs()):
+            out.append(st)
+    return out
+
+
 def render(root: Path, studies: list[Study] | None = None, figures: Path = FIGURES, page: Path = PAGE) -> str:
     """The Markdown of ``docs/RESULTS.md`` from the finished runs under ``root``; writes the plots
     into ``figures`` (``figures/<setting>`` for the cheap study, ``figures/<study>/<setting>`` otherwise)."""
-    studies = studies or list(STUDIES.values())
+    studies = studies or shown_studies(root)
     all_rows = {(st.key, s): rows for st in studies for s, rows in study_rows(root, st).items()}
     runs = [r for rows in all_rows.values() for r in rows]
-    expected = sum(len(st.settings) * len(st.variants) * len(st.seeds) for st in studies)
+    expected = sum(len(st.runs()) for st in studies)
     commits = sorted({run_version(r) for r in runs})
     machines = sorted({str(r.get("machine")) for r in runs})
     hours = sum(float(r["wall_seconds"]) for r in runs) / 3600
@@ -203,7 +215,11 @@ def render(root: Path, studies: list[Study] | None = None, figures: Path = FIGUR
         f"- command: `make results` (runs {len(runs)} of {expected}: "
         + "; ".join(
             f"{st.key}: {len(st.settings)} settings × {len(st.variants)} methods × seeds "
-            f"{', '.join(map(str, st.seeds))}"
+            + (
+                ", ".join(f"{s} {_span(st.seeds_of(s))}" for s in st.settings)
+                if st.setting_seeds
+                else ", ".join(map(str, st.seeds))
+            )
             for st in studies
         )
         + ")",
@@ -248,6 +264,7 @@ def render(root: Path, studies: list[Study] | None = None, figures: Path = FIGUR
         ]
         if st.key == "capacity":
             lines += ["### Why this setting", "", *probe_section(root), ""]
+        lines += progress_lines(root, st)
         for s in st.settings:
             out = figures / st.folder / s
             lines += setting_section(rows_of[s], TITLES[s], out, page)
@@ -274,11 +291,19 @@ def render(root: Path, studies: list[Study] | None = None, figures: Path = FIGUR
     return "\n".join(lines) + "\n"
 
 
+def _span(seeds: tuple[int, ...]) -> str:
+    return (
+        f"{seeds[0]}–{seeds[-1]}"
+        if len(seeds) > 2 and list(seeds) == list(range(seeds[0], seeds[-1] + 1))
+        else ", ".join(map(str, seeds))
+    )
+
+
 def readme_block(root: Path, studies: list[Study] | None = None) -> str:
     """The README's quote of the page: per study and setting, the FedHM − HeteroFL sentence and the
     headline table."""
     lines = [README_START, ""]
-    for st in studies or list(STUDIES.values()):
+    for st in studies or shown_studies(root):
         for setting, rows in study_rows(root, st).items():
             if rows:
                 lines += [
@@ -304,9 +329,17 @@ def update_readme(readme: Path, block: str) -> None:
     readme.write_text(head + block + tail)
 
 
-def write_page(root: Path, page: Path = PAGE, figures: Path = FIGURES, readme: Path | None = None) -> None:
+def write_page(
+    root: Path,
+    page: Path = PAGE,
+    figures: Path = FIGURES,
+    readme: Path | None = None,
+    replaced: dict[str, Study] | None = None,
+) -> None:
+    """Write the page (and the README's block) for :func:`shown_studies` (``replaced``: see there)."""
     from fedhm_flwr.reporting.results import atomic_write
 
-    atomic_write(page, render(root, None, figures, page))
+    studies = shown_studies(root, replaced)
+    atomic_write(page, render(root, studies, figures, page))
     if readme is not None:
-        update_readme(readme, readme_block(root))
+        update_readme(readme, readme_block(root, studies))

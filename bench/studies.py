@@ -1,5 +1,5 @@
-"""The studies of ``make results`` and their plan: settings, methods, seeds, transports, where the
-finished runs live, which are missing and how long they should take (from measured runs).
+"""The studies of ``make results``: settings, methods, seeds, transports, where the finished runs
+live and which are missing, in the order they run (how long they should take: :mod:`bench.estimates`).
 
 No run is started here (:mod:`bench.results` runs them; :mod:`bench.results_page` tabulates them).
 """
@@ -7,9 +7,6 @@ No run is started here (:mod:`bench.results` runs them; :mod:`bench.results_page
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -38,11 +35,19 @@ VARIANTS = {
     "fedavg": "method=fedavg",
     "fedavg_smallest": "method=fedavg_smallest",
     "fedhm_distill": "method=fedhm train.distill.enabled=true",
+    "heterofl_memory": "method=heterofl levels.match=fedhm_memory",
+    "fedrolex_memory": "method=fedrolex levels.match=fedhm_memory",
 }
+#: a variant no other study has run stands in for by the one it differs from in its widths only
+STAND_IN = {"heterofl_memory": "heterofl", "fedrolex_memory": "fedrolex"}
+#: the methods of the first two studies (they predate the memory-matched ones)
+FIRST_VARIANTS = ("fedhm", "heterofl", "fedrolex", "fedavg", "fedavg_smallest", "fedhm_distill")
 LABELS = {
     "fedhm": "FedHM",
     "heterofl": "HeteroFL (matched)",
     "fedrolex": "FedRolex (matched)",
+    "heterofl_memory": "HeteroFL (memory-matched)",
+    "fedrolex_memory": "FedRolex (memory-matched)",
     "fedavg": "FedAvg, full model",
     "fedavg_smallest": "FedAvg, smallest FedHM model",
     "fedhm_distill": "FedHM + self-distillation",
@@ -68,8 +73,14 @@ class Study:
     seeds: tuple[int, ...]
     ray_seeds: tuple[int, ...] = ()  # seeds run through ``flwr run`` on Ray (the others: in-process grid)
     settings: tuple[str, ...] = tuple(ALPHAS)
-    variants: tuple[str, ...] = tuple(VARIANTS)
+    variants: tuple[str, ...] = FIRST_VARIANTS
     work: str = ""  # the page's sentence on the data, model and schedule
+    #: per setting, the seeds it runs when not all of ``seeds`` (setting -> seeds)
+    setting_seeds: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    #: (setting, seeds) run first, every variant, seed by seed (the rest follows in the usual order)
+    lead: tuple[str, tuple[int, ...]] | None = None
+    #: run by ``make results`` without ``--study`` and shown on the page without runs of its own
+    default: bool = True
 
     def overrides(self, setting: str, variant: str, seed: int) -> str:
         return f"{self.common} {ALPHAS[setting]} {VARIANTS[variant]} seed={seed}"
@@ -77,9 +88,50 @@ class Study:
     def transport(self, seed: int) -> str:
         return "ray" if seed in self.ray_seeds else "grid"
 
+    def seeds_of(self, setting: str) -> tuple[int, ...]:
+        return dict(self.setting_seeds).get(setting, self.seeds)
+
+    def runs(self) -> list[tuple[str, str, int]]:
+        """Every (setting, variant, seed) of the study in the order they run: the ``lead`` first,
+        then seed by seed (so that an interrupted run leaves whole seeds behind)."""
+        every = [(s, v, k) for k in self.seeds for s in self.settings for v in self.variants if k in self.seeds_of(s)]
+        first = [(s, v, k) for s, v, k in every if self.lead and s == self.lead[0] and k in self.lead[1]]
+        return first + [r for r in every if r not in first]
+
 
 #: the second study's work: the probe's chosen candidate (bench/capacity_probe.py, results/probe/)
 CAPACITY_COMMON = COMMON.replace("model=cnn", "model=cnn model.width=4")
+#: the full study's schedule: 50 rounds of 10 clients (10 passes over the training set in all, the cosine
+#: learning rate reaching 0 at the last) and an evaluation every 5th round and after the last: in its probe
+#: (``results/full/rounds3/``) one evaluation (the 10,000 test images at every level) cost more than a
+#: round's training, so evaluating every round would more than double a run (the page states the estimate)
+FULL_ROUNDS, FULL_EVERY = 50, 5
+FULL_COMMON = (
+    "dataset=fashion_mnist model=cnn levels.ratios=[1,0.5,0.25,0.125] num_clients=50 fraction_train=0.2 "
+    f"rounds={FULL_ROUNDS} evaluation.every={FULL_EVERY} train.lr_schedule=cosine levels.match=fedhm_params "
+    "tracking.tensorboard=false"
+)
+FULL_CIFAR_COMMON = FULL_COMMON.replace("dataset=fashion_mnist model=cnn", "dataset=cifar10 model=resnet18")
+FULL_VARIANTS = ("fedhm", "heterofl", "fedrolex", "heterofl_memory", "fedrolex_memory", "fedavg", "fedavg_smallest")
+#: the study of real size (#42): its own probe, in results/full/rounds3/, sized its rounds
+FULL = Study(
+    "full",
+    "the full setting (60,000 examples, 50 clients, CNN width 16)",
+    "full",
+    FULL_COMMON,
+    (0, 1, 2, 3, 4),
+    settings=("dir0.5", "dir0.1"),
+    variants=FULL_VARIANTS,
+    work="the whole Fashion-MNIST training set (60,000 examples) split over 50 clients and the whole "
+    f"10,000-example test set, the CNN (width 16) at FedHM's levels γ = 1, 1/2, 1/4, 1/8, 10 clients "
+    f"sampled per round, 1 local epoch, {FULL_ROUNDS} rounds with a cosine learning rate, evaluated every "
+    f"{FULL_EVERY} rounds and after the last; HeteroFL and FedRolex matched to FedHM's parameters and, "
+    "separately, to its training memory per level",
+    setting_seeds=(("dir0.1", (0, 1, 2)),),
+    lead=("dir0.5", (0, 1, 2)),
+)
+
+
 STUDIES = {
     "cheap": Study(
         "cheap",
@@ -101,6 +153,17 @@ STUDIES = {
         ray_seeds=(4,),
         work="as the cheap setting but the CNN at width 4 (hidden sizes 4, 8, 16, 32), where the smallest "
         'level\'s model holds too little of what the data can teach (see "Why this setting")',
+    ),
+    "full": FULL,
+    "full_cifar10": dataclasses.replace(
+        FULL,
+        key="full_cifar10",
+        title="the full setting on CIFAR-10 (50,000 examples, 50 clients, ResNet-18)",
+        folder="full_cifar10",
+        common=FULL_CIFAR_COMMON,
+        work="the full study on CIFAR-10 (the user's copy: `--data-dir`), with ResNet-18 (FedHM's CIFAR "
+        "model, `model=resnet18`) instead of the CNN",
+        default=False,
     ),
 }
 
@@ -125,100 +188,29 @@ class Job(NamedTuple):
 
 def studies_with_seeds(keys: list[str] | None = None, seeds: tuple[int, ...] | None = None) -> list[Study]:
     """The studies named (all by default), with their seeds replaced by ``seeds`` when given."""
-    chosen = [STUDIES[k] for k in (keys or STUDIES)]
-    return [s if seeds is None else dataclasses.replace(s, seeds=seeds) for s in chosen]
+    chosen = [STUDIES[k] for k in (keys or [k for k, s in STUDIES.items() if s.default])]
+    return [s if seeds is None else dataclasses.replace(s, seeds=seeds, setting_seeds=()) for s in chosen]
+
+
+def shortened(study: Study, rounds: int) -> Study:
+    """``study`` cut to ``rounds`` rounds and evaluated after every round, its runs kept apart in
+    ``<folder>/rounds<N>`` (never counted as the study's own; their seconds per round of training and
+    per evaluation estimate the study's runs, :func:`bench.estimates.projected_seconds`)."""
+    if rounds < 1:
+        raise SystemExit(f"--rounds: {rounds} is not a number of rounds (an integer >= 1)")
+    return dataclasses.replace(
+        study,
+        title=f"{study.title}, shortened to {rounds} round(s)",
+        folder=str(Path(study.folder) / f"rounds{rounds}"),
+        common=f"{study.common} rounds={rounds} evaluation.every=1",
+    )
 
 
 def missing(root: Path, studies: list[Study]) -> list[Job]:
-    # study by study, seed by seed, so that an interrupted run leaves whole seeds behind
+    # study by study, each in its own order (Study.runs)
     return [
         Job(st.key, s, v, k, st.overrides(s, v, k), str(run_dir(st, s, v, k, root)), st.transport(k))
         for st in studies
-        for k in st.seeds
-        for s in st.settings
-        for v in st.variants
+        for s, v, k in st.runs()
         if not finished(run_dir(st, s, v, k, root))
     ]
-
-
-# ------------------------------------------------------------------ time estimates
-
-
-def measured_seconds(root: Path) -> dict[tuple[str, str, str], list[float]]:
-    """(study, variant, transport) -> the seconds of every finished run of every study: the whole
-    job's (``job_seconds``, Ray's start-up included) where recorded, else the run's ``wall_seconds``."""
-    out: dict[tuple[str, str, str], list[float]] = {}
-    for st in STUDIES.values():
-        for s in st.settings:
-            for v in VARIANTS:
-                for path in sorted((root / st.folder / s / v).glob("seed*")):
-                    if finished(path):
-                        info = json.loads((path / "summary.json").read_text())
-                        out.setdefault((st.key, v, info.get("transport", "grid")), []).append(
-                            float(info.get("job_seconds", info["wall_seconds"]))
-                        )
-    return out
-
-
-def estimate_seconds(
-    measured: dict[tuple[str, str, str], list[float]],
-    study: str,
-    variant: str,
-    transport: str = "grid",
-    reference: str = "cheap",
-) -> float | None:
-    """The expected wall time of one run, from measured runs (``measured``: as
-    :func:`measured_seconds`): the mean of the finished runs of the same study, method and
-    transport; else of the same study and method on any transport; else the ``reference`` study's
-    mean for the method times the median ratio study / reference over the methods both have run;
-    else the reference's mean; None when nothing was measured."""
-
-    def mean_of(st: str, v: str, tr: str | None = None) -> float | None:
-        values = [x for (s, m, t), xs in measured.items() if s == st and m == v and tr in (None, t) for x in xs]
-        return statistics.fmean(values) if values else None
-
-    for value in (mean_of(study, variant, transport), mean_of(study, variant)):
-        if value is not None:
-            return value
-    base = mean_of(reference, variant)
-    ratios = [a / b for v in VARIANTS if (a := mean_of(study, v)) is not None and (b := mean_of(reference, v))]
-    if base is not None:
-        return base * statistics.median(ratios) if ratios else base
-    return None
-
-
-def _hours(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
-
-
-def plan(root: Path, todo: list[Job], jobs: int) -> list[str]:
-    """What ``make results`` will run: per study and setting, the missing runs and their estimated
-    time (run time summed, and wall time on ``jobs`` worker processes), then the total."""
-    measured = measured_seconds(root)
-    lines, total, unknown = [], 0.0, 0
-    groups: dict[tuple[str, str], list[Job]] = {}
-    for job in todo:
-        groups.setdefault((job.study, job.setting), []).append(job)
-    for (study, setting), members in groups.items():
-        estimates = [estimate_seconds(measured, study, j.variant, j.transport) for j in members]
-        known = [e for e in estimates if e is not None]
-        total += math.fsum(known)
-        unknown += len(estimates) - len(known)
-        ray = sum(j.transport == "ray" for j in members)
-        ray_unmeasured = ray and not any(k[0] == study and k[2] == "ray" for k in measured)
-        lines.append(
-            f"  {study} {setting}: {len(members)} run(s) missing ({ray} on Ray), estimated "
-            f"{_hours(math.fsum(known))} of run time"
-            + (
-                f" + {len(estimates) - len(known)} run(s) with nothing measured yet"
-                if len(known) < len(estimates)
-                else ""
-            )
-            + (" (Ray runs from in-process times: no Ray run of this study measured yet)" if ray_unmeasured else "")
-        )
-    lines.append(
-        f"make results: {len(todo)} run(s) missing under {root}; estimated {_hours(total)} of run time, "
-        f"about {_hours(total / max(1, jobs))} on {jobs} worker process(es)"
-        + (f" (+ {unknown} run(s) not estimated)" if unknown else "")
-    )
-    return lines

@@ -4,13 +4,13 @@ small synthetic files (IDX, a fake CIFAR folder). No downloads, no network."""
 from __future__ import annotations
 
 import gzip
-import pickle
 import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from data_helpers import fake_cifar10
 
 from fedhm_flwr import data as D
 from fedhm_flwr.data.idx import read_idx
@@ -165,28 +165,12 @@ def test_cifar_missing_without_download_is_file_not_found(tmp_path: Path, name: 
     assert not any(tmp_path.iterdir()), "nothing may be written without download"
 
 
-def _fake_cifar10(root: Path, n_per_batch: int = 20) -> None:
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(1)
-    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
-    for k, fname in enumerate(names):
-        entry = {
-            "data": rng.integers(0, 256, size=(n_per_batch, 3 * 32 * 32), dtype=np.uint8),
-            "labels": [int(v) for v in (np.arange(n_per_batch) + k) % 10],
-        }
-        with open(folder / fname, "wb") as f:
-            pickle.dump(entry, f)
-    with open(folder / "batches.meta", "wb") as f:
-        pickle.dump({"label_names": [f"c{i}" for i in range(10)]}, f)
-
-
 def test_cifar10_local_folder_and_augmentation(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_network: None
 ) -> None:
     import torchvision.datasets.cifar as tv_cifar
 
-    _fake_cifar10(tmp_path)
+    fake_cifar10(tmp_path)
     # the fake files cannot match torchvision's md5 sums
     monkeypatch.setattr(tv_cifar, "check_integrity", lambda *a, **k: True)
     x, y = D.load_arrays("cifar10", "train", data_dir=tmp_path / "cifar-10-batches-py")

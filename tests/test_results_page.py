@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import results_page as page_mod, studies as results
+from bench import estimates, results_page as page_mod, studies as results
 from fedhm_flwr.math.stats import Estimate
 from fedhm_flwr.reporting.verdicts import verdict
 
@@ -245,14 +245,14 @@ def test_missing_runs_are_the_unfinished_ones(runs: Path):
 def test_plan_counts_missing_runs_and_estimates_their_time(runs: Path):
     # one capacity run measured: fedavg at 3 x the cheap study's fedavg time (600 s against 200 s)
     fake_run(runs, "fedavg", 0, 0.9, None, study=CAPACITY, seconds=600.0)
-    measured = results.measured_seconds(runs)
+    measured = estimates.measured_seconds(runs)
     assert measured[("cheap", "fedhm", "grid")] == [300.0, 300.0] and measured[("cheap", "fedhm", "ray")] == [300.0]
-    assert results.estimate_seconds(measured, "capacity", "fedavg") == 600.0  # measured itself
-    assert results.estimate_seconds(measured, "capacity", "heterofl") == pytest.approx(100.0 * 3)  # scaled
-    assert results.estimate_seconds(measured, "cheap", "fedhm") == 300.0
-    assert results.estimate_seconds({}, "capacity", "fedhm") is None
+    assert estimates.estimate_seconds(measured, "capacity", "fedavg") == 600.0  # measured itself
+    assert estimates.estimate_seconds(measured, "capacity", "heterofl") == pytest.approx(100.0 * 3)  # scaled
+    assert estimates.estimate_seconds(measured, "cheap", "fedhm") == 300.0
+    assert estimates.estimate_seconds({}, "capacity", "fedhm") is None
     todo = results.missing(runs, [CHEAP, CAPACITY])
-    lines = results.plan(runs, todo, 2)
+    lines = estimates.plan(runs, todo, 2)
     # cheap dir0.1: every method × 3 seeds, each at its cheap time: (300+100+110+200+150+400) × 3 s = 1.05 h
     assert "  cheap dir0.1: 18 run(s) missing (0 on Ray), estimated 1.1 h of run time" in lines
     # capacity dir0.5: 29 missing (fedavg seed 0 done): 3 × the cheap times, fedavg 600 s
