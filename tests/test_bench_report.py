@@ -174,6 +174,15 @@ def test_the_whole_job_breakdown_adds_up_to_the_jobs_wall_time_and_reaches_the_r
     }
     text = run.markdown({"machine": "here", "figures": {"8_whole_job": {"jobs": {"default": job}, "sweep": sweep}}})
     assert "**1.26**" in text and "| **total** | **63.00** | **50.00** |" in text and "bit for bit: **yes**" in text
+    assert "| **1.26** | **1.00** |" in text  # both rounds took 17 s: the last one is the median
+
+
+def test_the_last_round_is_measured_against_the_median_round():
+    from bench.whole_job import last_round_ratio
+
+    rounds = [{"seconds": s} for s in (10.0, 12.0, 11.0, 30.0)]
+    assert last_round_ratio(rounds) == pytest.approx(30.0 / 11.5)
+    assert last_round_ratio([{"seconds": 9.0}, {"seconds": 10.0}, {"seconds": 9.0}]) == pytest.approx(1.0)
 
 
 def test_the_server_figures_echo_clients_are_accepted_so_aggregation_is_what_is_timed():
