@@ -205,3 +205,22 @@ def test_the_server_figures_echo_clients_are_accepted_so_aggregation_is_what_is_
         replies = grid.send_and_receive(list(strategy.configure_train(1, arrays, None, grid)))
         _, metrics = strategy.aggregate_train(1, replies)
         assert strategy.round_log.rejected == [] and metrics["replies"] == 4
+
+
+def test_the_sweeps_final_models_are_compared_by_tensor_not_by_file_bytes(tmp_path):
+    """A checkpoint's metadata holds the run's history (wall times): equal tensors in files that differ are the same
+    model; one changed bit is not."""
+    import torch
+    from safetensors.torch import save_file
+
+    from bench.whole_job import same_tensors
+
+    state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    save_file(state, tmp_path / "a.safetensors", metadata={"history": '{"seconds": 1.5}'})
+    save_file(state, tmp_path / "b.safetensors", metadata={"history": '{"seconds": 2.5}'})
+    assert (tmp_path / "a.safetensors").read_bytes() != (tmp_path / "b.safetensors").read_bytes()
+    assert same_tensors(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    other = {"w": state["w"].clone()}
+    other["w"][1, 2] = torch.nextafter(other["w"][1, 2], torch.tensor(100.0))
+    save_file(other, tmp_path / "c.safetensors")
+    assert not same_tensors(tmp_path / "a.safetensors", tmp_path / "c.safetensors")
