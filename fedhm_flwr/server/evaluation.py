@@ -253,10 +253,19 @@ def evaluate_models(
         elif sums is not None:
             bn.sums[spec_key(spec)] = sums
         chosen.append((spec, state, sums))
-    many = getattr(view.evaluate_fn, "many", None)
-    if many is not None:  # every model in one pass over the test set
-        return list(many(chosen))
-    return [view.evaluate_fn(*model) if model[2] is not None else view.evaluate_fn(*model[:2]) for model in chosen]
+    return score_all(view.evaluate_fn, chosen)
+
+
+def score_all(
+    evaluate_fn: Callable[..., dict[str, float]],
+    models: Sequence[tuple[dict[str, Any], State, dict[str, torch.Tensor] | None]],
+) -> list[dict[str, float]]:
+    """Each (spec, state, sBN sums or None)'s figures: in one pass over the test set when the scorer can
+    (:meth:`TestSetScorer.many`), else model by model."""
+    many = getattr(evaluate_fn, "many", None)
+    if many is not None:
+        return list(many(models))
+    return [evaluate_fn(*model) if model[2] is not None else evaluate_fn(*model[:2]) for model in models]
 
 
 # ---------------------------------------------------------------------- federated evaluation
