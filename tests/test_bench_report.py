@@ -174,6 +174,15 @@ def test_the_whole_job_breakdown_adds_up_to_the_jobs_wall_time_and_reaches_the_r
     }
     text = run.markdown({"machine": "here", "figures": {"8_whole_job": {"jobs": {"default": job}, "sweep": sweep}}})
     assert "**1.26**" in text and "| **total** | **63.00** | **50.00** |" in text and "bit for bit: **yes**" in text
+    assert "| **1.26** | **1.00** |" in text  # both rounds took 17 s: the last one is the median
+
+
+def test_the_last_round_is_measured_against_the_median_round():
+    from bench.whole_job import last_round_ratio
+
+    rounds = [{"seconds": s} for s in (10.0, 12.0, 11.0, 30.0)]
+    assert last_round_ratio(rounds) == pytest.approx(30.0 / 11.5)
+    assert last_round_ratio([{"seconds": 9.0}, {"seconds": 10.0}, {"seconds": 9.0}]) == pytest.approx(1.0)
 
 
 def test_the_server_figures_echo_clients_are_accepted_so_aggregation_is_what_is_timed():
@@ -196,3 +205,22 @@ def test_the_server_figures_echo_clients_are_accepted_so_aggregation_is_what_is_
         replies = grid.send_and_receive(list(strategy.configure_train(1, arrays, None, grid)))
         _, metrics = strategy.aggregate_train(1, replies)
         assert strategy.round_log.rejected == [] and metrics["replies"] == 4
+
+
+def test_the_sweeps_final_models_are_compared_by_tensor_not_by_file_bytes(tmp_path):
+    """A checkpoint's metadata holds the run's history (wall times): equal tensors in files that differ are the same
+    model; one changed bit is not."""
+    import torch
+    from safetensors.torch import save_file
+
+    from bench.whole_job import same_tensors
+
+    state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    save_file(state, tmp_path / "a.safetensors", metadata={"history": '{"seconds": 1.5}'})
+    save_file(state, tmp_path / "b.safetensors", metadata={"history": '{"seconds": 2.5}'})
+    assert (tmp_path / "a.safetensors").read_bytes() != (tmp_path / "b.safetensors").read_bytes()
+    assert same_tensors(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    other = {"w": state["w"].clone()}
+    other["w"][1, 2] = torch.nextafter(other["w"][1, 2], torch.tensor(100.0))
+    save_file(other, tmp_path / "c.safetensors")
+    assert not same_tensors(tmp_path / "a.safetensors", tmp_path / "c.safetensors")

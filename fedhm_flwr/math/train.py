@@ -258,16 +258,28 @@ def _frozen_copy(model: nn.Module) -> nn.Module:
     return teacher
 
 
-@torch.no_grad()
 def evaluate(model: nn.Module, dataset: Dataset[Any], batch_size: int, device: torch.device) -> dict[str, float]:
     """Top-1 accuracy and mean cross-entropy (no masking) on ``dataset``."""
+    return evaluate_each(model, dataset, batch_size, device, outputs=0)[0]
+
+
+@torch.no_grad()
+def evaluate_each(
+    model: nn.Module, dataset: Dataset[Any], batch_size: int, device: torch.device, outputs: int
+) -> list[dict[str, float]]:
+    """:func:`evaluate` of each of the ``outputs`` logits a model's forward returns as a tuple (several
+    networks run as one, ``fedhm_flwr.models.batched``); ``outputs=0``: a model returning one tensor."""
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
     model.to(device).eval()
-    total_loss, correct, seen = 0.0, 0, 0
+    sums = [[0.0, 0] for _ in range(max(1, outputs))]  # per output: summed loss, correct
+    seen = 0
     for x, y in loader:
         x, y = x.to(device), y.to(device)
-        logits = model(x)
-        total_loss += float(F.cross_entropy(logits, y, reduction="sum"))
-        correct += int((logits.argmax(1) == y).sum())
+        logits_each = model(x) if outputs else (model(x),)
+        for total, logits in zip(sums, logits_each, strict=True):
+            total[0] += float(F.cross_entropy(logits, y, reduction="sum"))
+            total[1] += int((logits.argmax(1) == y).sum())
         seen += len(y)
-    return {"loss": total_loss / max(1, seen), "accuracy": correct / max(1, seen), NUM_EXAMPLES: seen}
+    return [
+        {"loss": loss / max(1, seen), "accuracy": correct / max(1, seen), NUM_EXAMPLES: seen} for loss, correct in sums
+    ]

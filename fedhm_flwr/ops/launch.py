@@ -119,16 +119,6 @@ def check_data(cfg: DictConfig, simulation: bool = True) -> None:
     check_data_available(cfg, simulation=simulation)
 
 
-def warn_level_sizes(cfg: DictConfig) -> None:
-    """Before round 1, on the console: FedHM levels that do not shrink the model (stderr)."""
-    if cfg.method.name != "fedhm":
-        return
-    from fedhm_flwr.ops.inspect import size_warnings  # torch: only for FedHM (the config check stays torch-free)
-
-    for line in size_warnings(cfg):
-        print(f"warning: {line}", file=sys.stderr, flush=True)
-
-
 def run_job(
     overrides: list[str],
     run_dir: Path | None = None,
@@ -153,8 +143,7 @@ def run_job(
     if resume is None:
         check_data(compose_config(overrides))
     cfg = resume_config(resume, overrides) if resume is not None else load_config(overrides)
-    check_data(cfg)
-    warn_level_sizes(cfg)
+    check_data(cfg)  # (FedHM levels that do not shrink the model: warned by the ServerApp, which has torch)
     marks["checked_at"] = time.time()
     if resume is not None:
         run_dir = resume

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from logging import ERROR, INFO
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedhm_flwr.config import load_config, model_spec, resume_config, to_yaml
 from fedhm_flwr.math.train import pick_device
 from fedhm_flwr.models import build_model
+from fedhm_flwr.ops.inspect import size_warnings
 from fedhm_flwr.ops.procs import TAG_VAR
 from fedhm_flwr.ops.runlock import RunLock
 from fedhm_flwr.reporting.provenance import code_version
@@ -164,6 +165,8 @@ def _run(
     # a deployment's server may hold no test set: with evaluation.where=clients none is loaded
     evaluator = None if cfg.evaluation.where == "clients" else make_evaluator(cfg, pick_device())
     strategy = STRATEGIES[cfg.method.name](cfg, spec, evaluator, RunOutputs(cfg, recorder))
+    for line in size_warnings(cfg):  # FedHM levels that do not shrink the model, before round 1
+        log(WARNING, "warning: %s", line)
     state = strategy.method.initial_state(int(cfg.seed))
     if state is None:
         state = initial_state(cfg, spec)

@@ -26,7 +26,7 @@ from flwr.supercore import log
 from fedhm_flwr.math.bn_stats import batch_statistics_layers, norm_layers
 from fedhm_flwr.models import build_model, shape_device
 from fedhm_flwr.server.bn_query import BnQuery, Sums, asked_nodes_of, spec_key
-from fedhm_flwr.server.evaluation import distinct_models
+from fedhm_flwr.server.evaluation import distinct_models, score_all
 from fedhm_flwr.server.methods.method import State
 
 
@@ -97,17 +97,15 @@ def deployable_figures(view: Any, query: DeploymentQuery) -> dict[str, Any]:
     server (``evaluation.where=clients``): nothing."""
     if view.evaluate_fn is None:
         return {}
-    scored: dict[int, dict[str, float]] = {}
     out: dict[str, Any] = {}
-    missing = []
+    missing = [key for key, index in query.keys.items() if index in query.found and query.found[index] is None]
+    indices = sorted({i for key, i in query.keys.items() if key not in missing})
+    figures = score_all(view.evaluate_fn, [(*query.models[i], query.found.get(i)) for i in indices])
+    scored = dict(zip(indices, figures, strict=True))  # every model in one pass over the test set
     for key, index in query.keys.items():
-        if index in query.found and query.found[index] is None:
-            missing.append(key)
-            continue
-        if index not in scored:
-            spec, state = query.models[index]
-            scored[index] = view.evaluate_fn(spec, state, query.found.get(index))
-        out[f"deployable_acc/{key}"], out[f"deployable_loss/{key}"] = (scored[index]["accuracy"], scored[index]["loss"])
+        if key not in missing:
+            out[f"deployable_acc/{key}"] = scored[index]["accuracy"]
+            out[f"deployable_loss/{key}"] = scored[index]["loss"]
     out["deployable_bn_stats"] = (
         ",".join(sorted({query.statistics[i] for i in scored}))
         or "not measured: no client gave the deployment statistics"

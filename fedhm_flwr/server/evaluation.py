@@ -41,8 +41,9 @@ from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.core.protocol import ARRAYS, CONFIG, METRICS, asked_nodes, error_reason, read_eval
 from fedhm_flwr.data import test_dataset
 from fedhm_flwr.math.bn_stats import norm_layers
-from fedhm_flwr.math.train import evaluate
+from fedhm_flwr.math.train import evaluate, evaluate_each
 from fedhm_flwr.models import build_model, deployable_network, shape_device
+from fedhm_flwr.models.batched import merge_networks
 from fedhm_flwr.server.bn_query import federated_bn_sums, spec_key
 
 State = dict[str, torch.Tensor]
@@ -104,18 +105,35 @@ def federated_figures(scores: Sequence[ClientScore], levels: Sequence[float]) ->
 # ---------------------------------------------------------------------- the server's test set
 
 
-def make_evaluator(cfg: DictConfig, device: torch.device):
+def make_evaluator(cfg: DictConfig, device: torch.device) -> TestSetScorer:
     """Server-side evaluation on the test set: (model spec, state[, sBN sums]) -> {accuracy, loss}."""
-    test = test_dataset(data_spec(cfg), data_dir=cfg.dataset.data_dir)
-    batch = int(cfg.evaluation.batch_size)
+    return TestSetScorer(
+        test_dataset(data_spec(cfg), data_dir=cfg.dataset.data_dir), int(cfg.evaluation.batch_size), device
+    )
 
-    def evaluate_fn(
-        spec: dict[str, Any], state: State, bn_sums: dict[str, torch.Tensor] | None = None
+
+class TestSetScorer:
+    """Scores models on the server's test set: one (:meth:`__call__`), or several in one pass over it
+    (:meth:`many`: the networks run as one, their equal prefix computed once, ``fedhm_flwr.models.batched``)."""
+
+    def __init__(self, test: Any, batch_size: int, device: torch.device) -> None:
+        self.test, self.batch_size, self.device = test, batch_size, device
+
+    def __call__(
+        self, spec: dict[str, Any], state: State, bn_sums: dict[str, torch.Tensor] | None = None
     ) -> dict[str, float]:
         # with federated sBN sums: fixed statistics, as the exported model carries; else test-batch statistics
-        return evaluate(deployable_network(spec, state, bn_sums)[1], test, batch, device)
+        return evaluate(deployable_network(spec, state, bn_sums)[1], self.test, self.batch_size, self.device)
 
-    return evaluate_fn
+    def many(
+        self, models: Sequence[tuple[dict[str, Any], State, dict[str, torch.Tensor] | None]]
+    ) -> list[dict[str, float]]:
+        """Each model's figures, equal to :meth:`__call__`'s bit for bit (tested)."""
+        networks = [deployable_network(spec, state, sums)[1].to(self.device).eval() for spec, state, sums in models]
+        merged = merge_networks(networks) if len(networks) > 1 else None
+        if merged is None:
+            return [evaluate(n, self.test, self.batch_size, self.device) for n in networks]
+        return evaluate_each(merged, self.test, self.batch_size, self.device, outputs=len(networks))
 
 
 @dataclass
@@ -226,18 +244,28 @@ def evaluate_models(
         sums, nbytes = federated_bn_sums(view, [models[i] for i in federated])
         bn.bytes += nbytes
         found = dict(zip(federated, sums))
-    out = []
+    chosen: list[tuple[dict[str, Any], State, dict[str, torch.Tensor] | None]] = []
     for i, (spec, state) in enumerate(models):
-        if i not in found:
-            out.append(view.evaluate_fn(spec, state))
-        elif found[i] is None:
+        sums = found.get(i)
+        if i in found and sums is None:
             bn.fallbacks += 1
             log(WARNING, "bn-stats: no client answered; this model is evaluated with test-batch statistics")
-            out.append(view.evaluate_fn(spec, state))
-        else:
-            bn.sums[spec_key(spec)] = found[i]
-            out.append(view.evaluate_fn(spec, state, found[i]))
-    return out
+        elif sums is not None:
+            bn.sums[spec_key(spec)] = sums
+        chosen.append((spec, state, sums))
+    return score_all(view.evaluate_fn, chosen)
+
+
+def score_all(
+    evaluate_fn: Callable[..., dict[str, float]],
+    models: Sequence[tuple[dict[str, Any], State, dict[str, torch.Tensor] | None]],
+) -> list[dict[str, float]]:
+    """Each (spec, state, sBN sums or None)'s figures: in one pass over the test set when the scorer can
+    (:meth:`TestSetScorer.many`), else model by model."""
+    many = getattr(evaluate_fn, "many", None)
+    if many is not None:
+        return list(many(models))
+    return [evaluate_fn(*model) if model[2] is not None else evaluate_fn(*model[:2]) for model in models]
 
 
 # ---------------------------------------------------------------------- federated evaluation

@@ -1,0 +1,105 @@
+"""The levels of a round evaluated in one pass (fedhm_flwr/models/batched.py): every output equal bit for bit
+to the network run alone, the shared prefix computed once, and networks that cannot be merged safely refused
+(the scorer then runs them one by one, with the same figures)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fedhm_flwr.config.specs import model_spec
+from fedhm_flwr.models import build_model, deployable_network
+from fedhm_flwr.models.batched import merge_networks
+from fedhm_flwr.server.evaluation import distinct_models, make_evaluator
+from fedhm_flwr.server.registry import METHODS
+
+
+def _level_networks(cfg, seed: int = 0) -> list[nn.Module]:
+    spec = model_spec(cfg)
+    method = METHODS[str(cfg.method.name)](cfg, spec)
+    torch.manual_seed(seed)
+    models, _ = distinct_models(method, build_model(spec).state_dict())
+    return [deployable_network(s, st, None)[1].eval() for s, st in models]
+
+
+def _convs(module: nn.Module) -> int:
+    return sum(isinstance(m, nn.Conv2d) for m in module.modules())
+
+
+def test_fedhm_levels_run_as_one_equal_bit_for_bit_with_the_full_rank_prefix_once(toy_cfg):
+    nets = _level_networks(toy_cfg("model.width=16"))
+    assert len(nets) == 4  # global (= level 1) and levels 1/2, 1/4, 1/8
+    merged = merge_networks(nets)
+    assert merged is not None
+    x = torch.randn(64, 1, 28, 28)
+    with torch.no_grad():
+        alone = [n(x) for n in nets]
+        together = merged(x)
+    assert len(together) == len(nets)
+    assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
+    # conv1 and conv2 (stem and the first rho=1 layer at full rank) are the same in every level: held once
+    assert _convs(merged) == sum(_convs(n) for n in nets) - 2 * (len(nets) - 1)
+
+
+def test_the_scorer_gives_the_same_figures_in_one_pass_as_model_by_model(toy_cfg):
+    for extra in ("", "method=heterofl", "method=prism", "model=resnet18 model.width=4 dataset.max_test_examples=64"):
+        cfg = toy_cfg(extra)
+        spec = model_spec(cfg)
+        method = METHODS[str(cfg.method.name)](cfg, spec)
+        torch.manual_seed(1)
+        models, _ = distinct_models(method, build_model(spec).state_dict())
+        scorer = make_evaluator(cfg, torch.device("cpu"))
+        assert scorer.many([(s, st, None) for s, st in models]) == [scorer(s, st) for s, st in models], extra
+
+
+def _bn_net(mean: float) -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.Flatten(), nn.LazyLinear(3))
+    net(torch.zeros(1, 1, 6, 6))
+    net[1].running_mean.fill_(mean)
+    return net.eval()
+
+
+def test_layers_that_differ_in_a_buffer_or_an_attribute_are_not_shared():
+    x = torch.randn(8, 1, 6, 6)
+    a, b = _bn_net(0.0), _bn_net(0.5)  # the same weights, other fixed statistics (federated sBN per level)
+    merged = merge_networks([a, b])
+    assert merged is not None
+    with torch.no_grad():
+        out = merged(x)
+        assert torch.equal(out[0], a(x)) and torch.equal(out[1], b(x))
+        assert not torch.equal(out[0], out[1])
+    strided = _bn_net(0.0)
+    strided[0].stride = (2, 2)  # same weights, another stride
+    strided[4] = nn.Linear(4 * 2 * 2, 3)
+    merged = merge_networks([a, strided])
+    assert merged is not None
+    with torch.no_grad():
+        assert torch.equal(merged(x)[1], strided(x))
+    assert _convs(merged) == 2
+
+
+class _AddsInPlace(nn.Module):
+    def forward(self, x):
+        y = x * 2
+        y.add_(1)  # (``y += 1`` traces as an out-of-place add: harmless)
+        return torch.relu_(y)
+
+
+class _Branches(nn.Module):
+    def forward(self, x):
+        return x if x.sum() > 0 else -x
+
+
+def test_networks_writing_in_place_or_untraceable_are_refused_and_scored_one_by_one(toy_cfg, monkeypatch):
+    assert merge_networks([_AddsInPlace(), _AddsInPlace()]) is None
+    assert merge_networks([_Branches(), _Branches()]) is None
+    # the scorer's fallback: the same figures as model by model when merging is refused
+    cfg = toy_cfg()
+    spec = model_spec(cfg)
+    method = METHODS["fedhm"](cfg, spec)
+    models, _ = distinct_models(method, build_model(spec).state_dict())
+    scorer = make_evaluator(cfg, torch.device("cpu"))
+    expected = [scorer(s, st) for s, st in models]
+    monkeypatch.setattr("fedhm_flwr.server.evaluation.merge_networks", lambda nets: None)
+    assert scorer.many([(s, st, None) for s, st in models]) == expected
