@@ -231,6 +231,10 @@ def resources_text(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def _and(words: list[str]) -> str:
+    return ", ".join(words[:-1]) + " and " + words[-1] if len(words) > 1 else "".join(words)
+
+
 def recount_line(rows: list[dict[str, Any]]) -> str:
     """Whether today's count from each run's config reproduces what the runs recorded."""
     differ = recount(rows)
@@ -239,7 +243,7 @@ def recount_line(rows: list[dict[str, Any]]) -> str:
     parts = [f"{RESOURCES[r]} differs in {n} of {len(rows)} runs" for r, n in differ.items() if n]
     return (
         "Recounted from each run's saved config with today's code (`bench/results_pareto.py`): "
-        + (f"{' and '.join(agree)} agree in every {'recounted ' if refused else ''}run" if agree else "")
+        + (f"{_and(agree)} agree in every {'recounted ' if refused else ''}run" if agree else "")
         + ("; " if agree and parts else "")
         + "; ".join(parts)
         + (
