@@ -110,8 +110,9 @@ def add_costs(rows: list[dict[str, Any]]) -> int:
 
 
 def _cost(resource: str, value: float) -> str:
+    """A cost in the plots' unit, to 3 significant digits (parameters: the count, then the kB)."""
     shown = AXES[resource][1](value)
-    return f"{value:,.0f} ({shown:,.1f} kB)" if resource == "params" else f"{shown:,.2f} {AXES[resource][2]}"
+    return f"{value:,.0f} ({shown:#.3g} kB)" if resource == "params" else f"{shown:#.3g} {AXES[resource][2]}"
 
 
 def accuracy_label(rows: list[dict[str, Any]]) -> str:
