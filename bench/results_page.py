@@ -16,6 +16,7 @@ from typing import Any
 
 from bench.estimates import plan
 from bench.page_notes import DEPLOYABLE, code_lines, recipe_lines, run_version, statistics_line, use_deployable
+from bench.results_pareto import add_costs, pareto_section, smallest_level_table
 from bench.results_progress import progress_lines
 from bench.results_tables import fedhm_vs_heterofl, headline, level_table, paired_table, verdict_table
 from bench.studies import (
@@ -67,6 +68,7 @@ def study_rows(root: Path, study: Study) -> dict[str, list[dict[str, Any]]]:
     study recorded it (:func:`bench.page_notes.use_deployable`), else all with the test-batch figure."""
     rows = {s: variant_rows(root, study, s) for s in study.settings}
     use_deployable([r for setting in rows.values() for r in setting])
+    add_costs([r for setting in rows.values() for r in setting])
     return rows
 
 
@@ -154,7 +156,7 @@ def setting_section(rows: list[dict[str, Any]], title: str, out: Path, page: Pat
 
     if not rows:
         return [f"### {title}", "", "No finished run yet.", ""]
-    write_plots(["method", "seed"], rows, out)
+    write_plots(["method", "seed"], rows, out, costs=False)
     rel = os.path.relpath(out, page.parent)
     return [
         f"### {title}",
@@ -175,12 +177,9 @@ def setting_section(rows: list[dict[str, Any]], title: str, out: Path, page: Pat
         "",
         f"![accuracy by round]({rel}/accuracy_by_round.png)",
         "",
-        f"![accuracy against bytes moved]({rel}/accuracy_vs_bytes.png) "
-        f"![accuracy against parameters]({rel}/accuracy_vs_params.png)",
+        f"![accuracy against bytes moved]({rel}/accuracy_vs_bytes.png)",
         "",
-        f"![accuracy against MACs]({rel}/accuracy_vs_macs.png) "
-        f"![accuracy against training memory]({rel}/accuracy_vs_memory.png)",
-        "",
+        *pareto_section(rows, title, out, page),
     ]
 
 
@@ -243,6 +242,8 @@ def render(root: Path, studies: list[Study] | None = None, figures: Path = FIGUR
         f"(γ = {smallest_level(runs)}).",
         "",
         *verdict_table(all_rows),
+        "",
+        *smallest_level_table(all_rows),
         "",
     ]
     for st in studies:

@@ -8,7 +8,7 @@ from typing import Any
 
 from bench.studies import LABELS, TITLES, VARIANTS
 from fedhm_flwr.math.stats import mean_ci
-from fedhm_flwr.reporting.verdicts import judge
+from fedhm_flwr.reporting.verdicts import judge, matched_label
 
 
 def _pct(est: Any) -> str:
@@ -64,7 +64,7 @@ def headline(rows: list[dict[str, Any]]) -> list[str]:
 
 def level_table(rows: list[dict[str, Any]]) -> list[str]:
     """Per method and level: the level model's parameters (FedHM's at that level beside a
-    budget-matched width), MACs and final accuracy over seeds."""
+    matched width), MACs and final accuracy over seeds."""
     lines = [
         "| method | level | parameters | FedHM's parameters | MACs | final accuracy (%) | 95 % CI |",
         "|---|---|---|---|---|---|---|",
@@ -114,13 +114,11 @@ def paired_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def fedhm_vs_heterofl(rows: list[dict[str, Any]]) -> str:
     """The sentence the page owes its reader: FedHM − HeteroFL with its 95 % CI, whatever its sign."""
-    est = paired(rows, "fedhm", "heterofl")
+    est, matched = paired(rows, "fedhm", "heterofl"), matched_label(rows, "heterofl")
     if est is None:
         return "FedHM − HeteroFL: no seed with both runs yet."
     if est.n < 2:
-        return (
-            f"FedHM − HeteroFL (budget-matched), final global accuracy: {est.mean * 100:+.2f} pt on one seed (no CI)."
-        )
+        return f"FedHM − HeteroFL ({matched}), final global accuracy: {est.mean * 100:+.2f} pt on one seed (no CI)."
     verdict = (
         "the interval excludes 0: FedHM is ahead"
         if est.low > 0
@@ -129,7 +127,7 @@ def fedhm_vs_heterofl(rows: list[dict[str, Any]]) -> str:
         else "the interval contains 0: no difference can be claimed at this number of seeds"
     )
     return (
-        f"**FedHM − HeteroFL (budget-matched), final global accuracy: {est.mean * 100:+.2f} pt, 95 % CI "
+        f"**FedHM − HeteroFL ({matched}), final global accuracy: {est.mean * 100:+.2f} pt, 95 % CI "
         f"[{est.low * 100:+.2f}, {est.high * 100:+.2f}] over {est.n} paired seeds** ({verdict})."
     )
 

@@ -53,7 +53,7 @@ def fake_run(
 ) -> None:
     path = results.run_dir(study, "dir0.5", variant, seed, root)
     path.mkdir(parents=True)
-    (path / "config.yaml").write_text(f"seed: {seed}\nmethod:\n  name: {variant}\n")
+    (path / "config.yaml").write_text(f"seed: {seed}\nmethod:\n  name: {variant}\nlevels:\n  match: fedhm_params\n")
     levels = {"1": acc} if small is None else {"1": acc, "0.125": small}
     rounds = [
         {"round": r, "acc/global": acc - 0.01 * (3 - r), **{f"acc/level_{k}": v for k, v in levels.items()}}
@@ -130,25 +130,25 @@ def test_each_verdict_matches_a_hand_computation(runs: Path, tmp_path: Path):
             "supported",
         ),  # [2, 3, 4]
         (
-            "FedHM beats HeteroFL (budget-matched), global model",
+            "FedHM beats HeteroFL (matched on parameters), global model",
             pt(g["fedhm"], g["heterofl"]),
             "greater",
             "not resolved at 3 seeds",
         ),  # [1, 2, 3]
         (
-            "FedHM beats HeteroFL (budget-matched), smallest level",
+            "FedHM beats HeteroFL (matched on parameters), smallest level",
             pt(s["fedhm"], s["heterofl"]),
             "greater",
             "supported",
         ),  # [9.6, 10.4, 10.6]
         (
-            "FedHM beats FedRolex (budget-matched), global model",
+            "FedHM beats FedRolex (matched on parameters), global model",
             pt(g["fedhm"], g["fedrolex"]),
             "greater",
             "contradicted",
         ),  # [-3, -4, -3]
         (
-            "FedHM beats FedRolex (budget-matched), smallest level",
+            "FedHM beats FedRolex (matched on parameters), smallest level",
             pt(s["fedhm"], s["fedrolex"]),
             "greater",
             "not resolved at 3 seeds",
@@ -207,20 +207,15 @@ def test_page_states_the_paired_difference_with_its_t_interval(runs: Path, tmp_p
     page = page_mod.render(runs, [CHEAP, CAPACITY], tmp_path / "fig", tmp_path / "RESULTS.md")
     # differences 1, 2, 3 pt: mean 2, sd 1, t(0.975, df 2) = 4.302653 -> half width 4.302653 / sqrt(3) = 2.4841
     assert (
-        "FedHM − HeteroFL (budget-matched), final global accuracy: +2.00 pt, 95 % CI [-0.48, +4.48] over 3 paired seeds"
-        in page
+        "FedHM − HeteroFL (matched on parameters), final global accuracy: +2.00 pt, 95 % CI [-0.48, +4.48] "
+        "over 3 paired seeds" in page
     )
     assert "the interval contains 0" in page
     # the headline row of FedHM: mean 82.00, sd 2.00, CI 82 ± 4.302653 * 2 / sqrt(3) = [77.03, 86.97]
     assert "| FedHM | 3 | 82.00 ± 2.00 | [77.03, 86.97] |" in page
+    assert "18 run(s) not recounted: today's config check refuses their saved config" in page  # fake configs
     assert "runs 18 of 96" in page  # cheap 2 × 6 × 3 + capacity 2 × 6 × 5; the partial run is not a finished one
-    for plot in (
-        "accuracy_by_round",
-        "accuracy_vs_bytes",
-        "accuracy_vs_params",
-        "accuracy_vs_macs",
-        "accuracy_vs_memory",
-    ):
+    for plot in ("accuracy_by_round", "accuracy_vs_bytes", "pareto_params", "pareto_macs", "pareto_memory"):
         assert (tmp_path / "fig" / "dir0.5" / f"{plot}.png").stat().st_size > 1000
         assert f"fig/dir0.5/{plot}.png" in page
     # which runs used which transport, from each run's summary.json (seed 2 said "ray")

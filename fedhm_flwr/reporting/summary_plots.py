@@ -19,7 +19,7 @@ def _label(row: dict[str, Any], keys: list[str]) -> str:
     return " ".join([str(row.get("method")), *parts])
 
 
-def _save(fig: Any, path: Path) -> None:
+def save_figure(fig: Any, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
@@ -34,9 +34,10 @@ def _half(values: list[float]) -> float:
     return 0.0 if math.isnan(est.half_width) else est.half_width
 
 
-def write_plots(swept: list[str], rows: list[dict[str, Any]], out: Path) -> None:
+def write_plots(swept: list[str], rows: list[dict[str, Any]], out: Path, costs: bool = True) -> None:
     """Mean curves with 95 % CI bands, and accuracy against bytes, parameters, MACs and training
-    memory with 95 % CI error bars over seeds (one colour per configuration)."""
+    memory with 95 % CI error bars over seeds (one colour per configuration); ``costs=False``: the
+    last three left out (the results page draws its own: ``bench/results_pareto.py``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,7 +73,7 @@ def write_plots(swept: list[str], rows: list[dict[str, Any]], out: Path) -> None
     ax.set_ylabel("global model test accuracy (mean, 95 % CI band)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    _save(fig, out / "accuracy_by_round.png")
+    save_figure(fig, out / "accuracy_by_round.png")
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     markers = "sv^<>dph"
@@ -103,8 +104,10 @@ def write_plots(swept: list[str], rows: list[dict[str, Any]], out: Path) -> None
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
-    _save(fig, out / "accuracy_vs_bytes.png")
+    save_figure(fig, out / "accuracy_vs_bytes.png")
 
+    if not costs:
+        return
     for cost, name in (
         ("params", "parameters"),
         ("macs", "MACs per input"),
@@ -135,4 +138,4 @@ def write_plots(swept: list[str], rows: list[dict[str, Any]], out: Path) -> None
         ax.grid(alpha=0.3, which="both")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-        _save(fig, out / f"accuracy_vs_{cost}.png")
+        save_figure(fig, out / f"accuracy_vs_{cost}.png")

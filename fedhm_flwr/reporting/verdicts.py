@@ -50,7 +50,8 @@ def verdict(est: Estimate | None, kind: str = "greater", margin: float = 0.0) ->
 @dataclass(frozen=True)
 class Claim:
     """``method``'s ``column`` against ``reference``'s ``ref_column`` (``{smallest}`` in a column
-    is replaced by the smallest level present)."""
+    is replaced by the smallest level present; ``{matched}`` in the text by what the reference's
+    widths were matched on: :func:`matched_label`)."""
 
     text: str
     method: str
@@ -71,28 +72,28 @@ CLAIMS = (
         "final_acc/global",
     ),
     Claim(
-        "FedHM beats HeteroFL (budget-matched), global model",
+        "FedHM beats HeteroFL ({matched}), global model",
         "fedhm",
         "final_acc/global",
         "heterofl",
         "final_acc/global",
     ),
     Claim(
-        "FedHM beats HeteroFL (budget-matched), smallest level",
+        "FedHM beats HeteroFL ({matched}), smallest level",
         "fedhm",
         "final_acc/level_{smallest}",
         "heterofl",
         "final_acc/level_{smallest}",
     ),
     Claim(
-        "FedHM beats FedRolex (budget-matched), global model",
+        "FedHM beats FedRolex ({matched}), global model",
         "fedhm",
         "final_acc/global",
         "fedrolex",
         "final_acc/global",
     ),
     Claim(
-        "FedHM beats FedRolex (budget-matched), smallest level",
+        "FedHM beats FedRolex ({matched}), smallest level",
         "fedhm",
         "final_acc/level_{smallest}",
         "fedrolex",
@@ -115,6 +116,21 @@ CLAIMS = (
         "final_acc/global",
     ),
 )
+
+
+#: ``levels.match`` -> the resource a budget-matched baseline's widths were matched on
+MATCHED = {"fedhm_params": "parameters", "fedhm_macs": "MACs", "fedhm_memory": "training memory"}
+
+
+def matched_label(rows: Iterable[Mapping[str, Any]], method: str) -> str:
+    """What ``method``'s runs matched their widths on, from their ``levels.match``: ``matched on
+    parameters`` (MACs, training memory), ``widths not matched`` (``none``), else which values."""
+    values = sorted({str(r.get("levels.match", "not recorded")) for r in rows if r["method"] == method})
+    if len(values) == 1 and values[0] in MATCHED:
+        return f"matched on {MATCHED[values[0]]}"
+    if values == ["none"]:
+        return "widths not matched"
+    return "levels.match " + (" / ".join(values) or "of no run")
 
 
 def smallest_level(rows: Iterable[Mapping[str, Any]]) -> str | None:
@@ -143,11 +159,12 @@ def judge(rows: list[Mapping[str, Any]], claims: Iterable[Claim] = CLAIMS) -> li
     small = smallest_level(rows)
     out = []
     for c in claims:
+        text = c.text.replace("{matched}", matched_label(rows, c.reference))
         column, ref_column = (col.replace("{smallest}", str(small)) for col in (c.column, c.ref_column))
         diffs, est = paired(rows, c.method, column, c.reference, ref_column)
         out.append(
             {
-                "claim": c.text,
+                "claim": text,
                 "n": len(diffs),
                 "per_seed": diffs,
                 "estimate": est,
