@@ -12,7 +12,7 @@ Two studies, each its own folder of runs (:data:`bench.studies.STUDIES`):
 Each study runs the methods in :data:`bench.studies.VARIANTS`: FedHM, HeteroFL and FedRolex with widths matched
 to FedHM's parameters per level, FedAvg on the full and on the smallest model, and FedHM with
 self-distillation. Every run is one job of the project's own server loop (strategy, messages and
-client handlers as under ``flwr run``), on the in-process grid (:mod:`fedhm_flwr.ops.local_grid`) or,
+client handlers as under ``flwr run``), on the in-process grid (:mod:`fedhm_flwr.ops.apps.local_grid`) or,
 for a study's ``ray_seeds``, through ``flwr run`` on Flower's Ray simulation engine
 (:func:`fedhm_flwr.ops.launch.run_job`); the run's ``summary.json`` records which (``transport``).
 
@@ -62,8 +62,8 @@ def one_run(job: Job) -> dict[str, Any]:
             summary = run_job(job.overrides.split(), run_dir=out, quiet=True)
         else:
             from fedhm_flwr.config import load_config
-            from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-            from fedhm_flwr.ops.server_app import run
+            from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+            from fedhm_flwr.ops.apps.server_app import run
 
             cfg = load_config(job.overrides)
             summary = run(LocalGrid(int(cfg.num_clients), client_handlers()), cfg, out)

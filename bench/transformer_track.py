@@ -3,7 +3,7 @@
 ``python -m bench.transformer_track [--track text|image|both] [--group fedlora|heterotune|both]``
 
 Every run goes through the same server round, messages and client handlers as ``flwr run``, in
-one process over :class:`fedhm_flwr.ops.local_grid.LocalGrid` (no Ray: on a shared 2-core CPU the
+one process over :class:`fedhm_flwr.ops.apps.local_grid.LocalGrid` (no Ray: on a shared 2-core CPU the
 simulation engine's start-up would cost more than the runs). A run whose ``summary.json``
 exists is not run again (``--fresh`` to redo), so an interrupted sweep continues where it
 stopped. Results go to ``<out>/<track>/<run>/`` (default ``~/fedhm-outputs/transformer-track``);
@@ -86,8 +86,8 @@ RUNS: dict[str, list[tuple[str, str, str]]] = {
 
 def run_one(out_dir: Path, overrides: str) -> dict[str, Any]:
     from fedhm_flwr.config import load_config
-    from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-    from fedhm_flwr.ops.server_app import run
+    from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+    from fedhm_flwr.ops.apps.server_app import run
 
     cfg = load_config(overrides)
     return run(LocalGrid(int(cfg.num_clients), client_handlers()), cfg, out_dir)

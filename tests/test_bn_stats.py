@@ -16,8 +16,8 @@ from fedhm_flwr.core import bn_wire, protocol as wire
 from fedhm_flwr.data import client_dataset
 from fedhm_flwr.math.bn_stats import apply_bn_statistics, bn_sums, combine_bn_sums, norm_layers, statistics
 from fedhm_flwr.models import build_model
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import run
 from fedhm_flwr.reporting.results import load_bn_statistics
 
 SPEC = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28, "width": 4}

@@ -71,7 +71,9 @@ def test_stage_ships_the_app_alone_and_refuses_a_destination_it_would_wreck(tmp_
     staged = {p.name for p in dest.iterdir()}
     assert {"fedhm_flwr", "strategies", "clients", "conf", "pyproject.toml"} <= staged
     assert not staged & {"tests", "docs", "results", "bench", "scripts", "outputs", ".venv", "Makefile"}
-    assert (dest / "conf" / "config.yaml").is_file() and (dest / "fedhm_flwr" / "ops" / "server_app.py").is_file()
+    assert (dest / "conf" / "config.yaml").is_file() and (
+        dest / "fedhm_flwr" / "ops" / "apps" / "server_app.py"
+    ).is_file()
     assert not list(dest.rglob("__pycache__"))
     shipped, whole = len(build_fab_from_disk(dest)), len(build_fab_from_disk(root))  # what `flwr run` sends
     assert f"({shipped} bytes)" in err and shipped < whole / 3, (shipped, whole)

@@ -227,7 +227,7 @@ def test_deploy_md_walkthrough_runs_as_written_on_loopback(tmp_path):
         for home in [var_lib / "flwr-home", *(var_lib / f"ward-{i}" for i in range(3))]:
             (installed,) = (home / "apps").glob("fedhm.fedhm-flwr.*")
             shipped = {f for f in _files(installed) if not f.startswith(".info/")}
-            assert {"pyproject.toml", "conf/config.yaml", "fedhm_flwr/ops/client_app.py"} <= shipped <= _files(app)
+            assert {"pyproject.toml", "conf/config.yaml", "fedhm_flwr/ops/apps/client_app.py"} <= shipped <= _files(app)
             assert not {f.split("/")[0] for f in shipped} & {"tests", "docs", "results", "bench", "scripts"}, home
         # 9. the stopped run's stop, as written, on a run Flower has ended: Flower's refusal, then its status; exit 0
         stop_block = _lines(_only(walk, "flwr stop <run-id> fedhm ||"))

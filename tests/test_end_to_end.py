@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import run
 from fedhm_flwr.reporting.results import CHECKPOINT_DIR, load_checkpoint
 
 OUTPUTS = {"config.yaml", "metrics.jsonl", "metrics.csv", "summary.json", "accuracy.png", CHECKPOINT_DIR}

@@ -16,10 +16,10 @@ import torch
 
 from fedhm_flwr.config import data_spec, load_config
 from fedhm_flwr.data import check_data_spec, class_names, source_arrays, source_info, test_dataset, to_normalised_tensor
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import run
 from fedhm_flwr.ops.export import load_model, main as export_main
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.onnx_model import OnnxCheckFailed, check_onnx
-from fedhm_flwr.ops.server_app import run
 from fedhm_flwr.reporting.results import atomic_write
 
 ort = pytest.importorskip("onnxruntime")  # installed by `make setup` (a dependency of the project)

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from lifecycle_helpers import ROOT, descendants, fedhm_status, is_alive, process_state
 
+from fedhm_flwr.ops.apps.server_app import runtime_address, watch_superlink
 from fedhm_flwr.ops.runlock import RunDirectoryBusy, RunLock
-from fedhm_flwr.ops.server_app import runtime_address, watch_superlink
 
 HOLDER = """
 import sys, time

@@ -11,8 +11,8 @@ from flwr.app import ArrayRecord, Error, Message, MessageType
 from flwr.common.constant import ErrorCode
 
 from fedhm_flwr.config import model_spec, resume_config
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import initial_state, run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import initial_state, run
 from fedhm_flwr.reporting.results import load_checkpoint
 from fedhm_flwr.server.registry import FedHMStrategy
 

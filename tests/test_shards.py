@@ -30,7 +30,7 @@ from fedhm_flwr import data as D
 from fedhm_flwr.client import handlers as base
 from fedhm_flwr.config import data_spec, load_config
 from fedhm_flwr.data import shards
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.shards import main as export_main
 
 SMALL = ["num_clients=4", "dataset.max_train_examples=2000", "evaluation.where=both"]
@@ -179,8 +179,8 @@ NODE_SCRIPT = textwrap.dedent("""
     sys.addaudithook(hook)
     from flwr.app import ArrayRecord, Message, MessageType, RecordDict
     from fedhm_flwr.config import load_config, model_spec
-    from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-    from fedhm_flwr.ops.server_app import initial_state
+    from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+    from fedhm_flwr.ops.apps.server_app import initial_state
     from strategies import FedHMStrategy
     folders, overrides = json.loads(sys.argv[1]), sys.argv[2:]
     cfg = load_config(overrides)

@@ -15,8 +15,8 @@ from fedhm_flwr.math.aggregation import average_hybrid
 from fedhm_flwr.math.lowrank import factorize_state, recover_state
 from fedhm_flwr.models import build_model, count_parameters
 from fedhm_flwr.models.rules import FactorizeRule, plan_ranks, select_layers
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import run
 
 GREY = "model.target=tests.tv_models:grey model.kwargs.name=mobilenet_v3_small model.kwargs.num_classes=10"
 TINY = (

@@ -14,8 +14,8 @@ import torch
 from flwr.app import ArrayRecord, MessageType
 
 from fedhm_flwr.config import ConfigError, load_config, model_spec
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import initial_state
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import initial_state
 from fedhm_flwr.server.registry import FedHMStrategy
 
 

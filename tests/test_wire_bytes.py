@@ -14,7 +14,7 @@ from flwr.app import Array, ArrayRecord
 
 from fedhm_flwr.config import model_spec
 from fedhm_flwr.core import protocol
-from fedhm_flwr.ops.server_app import initial_state
+from fedhm_flwr.ops.apps.server_app import initial_state
 from fedhm_flwr.server.registry import FedHMStrategy
 
 TENSORS = [
