@@ -14,7 +14,7 @@ to FedHM's parameters per level, FedAvg on the full and on the smallest model, a
 self-distillation. Every run is one job of the project's own server loop (strategy, messages and
 client handlers as under ``flwr run``), on the in-process grid (:mod:`fedhm_flwr.ops.apps.local_grid`) or,
 for a study's ``ray_seeds``, through ``flwr run`` on Flower's Ray simulation engine
-(:func:`fedhm_flwr.ops.launch.run_job`); the run's ``summary.json`` records which (``transport``).
+(:func:`fedhm_flwr.ops.job.launch.run_job`); the run's ``summary.json`` records which (``transport``).
 
 A finished run is a folder ``<study root>/<setting>/<variant>/seed<k>/`` holding its resolved
 ``config.yaml``, ``metrics.jsonl`` and ``summary.json`` (a few kB each); a run is written to a
@@ -57,7 +57,7 @@ def one_run(job: Job) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         if job.transport == "ray":
-            from fedhm_flwr.ops.launch import run_job
+            from fedhm_flwr.ops.job.launch import run_job
 
             summary = run_job(job.overrides.split(), run_dir=out, quiet=True)
         else:

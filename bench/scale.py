@@ -109,7 +109,7 @@ def scale_run(clients: int, per_round: int, rounds: int, query: str, extra: tupl
     """One ``flwr run`` of ``clients`` simulated clients, ``per_round`` sampled per round, with
     ``availability.query`` = ``query`` (and the ``extra`` overrides): per-round times and the ratios
     measured in that run."""
-    from fedhm_flwr.ops.launch import run_job
+    from fedhm_flwr.ops.job.launch import run_job
 
     overrides = job_overrides(clients, per_round, rounds, query, extra)
     with tempfile.TemporaryDirectory() as tmp, TreeMemory() as mem:

@@ -53,7 +53,7 @@ KEEP = ("config.yaml", "metrics.jsonl", "summary.json")
 #: how a run's messages travel: ``summary.json``'s ``transport`` (runs without one used the grid)
 TRANSPORTS = {
     "grid": "in-process grid (`fedhm_flwr/ops/apps/local_grid.py`)",
-    "ray": "`flwr run` on Flower's Ray simulation engine (`fedhm_flwr/ops/launch.py`)",
+    "ray": "`flwr run` on Flower's Ray simulation engine (`fedhm_flwr/ops/job/launch.py`)",
 }
 
 

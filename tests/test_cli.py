@@ -14,7 +14,7 @@ import pytest
 from fedhm_flwr import api
 from fedhm_flwr.config import ConfigError
 from fedhm_flwr.ops.cli import COMMANDS, compare_plan, main
-from fedhm_flwr.ops.progress import Follower, eta_seconds, format_seconds, progress_text
+from fedhm_flwr.ops.job.progress import Follower, eta_seconds, format_seconds, progress_text
 
 SUBCOMMANDS = [
     "run",

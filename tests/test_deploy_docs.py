@@ -35,8 +35,8 @@ import pytest
 from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 from test_deploy import FEDHM, ROOT, needs_fmnist
 
-from fedhm_flwr.ops.procs import Processes, alive, command_name, stat_field, tagged_pids
-from fedhm_flwr.ops.superlink import flower_env, free_port
+from fedhm_flwr.ops.job.procs import Processes, alive, command_name, stat_field, tagged_pids
+from fedhm_flwr.ops.job.superlink import flower_env, free_port
 from fedhm_flwr.ops.supernode import children
 
 DOC = ROOT / "docs" / "DEPLOY.md"

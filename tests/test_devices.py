@@ -29,7 +29,7 @@ import pytest
 from test_deploy import ROOT, needs_fmnist
 
 from fedhm_flwr.ops import deployment as dl
-from fedhm_flwr.ops.procs import alive, tagged_pids
+from fedhm_flwr.ops.job.procs import alive, tagged_pids
 
 # Four devices, 3 rounds. node-3's shard is broken: it sits out from the start (asked once). Round 1:
 # node-0 and node-1 (node-2 starts during it). Round 2: three nodes; node-1 is SIGKILLed (its whole

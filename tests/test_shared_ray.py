@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from fedhm_flwr.config import load_config
-from fedhm_flwr.ops import launch, multirun, shared_ray
+from fedhm_flwr.ops import multirun, shared_ray
+from fedhm_flwr.ops.job import launch
 from fedhm_flwr.ops.shared_ray import SHARED_RAY_VAR
 
 TINY = [

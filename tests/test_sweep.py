@@ -14,8 +14,8 @@ import pytest
 from omegaconf import OmegaConf
 from test_ray_cluster import RAY, ray_start
 
-from fedhm_flwr.ops.launch import free_port
-from fedhm_flwr.ops.procs import Processes, tagged_pids
+from fedhm_flwr.ops.job.launch import free_port
+from fedhm_flwr.ops.job.procs import Processes, tagged_pids
 from fedhm_flwr.reporting.summary import write_summary
 
 RATIOS = ((1, 0.25), (0.5, 0.125))

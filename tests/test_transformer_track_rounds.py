@@ -199,7 +199,7 @@ def test_flwr_run_finishes_for_both_methods_on_both_tracks(tmp_path):
         cmd = [
             sys.executable,
             "-m",
-            "fedhm_flwr.ops.launch",
+            "fedhm_flwr.ops.job.launch",
             f"method={method}",
             *base.split(),
             *extra.split(),

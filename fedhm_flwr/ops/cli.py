@@ -16,12 +16,12 @@ from pathlib import Path
 
 from fedhm_flwr.config import ConfigError, split_overrides
 from fedhm_flwr.ops import multirun
-from fedhm_flwr.ops.launch import run_job
+from fedhm_flwr.ops.job.launch import run_job
+from fedhm_flwr.ops.job.outcome import fedhm_commands, report_finished, report_stop
+from fedhm_flwr.ops.job.procs import Interrupted, on_signals
+from fedhm_flwr.ops.job.progress import run_with_progress
+from fedhm_flwr.ops.job.status import main as status_main
 from fedhm_flwr.ops.multirun import COMPARE_OVERRIDES, compare_plan  # noqa: F401  (compare_plan: tests import it here)
-from fedhm_flwr.ops.outcome import fedhm_commands, report_finished, report_stop
-from fedhm_flwr.ops.procs import Interrupted, on_signals
-from fedhm_flwr.ops.progress import run_with_progress
-from fedhm_flwr.ops.status import main as status_main
 
 
 @dataclass(frozen=True)
@@ -291,7 +291,7 @@ def usage() -> str:
     lines += [
         "",
         "`fedhm <command> --help` for a command's options and examples. The same overrides work with",
-        "`make run ARGS=...` and `python -m fedhm_flwr.ops.launch ...`; Python: fedhm_flwr.api.run([...]).",
+        "`make run ARGS=...` and `python -m fedhm_flwr.ops.job.launch ...`; Python: fedhm_flwr.api.run([...]).",
     ]
     return "\n".join(lines)
 

@@ -14,7 +14,7 @@ process on the loopback interface (:class:`fedhm_flwr.ops.deployment.LocalDeploy
    ``openssl`` alone cannot write; docs/DEPLOY.md gives the equivalent ``openssl`` /
    ``ssh-keygen`` commands for real machines;
 2. **SuperLink**: ``flower-superlink`` (started as the launcher starts its own:
-   :func:`fedhm_flwr.ops.superlink.start_superlink`) with ``--ssl-*`` (TLS) and
+   :func:`fedhm_flwr.ops.job.superlink.start_superlink`) with ``--ssl-*`` (TLS) and
    ``--enable-supernode-auth`` (only SuperNodes whose public key was registered may connect), on one free loopback port
    that serves the Fleet, Control and Runtime APIs; runtime dependency installation disabled;
 3. **registration**: ``flwr supernode register node-<i>/node.pub <connection>`` per SuperNode;
@@ -23,14 +23,14 @@ process on the loopback interface (:class:`fedhm_flwr.ops.deployment.LocalDeploy
    API port and a node config with ``partition-id``, ``num-partitions``, optionally ``data-dir``
    and a declared capability (``capability-level`` or a ``capability-params`` /
    ``capability-macs`` / ``capability-memory`` budget);
-5. **the job**: the launcher's runner (:func:`fedhm_flwr.ops.flower_job.run_flower_job`): the
+5. **the job**: the launcher's runner (:func:`fedhm_flwr.ops.job.flower_job.run_flower_job`): the
    staged app (only the app's own files) through ``flwr run <app> <connection> --stream`` with the Hydra
    overrides, judged by its own run id's final status (``--stream`` exits 0 even when a run
    fails) and its ``summary.json``; ``--resume <run dir>`` continues a stopped run;
 6. **cleanup**: every process started here is stopped, also on failure, Ctrl-C or SIGTERM (the
    ServerApp first, then ``flwr stop <run id>``, the SuperNodes, the SuperLink; exit 130 / 143
    and the command that resumes the run): each runs in its own session and carries a unique
-   tag in its environment, which its children inherit (``fedhm_flwr.ops.procs``); a watchdog stops
+   tag in its environment, which its children inherit (``fedhm_flwr.ops.job.procs``); a watchdog stops
    them all if this command is killed outright. The run directory is locked while in use.
 
 Capability specs (``--capabilities``, one per node, cycled when fewer than N):
@@ -53,8 +53,8 @@ from typing import Any
 from fedhm_flwr.config import ConfigError, load_config, resume_config, split_overrides
 from fedhm_flwr.ops.credentials import DEFAULT_SANS, create_credentials
 from fedhm_flwr.ops.deployment import LocalDeployment, node_config, parse_capability, say
-from fedhm_flwr.ops.launch import check_data, default_run_dir
-from fedhm_flwr.ops.outcome import (
+from fedhm_flwr.ops.job.launch import check_data, default_run_dir
+from fedhm_flwr.ops.job.outcome import (
     Commands,
     fedhm_program,
     interrupted,
@@ -62,9 +62,9 @@ from fedhm_flwr.ops.outcome import (
     require_checkpoint,
     run_command,
 )
-from fedhm_flwr.ops.procs import new_tag
-from fedhm_flwr.ops.runlock import RunLock
-from fedhm_flwr.ops.signals import Interrupted, on_signals
+from fedhm_flwr.ops.job.procs import new_tag
+from fedhm_flwr.ops.job.runlock import RunLock
+from fedhm_flwr.ops.job.signals import Interrupted, on_signals
 from fedhm_flwr.reporting.results import refuse_existing_run
 
 

@@ -3,10 +3,10 @@
 :class:`LocalDeployment` does what an operator does for a federation of real devices, each
 machine replaced by a process on 127.0.0.1 (``fedhm deploy-local``, :mod:`fedhm_flwr.ops.deploy_local`,
 and the deployment tests drive it): credentials (:mod:`fedhm_flwr.ops.credentials`), the SuperLink
-(:func:`fedhm_flwr.ops.superlink.start_superlink`, as the launcher starts its own), registration of
+(:func:`fedhm_flwr.ops.job.superlink.start_superlink`, as the launcher starts its own), registration of
 every SuperNode's key, SuperNodes through ``fedhm supernode`` with their node configs, the job
-through the launcher's runner (:func:`fedhm_flwr.ops.flower_job.run_flower_job`), and the stop of
-every process it started (tagged, watched: :mod:`fedhm_flwr.ops.procs`).
+through the launcher's runner (:func:`fedhm_flwr.ops.job.flower_job.run_flower_job`), and the stop of
+every process it started (tagged, watched: :mod:`fedhm_flwr.ops.job.procs`).
 
 Node configs (:func:`node_config`): ``partition-id``, ``num-partitions``, optionally ``data-dir``
 and a declared capability (:func:`parse_capability`: ``level=0.5``, ``params=20000``,
@@ -33,10 +33,10 @@ from fedhm_flwr.core.protocol import (
     PARTITION_ID,
 )
 from fedhm_flwr.ops.credentials import DEFAULT_SANS, Credentials, create_credentials
-from fedhm_flwr.ops.flower_job import FlowerJob, run_flower_job
-from fedhm_flwr.ops.outcome import Commands, RunFailed, exit_status
-from fedhm_flwr.ops.procs import TAG_VAR, Processes, alive, new_tag, tagged_pids
-from fedhm_flwr.ops.superlink import (
+from fedhm_flwr.ops.job.flower_job import FlowerJob, run_flower_job
+from fedhm_flwr.ops.job.outcome import Commands, RunFailed, exit_status
+from fedhm_flwr.ops.job.procs import TAG_VAR, Processes, alive, new_tag, tagged_pids
+from fedhm_flwr.ops.job.superlink import (
     APP_DIR,
     Tls,
     bin_path,

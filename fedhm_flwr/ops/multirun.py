@@ -25,9 +25,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from fedhm_flwr.config import ConfigError, split_overrides
-from fedhm_flwr.ops.outcome import fedhm_program
+from fedhm_flwr.ops.job.outcome import fedhm_program
+from fedhm_flwr.ops.job.signals import SIGNALS
 from fedhm_flwr.ops.shared_ray import SHARED_RAY_VAR, enabled as shared_ray_enabled, shared_ray
-from fedhm_flwr.ops.signals import SIGNALS
 from fedhm_flwr.reporting.summary import main as summary_main
 
 #: `fedhm compare` (`make compare`): the baselines on the same work, every method on every seed,

@@ -25,7 +25,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-#: the address of the sweep's shared Ray instance, for its jobs (fedhm_flwr/ops/launch.py)
+#: the address of the sweep's shared Ray instance, for its jobs (fedhm_flwr/ops/job/launch.py)
 SHARED_RAY_VAR = "FEDHM_SHARED_RAY_ADDRESS"
 #: ``1`` (or ``true``, ``yes``, ``on``): a sweep's jobs share one Ray instance; else each starts its own
 SHARED_RAY_SWITCH = "FEDHM_SHARED_RAY"

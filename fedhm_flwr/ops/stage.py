@@ -2,7 +2,7 @@
 
 ``flwr run <folder>`` sends the bundle Flower builds of the whole folder to the SuperLink and every
 device: from a checkout, also ``tests/``, ``docs/``, ``results/`` and any outputs there. This copies
-only the app's own files (:func:`fedhm_flwr.ops.superlink.stage_app`, as ``fedhm deploy-local``
+only the app's own files (:func:`fedhm_flwr.ops.job.superlink.stage_app`, as ``fedhm deploy-local``
 stages it) to DEST, prints DEST alone on stdout (``flwr run "$(fedhm stage DEST)" ...``) and, on
 stderr, the size of the bundle Flower builds of it. A DEST it would empty or copy into itself is
 refused first (exit 2), untouched.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from flwr.cli.build import build_fab_from_disk
 
-from fedhm_flwr.ops.superlink import APP_CONTENT, APP_DIR, stage_app
+from fedhm_flwr.ops.job.superlink import APP_CONTENT, APP_DIR, stage_app
 
 
 def check_dest(dest: Path) -> Path:

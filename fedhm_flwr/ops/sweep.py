@@ -2,10 +2,10 @@
 
     python -m fedhm_flwr.ops.sweep -m levels.ratios=[1,0.5,0.25,0.125],[1,0.25] method.tau=1,inf
 
-Each job validates its configuration, then runs exactly what ``python -m fedhm_flwr.ops.launch``
+Each job validates its configuration, then runs exactly what ``python -m fedhm_flwr.ops.job.launch``
 runs (a private SuperLink, ``flwr run``, a status check, cleanup), writing its outputs into its
 Hydra job directory (``outputs/multirun/<date>/<time>/job<N>/``), Flower's output into the job's
-``flwr_run.log``, a progress line per job on the console (:mod:`fedhm_flwr.ops.progress`). When the
+``flwr_run.log``, a progress line per job on the console (:mod:`fedhm_flwr.ops.job.progress`). When the
 multirun ends, the :class:`SweepSummary` callback collects every job into ``summary.md``,
 ``summary.csv``, plots, and the statistics over seeds (``seed=0,1,2`` sweeps the seed like any
 key), in the sweep directory (``python -m fedhm_flwr.reporting.summary`` does the same on demand).
@@ -33,8 +33,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from fedhm_flwr.config import validate
-from fedhm_flwr.ops.multirun import CONTINUE_COMMAND_VAR, CONTINUE_VAR  # set by `fedhm sweep|compare --continue`
-from fedhm_flwr.ops.outcome import (
+from fedhm_flwr.ops.job.outcome import (
     RunFailed,
     RunInterrupted,
     checkpoint_round,
@@ -42,8 +41,9 @@ from fedhm_flwr.ops.outcome import (
     fedhm_program,
     report_stop,
 )
-from fedhm_flwr.ops.progress import run_with_progress
-from fedhm_flwr.ops.signals import on_signals
+from fedhm_flwr.ops.job.progress import run_with_progress
+from fedhm_flwr.ops.job.signals import on_signals
+from fedhm_flwr.ops.multirun import CONTINUE_COMMAND_VAR, CONTINUE_VAR  # set by `fedhm sweep|compare --continue`
 from fedhm_flwr.reporting.results import METRICS_CSV, METRICS_JSONL, SUMMARY_FILE
 from fedhm_flwr.reporting.summary import markdown_table, write_summary
 

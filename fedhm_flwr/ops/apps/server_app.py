@@ -28,8 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 from fedhm_flwr.config import load_config, model_spec, resume_config, to_yaml
 from fedhm_flwr.math.train import pick_device
 from fedhm_flwr.models import build_model
-from fedhm_flwr.ops.procs import TAG_VAR
-from fedhm_flwr.ops.runlock import RunLock
+from fedhm_flwr.ops.job.procs import TAG_VAR
+from fedhm_flwr.ops.job.runlock import RunLock
 from fedhm_flwr.reporting.provenance import code_version
 from fedhm_flwr.reporting.results import (
     METRICS_JSONL,

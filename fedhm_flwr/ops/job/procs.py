@@ -1,20 +1,20 @@
 """The processes of one job: start them tagged, stop them all, also when the launcher dies.
 
-Shared by ``fedhm_flwr.ops.launch`` (simulation) and ``fedhm deploy-local`` (deployment):
+Shared by ``fedhm_flwr.ops.job.launch`` (simulation) and ``fedhm deploy-local`` (deployment):
 
 * every process a job starts runs in its own session and carries ``FEDHM_RUN_TAG=<tag>`` in its
   environment; whatever it starts in turn (Flower's SuperExec, ``flwr-simulation``, Ray's
   ``gcs_server``, ``raylet`` and workers) inherits the tag, also when it leaves the session, so
   a scan of ``/proc/*/environ`` finds all of them (:func:`tagged_pids`);
 * :class:`Processes` starts and stops them (by process group, then by tag);
-* a **watchdog** (:func:`start_watchdog`, ``python -m fedhm_flwr.ops.procs --watch TAG``) is a tiny
+* a **watchdog** (:func:`start_watchdog`, ``python -m fedhm_flwr.ops.job.procs --watch TAG``) is a tiny
   process in a session of its own that ignores SIGINT, SIGTERM and SIGHUP and blocks reading a
   pipe whose write end only the launcher holds. When the launcher dies, even by SIGKILL, the
   pipe closes and the watchdog stops every tagged process, then exits;
-* :func:`~fedhm_flwr.ops.signals.on_signals` turns SIGINT / SIGTERM / SIGHUP into one
-  :class:`~fedhm_flwr.ops.signals.Interrupted` exception, so cleanup runs; a second signal during
-  the cleanup only prints that the cleanup goes on (:mod:`fedhm_flwr.ops.signals`);
-* the run directory's lock is :mod:`fedhm_flwr.ops.runlock`.
+* :func:`~fedhm_flwr.ops.job.signals.on_signals` turns SIGINT / SIGTERM / SIGHUP into one
+  :class:`~fedhm_flwr.ops.job.signals.Interrupted` exception, so cleanup runs; a second signal during
+  the cleanup only prints that the cleanup goes on (:mod:`fedhm_flwr.ops.job.signals`);
+* the run directory's lock is :mod:`fedhm_flwr.ops.job.runlock`.
 
 The tag scan needs Linux's ``/proc`` (what CI runs). Where there is none (macOS), the fallback is
 process groups: every process is started as the leader of its own group, :class:`Processes`
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import IO, Any
 
 # re-exported for the CLI (fedhm_flwr/ops/cli.py), which imports them from here
-from fedhm_flwr.ops.signals import Interrupted as Interrupted, on_signals as on_signals
+from fedhm_flwr.ops.job.signals import Interrupted as Interrupted, on_signals as on_signals
 
 TAG_VAR = "FEDHM_RUN_TAG"  # environment variable marking every process of one job
 HAVE_PROC = Path("/proc/self/environ").exists()
@@ -197,12 +197,12 @@ def start_watchdog(tag: str, keep_fds: Sequence[int] = ()) -> tuple[subprocess.P
     env = {k: v for k, v in os.environ.items() if k != TAG_VAR}
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "fedhm_flwr.ops.procs", "--watch", tag],
+            [sys.executable, "-m", "fedhm_flwr.ops.job.procs", "--watch", tag],
             stdin=read,
             stdout=subprocess.DEVNULL,
             pass_fds=tuple(keep_fds),
             env=env,
-            cwd=str(Path(__file__).resolve().parents[2]),
+            cwd=str(Path(__file__).resolve().parents[3]),
             start_new_session=True,
         )
     finally:
@@ -375,4 +375,6 @@ class Processes:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--watch":
         sys.exit(watch(sys.argv[2], sys.stdin.buffer))
-    sys.exit("usage: python -m fedhm_flwr.ops.procs --watch TAG  (started by the launcher; reads its pipe on stdin)")
+    sys.exit(
+        "usage: python -m fedhm_flwr.ops.job.procs --watch TAG  (started by the launcher; reads its pipe on stdin)"
+    )

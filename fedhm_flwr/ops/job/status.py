@@ -2,7 +2,7 @@
 
 The ServerApp writes ``status.json`` into its run directory (``running`` when it starts,
 ``completed`` or ``failed`` with the error when it ends) and holds the directory's lock
-(``.lock``, :class:`fedhm_flwr.ops.runlock.RunLock`) while it runs. A ServerApp that was killed (or
+(``.lock``, :class:`fedhm_flwr.ops.job.runlock.RunLock`) while it runs. A ServerApp that was killed (or
 whose SuperLink was stopped under it) leaves ``running`` behind with the lock free: the run
 *stopped*. ``flwr run --stream`` exits 0 whatever became of the run; this command does not:
 
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedhm_flwr.ops.runlock import RunLock
+from fedhm_flwr.ops.job.runlock import RunLock
 from fedhm_flwr.reporting.results import SUMMARY_FILE, load_checkpoint_state, read_status
 
 COMPLETED, FAILED, NOT_A_RUN, RUNNING = 0, 1, 2, 3

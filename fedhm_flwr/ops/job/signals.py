@@ -1,5 +1,5 @@
 """SIGINT, SIGTERM and SIGHUP during a job: :func:`on_signals` turns the first into one
-:class:`Interrupted` exception, so the job's cleanup (:mod:`fedhm_flwr.ops.procs`) runs; a second
+:class:`Interrupted` exception, so the job's cleanup (:mod:`fedhm_flwr.ops.job.procs`) runs; a second
 signal during the cleanup only prints that the cleanup goes on."""
 
 from __future__ import annotations

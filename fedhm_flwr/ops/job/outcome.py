@@ -3,7 +3,7 @@
 and exit code of a finished run (:func:`finished`: collapsed, diverged, nothing accepted).
 
 Every entry point (``fedhm run|resume|sweep|compare|deploy-local``, ``make run``,
-``python -m fedhm_flwr.ops.launch``, :mod:`fedhm_flwr.api`) reports an interrupted or failed run
+``python -m fedhm_flwr.ops.job.launch``, :mod:`fedhm_flwr.api`) reports an interrupted or failed run
 with the resume command in the terms the user started it with (:class:`Commands`).
 """
 
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedhm_flwr.config import ConfigError
-from fedhm_flwr.ops.health import final_line
-from fedhm_flwr.ops.signals import Interrupted, on_signals
+from fedhm_flwr.ops.job.health import final_line
+from fedhm_flwr.ops.job.signals import Interrupted, on_signals
 from fedhm_flwr.ops.supernode import exit_status  # noqa: F401  (a process's exit in words; the wrapper imports nothing)
 from fedhm_flwr.reporting.results import (
     CHECKPOINT_DIR,
@@ -35,7 +35,7 @@ from fedhm_flwr.reporting.results import (
 class Commands:
     """What the user types to resume a run (``resume`` + the run directory) or to start it again
     (``start`` + the overrides + ``--run-dir`` the run directory), in the terms they started it
-    with: ``fedhm resume DIR`` after ``fedhm run`` / ``make run``, ``python -m fedhm_flwr.ops.launch
+    with: ``fedhm resume DIR`` after ``fedhm run`` / ``make run``, ``python -m fedhm_flwr.ops.job.launch
     --resume DIR`` after that module, ``fedhm deploy-local ... --resume DIR`` after a local deployment.
     ``cwd``: a folder to change to first (``python -m`` of a checkout that is not installed)."""
 
@@ -215,7 +215,7 @@ def report_stop(stop: KeyboardInterrupt) -> int:
 
 def finished(summary: Mapping) -> tuple[int, str]:
     """(exit code, the line a command ends a finished run with): the final accuracy and where the
-    outputs are, with what the run's records say of its model (:mod:`fedhm_flwr.ops.health`): a
+    outputs are, with what the run's records say of its model (:mod:`fedhm_flwr.ops.job.health`): a
     collapse is said after it (exit 0); a diverged run, or one that accepted no reply, ends
     ``error: ...`` with a hint (exit 1)."""
     return final_line(summary)

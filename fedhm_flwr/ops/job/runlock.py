@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fedhm_flwr.ops.procs import alive
+from fedhm_flwr.ops.job.procs import alive
 
 LOCK_FILE = ".lock"
 

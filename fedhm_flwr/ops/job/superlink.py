@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedhm_flwr.ops.outcome import exit_status
-from fedhm_flwr.ops.procs import Processes
+from fedhm_flwr.ops.job.outcome import exit_status
+from fedhm_flwr.ops.job.procs import Processes
 
-APP_DIR = Path(__file__).resolve().parents[2]
+APP_DIR = Path(__file__).resolve().parents[3]
 
 #: what the Flower app bundle needs: the project's packages, its Hydra tree and its metadata
 APP_CONTENT = ("pyproject.toml", "README.md", "fedhm_flwr", "strategies", "clients", "conf")

@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedhm_flwr.ops.outcome import Commands, RunFailed, exit_status, resume_hint
-from fedhm_flwr.ops.procs import Processes, kill_serverapp, killpg_quietly
-from fedhm_flwr.ops.runlock import RunLock
-from fedhm_flwr.ops.superlink import APP_DIR, bin_path
+from fedhm_flwr.ops.job.outcome import Commands, RunFailed, exit_status, resume_hint
+from fedhm_flwr.ops.job.procs import Processes, kill_serverapp, killpg_quietly
+from fedhm_flwr.ops.job.runlock import RunLock
+from fedhm_flwr.ops.job.superlink import APP_DIR, bin_path
 from fedhm_flwr.reporting.results import SUMMARY_FILE
 
 STARTED_RUN = re.compile(r"Successfully started run (\d+)")

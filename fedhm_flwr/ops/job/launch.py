@@ -1,12 +1,12 @@
 """Run one job through ``flwr run`` on Flower's Ray-backed simulation engine, safely.
 
-``python -m fedhm_flwr.ops.launch [HYDRA OVERRIDES ...]`` (what ``make run`` calls):
+``python -m fedhm_flwr.ops.job.launch [HYDRA OVERRIDES ...]`` (what ``make run`` calls):
 
 1. composes and validates the Hydra config and checks the run's data (a bad value or missing
    data stops here, exit 2, before anything starts);
 2. locks the run directory (``<run dir>/.lock``): a second launch into a directory that a live
    run is using is refused (exit 2), naming the directory and the live PID;
-3. starts a watchdog (``fedhm_flwr.ops.procs``) and a private SuperLink in simulation mode on a free
+3. starts a watchdog (``fedhm_flwr.ops.job.procs``) and a private SuperLink in simulation mode on a free
    loopback port, with its own ``FLWR_HOME`` inside the run directory and runtime dependency
    installation disabled; every process started carries the job's tag;
 4. stages the app's own files (packages, Hydra tree, metadata) next to the run and runs
@@ -23,9 +23,9 @@
    number (130 for Ctrl-C, 143 for SIGTERM). If the launcher is killed outright, the watchdog
    stops everything within seconds.
 
-The pieces live beside it: the SuperLink and the app bundle in :mod:`fedhm_flwr.ops.superlink`, the
-``flwr run`` runner in :mod:`fedhm_flwr.ops.flower_job`, how a run ends (resume commands,
-:class:`RunInterrupted`, :class:`RunFailed`) in :mod:`fedhm_flwr.ops.outcome`; ``fedhm deploy-local``
+The pieces live beside it: the SuperLink and the app bundle in :mod:`fedhm_flwr.ops.job.superlink`, the
+``flwr run`` runner in :mod:`fedhm_flwr.ops.job.flower_job`, how a run ends (resume commands,
+:class:`RunInterrupted`, :class:`RunFailed`) in :mod:`fedhm_flwr.ops.job.outcome`; ``fedhm deploy-local``
 (:mod:`fedhm_flwr.ops.deploy_local`) shares all three.
 """
 
@@ -45,8 +45,8 @@ from omegaconf import DictConfig
 
 from fedhm_flwr.config import compose_config, load_config, resume_config, split_overrides
 from fedhm_flwr.data.files import check_data_available
-from fedhm_flwr.ops.flower_job import ErrorScan, FlowerJob, run_flower_job
-from fedhm_flwr.ops.outcome import (
+from fedhm_flwr.ops.job.flower_job import ErrorScan, FlowerJob, run_flower_job
+from fedhm_flwr.ops.job.outcome import (
     Commands,
     PythonCommands,
     RunFailed,
@@ -61,11 +61,10 @@ from fedhm_flwr.ops.outcome import (
     resume_hint,
     run_command,
 )
-from fedhm_flwr.ops.procs import Processes, new_tag
-from fedhm_flwr.ops.runlock import RunLock
-from fedhm_flwr.ops.shared_ray import SHARED_RAY_VAR
-from fedhm_flwr.ops.signals import Interrupted, on_signals
-from fedhm_flwr.ops.superlink import (
+from fedhm_flwr.ops.job.procs import Processes, new_tag
+from fedhm_flwr.ops.job.runlock import RunLock
+from fedhm_flwr.ops.job.signals import Interrupted, on_signals
+from fedhm_flwr.ops.job.superlink import (
     APP_DIR,
     SIMULATION_CONNECTION,
     free_port,
@@ -74,6 +73,7 @@ from fedhm_flwr.ops.superlink import (
     superlink_env,
     write_run_config,
 )
+from fedhm_flwr.ops.shared_ray import SHARED_RAY_VAR
 from fedhm_flwr.reporting.results import refuse_existing_run
 
 #: names other modules and tests import from here (the launcher's public face)
@@ -101,7 +101,7 @@ __all__ = [
 #: ``time.time()``; the ServerApp's own marks are in the summary): bench figure 8 breaks the job's wall time down
 TIMINGS_FILE = "timings.json"
 
-LAUNCH = (sys.executable, "-m", "fedhm_flwr.ops.launch")
+LAUNCH = (sys.executable, "-m", "fedhm_flwr.ops.job.launch")
 LAUNCH_COMMANDS = Commands((*LAUNCH, "--resume"), LAUNCH, APP_DIR)
 
 
@@ -142,7 +142,7 @@ def run_job(
     Raises ConfigError / FileExistsError (incl. RunDirectoryBusy) before anything starts,
     :class:`RunFailed` when the run fails and :class:`RunInterrupted` (after the cleanup) on
     SIGINT / SIGTERM / SIGHUP; their resume command is in ``commands``' terms (default:
-    ``python -m fedhm_flwr.ops.launch --resume DIR``). ``on_error`` is told the run's first ServerApp
+    ``python -m fedhm_flwr.ops.job.launch --resume DIR``). ``on_error`` is told the run's first ServerApp
     error and first client error (one line each) as soon as Flower's output shows them."""
     commands = commands or LAUNCH_COMMANDS
     marks = {"launcher_started_at": time.time()}  # (timings.json; measurement only)
@@ -219,7 +219,7 @@ def _run(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m fedhm_flwr.ops.launch",
+        prog="python -m fedhm_flwr.ops.job.launch",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fedhm_flwr.config import load_config, resume_config
-from fedhm_flwr.ops.launch import default_run_dir, run_job
-from fedhm_flwr.ops.outcome import checkpoint_round, require_checkpoint
+from fedhm_flwr.ops.job.launch import default_run_dir, run_job
+from fedhm_flwr.ops.job.outcome import checkpoint_round, require_checkpoint
 from fedhm_flwr.reporting.results import METRICS_JSONL
 
 
