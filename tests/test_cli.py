@@ -163,7 +163,7 @@ def test_compare_plan_runs_every_method_on_every_seed_then_each_ablation():
 
 
 def test_compare_match_names_the_resource_and_refuses_others(capsys):
-    from fedhm_flwr.ops.multirun import match_option
+    from fedhm_flwr.ops.sweeps.multirun import match_option
 
     assert [match_option(v) for v in ("params", "macs", "memory", "fedhm_memory", "none")] == [
         "fedhm_params",

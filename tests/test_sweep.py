@@ -51,7 +51,7 @@ def test_a_sweep_on_a_two_node_ray_cluster_has_one_row_per_job(tmp_path):
         cmd = [
             sys.executable,
             "-m",
-            "fedhm_flwr.ops.sweep",
+            "fedhm_flwr.ops.sweeps.sweep",
             "-m",
             "levels.ratios=" + ",".join(f"[{a},{b}]" for a, b in RATIOS),
             "seed=1",

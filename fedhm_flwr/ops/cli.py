@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedhm_flwr.config import ConfigError, split_overrides
-from fedhm_flwr.ops import multirun
 from fedhm_flwr.ops.job.launch import run_job
 from fedhm_flwr.ops.job.outcome import fedhm_commands, report_finished, report_stop
 from fedhm_flwr.ops.job.procs import Interrupted, on_signals
 from fedhm_flwr.ops.job.progress import run_with_progress
 from fedhm_flwr.ops.job.status import main as status_main
-from fedhm_flwr.ops.multirun import COMPARE_OVERRIDES, compare_plan  # noqa: F401  (compare_plan: tests import it here)
+from fedhm_flwr.ops.sweeps import multirun
+from fedhm_flwr.ops.sweeps.multirun import COMPARE_OVERRIDES, compare_plan  # noqa: F401  (compare_plan: tests import it here)
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def cmd_resume(argv: list[str]) -> int:
     return _run_job(split_overrides(args.overrides), None, args.run_dir.resolve(), not args.no_progress)
 
 
-# ------------------------------------------------------------------------- sweep, compare (fedhm_flwr/ops/multirun.py)
+# ------------------------------------------------------------------ sweep, compare (fedhm_flwr/ops/sweeps/multirun.py)
 
 
 def cmd_sweep(argv: list[str]) -> int:

@@ -73,7 +73,7 @@ from fedhm_flwr.ops.job.superlink import (
     superlink_env,
     write_run_config,
 )
-from fedhm_flwr.ops.shared_ray import SHARED_RAY_VAR
+from fedhm_flwr.ops.sweeps.shared_ray import SHARED_RAY_VAR
 from fedhm_flwr.reporting.results import refuse_existing_run
 
 #: names other modules and tests import from here (the launcher's public face)
@@ -196,7 +196,7 @@ def _run(
         f"client-resources-num-gpus={float(cfg.simulation.num_gpus)} "
         'init-args-logging-level="ERROR" init-args-log-to-driver=true'
     )
-    # the config's cluster, else the sweep's shared Ray instance (fedhm_flwr/ops/shared_ray.py), else a private one
+    # the config's cluster, else the sweep's shared Ray instance (ops/sweeps/shared_ray.py), else a private one
     ray_address = cfg.simulation.get("ray_address") or os.environ.get(SHARED_RAY_VAR) or None
     env = start_simulation_superlink(procs, flwr_home, run_dir / "superlink.log", ray_address=ray_address)
     marks["superlink_ready_at"] = time.time()

@@ -1,4 +1,4 @@
-"""The process that holds a sweep's shared Ray instance (:mod:`fedhm_flwr.ops.shared_ray` starts it):
+"""The process that holds a sweep's shared Ray instance (:mod:`fedhm_flwr.ops.sweeps.shared_ray` starts it):
 ``ray.init`` of a local instance, its address printed on one line, then it waits for SIGTERM or the end
 of its stdin and stops the instance (``ray.shutdown``: the Ray processes it started, and only those)."""
 
@@ -11,7 +11,7 @@ import warnings
 
 import ray
 
-from fedhm_flwr.ops.shared_ray import READY
+from fedhm_flwr.ops.sweeps.shared_ray import READY
 
 
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the supervisor process

@@ -1,6 +1,6 @@
 """Hydra multiruns as child processes: ``fedhm sweep`` and ``fedhm compare``.
 
-A sweep runs ``python -m fedhm_flwr.ops.sweep -m OVERRIDES`` in a process group of its own (Hydra
+A sweep runs ``python -m fedhm_flwr.ops.sweeps.sweep -m OVERRIDES`` in a process group of its own (Hydra
 finds its config tree relative to that entry point and owns the process while the multirun
 lasts); ``fedhm compare`` plans one sweep per method set and ablation (:func:`compare_plan`),
 runs them in turn and summarises them. An interrupted sweep or comparison continues with
@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from fedhm_flwr.config import ConfigError, split_overrides
 from fedhm_flwr.ops.job.outcome import fedhm_program
 from fedhm_flwr.ops.job.signals import SIGNALS
-from fedhm_flwr.ops.shared_ray import SHARED_RAY_VAR, enabled as shared_ray_enabled, shared_ray
+from fedhm_flwr.ops.sweeps.shared_ray import SHARED_RAY_VAR, enabled as shared_ray_enabled, shared_ray
 from fedhm_flwr.reporting.summary import main as summary_main
 
 #: `fedhm compare` (`make compare`): the baselines on the same work, every method on every seed,
@@ -52,7 +52,7 @@ COMPARE_ABLATIONS = ("train.distill.enabled=true", "method.official_weights=true
 
 
 #: set for a sweep that continues an interrupted one: its finished jobs are kept, an interrupted job
-#: is resumed from its checkpoint (fedhm_flwr/ops/sweep.py)
+#: is resumed from its checkpoint (fedhm_flwr/ops/sweeps/sweep.py)
 CONTINUE_VAR = "FEDHM_SWEEP_CONTINUE"
 #: what an interrupted sweep prints as the command that continues it (compare: ``fedhm compare --continue``)
 CONTINUE_COMMAND_VAR = "FEDHM_CONTINUE_COMMAND"
@@ -65,14 +65,20 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 
 
 def _hydra_sweep(overrides: list[str], env: dict[str, str] | None = None) -> int:
-    """``python -m fedhm_flwr.ops.sweep -m OVERRIDES``, as its own process: Hydra finds its config tree
+    """``python -m fedhm_flwr.ops.sweeps.sweep -m OVERRIDES``, as its own process: Hydra finds its config tree
     relative to the entry point's file and owns the process while the multirun lasts.
 
     The sweep runs in a process group of its own and this process forwards SIGINT / SIGTERM /
     SIGHUP to it, once (a terminal's Ctrl-C reaches only this foreground group); the sweep stops
     its job, says which jobs finished and how to continue, and exits 128 + the signal, which is
     this command's exit code."""
-    cmd = [sys.executable, "-m", "fedhm_flwr.ops.sweep", "-m", *[o for o in overrides if o not in ("-m", "--multirun")]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fedhm_flwr.ops.sweeps.sweep",
+        "-m",
+        *[o for o in overrides if o not in ("-m", "--multirun")],
+    ]
     proc = subprocess.Popen(
         cmd,
         env={**os.environ, **(env or {})},
@@ -106,7 +112,7 @@ def _hydra_sweep(overrides: list[str], env: dict[str, str] | None = None) -> int
 
 @contextlib.contextmanager
 def sweep_ray(overrides: list[str]) -> Iterator[dict[str, str]]:
-    """The environment that gives a sweep's jobs one shared Ray instance (:mod:`fedhm_flwr.ops.shared_ray`),
+    """The environment that gives a sweep's jobs one shared Ray instance (:mod:`fedhm_flwr.ops.sweeps.shared_ray`),
     started here and stopped when the block ends; none (``{}``) where ``FEDHM_SHARED_RAY=0``, where the
     overrides name ``simulation.ray_address`` or where a shared instance is already handed down."""
     if (

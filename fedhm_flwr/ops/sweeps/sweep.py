@@ -1,6 +1,6 @@
 """Hydra multirun sweeps: every job is one full run through ``flwr run`` on the simulation engine.
 
-    python -m fedhm_flwr.ops.sweep -m levels.ratios=[1,0.5,0.25,0.125],[1,0.25] method.tau=1,inf
+    python -m fedhm_flwr.ops.sweeps.sweep -m levels.ratios=[1,0.5,0.25,0.125],[1,0.25] method.tau=1,inf
 
 Each job validates its configuration, then runs exactly what ``python -m fedhm_flwr.ops.job.launch``
 runs (a private SuperLink, ``flwr run``, a status check, cleanup), writing its outputs into its
@@ -12,7 +12,7 @@ key), in the sweep directory (``python -m fedhm_flwr.reporting.summary`` does th
 
 Jobs run one after another (Hydra's basic launcher). Each job starts its own SuperLink on free ports;
 with ``FEDHM_SHARED_RAY=1``, the jobs of ``fedhm sweep`` / ``fedhm compare`` share one Ray instance
-(:mod:`fedhm_flwr.ops.shared_ray`, handed down in ``FEDHM_SHARED_RAY_ADDRESS``), else each starts its own.
+(:mod:`fedhm_flwr.ops.sweeps.shared_ray`, handed down in ``FEDHM_SHARED_RAY_ADDRESS``), else each starts its own.
 Jobs may also run side by side with a parallel Hydra launcher (see the README).
 """
 
@@ -43,7 +43,7 @@ from fedhm_flwr.ops.job.outcome import (
 )
 from fedhm_flwr.ops.job.progress import run_with_progress
 from fedhm_flwr.ops.job.signals import on_signals
-from fedhm_flwr.ops.multirun import CONTINUE_COMMAND_VAR, CONTINUE_VAR  # set by `fedhm sweep|compare --continue`
+from fedhm_flwr.ops.sweeps.multirun import CONTINUE_COMMAND_VAR, CONTINUE_VAR  # set by `fedhm sweep|compare --continue`
 from fedhm_flwr.reporting.results import METRICS_CSV, METRICS_JSONL, SUMMARY_FILE
 from fedhm_flwr.reporting.summary import markdown_table, write_summary
 
@@ -84,7 +84,7 @@ def sweep_report(sweep_dir: Path, job: str, what: str) -> str:
     )
 
 
-@hydra.main(config_path="../../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path="../../../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     """One sweep job: validate, run through ``flwr run``, return the final global accuracy on the
     server's test set (the clients' federated accuracy when the server has none).

@@ -2,7 +2,7 @@
 
 Every job of a sweep starts its own SuperLink and, without this, its own Ray instance: seconds of
 start-up per job (bench figure 8 measures both). :func:`shared_ray` starts one local Ray instance
-for the whole sweep in a supervisor process (``python -m fedhm_flwr.ops.ray_supervisor``: ``ray.init``,
+for the whole sweep in a supervisor process (``python -m fedhm_flwr.ops.sweeps.ray_supervisor``: ``ray.init``,
 then it waits), hands its address to the jobs in :data:`SHARED_RAY_VAR` (the launcher passes it on
 as ``simulation.ray_address`` does; an address set in the config wins) and stops it at the end,
 also on failure or Ctrl-C: the supervisor is ended by its own process id (its ``ray.shutdown``
@@ -51,7 +51,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 @contextlib.contextmanager
 def shared_ray(num_cpus: int | None = None, timeout: float = 120) -> Iterator[str]:
     """A local Ray instance for the block; yields its address (``HOST:PORT``). Stopped on exit."""
-    cmd = [sys.executable, "-m", "fedhm_flwr.ops.ray_supervisor", str(num_cpus or os.cpu_count() or 1)]
+    cmd = [sys.executable, "-m", "fedhm_flwr.ops.sweeps.ray_supervisor", str(num_cpus or os.cpu_count() or 1)]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
