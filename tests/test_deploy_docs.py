@@ -35,9 +35,9 @@ import pytest
 from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 from test_deploy import FEDHM, ROOT, needs_fmnist
 
+from fedhm_flwr.ops.deploy.supernode import children
 from fedhm_flwr.ops.job.procs import Processes, alive, command_name, stat_field, tagged_pids
 from fedhm_flwr.ops.job.superlink import flower_env, free_port
-from fedhm_flwr.ops.supernode import children
 
 DOC = ROOT / "docs" / "DEPLOY.md"
 #: the walk-through's job, made tiny: 3 devices, 1 round, a width-4 CNN on 600 examples, two levels (the full

@@ -2,7 +2,7 @@
 
 A node of a real deployment holds only its own examples. ::
 
-    python -m fedhm_flwr.ops.shards <the run's Hydra overrides> out=DIR     (or --out DIR)
+    python -m fedhm_flwr.ops.deploy.shard_export <the run's Hydra overrides> out=DIR     (or --out DIR)
 
 writes ``DIR/partition-<i>/`` for every partition ``i`` of the run (``num_clients`` partitions
 of the configured dataset, partitioner, seed, ``dataset.max_train_examples`` and held-out
@@ -181,7 +181,7 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ShardError(
             f"{folder}: not a shard (no {MANIFEST}); export one with "
-            f"`python -m fedhm_flwr.ops.shards <overrides> out=DIR` (docs/DEPLOY.md, Shard format)"
+            f"`python -m fedhm_flwr.ops.deploy.shard_export <overrides> out=DIR` (docs/DEPLOY.md, Shard format)"
         )
     try:
         manifest = json.loads(path.read_text())

@@ -203,7 +203,7 @@ COMMANDS: dict[str, Command] = {
             "fedhm deploy-local --nodes 4 --credentials-only creds --san fl.example.org",
         ),
         _delegate("deploy-local"),
-        "fedhm_flwr.ops.deploy_local",
+        "fedhm_flwr.ops.deploy.deploy_local",
         "SuperLink (TLS, node auth) + N SuperNodes on loopback, runs the job",
     ),
     "stage": Command(
@@ -212,7 +212,7 @@ COMMANDS: dict[str, Command] = {
         "every device, as `fedhm deploy-local` does (docs/DEPLOY.md).",
         ("fedhm stage /srv/fedhm/app", 'flwr run "$(fedhm stage /tmp/fedhm-app)" fedhm --stream'),
         _delegate("stage"),
-        "fedhm_flwr.ops.stage",
+        "fedhm_flwr.ops.deploy.stage",
         "the app alone, staged for `flwr run` on real devices (not tests/ docs/ results/)",
     ),
     "inspect": Command(
@@ -235,12 +235,12 @@ COMMANDS: dict[str, Command] = {
         "one table and plots over finished runs",
     ),
     "shards": Command(
-        "A node's own data shard (export / load), for real devices; runs fedhm_flwr.ops.shards "
+        "A node's own data shard (export / load), for real devices; runs fedhm_flwr.ops.deploy.shard_export "
         "(imported when called: available once that module is installed).",
         ("fedhm shards --help",),
         _delegate("shards"),
-        "fedhm_flwr.ops.shards",
-        "a node's own data shard for real devices (fedhm_flwr.ops.shards, when installed)",
+        "fedhm_flwr.ops.deploy.shard_export",
+        "a node's own data shard for real devices (fedhm_flwr.ops.deploy.shard_export, when installed)",
     ),
     "supernode": Command(
         "flower-supernode with the same arguments, kept running: started again after it dies "
@@ -251,7 +251,7 @@ COMMANDS: dict[str, Command] = {
             "--auth-supernode-private-key node.key --node-config node-config.toml",
         ),
         _delegate("supernode"),
-        "fedhm_flwr.ops.supernode",
+        "fedhm_flwr.ops.deploy.supernode",
         "flower-supernode kept running, its ClientApps ended with it (a device's SuperNode)",
     ),
     "export": Command(

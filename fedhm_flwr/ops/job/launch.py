@@ -26,7 +26,7 @@
 The pieces live beside it: the SuperLink and the app bundle in :mod:`fedhm_flwr.ops.job.superlink`, the
 ``flwr run`` runner in :mod:`fedhm_flwr.ops.job.flower_job`, how a run ends (resume commands,
 :class:`RunInterrupted`, :class:`RunFailed`) in :mod:`fedhm_flwr.ops.job.outcome`; ``fedhm deploy-local``
-(:mod:`fedhm_flwr.ops.deploy_local`) shares all three.
+(:mod:`fedhm_flwr.ops.deploy.deploy_local`) shares all three.
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedhm_flwr.config import ConfigError
+from fedhm_flwr.ops.deploy.supernode import exit_status  # noqa: F401  (a process's exit in words; the wrapper imports nothing)
 from fedhm_flwr.ops.job.health import final_line
 from fedhm_flwr.ops.job.signals import Interrupted, on_signals
-from fedhm_flwr.ops.supernode import exit_status  # noqa: F401  (a process's exit in words; the wrapper imports nothing)
 from fedhm_flwr.reporting.results import (
     CHECKPOINT_DIR,
     CONFIG_FILE,

@@ -2,7 +2,7 @@
 
 Shared by the launcher (``fedhm run``: a private simulation SuperLink, :func:`start_simulation_superlink`)
 and ``fedhm deploy-local`` (a SuperLink with TLS and SuperNode authentication on loopback,
-:mod:`fedhm_flwr.ops.deployment`): both start ``flower-superlink`` through :func:`start_superlink`,
+:mod:`fedhm_flwr.ops.deploy.loopback`): both start ``flower-superlink`` through :func:`start_superlink`,
 name it in the CLI's ``config.toml`` (:func:`write_connection`) and run the staged app
 (:func:`stage_app`) with a run-config file (:func:`write_run_config`).
 """

@@ -1,5 +1,5 @@
 """Whether the SuperLink a SuperNode talks to is still there: ``fedhm supernode``
-(:mod:`fedhm_flwr.ops.supernode`) probes its port while ClientApps run (:func:`probe`), and
+(:mod:`fedhm_flwr.ops.deploy.supernode`) probes its port while ClientApps run (:func:`probe`), and
 :class:`LinkWatch` says, from a series of probes, when the SuperLink's runs are over.
 
 Standard library only, as the wrapper that imports it (nothing of the app or of Flower).

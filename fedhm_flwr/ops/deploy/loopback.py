@@ -1,8 +1,8 @@
 """A SuperLink with TLS and SuperNode authentication plus SuperNodes, all on loopback.
 
 :class:`LocalDeployment` does what an operator does for a federation of real devices, each
-machine replaced by a process on 127.0.0.1 (``fedhm deploy-local``, :mod:`fedhm_flwr.ops.deploy_local`,
-and the deployment tests drive it): credentials (:mod:`fedhm_flwr.ops.credentials`), the SuperLink
+machine replaced by a process on 127.0.0.1 (``fedhm deploy-local``, :mod:`fedhm_flwr.ops.deploy.deploy_local`,
+and the deployment tests drive it): credentials (:mod:`fedhm_flwr.ops.deploy.credentials`), the SuperLink
 (:func:`fedhm_flwr.ops.job.superlink.start_superlink`, as the launcher starts its own), registration of
 every SuperNode's key, SuperNodes through ``fedhm supernode`` with their node configs, the job
 through the launcher's runner (:func:`fedhm_flwr.ops.job.flower_job.run_flower_job`), and the stop of
@@ -32,7 +32,7 @@ from fedhm_flwr.core.protocol import (
     NUM_PARTITIONS,
     PARTITION_ID,
 )
-from fedhm_flwr.ops.credentials import DEFAULT_SANS, Credentials, create_credentials
+from fedhm_flwr.ops.deploy.credentials import DEFAULT_SANS, Credentials, create_credentials
 from fedhm_flwr.ops.job.flower_job import FlowerJob, run_flower_job
 from fedhm_flwr.ops.job.outcome import Commands, RunFailed, exit_status
 from fedhm_flwr.ops.job.procs import TAG_VAR, Processes, alive, new_tag, tagged_pids
@@ -264,14 +264,14 @@ class LocalDeployment:
     ) -> subprocess.Popen[bytes]:
         """Start SuperNode ``name`` with its key, the CA certificate (unless ``with_ca=False``) and ``config``
         (``extra_env``: variables of the device's own environment, e.g. where its other data would be),
-        as a device does: through ``fedhm supernode`` (:mod:`fedhm_flwr.ops.supernode`), which starts it
+        as a device does: through ``fedhm supernode`` (:mod:`fedhm_flwr.ops.deploy.supernode`), which starts it
         again once if the SuperLink still holds the session of a killed predecessor (``restart_wait``:
         its wait, default the heartbeat window plus a margin; 0: no second start)."""
         folder = self.creds.node_dir(name)
         home = folder / "flwr-home"
         home.mkdir(parents=True, exist_ok=True)
         (folder / "node-config.toml").write_text(node_config_toml(config))
-        wrapper = [sys.executable, "-m", "fedhm_flwr.ops.supernode"]
+        wrapper = [sys.executable, "-m", "fedhm_flwr.ops.deploy.supernode"]
         if restart_wait is not None:
             wrapper += ["--restart-wait", str(restart_wait)]
         cmd = [
@@ -294,7 +294,7 @@ class LocalDeployment:
         if max_wait_time is not None:
             cmd += ["--max-wait-time", str(max_wait_time)]
         env = {**self.env(home), **(extra_env or {})}
-        # `python -m fedhm_flwr.ops.supernode` of this checkout, also where another one is installed
+        # `python -m fedhm_flwr.ops.deploy.supernode` of this checkout, also where another one is installed
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(APP_DIR), env.get("PYTHONPATH", "")) if p)
         proc = self.processes.start(name, cmd, env, self.logs / f"{name}.log", cwd=folder)
         self.supernodes[name] = proc

@@ -50,9 +50,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedhm_flwr.ops.link_watch import HEARTBEAT_WINDOW, PROBE_EVERY, LinkWatch, behind_proxy, probe, superlink_address
+from fedhm_flwr.ops.deploy.link_watch import (
+    HEARTBEAT_WINDOW,
+    PROBE_EVERY,
+    LinkWatch,
+    behind_proxy,
+    probe,
+    superlink_address,
+)
 
-#: Flower's values (tests compare them; the SuperLink's in :mod:`fedhm_flwr.ops.link_watch`): the code of a
+#: Flower's values (tests compare them; the SuperLink's in :mod:`fedhm_flwr.ops.deploy.link_watch`): the code of a
 #: refused activation (``ApiErrorCode``), the line of a SuperNode's clean stop, of an error exit
 ACTIVATION_FAILED = "[code: 2004]"
 LEAVING = "SuperNode terminated gracefully"

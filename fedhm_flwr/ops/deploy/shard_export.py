@@ -1,4 +1,4 @@
-"""``python -m fedhm_flwr.ops.shards <the run's Hydra overrides> out=DIR`` (also ``fedhm shards``): write
+"""``python -m fedhm_flwr.ops.deploy.shard_export <the run's Hydra overrides> out=DIR`` (also ``fedhm shards``): write
 every partition of a run as a node's own data shard (the format and the loader are in
 :mod:`fedhm_flwr.data.shards`; this entry point composes the run's config, so it sits above it)."""
 
@@ -32,7 +32,7 @@ def _parse_args(argv: Sequence[str]) -> tuple[list[str], str | None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fedhm_flwr.ops.shards <overrides> out=DIR``: exit 0, or 2 with one line on stderr."""
+    """``python -m fedhm_flwr.ops.deploy.shard_export <overrides> out=DIR``: exit 0, or 2 with one line on stderr."""
     try:
         overrides, out = _parse_args(sys.argv[1:] if argv is None else argv)
         if not out:

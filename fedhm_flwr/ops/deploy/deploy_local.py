@@ -1,14 +1,14 @@
 """A real Flower deployment of fedhm-flwr on this machine: TLS, SuperNode authentication, N SuperNodes.
 
 ``fedhm deploy-local --nodes N [--capabilities "SPEC ..."] [HYDRA OVERRIDES ...]``
-(what ``make deploy-local N=... CAPS="..." ARGS="..."`` calls; also ``python -m fedhm_flwr.ops.deploy_local``)
+(what ``make deploy-local N=... CAPS="..." ARGS="..."`` calls; also ``python -m fedhm_flwr.ops.deploy.deploy_local``)
 does what an operator does for a federation of real devices, with every machine replaced by a
-process on the loopback interface (:class:`fedhm_flwr.ops.deployment.LocalDeployment`):
+process on the loopback interface (:class:`fedhm_flwr.ops.deploy.loopback.LocalDeployment`):
 
 1. **credentials** (``<work>/ca``, ``<work>/superlink``, ``<work>/supernodes/node-<i>``,
-   :mod:`fedhm_flwr.ops.credentials`): a certificate authority, a TLS certificate for the SuperLink signed by it (valid
-   for ``localhost``, ``127.0.0.1``, ``::1`` and every ``--san``), and one EC P-384 key pair per
-   SuperNode in OpenSSH format (what ``flower-supernode --auth-supernode-private-key`` and
+   :mod:`fedhm_flwr.ops.deploy.credentials`): a certificate authority, a TLS certificate for the
+   SuperLink signed by it (valid for ``localhost``, ``127.0.0.1``, ``::1`` and every ``--san``), and
+   one EC P-384 key pair per SuperNode in OpenSSH format (what ``flower-supernode --auth-supernode-private-key`` and
    ``flwr supernode register`` read). Written with the ``cryptography`` package (a dependency of
    Flower), because one library makes both the X.509 certificates and the OpenSSH keys, which
    ``openssl`` alone cannot write; docs/DEPLOY.md gives the equivalent ``openssl`` /
@@ -51,8 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from fedhm_flwr.config import ConfigError, load_config, resume_config, split_overrides
-from fedhm_flwr.ops.credentials import DEFAULT_SANS, create_credentials
-from fedhm_flwr.ops.deployment import LocalDeployment, node_config, parse_capability, say
+from fedhm_flwr.ops.deploy.credentials import DEFAULT_SANS, create_credentials
+from fedhm_flwr.ops.deploy.loopback import LocalDeployment, node_config, parse_capability, say
 from fedhm_flwr.ops.job.launch import check_data, default_run_dir
 from fedhm_flwr.ops.job.outcome import (
     Commands,
