@@ -7,7 +7,7 @@ one process over :class:`fedhm_flwr.ops.apps.local_grid.LocalGrid` (no Ray: on a
 simulation engine's start-up would cost more than the runs). A run whose ``summary.json``
 exists is not run again (``--fresh`` to redo), so an interrupted sweep continues where it
 stopped. Results go to ``<out>/<track>/<run>/`` (default ``~/fedhm-outputs/transformer-track``);
-the Markdown tables, with the frozen-backbone probes of ``python -m fedhm_flwr.ops.pretrain probe``
+the Markdown tables, with the frozen-backbone probes of ``python -m fedhm_flwr.ops.tools.pretrain probe``
 when their JSON is given (``--probes``), to ``bench/reports/transformer_track.md``.
 
 Columns: final test accuracy of each rank's / type's deployable model (FedLoRA: the rank-r
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "FedLoRA's per-rank columns are the rank-r truncations of the one global ΔW (heterogeneous run) or",
         "the rank of a homogeneous run; HeteroTune's per-type columns are each type's deployable model",
         "(its DeMA merged exactly into plain adapters). Parameters are exact trainable counts per client",
-        "(`python -m fedhm_flwr.ops.inspect` prints the same); bytes are what the run's counters measure.",
+        "(`python -m fedhm_flwr.ops.tools.cost_table` prints the same); bytes are what the run's counters measure.",
         "",
     ]
     for track in TRACKS:
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             parts += ["### HeteroTune", "", heterotune_table(results, names), ""]
     probes = [row for p in args.probes for row in json.loads(Path(p).read_text())]
     if probes:
-        from fedhm_flwr.ops.pretrain import markdown
+        from fedhm_flwr.ops.tools.pretrain import markdown
 
         parts += ["## Does pre-training matter? Frozen-backbone (linear probe) accuracy", "", markdown(probes), ""]
     args.report.parent.mkdir(parents=True, exist_ok=True)

@@ -98,6 +98,6 @@ def load_model(run_dir: str | Path, level: str | float = 1) -> Any:
     """A run's deployable model of ``level`` (``1``, ``0.125``, ``"1/8"``), as ``fedhm export``
     writes it: in eval mode with fixed normalisation statistics, so its predictions do not depend
     on the batch (docs/METHODS.md#deployable-statistics)."""
-    from fedhm_flwr.ops.export import deployable_model  # torch: only where a model is asked for
+    from fedhm_flwr.ops.tools.export import deployable_model  # torch: only where a model is asked for
 
     return deployable_model(Path(run_dir).expanduser().resolve(), level)[3]

@@ -89,8 +89,14 @@ TORCH_FREE_PATH = {
     ("fedhm_flwr.config.methods", "fedhm_flwr.models"): "a user's model (model.target)",
     ("fedhm_flwr.config.methods", "fedhm_flwr.models.vit"): "a pre-trained ViT's checkpoint",
     ("fedhm_flwr.config.specs", "fedhm_flwr.models.vit"): "a ViT's model spec",
-    ("fedhm_flwr.api", "fedhm_flwr.ops.export"): "api.load_model builds a model (importing fedhm_flwr.api stays light)",
-    ("fedhm_flwr.ops.job.launch", "fedhm_flwr.ops.inspect"): "FedHM's level sizes, counted on a model before round 1",
+    (
+        "fedhm_flwr.api",
+        "fedhm_flwr.ops.tools.export",
+    ): "api.load_model builds a model (importing fedhm_flwr.api stays light)",
+    (
+        "fedhm_flwr.ops.job.launch",
+        "fedhm_flwr.ops.tools.cost_table",
+    ): "FedHM's level sizes, counted on a model before round 1",
     (
         "fedhm_flwr.reporting.results",
         "safetensors.torch",

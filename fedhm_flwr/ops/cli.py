@@ -224,7 +224,7 @@ COMMANDS: dict[str, Command] = {
             "fedhm inspect model.target=torchvision.models:resnet18 model.kwargs.num_classes=10 dataset=cifar10",
         ),
         _delegate("inspect"),
-        "fedhm_flwr.ops.inspect",
+        "fedhm_flwr.ops.tools.cost_table",
         "per-level parameters, MACs, payload bytes (no training)",
     ),
     "summary": Command(
@@ -259,7 +259,7 @@ COMMANDS: dict[str, Command] = {
         "torch.export .pt2, ONNX where an exporter is installed, and a model card.",
         ("fedhm export run=/tmp/fedhm/r1 level=1/4", "fedhm export run=/tmp/fedhm/r1 level=1 out=/tmp/fedhm/r1-full"),
         _delegate("export"),
-        "fedhm_flwr.ops.export",
+        "fedhm_flwr.ops.tools.export",
         "a level's deployable model: safetensors, .pt2, model card",
     ),
     "bench": Command(

@@ -123,7 +123,9 @@ def warn_level_sizes(cfg: DictConfig) -> None:
     """Before round 1, on the console: FedHM levels that do not shrink the model (stderr)."""
     if cfg.method.name != "fedhm":
         return
-    from fedhm_flwr.ops.inspect import size_warnings  # torch: only for FedHM (the config check stays torch-free)
+    from fedhm_flwr.ops.tools.cost_table import (
+        size_warnings,  # torch: only for FedHM (the config check stays torch-free)
+    )
 
     for line in size_warnings(cfg):
         print(f"warning: {line}", file=sys.stderr, flush=True)

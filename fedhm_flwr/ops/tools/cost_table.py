@@ -1,6 +1,6 @@
 """Per-level cost table, without training.
 
-``python -m fedhm_flwr.ops.inspect [HYDRA OVERRIDES ...]`` composes the same configuration as a run
+``python -m fedhm_flwr.ops.tools.cost_table [HYDRA OVERRIDES ...]`` composes the same configuration as a run
 and prints one row per level: the level's ratio, its exact integer parameter count, its MACs for
 one input and the bytes of the payload a client of that level receives (and sends back) per
 round. For FedHM (and FedAvg of family fedhm) a second table gives the plan: every layer the
@@ -173,7 +173,7 @@ def format_table(cfg: Any, rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m fedhm_flwr.ops.inspect",
+        prog="python -m fedhm_flwr.ops.tools.cost_table",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

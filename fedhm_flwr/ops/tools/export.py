@@ -1,6 +1,6 @@
 """Deployable models from a run: one level's model as a device would run it.
 
-``fedhm export run=DIR level=GAMMA [out=DIR]`` (``python -m fedhm_flwr.ops.export ...``) reads the run's
+``fedhm export run=DIR level=GAMMA [out=DIR]`` (``python -m fedhm_flwr.ops.tools.export ...``) reads the run's
 checkpoint (``checkpoint/global_model.safetensors``, ``config.yaml``) and writes that level's
 deployable model, as the strategy defines it (:meth:`Method.deployable`; FedHM: the SVD
 truncation of the global model at the level's ranks, i.e. the factorized network, not the
@@ -10,7 +10,7 @@ recovered full one):
   :func:`load_model`;
 * ``model.pt2``: a ``torch.export`` program (batch size dynamic), ``torch.export.load(...).module()``;
 * ``model.onnx``: one self-contained ONNX file, checked in ONNX Runtime one image at a time
-  against the PyTorch model on the run's test set (:mod:`fedhm_flwr.ops.onnx_model`): a file
+  against the PyTorch model on the run's test set (:mod:`fedhm_flwr.ops.tools.onnx_model`): a file
   whose logits differ beyond the tolerance is refused and nothing is written;
 * ``model_card.md`` / ``model_card.json``: parameters, MACs, the accuracy of the exported model
   (PyTorch, and ONNX Runtime one image at a time), the preprocessing with a snippet running the
@@ -39,8 +39,8 @@ from fedhm_flwr.data import class_names, client_dataset, source_info, test_datas
 from fedhm_flwr.math.bn_stats import batch_statistics_layers, bn_sums, norm_layers
 from fedhm_flwr.math.train import evaluate
 from fedhm_flwr.models import build_model, count_macs, count_parameters, deployable_network, input_shape
-from fedhm_flwr.ops.model_card import model_card_markdown, run_accuracy
-from fedhm_flwr.ops.onnx_model import OnnxCheckFailed, check_onnx, missing_packages, onnx_bytes, ort_snippet
+from fedhm_flwr.ops.tools.model_card import model_card_markdown, run_accuracy
+from fedhm_flwr.ops.tools.onnx_model import OnnxCheckFailed, check_onnx, missing_packages, onnx_bytes, ort_snippet
 from fedhm_flwr.reporting.results import CONFIG_FILE, atomic_write, load_bn_statistics, load_checkpoint
 from fedhm_flwr.server.registry import STRATEGIES
 
@@ -300,7 +300,7 @@ def parse_pairs(argv: list[str]) -> dict[str, str]:
 
 
 USAGE = (
-    "usage: python -m fedhm_flwr.ops.export run=DIR level=GAMMA [out=DIR]\n\n"
+    "usage: python -m fedhm_flwr.ops.tools.export run=DIR level=GAMMA [out=DIR]\n\n"
     "A level's deployable model from a run's checkpoint.\n"
 )
 HELP = """arguments (key=value):
@@ -315,14 +315,18 @@ run's test set; refused, and nothing written, when they disagree) and model_card
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m fedhm_flwr.ops.export`` (``argv`` None) and ``fedhm export`` (a list: the
+    """``python -m fedhm_flwr.ops.tools.export`` (``argv`` None) and ``fedhm export`` (a list: the
     command's own help has printed the usage line and examples, so ``--help`` adds the rest)."""
     args = sys.argv[1:] if argv is None else list(argv)
     if {"-h", "--help"} & set(args):
         print(
             (USAGE + "\n" if argv is None else "")
             + HELP
-            + ("\nexample:\n  python -m fedhm_flwr.ops.export run=/tmp/fedhm/r1 level=1/4" if argv is None else "")
+            + (
+                "\nexample:\n  python -m fedhm_flwr.ops.tools.export run=/tmp/fedhm/r1 level=1/4"
+                if argv is None
+                else ""
+            )
         )
         return 0
     try:

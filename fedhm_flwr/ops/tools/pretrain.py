@@ -1,6 +1,6 @@
 """Pre-train the ViT backbones of the image transformer track, and measure what pre-training buys.
 
-``python -m fedhm_flwr.ops.pretrain vit`` (``make pretrain``) trains the three ViT sizes (widths 64,
+``python -m fedhm_flwr.ops.tools.pretrain vit`` (``make pretrain``) trains the three ViT sizes (widths 64,
 32, 16; depth 4, 2 heads, patch 7, MLP ratio 2) centrally on a *source task*: Fashion-MNIST's
 training images of classes 0-4 only (T-shirt/top, trouser, pullover, dress, coat; about 30k
 images), a few epochs of AdamW on the CPU (minutes). The federated task then uses all ten
@@ -10,7 +10,7 @@ classes, so five of them are never seen in pre-training and the test set never i
 classes, the epochs and the source accuracy in its metadata; the model specs name the file
 (``cache:vit/<name>``), every node loads its own copy.
 
-``python -m fedhm_flwr.ops.pretrain probe`` reports the frozen-backbone (linear probe) accuracy of
+``python -m fedhm_flwr.ops.tools.pretrain probe`` reports the frozen-backbone (linear probe) accuracy of
 the pre-trained versus a random backbone of the same architecture: a logistic-regression head
 trained on frozen features of a seeded training subset, evaluated on the test set. For the
 text track it compares the packaged MiniLM with a random BERT of the same shape on the
@@ -247,7 +247,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m fedhm_flwr.ops.pretrain",
+        prog="python -m fedhm_flwr.ops.tools.pretrain",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -118,7 +118,7 @@ def model_card_markdown(card: dict[str, Any]) -> str:
                 "",
             ]
     lines += [
-        "Load: `fedhm_flwr.ops.export.load_model('model.safetensors')` (the spec is in the file's metadata) "
+        "Load: `fedhm_flwr.ops.tools.export.load_model('model.safetensors')` (the spec is in the file's metadata) "
         "or `torch.export.load('model.pt2').module()`.",
         "",
     ]
