@@ -35,7 +35,7 @@ import numpy as np
 from fedhm_flwr.core.errors import ShardError
 from fedhm_flwr.data.catalog import DATASETS, EXTERNAL_DATASETS, FOLDER_SOURCES, DatasetInfo
 from fedhm_flwr.data.clients import client_arrays
-from fedhm_flwr.data.registry import source_info
+from fedhm_flwr.data.sources import source_info
 from fedhm_flwr.data.spec import CLIENT_SPLITS, check_data_spec
 from fedhm_flwr.data.tensors import ImageTensorDataset, image_dataset
 
@@ -90,7 +90,7 @@ def make_manifest(
     info: DatasetInfo | None = None,
 ) -> dict[str, Any]:
     """The manifest of partition ``partition_id`` of a validated data spec, given its split arrays
-    (``info``: the dataset's facts, :func:`fedhm_flwr.data.registry.source_info`; looked up when None)."""
+    (``info``: the dataset's facts, :func:`fedhm_flwr.data.sources.source_info`; looked up when None)."""
     info = info if info is not None else source_info(spec)
     return {
         "format": FORMAT,

@@ -27,7 +27,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from fedhm_flwr.config import base_defaults, data_spec
-from fedhm_flwr.data.registry import dataset_info
+from fedhm_flwr.data.sources import dataset_info
 from fedhm_flwr.reporting.results import CONFIG_FILE, METRICS_JSONL
 
 #: a final test loss this close to ln C is "uniform outputs"

@@ -1,4 +1,4 @@
-"""The dataset registry's entry points: :func:`dataset_info`, :func:`load_arrays`, which reads a
+"""What a data source reads, whichever it is: :func:`dataset_info`, :func:`load_arrays`, which reads a
 whole split of a built-in dataset (``idx``, ``cifar``), and :func:`source_arrays` /
 :func:`source_info` / :func:`class_names`, which do the same from a data spec, for the built-in
 datasets and the folder sources (``imagefolder``, ``hf_disk``) alike. The facts themselves are in
