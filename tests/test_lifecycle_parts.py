@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from lifecycle_helpers import ROOT, descendants, fedhm_status, is_alive, process_state
 
-from fedhm_flwr.ops.apps.server_app import runtime_address, watch_superlink
+from fedhm_flwr.ops.apps.superlink_watch import runtime_address, watch_superlink
 from fedhm_flwr.ops.job.runlock import RunDirectoryBusy, RunLock
 
 HOLDER = """
@@ -168,7 +168,7 @@ def test_resume_without_a_checkpoint_and_status_of_a_non_run_are_refused_at_once
 
 
 def test_the_serverapp_watch_fires_only_once_its_superlinks_port_refuses_connections():
-    """The ServerApp's watch (server_app.watch_superlink): quiet while something listens on the
+    """The ServerApp's watch (superlink_watch.watch_superlink): quiet while something listens on the
     SuperLink's address (its own ``--runtime-api-address``), on_gone once the port refuses."""
     assert runtime_address(["flwr-serverapp", "--runtime-api-address", "127.0.0.1:9091", "--token", "x"]) == (
         "127.0.0.1",

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import socket
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
-from logging import ERROR, INFO
+from logging import INFO
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +19,12 @@ import torch
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
-from flwr.supercore.constant import TASK_TYPE_TO_APPIO_API_ADDRESS_ARG, TaskType
 from omegaconf import DictConfig, OmegaConf
 
 from fedhm_flwr.config import load_config, model_spec, resume_config, to_yaml
 from fedhm_flwr.math.train import pick_device
 from fedhm_flwr.models import build_model
+from fedhm_flwr.ops.apps.superlink_watch import runtime_address, stop_with_superlink, watch_superlink
 from fedhm_flwr.ops.job.procs import TAG_VAR
 from fedhm_flwr.ops.job.runlock import RunLock
 from fedhm_flwr.reporting.provenance import code_version
@@ -61,73 +58,18 @@ def initial_state(cfg: DictConfig, spec: dict[str, Any]) -> dict[str, torch.Tens
     return {k: v.detach().clone() for k, v in build_model(spec).state_dict().items()}
 
 
-#: the ServerApp process's argument naming its SuperLink's Runtime API (``flwr-serverapp``, ``flwr-simulation``)
-RUNTIME_ADDRESS_ARG = TASK_TYPE_TO_APPIO_API_ADDRESS_ARG[TaskType.SERVER_APP]
-
-
-def runtime_address(argv: Sequence[str]) -> tuple[str, int] | None:
-    """(host, port) of the SuperLink this ServerApp process talks to, from its command line; None if absent."""
-    args = list(argv)
-    if RUNTIME_ADDRESS_ARG not in args[:-1]:
-        return None
-    host, _, port = args[args.index(RUNTIME_ADDRESS_ARG) + 1].rpartition(":")
-    return (host.strip("[]"), int(port)) if host and port.isdigit() else None
-
-
-def watch_superlink(
-    address: tuple[str, int], on_gone: Callable[[], None], every: float = 1.0, misses: int = 3
-) -> threading.Thread:
-    """A daemon thread that calls ``on_gone`` once the SuperLink's port has refused ``misses``
-    connections in a row, ``every`` s apart.
-
-    A SuperLink that gets SIGTERM stops listening at once but lives on while connections stay open
-    (``flwr run --stream`` / ``flwr log --stream``: a minute or more), and its ServerApp retries its
-    calls with no time limit meanwhile, holding the run directory's lock; only when the SuperLink's
-    process is gone does Flower stop the ServerApp. A refused connection is certain (nothing
-    listens); a timeout is not counted."""
-
-    def loop() -> None:
-        refused = 0
-        while refused < misses:
-            time.sleep(every)
-            try:
-                socket.create_connection(address, timeout=every).close()
-                refused = 0
-            except ConnectionRefusedError:
-                refused += 1
-            except OSError:
-                pass
-        on_gone()
-
-    thread = threading.Thread(target=loop, name="fedhm-superlink-watch", daemon=True)
-    thread.start()
-    return thread
-
-
-def _stop_with_superlink(out_dir: Path, cfg: DictConfig, address: tuple[str, int], lock: RunLock) -> None:
-    """The SuperLink stopped under this ServerApp: record it (the last checkpoint stays) and exit now."""
-    reason = (
-        f"the SuperLink at {address[0]}:{address[1]} stopped under the ServerApp (its port refuses "
-        "connections); the run stopped with it and can be resumed from its last checkpoint"
-    )
-    log(ERROR, "fedhm-flwr: %s", reason)
-    write_status(out_dir, "failed", error=reason, rounds=int(cfg.rounds), round=_rounds_done(out_dir))
-    lock.release()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)  # Flower's own exit would retry the SuperLink first; the checkpoint is written atomically
-
-
 def run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None = None) -> dict[str, Any]:
     """One whole run on a grid; returns the summary (also written to ``out_dir``). The run
     directory is locked for the run (a second run into it is refused); under the launcher or
     deploy-local, which hold the lock already, the process carries their tag and goes in.
     When the SuperLink stops under it, the ServerApp records that and exits within seconds
-    (:func:`watch_superlink`), freeing the lock for a resume."""
+    (:mod:`fedhm_flwr.ops.apps.superlink_watch`), freeing the lock for a resume."""
     lock = RunLock(out_dir, tag=os.environ.get(TAG_VAR)).acquire()
     address = runtime_address(sys.argv)
     if address is not None:
-        watch_superlink(address, lambda: _stop_with_superlink(out_dir, cfg, address, lock))
+        watch_superlink(
+            address, lambda: stop_with_superlink(out_dir, int(cfg.rounds), _rounds_done(out_dir), address, lock)
+        )
     try:
         code = code_version()  # the code this run starts with (git may be absent: "unknown")
         write_status(out_dir, "running", rounds=int(cfg.rounds), resumed=str(resume) if resume else None, **code)
