@@ -27,7 +27,6 @@ from fedhm_flwr.core.wire_arrays import (
     from_wire as from_wire,
     npy_header as npy_header,
     record_tensors as record_tensors,
-    reply_tensors as reply_tensors,
     wire_array as wire_array,
 )
 

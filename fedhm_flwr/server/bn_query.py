@@ -26,6 +26,7 @@ from fedhm_flwr.math.bn_stats import combine_bn_sums, norm_layers
 from fedhm_flwr.models import build_model, shape_device
 from fedhm_flwr.server.methods.method import State
 from fedhm_flwr.server.replies import round_deadline
+from fedhm_flwr.server.reply_arrays import check_bn_reply
 from fedhm_flwr.server.transport import asked_nodes, collect, error_reason, push
 
 Sums = dict[str, torch.Tensor]
@@ -100,9 +101,7 @@ class BnQuery:
         for node_id, reply in sorted(asked_nodes(self.messages, replies), key=lambda pair: view.registry.key(pair[0])):
             try:  # (sums in node order)
                 sums, why = (
-                    (None, error_reason(reply))
-                    if reply.has_error()
-                    else bn_wire.check_bn_reply(reply.content, self.expected)
+                    (None, error_reason(reply)) if reply.has_error() else check_bn_reply(reply.content, self.expected)
                 )
             except Exception as exc:  # noqa: BLE001 (no reply can raise out of the round)
                 sums, why = None, f"reply could not be read: {type(exc).__name__}: {exc}"

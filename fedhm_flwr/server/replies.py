@@ -7,7 +7,7 @@ of the round (docs/ROBUSTNESS.md, "Malformed replies"):
   counts once per node (a second delivery is refused as a duplicate);
 * **what**: exactly the records ``arrays`` (an ArrayRecord) and ``metrics`` (a MetricRecord); the
   arrays are the keys the node was sent, each with the dtype, declared shape and byte length of
-  the Array it was sent (:func:`fedhm_flwr.core.wire_arrays.sent_layout`, before any tensor is
+  the Array it was sent (:func:`fedhm_flwr.server.reply_arrays.sent_layout`, before any tensor is
   read); the tensors then pass the screen (NaN/inf, norm, :meth:`fedhm_flwr.server.untrusted.Untrusted.screen`);
 * **the metrics** have the wire types ``train_metrics`` writes (:data:`TRAIN_METRICS`), are finite
   and plausible: ``num-examples`` a positive int no larger than the training examples the node
@@ -35,9 +35,9 @@ from omegaconf import DictConfig
 
 from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.core.protocol import ARRAYS, METRICS
-from fedhm_flwr.core.wire_arrays import reply_tensors, sent_layout
 from fedhm_flwr.data.catalog import DATASETS
 from fedhm_flwr.server.payloads import Payload
+from fedhm_flwr.server.reply_arrays import reply_tensors, sent_layout
 from fedhm_flwr.server.transport import Deadline, asked_ids, content_bytes, error_reason
 
 #: the metrics a training reply holds (``protocol.train_metrics``) -> the Python types each may have
