@@ -1,2 +1,3 @@
-"""The client: ``handlers`` receives a message (one ClientApp, ``ops.client_app``, serves every method), builds the
+"""The client: ``handlers`` receives a message (one ClientApp, ``ops.apps.client_app``, serves every method),
+builds the
 model it describes, trains or evaluates on the node's data and replies."""
