@@ -156,7 +156,7 @@ def test_node_info_reports_the_shard_and_refuses_a_missing_or_broken_one(exporte
             "no shard there" in reply.error.reason
             and "python -m fedhm_flwr.ops.deploy.shard_export" in reply.error.reason
         )
-    with pytest.raises(base.NodeDataError, match=r"lacks data-dir.*python -m fedhm_flwr\.ops\.shards"):
+    with pytest.raises(base.NodeDataError, match=r"lacks data-dir.*python -m fedhm_flwr\.ops\.deploy\.shard_export"):
         base.node_shard(Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={}))
     broken = shutil.copytree(out / "partition-1", tmp_path / "broken")
     manifest = json.loads((broken / "manifest.json").read_text())
