@@ -84,7 +84,7 @@ inspect: setup  ## per-level parameters / MACs / bytes; ARGS= Hydra overrides
 
 .PHONY: pretrain
 pretrain: setup data  ## ViT backbones of the transformer track -> $$FEDHM_CACHE/vit (default ~/.cache/fedhm-flwr/vit); minutes on a CPU
-	$(BIN)/python -m fedhm_flwr.ops.pretrain vit $(ARGS)
+	$(BIN)/python -m fedhm_flwr.ops.tools.pretrain vit $(ARGS)
 
 .PHONY: deploy-local
 deploy-local: setup data  ## SuperLink with TLS + SuperNode auth and N SuperNodes on loopback, runs the job: N=2 CAPS="level=1 params=2e4 -" ARGS=overrides

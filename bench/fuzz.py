@@ -36,8 +36,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, Rec
 from bench.results import commit as code_version
 from fedhm_flwr.client.hostile import BENIGN, MUTATIONS, mutate
 from fedhm_flwr.config import load_config, model_spec
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import initial_state
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import initial_state
 from fedhm_flwr.server.registry import STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,8 +16,8 @@ def figure_wire(quick: bool) -> dict[str, Any]:
     """``wire.dtype``: bytes per parameter both ways and the accuracy cost, the default job
     (FedHM, CNN, Fashion-MNIST, 20 clients, half sampled) for a few rounds in process, the same
     seed for every dtype."""
-    from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-    from fedhm_flwr.ops.server_app import run
+    from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+    from fedhm_flwr.ops.apps.server_app import run
 
     rounds = 2 if quick else 3
     common = [f"rounds={rounds}", "evaluation.levels=false"] + (
@@ -53,8 +53,8 @@ def figure_checkpoint(quick: bool) -> dict[str, Any]:
     the run's own: each row's ``seconds`` and the summary's ``checkpoint_seconds``. The data is
     cut (fewer examples per client), so the rounds are shorter than the default job's: the
     ratio is an upper bound of the default job's."""
-    from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-    from fedhm_flwr.ops.server_app import run
+    from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+    from fedhm_flwr.ops.apps.server_app import run
 
     rounds, examples = (2, 1000) if quick else (3, 4000)
     out: dict[str, Any] = {

@@ -118,7 +118,7 @@ def client_options(overrides: str) -> tuple[dict[str, Any], list[dict[str, Any]]
 @functools.lru_cache(maxsize=64)
 def _client_options(overrides: str) -> tuple[dict[str, Any], tuple[dict[str, Any], ...]]:
     from fedhm_flwr.config import load_config, model_spec
-    from fedhm_flwr.ops.server_app import initial_state
+    from fedhm_flwr.ops.apps.server_app import initial_state
     from fedhm_flwr.server.registry import STRATEGIES
 
     cfg = load_config(overrides)

@@ -2,7 +2,7 @@
 same work; writes a Markdown table.
 
 Every run goes through the real round (strategy, Flower messages, client handlers) on the
-in-process grid (``fedhm_flwr.ops.local_grid``), with the same data, partitions, seed, clients, rounds
+in-process grid (``fedhm_flwr.ops.apps.local_grid``), with the same data, partitions, seed, clients, rounds
 and learning rate; only the method changes. Settings (the paper's, section 4.2 / 4.3):
 
 * ``homogeneous``: every client keeps 20 % of the principal kernels (``levels.ratios=[0.2]``);
@@ -31,8 +31,8 @@ import torch
 from fedhm_flwr.config import load_config, model_spec
 from fedhm_flwr.models import build_model, input_shape
 from fedhm_flwr.models.costs import activation_elements
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import run
 
 SETTINGS = {
     "homogeneous": "levels.ratios=[0.2] levels.proportions=[1]",

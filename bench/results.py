@@ -22,9 +22,9 @@ study's runs while none has finished (:mod:`bench.estimates`).
 Each study runs the methods in :data:`bench.studies.VARIANTS`: FedHM, HeteroFL and FedRolex with widths matched
 to FedHM's parameters per level, FedAvg on the full and on the smallest model, and FedHM with
 self-distillation. Every run is one job of the project's own server loop (strategy, messages and
-client handlers as under ``flwr run``), on the in-process grid (:mod:`fedhm_flwr.ops.local_grid`) or,
+client handlers as under ``flwr run``), on the in-process grid (:mod:`fedhm_flwr.ops.apps.local_grid`) or,
 for a study's ``ray_seeds``, through ``flwr run`` on Flower's Ray simulation engine
-(:func:`fedhm_flwr.ops.launch.run_job`); the run's ``summary.json`` records which (``transport``).
+(:func:`fedhm_flwr.ops.job.launch.run_job`); the run's ``summary.json`` records which (``transport``).
 
 A finished run is a folder ``<study root>/<setting>/<variant>/seed<k>/`` holding its resolved
 ``config.yaml``, ``metrics.jsonl`` and ``summary.json`` (a few kB each); a run is written to a
@@ -82,13 +82,13 @@ def one_run(job: Job) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         if job.transport == "ray":
-            from fedhm_flwr.ops.launch import run_job
+            from fedhm_flwr.ops.job.launch import run_job
 
             summary = run_job(job.overrides.split(), run_dir=out, quiet=True)
         else:
             from fedhm_flwr.config import load_config
-            from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-            from fedhm_flwr.ops.server_app import run
+            from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+            from fedhm_flwr.ops.apps.server_app import run
 
             cfg = load_config(job.overrides)
             summary = run(LocalGrid(int(cfg.num_clients), client_handlers()), cfg, out)

@@ -8,7 +8,7 @@ The grid (:func:`bench.robustness_grid.cells`): FedHM and HeteroFL, the scaling 
 with 10 % and 30 % of the clients malicious, under every defence the method takes (Krum: FedHM only), plus
 the clean run (no attack) under every defence; and FedHM with client-level DP (``dp.enabled``) at
 ``σ ∈ {0.5, 1, 2}``. Every run is a whole job of the project's own server loop (strategy, messages,
-ClientApp handlers) on the in-process grid (:mod:`fedhm_flwr.ops.local_grid`: Flower's transport
+ClientApp handlers) on the in-process grid (:mod:`fedhm_flwr.ops.apps.local_grid`: Flower's transport
 replaced, nothing else), in the reduced setting :data:`bench.robustness_grid.COMMON` stated on the page.
 
 A finished run is a folder ``results/robustness/<method>/<condition>/<defence>/seed<k>/`` holding
@@ -86,8 +86,8 @@ def one_run(job: tuple[Cell, int, str]) -> dict[str, Any]:
     logging.getLogger("flwr").setLevel(logging.WARNING)
     from bench.results import commit, machine
     from fedhm_flwr.config import load_config
-    from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-    from fedhm_flwr.ops.server_app import run
+    from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+    from fedhm_flwr.ops.apps.server_app import run
 
     overrides = cell.overrides(seed)
     cfg = load_config(overrides)

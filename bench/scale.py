@@ -109,7 +109,7 @@ def scale_run(clients: int, per_round: int, rounds: int, query: str, extra: tupl
     """One ``flwr run`` of ``clients`` simulated clients, ``per_round`` sampled per round, with
     ``availability.query`` = ``query`` (and the ``extra`` overrides): per-round times and the ratios
     measured in that run."""
-    from fedhm_flwr.ops.launch import run_job
+    from fedhm_flwr.ops.job.launch import run_job
 
     overrides = job_overrides(clients, per_round, rounds, query, extra)
     with tempfile.TemporaryDirectory() as tmp, TreeMemory() as mem:
@@ -157,8 +157,8 @@ def server_state_per_node(counts: tuple[int, ...], per_round: int = 100, rounds:
 
     from flwr.app import ArrayRecord, MessageType
 
-    from fedhm_flwr.ops.local_grid import LocalGrid
-    from fedhm_flwr.ops.server_app import initial_state
+    from fedhm_flwr.ops.apps.local_grid import LocalGrid
+    from fedhm_flwr.ops.apps.server_app import initial_state
     from fedhm_flwr.server.registry import STRATEGIES
 
     rows = {}
@@ -206,8 +206,8 @@ def project_alone(sizes: tuple[int, ...], per_round: int = 100, rounds: int = 3)
     process (``LocalGrid``: the project's ClientApp handlers called node by node, no SuperLink, no
     Ray), at each node count; its rounds hold the project's own work per round (server, clients,
     evaluation), so their ratio says whether that work grows with the number of nodes."""
-    from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-    from fedhm_flwr.ops.server_app import run
+    from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+    from fedhm_flwr.ops.apps.server_app import run
 
     rows = {}
     for n in sizes:

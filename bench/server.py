@@ -28,8 +28,8 @@ def figure_server_time(quick: bool) -> dict[str, Any]:
     """configure_train + aggregate_train of FedHM vs FedAvg(full) with echoing clients."""
     from flwr.app import ArrayRecord, MessageType
 
-    from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-    from fedhm_flwr.ops.server_app import initial_state, run
+    from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+    from fedhm_flwr.ops.apps.server_app import initial_state, run
     from fedhm_flwr.server.registry import STRATEGIES
 
     replies_n = 10
@@ -209,8 +209,8 @@ def serialized_bytes(msg: Any) -> int:
 def figure_bytes(quick: bool) -> dict[str, Any]:
     from flwr.app import ArrayRecord, MessageType
 
-    from fedhm_flwr.ops.local_grid import LocalGrid
-    from fedhm_flwr.ops.server_app import initial_state
+    from fedhm_flwr.ops.apps.local_grid import LocalGrid
+    from fedhm_flwr.ops.apps.server_app import initial_state
     from fedhm_flwr.server.registry import STRATEGIES
 
     out = {}

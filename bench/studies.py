@@ -57,8 +57,8 @@ TITLES = {"dir0.5": "Dirichlet α = 0.5", "dir0.1": "Dirichlet α = 0.1 (strongl
 KEEP = ("config.yaml", "metrics.jsonl", "summary.json")
 #: how a run's messages travel: ``summary.json``'s ``transport`` (runs without one used the grid)
 TRANSPORTS = {
-    "grid": "in-process grid (`fedhm_flwr/ops/local_grid.py`)",
-    "ray": "`flwr run` on Flower's Ray simulation engine (`fedhm_flwr/ops/launch.py`)",
+    "grid": "in-process grid (`fedhm_flwr/ops/apps/local_grid.py`)",
+    "ray": "`flwr run` on Flower's Ray simulation engine (`fedhm_flwr/ops/job/launch.py`)",
 }
 
 

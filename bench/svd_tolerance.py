@@ -52,8 +52,8 @@ def one_run(seed: int, tolerance: float, mode: str, overrides: list[str]) -> dic
     import fedhm_flwr.server.methods.fedhm as fedhm_module
     from fedhm_flwr.config import load_config
     from fedhm_flwr.math import lowrank
-    from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-    from fedhm_flwr.ops.server_app import run
+    from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+    from fedhm_flwr.ops.apps.server_app import run
     from fedhm_flwr.reporting.results import CHECKPOINT_DIR, MODEL_FILE
 
     paths = {"float32": 0, "refined": 0, "float64": 0, "exact": 0}  # refined: float32 after the subspace step

@@ -210,7 +210,7 @@ def train_step_markdown(f3: dict[str, Any]) -> list[str]:
 
 def figure_throughput(quick: bool) -> dict[str, Any]:
     from fedhm_flwr.data import client_dataset
-    from fedhm_flwr.ops.launch import run_job
+    from fedhm_flwr.ops.job.launch import run_job
 
     n_train = 4000 if quick else 12000
     overrides = [

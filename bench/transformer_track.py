@@ -3,11 +3,11 @@
 ``python -m bench.transformer_track [--track text|image|both] [--group fedlora|heterotune|both]``
 
 Every run goes through the same server round, messages and client handlers as ``flwr run``, in
-one process over :class:`fedhm_flwr.ops.local_grid.LocalGrid` (no Ray: on a shared 2-core CPU the
+one process over :class:`fedhm_flwr.ops.apps.local_grid.LocalGrid` (no Ray: on a shared 2-core CPU the
 simulation engine's start-up would cost more than the runs). A run whose ``summary.json``
 exists is not run again (``--fresh`` to redo), so an interrupted sweep continues where it
 stopped. Results go to ``<out>/<track>/<run>/`` (default ``~/fedhm-outputs/transformer-track``);
-the Markdown tables, with the frozen-backbone probes of ``python -m fedhm_flwr.ops.pretrain probe``
+the Markdown tables, with the frozen-backbone probes of ``python -m fedhm_flwr.ops.tools.pretrain probe``
 when their JSON is given (``--probes``), to ``bench/reports/transformer_track.md``.
 
 Columns: final test accuracy of each rank's / type's deployable model (FedLoRA: the rank-r
@@ -86,8 +86,8 @@ RUNS: dict[str, list[tuple[str, str, str]]] = {
 
 def run_one(out_dir: Path, overrides: str) -> dict[str, Any]:
     from fedhm_flwr.config import load_config
-    from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-    from fedhm_flwr.ops.server_app import run
+    from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+    from fedhm_flwr.ops.apps.server_app import run
 
     cfg = load_config(overrides)
     return run(LocalGrid(int(cfg.num_clients), client_handlers()), cfg, out_dir)
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "FedLoRA's per-rank columns are the rank-r truncations of the one global ΔW (heterogeneous run) or",
         "the rank of a homogeneous run; HeteroTune's per-type columns are each type's deployable model",
         "(its DeMA merged exactly into plain adapters). Parameters are exact trainable counts per client",
-        "(`python -m fedhm_flwr.ops.inspect` prints the same); bytes are what the run's counters measure.",
+        "(`python -m fedhm_flwr.ops.tools.cost_table` prints the same); bytes are what the run's counters measure.",
         "",
     ]
     for track in TRACKS:
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             parts += ["### HeteroTune", "", heterotune_table(results, names), ""]
     probes = [row for p in args.probes for row in json.loads(Path(p).read_text())]
     if probes:
-        from fedhm_flwr.ops.pretrain import markdown
+        from fedhm_flwr.ops.tools.pretrain import markdown
 
         parts += ["## Does pre-training matter? Frozen-backbone (linear probe) accuracy", "", markdown(probes), ""]
     args.report.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ and evaluations on the same data: the job hands it only data, the partitions' in
 (partition, level) pairs from its rows.
 
 Then the start-up a sweep pays per job: a two-job sweep of 2-round jobs (``fedhm sweep``), with one shared
-Ray instance (``FEDHM_SHARED_RAY=1``, :mod:`fedhm_flwr.ops.shared_ray`) and with a Ray instance per job
+Ray instance (``FEDHM_SHARED_RAY=1``, :mod:`fedhm_flwr.ops.sweeps.shared_ray`) and with a Ray instance per job
 (the default), each job's wall time, and whether the two sweeps' final models are identical.
 """
 

@@ -5,6 +5,6 @@ One ClientApp serves every method (the message says what to do). The code lives 
 """
 
 from fedhm_flwr.client.handlers import handle_evaluate, handle_query, handle_train
-from fedhm_flwr.ops.client_app import app
+from fedhm_flwr.ops.apps.client_app import app
 
 __all__ = ["app", "handle_evaluate", "handle_query", "handle_train"]

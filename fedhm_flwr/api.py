@@ -4,7 +4,7 @@
     result = run(["rounds=1", "levels.ratios=[1,0.25]"])
     result.final_accuracy, result.level_accuracy, result.run_dir, result.summary
 
-:func:`run` goes through the same launcher as ``fedhm run`` / ``python -m fedhm_flwr.ops.launch`` (a
+:func:`run` goes through the same launcher as ``fedhm run`` / ``python -m fedhm_flwr.ops.job.launch`` (a
 private SuperLink, ``flwr run`` on the Ray simulation engine, a status check, cleanup), quietly:
 Flower's output goes to ``<run dir>/flwr_run.log``.
 
@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from fedhm_flwr.config import split_overrides
-from fedhm_flwr.ops.launch import run_job
-from fedhm_flwr.ops.outcome import PythonCommands, RunFailed, RunInterrupted
-from fedhm_flwr.ops.progress import run_with_progress
-from fedhm_flwr.ops.signals import on_signals
+from fedhm_flwr.ops.job.launch import run_job
+from fedhm_flwr.ops.job.outcome import PythonCommands, RunFailed, RunInterrupted
+from fedhm_flwr.ops.job.progress import run_with_progress
+from fedhm_flwr.ops.job.signals import on_signals
 from fedhm_flwr.reporting.results import SUMMARY_FILE
 
 __all__ = ["RunFailed", "RunInterrupted", "Summary", "load", "resume", "run"]
@@ -98,6 +98,6 @@ def load_model(run_dir: str | Path, level: str | float = 1) -> Any:
     """A run's deployable model of ``level`` (``1``, ``0.125``, ``"1/8"``), as ``fedhm export``
     writes it: in eval mode with fixed normalisation statistics, so its predictions do not depend
     on the batch (docs/METHODS.md#deployable-statistics)."""
-    from fedhm_flwr.ops.export import deployable_model  # torch: only where a model is asked for
+    from fedhm_flwr.ops.tools.export import deployable_model  # torch: only where a model is asked for
 
     return deployable_model(Path(run_dir).expanduser().resolve(), level)[3]

@@ -23,7 +23,7 @@ needs_fmnist = pytest.mark.skipif(
 
 def train_messages(cfg, grid):
     from fedhm_flwr.config import model_spec
-    from fedhm_flwr.ops.server_app import initial_state
+    from fedhm_flwr.ops.apps.server_app import initial_state
     from fedhm_flwr.server.registry import FedHMStrategy
 
     strategy = FedHMStrategy(cfg, model_spec(cfg))

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from fedhm_flwr.ops.local_grid import Handler, LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.ops.apps.local_grid import Handler, LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import run
 
 #: torch's thread count in a fresh process (read when the tests are collected, before any test ran a
 #: client handler in this process): what a ServerApp process computes with

@@ -1,6 +1,6 @@
 """What the lifecycle tests share (tests/test_lifecycle.py, tests/test_lifecycle_parts.py): the
 repository root, ``fedhm status``, and the process scans on /proc, written independently of
-``fedhm_flwr.ops.procs``."""
+``fedhm_flwr.ops.job.procs``."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ Every module of ``fedhm_flwr/``, ``strategies/`` and ``clients/`` lies in a laye
 (:data:`LAYERS`); a module may import its own layer and the layers below, never one above. The
 test also refuses import circles (imports inside functions counted), imports inside functions
 (except optional or heavy third-party packages and the config check's torch-free path) and
-files over 400 lines in the package, ``scripts/``, ``bench/`` and ``tests/`` (except pure math).
+files over 400 lines in the package, ``scripts/``, ``bench/`` and ``tests/`` (except pure math), and
+modules named like the standard library's or like one another (except a family's parts in each layer).
 An exception listed here must still occur (a test fails when one no longer does), so the lists
 only shrink.
 """
@@ -45,8 +46,19 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # the server's round: the Flower strategy driving a method, its collaborators, the registry
     "round": ("fedhm_flwr.server",),
     "client": ("fedhm_flwr.client",),
-    # entry points and processes: the Flower apps, the CLI, launcher, sweep, tools; the Python API
-    "operations": ("fedhm_flwr.ops", "=fedhm_flwr.api", "=fedhm_flwr.__main__"),
+    # entry points and processes, one folder per topic (a new module goes into one: ops/ itself holds
+    # only the fedhm command): the Flower apps, one job, sweeps, deployment, offline tools; the Python API
+    "operations": (
+        "=fedhm_flwr.ops",
+        "=fedhm_flwr.ops.cli",
+        "fedhm_flwr.ops.apps",
+        "fedhm_flwr.ops.job",
+        "fedhm_flwr.ops.sweeps",
+        "fedhm_flwr.ops.deploy",
+        "fedhm_flwr.ops.tools",
+        "=fedhm_flwr.api",
+        "=fedhm_flwr.__main__",
+    ),
     # the design card's top-level names, re-exporting the server and the client for users' scripts
     "faces": ("strategies", "clients"),
 }
@@ -89,12 +101,27 @@ TORCH_FREE_PATH = {
     ("fedhm_flwr.config.methods", "fedhm_flwr.models"): "a user's model (model.target)",
     ("fedhm_flwr.config.methods", "fedhm_flwr.models.vit"): "a pre-trained ViT's checkpoint",
     ("fedhm_flwr.config.specs", "fedhm_flwr.models.vit"): "a ViT's model spec",
-    ("fedhm_flwr.api", "fedhm_flwr.ops.export"): "api.load_model builds a model (importing fedhm_flwr.api stays light)",
+    (
+        "fedhm_flwr.api",
+        "fedhm_flwr.ops.tools.export",
+    ): "api.load_model builds a model (importing fedhm_flwr.api stays light)",
     (
         "fedhm_flwr.reporting.results",
         "safetensors.torch",
     ): "checkpoints as torch tensors (the launcher reads their headers)",
     ("fedhm_flwr.core.wire_arrays", "torch"): "the wire dtypes, read by the config check (through protocol)",
+}
+
+#: module names that more than one module carries, on purpose: a method's or a model family's part in
+#: each layer, under the family's name (any other shared name is a collision: ops/deployment.py beside
+#: server/deployment.py was one)
+SHARED_NAMES: dict[str, str] = {
+    "fedavg": "the method (server/methods/) and its options (config/options/)",
+    "fjord": "the method (server/methods/) and its math (math/)",
+    "prism": "the method (server/methods/) and its math (math/)",
+    "width": "the width-slicing math (math/) and the options of the width family (config/options/)",
+    "transformer": "the transformer models (models/) and their options (config/options/)",
+    "text": "the text datasets (data/) and the text models (models/)",
 }
 
 #: pure-math files allowed over MAX_LINES (the issue exempts pure math)
@@ -218,6 +245,19 @@ def _bad_inner() -> set[tuple[str, str]]:
     return {(m, t) for m, t in INNER if not _optional(t) and (m, t) not in TORCH_FREE_PATH}
 
 
+def _shared_names() -> set[str]:
+    """Module names (the file's, ``__init__`` aside) that more than one module of the packages carries."""
+    seen: dict[str, int] = defaultdict(int)
+    for path in MODULES.values():
+        seen[path.stem] += path.stem != "__init__"
+    return {name for name, count in seen.items() if count > 1}
+
+
+def _stdlib_names() -> set[str]:
+    """Modules named like a module of the standard library (``import inspect`` beside one reads it)."""
+    return {m for m, path in MODULES.items() if path.stem in sys.stdlib_module_names}
+
+
 def _long_files() -> set[str]:
     paths = [*MODULES.values(), *(p for folder in LINE_LIMITED for p in sorted((ROOT / folder).glob("*.py")))]
     return {str(p.relative_to(ROOT)) for p in paths if len(p.read_text().splitlines()) > MAX_LINES}
@@ -257,6 +297,24 @@ def test_no_import_inside_functions():
     assert sorted(bad) == [], "import at module level (or list an optional dependency)"
     used = {(m, t) for m, t in INNER if (m, t) in TORCH_FREE_PATH}
     assert sorted(set(TORCH_FREE_PATH) - used) == [], "no longer imported inside a function: drop the exception"
+
+
+def test_module_names_say_one_thing():
+    """No module is named like a standard-library module, and no two modules share a name but a
+    family's parts in different layers (:data:`SHARED_NAMES`)."""
+    assert sorted(_stdlib_names()) == [], "rename: the standard library has a module of that name"
+    shared = _shared_names()
+    assert sorted(shared - set(SHARED_NAMES)) == [], "two modules of one name: give one a name of its own"
+    assert sorted(set(SHARED_NAMES) - shared) == [], "no longer shared: drop the exception"
+
+
+def test_the_name_checks_see_a_collision(monkeypatch):
+    """A module named like the standard library's ``inspect``, or like another module, is refused."""
+    planted = {"fedhm_flwr.ops.tools.inspect": ROOT / "fedhm_flwr/ops/tools/inspect.py"}
+    planted["fedhm_flwr.ops.deploy.deployment"] = ROOT / "fedhm_flwr/ops/deploy/deployment.py"
+    monkeypatch.setattr(sys.modules[__name__], "MODULES", {**MODULES, **planted})
+    assert "fedhm_flwr.ops.tools.inspect" in _stdlib_names()
+    assert "deployment" in _shared_names()
 
 
 def test_no_file_over_the_limit():

@@ -13,8 +13,8 @@ import torch
 from bench.bare_fedavg import run_bare_fedavg, sample
 from fedhm_flwr.config import data_spec, model_spec as flower_spec
 from fedhm_flwr.data import client_dataset
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import initial_state, run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import initial_state, run
 from fedhm_flwr.reporting.results import load_checkpoint
 
 # non-IID (Dir(0.1): clients miss classes, so masked CE and per-class classifier rows matter),

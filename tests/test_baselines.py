@@ -18,8 +18,8 @@ from fedhm_flwr.math.lowrank import recover_state
 from fedhm_flwr.math.train import TrainOptions, parameter_groups, train_local
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.rules import plan_ranks
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import initial_state, run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import initial_state, run
 from fedhm_flwr.server.registry import STRATEGIES, FedAvgStrategy, FedRolexStrategy, HeteroFLStrategy
 from fedhm_flwr.server.strategy import Reply
 

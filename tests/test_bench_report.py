@@ -192,8 +192,8 @@ def test_the_server_figures_echo_clients_are_accepted_so_aggregation_is_what_is_
 
     from bench.common import echo, identity_query
     from fedhm_flwr.config import load_config, model_spec
-    from fedhm_flwr.ops.local_grid import LocalGrid
-    from fedhm_flwr.ops.server_app import initial_state
+    from fedhm_flwr.ops.apps.local_grid import LocalGrid
+    from fedhm_flwr.ops.apps.server_app import initial_state
     from fedhm_flwr.server.registry import STRATEGIES
 
     for method in ("fedhm", "fedavg"):

@@ -16,9 +16,10 @@ from fedhm_flwr.core import bn_wire, protocol as wire
 from fedhm_flwr.data import client_dataset
 from fedhm_flwr.math.bn_stats import apply_bn_statistics, bn_sums, combine_bn_sums, norm_layers, statistics
 from fedhm_flwr.models import build_model
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import run
 from fedhm_flwr.reporting.results import load_bn_statistics
+from fedhm_flwr.server.reply_arrays import check_bn_reply
 
 SPEC = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28, "width": 4}
 
@@ -231,7 +232,7 @@ GOOD = {
 
 
 def test_bn_reply_check_takes_whole_models_and_refuses_anything_else():
-    sums, why = bn_wire.check_bn_reply(_reply(GOOD, {}), [SHAPES, SHAPES])  # an empty record: no training data
+    sums, why = check_bn_reply(_reply(GOOD, {}), [SHAPES, SHAPES])  # an empty record: no training data
     assert why == "" and sums is not None and sums[1] == {}
     assert all(torch.equal(sums[0][k], v) for k, v in GOOD.items())
     bad = {
@@ -258,7 +259,7 @@ def test_bn_reply_check_takes_whole_models_and_refuses_anything_else():
     bad["a negative count"] = (_reply(GOOD, {**GOOD, "bn1.count": torch.tensor(-5.0)}), "negative")
     bad["a float64 array"] = (_reply(GOOD, {**GOOD, "bn1.sum": torch.ones(3, dtype=torch.float64)}), "float64")
     for case, (content, reason) in bad.items():
-        sums, why = bn_wire.check_bn_reply(content, [SHAPES, SHAPES])
+        sums, why = check_bn_reply(content, [SHAPES, SHAPES])
         assert sums is None and reason in why, (case, why)
 
 

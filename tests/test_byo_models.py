@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from fedhm_flwr.client.handlers import load_model
 from fedhm_flwr.config import ConfigError, load_config, model_spec
 from fedhm_flwr.models import build_model, count_parameters, shape_device
-from fedhm_flwr.ops.inspect import level_rows, main, plan_rows
+from fedhm_flwr.ops.tools.cost_table import level_rows, main, plan_rows
 from fedhm_flwr.server.methods.common import classifier_keys
 from fedhm_flwr.server.registry import STRATEGIES
 

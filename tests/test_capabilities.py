@@ -20,10 +20,10 @@ from test_deploy import TOY, _expected_level
 
 from fedhm_flwr.config import load_config, model_spec
 from fedhm_flwr.models.costs import activation_elements, training_memory_bytes
-from fedhm_flwr.ops import deployment as dl
-from fedhm_flwr.ops.credentials import create_credentials
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import initial_state
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import initial_state
+from fedhm_flwr.ops.deploy import loopback as dl
+from fedhm_flwr.ops.deploy.credentials import create_credentials
 from fedhm_flwr.server.registry import FedHMStrategy
 
 ROOT = Path(__file__).resolve().parent.parent

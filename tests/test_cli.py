@@ -14,7 +14,7 @@ import pytest
 from fedhm_flwr import api
 from fedhm_flwr.config import ConfigError
 from fedhm_flwr.ops.cli import COMMANDS, compare_plan, main
-from fedhm_flwr.ops.progress import Follower, eta_seconds, format_seconds, progress_text
+from fedhm_flwr.ops.job.progress import Follower, eta_seconds, format_seconds, progress_text
 
 SUBCOMMANDS = [
     "run",
@@ -71,7 +71,9 @@ def test_stage_ships_the_app_alone_and_refuses_a_destination_it_would_wreck(tmp_
     staged = {p.name for p in dest.iterdir()}
     assert {"fedhm_flwr", "strategies", "clients", "conf", "pyproject.toml"} <= staged
     assert not staged & {"tests", "docs", "results", "bench", "scripts", "outputs", ".venv", "Makefile"}
-    assert (dest / "conf" / "config.yaml").is_file() and (dest / "fedhm_flwr" / "ops" / "server_app.py").is_file()
+    assert (dest / "conf" / "config.yaml").is_file() and (
+        dest / "fedhm_flwr" / "ops" / "apps" / "server_app.py"
+    ).is_file()
     assert not list(dest.rglob("__pycache__"))
     shipped, whole = len(build_fab_from_disk(dest)), len(build_fab_from_disk(root))  # what `flwr run` sends
     assert f"({shipped} bytes)" in err and shipped < whole / 3, (shipped, whole)
@@ -161,7 +163,7 @@ def test_compare_plan_runs_every_method_on_every_seed_then_each_ablation():
 
 
 def test_compare_match_names_the_resource_and_refuses_others(capsys):
-    from fedhm_flwr.ops.multirun import match_option
+    from fedhm_flwr.ops.sweeps.multirun import match_option
 
     assert [match_option(v) for v in ("params", "macs", "memory", "fedhm_memory", "none")] == [
         "fedhm_params",

@@ -27,13 +27,13 @@ from lifecycle_helpers import supernode_starts
 
 from fedhm_flwr import data as D
 from fedhm_flwr.config import load_config, model_spec
-from fedhm_flwr.ops import deployment as dl
-from fedhm_flwr.ops.credentials import add_node
-from fedhm_flwr.ops.flower_job import FLOWER_RUN_FILE
-from fedhm_flwr.ops.outcome import RunFailed, checkpoint_round
-from fedhm_flwr.ops.procs import alive, command_name, tagged_pids
-from fedhm_flwr.ops.runlock import RunLock
-from fedhm_flwr.ops.supernode import HEARTBEAT_WINDOW, MARGIN
+from fedhm_flwr.ops.deploy import loopback as dl
+from fedhm_flwr.ops.deploy.credentials import add_node
+from fedhm_flwr.ops.deploy.supernode import HEARTBEAT_WINDOW, MARGIN
+from fedhm_flwr.ops.job.flower_job import FLOWER_RUN_FILE
+from fedhm_flwr.ops.job.outcome import RunFailed, checkpoint_round
+from fedhm_flwr.ops.job.procs import alive, command_name, tagged_pids
+from fedhm_flwr.ops.job.runlock import RunLock
 from fedhm_flwr.server.registry import FedHMStrategy
 
 ROOT = Path(__file__).resolve().parent.parent

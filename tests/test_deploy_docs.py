@@ -35,9 +35,9 @@ import pytest
 from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 from test_deploy import FEDHM, ROOT, needs_fmnist
 
-from fedhm_flwr.ops.procs import Processes, alive, command_name, stat_field, tagged_pids
-from fedhm_flwr.ops.superlink import flower_env, free_port
-from fedhm_flwr.ops.supernode import children
+from fedhm_flwr.ops.deploy.supernode import children
+from fedhm_flwr.ops.job.procs import Processes, alive, command_name, stat_field, tagged_pids
+from fedhm_flwr.ops.job.superlink import flower_env, free_port
 
 DOC = ROOT / "docs" / "DEPLOY.md"
 #: the walk-through's job, made tiny: 3 devices, 1 round, a width-4 CNN on 600 examples, two levels (the full
@@ -227,7 +227,7 @@ def test_deploy_md_walkthrough_runs_as_written_on_loopback(tmp_path):
         for home in [var_lib / "flwr-home", *(var_lib / f"ward-{i}" for i in range(3))]:
             (installed,) = (home / "apps").glob("fedhm.fedhm-flwr.*")
             shipped = {f for f in _files(installed) if not f.startswith(".info/")}
-            assert {"pyproject.toml", "conf/config.yaml", "fedhm_flwr/ops/client_app.py"} <= shipped <= _files(app)
+            assert {"pyproject.toml", "conf/config.yaml", "fedhm_flwr/ops/apps/client_app.py"} <= shipped <= _files(app)
             assert not {f.split("/")[0] for f in shipped} & {"tests", "docs", "results", "bench", "scripts"}, home
         # 9. the stopped run's stop, as written, on a run Flower has ended: Flower's refusal, then its status; exit 0
         stop_block = _lines(_only(walk, "flwr stop <run-id> fedhm ||"))

@@ -22,7 +22,7 @@ from inprocess_helpers import run_in_process
 
 from fedhm_flwr.config import data_spec, load_config, resume_config
 from fedhm_flwr.data import test_dataset
-from fedhm_flwr.ops.export import load_model
+from fedhm_flwr.ops.tools.export import load_model
 
 MODELS = ("shufflenet_v2_x0_5", "mobilenet_v3_small", "efficientnet_b0", "resnet18")
 
@@ -142,7 +142,7 @@ def test_a_torchvision_bn_model_learns_with_defaults_and_its_export_ignores_the_
 
 @pytest.mark.parametrize("name", MODELS)
 def test_fedhm_inspect_makes_every_reduced_level_strictly_smaller(name, capsys):
-    from fedhm_flwr.ops.inspect import main
+    from fedhm_flwr.ops.tools.cost_table import main
 
     assert (
         main([f"model.target=torchvision.models:{name}", "model.kwargs.num_classes=10", "dataset=cifar10", "--json"])
@@ -158,7 +158,7 @@ def test_fedhm_inspect_makes_every_reduced_level_strictly_smaller(name, capsys):
 
 
 def test_inspect_warns_when_no_level_is_smaller(capsys):
-    from fedhm_flwr.ops.inspect import main
+    from fedhm_flwr.ops.tools.cost_table import main
 
     assert (
         main(

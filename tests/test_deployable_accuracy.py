@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from fedhm_flwr.ops.export import export_level
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import run
+from fedhm_flwr.ops.tools.export import export_level
 from fedhm_flwr.reporting.provenance import ROOT, code_version, version_label
 from fedhm_flwr.reporting.results import load_bn_statistics, read_status
 

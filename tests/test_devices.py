@@ -1,7 +1,7 @@
 """Real devices on loopback: TLS, SuperNode authentication, nodes that hold only their exported
 shard (every other data location pointed at an empty folder), client-side evaluation, a node that
 joins late, a node SIGKILLed mid-round and started again at once, and a node whose shard is broken
-(fedhm_flwr.ops.deployment's LocalDeployment, real flower-superlink / `fedhm supernode` processes).
+(fedhm_flwr.ops.deploy.loopback's LocalDeployment, real flower-superlink / `fedhm supernode` processes).
 
 The deployment (:func:`run_deployment`) spends most of its ~2.5 min waiting on Flower's heartbeat
 window (the killed node's session lapses 30-60 s after its last heartbeat, then `fedhm supernode`'s
@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 from test_deploy import ROOT, needs_fmnist
 
-from fedhm_flwr.ops import deployment as dl
-from fedhm_flwr.ops.procs import alive, tagged_pids
+from fedhm_flwr.ops.deploy import loopback as dl
+from fedhm_flwr.ops.job.procs import alive, tagged_pids
 
 # Four devices, 3 rounds. node-3's shard is broken: it sits out from the start (asked once). Round 1:
 # node-0 and node-1 (node-2 starts during it). Round 2: three nodes; node-1 is SIGKILLed (its whole
@@ -103,7 +103,7 @@ def run_deployment(tmp_path: Path, stop: threading.Event | None = None) -> Outco
     :class:`Stopped` once ``stop`` is set."""
     shards = tmp_path / "shards"
     export = subprocess.run(
-        [sys.executable, "-m", "fedhm_flwr.ops.shards", *JOB, f"out={shards}"],
+        [sys.executable, "-m", "fedhm_flwr.ops.deploy.shard_export", *JOB, f"out={shards}"],
         cwd=ROOT,
         capture_output=True,
         text=True,

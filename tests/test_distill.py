@@ -12,8 +12,8 @@ from torch.utils.data import TensorDataset
 from fedhm_flwr.config import ConfigError, model_spec
 from fedhm_flwr.math.train import TrainOptions, train_local
 from fedhm_flwr.models import build_model
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import initial_state
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import initial_state
 from fedhm_flwr.server.registry import FedHMStrategy
 
 SPEC = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 28, "width": 4}

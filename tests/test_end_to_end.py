@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import run
 from fedhm_flwr.reporting.results import CHECKPOINT_DIR, load_checkpoint
 
 OUTPUTS = {"config.yaml", "metrics.jsonl", "metrics.csv", "summary.json", "accuracy.png", CHECKPOINT_DIR}
@@ -99,7 +99,7 @@ def test_fedhm_run_of_the_vit_writes_outputs_progress_and_tensorboard_and_leaves
 def test_launch_refuses_bad_config_before_starting_anything(tmp_path):
     out = tmp_path / "never"
     proc = subprocess.run(
-        [sys.executable, "-m", "fedhm_flwr.ops.launch", "partition.scheme=shards", "--run-dir", str(out)],
+        [sys.executable, "-m", "fedhm_flwr.ops.job.launch", "partition.scheme=shards", "--run-dir", str(out)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -16,8 +16,8 @@ import fedhm_flwr.data
 import fedhm_flwr.server.evaluation as ev
 from fedhm_flwr.math.bn_stats import bn_sums
 from fedhm_flwr.models import build_model
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import run
 from fedhm_flwr.reporting.summary import collect, markdown_table
 
 FED_KEYS = (

@@ -16,10 +16,10 @@ import torch
 
 from fedhm_flwr.config import data_spec, load_config
 from fedhm_flwr.data import check_data_spec, class_names, source_arrays, source_info, test_dataset, to_normalised_tensor
-from fedhm_flwr.ops.export import load_model, main as export_main
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.onnx_model import OnnxCheckFailed, check_onnx
-from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import run
+from fedhm_flwr.ops.tools.export import load_model, main as export_main
+from fedhm_flwr.ops.tools.onnx_model import OnnxCheckFailed, check_onnx
 from fedhm_flwr.reporting.results import atomic_write
 
 ort = pytest.importorskip("onnxruntime")  # installed by `make setup` (a dependency of the project)
@@ -178,7 +178,7 @@ def test_the_check_refuses_logits_beyond_the_tolerance(exported):
 
 
 def test_an_export_whose_onnx_file_disagrees_is_refused_and_writes_nothing(clients_run, tmp_path, monkeypatch, capsys):
-    from fedhm_flwr.ops import export
+    from fedhm_flwr.ops.tools import export
 
     real = export.onnx_bytes
 

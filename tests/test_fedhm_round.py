@@ -15,8 +15,8 @@ from fedhm_flwr.config import model_spec
 from fedhm_flwr.data import client_dataset
 from fedhm_flwr.math.aggregation import level_weights
 from fedhm_flwr.models import build_model
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import initial_state, run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import initial_state, run
 from fedhm_flwr.server.registry import FedHMStrategy
 
 

@@ -1,4 +1,4 @@
-"""The runner's record of its Flower run (fedhm_flwr/ops/flower_job.py, ``flower_run.json``): the next
+"""The runner's record of its Flower run (fedhm_flwr/ops/job/flower_job.py, ``flower_run.json``): the next
 session of a run directory stops the run an earlier session left running, and nothing else."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from fedhm_flwr.ops.flower_job import FLOWER_RUN_FILE, FlowerJob
-from fedhm_flwr.ops.runlock import RunLock
+from fedhm_flwr.ops.job.flower_job import FLOWER_RUN_FILE, FlowerJob
+from fedhm_flwr.ops.job.runlock import RunLock
 
 
 def _job(tmp_path, tag="session-2", connection="local"):
@@ -49,7 +49,7 @@ def test_an_ended_run_another_superlinks_run_a_live_sessions_run_or_no_record_is
 
 
 def test_the_final_status_waits_for_a_superlink_that_answers_and_not_for_one_that_is_gone(tmp_path, monkeypatch):
-    from fedhm_flwr.ops import flower_job
+    from fedhm_flwr.ops.job import flower_job
 
     monkeypatch.setattr(flower_job.time, "sleep", lambda s: None)
     job = _job(tmp_path)

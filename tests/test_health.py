@@ -11,10 +11,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from fedhm_flwr.config import ConfigError, load_config
-from fedhm_flwr.ops.health import final_line, judge
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.outcome import require_checkpoint
-from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import run
+from fedhm_flwr.ops.job.health import final_line, judge
+from fedhm_flwr.ops.job.outcome import require_checkpoint
 
 
 def _row(round_: int, **values) -> dict:

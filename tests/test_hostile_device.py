@@ -1,4 +1,4 @@
-"""A hostile device and a silent one in a real deployment (fedhm_flwr.ops.deployment's LocalDeployment:
+"""A hostile device and a silent one in a real deployment (fedhm_flwr.ops.deploy.loopback's LocalDeployment:
 a TLS SuperLink with SuperNode authentication and three `fedhm supernode` devices on loopback).
 
 Partition 0 is the hostile device (``failures.attack.kind=malformed``, a class drawn per reply): its
@@ -16,7 +16,7 @@ import pytest
 from test_deploy import TOY, needs_fmnist
 
 from fedhm_flwr.config import load_config
-from fedhm_flwr.ops import deployment as dl
+from fedhm_flwr.ops.deploy import loopback as dl
 from fedhm_flwr.server.untrusted import Attacks, attacker_partitions
 
 JOB = [

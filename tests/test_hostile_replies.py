@@ -20,8 +20,8 @@ from bench import fuzz
 from fedhm_flwr.client import handlers as base
 from fedhm_flwr.client.hostile import BENIGN, MUTATIONS, malformed
 from fedhm_flwr.core.attack_kinds import MALFORMED_KINDS
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import run
 from fedhm_flwr.reporting.results import load_checkpoint
 
 #: what the refusal of each class must say (written from the protocol, not from the code's messages)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fedhm_flwr.config import load_config, model_spec
-from fedhm_flwr.ops.inspect import SHAPE_ONLY, _rows, level_rows
+from fedhm_flwr.ops.tools.cost_table import SHAPE_ONLY, _rows, level_rows
 from fedhm_flwr.server.registry import STRATEGIES
 
 

@@ -21,7 +21,7 @@ process group) or outright (SIGKILL):
   the ClientApp): the console names it within 10 s of the round that saw it.
 
 The process scans here (and in tests/lifecycle_helpers.py) are written independently of
-``fedhm_flwr.ops.procs``. The parts (run lock, watchdog, refusals, error scan) are in
+``fedhm_flwr.ops.job.procs``. The parts (run lock, watchdog, refusals, error scan) are in
 tests/test_lifecycle_parts.py.
 """
 

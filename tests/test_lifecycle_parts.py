@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 from lifecycle_helpers import ROOT, descendants, fedhm_status, is_alive, process_state
 
-from fedhm_flwr.ops.runlock import RunDirectoryBusy, RunLock
-from fedhm_flwr.ops.server_app import runtime_address, watch_superlink
+from fedhm_flwr.ops.apps.superlink_watch import runtime_address, watch_superlink
+from fedhm_flwr.ops.job.runlock import RunDirectoryBusy, RunLock
 
 HOLDER = """
 import sys, time
-from fedhm_flwr.ops.runlock import RunLock
+from fedhm_flwr.ops.job.runlock import RunLock
 lock = RunLock(sys.argv[1], tag="job-1").acquire()
 print("locked", flush=True)
 time.sleep(300)
@@ -52,7 +52,7 @@ def test_run_lock_refuses_a_live_holder_lets_its_own_job_in_and_ignores_a_dead_o
 
 LAUNCHER = """
 import os, sys, time
-from fedhm_flwr.ops.procs import Processes
+from fedhm_flwr.ops.job.procs import Processes
 procs = Processes()
 own = procs.start("own", ["sleep", "300"], dict(os.environ), None)
 # a child that leaves its session, and one in a tagged session whose environment lost the tag
@@ -94,7 +94,7 @@ def test_missing_cifar_fails_at_once_with_one_line_and_starts_nothing(tmp_path):
         [
             sys.executable,
             "-m",
-            "fedhm_flwr.ops.launch",
+            "fedhm_flwr.ops.job.launch",
             "dataset=cifar10",
             f"dataset.data_dir={empty}",
             "--run-dir",
@@ -122,7 +122,7 @@ def test_error_scan_takes_the_serverapps_exception_from_flowers_own_log_lines():
 
     from flwr.common.logger import log
 
-    from fedhm_flwr.ops.launch import ErrorScan
+    from fedhm_flwr.ops.job.launch import ErrorScan
 
     handler = next(h for h in logging.getLogger("flwr").handlers if isinstance(h, logging.StreamHandler))
     buffer = io.StringIO()
@@ -168,7 +168,7 @@ def test_resume_without_a_checkpoint_and_status_of_a_non_run_are_refused_at_once
 
 
 def test_the_serverapp_watch_fires_only_once_its_superlinks_port_refuses_connections():
-    """The ServerApp's watch (server_app.watch_superlink): quiet while something listens on the
+    """The ServerApp's watch (superlink_watch.watch_superlink): quiet while something listens on the
     SuperLink's address (its own ``--runtime-api-address``), on_gone once the port refuses."""
     assert runtime_address(["flwr-serverapp", "--runtime-api-address", "127.0.0.1:9091", "--token", "x"]) == (
         "127.0.0.1",

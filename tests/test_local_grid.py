@@ -1,4 +1,4 @@
-"""The in-process grid (fedhm_flwr/ops/local_grid.py) keeps each node's side to itself, as separate
+"""The in-process grid (fedhm_flwr/ops/apps/local_grid.py) keeps each node's side to itself, as separate
 processes would: a handler's torch thread count does not leak into the server's side of the round."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from fedhm_flwr.ops.local_grid import LocalGrid
+from fedhm_flwr.ops.apps.local_grid import LocalGrid
 
 
 def _query(node_id: int) -> Message:

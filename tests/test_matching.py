@@ -7,8 +7,8 @@ from flwr.app import ArrayRecord
 
 from fedhm_flwr.config import ConfigError, model_spec
 from fedhm_flwr.models import matching
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import initial_state
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import initial_state
 from fedhm_flwr.server.registry import FedHMStrategy, FedRolexStrategy, HeteroFLStrategy
 
 RESNET18 = {"arch": "resnet18", "num_classes": 10, "in_channels": 3, "image_size": 32, "width": 64}

@@ -20,7 +20,7 @@ from flwr.app import Message, MessageType, RecordDict
 from fedhm_flwr import data as D
 from fedhm_flwr.config import ConfigError, load_config
 from fedhm_flwr.data.files import check_data_available
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
 
 pytestmark = pytest.mark.usefixtures("no_env_data_dir")  # tests/conftest.py
 

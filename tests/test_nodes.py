@@ -12,8 +12,8 @@ from flwr.app import ArrayRecord, Context, RecordDict
 
 from fedhm_flwr.config import model_spec
 from fedhm_flwr.math import levels as lv
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import initial_state
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import initial_state
 from fedhm_flwr.server.registry import FedHMStrategy
 
 
@@ -208,7 +208,7 @@ def test_the_start_up_waits_for_round_1_once_and_later_rounds_wait_again(toy_cfg
 def test_a_node_that_sits_out_is_recorded_and_asked_again_only_when_it_reconnects(toy_cfg, tmp_path, caplog):
     from flwr.app import MessageType
 
-    from fedhm_flwr.ops.server_app import run
+    from fedhm_flwr.ops.apps.server_app import run
 
     cfg = toy_cfg("rounds=3 num_clients=4 evaluation.levels=false")
     # node 3 claims a partition the run does not have (its data cannot serve the run)
@@ -269,7 +269,7 @@ def test_answers_asked_ahead_are_pulled_with_the_round_s_replies_and_counted_by_
     round's training and pulls their answers along with its replies, so that none waits in the
     grid while the round aggregates (under the simulation engine every stored message slows every
     delivery); the round that samples those nodes still counts them as asked, with their bytes."""
-    from fedhm_flwr.ops.server_app import run
+    from fedhm_flwr.ops.apps.server_app import run
 
     cfg = toy_cfg("rounds=4 num_clients=20 fraction_train=0.25 availability.query=sampled evaluation.levels=false")
     grid = LocalGrid(20, client_handlers())

@@ -10,7 +10,7 @@ import torch
 from fedhm_flwr.config import ConfigError, model_spec
 from fedhm_flwr.math.aggregation import official_code_weights
 from fedhm_flwr.math.lowrank import recover_state
-from fedhm_flwr.ops.server_app import initial_state
+from fedhm_flwr.ops.apps.server_app import initial_state
 from fedhm_flwr.server.registry import FedHMStrategy
 from fedhm_flwr.server.strategy import Reply
 

@@ -218,8 +218,8 @@ def test_missing_or_malformed_data_is_refused_before_start_naming_the_field(tmp_
 
 
 def test_two_rounds_of_fedhm_with_the_built_in_cnn_on_an_image_folder(tmp_path):
-    from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-    from fedhm_flwr.ops.server_app import run
+    from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+    from fedhm_flwr.ops.apps.server_app import run
     from fedhm_flwr.reporting.results import load_checkpoint
 
     cfg = _cfg(

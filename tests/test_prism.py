@@ -18,9 +18,9 @@ from fedhm_flwr.config import ConfigError, load_config, model_spec, resume_confi
 from fedhm_flwr.math import prism
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.layers import PrismConv2d, PrismLinear
-from fedhm_flwr.ops.inspect import format_table, level_rows
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import initial_state, run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import initial_state, run
+from fedhm_flwr.ops.tools.cost_table import format_table, level_rows
 from fedhm_flwr.reporting.results import load_checkpoint
 from fedhm_flwr.server.registry import PriSMStrategy
 

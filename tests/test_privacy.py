@@ -14,8 +14,8 @@ from flwr.app import ArrayRecord
 from fedhm_flwr.config import load_config, model_spec
 from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.math import privacy
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import initial_state
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import initial_state
 from fedhm_flwr.server.registry import STRATEGIES
 from fedhm_flwr.server.strategy import Reply
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fedhm_flwr.ops.launch import free_port
-from fedhm_flwr.ops.procs import Processes
+from fedhm_flwr.ops.job.launch import free_port
+from fedhm_flwr.ops.job.procs import Processes
 
 RAY = str(Path(sys.executable).parent / "ray")
 
@@ -49,7 +49,7 @@ def test_ray_address_is_checked_and_reaches_ray_init(tmp_path):
     """A bad address is refused by the config check, naming the field; a good one (or none: a private
     instance, never a cluster found on this machine) is what Flower's ``ray.init`` reads (RAY_ADDRESS)."""
     from fedhm_flwr.config import ConfigError, load_config
-    from fedhm_flwr.ops.launch import superlink_env
+    from fedhm_flwr.ops.job.launch import superlink_env
 
     for bad in ("6379", "ray://head:10001", "local"):
         with pytest.raises(ConfigError, match=r"simulation\.ray_address") as err:

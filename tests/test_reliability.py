@@ -11,8 +11,8 @@ from flwr.app import ArrayRecord, Error, Message, MessageType
 from flwr.common.constant import ErrorCode
 
 from fedhm_flwr.config import model_spec, resume_config
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import initial_state, run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import initial_state, run
 from fedhm_flwr.reporting.results import load_checkpoint
 from fedhm_flwr.server.registry import FedHMStrategy
 
@@ -221,7 +221,7 @@ def test_a_node_the_superlink_reports_unavailable_is_one_failure_leaves_and_is_b
 
 
 def test_the_deadline_waits_for_a_quorum_then_follows_the_answers_pace():
-    from fedhm_flwr.core.protocol import Deadline
+    from fedhm_flwr.server.transport import Deadline
 
     d = Deadline(timeout=600, quorum=0.5, factor=4, floor=30)
     assert d.end(10, [1.0, 2.0, 3.0, 4.0]) == 600  # 4 of 10: no quorum yet, the timeout holds

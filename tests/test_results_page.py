@@ -219,8 +219,8 @@ def test_page_states_the_paired_difference_with_its_t_interval(runs: Path, tmp_p
         assert (tmp_path / "fig" / "dir0.5" / f"{plot}.png").stat().st_size > 1000
         assert f"fig/dir0.5/{plot}.png" in page
     # which runs used which transport, from each run's summary.json (seed 2 said "ray")
-    assert "in-process grid (`fedhm_flwr/ops/local_grid.py`): 12 run(s), seed(s) 0, 1" in page
-    assert "Ray simulation engine (`fedhm_flwr/ops/launch.py`): 6 run(s), seed(s) 2" in page
+    assert "in-process grid (`fedhm_flwr/ops/apps/local_grid.py`): 12 run(s), seed(s) 0, 1" in page
+    assert "Ray simulation engine (`fedhm_flwr/ops/job/launch.py`): 6 run(s), seed(s) 2" in page
     assert "| cheap | dir0.5 | fedhm | 2 | ray | 84.00 |" in page
     assert "## Study `capacity`" in page and "No finished run yet." in page
 

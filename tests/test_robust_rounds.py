@@ -14,8 +14,8 @@ from flwr.app import ArrayRecord, RecordDict
 
 from fedhm_flwr.config import ConfigError, load_config, model_spec, robust_modes
 from fedhm_flwr.math import privacy, robust
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import initial_state, run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import initial_state, run
 from fedhm_flwr.server.registry import STRATEGIES
 
 TOY = (

@@ -30,8 +30,8 @@ from fedhm_flwr import data as D
 from fedhm_flwr.client import handlers as base
 from fedhm_flwr.config import data_spec, load_config
 from fedhm_flwr.data import shards
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.shards import main as export_main
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.deploy.shard_export import main as export_main
 
 SMALL = ["num_clients=4", "dataset.max_train_examples=2000", "evaluation.where=both"]
 pytestmark = pytest.mark.usefixtures("no_env_data_dir")  # tests/conftest.py
@@ -152,8 +152,11 @@ def test_node_info_reports_the_shard_and_refuses_a_missing_or_broken_one(exporte
     for node_config in [{"data-dir": str(tmp_path / "empty")}, {"data-dir": str(tmp_path / "nowhere")}]:
         reply = _query(node_config)
         assert reply.has_error() and f"data-dir={node_config['data-dir']}" in reply.error.reason
-        assert "no shard there" in reply.error.reason and "python -m fedhm_flwr.ops.shards" in reply.error.reason
-    with pytest.raises(base.NodeDataError, match=r"lacks data-dir.*python -m fedhm_flwr\.ops\.shards"):
+        assert (
+            "no shard there" in reply.error.reason
+            and "python -m fedhm_flwr.ops.deploy.shard_export" in reply.error.reason
+        )
+    with pytest.raises(base.NodeDataError, match=r"lacks data-dir.*python -m fedhm_flwr\.ops\.deploy\.shard_export"):
         base.node_shard(Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={}))
     broken = shutil.copytree(out / "partition-1", tmp_path / "broken")
     manifest = json.loads((broken / "manifest.json").read_text())
@@ -179,8 +182,8 @@ NODE_SCRIPT = textwrap.dedent("""
     sys.addaudithook(hook)
     from flwr.app import ArrayRecord, Message, MessageType, RecordDict
     from fedhm_flwr.config import load_config, model_spec
-    from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-    from fedhm_flwr.ops.server_app import initial_state
+    from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+    from fedhm_flwr.ops.apps.server_app import initial_state
     from strategies import FedHMStrategy
     folders, overrides = json.loads(sys.argv[1]), sys.argv[2:]
     cfg = load_config(overrides)

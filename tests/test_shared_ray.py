@@ -1,4 +1,4 @@
-"""One Ray instance for a sweep's jobs (fedhm_flwr/ops/shared_ray.py): when it is used, that the launcher
+"""One Ray instance for a sweep's jobs (fedhm_flwr/ops/sweeps/shared_ray.py): when it is used, that the launcher
 hands it to Flower, that it is stopped with the block, and that a job's results do not depend on it."""
 
 from __future__ import annotations
@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from fedhm_flwr.config import load_config
-from fedhm_flwr.ops import launch, multirun, shared_ray
-from fedhm_flwr.ops.shared_ray import SHARED_RAY_VAR
+from fedhm_flwr.ops.job import launch
+from fedhm_flwr.ops.sweeps import multirun, shared_ray
+from fedhm_flwr.ops.sweeps.shared_ray import SHARED_RAY_VAR
 
 TINY = [
     "rounds=2",

@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from fedhm_flwr.ops import supernode as sn
-from fedhm_flwr.ops.procs import Processes
-from fedhm_flwr.ops.superlink import bin_path, flower_env, free_port, start_superlink, write_connection
+from fedhm_flwr.ops.deploy import supernode as sn
+from fedhm_flwr.ops.job.procs import Processes
+from fedhm_flwr.ops.job.superlink import bin_path, flower_env, free_port, start_superlink, write_connection
 
 APP = {
     "pyproject.toml": """

@@ -1,4 +1,4 @@
-"""``fedhm supernode`` (fedhm_flwr/ops/supernode.py) keeps a device running, through real processes.
+"""``fedhm supernode`` (fedhm_flwr/ops/deploy/supernode.py) keeps a device running, through real processes.
 
 Stand-ins play Flower's programs (small Python scripts in a temporary folder, no Flower involved):
 ``flower-supernode`` does at each start what the next word of its plan says (die by SIGKILL, give up
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from fedhm_flwr.ops import supernode as sn
-from fedhm_flwr.ops.link_watch import DEFAULT_SUPERLINK
+from fedhm_flwr.ops.deploy import supernode as sn
+from fedhm_flwr.ops.deploy.link_watch import DEFAULT_SUPERLINK
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -197,7 +197,7 @@ def test_sigterm_stops_the_wrapper_cleanly_and_ends_every_process_of_the_superno
         cmd = [
             sys.executable,
             "-m",
-            "fedhm_flwr.ops.supernode",
+            "fedhm_flwr.ops.deploy.supernode",
             "--flower-supernode",
             str(standins / "flower-supernode"),
             "--superlink",

@@ -14,8 +14,8 @@ import pytest
 from omegaconf import OmegaConf
 from test_ray_cluster import RAY, ray_start
 
-from fedhm_flwr.ops.launch import free_port
-from fedhm_flwr.ops.procs import Processes, tagged_pids
+from fedhm_flwr.ops.job.launch import free_port
+from fedhm_flwr.ops.job.procs import Processes, tagged_pids
 from fedhm_flwr.reporting.summary import write_summary
 
 RATIOS = ((1, 0.25), (0.5, 0.125))
@@ -51,7 +51,7 @@ def test_a_sweep_on_a_two_node_ray_cluster_has_one_row_per_job(tmp_path):
         cmd = [
             sys.executable,
             "-m",
-            "fedhm_flwr.ops.sweep",
+            "fedhm_flwr.ops.sweeps.sweep",
             "-m",
             "levels.ratios=" + ",".join(f"[{a},{b}]" for a, b in RATIOS),
             "seed=1",

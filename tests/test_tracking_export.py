@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 
 from fedhm_flwr.config import ConfigError, load_config, model_spec
-from fedhm_flwr.ops.export import SPEC_KEY, export_level, load_model, main as export_main, parse_level
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import run
+from fedhm_flwr.ops.tools.export import SPEC_KEY, export_level, load_model, main as export_main, parse_level
 from fedhm_flwr.reporting.results import load_checkpoint
 from fedhm_flwr.reporting.tracking import TB_DIR, flat_config, scalars
 from fedhm_flwr.server.registry import STRATEGIES

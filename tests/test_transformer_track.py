@@ -206,7 +206,7 @@ def test_config_refuses_a_transformer_method_on_a_cnn_naming_the_field():
 
 
 def test_inspect_prints_exact_trainable_parameters_and_bytes(capsys):
-    from fedhm_flwr.ops.inspect import main
+    from fedhm_flwr.ops.tools.cost_table import main
 
     assert main(["method=fedlora", *TINY_IMAGE.split(), "method.max_rank=4"]) == 0
     out = capsys.readouterr().out

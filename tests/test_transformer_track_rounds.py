@@ -20,8 +20,8 @@ from fedhm_flwr.math.aggregation import level_weights
 from fedhm_flwr.math.cmga import default_scale
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.adapters import federated_keys, load_federated
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import run
 from fedhm_flwr.server.strategy import Reply
 
 
@@ -199,7 +199,7 @@ def test_flwr_run_finishes_for_both_methods_on_both_tracks(tmp_path):
         cmd = [
             sys.executable,
             "-m",
-            "fedhm_flwr.ops.launch",
+            "fedhm_flwr.ops.job.launch",
             f"method={method}",
             *base.split(),
             *extra.split(),

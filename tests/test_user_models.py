@@ -15,8 +15,8 @@ from fedhm_flwr.math.aggregation import average_hybrid
 from fedhm_flwr.math.lowrank import factorize_state, recover_state
 from fedhm_flwr.models import build_model, count_parameters
 from fedhm_flwr.models.rules import FactorizeRule, plan_ranks, select_layers
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import run
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import run
 
 GREY = "model.target=tests.tv_models:grey model.kwargs.name=mobilenet_v3_small model.kwargs.num_classes=10"
 TINY = (
@@ -262,7 +262,7 @@ def test_vit_is_factorized_in_blocks_and_exact_at_full_rank():
 
 
 def test_inspect_prints_the_plan_of_a_torchvision_model(capsys):
-    from fedhm_flwr.ops.inspect import main
+    from fedhm_flwr.ops.tools.cost_table import main
 
     assert main(["model.target=torchvision.models:resnet18", "model.kwargs.num_classes=10", "dataset=cifar10"]) == 0
     out = capsys.readouterr().out
@@ -372,7 +372,7 @@ def test_bad_targets_and_rules_are_refused_naming_the_field():
 
 
 def test_inspect_counts_the_vit_levels_from_shapes_as_the_allocating_path_does():
-    from fedhm_flwr.ops.inspect import _rows, level_rows, plan_rows
+    from fedhm_flwr.ops.tools.cost_table import _rows, level_rows, plan_rows
     from fedhm_flwr.server.registry import STRATEGIES
 
     overrides = ["method=fedhm", "model=vit", "model.backbone=random", "model.width=16", "model.depth=2"]

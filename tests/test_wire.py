@@ -14,8 +14,8 @@ import torch
 from flwr.app import ArrayRecord, MessageType
 
 from fedhm_flwr.config import ConfigError, load_config, model_spec
-from fedhm_flwr.ops.local_grid import LocalGrid, client_handlers
-from fedhm_flwr.ops.server_app import initial_state
+from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
+from fedhm_flwr.ops.apps.server_app import initial_state
 from fedhm_flwr.server.registry import FedHMStrategy
 
 
@@ -132,7 +132,7 @@ def test_sampled_queries_ask_only_the_round_s_nodes_and_levels_stay_put(toy_cfg)
 def test_exchange_polls_until_every_reply_came_or_the_timeout():
     from flwr.app import Message, RecordDict
 
-    from fedhm_flwr.core.protocol import collect, exchange
+    from fedhm_flwr.server.transport import collect, exchange
 
     LocalGrid(1, {})  # sets the process's task identity, which a new Message needs (as a ServerApp has it)
 
@@ -173,7 +173,7 @@ def test_exchange_polls_until_every_reply_came_or_the_timeout():
 
 def test_no_exchange_waits_on_flower_s_three_second_poll():
     """``Grid.send_and_receive`` sleeps 3 s between pulls; the package exchanges through
-    :func:`fedhm_flwr.core.protocol.exchange` (the in-process LocalGrid implements it)."""
+    :func:`fedhm_flwr.server.transport.exchange` (the in-process LocalGrid implements it)."""
     calls = [
         str(path.relative_to(ROOT))
         for path in (ROOT / "fedhm_flwr").rglob("*.py")

@@ -14,8 +14,9 @@ from flwr.app import Array, ArrayRecord
 
 from fedhm_flwr.config import model_spec
 from fedhm_flwr.core import protocol
-from fedhm_flwr.ops.server_app import initial_state
+from fedhm_flwr.ops.apps.server_app import initial_state
 from fedhm_flwr.server.registry import FedHMStrategy
+from fedhm_flwr.server.reply_arrays import reply_tensors
 
 TENSORS = [
     torch.randn(3, 4),
@@ -70,7 +71,7 @@ def test_a_reply_reads_into_one_flat_float32_tensor_as_it_reads_tensor_by_tensor
     array outside the wire dtype keeps its own way in, and the flat tensor is then withheld."""
     honest = protocol.array_record({str(i): protocol.wire_array(t, dtype) for i, t in enumerate(TENSORS[:6])})
     expected = protocol.from_wire(protocol.record_tensors(honest), dtype)
-    read, flat = protocol.reply_tensors(honest, dtype)
+    read, flat = reply_tensors(honest, dtype)
     assert list(read) == list(expected)
     for key, tensor in expected.items():
         assert read[key].dtype == tensor.dtype and read[key].shape == tensor.shape and torch.equal(read[key], tensor), (
@@ -81,10 +82,10 @@ def test_a_reply_reads_into_one_flat_float32_tensor_as_it_reads_tensor_by_tensor
     assert all(read[k].data_ptr() != read[j].data_ptr() for k in read for j in read if k < j and read[k].numel())
     odd = protocol.array_record(dict(honest.items()))
     odd["f64"] = Array.from_numpy_ndarray(np.arange(6, dtype=np.float64).reshape(2, 3))  # (a sender's own dtype)
-    read, flat = protocol.reply_tensors(odd, dtype)
+    read, flat = reply_tensors(odd, dtype)
     expected = protocol.from_wire(protocol.record_tensors(odd), dtype)
     assert flat is None and list(read) == list(expected) and all(torch.equal(read[k], expected[k]) for k in expected)
-    empty, flat = protocol.reply_tensors(protocol.array_record({}), dtype)
+    empty, flat = reply_tensors(protocol.array_record({}), dtype)
     assert empty == {} and flat is not None and flat.numel() == 0
 
 

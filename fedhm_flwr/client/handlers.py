@@ -5,7 +5,7 @@ per-layer ranks), the arrays, the training hyperparameters and the data spec. Th
 only knows where its data is and what it can afford (its node config):
 
 * ``data-dir``: the node's **shard** (a folder holding ``manifest.json``, written by
-  ``python -m fedhm_flwr.ops.shards``, see ``docs/DEPLOY.md``): the node trains on its ``train``
+  ``python -m fedhm_flwr.ops.deploy.shard_export``, see ``docs/DEPLOY.md``): the node trains on its ``train``
   split, evaluates on its ``heldout`` split and never looks for any other data;
 * or ``partition-id`` / ``num-partitions``: which partition of the data spec is this node's
   (set by the simulation engine), cut out of a full local copy of the dataset in ``data-dir``
@@ -63,12 +63,12 @@ def node_shard(context: Context) -> Path | None:
     if not data_dir:
         raise NodeDataError(
             "node config lacks data-dir: set data-dir=<this node's shard folder> (written by "
-            "`python -m fedhm_flwr.ops.shards <overrides> out=DIR`) in --node-config"
+            "`python -m fedhm_flwr.ops.deploy.shard_export <overrides> out=DIR`) in --node-config"
         )
     raise NodeDataError(
         f"node config data-dir={data_dir}: no shard there (no {shards.MANIFEST}); point data-dir "
         f"at this node's shard folder (e.g. DIR/partition-0 written by `python -m "
-        f"fedhm_flwr.ops.shards <overrides> out=DIR`), or give partition-id with a full dataset copy"
+        f"fedhm_flwr.ops.deploy.shard_export <overrides> out=DIR`), or give partition-id with a full dataset copy"
     )
 
 

@@ -32,7 +32,7 @@ from fedhm_flwr.config.options import (
 )
 from fedhm_flwr.config.specs import backbone_choice, model_spec
 from fedhm_flwr.core.errors import ConfigError
-from fedhm_flwr.data.registry import dataset_info
+from fedhm_flwr.data.sources import dataset_info
 
 __all__ = [  # the options re-exported (the methods import their class from here) and this module's own
     "ARCH_NAMES",

@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from fedhm_flwr.data.registry import dataset_info
+from fedhm_flwr.data.sources import dataset_info
 from fedhm_flwr.data.spec import SOURCE_DEFAULTS
 
 

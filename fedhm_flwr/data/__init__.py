@@ -83,7 +83,7 @@ Modules
 -------
 ``catalog`` (what is known of each dataset before reading it), ``cache`` (the per-process caches),
 ``spec`` (validation), ``partitioning`` (flwr-datasets partitioners, subsets, held-out split),
-``registry`` (:func:`dataset_info`, :func:`load_arrays`, :func:`source_arrays`), one module per
+``sources`` (:func:`dataset_info`, :func:`load_arrays`, :func:`source_arrays`), one module per
 source (``idx``, ``cifar``, ``imagefolder``, ``hf_disk``, ``text``), ``tensors`` (the torch Dataset),
 ``clients`` (a partition's data and the test set from a spec), ``files`` (where files lie; the pre-start check),
 ``layouts`` (the layout of your own data's folders) and
@@ -107,7 +107,7 @@ _EXPORTS: dict[str, str] = {
         "catalog",
     ),
     **dict.fromkeys(("clear_caches",), "cache"),
-    **dict.fromkeys(("class_names", "dataset_info", "load_arrays", "source_arrays", "source_info"), "registry"),
+    **dict.fromkeys(("class_names", "dataset_info", "load_arrays", "source_arrays", "source_info"), "sources"),
     **dict.fromkeys(
         (
             "CLASS_ASSIGNMENTS",

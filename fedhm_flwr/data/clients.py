@@ -19,7 +19,7 @@ from fedhm_flwr.data.partitioning import (
     partition,
     seeded_subset,
 )
-from fedhm_flwr.data.registry import source_arrays, source_info
+from fedhm_flwr.data.sources import source_arrays, source_info
 from fedhm_flwr.data.spec import check_client_split, check_data_spec, check_partition_id
 from fedhm_flwr.data.tensors import ImageTensorDataset, image_dataset, to_normalised_tensor
 

@@ -2,7 +2,7 @@
 
 A node of a real deployment holds only its own examples. ::
 
-    python -m fedhm_flwr.ops.shards <the run's Hydra overrides> out=DIR     (or --out DIR)
+    python -m fedhm_flwr.ops.deploy.shard_export <the run's Hydra overrides> out=DIR     (or --out DIR)
 
 writes ``DIR/partition-<i>/`` for every partition ``i`` of the run (``num_clients`` partitions
 of the configured dataset, partitioner, seed, ``dataset.max_train_examples`` and held-out
@@ -35,7 +35,7 @@ import numpy as np
 from fedhm_flwr.core.errors import ShardError
 from fedhm_flwr.data.catalog import DATASETS, EXTERNAL_DATASETS, FOLDER_SOURCES, DatasetInfo
 from fedhm_flwr.data.clients import client_arrays
-from fedhm_flwr.data.registry import source_info
+from fedhm_flwr.data.sources import source_info
 from fedhm_flwr.data.spec import CLIENT_SPLITS, check_data_spec
 from fedhm_flwr.data.tensors import ImageTensorDataset, image_dataset
 
@@ -90,7 +90,7 @@ def make_manifest(
     info: DatasetInfo | None = None,
 ) -> dict[str, Any]:
     """The manifest of partition ``partition_id`` of a validated data spec, given its split arrays
-    (``info``: the dataset's facts, :func:`fedhm_flwr.data.registry.source_info`; looked up when None)."""
+    (``info``: the dataset's facts, :func:`fedhm_flwr.data.sources.source_info`; looked up when None)."""
     info = info if info is not None else source_info(spec)
     return {
         "format": FORMAT,
@@ -181,7 +181,7 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ShardError(
             f"{folder}: not a shard (no {MANIFEST}); export one with "
-            f"`python -m fedhm_flwr.ops.shards <overrides> out=DIR` (docs/DEPLOY.md, Shard format)"
+            f"`python -m fedhm_flwr.ops.deploy.shard_export <overrides> out=DIR` (docs/DEPLOY.md, Shard format)"
         )
     try:
         manifest = json.loads(path.read_text())

@@ -259,7 +259,7 @@ def oversized(state: Mapping[str, Tensor], bound: float, flat: Tensor | None = N
 
     Passes from cheap to exact, each looked at only when the one before fails: ``flat`` (every
     floating value of ``state`` in one float32 tensor, when the caller has it,
-    :func:`fedhm_flwr.core.wire_arrays.reply_tensors`) by one float32 sum of squares, at most
+    :func:`fedhm_flwr.server.reply_arrays.reply_tensors`) by one float32 sum of squares, at most
     ``bound²`` (no tensor's norm exceeds the whole's; NaN/inf or an overflow make it fail); then one
     float32 norm per tensor (NaN/inf make it non-finite; a float32 overflow of the squares means a
     norm far above any allowed bound); then each tensor in detail."""

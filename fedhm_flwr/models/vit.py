@@ -8,7 +8,7 @@ width``), a final LayerNorm and a linear ``head`` on the class token. Attention 
 Three sizes differ in width only (same depth, heads, patch): by default 64, 32 and 16, i.e. the
 widths of level ratios 1, 1/2 and 1/4 of ``model.width`` (small enough to pre-train on a CPU in
 minutes). No ViT weights ship anywhere offline:
-``python -m fedhm_flwr.ops.pretrain`` (``make pretrain``) trains the backbones and writes them to
+``python -m fedhm_flwr.ops.tools.pretrain`` (``make pretrain``) trains the backbones and writes them to
 ``$FEDHM_CACHE/vit/`` (default ``~/.cache/fedhm-flwr/vit/``), one safetensors file per size
 named by :func:`checkpoint_name`; the file's metadata repeats the architecture and is checked on
 load. Nothing is ever committed or sent: the model spec names the file (``backbone:
@@ -217,7 +217,7 @@ def load_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     """A pre-trained backbone file: (tensors, metadata); cached per process."""
     if not path.is_file():
         raise FileNotFoundError(
-            f"pre-trained ViT backbone {path} not found: run `make pretrain` (python -m fedhm_flwr.ops.pretrain) "
+            f"pre-trained ViT backbone {path} not found: run `make pretrain` (python -m fedhm_flwr.ops.tools.pretrain) "
             f"on this node first (cache folder: ${CACHE_ENV} or ~/.cache/fedhm-flwr), or use model.backbone=random"
         )
     key = (str(path), path.stat().st_mtime)

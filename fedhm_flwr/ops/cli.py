@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedhm_flwr.config import ConfigError, split_overrides
-from fedhm_flwr.ops import multirun
-from fedhm_flwr.ops.launch import run_job
-from fedhm_flwr.ops.multirun import COMPARE_OVERRIDES, compare_plan  # noqa: F401  (compare_plan: tests import it here)
-from fedhm_flwr.ops.outcome import fedhm_commands, report_finished, report_stop
-from fedhm_flwr.ops.procs import Interrupted, on_signals
-from fedhm_flwr.ops.progress import run_with_progress
-from fedhm_flwr.ops.status import main as status_main
+from fedhm_flwr.ops.job.launch import run_job
+from fedhm_flwr.ops.job.outcome import fedhm_commands, report_finished, report_stop
+from fedhm_flwr.ops.job.procs import Interrupted, on_signals
+from fedhm_flwr.ops.job.progress import run_with_progress
+from fedhm_flwr.ops.job.status import main as status_main
+from fedhm_flwr.ops.sweeps import multirun
+from fedhm_flwr.ops.sweeps.multirun import COMPARE_OVERRIDES, compare_plan  # noqa: F401  (compare_plan: tests import it here)
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def cmd_resume(argv: list[str]) -> int:
     return _run_job(split_overrides(args.overrides), None, args.run_dir.resolve(), not args.no_progress)
 
 
-# ------------------------------------------------------------------------- sweep, compare (fedhm_flwr/ops/multirun.py)
+# ------------------------------------------------------------------ sweep, compare (fedhm_flwr/ops/sweeps/multirun.py)
 
 
 def cmd_sweep(argv: list[str]) -> int:
@@ -203,7 +203,7 @@ COMMANDS: dict[str, Command] = {
             "fedhm deploy-local --nodes 4 --credentials-only creds --san fl.example.org",
         ),
         _delegate("deploy-local"),
-        "fedhm_flwr.ops.deploy_local",
+        "fedhm_flwr.ops.deploy.deploy_local",
         "SuperLink (TLS, node auth) + N SuperNodes on loopback, runs the job",
     ),
     "stage": Command(
@@ -212,7 +212,7 @@ COMMANDS: dict[str, Command] = {
         "every device, as `fedhm deploy-local` does (docs/DEPLOY.md).",
         ("fedhm stage /srv/fedhm/app", 'flwr run "$(fedhm stage /tmp/fedhm-app)" fedhm --stream'),
         _delegate("stage"),
-        "fedhm_flwr.ops.stage",
+        "fedhm_flwr.ops.deploy.stage",
         "the app alone, staged for `flwr run` on real devices (not tests/ docs/ results/)",
     ),
     "inspect": Command(
@@ -224,7 +224,7 @@ COMMANDS: dict[str, Command] = {
             "fedhm inspect model.target=torchvision.models:resnet18 model.kwargs.num_classes=10 dataset=cifar10",
         ),
         _delegate("inspect"),
-        "fedhm_flwr.ops.inspect",
+        "fedhm_flwr.ops.tools.cost_table",
         "per-level parameters, MACs, payload bytes (no training)",
     ),
     "summary": Command(
@@ -235,12 +235,12 @@ COMMANDS: dict[str, Command] = {
         "one table and plots over finished runs",
     ),
     "shards": Command(
-        "A node's own data shard (export / load), for real devices; runs fedhm_flwr.ops.shards "
+        "A node's own data shard (export / load), for real devices; runs fedhm_flwr.ops.deploy.shard_export "
         "(imported when called: available once that module is installed).",
         ("fedhm shards --help",),
         _delegate("shards"),
-        "fedhm_flwr.ops.shards",
-        "a node's own data shard for real devices (fedhm_flwr.ops.shards, when installed)",
+        "fedhm_flwr.ops.deploy.shard_export",
+        "a node's own data shard for real devices (fedhm_flwr.ops.deploy.shard_export, when installed)",
     ),
     "supernode": Command(
         "flower-supernode with the same arguments, kept running: started again after it dies "
@@ -251,7 +251,7 @@ COMMANDS: dict[str, Command] = {
             "--auth-supernode-private-key node.key --node-config node-config.toml",
         ),
         _delegate("supernode"),
-        "fedhm_flwr.ops.supernode",
+        "fedhm_flwr.ops.deploy.supernode",
         "flower-supernode kept running, its ClientApps ended with it (a device's SuperNode)",
     ),
     "export": Command(
@@ -259,7 +259,7 @@ COMMANDS: dict[str, Command] = {
         "torch.export .pt2, ONNX where an exporter is installed, and a model card.",
         ("fedhm export run=/tmp/fedhm/r1 level=1/4", "fedhm export run=/tmp/fedhm/r1 level=1 out=/tmp/fedhm/r1-full"),
         _delegate("export"),
-        "fedhm_flwr.ops.export",
+        "fedhm_flwr.ops.tools.export",
         "a level's deployable model: safetensors, .pt2, model card",
     ),
     "bench": Command(
@@ -291,7 +291,7 @@ def usage() -> str:
     lines += [
         "",
         "`fedhm <command> --help` for a command's options and examples. The same overrides work with",
-        "`make run ARGS=...` and `python -m fedhm_flwr.ops.launch ...`; Python: fedhm_flwr.api.run([...]).",
+        "`make run ARGS=...` and `python -m fedhm_flwr.ops.job.launch ...`; Python: fedhm_flwr.api.run([...]).",
     ]
     return "\n".join(lines)
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-from fedhm_flwr.core.protocol import collect, content_bytes, node_info_queries
+from fedhm_flwr.server.transport import collect, content_bytes, node_info_queries
 
 
 class AheadQueries:

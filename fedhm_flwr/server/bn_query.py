@@ -20,12 +20,14 @@ from flwr.supercore import log
 
 from fedhm_flwr.config import data_spec
 from fedhm_flwr.core import bn_wire, protocol as wire
-from fedhm_flwr.core.protocol import CONFIG, asked_nodes, error_reason
+from fedhm_flwr.core.protocol import CONFIG
 from fedhm_flwr.math import levels as lv
 from fedhm_flwr.math.bn_stats import combine_bn_sums, norm_layers
 from fedhm_flwr.models import build_model, shape_device
 from fedhm_flwr.server.methods.method import State
 from fedhm_flwr.server.replies import round_deadline
+from fedhm_flwr.server.reply_arrays import check_bn_reply
+from fedhm_flwr.server.transport import asked_nodes, collect, error_reason, push
 
 Sums = dict[str, torch.Tensor]
 
@@ -88,20 +90,18 @@ class BnQuery:
                 self.bytes += record.count_bytes()
                 content[bn_wire.bn_record(index)] = record
             self.messages.append(Message(content=content, dst_node_id=node_id, message_type=MessageType.QUERY))
-        self.pushed = wire.push(grid, self.messages)
+        self.pushed = push(grid, self.messages)
 
     def sums(self) -> tuple[list[Sums | None], int]:
         """(each model's summed per-layer statistics, None where no node answered; bytes moved):
         the replies pulled until all came or the round's deadline passed (``stragglers.*``)."""
         view = self.view
-        replies = wire.collect(view.grid, self.pushed, round_deadline(view.cfg), max_poll=0.5)
+        replies = collect(view.grid, self.pushed, round_deadline(view.cfg), max_poll=0.5)
         parts: list[list[Sums]] = [[] for _ in range(self.count)]
         for node_id, reply in sorted(asked_nodes(self.messages, replies), key=lambda pair: view.registry.key(pair[0])):
             try:  # (sums in node order)
                 sums, why = (
-                    (None, error_reason(reply))
-                    if reply.has_error()
-                    else bn_wire.check_bn_reply(reply.content, self.expected)
+                    (None, error_reason(reply)) if reply.has_error() else check_bn_reply(reply.content, self.expected)
                 )
             except Exception as exc:  # noqa: BLE001 (no reply can raise out of the round)
                 sums, why = None, f"reply could not be read: {type(exc).__name__}: {exc}"

@@ -38,13 +38,14 @@ from omegaconf import DictConfig
 
 from fedhm_flwr.config import data_spec
 from fedhm_flwr.core import protocol as wire
-from fedhm_flwr.core.protocol import ARRAYS, CONFIG, METRICS, asked_nodes, error_reason, read_eval
+from fedhm_flwr.core.protocol import ARRAYS, CONFIG, METRICS, read_eval
 from fedhm_flwr.data import test_dataset
 from fedhm_flwr.math.bn_stats import norm_layers
 from fedhm_flwr.math.train import evaluate, evaluate_each
 from fedhm_flwr.models import build_model, deployable_network, shape_device
 from fedhm_flwr.models.batched import merge_networks
 from fedhm_flwr.server.bn_query import federated_bn_sums, spec_key
+from fedhm_flwr.server.transport import NODE_UNAVAILABLE, asked_nodes, content_bytes, error_reason
 
 State = dict[str, torch.Tensor]
 WORST_FRACTION = 0.1  # fed_acc_clients/worst10: the mean accuracy of the worst ceil(10 %) clients
@@ -348,10 +349,10 @@ class FederatedEvaluation:
                 score, why = None, f"reply could not be read: {type(exc).__name__}: {exc}"
             if score is None:
                 failures.append((self.registry.label(node_id), why))
-                if why == wire.NODE_UNAVAILABLE:  # gone: asked again (and logged back) when it reconnects
+                if why == NODE_UNAVAILABLE:  # gone: asked again (and logged back) when it reconnects
                     self.registry.forget(node_id, self.server_round, why)
                 continue
-            bytes_received += wire.content_bytes(msg.content)
+            bytes_received += content_bytes(msg.content)
             scores.append(score)
         for node_id in sorted(set(self.level_of) - answered, key=self.registry.key):
             failures.append((self.registry.label(node_id), "no reply before the round's deadline (late)"))

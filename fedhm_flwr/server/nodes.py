@@ -27,18 +27,18 @@ from flwr.supercore import log
 from omegaconf import DictConfig
 
 from fedhm_flwr.config import data_spec, level_proportions
-from fedhm_flwr.core.protocol import (
+from fedhm_flwr.core.protocol import NodeInfo
+from fedhm_flwr.math import levels as lv
+from fedhm_flwr.server.ahead import AheadQueries
+from fedhm_flwr.server.node_levels import PoissonDraws, declared_level, log_joined, stable_level
+from fedhm_flwr.server.transport import (
     NODE_UNAVAILABLE,
-    NodeInfo,
     collect,
     content_bytes,
     node_info_queries,
     parse_node_info,
     push,
 )
-from fedhm_flwr.math import levels as lv
-from fedhm_flwr.server.ahead import AheadQueries
-from fedhm_flwr.server.node_levels import PoissonDraws, declared_level, log_joined, stable_level
 
 #: keys of nodes without a unique partition id start here (partition ids stay below)
 _HASHED_KEY_BASE = 1 << 40

@@ -15,18 +15,9 @@ from typing import Any
 import torch
 from flwr.app import ConfigRecord
 
-from fedhm_flwr.core.protocol import (
-    DATA_SPEC,
-    LEVEL,
-    LEVEL_INDEX,
-    METHOD,
-    MODEL_SPEC,
-    SEED,
-    SERVER_ROUND,
-    TRAIN,
-    wire_config,
-)
+from fedhm_flwr.core.protocol import DATA_SPEC, LEVEL, LEVEL_INDEX, METHOD, MODEL_SPEC, SEED, SERVER_ROUND, TRAIN
 from fedhm_flwr.core.wire_arrays import array_record, wire_array
+from fedhm_flwr.server.transport import wire_config
 
 
 class ArrayCache:

@@ -7,7 +7,7 @@ of the round (docs/ROBUSTNESS.md, "Malformed replies"):
   counts once per node (a second delivery is refused as a duplicate);
 * **what**: exactly the records ``arrays`` (an ArrayRecord) and ``metrics`` (a MetricRecord); the
   arrays are the keys the node was sent, each with the dtype, declared shape and byte length of
-  the Array it was sent (:func:`fedhm_flwr.core.wire_arrays.sent_layout`, before any tensor is
+  the Array it was sent (:func:`fedhm_flwr.server.reply_arrays.sent_layout`, before any tensor is
   read); the tensors then pass the screen (NaN/inf, norm, :meth:`fedhm_flwr.server.untrusted.Untrusted.screen`);
 * **the metrics** have the wire types ``train_metrics`` writes (:data:`TRAIN_METRICS`), are finite
   and plausible: ``num-examples`` a positive int no larger than the training examples the node
@@ -35,9 +35,10 @@ from omegaconf import DictConfig
 
 from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.core.protocol import ARRAYS, METRICS
-from fedhm_flwr.core.wire_arrays import reply_tensors, sent_layout
 from fedhm_flwr.data.catalog import DATASETS
 from fedhm_flwr.server.payloads import Payload
+from fedhm_flwr.server.reply_arrays import reply_tensors, sent_layout
+from fedhm_flwr.server.transport import Deadline, asked_ids, content_bytes, error_reason
 
 #: the metrics a training reply holds (``protocol.train_metrics``) -> the Python types each may have
 #: on the wire; ``ray-node`` is optional (simulation only), every other key is required
@@ -169,20 +170,20 @@ def sort_replies(
 ) -> Sorted:
     """Each reply to these pushed ``messages``, matched to the message it answers (never to its
     sender: the SuperLink answers for a node that missed its heartbeats; a message never pushed, which
-    has no id, is matched by the node it went to: :func:`fedhm_flwr.core.protocol.asked_ids`): an error reply is a
+    has no id, is matched by the node it went to: :func:`fedhm_flwr.server.transport.asked_ids`): an error reply is a
     failure; a reply to none of the messages, or a node's second one, is refused; the others go
     through ``validate(node, reply)`` -> (valid reply, "") or (None, why); whatever it raises is
     that reply's refusal. An answer to one of the ``earlier`` message ids (an earlier round's, which
     stopped waiting for it) is counted late and dropped. Every reply that arrived counts its bytes,
     refused ones included."""
-    asked, unpushed = wire.asked_ids(messages)
+    asked, unpushed = asked_ids(messages)
     out, late = Sorted(), set(earlier)
     for msg in replies:
         node_id = asked.get(msg.metadata.reply_to_message_id)
         if node_id is None and msg.metadata.src_node_id in unpushed:
             node_id = msg.metadata.src_node_id
         with contextlib.suppress(Exception):  # a record Flower cannot count is refused below, or was an error
-            out.received_bytes += wire.content_bytes(msg.content) if msg.has_content() else 0
+            out.received_bytes += content_bytes(msg.content) if msg.has_content() else 0
         if node_id is None and msg.metadata.reply_to_message_id in late:
             out.late += 1
             continue
@@ -194,7 +195,7 @@ def sort_replies(
             continue
         out.answered.add(node_id)
         if msg.has_error():
-            out.failures.append((node_id, wire.error_reason(msg)))
+            out.failures.append((node_id, error_reason(msg)))
             continue
         try:
             valid, why = validate(node_id, msg)
@@ -207,10 +208,10 @@ def sort_replies(
     return out
 
 
-def round_deadline(cfg: DictConfig, timeout: float | None = None) -> wire.Deadline:
+def round_deadline(cfg: DictConfig, timeout: float | None = None) -> Deadline:
     """When a round's exchange stops waiting (``stragglers.*``, never after ``timeout``, default the
-    config's): :class:`fedhm_flwr.core.protocol.Deadline`."""
+    config's): :class:`fedhm_flwr.server.transport.Deadline`."""
     s = cfg.stragglers
-    return wire.Deadline(
+    return Deadline(
         float(cfg.timeout if timeout is None else timeout), float(s.quorum), float(s.factor), float(s.min_seconds)
     )

@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 
 from fedhm_flwr.config import level_proportions
 from fedhm_flwr.core import protocol as wire
-from fedhm_flwr.core.protocol import ARRAYS, CONFIG, NODE_UNAVAILABLE, collect, content_bytes, exchange, push
+from fedhm_flwr.core.protocol import ARRAYS, CONFIG
 from fedhm_flwr.math import levels as lv
 from fedhm_flwr.server import evaluation as ev, replies as reply_checks
 from fedhm_flwr.server.methods.method import Method, Reply, State
@@ -41,6 +41,7 @@ from fedhm_flwr.server.outputs import RoundEnd, RoundOutputs
 from fedhm_flwr.server.payloads import Payload
 from fedhm_flwr.server.report import RoundLog, progress_line, round_row, train_metrics
 from fedhm_flwr.server.round_wire import RoundWire
+from fedhm_flwr.server.transport import NODE_UNAVAILABLE, collect, content_bytes, exchange, push, wire_config
 from fedhm_flwr.server.untrusted import Attacks, Untrusted
 
 __all__ = ["HeteroStrategy", "Payload", "Reply", "RoundLog", "State", "content_bytes", "progress_line"]
@@ -327,7 +328,7 @@ class HeteroStrategy(RoundWire, Strategy):
             self._grid,
             self.registry,
             self.wire_arrays,
-            wire.wire_config(self.wire_dtype),
+            wire_config(self.wire_dtype),
             len(self.history) + 1,
         )
 

@@ -1,0 +1,185 @@
+"""What a data source reads, whichever it is: :func:`dataset_info`, :func:`load_arrays`, which reads a
+whole split of a built-in dataset (``idx``, ``cifar``), and :func:`source_arrays` /
+:func:`source_info` / :func:`class_names`, which do the same from a data spec, for the built-in
+datasets and the folder sources (``imagefolder``, ``hf_disk``) alike. The facts themselves are in
+:mod:`fedhm_flwr.data.catalog`, the caches in :mod:`fedhm_flwr.data.cache`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedhm_flwr.data import hf_disk, imagefolder
+from fedhm_flwr.data.cache import ARRAY_CACHE, INFO_CACHE, LOCK, readonly
+from fedhm_flwr.data.catalog import (
+    CLASS_NAMES,
+    DATASETS,
+    EXTERNAL_DATASETS,
+    FOLDER_SOURCES,
+    SPLITS,
+    DatasetInfo,
+    image_info,
+    text_dataset_info,
+)
+from fedhm_flwr.data.cifar import load_cifar
+from fedhm_flwr.data.files import DATA_DIR_ENV
+from fedhm_flwr.data.idx import load_fashion_mnist
+from fedhm_flwr.data.layouts import folder_source_layout
+from fedhm_flwr.data.spec import SOURCE_DEFAULTS, check_data_spec
+
+__all__ = [
+    "CLASS_NAMES",
+    "DATASETS",
+    "EXTERNAL_DATASETS",
+    "SPLITS",
+    "DatasetInfo",
+    "class_names",
+    "dataset_info",
+    "load_arrays",
+    "source_arrays",
+    "source_info",
+]
+
+#: folder source name -> its loader module (``num_classes``, ``load_splits``)
+FOLDER_LOADERS: dict[str, Any] = {"imagefolder": imagefolder, "hf_disk": hf_disk}
+assert set(FOLDER_LOADERS) == set(FOLDER_SOURCES)
+
+
+def dataset_info(name: str, spec: dict[str, Any] | None = None) -> dict[str, int]:
+    """Return ``{"num_classes", "in_channels", "image_size"}`` of dataset ``name``.
+
+    Exactly these three keys, so that it can be splatted into a model builder. A folder source
+    (``imagefolder``, ``hf_disk``) needs its data ``spec``: the classes are read from
+    ``dataset.path``, the shape is ``dataset.channels`` x ``dataset.image_size``.
+    Raises ValueError naming ``dataset.name`` for an unknown dataset.
+    """
+    if name in FOLDER_SOURCES:
+        if spec is None:
+            raise ValueError(f"dataset.name={name!r}: its classes depend on dataset.path; pass the data spec")
+        spec = check_data_spec(spec)
+        return {
+            "num_classes": FOLDER_LOADERS[name].num_classes(spec),
+            "in_channels": spec["channels"],
+            "image_size": spec["image_size"],
+        }
+    if name in EXTERNAL_DATASETS:
+        return text_dataset_info(name)
+    info = image_info(name)
+    return {
+        "num_classes": info.num_classes,
+        "in_channels": info.in_channels,
+        "image_size": info.image_size,
+    }
+
+
+def _resolved_key(data_dir: str | os.PathLike[str] | None) -> str:
+    """Cache key for a data location (explicit dir, or the env/system fallback)."""
+    if data_dir is not None:
+        return str(Path(data_dir).expanduser().resolve())
+    return "env:" + os.environ.get(DATA_DIR_ENV, "")
+
+
+def load_arrays(
+    name: str,
+    split: str,
+    data_dir: str | os.PathLike[str] | None = None,
+    download: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Load a whole split as ``(images uint8 NHWC (N, H, W, C), labels int64 (N,))``.
+
+    ``split`` is "train" or "test". Cached per process (read-only arrays; copy
+    before modifying). Raises FileNotFoundError with a remedy when the files are
+    missing; CIFAR is only downloaded when ``download`` is true.
+    """
+    info = image_info(name)
+    if split not in SPLITS:
+        raise ValueError(f"split: unknown split {split!r}; allowed values: {list(SPLITS)}")
+    key = (name, split, _resolved_key(data_dir))
+    with LOCK:
+        hit = ARRAY_CACHE.get(key)
+        if hit is not None:
+            return hit
+        d = None if data_dir is None else str(data_dir)
+        if name == "fashion_mnist":
+            images, labels = load_fashion_mnist(split, d)
+        else:
+            images, labels = load_cifar(name, split, d, download)
+        if images.shape[1:] != (info.image_size, info.image_size, info.in_channels):
+            raise ValueError(f"{name}/{split}: unexpected image shape {images.shape}")
+        out = (readonly(images), readonly(labels))
+        ARRAY_CACHE[key] = out
+        return out
+
+
+# --------------------------------------------------------------------------- from a data spec
+
+
+def _source_key(spec: dict[str, Any], data_dir: str | os.PathLike[str] | None) -> tuple[Any, ...]:
+    """Cache key of a folder source: its folder and every option that changes the arrays."""
+    root = data_dir or spec["path"]
+    options = tuple((k, spec[k]) for k in sorted(SOURCE_DEFAULTS[spec["name"]]) if k != "path")
+    return (spec["name"], str(Path(str(root)).expanduser().resolve())) + options
+
+
+def source_arrays(
+    spec: dict[str, Any], split: str, data_dir: str | os.PathLike[str] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """A whole split ("train" | "test") of a validated data spec's dataset, as :func:`load_arrays` gives it.
+
+    Folder sources read ``data_dir`` (a node's full copy) when given, else ``dataset.path``; both of
+    their splits are decoded at once and cached per process.
+    """
+    name = spec["name"]
+    if name not in FOLDER_SOURCES:
+        return load_arrays(name, split, data_dir, spec["download"])
+    if split not in SPLITS:
+        raise ValueError(f"split: unknown split {split!r}; allowed values: {list(SPLITS)}")
+    key = _source_key(spec, data_dir)
+    with LOCK:
+        if (key, split) not in ARRAY_CACHE:
+            for part, (images, labels) in FOLDER_LOADERS[name].load_splits(spec, data_dir).items():
+                ARRAY_CACHE[(key, part)] = (readonly(images), readonly(labels))  # type: ignore[index]
+        return ARRAY_CACHE[(key, split)]  # type: ignore[index]
+
+
+def source_info(spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = None) -> DatasetInfo:
+    """The :class:`DatasetInfo` of a validated data spec's dataset.
+
+    A folder source's mean and std are measured per channel on its training split (as the built-in
+    datasets' are), its shape is ``dataset.channels`` x ``dataset.image_size``.
+    """
+    name = spec["name"]
+    if name not in FOLDER_SOURCES:
+        return image_info(name)
+    key = _source_key(spec, data_dir)
+    with LOCK:
+        if key not in INFO_CACHE:
+            images, labels = source_arrays(spec, "train", data_dir)
+            channels = [images[..., c].astype(np.float32) / 255.0 for c in range(images.shape[-1])]
+            INFO_CACHE[key] = DatasetInfo(
+                name,
+                FOLDER_LOADERS[name].num_classes(spec, data_dir),
+                spec["channels"],
+                spec["image_size"],
+                tuple(float(x.mean(dtype=np.float64)) for x in channels),
+                tuple(max(float(x.std(dtype=np.float64)), 1e-3) for x in channels),
+                len(labels),
+                len(source_arrays(spec, "test", data_dir)[1]),
+            )
+        return INFO_CACHE[key]
+
+
+def class_names(spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = None) -> list[str] | None:
+    """The names of a validated data spec's classes in label order (a folder source's sorted
+    class folders / ClassLabel names), or None where the project does not know them."""
+    name = spec["name"]
+    if name in FOLDER_SOURCES:
+        layout = folder_source_layout(name, spec, data_dir)
+        if "classes" in layout:
+            return [str(c) for c in layout["classes"]]
+        names = getattr(layout["features"].get(spec["label_column"]), "names", None)  # hf_disk: a ClassLabel's
+        return [str(c) for c in names] if names else None
+    return list(CLASS_NAMES[name]) if name in CLASS_NAMES else None

@@ -1,0 +1,197 @@
+"""ServerApp: compose and validate the config, build model, evaluator and strategy, run, write outputs.
+
+Run-config keys (``pyproject.toml`` ``[tool.flwr.app.config]``): ``overrides`` (Hydra overrides,
+one string), ``output-dir`` (absolute run directory) and ``resume`` (a run directory whose
+checkpoint the run continues from).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import sys
+import time
+from logging import INFO, WARNING
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, Context
+from flwr.serverapp import Grid, ServerApp
+from flwr.supercore import log
+from omegaconf import DictConfig, OmegaConf
+
+from fedhm_flwr.config import load_config, model_spec, resume_config, to_yaml
+from fedhm_flwr.math.train import pick_device
+from fedhm_flwr.models import build_model
+from fedhm_flwr.ops.apps.superlink_watch import runtime_address, stop_with_superlink, watch_superlink
+from fedhm_flwr.ops.job.procs import TAG_VAR
+from fedhm_flwr.ops.job.runlock import RunLock
+from fedhm_flwr.ops.tools.cost_table import size_warnings
+from fedhm_flwr.reporting.provenance import code_version
+from fedhm_flwr.reporting.results import (
+    METRICS_JSONL,
+    RunRecorder,
+    load_checkpoint,
+    load_checkpoint_state,
+    refuse_existing_run,
+    summarize,
+    write_status,
+)
+from fedhm_flwr.reporting.tracking import open_tracker
+from fedhm_flwr.server.evaluation import make_evaluator
+from fedhm_flwr.server.outputs import RunOutputs
+from fedhm_flwr.server.registry import STRATEGIES
+
+app = ServerApp()
+
+
+def default_output_dir(cfg: DictConfig) -> Path:
+    """``$FEDHM_OUTPUT_ROOT`` (else ``~/fedhm-outputs``) / date / time-method."""
+    root = Path(os.environ.get("FEDHM_OUTPUT_ROOT", Path.home() / "fedhm-outputs")).expanduser()
+    now = dt.datetime.now()
+    return (root / now.strftime("%Y-%m-%d") / f"{now.strftime('%H-%M-%S-%f')}-{cfg.method.name}").resolve()
+
+
+def initial_state(cfg: DictConfig, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The seeded initial global model."""
+    torch.manual_seed(int(cfg.seed))
+    return {k: v.detach().clone() for k, v in build_model(spec).state_dict().items()}
+
+
+def run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None = None) -> dict[str, Any]:
+    """One whole run on a grid; returns the summary (also written to ``out_dir``). The run
+    directory is locked for the run (a second run into it is refused); under the launcher or
+    deploy-local, which hold the lock already, the process carries their tag and goes in.
+    When the SuperLink stops under it, the ServerApp records that and exits within seconds
+    (:mod:`fedhm_flwr.ops.apps.superlink_watch`), freeing the lock for a resume."""
+    lock = RunLock(out_dir, tag=os.environ.get(TAG_VAR)).acquire()
+    address = runtime_address(sys.argv)
+    if address is not None:
+        watch_superlink(
+            address, lambda: stop_with_superlink(out_dir, int(cfg.rounds), _rounds_done(out_dir), address, lock)
+        )
+    try:
+        code = code_version()  # the code this run starts with (git may be absent: "unknown")
+        write_status(out_dir, "running", rounds=int(cfg.rounds), resumed=str(resume) if resume else None, **code)
+        try:
+            summary = _run(grid, cfg, out_dir, resume, code)
+        except BaseException as exc:
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
+            write_status(
+                out_dir, "failed", error=reason[:2000], rounds=int(cfg.rounds), round=_rounds_done(out_dir), **code
+            )
+            raise
+        write_status(out_dir, "completed", rounds=int(cfg.rounds), round=summary.get("rounds_completed"), **code)
+        return summary
+    finally:
+        lock.release()
+
+
+def _rounds_done(out_dir: Path) -> int:
+    try:
+        return len((out_dir / METRICS_JSONL).read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def _run(
+    grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None, code: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    t0, started_at = time.perf_counter(), time.time()
+    if resume is None:
+        refuse_existing_run(out_dir)
+    recorder = RunRecorder(out_dir, tracker=open_tracker(cfg.get("tracking"), out_dir))
+    recorder.write_config(to_yaml(cfg))
+    spec = model_spec(cfg)
+    # a deployment's server may hold no test set: with evaluation.where=clients none is loaded
+    evaluator = None if cfg.evaluation.where == "clients" else make_evaluator(cfg, pick_device())
+    strategy = STRATEGIES[cfg.method.name](cfg, spec, evaluator, RunOutputs(cfg, recorder))
+    for line in size_warnings(cfg):  # FedHM levels that do not shrink the model, before round 1
+        log(WARNING, "warning: %s", line)
+    state = strategy.method.initial_state(int(cfg.seed))
+    if state is None:
+        state = initial_state(cfg, spec)
+    if resume is not None:
+        state, saved = load_checkpoint(resume)
+        strategy.restore(saved)
+        recorder.load_rows(saved.get("history", []))
+        log(INFO, "resuming %s after round %d", resume, strategy.start_round - 1)
+    log(
+        INFO,
+        "fedhm-flwr: %s on %s/%s, %d rounds, outputs in %s",
+        cfg.method.name,
+        cfg.model.arch,
+        cfg.dataset.name,
+        cfg.rounds,
+        recorder.out_dir,
+    )
+    strategy.start(
+        grid, ArrayRecord.from_torch_state_dict(state), num_rounds=int(cfg.rounds), timeout=float(cfg.timeout)
+    )
+    costs = {f"{level:g}": strategy.method.level_cost(i) for i, level in enumerate(strategy.levels)}
+    summary = summarize(
+        recorder.rows,
+        {
+            "method": cfg.method.name,
+            "model": cfg.model.arch,
+            "dataset": cfg.dataset.name,
+            "levels": strategy.levels,
+            "level_costs": costs,
+            # what the last evaluation normalised with (final_acc/*; a running-statistics model: running_averaged)
+            "bn_stats": next(
+                (r["bn_stats"] for r in reversed(recorder.rows) if "bn_stats" in r), cfg.evaluation.bn_stats
+            ),
+            # final_deployable_acc/*: the statistics the exported models carry, or why there is no such figure
+            **deployable_label(cfg, recorder.rows[-1] if recorder.rows else {}),
+            **(code or {}),  # code_commit, code_dirty: the code the run started with
+            "wall_seconds": time.perf_counter() - t0,
+            "started_at": started_at,
+            "finished_at": time.time(),  # wall clock (bench figure 8: the job's parts)
+            "checkpoint_seconds": recorder.checkpoint_seconds,  # this session's checkpoint writing (bench figure 7)
+            **strategy.startup_info,  # start-up: nodes learnt before round 1 (seconds, asked, bytes)
+            "output_dir": str(recorder.out_dir),
+            **strategy.untrusted.summary(),  # attack, defence and DP (epsilon) totals, when configured
+        },
+    )
+    recorder.write_summary(summary)
+    recorder.plot(title=f"{cfg.method.name} · {cfg.model.arch} · {cfg.dataset.name}")
+    log(
+        INFO,
+        "fedhm-flwr: done; final accuracy: server test set %s, clients %s; outputs in %s",
+        summary.get("final_acc/global"),
+        summary.get("final_fed_acc/all"),
+        recorder.out_dir,
+    )
+    return summary
+
+
+def deployable_label(cfg: DictConfig, last: dict[str, Any]) -> dict[str, Any]:
+    """``deployable_bn_stats``: the statistics behind the summary's ``final_deployable_acc/*`` (those
+    the exported models carry, docs/METHODS.md#deployable-statistics), or ``not measured: <why>``."""
+    if "deployable_bn_stats" in last:
+        return {"deployable_bn_stats": last["deployable_bn_stats"]}
+    why = (
+        "evaluation.where=clients: the server holds no test set (the deployment statistics are saved; "
+        "fedhm export scores the exported model where the test set is)"
+        if cfg.evaluation.where == "clients"
+        else "evaluation.deploy_stats=false: no deployment statistics after the last round"
+        if not cfg.evaluation.deploy_stats
+        else "the run did not reach its last round in this session"
+    )
+    return {"deployable_bn_stats": f"not measured: {why}"}
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Entry point of ``flwr run``."""
+    run_config = context.run_config
+    overrides = str(run_config.get("overrides", "") or "")
+    resume = str(run_config.get("resume", "") or "") or None
+    if resume:
+        load_checkpoint_state(resume)  # FileNotFoundError naming the folder before anything is written there
+    cfg = resume_config(resume, overrides) if resume else load_config(overrides)
+    out = resume or str(run_config.get("output-dir", "") or "") or cfg.output_dir
+    out_dir = Path(out).expanduser().resolve() if out else default_output_dir(cfg)
+    OmegaConf.update(cfg, "output_dir", str(out_dir))
+    run(grid, cfg, out_dir, Path(resume).expanduser().resolve() if resume else None)

@@ -1,0 +1,226 @@
+"""Run one job through ``flwr run`` on Flower's Ray-backed simulation engine, safely.
+
+``python -m fedhm_flwr.ops.job.launch [HYDRA OVERRIDES ...]`` (what ``make run`` calls):
+
+1. composes and validates the Hydra config and checks the run's data (a bad value or missing
+   data stops here, exit 2, before anything starts);
+2. locks the run directory (``<run dir>/.lock``): a second launch into a directory that a live
+   run is using is refused (exit 2), naming the directory and the live PID;
+3. starts a watchdog (``fedhm_flwr.ops.job.procs``) and a private SuperLink in simulation mode on a free
+   loopback port, with its own ``FLWR_HOME`` inside the run directory and runtime dependency
+   installation disabled; every process started carries the job's tag;
+4. stages the app's own files (packages, Hydra tree, metadata) next to the run and runs
+   ``flwr run <staged app> <connection> --stream`` with the overrides and the absolute run
+   directory as run-config, and ``num-supernodes`` / client resources from the config;
+5. reads its own run id from ``flwr run``'s output and judges the run by that id's final status
+   (``flwr list --run-id <id> --format json``; ``--stream`` exits 0 even when a run failed) and
+   by a summary written by this run;
+6. stops every process it started (SuperLink, SuperExec, ``flwr-simulation``, Ray), also on
+   failure (:class:`RunFailed`, whose last line names the first ServerApp / client error). On
+   Ctrl-C / SIGTERM / SIGHUP it first stops the Flower run (``flwr stop <id>``), keeps the last
+   complete checkpoint and raises :class:`RunInterrupted` with the command that resumes the run
+   (in the caller's terms, :class:`Commands`); this module prints it and exits 128 + the signal
+   number (130 for Ctrl-C, 143 for SIGTERM). If the launcher is killed outright, the watchdog
+   stops everything within seconds.
+
+The pieces live beside it: the SuperLink and the app bundle in :mod:`fedhm_flwr.ops.job.superlink`, the
+``flwr run`` runner in :mod:`fedhm_flwr.ops.job.flower_job`, how a run ends (resume commands,
+:class:`RunInterrupted`, :class:`RunFailed`) in :mod:`fedhm_flwr.ops.job.outcome`; ``fedhm deploy-local``
+(:mod:`fedhm_flwr.ops.deploy.deploy_local`) shares all three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from fedhm_flwr.config import compose_config, load_config, resume_config, split_overrides
+from fedhm_flwr.data.files import check_data_available
+from fedhm_flwr.ops.job.flower_job import ErrorScan, FlowerJob, run_flower_job
+from fedhm_flwr.ops.job.outcome import (
+    Commands,
+    PythonCommands,
+    RunFailed,
+    RunInterrupted,
+    checkpoint_round,
+    fedhm_commands,
+    fedhm_program,
+    interrupted,
+    report_finished,
+    report_stop,
+    require_checkpoint,
+    resume_hint,
+    run_command,
+)
+from fedhm_flwr.ops.job.procs import Processes, new_tag
+from fedhm_flwr.ops.job.runlock import RunLock
+from fedhm_flwr.ops.job.signals import Interrupted, on_signals
+from fedhm_flwr.ops.job.superlink import (
+    APP_DIR,
+    SIMULATION_CONNECTION,
+    free_port,
+    stage_app,
+    start_simulation_superlink,
+    superlink_env,
+    write_run_config,
+)
+from fedhm_flwr.ops.sweeps.shared_ray import SHARED_RAY_VAR
+from fedhm_flwr.reporting.results import refuse_existing_run
+
+#: names other modules and tests import from here (the launcher's public face)
+__all__ = [
+    "Commands",
+    "ErrorScan",
+    "PythonCommands",
+    "RunFailed",
+    "RunInterrupted",
+    "check_data",
+    "checkpoint_round",
+    "default_run_dir",
+    "fedhm_commands",
+    "fedhm_program",
+    "free_port",
+    "main",
+    "report_stop",
+    "require_checkpoint",
+    "resume_hint",
+    "run_job",
+    "superlink_env",
+]
+
+#: ``<run dir>/timings.json``: when each part of a launched job's start-up and end happened (wall clock,
+#: ``time.time()``; the ServerApp's own marks are in the summary): bench figure 8 breaks the job's wall time down
+TIMINGS_FILE = "timings.json"
+
+LAUNCH = (sys.executable, "-m", "fedhm_flwr.ops.job.launch")
+LAUNCH_COMMANDS = Commands((*LAUNCH, "--resume"), LAUNCH, APP_DIR)
+
+
+def default_run_dir(method: str) -> Path:
+    """``outputs/<date>/<time>-<method>`` in the folder the command runs in (as Hydra's own runs), or
+    under ``$FEDHM_OUTPUT_ROOT``; the console names it when the run starts."""
+    root = Path(os.environ.get("FEDHM_OUTPUT_ROOT", Path.cwd() / "outputs")).expanduser()
+    now = dt.datetime.now()
+    return (root / now.strftime("%Y-%m-%d") / f"{now.strftime('%H-%M-%S-%f')}-{method}").resolve()
+
+
+def check_data(cfg: DictConfig, simulation: bool = True) -> None:
+    """The run's data is there (raises ConfigError naming the setting and the fix): the server's
+    test set and, in simulation, the clients' source; a deployment's nodes check their own shard."""
+    check_data_available(cfg, simulation=simulation)
+
+
+def run_job(
+    overrides: list[str],
+    run_dir: Path | None = None,
+    resume: Path | None = None,
+    quiet: bool = False,
+    commands: Commands | None = None,
+    on_error: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Validate, run through ``flwr run``, verify; returns the run's summary.
+
+    Raises ConfigError / FileExistsError (incl. RunDirectoryBusy) before anything starts,
+    :class:`RunFailed` when the run fails and :class:`RunInterrupted` (after the cleanup) on
+    SIGINT / SIGTERM / SIGHUP; their resume command is in ``commands``' terms (default:
+    ``python -m fedhm_flwr.ops.job.launch --resume DIR``). ``on_error`` is told the run's first ServerApp
+    error and first client error (one line each) as soon as Flower's output shows them."""
+    commands = commands or LAUNCH_COMMANDS
+    marks = {"launcher_started_at": time.time()}  # (timings.json; measurement only)
+    if resume is not None:
+        resume = resume.resolve()
+        require_checkpoint(resume)  # before anything else: a resume without a checkpoint is refused at once
+    # refuse missing data and bad values before anything starts (the data check first: it needs no torch)
+    if resume is None:
+        check_data(compose_config(overrides))
+    cfg = resume_config(resume, overrides) if resume is not None else load_config(overrides)
+    check_data(cfg)  # (FedHM levels that do not shrink the model: warned by the ServerApp, which has torch)
+    marks["checked_at"] = time.time()
+    if resume is not None:
+        run_dir = resume
+    run_dir = (run_dir or (Path(cfg.output_dir) if cfg.output_dir else default_run_dir(cfg.method.name))).resolve()
+    tag = new_tag()
+    with on_signals():
+        try:
+            with RunLock(run_dir, tag) as lock:  # before anything starts; refuses a directory in use
+                if resume is None:
+                    refuse_existing_run(run_dir)
+                else:
+                    require_checkpoint(run_dir)
+                with Processes(tag, keep_fds=[lock.fd] if lock.fd is not None else []) as procs:
+                    summary = _run(procs, cfg, overrides, run_dir, resume, quiet, commands, on_error, marks)
+                marks["cleaned_up_at"] = time.time()  # every process the job started has ended
+                (run_dir / TIMINGS_FILE).write_text(json.dumps(marks, indent=1) + "\n")
+                return summary
+        except Interrupted as stop:
+            raise interrupted(stop, run_dir, commands, overrides if resume is None else []) from None
+
+
+def _run(
+    procs: Processes,
+    cfg: DictConfig,
+    overrides: list[str],
+    run_dir: Path,
+    resume: Path | None,
+    quiet: bool,
+    commands: Commands,
+    on_error: Callable[[str], None] | None = None,
+    marks: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    marks = {} if marks is None else marks
+    flwr_home = run_dir / ".flwr"
+    run_config = write_run_config(flwr_home / "run_config.toml", overrides, run_dir, resume)
+    federation = (
+        f'num-supernodes={int(cfg.num_clients)} backend="ray" '
+        f"client-resources-num-cpus={max(1, int(cfg.simulation.num_cpus))} "
+        f"client-resources-num-gpus={float(cfg.simulation.num_gpus)} "
+        'init-args-logging-level="ERROR" init-args-log-to-driver=true'
+    )
+    # the config's cluster, else the sweep's shared Ray instance (ops/sweeps/shared_ray.py), else a private one
+    ray_address = cfg.simulation.get("ray_address") or os.environ.get(SHARED_RAY_VAR) or None
+    env = start_simulation_superlink(procs, flwr_home, run_dir / "superlink.log", ray_address=ray_address)
+    marks["superlink_ready_at"] = time.time()
+    app = stage_app(flwr_home / "app")
+    marks["app_staged_at"] = time.time()
+    job = FlowerJob(procs, env, SIMULATION_CONNECTION, run_dir / "flwr_run.log", echo=not quiet, on_error=on_error)
+    try:
+        return run_flower_job(
+            job,
+            app,
+            run_config,
+            run_dir,
+            ["--federation-config", federation],
+            see=f" and {run_dir}/superlink.log",
+            commands=commands,
+        )
+    finally:
+        marks.update(job.marks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fedhm_flwr.ops.job.launch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. method.tau=2 levels.ratios=[1,0.5]")
+    parser.add_argument("--run-dir", type=Path, help="absolute run directory (default: outputs/<date>/<time>-<method>)")
+    parser.add_argument("--resume", type=Path, help="continue the run stored in this run directory")
+    args = parser.parse_args(argv)
+    code, summary = run_command(lambda: run_job(split_overrides(args.overrides), args.run_dir, args.resume))
+    if summary is None:
+        return code
+    return report_finished(summary)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
