@@ -13,7 +13,7 @@ from flwr.app import ArrayRecord
 from reply_helpers import reply
 from torch.utils.data import TensorDataset
 
-from fedhm_flwr.config import ConfigError, model_spec
+from fedhm_flwr.config import ConfigError, model_spec, run_options
 from fedhm_flwr.math.lowrank import recover_state
 from fedhm_flwr.math.train import TrainOptions, parameter_groups, train_local
 from fedhm_flwr.models import build_model
@@ -30,7 +30,7 @@ def _seed():
 
 
 def _strategy(cfg):
-    return STRATEGIES[cfg.method.name](cfg, model_spec(cfg))
+    return STRATEGIES[cfg.method.name](run_options(cfg), model_spec(cfg))
 
 
 def _configure(strategy, grid, state, rnd=1):

@@ -25,7 +25,7 @@ from flwr.supercore import log
 from flwr.supercore.constant import TASK_TYPE_TO_APPIO_API_ADDRESS_ARG, TaskType
 from omegaconf import DictConfig, OmegaConf
 
-from fedhm_flwr.config import load_config, model_spec, resume_config, to_yaml
+from fedhm_flwr.config import load_config, model_spec, resume_config, run_options, to_yaml
 from fedhm_flwr.math.train import pick_device
 from fedhm_flwr.models import build_model
 from fedhm_flwr.ops.procs import TAG_VAR
@@ -161,9 +161,10 @@ def _run(
     recorder = RunRecorder(out_dir, tracker=open_tracker(cfg.get("tracking"), out_dir))
     recorder.write_config(to_yaml(cfg))
     spec = model_spec(cfg)
+    opts = run_options(cfg)  # the options the server's parts read, parsed once
     # a deployment's server may hold no test set: with evaluation.where=clients none is loaded
-    evaluator = None if cfg.evaluation.where == "clients" else make_evaluator(cfg, pick_device())
-    strategy = STRATEGIES[cfg.method.name](cfg, spec, evaluator, RunOutputs(cfg, recorder))
+    evaluator = None if cfg.evaluation.where == "clients" else make_evaluator(opts, pick_device())
+    strategy = STRATEGIES[cfg.method.name](opts, spec, evaluator, RunOutputs(opts, recorder))
     state = strategy.method.initial_state(int(cfg.seed))
     if state is None:
         state = initial_state(cfg, spec)

@@ -1,7 +1,7 @@
 """Server strategies on Flower's Message API: one shared round (:class:`HeteroStrategy`) and one
 Flower-free method per algorithm (:class:`fedhm_flwr.server.methods.method.Method`: ``FedHM``, ``HeteroFL``, ...).
 
-``<Method>Strategy`` binds a method to the round (``FedHMStrategy(cfg, model_spec, evaluate_fn,
+``<Method>Strategy`` binds a method to the round (``FedHMStrategy(opts, model_spec, evaluate_fn,
 outputs)`` runs FedHM); :data:`STRATEGIES` maps ``method.name`` to those bindings, :data:`METHODS`
 to the methods themselves. A method is registered by its one entry in :data:`METHODS`; its binding
 follows from it.
@@ -39,7 +39,8 @@ METHODS: dict[str, Callable[[DictConfig, dict[str, Any]], Method]] = {
 
 
 def _binding(name: str, method: Callable[[DictConfig, dict[str, Any]], Method]) -> type[HeteroStrategy]:
-    """The round bound to one method: ``<Name>Strategy(cfg, model_spec, evaluate_fn, outputs)``."""
+    """The round bound to one method: ``<Name>Strategy(opts, model_spec, evaluate_fn, outputs)``
+    (``opts``: the run's :class:`~fedhm_flwr.config.options.RunOptions`)."""
     return type(
         name,
         (HeteroStrategy,),
