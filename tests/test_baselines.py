@@ -274,8 +274,8 @@ def _two_level_replies(strategy, state, counts):
 
 
 def test_tau_inf_parses_and_gives_uniform_weights(toy_cfg):
-    assert toy_cfg("method.tau=.inf").method.tau == math.inf  # YAML's spelling, from the command line
-    assert toy_cfg("method.tau=inf").method.tau == math.inf
+    assert run_options(toy_cfg("method.tau=.inf")).method.tau == math.inf  # YAML's spelling, from the command line
+    assert run_options(toy_cfg("method.tau=inf")).method.tau == math.inf
     levels = "levels.ratios=[1,0.5] levels.proportions=[1,1]"
     soft, uniform = _strategy(toy_cfg(levels)), _strategy(toy_cfg(f"{levels} method.tau=.inf"))
     state = initial_state(toy_cfg(), soft.method.spec)

@@ -48,8 +48,8 @@ def test_fedhm_level_costs_include_memory_that_follows_the_config():
     costs = [strategy.method.level_cost(i) for i in range(len(strategy.levels))]
     assert all(c["memory"] > 4 * 3 * c["params"] for c in costs)  # weights + grads + momentum + activations
     assert costs[-1]["memory"] < costs[0]["memory"]
-    bigger = FedHMStrategy(OmegaConf.merge(cfg, {"train": {"batch_size": 64}}), model_spec(cfg))
-    no_momentum = FedHMStrategy(OmegaConf.merge(cfg, {"train": {"momentum": 0.0}}), model_spec(cfg))
+    bigger = FedHMStrategy(run_options(OmegaConf.merge(cfg, {"train": {"batch_size": 64}})), model_spec(cfg))
+    no_momentum = FedHMStrategy(run_options(OmegaConf.merge(cfg, {"train": {"momentum": 0.0}})), model_spec(cfg))
     for i, c in enumerate(costs):
         acts = (bigger.method.level_cost(i)["memory"] - c["memory"]) / (4 * (64 - 32))  # activations per input
         assert acts == int(acts) > 0

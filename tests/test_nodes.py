@@ -100,7 +100,7 @@ def test_a_round_waits_for_the_minimum_then_goes_on_or_stops(toy_cfg, caplog):
     assert "waiting up to 0.3s for at least 8" in text and "going on with the nodes present" in text
     stop = toy_cfg("availability.min_nodes=8 availability.wait_seconds=0.2 availability.on_timeout=stop")
     with pytest.raises(RuntimeError, match=r"availability\.min_nodes"):
-        _round(FedHMStrategy(stop, model_spec(stop)), LocalGrid(6, client_handlers()), 1)
+        _round(FedHMStrategy(run_options(stop), model_spec(stop)), LocalGrid(6, client_handlers()), 1)
 
 
 def test_a_node_that_arrives_during_the_wait_ends_it(toy_cfg, caplog):

@@ -325,7 +325,9 @@ def test_merge_averages_each_kernel_over_its_samplers_through_the_round():
 
 
 def test_u_subset_changes_memory_not_the_layer_definition():
-    off = PriSMStrategy(_cfg("levels.ratios=[0.8,0.6,0.4,0.2] levels.proportions=[1,1,1,1]"), model_spec(_cfg())).method
+    off = PriSMStrategy(
+        run_options(_cfg("levels.ratios=[0.8,0.6,0.4,0.2] levels.proportions=[1,1,1,1]")), model_spec(_cfg())
+    ).method
     cfg_on = _cfg("levels.ratios=[0.8,0.6,0.4,0.2] levels.proportions=[1,1,1,1] method.u_subset=true")
     on = PriSMStrategy(run_options(cfg_on), model_spec(cfg_on)).method
     state = initial_state(cfg_on, on.spec)
