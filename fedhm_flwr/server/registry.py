@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from omegaconf import DictConfig
-
+from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.server.methods.fedavg import FedAvg
 from fedhm_flwr.server.methods.fedhm import FedHM
 from fedhm_flwr.server.methods.fedlora import FedLoRA
@@ -26,7 +25,7 @@ from fedhm_flwr.server.methods.prism import PriSM
 from fedhm_flwr.server.strategy import HeteroStrategy
 
 #: ``method.name`` -> the method (a class, or FedAvg's builder picking its family's class)
-METHODS: dict[str, Callable[[DictConfig, dict[str, Any]], Method]] = {
+METHODS: dict[str, Callable[[RunOptions, dict[str, Any]], Method]] = {
     "fedhm": FedHM,
     "heterofl": HeteroFL,
     "fedrolex": FedRolex,
@@ -38,7 +37,7 @@ METHODS: dict[str, Callable[[DictConfig, dict[str, Any]], Method]] = {
 }
 
 
-def _binding(name: str, method: Callable[[DictConfig, dict[str, Any]], Method]) -> type[HeteroStrategy]:
+def _binding(name: str, method: Callable[[RunOptions, dict[str, Any]], Method]) -> type[HeteroStrategy]:
     """The round bound to one method: ``<Name>Strategy(opts, model_spec, evaluate_fn, outputs)``
     (``opts``: the run's :class:`~fedhm_flwr.config.options.RunOptions`)."""
     return type(
