@@ -325,10 +325,9 @@ def test_merge_averages_each_kernel_over_its_samplers_through_the_round():
 
 
 def test_u_subset_changes_memory_not_the_layer_definition():
-    off = PriSMStrategy(
-        run_options(_cfg("levels.ratios=[0.8,0.6,0.4,0.2] levels.proportions=[1,1,1,1]")), model_spec(_cfg())
-    ).method
-    cfg_on = _cfg("levels.ratios=[0.8,0.6,0.4,0.2] levels.proportions=[1,1,1,1] method.u_subset=true")
+    levels = "levels.ratios=[0.8,0.6,0.4,0.2] levels.proportions=[1,1,1,1]"
+    off = PriSMStrategy(run_options(_cfg(levels)), model_spec(_cfg())).method
+    cfg_on = _cfg(f"{levels} method.u_subset=true")
     on = PriSMStrategy(run_options(cfg_on), model_spec(cfg_on)).method
     state = initial_state(cfg_on, on.spec)
     for index in range(4):  # memory (and Conv_U's parameters) go down
