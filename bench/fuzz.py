@@ -35,7 +35,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, Rec
 
 from bench.results import commit as code_version
 from fedhm_flwr.client.hostile import BENIGN, MUTATIONS, mutate
-from fedhm_flwr.config import load_config, model_spec
+from fedhm_flwr.config import load_config, model_spec, run_options
 from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.apps.server_app import initial_state
 from fedhm_flwr.server.registry import STRATEGIES
@@ -86,7 +86,7 @@ class Federation:
     def make(cls, name: str, overrides: str) -> Federation:
         cfg = load_config(f"{TOY} {overrides}")
         spec = model_spec(cfg)
-        strategy = STRATEGIES[cfg.method.name](cfg, spec)
+        strategy = STRATEGIES[cfg.method.name](run_options(cfg), spec)
         grid = LocalGrid(int(cfg.num_clients), client_handlers())
         arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg, spec))
         threads = torch.get_num_threads()

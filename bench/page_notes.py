@@ -117,12 +117,12 @@ def client_options(overrides: str) -> tuple[dict[str, Any], list[dict[str, Any]]
 
 @functools.lru_cache(maxsize=64)
 def _client_options(overrides: str) -> tuple[dict[str, Any], tuple[dict[str, Any], ...]]:
-    from fedhm_flwr.config import load_config, model_spec
+    from fedhm_flwr.config import load_config, model_spec, run_options
     from fedhm_flwr.ops.apps.server_app import initial_state
     from fedhm_flwr.server.registry import STRATEGIES
 
     cfg = load_config(overrides)
-    strategy = STRATEGIES[cfg.method.name](cfg, model_spec(cfg))
+    strategy = STRATEGIES[cfg.method.name](run_options(cfg), model_spec(cfg))
     state = strategy.method.initial_state(int(cfg.seed)) or initial_state(cfg, model_spec(cfg))
     common = {k: v for k, v in strategy._train_options(1).items() if k not in ("lr", "threads")}
     return common, tuple({**common, **strategy.method.level_cut(i, state).train} for i in range(len(strategy.levels)))

@@ -21,7 +21,7 @@ from typing import Any
 
 from bench.common import echo, identity_query
 from bench.engine_floor import engine_rounds
-from fedhm_flwr.config import load_config, model_spec
+from fedhm_flwr.config import load_config, model_spec, run_options
 
 #: where ``--scale-clients`` keeps its figure (tracked, unlike bench/reports)
 SCALE_DIR = Path(__file__).resolve().parent / "scale"
@@ -169,7 +169,7 @@ def server_state_per_node(counts: tuple[int, ...], per_round: int = 100, rounds:
         arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg, spec))
         gc.collect()
         tracemalloc.start()
-        strategy = STRATEGIES["fedhm"](cfg, spec)
+        strategy = STRATEGIES["fedhm"](run_options(cfg), spec)
         t0 = time.perf_counter()
         strategy.registry.startup(grid, 1)
         startup = time.perf_counter() - t0

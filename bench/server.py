@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from bench.common import echo, identity_query, spread, timed
-from fedhm_flwr.config import load_config, model_spec
+from fedhm_flwr.config import load_config, model_spec, run_options
 from fedhm_flwr.core.protocol import ARRAYS, CONFIG, LEVEL, LEVEL_INDEX
 
 # ------------------------------------------------------------------------------------ figure 1
@@ -47,7 +47,7 @@ def figure_server_time(quick: bool) -> dict[str, Any]:
                 f"num_clients={replies_n} fraction_train=1.0"
             )
             spec = model_spec(cfg)
-            strategy = STRATEGIES[method](cfg, spec)
+            strategy = STRATEGIES[method](run_options(cfg), spec)
             grid = LocalGrid(replies_n, {MessageType.TRAIN: echo, MessageType.QUERY: identity_query})
             state = initial_state(cfg, spec)
             arrays = ArrayRecord.from_torch_state_dict(state)
@@ -217,7 +217,7 @@ def figure_bytes(quick: bool) -> dict[str, Any]:
     for arch, width, dataset in [("cnn", 16, "fashion_mnist")] + ([] if quick else [("resnet18", 64, "cifar10")]):
         cfg = load_config(f"model={arch} model.width={width} dataset={dataset} num_clients=8 fraction_train=1.0")
         spec = model_spec(cfg)
-        strategy = STRATEGIES["fedhm"](cfg, spec)
+        strategy = STRATEGIES["fedhm"](run_options(cfg), spec)
         grid = LocalGrid(8, {MessageType.QUERY: identity_query})
         msgs = list(
             strategy.configure_train(1, ArrayRecord.from_torch_state_dict(initial_state(cfg, spec)), None, grid)

@@ -12,6 +12,7 @@ import pytest
 from flwr.app import ArrayRecord
 
 from fedhm_flwr import data as D
+from fedhm_flwr.config import run_options
 from fedhm_flwr.data.files import fashion_files
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,7 +27,7 @@ def train_messages(cfg, grid):
     from fedhm_flwr.ops.apps.server_app import initial_state
     from fedhm_flwr.server.registry import FedHMStrategy
 
-    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     state = ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.method.spec))
     return list(strategy.configure_train(1, state, None, grid))
 

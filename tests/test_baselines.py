@@ -13,7 +13,7 @@ from flwr.app import ArrayRecord
 from reply_helpers import reply
 from torch.utils.data import TensorDataset
 
-from fedhm_flwr.config import ConfigError, model_spec
+from fedhm_flwr.config import ConfigError, model_spec, run_options
 from fedhm_flwr.math.lowrank import recover_state
 from fedhm_flwr.math.train import TrainOptions, parameter_groups, train_local
 from fedhm_flwr.models import build_model
@@ -30,7 +30,7 @@ def _seed():
 
 
 def _strategy(cfg):
-    return STRATEGIES[cfg.method.name](cfg, model_spec(cfg))
+    return STRATEGIES[cfg.method.name](run_options(cfg), model_spec(cfg))
 
 
 def _configure(strategy, grid, state, rnd=1):
@@ -274,8 +274,8 @@ def _two_level_replies(strategy, state, counts):
 
 
 def test_tau_inf_parses_and_gives_uniform_weights(toy_cfg):
-    assert toy_cfg("method.tau=.inf").method.tau == math.inf  # YAML's spelling, from the command line
-    assert toy_cfg("method.tau=inf").method.tau == math.inf
+    assert run_options(toy_cfg("method.tau=.inf")).method.tau == math.inf  # YAML's spelling, from the command line
+    assert run_options(toy_cfg("method.tau=inf")).method.tau == math.inf
     levels = "levels.ratios=[1,0.5] levels.proportions=[1,1]"
     soft, uniform = _strategy(toy_cfg(levels)), _strategy(toy_cfg(f"{levels} method.tau=.inf"))
     state = initial_state(toy_cfg(), soft.method.spec)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fedhm_flwr.config import run_options
 from fedhm_flwr.config.specs import model_spec
 from fedhm_flwr.models import build_model, deployable_network
 from fedhm_flwr.models.batched import merge_networks
@@ -16,7 +17,7 @@ from fedhm_flwr.server.registry import METHODS
 
 def _level_networks(cfg, seed: int = 0) -> list[nn.Module]:
     spec = model_spec(cfg)
-    method = METHODS[str(cfg.method.name)](cfg, spec)
+    method = METHODS[str(cfg.method.name)](run_options(cfg), spec)
     torch.manual_seed(seed)
     models, _ = distinct_models(method, build_model(spec).state_dict())
     return [deployable_network(s, st, None)[1].eval() for s, st in models]
@@ -45,10 +46,10 @@ def test_the_scorer_gives_the_same_figures_in_one_pass_as_model_by_model(toy_cfg
     for extra in ("", "method=heterofl", "method=prism", "model=resnet18 model.width=4 dataset.max_test_examples=64"):
         cfg = toy_cfg(extra)
         spec = model_spec(cfg)
-        method = METHODS[str(cfg.method.name)](cfg, spec)
+        method = METHODS[str(cfg.method.name)](run_options(cfg), spec)
         torch.manual_seed(1)
         models, _ = distinct_models(method, build_model(spec).state_dict())
-        scorer = make_evaluator(cfg, torch.device("cpu"))
+        scorer = make_evaluator(run_options(cfg), torch.device("cpu"))
         assert scorer.many([(s, st, None) for s, st in models]) == [scorer(s, st) for s, st in models], extra
 
 
@@ -97,9 +98,9 @@ def test_networks_writing_in_place_or_untraceable_are_refused_and_scored_one_by_
     # the scorer's fallback: the same figures as model by model when merging is refused
     cfg = toy_cfg()
     spec = model_spec(cfg)
-    method = METHODS["fedhm"](cfg, spec)
+    method = METHODS["fedhm"](run_options(cfg), spec)
     models, _ = distinct_models(method, build_model(spec).state_dict())
-    scorer = make_evaluator(cfg, torch.device("cpu"))
+    scorer = make_evaluator(run_options(cfg), torch.device("cpu"))
     expected = [scorer(s, st) for s, st in models]
     monkeypatch.setattr("fedhm_flwr.server.evaluation.merge_networks", lambda nets: None)
     assert scorer.many([(s, st, None) for s, st in models]) == expected

@@ -191,7 +191,7 @@ def test_the_server_figures_echo_clients_are_accepted_so_aggregation_is_what_is_
     from flwr.app import ArrayRecord, MessageType
 
     from bench.common import echo, identity_query
-    from fedhm_flwr.config import load_config, model_spec
+    from fedhm_flwr.config import load_config, model_spec, run_options
     from fedhm_flwr.ops.apps.local_grid import LocalGrid
     from fedhm_flwr.ops.apps.server_app import initial_state
     from fedhm_flwr.server.registry import STRATEGIES
@@ -199,7 +199,7 @@ def test_the_server_figures_echo_clients_are_accepted_so_aggregation_is_what_is_
     for method in ("fedhm", "fedavg"):
         cfg = load_config(f"method={method} model.width=4 num_clients=4 fraction_train=1.0")
         spec = model_spec(cfg)
-        strategy = STRATEGIES[method](cfg, spec)
+        strategy = STRATEGIES[method](run_options(cfg), spec)
         grid = LocalGrid(4, {MessageType.TRAIN: echo, MessageType.QUERY: identity_query})
         arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg, spec))
         replies = grid.send_and_receive(list(strategy.configure_train(1, arrays, None, grid)))

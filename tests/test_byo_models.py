@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from fedhm_flwr.client.handlers import load_model
-from fedhm_flwr.config import ConfigError, load_config, model_spec
+from fedhm_flwr.config import ConfigError, load_config, model_spec, run_options
 from fedhm_flwr.models import build_model, count_parameters, shape_device
 from fedhm_flwr.ops.tools.cost_table import level_rows, main, plan_rows
 from fedhm_flwr.server.methods.common import classifier_keys
@@ -54,7 +54,7 @@ def _every_level_trains_as_a_client(overrides: list[str], head: str) -> list[int
     assert plan and head not in {row["layer"] for row in plan}  # the head stays full at every level
     spec = model_spec(cfg)
     with shape_device(spec):  # what the server sends each level, from shapes (as `fedhm inspect`)
-        strategy = STRATEGIES[cfg.method.name](cfg, spec)
+        strategy = STRATEGIES[cfg.method.name](run_options(cfg), spec)
         state = build_model(spec, spectral_init=False).state_dict()
         strategy.method.begin_round(1, state)
         payloads = [strategy.method.level_payload(i, state)[:2] for i in range(len(strategy.levels))]

@@ -18,7 +18,7 @@ from flwr.common.config import parse_config_args
 from omegaconf import OmegaConf
 from test_deploy import TOY, _expected_level
 
-from fedhm_flwr.config import load_config, model_spec
+from fedhm_flwr.config import load_config, model_spec, run_options
 from fedhm_flwr.models.costs import activation_elements, training_memory_bytes
 from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.apps.server_app import initial_state
@@ -44,12 +44,12 @@ def test_memory_estimate_counts_weights_gradients_momentum_and_activations():
 
 def test_fedhm_level_costs_include_memory_that_follows_the_config():
     cfg = load_config(TOY)
-    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     costs = [strategy.method.level_cost(i) for i in range(len(strategy.levels))]
     assert all(c["memory"] > 4 * 3 * c["params"] for c in costs)  # weights + grads + momentum + activations
     assert costs[-1]["memory"] < costs[0]["memory"]
-    bigger = FedHMStrategy(OmegaConf.merge(cfg, {"train": {"batch_size": 64}}), model_spec(cfg))
-    no_momentum = FedHMStrategy(OmegaConf.merge(cfg, {"train": {"momentum": 0.0}}), model_spec(cfg))
+    bigger = FedHMStrategy(run_options(OmegaConf.merge(cfg, {"train": {"batch_size": 64}})), model_spec(cfg))
+    no_momentum = FedHMStrategy(run_options(OmegaConf.merge(cfg, {"train": {"momentum": 0.0}})), model_spec(cfg))
     for i, c in enumerate(costs):
         acts = (bigger.method.level_cost(i)["memory"] - c["memory"]) / (4 * (64 - 32))  # activations per input
         assert acts == int(acts) > 0
@@ -58,7 +58,7 @@ def test_fedhm_level_costs_include_memory_that_follows_the_config():
 
 def test_declared_budgets_map_to_the_largest_fitting_level_and_silence_to_the_default():
     cfg = load_config(TOY + ["num_clients=5", "levels.default=0.125"])
-    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     cost = lambda i, kind: strategy.method.level_cost(i)[kind]  # noqa: E731
     declared = {
         0: {"capability-memory": (cost(1, "memory") + cost(2, "memory")) / 2},

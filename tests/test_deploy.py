@@ -26,7 +26,7 @@ import pytest
 from lifecycle_helpers import supernode_starts
 
 from fedhm_flwr import data as D
-from fedhm_flwr.config import load_config, model_spec
+from fedhm_flwr.config import load_config, model_spec, run_options
 from fedhm_flwr.ops.deploy import loopback as dl
 from fedhm_flwr.ops.deploy.credentials import add_node
 from fedhm_flwr.ops.deploy.supernode import HEARTBEAT_WINDOW, MARGIN
@@ -93,7 +93,7 @@ def test_tls_deployment_trains_declared_levels_refuses_outsiders_and_resumes_aft
     # devices_deployment: tests/test_devices.py's deployment runs beside this one, in the background (both
     # mostly wait on Flower's heartbeat windows); its own test checks it
     cfg = load_config(TLS_JOB)
-    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     cost = lambda i, kind: strategy.method.level_cost(i)[kind]  # noqa: E731
     declared = {  # two nodes, two kinds of budget, two different levels
         "node-0": {"capability-params": (cost(0, "params") + cost(1, "params")) / 2},

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from flwr.app import ArrayRecord
 from torch.utils.data import TensorDataset
 
-from fedhm_flwr.config import ConfigError, model_spec
+from fedhm_flwr.config import ConfigError, model_spec, run_options
 from fedhm_flwr.math.train import TrainOptions, train_local
 from fedhm_flwr.models import build_model
 from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
@@ -92,7 +92,7 @@ def test_reported_loss_is_ce_plus_weight_t2_kl_by_hand():
 
 def test_distill_options_travel_in_the_train_message(toy_cfg):
     cfg = toy_cfg("train.distill.enabled=true train.distill.temperature=3 train.distill.weight=0.25")
-    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     grid = LocalGrid(6, client_handlers())
     state = initial_state(cfg, strategy.method.spec)
     messages = list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(state), None, grid))

@@ -11,7 +11,7 @@ from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 from reply_helpers import reply
 
 import fedhm_flwr.math.lowrank as lowrank
-from fedhm_flwr.config import model_spec
+from fedhm_flwr.config import model_spec, run_options
 from fedhm_flwr.data import client_dataset
 from fedhm_flwr.math.aggregation import level_weights
 from fedhm_flwr.models import build_model
@@ -21,7 +21,7 @@ from fedhm_flwr.server.registry import FedHMStrategy
 
 
 def _strategy(cfg):
-    return FedHMStrategy(cfg, model_spec(cfg))
+    return FedHMStrategy(run_options(cfg), model_spec(cfg))
 
 
 def _configure(strategy, grid, state, rnd=1):

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from fedhm_flwr.config import ConfigError, load_config, model_spec
+from fedhm_flwr.config import ConfigError, load_config, model_spec, run_options
 from fedhm_flwr.math import fjord, width
 from fedhm_flwr.math.train import TrainOptions, client_hook, train_local
 from fedhm_flwr.models import build_model
@@ -36,7 +36,7 @@ P_S = [0.2, 0.4, 0.6, 0.8, 1.0]  # the paper's and the reference's uniform width
 
 def _method(extra: str = "", ratios: str = "[1,0.8,0.6,0.4,0.2]"):
     cfg = load_config(f"method=fjord model.width=8 levels.ratios={ratios} {extra}".split())
-    return METHODS["fjord"](cfg, model_spec(cfg))
+    return METHODS["fjord"](run_options(cfg), model_spec(cfg))
 
 
 def _random_state(spec, seed: int) -> dict[str, torch.Tensor]:
@@ -88,7 +88,7 @@ def reference_average(previous, clients, num_examples, p_maxes, p_s, dims_at):
 @pytest.mark.parametrize("arch", ["model=cnn model.width=64", "model=resnet18 model.width=8"])
 def test_the_width_slices_are_the_references(arch):
     cfg = load_config(f"method=fjord {arch} levels.ratios=[1,0.8,0.6,0.4,0.2]".split())
-    method = METHODS["fjord"](cfg, model_spec(cfg))
+    method = METHODS["fjord"](run_options(cfg), model_spec(cfg))
     full = _random_state(method.spec, 0)
     for level, p_max in enumerate(method.rates):
         _, sent, options = method.level_payload(level, full)

@@ -15,9 +15,9 @@ import json
 import pytest
 from test_deploy import TOY, needs_fmnist
 
-from fedhm_flwr.config import load_config
+from fedhm_flwr.config import load_config, run_options
 from fedhm_flwr.ops.deploy import loopback as dl
-from fedhm_flwr.server.untrusted import Attacks, attacker_partitions
+from fedhm_flwr.server.simulated_attacks import Attacks, attacker_partitions
 
 JOB = [
     *TOY,
@@ -37,7 +37,8 @@ JOB = [
 def test_a_hostile_device_is_refused_and_a_silent_one_costs_a_round_its_deadline(tmp_path):
     cfg = load_config(JOB)
     assert sorted(attacker_partitions(3, 0.34, int(cfg.seed))) == [0]
-    assert Attacks(cfg).injected_failures(1, [0, 1, 2]) == {1: "slow"}  # partition -> what it is made to do
+    # partition -> what it is made to do
+    assert Attacks(run_options(cfg)).injected_failures(1, [0, 1, 2]) == {1: "slow"}
     dep = dl.LocalDeployment(tmp_path / "deploy", say=lambda msg: print(f"[test] {msg}", flush=True))
     names = [f"node-{i}" for i in range(3)]
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedhm_flwr.config import load_config, model_spec
+from fedhm_flwr.config import load_config, model_spec, run_options
 from fedhm_flwr.ops.tools.cost_table import SHAPE_ONLY, _rows, level_rows
 from fedhm_flwr.server.registry import STRATEGIES
 
@@ -14,7 +14,7 @@ def _allocating_rows(overrides: list[str]):
     """The previous path: real weights, real SVDs, payloads built from values."""
     cfg = load_config(overrides)
     spec = model_spec(cfg)
-    return _rows(cfg, spec, STRATEGIES[cfg.method.name](cfg, spec).method)
+    return _rows(cfg, spec, STRATEGIES[cfg.method.name](run_options(cfg), spec).method)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord
 
-from fedhm_flwr.config import ConfigError, model_spec
+from fedhm_flwr.config import ConfigError, model_spec, run_options
 from fedhm_flwr.models import matching
 from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.apps.server_app import initial_state
@@ -63,10 +63,10 @@ def test_each_resource_is_matched_on_its_own_figure():
 )
 def test_matched_strategy_sends_the_matched_width_and_reports_both_counts(toy_cfg, cls, method, resource):
     cfg = toy_cfg(f"method={method} levels.match=fedhm_{resource}")
-    strategy = cls(cfg, model_spec(cfg))
+    strategy = cls(run_options(cfg), model_spec(cfg))
     fedhm_cfg = toy_cfg()
-    fedhm = FedHMStrategy(fedhm_cfg, model_spec(fedhm_cfg))
-    plain = cls(toy_cfg(f"method={method}"), model_spec(cfg))
+    fedhm = FedHMStrategy(run_options(fedhm_cfg), model_spec(fedhm_cfg))
+    plain = cls(run_options(toy_cfg(f"method={method}")), model_spec(cfg))
     assert strategy.levels == plain.levels == fedhm.levels  # the levels keep FedHM's names
     for index in range(len(strategy.levels)):
         cost = strategy.method.level_cost(index)
@@ -96,7 +96,7 @@ def test_match_is_refused_with_its_allowed_values(toy_cfg):
 
 def test_match_leaves_fedhm_alone(toy_cfg):
     a, b = toy_cfg(), toy_cfg("levels.match=fedhm_params")
-    sa, sb = FedHMStrategy(a, model_spec(a)), FedHMStrategy(b, model_spec(b))
+    sa, sb = FedHMStrategy(run_options(a), model_spec(a)), FedHMStrategy(run_options(b), model_spec(b))
     assert sa.method.ranks == sb.method.ranks
     state = initial_state(a, sa.method.spec)
     sa.method.begin_round(1, state), sb.method.begin_round(1, state)

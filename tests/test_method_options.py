@@ -18,7 +18,7 @@ def test_every_method_declares_the_options_the_config_check_uses():
 
 
 # one field per method that no other test refuses, checked through load_config (what users meet)
-# and through the method's own check_config
+# and through the options class the method declares (Method.options)
 BAD = [
     ("fedhm", "method=fedhm method.official_weights=maybe", "method.official_weights"),
     ("heterofl", "method=heterofl method.weight_by_samples=maybe", "method.weight_by_samples"),
@@ -36,5 +36,5 @@ def test_a_bad_method_field_is_refused_naming_it(name, override, field):
         load_config(override)
     assert by_load.value.field == field and field in str(by_load.value)
     with pytest.raises(ConfigError) as by_method:
-        METHODS[name].check_config(compose_config(override))
+        METHODS[name].options.check(compose_config(override))
     assert str(by_method.value) == str(by_load.value)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, Context, RecordDict
 
-from fedhm_flwr.config import model_spec
+from fedhm_flwr.config import model_spec, run_options
 from fedhm_flwr.math import levels as lv
 from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.apps.server_app import initial_state
@@ -18,7 +18,7 @@ from fedhm_flwr.server.registry import FedHMStrategy
 
 
 def _round(strategy, grid, rnd):
-    arrays = ArrayRecord.from_torch_state_dict(initial_state(strategy.cfg, strategy.method.spec))
+    arrays = ArrayRecord.from_torch_state_dict(initial_state(strategy.opts, strategy.method.spec))
     msgs = list(strategy.configure_train(rnd, arrays, None, grid))
     return {strategy.node_label(m.metadata.dst_node_id): m.content["config"]["level"] for m in msgs}
 
@@ -31,14 +31,14 @@ def test_levels_do_not_depend_on_how_many_nodes_are_connected(toy_cfg):
     cfg = toy_cfg("num_clients=20")
     # only 5 of the 20 partitions' nodes are connected; each still gets its partition's level
     grid = LocalGrid(5, client_handlers(), node_config=lambda i: {"num-partitions": 20})
-    got = _round(FedHMStrategy(cfg, model_spec(cfg)), grid, 1)
+    got = _round(FedHMStrategy(run_options(cfg), model_spec(cfg)), grid, 1)
     pool = lv.fixed_levels(range(20), [1, 1, 1, 1], int(cfg.seed))  # the whole run's pool, by hand
     assert got == {f"p{p}": cfg.levels.ratios[pool[p]] for p in range(5)}
 
 
 def test_a_late_node_reshuffles_nobody_and_a_returning_node_keeps_its_level(toy_cfg, caplog):
     cfg = toy_cfg("num_clients=8")
-    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     grid = LocalGrid(4, client_handlers(), node_config=lambda i: {"num-partitions": 8})
     first = _round(strategy, grid, 1)
     _add_node(grid, 5000, {"partition-id": 6, "num-partitions": 8})  # joins after round 1
@@ -61,7 +61,7 @@ def test_a_late_node_reshuffles_nobody_and_a_returning_node_keeps_its_level(toy_
 def test_named_nodes_keep_a_hashed_level_whatever_their_node_id(toy_cfg):
     cfg = toy_cfg()
     names = {i: f"device-{i}" for i in range(6)}
-    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     # no partition ids: real devices known by their node-name only
     grid = LocalGrid(6, client_handlers())
     for ctx in grid.contexts.values():
@@ -75,7 +75,7 @@ def test_named_nodes_keep_a_hashed_level_whatever_their_node_id(toy_cfg):
     }
     assert by_name == expected
     # the same names under other node ids, connecting in reverse order: the same levels
-    other = FedHMStrategy(cfg, model_spec(cfg))
+    other = FedHMStrategy(run_options(cfg), model_spec(cfg))
     grid2 = LocalGrid(6, client_handlers(), first_node_id=50_000)
     for ctx, name in zip(grid2.contexts.values(), reversed(list(names.values()))):
         ctx.node_config.clear()
@@ -94,13 +94,13 @@ def test_a_round_waits_for_the_minimum_then_goes_on_or_stops(toy_cfg, caplog):
     cfg = toy_cfg("availability.min_nodes=8 availability.wait_seconds=0.3 availability.poll_seconds=0.05")
     grid = LocalGrid(6, client_handlers())
     with caplog.at_level(logging.INFO):
-        got = _round(FedHMStrategy(cfg, model_spec(cfg)), grid, 1)
+        got = _round(FedHMStrategy(run_options(cfg), model_spec(cfg)), grid, 1)
     assert len(got) == 6
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "waiting up to 0.3s for at least 8" in text and "going on with the nodes present" in text
     stop = toy_cfg("availability.min_nodes=8 availability.wait_seconds=0.2 availability.on_timeout=stop")
     with pytest.raises(RuntimeError, match=r"availability\.min_nodes"):
-        _round(FedHMStrategy(stop, model_spec(stop)), LocalGrid(6, client_handlers()), 1)
+        _round(FedHMStrategy(run_options(stop), model_spec(stop)), LocalGrid(6, client_handlers()), 1)
 
 
 def test_a_node_that_arrives_during_the_wait_ends_it(toy_cfg, caplog):
@@ -117,7 +117,7 @@ def test_a_node_that_arrives_during_the_wait_ends_it(toy_cfg, caplog):
 
     grid.get_node_ids = arriving
     with caplog.at_level(logging.INFO):
-        got = _round(FedHMStrategy(cfg, model_spec(cfg)), grid, 1)
+        got = _round(FedHMStrategy(run_options(cfg), model_spec(cfg)), grid, 1)
     assert len(got) == 7
     assert any("7 node(s) connected after" in r.getMessage() for r in caplog.records)
 
@@ -146,7 +146,7 @@ def test_each_node_reports_the_examples_it_trains_on_and_they_add_up(toy_cfg):
     """The start-up's node-info answers (the query carries the data spec) count the examples each
     node then trains on; with the evaluation's held-out examples they make up the training set."""
     cfg = toy_cfg("evaluation.where=both evaluation.holdout=0.2")
-    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     grid = LocalGrid(6, client_handlers())
     strategy.registry.startup(grid, 1)
     told = {n: info.examples for n, info in strategy.nodes.items()}
@@ -166,7 +166,7 @@ def test_each_node_reports_the_examples_it_trains_on_and_they_add_up(toy_cfg):
 
 def test_a_node_whose_data_cannot_serve_the_run_sits_out_from_the_start(toy_cfg, caplog):
     cfg = toy_cfg()
-    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     # node 3 claims a partition the run does not have (partition ids 0..5)
     grid = LocalGrid(6, client_handlers(), node_config=lambda i: {"partition-id": 9} if i == 3 else {})
     with caplog.at_level(logging.WARNING):
@@ -178,7 +178,7 @@ def test_a_node_whose_data_cannot_serve_the_run_sits_out_from_the_start(toy_cfg,
 
 def test_many_nodes_joining_at_once_are_logged_as_level_counts(toy_cfg, caplog):
     cfg = toy_cfg("num_clients=20")
-    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     with caplog.at_level(logging.INFO):
         strategy.registry.startup(LocalGrid(20, client_handlers()), 1)
     lines = [r.getMessage() for r in caplog.records if "joined" in r.getMessage()]
@@ -193,7 +193,7 @@ def test_many_nodes_joining_at_once_are_logged_as_level_counts(toy_cfg, caplog):
 
 def test_the_start_up_waits_for_round_1_once_and_later_rounds_wait_again(toy_cfg, caplog):
     cfg = toy_cfg("availability.min_nodes=8 availability.wait_seconds=0.2 availability.poll_seconds=0.05")
-    strategy, grid = FedHMStrategy(cfg, model_spec(cfg)), LocalGrid(6, client_handlers())
+    strategy, grid = FedHMStrategy(run_options(cfg), model_spec(cfg)), LocalGrid(6, client_handlers())
 
     def waits():
         return sum("waiting up to 0.2s for at least 8" in r.getMessage() for r in caplog.records)
@@ -224,7 +224,7 @@ def test_a_node_that_sits_out_is_recorded_and_asked_again_only_when_it_reconnect
         assert row["sampled"] == 3 and row["failures"] == 0
     assert summary["excluded"] == json.loads(rows[-1]["excluded"])
     # it leaves and reconnects: asked again, once
-    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     strategy.registry.startup(grid, 1)
     context = grid.contexts.pop(bad)
     with caplog.at_level(logging.INFO):
@@ -247,7 +247,7 @@ def test_sampling_nodes_not_yet_queried_draws_the_same_sets_and_hashes_each_node
     import fedhm_flwr.server.nodes as nodes
 
     cfg = toy_cfg("num_clients=40 fraction_train=0.3 seed=11 availability.query=sampled")
-    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     grid = LocalGrid(40, client_handlers())
     hashed = []
     real = hashlib.sha256

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedhm_flwr.config import ConfigError, model_spec
+from fedhm_flwr.config import ConfigError, model_spec, run_options
 from fedhm_flwr.math.aggregation import official_code_weights
 from fedhm_flwr.math.lowrank import recover_state
 from fedhm_flwr.ops.apps.server_app import initial_state
@@ -31,7 +31,7 @@ def test_official_weights_fixed_are_uniform_and_sample_counts_multiply():
 
 def _setup(toy_cfg, extra):
     cfg = toy_cfg(f"levels.ratios=[1,0.5,0.25] {extra}")
-    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     state = initial_state(cfg, strategy.method.spec)
     strategy.method.begin_round(1, state)
     return cfg, strategy, state

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from flwr.app import ArrayRecord, MessageType
 from reply_helpers import reply
 
-from fedhm_flwr.config import ConfigError, load_config, model_spec, resume_config
+from fedhm_flwr.config import ConfigError, load_config, model_spec, resume_config, run_options
 from fedhm_flwr.math import prism
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.layers import PrismConv2d, PrismLinear
@@ -233,7 +233,7 @@ def _echo_handler(shift: float = 0.0):
 
 
 def _round(cfg, handler=None, rnd=1):
-    strategy = PriSMStrategy(cfg, model_spec(cfg))
+    strategy = PriSMStrategy(run_options(cfg), model_spec(cfg))
     handlers = client_handlers()
     if handler is not None:
         handlers[MessageType.TRAIN] = handler
@@ -268,7 +268,7 @@ def test_each_node_gets_its_own_draw_and_only_ranks_travel():
         assert torch.equal(got["conv1.weight"], state["conv1.weight"])  # unfactorized layers whole
     assert len(kernels) > 1  # clients got different kernels
     # the draws are a function of (seed, round, partition): a second strategy draws the same
-    again = PriSMStrategy(cfg, model_spec(cfg))
+    again = PriSMStrategy(run_options(cfg), model_spec(cfg))
     again.method.factored_form(state)
     for node, draws in method.draws.items():
         same = again.method.sample(1, strategy.registry.key(node), strategy.sent[node][0])
@@ -289,7 +289,7 @@ def test_echoing_clients_leave_every_product_unchanged_and_refresh_keeps_it():
 
 def test_merge_averages_each_kernel_over_its_samplers_through_the_round():
     cfg = _cfg("levels.ratios=[0.4,0.2] levels.proportions=[0.4,0.6] method.u_subset=true")
-    strategy = PriSMStrategy(cfg, model_spec(cfg))
+    strategy = PriSMStrategy(run_options(cfg), model_spec(cfg))
     handlers = client_handlers()
     shift = {pid: 0.01 * (pid + 1) for pid in range(6)}
 
@@ -325,9 +325,10 @@ def test_merge_averages_each_kernel_over_its_samplers_through_the_round():
 
 
 def test_u_subset_changes_memory_not_the_layer_definition():
-    off = PriSMStrategy(_cfg("levels.ratios=[0.8,0.6,0.4,0.2] levels.proportions=[1,1,1,1]"), model_spec(_cfg())).method
-    cfg_on = _cfg("levels.ratios=[0.8,0.6,0.4,0.2] levels.proportions=[1,1,1,1] method.u_subset=true")
-    on = PriSMStrategy(cfg_on, model_spec(cfg_on)).method
+    levels = "levels.ratios=[0.8,0.6,0.4,0.2] levels.proportions=[1,1,1,1]"
+    off = PriSMStrategy(run_options(_cfg(levels)), model_spec(_cfg())).method
+    cfg_on = _cfg(f"{levels} method.u_subset=true")
+    on = PriSMStrategy(run_options(cfg_on), model_spec(cfg_on)).method
     state = initial_state(cfg_on, on.spec)
     for index in range(4):  # memory (and Conv_U's parameters) go down
         c_on, c_off = on.level_cost(index), off.level_cost(index)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord
 
-from fedhm_flwr.config import load_config, model_spec
+from fedhm_flwr.config import load_config, model_spec, run_options
 from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.math import privacy
 from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
@@ -78,7 +78,7 @@ def test_noise_generator_is_secret_unless_a_dp_seed_is_given():
 def _strategy(overrides):
     cfg = load_config(f"{TOY} {overrides}")
     spec = model_spec(cfg)
-    strategy = STRATEGIES[cfg.method.name](cfg, spec)
+    strategy = STRATEGIES[cfg.method.name](run_options(cfg), spec)
     state = strategy.method.initial_state(int(cfg.seed))
     state = initial_state(cfg, spec) if state is None else state
     strategy.global_state = state

@@ -10,7 +10,7 @@ import torch
 from flwr.app import ArrayRecord, Error, Message, MessageType
 from flwr.common.constant import ErrorCode
 
-from fedhm_flwr.config import model_spec, resume_config
+from fedhm_flwr.config import model_spec, resume_config, run_options
 from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.apps.server_app import initial_state, run
 from fedhm_flwr.reporting.results import load_checkpoint
@@ -82,7 +82,7 @@ def test_the_order_replies_arrive_in_changes_neither_the_model_nor_the_round_s_f
     handlers[MessageType.TRAIN] = train
     seen = []
     for order in (lambda r: r, lambda r: r[::-1], lambda r: r[2:] + r[:2]):
-        strategy, grid = FedHMStrategy(cfg, spec), LocalGrid(6, handlers)
+        strategy, grid = FedHMStrategy(run_options(cfg), spec), LocalGrid(6, handlers)
         msgs = list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(state), None, grid))
         replies = sorted(grid.send_and_receive(msgs), key=lambda m: m.metadata.src_node_id)
         arrays, metrics = strategy.aggregate_train(1, order(replies))
@@ -159,7 +159,7 @@ def test_bytes_moved_count_configs_queries_and_rejected_replies(toy_cfg):
     from fedhm_flwr.server.strategy import content_bytes
 
     cfg = toy_cfg()
-    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     grid = LocalGrid(6, client_handlers())
     arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.method.spec))
     msgs = list(strategy.configure_train(1, arrays, None, grid))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, RecordDict
 
-from fedhm_flwr.config import ConfigError, load_config, model_spec, robust_modes
+from fedhm_flwr.config import ConfigError, load_config, model_spec, robust_modes, run_options
 from fedhm_flwr.math import privacy, robust
 from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.apps.server_app import initial_state, run
@@ -35,7 +35,7 @@ TINY_IMAGE = (
 def _trained_round(cfg, num_nodes=None):
     """One round's configured messages and replies on the in-process grid."""
     spec = model_spec(cfg)
-    strategy = STRATEGIES[cfg.method.name](cfg, spec)
+    strategy = STRATEGIES[cfg.method.name](run_options(cfg), spec)
     state = strategy.method.initial_state(int(cfg.seed))
     state = initial_state(cfg, spec) if state is None else state
     grid = LocalGrid(num_nodes or int(cfg.num_clients), client_handlers())
@@ -45,7 +45,7 @@ def _trained_round(cfg, num_nodes=None):
 
 def _aggregate(cfg, state, grid, replies):
     """The same round aggregated by a fresh strategy of ``cfg`` (same payloads, no training)."""
-    strategy = STRATEGIES[cfg.method.name](cfg, model_spec(cfg))
+    strategy = STRATEGIES[cfg.method.name](run_options(cfg), model_spec(cfg))
     list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(state), None, grid))
     arrays, _ = strategy.aggregate_train(1, replies)
     return strategy, arrays.to_torch_state_dict()

@@ -181,13 +181,13 @@ NODE_SCRIPT = textwrap.dedent("""
             opened.append(args[0] if isinstance(args[0], str) else args[0].decode())
     sys.addaudithook(hook)
     from flwr.app import ArrayRecord, Message, MessageType, RecordDict
-    from fedhm_flwr.config import load_config, model_spec
+    from fedhm_flwr.config import load_config, model_spec, run_options
     from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
     from fedhm_flwr.ops.apps.server_app import initial_state
     from strategies import FedHMStrategy
     folders, overrides = json.loads(sys.argv[1]), sys.argv[2:]
     cfg = load_config(overrides)
-    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     # the nodes are given their shard only (LocalGrid's partition-id is not what they read)
     grid = LocalGrid(len(folders), client_handlers(), node_config=lambda i: {"data-dir": folders[i]})
     state = ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.method.spec))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fedhm_flwr.config import ConfigError, load_config, model_spec
+from fedhm_flwr.config import ConfigError, load_config, model_spec, run_options
 from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.apps.server_app import run
 from fedhm_flwr.ops.tools.export import SPEC_KEY, export_level, load_model, main as export_main, parse_level
@@ -156,7 +156,7 @@ def test_export_is_the_in_run_cut_with_the_federated_statistics_fixed(tiny_run, 
     # the in-run deployable model, built here from the checkpoint and the strategy's own cut, with
     # the statistics the clients summed after the last round (saved beside the checkpoint)
     state, saved = load_checkpoint(out)
-    strategy = STRATEGIES["fedhm"](cfg, model_spec(cfg))
+    strategy = STRATEGIES["fedhm"](run_options(cfg), model_spec(cfg))
     spec, level_state = strategy.method.deployable(3, state)
     from fedhm_flwr.math.bn_stats import apply_bn_statistics
     from fedhm_flwr.models import build_model

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedhm_flwr.config import SUPPORTED_MODELS, ConfigError, load_config, model_spec
+from fedhm_flwr.config import SUPPORTED_MODELS, ConfigError, load_config, model_spec, run_options
 from fedhm_flwr.math.aggregation import average_hybrid
 from fedhm_flwr.math.lowrank import factorize_state, recover_state
 from fedhm_flwr.models import build_model, count_parameters
@@ -378,7 +378,7 @@ def test_inspect_counts_the_vit_levels_from_shapes_as_the_allocating_path_does()
     overrides = ["method=fedhm", "model=vit", "model.backbone=random", "model.width=16", "model.depth=2"]
     cfg, rows = level_rows(overrides)
     spec = model_spec(cfg)
-    assert rows == _rows(cfg, spec, STRATEGIES["fedhm"](cfg, spec).method)
+    assert rows == _rows(cfg, spec, STRATEGIES["fedhm"](run_options(cfg), spec).method)
     assert rows[0]["params"] == count_parameters(build_model(spec))
     plan = plan_rows(cfg)
     saved = [sum(p["params"] - lp for p in plan for lp in [p["level_params"][i]]) for i in range(len(rows))]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, MessageType
 
-from fedhm_flwr.config import ConfigError, load_config, model_spec
+from fedhm_flwr.config import ConfigError, load_config, model_spec, run_options
 from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.apps.server_app import initial_state
 from fedhm_flwr.server.registry import FedHMStrategy
@@ -25,7 +25,7 @@ def _start(cfg):
 
 def test_the_server_serializes_each_global_model_once_and_never_reads_it_back(toy_cfg, monkeypatch):
     cfg = toy_cfg("rounds=2 evaluation.where=both")  # payloads, server and client evaluation
-    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     reads = []
     real = ArrayRecord.to_torch_state_dict
 
@@ -46,7 +46,7 @@ def test_the_server_serializes_each_global_model_once_and_never_reads_it_back(to
 
 
 def _one_round(cfg):
-    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     grid = LocalGrid(6, client_handlers())
     msgs = list(strategy.configure_train(1, _start(cfg), None, grid))
     replies = list(grid.send_and_receive(msgs))
@@ -85,7 +85,7 @@ def test_the_config_check_refuses_other_wire_dtypes_and_query_modes():
 
 def test_sampled_queries_ask_only_the_round_s_nodes_and_levels_stay_put(toy_cfg):
     def rounds(cfg, count, prefetch=False, startup=False):
-        strategy, grid = FedHMStrategy(cfg, model_spec(cfg)), LocalGrid(20, client_handlers())
+        strategy, grid = FedHMStrategy(run_options(cfg), model_spec(cfg)), LocalGrid(20, client_handlers())
         asked_per_round, trained_per_round, before = [], [], 0
         if startup:  # as start() does before round 1: its queries are the start-up's, not the round's
             strategy.registry.startup(grid, 1)
@@ -120,7 +120,7 @@ def test_sampled_queries_ask_only_the_round_s_nodes_and_levels_stay_put(toy_cfg)
     _, ahead, trained_started = rounds(toy_cfg(f"{common} availability.query=sampled"), 4, True, True)
     assert trained_started == trained
     cfg = toy_cfg(f"{common} availability.query=sampled")  # round 1 counts no node the start-up asked
-    strategy, grid = FedHMStrategy(cfg, model_spec(cfg)), LocalGrid(20, client_handlers())
+    strategy, grid = FedHMStrategy(run_options(cfg), model_spec(cfg)), LocalGrid(20, client_handlers())
     assert strategy.registry.startup(grid, 1)["startup_queried"] == 5
     list(strategy.configure_train(1, _start(cfg), None, grid))
     assert strategy.round_log.queried == 0 and strategy.round_log.query_bytes == 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fedhm_flwr.config import model_spec
+from fedhm_flwr.config import model_spec, run_options
 from fedhm_flwr.core import protocol
 from fedhm_flwr.ops.apps.server_app import initial_state
 from fedhm_flwr.server.registry import FedHMStrategy
@@ -99,7 +99,7 @@ def test_records_share_the_payloads_arrays_but_not_their_keys():
 
 def test_a_levels_cut_follows_the_global_state_in_place_changes_included(toy_cfg):
     cfg = toy_cfg("")
-    strategy = FedHMStrategy(cfg, model_spec(cfg))
+    strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     state = initial_state(cfg, strategy.method.spec)
     level = next(i for i, ranks in enumerate(strategy.method.ranks) if ranks)
     name = sorted(strategy.method.ranks[level])[0]
@@ -112,7 +112,9 @@ def test_a_levels_cut_follows_the_global_state_in_place_changes_included(toy_cfg
     a, b = f"{name}.a.weight", f"{name}.b.weight"
     assert not torch.equal(changed[a], first[a])
     # the cut of the changed weight is the cut a fresh strategy makes of it
-    fresh = FedHMStrategy(cfg, model_spec(cfg)).method.level_payload(level, {k: v.clone() for k, v in state.items()})[1]
+    fresh = FedHMStrategy(run_options(cfg), model_spec(cfg)).method.level_payload(
+        level, {k: v.clone() for k, v in state.items()}
+    )[1]
     assert torch.equal(changed[a], fresh[a]) and torch.equal(changed[b], fresh[b])
     replaced = dict(state, **{f"{name}.weight": state[f"{name}.weight"] / 2})  # a new tensor
     assert torch.equal(strategy.method.level_payload(level, replaced)[1][a], first[a])

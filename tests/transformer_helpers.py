@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from fedhm_flwr.config import load_config, model_spec
+from fedhm_flwr.config import load_config, model_spec, run_options
 from fedhm_flwr.server.registry import STRATEGIES
 
 TINY_TEXT = (
@@ -22,4 +22,4 @@ HETERO = "levels.ratios=[1,0.5] levels.proportions=[1,1] method.bottleneck=8"
 def build_strategy(overrides: str):
     """The server strategy of the configuration ``overrides`` describe."""
     cfg = load_config(overrides)
-    return STRATEGIES[cfg.method.name](cfg, model_spec(cfg))
+    return STRATEGIES[cfg.method.name](run_options(cfg), model_spec(cfg))

@@ -51,6 +51,7 @@ from fedhm_flwr.config.methods import (
     validate_pair,
     validate_user_model,
 )
+from fedhm_flwr.config.options import RunOptions, run_options
 from fedhm_flwr.config.specs import (
     backbone_choice,
     data_spec,
@@ -78,6 +79,7 @@ __all__ = [  # the re-exported names of the submodules and this module's own
     "ROBUST",
     "SUPPORTED_MODELS",
     "MethodOptions",
+    "RunOptions",
     "backbone_choice",
     "base_defaults",
     "choice",
@@ -88,10 +90,12 @@ __all__ = [  # the re-exported names of the submodules and this module's own
     "level_proportions",
     "load_config",
     "lr_schedule",
+    "method_defaults",
     "method_key",
     "model_spec",
     "resume_config",
     "robust_modes",
+    "run_options",
     "source_options",
     "split_overrides",
     "supported_pairs",
@@ -171,13 +175,30 @@ def base_defaults() -> DictConfig:
     return plain
 
 
+def method_defaults(name: str) -> DictConfig:
+    """Today's ``method`` group of the method ``name`` (``conf/method/<name>.yaml``; a group that
+    places itself at the top level keeps it under ``method``)."""
+    path = CONF_DIR / "method" / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError("method.name", name, f"one of {_group_options('method')}")
+    group = OmegaConf.load(path)
+    assert isinstance(group, DictConfig)
+    group.pop("defaults", None)
+    method = group.get("method", group)
+    assert isinstance(method, DictConfig)
+    return method
+
+
 def resume_config(run_dir: str | Path, overrides: str | Sequence[str] | None = None) -> DictConfig:
     """The configuration saved in ``run_dir`` (a run being resumed), with plain ``key=value``
     overrides on top (e.g. ``rounds=20`` to extend it), validated."""
     saved = Path(run_dir) / "config.yaml"
     if not saved.is_file():
         raise ConfigError("resume", str(run_dir), "a run directory holding config.yaml and checkpoint/")
-    cfg = OmegaConf.merge(base_defaults(), OmegaConf.load(saved))  # keys added since the run was saved
+    saved_cfg = OmegaConf.load(saved)
+    name = OmegaConf.select(saved_cfg, "method.name")
+    today = OmegaConf.merge(base_defaults(), {"method": method_defaults(str(name))})
+    cfg = OmegaConf.merge(today, saved_cfg)  # keys added since the run was saved get today's defaults
     items = split_overrides(overrides)
     if items:
         try:
@@ -190,13 +211,15 @@ def resume_config(run_dir: str | Path, overrides: str | Sequence[str] | None = N
 
 
 def validate(cfg: DictConfig) -> None:
-    """Refuse the first invalid value with a :class:`ConfigError` naming the field."""
+    """Refuse the first invalid value, or a key no section knows, with a :class:`ConfigError` naming
+    the field (:func:`run_options` parses what is checked here; the server builds its options with it)."""
     choice(cfg, "method.name", OPTIONS)
     validate_user_model(cfg)
     OPTIONS[cfg.method.name].check(cfg)
     choice(cfg, "model.arch", ARCH_NAMES)
     validate_pair(cfg)
     validate_common(cfg, robust_modes(cfg))
+    run_options(cfg)  # a key no section knows is refused here, where every entry point checks a config
 
 
 def to_yaml(cfg: DictConfig) -> str:

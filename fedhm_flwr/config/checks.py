@@ -115,8 +115,7 @@ def _validate_levels(cfg: DictConfig) -> None:
         f"null (equal shares) or {len(ratios)} non-negative numbers (one per level) with a positive sum",
     )
     choice(cfg, "levels.assignment", ASSIGNMENTS)
-    if OmegaConf.select(cfg, "levels.match") is not None:  # absent from configs saved before it existed
-        choice(cfg, "levels.match", LEVEL_MATCH)
+    choice(cfg, "levels.match", LEVEL_MATCH)
     default = OmegaConf.select(cfg, "levels.default")
     require(default is None or default in ratios, "levels.default", default, f"null or one of levels.ratios {ratios}")
 
@@ -214,20 +213,15 @@ def validate_common(cfg: DictConfig, robust: tuple[str, ...]) -> None:
     num_in(cfg, "train.grad_clip", 0.0, math.inf, high_open=True)
     masked = OmegaConf.select(cfg, "train.masked_ce")
     require(isinstance(masked, bool), "train.masked_ce", masked, "true or false")
-    if OmegaConf.select(cfg, "train.distill") is not None:  # absent from configs saved before it existed
-        enabled = OmegaConf.select(cfg, "train.distill.enabled")
-        require(isinstance(enabled, bool), "train.distill.enabled", enabled, "true or false")
-        num_in(cfg, "train.distill.temperature", 0.0, math.inf, low_open=True, high_open=True)
-        num_in(cfg, "train.distill.weight", 0.0, math.inf, high_open=True)
+    flags(cfg, "train.distill.enabled")
+    num_in(cfg, "train.distill.temperature", 0.0, math.inf, low_open=True, high_open=True)
+    num_in(cfg, "train.distill.weight", 0.0, math.inf, high_open=True)
     int_at_least(cfg, "evaluation.every", 1)
     int_at_least(cfg, "evaluation.batch_size", 1)
     choice(cfg, "evaluation.bn_stats", BN_STATS)
     int_at_least(cfg, "evaluation.bn_clients", 0)
     int_at_least(cfg, "evaluation.bn_examples", 0)
-    deploy = OmegaConf.select(
-        cfg, "evaluation.deploy_stats", default=True
-    )  # absent from configs saved before it existed
-    require(isinstance(deploy, bool), "evaluation.deploy_stats", deploy, "true or false")
+    flags(cfg, "evaluation.deploy_stats", "evaluation.levels")
     choice(cfg, "evaluation.where", EVALUATION_WHERE)
     num_in(cfg, "evaluation.holdout", 0.0, 1.0, high_open=True)
     require(
@@ -238,7 +232,7 @@ def validate_common(cfg: DictConfig, robust: tuple[str, ...]) -> None:
     )
     num_in(cfg, "simulation.num_cpus", 0.0, math.inf, low_open=True, high_open=True)
     num_in(cfg, "simulation.num_gpus", 0.0, math.inf, high_open=True)
-    ray_address = OmegaConf.select(cfg, "simulation.ray_address")  # absent from configs saved before it existed
+    ray_address = OmegaConf.select(cfg, "simulation.ray_address")
     require(
         ray_address is None or (isinstance(ray_address, str) and RAY_ADDRESS.fullmatch(ray_address) is not None),
         "simulation.ray_address",
@@ -247,8 +241,7 @@ def validate_common(cfg: DictConfig, robust: tuple[str, ...]) -> None:
         "cluster's head (its GCS port, 6379 by default)",
     )
     int_at_least(cfg, "checkpoint.every", 0)
-    keep_best = OmegaConf.select(cfg, "checkpoint.keep_best", default=False)  # absent from older saved configs
-    require(isinstance(keep_best, bool), "checkpoint.keep_best", keep_best, "true or false")
+    flags(cfg, "checkpoint.keep_best")
     num_in(cfg, "failures.crash_probability", 0.0, 1.0)
     num_in(cfg, "failures.slow_probability", 0.0, 1.0)
     num_in(cfg, "failures.slow_seconds", 0.0, math.inf, high_open=True)
@@ -319,18 +312,16 @@ def _validate_untrusted(cfg: DictConfig, modes: tuple[str, ...]) -> None:
 
 
 def _validate_tracking(cfg: DictConfig) -> None:
-    """``tracking.*`` (a config saved before the section existed gets its defaults)."""
-    for flag in ("tracking.tensorboard", "tracking.mlflow"):
-        value = OmegaConf.select(cfg, flag, default=flag.endswith("tensorboard"))
-        require(isinstance(value, bool), flag, value, "true or false")
-    uri = OmegaConf.select(cfg, "tracking.mlflow_uri", default=None)
+    """``tracking.*``."""
+    flags(cfg, "tracking.tensorboard", "tracking.mlflow")
+    uri = OmegaConf.select(cfg, "tracking.mlflow_uri")
     require(
         uri is None or (isinstance(uri, str) and uri != ""),
         "tracking.mlflow_uri",
         uri,
         "null (a file store in <run dir>/mlruns) or an MLflow tracking URI",
     )
-    if OmegaConf.select(cfg, "tracking.mlflow", default=False):  # refused before the run starts, not after round 1
+    if OmegaConf.select(cfg, "tracking.mlflow"):  # refused before the run starts, not after round 1
         require(
             importlib.util.find_spec("mlflow") is not None,
             "tracking.mlflow",

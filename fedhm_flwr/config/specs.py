@@ -92,12 +92,19 @@ def holdout_fraction(cfg: DictConfig) -> float:
 def lr_schedule(cfg: DictConfig) -> Callable[[int], float]:
     """The configured schedule as a function of the round (rounds start at 1), the config read once
     (a server round asks every round: the lookups cost more than the formula)."""
-    base, total = float(cfg.train.lr), int(cfg.rounds)
-    schedule = cfg.train.lr_schedule
-    if schedule == "cosine":
+    t = cfg.train
+    return schedule(float(t.lr), int(cfg.rounds), str(t.lr_schedule), tuple(t.lr_step_rounds), float(t.lr_gamma))
+
+
+def schedule(
+    base: float, total: int, kind: str, step_rounds: tuple[float, ...], gamma: float
+) -> Callable[[int], float]:
+    """``train.lr_schedule`` as a function of the round (rounds start at 1): constant, cosine over
+    ``total`` rounds, or ``step`` (× ``gamma`` past each fraction of ``step_rounds``)."""
+    if kind == "cosine":
         return lambda server_round: 0.5 * base * (1 + math.cos(math.pi * (server_round - 1) / max(1, total)))
-    if schedule == "step":
-        cuts, gamma = [f * total for f in cfg.train.lr_step_rounds], float(cfg.train.lr_gamma)
+    if kind == "step":
+        cuts = [f * total for f in step_rounds]
         return lambda server_round: base * gamma ** sum(server_round > cut for cut in cuts)
     return lambda server_round: base
 

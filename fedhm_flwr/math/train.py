@@ -36,9 +36,10 @@ from torch.utils.data import DataLoader, Dataset
 from fedhm_flwr.core.protocol import NUM_EXAMPLES, SECONDS, TRAIN_ACCURACY, TRAIN_LOSS
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainOptions:
-    """Everything a client's local training needs; it arrives in the message."""
+    """Everything a client's local training needs; it arrives in the message (a key it does not
+    know is refused: :meth:`from_dict`)."""
 
     lr: float = 0.05
     local_epochs: int = 1
@@ -58,8 +59,13 @@ class TrainOptions:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TrainOptions:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in known})
+        """The options of a task's train entry; a key that is not an option raises ValueError naming
+        it and the allowed keys (the client replies with that error rather than train on guesses)."""
+        known = [f.name for f in fields(cls)]
+        unknown = [k for k in values if k not in known]
+        if unknown:
+            raise ValueError(f"unknown train option {unknown[0]!r}; allowed: {known}")
+        return cls(**values)
 
 
 def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -18,7 +18,6 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.supercore import log
 
-from fedhm_flwr.config import data_spec
 from fedhm_flwr.core import bn_wire, protocol as wire
 from fedhm_flwr.core.protocol import CONFIG
 from fedhm_flwr.math import levels as lv
@@ -50,9 +49,9 @@ def asked_nodes_of(view: Any) -> list[int]:
     """The nodes a bn-stats query of this round asks: a seeded sample of ``evaluation.bn_clients``
     of the connected nodes (all of them at 0 or when fewer are connected), in node order."""
     node_ids = sorted(view.registry.nodes, key=view.registry.key)
-    limit = int(view.cfg.evaluation.bn_clients)
+    limit = view.opts.evaluation.bn_clients
     if 0 < limit < len(node_ids):
-        rng = lv.round_rng(int(view.cfg.seed), view.server_round, stream=3)
+        rng = lv.round_rng(view.opts.seed, view.server_round, stream=3)
         node_ids = [node_ids[i] for i in sorted(rng.choice(len(node_ids), size=limit, replace=False))]
     return node_ids
 
@@ -63,24 +62,24 @@ class BnQuery:
 
     def __init__(self, view: Any, models: Sequence[tuple[dict[str, Any], State]]) -> None:
         self.view, self.count = view, len(models)
-        grid, nodes, cfg = view.grid, view.registry.nodes, view.cfg
+        grid, nodes, opts = view.grid, view.registry.nodes, view.opts
         if grid is None:
             raise RuntimeError("federated sBN statistics need the grid (configure_train runs first)")
         node_ids = asked_nodes_of(view)
         specs = [json.dumps(spec) for spec, _ in models]
         arrays = [view.arrays(state) for _, state in models]  # the wire dtype, serialised once (ArrayCache)
         self.expected = [_sum_shapes(spec_key(spec)) for spec, _ in models]
-        examples = int(cfg.evaluation.bn_examples)  # per node, a seeded subset of its training examples (0: all)
+        examples = opts.evaluation.bn_examples  # per node, a seeded subset of its training examples (0: all)
         self.bytes, self.messages = 0, []
         for node_id in node_ids:
             config = ConfigRecord(
                 {
                     wire.QUERY: wire.BN_STATS,
                     wire.MODEL_SPECS: specs,
-                    wire.DATA_SPEC: json.dumps(data_spec(cfg, nodes[node_id].num_partitions)),
-                    wire.BATCH_SIZE: int(cfg.train.batch_size),
+                    wire.DATA_SPEC: json.dumps(opts.data_spec(nodes[node_id].num_partitions)),
+                    wire.BATCH_SIZE: opts.train.batch_size,
                     wire.BN_EXAMPLES: examples,
-                    wire.SEED: lv.client_seed(int(cfg.seed), view.server_round, view.registry.key(node_id)),
+                    wire.SEED: lv.client_seed(opts.seed, view.server_round, view.registry.key(node_id)),
                     **view.wire_config,
                 }
             )
@@ -96,7 +95,7 @@ class BnQuery:
         """(each model's summed per-layer statistics, None where no node answered; bytes moved):
         the replies pulled until all came or the round's deadline passed (``stragglers.*``)."""
         view = self.view
-        replies = collect(view.grid, self.pushed, round_deadline(view.cfg), max_poll=0.5)
+        replies = collect(view.grid, self.pushed, round_deadline(view.opts), max_poll=0.5)
         parts: list[list[Sums]] = [[] for _ in range(self.count)]
         for node_id, reply in sorted(asked_nodes(self.messages, replies), key=lambda pair: view.registry.key(pair[0])):
             try:  # (sums in node order)

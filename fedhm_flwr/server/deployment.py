@@ -82,7 +82,7 @@ class DeploymentQuery:
             {
                 "source": "federated",
                 "nodes_asked": str(len(asked_nodes_of(self.view))),
-                "examples_per_node": str(int(self.view.cfg.evaluation.bn_examples)),
+                "examples_per_node": str(self.view.opts.evaluation.bn_examples),
             },
             nbytes,
         )

@@ -34,9 +34,8 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.supercore import log
-from omegaconf import DictConfig
 
-from fedhm_flwr.config import data_spec
+from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.core.protocol import ARRAYS, CONFIG, METRICS, read_eval
 from fedhm_flwr.data import test_dataset
@@ -106,10 +105,10 @@ def federated_figures(scores: Sequence[ClientScore], levels: Sequence[float]) ->
 # ---------------------------------------------------------------------- the server's test set
 
 
-def make_evaluator(cfg: DictConfig, device: torch.device) -> TestSetScorer:
+def make_evaluator(opts: RunOptions, device: torch.device) -> TestSetScorer:
     """Server-side evaluation on the test set: (model spec, state[, sBN sums]) -> {accuracy, loss}."""
     return TestSetScorer(
-        test_dataset(data_spec(cfg), data_dir=cfg.dataset.data_dir), int(cfg.evaluation.batch_size), device
+        test_dataset(opts.data_spec(), data_dir=opts.dataset.data_dir), opts.evaluation.batch_size, device
     )
 
 
@@ -139,13 +138,13 @@ class TestSetScorer:
 
 @dataclass
 class RoundView:
-    """What an evaluation round is given by the round: the config, the method (its ``levels``,
+    """What an evaluation round is given by the round: the run's options, the method (its ``levels``,
     ``global_model`` and ``deployable`` models), the server's test-set scorer, the grid and the node
     registry (``nodes``, ``key``, ``label``, ``forget``), how a model goes on the wire (``arrays``:
     its Arrays, serialised once; ``wire_config``: the task-config entry of the wire dtype) and the
     round's number (seeds the choice of the clients asked for norm statistics)."""
 
-    cfg: DictConfig
+    opts: RunOptions
     method: Any
     evaluate_fn: Callable[..., dict[str, float]] | None
     grid: Any
@@ -218,9 +217,9 @@ def evaluate_levels(view: RoundView, global_state: State, bn: BnUse | None = Non
     every model at once (one message per node)."""
     if view.evaluate_fn is None:
         return {}
-    models, keys = distinct_models(view.method, global_state, bool(view.cfg.evaluation.levels))
+    models, keys = distinct_models(view.method, global_state, view.opts.evaluation.levels)
     bn = bn if bn is not None else BnUse("")
-    bn.configured = statistics_label(str(view.cfg.evaluation.bn_stats), models[0][0])
+    bn.configured = statistics_label(view.opts.evaluation.bn_stats, models[0][0])
     metrics = evaluate_models(view, models, bn)
     out: dict[str, Any] = {}
     for suffix, index in keys.items():
@@ -238,7 +237,7 @@ def evaluate_models(
     federated = [
         i
         for i, (spec, _) in enumerate(models)
-        if view.cfg.evaluation.bn_stats == "federated" and not spec.get("trainable_only")
+        if view.opts.evaluation.bn_stats == "federated" and not spec.get("trainable_only")
     ]
     found: dict[int, dict[str, torch.Tensor] | None] = {}
     if federated:
@@ -285,7 +284,7 @@ class FederatedEvaluation:
         self.level_of: dict[int, int] = {}  # node id -> level index
         self.bytes_sent = 0
         self.messages: list[Message] = []
-        cfg, nodes = view.cfg, view.registry.nodes
+        opts, nodes = view.opts, view.registry.nodes
         models: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # level index -> (spec, arrays)
         sent = {n: v for n, v in sent.items() if n in nodes}  # not those found gone
         for node_id, index in sorted(sent.items(), key=lambda kv: view.registry.key(kv[0])):
@@ -300,8 +299,8 @@ class FederatedEvaluation:
                     wire.LEVEL: self.levels[index],
                     wire.LEVEL_INDEX: index,
                     wire.MODEL_SPEC: json.dumps(spec),
-                    wire.DATA_SPEC: json.dumps(data_spec(cfg, nodes[node_id].num_partitions)),
-                    wire.BATCH_SIZE: int(cfg.evaluation.batch_size),
+                    wire.DATA_SPEC: json.dumps(opts.data_spec(nodes[node_id].num_partitions)),
+                    wire.BATCH_SIZE: opts.evaluation.batch_size,
                     **view.wire_config,
                 }
             )

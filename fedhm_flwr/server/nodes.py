@@ -24,9 +24,8 @@ from typing import Any
 
 from flwr.serverapp import Grid
 from flwr.supercore import log
-from omegaconf import DictConfig
 
-from fedhm_flwr.config import data_spec, level_proportions
+from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.core.protocol import NodeInfo
 from fedhm_flwr.math import levels as lv
 from fedhm_flwr.server.ahead import AheadQueries
@@ -53,8 +52,8 @@ def hashed_key(identity: str) -> int:
 class NodeRegistry:
     """Connected nodes, their cached node info, stable keys and levels."""
 
-    def __init__(self, cfg: DictConfig, levels: list[float], costs: Sequence[Mapping[str, float]]) -> None:
-        self.cfg = cfg
+    def __init__(self, opts: RunOptions, levels: list[float], costs: Sequence[Mapping[str, float]]) -> None:
+        self.opts = opts
         self.levels = levels
         self.costs = costs  # level index -> its costs (what a declared budget is compared with)
         self.nodes: dict[int, NodeInfo] = {}
@@ -71,17 +70,16 @@ class NodeRegistry:
         self.query_seconds = 0.0  # this round's wall time in node-info queries
         self.queried = 0  # nodes asked this round
         self._waited_for: int | None = None  # the round the start-up waited for nodes for
-        self.data_spec = json.dumps(data_spec(cfg))  # each node reports its example count for it
+        self.data_spec = json.dumps(opts.data_spec())  # each node reports its example count for it
         self.ahead = AheadQueries(self.data_spec)  # node-info queries asked ahead (start-up, prefetch)
         # the round's rules, read once (a config lookup costs more than a round's sampling at 10 nodes)
-        self.ask_when_sampled = cfg.availability.get("query", "all") == "sampled"
-        self.fixed_levels = cfg.levels.assignment == "fixed"
-        self.seed, self.dp = int(cfg.seed), bool(cfg.dp.enabled)
-        self.fraction, self.min_train = float(cfg.fraction_train), int(cfg.min_train_nodes)
-        self.min_nodes = int(cfg.availability.min_nodes) or self.min_train
-        self.proportions = level_proportions(cfg)
-        dp_seed = cfg.dp.get("seed")
-        self.poisson = PoissonDraws(self.fraction, None if dp_seed is None else int(dp_seed))  # DP: the round's sample
+        self.ask_when_sampled = opts.availability.query == "sampled"
+        self.fixed_levels = opts.levels.assignment == "fixed"
+        self.seed, self.dp = opts.seed, opts.dp.enabled
+        self.fraction, self.min_train = opts.fraction_train, opts.min_train_nodes
+        self.min_nodes = opts.availability.min_nodes or self.min_train
+        self.proportions = opts.levels.shares
+        self.poisson = PoissonDraws(self.fraction, opts.dp.seed)  # DP: the round's sample
 
     # ------------------------------------------------------------------ discovery
 
@@ -121,8 +119,8 @@ class NodeRegistry:
         if pushed or ahead:
             by_id = {m.metadata.message_id: m.metadata.dst_node_id for m in query if m.metadata.message_id}
             by_id.update({mid: n for n, mid in ahead.items()})
-            brief = float(self.cfg.stragglers.min_seconds) if set(new) <= self.silent else math.inf
-            wait = min(float(self.cfg.timeout), brief)
+            brief = self.opts.stragglers.min_seconds if set(new) <= self.silent else math.inf
+            wait = min(self.opts.timeout, brief)
             came = {
                 by_id[m.metadata.reply_to_message_id]: m
                 for m in collect(grid, pushed + list(ahead.values()), wait)
@@ -175,7 +173,7 @@ class NodeRegistry:
         self._waited_for = server_round
         queried = self.queried
         self.prefetch(grid, server_round)
-        asked, ahead_bytes = self.ahead.pull_all(grid, float(self.cfg.timeout))
+        asked, ahead_bytes = self.ahead.pull_all(grid, self.opts.timeout)
         queried, moved = queried + asked, moved + ahead_bytes
         self.query_seconds, self.queried = 0.0, 0
         seconds = time.perf_counter() - t0
@@ -232,7 +230,7 @@ class NodeRegistry:
         count = len(connected - set(self.excluded))  # not those sitting out
         if count >= minimum:
             return connected
-        avail = self.cfg.availability
+        avail = self.opts.availability
         log(
             INFO,
             "round %d: %d node(s) connected, waiting up to %gs for at least %d",
@@ -336,11 +334,11 @@ class NodeRegistry:
         index = declared_level(info, self.levels, self.costs, self.label(node_id))
         if index is not None:
             self.declared[node_id] = index
-        elif self.cfg.levels.default is not None:
-            index = lv.level_index_of(float(self.cfg.levels.default), self.levels)
+        elif self.opts.levels.default is not None:
+            index = lv.level_index_of(self.opts.levels.default, self.levels)
             self.declared[node_id] = index  # type: ignore[assignment]
         else:
-            index = stable_level(info, self.keys[node_id], self.proportions, self.seed, int(self.cfg.num_clients))
+            index = stable_level(info, self.keys[node_id], self.proportions, self.seed, self.opts.num_clients)
         self.levels_of[node_id] = index  # type: ignore[assignment]
         identity = info.identity()
         before = self.seen.get(identity)

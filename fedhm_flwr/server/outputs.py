@@ -18,8 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from omegaconf import DictConfig
-
+from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.server import deployment, evaluation as ev
 from fedhm_flwr.server.methods.method import State
 
@@ -56,12 +55,12 @@ class RunOutputs:
     """Rows, checkpoints, the best model and the deployment statistics of a run, written by a
     recorder (:class:`fedhm_flwr.reporting.results.RunRecorder`)."""
 
-    def __init__(self, cfg: DictConfig, recorder: Any) -> None:
+    def __init__(self, opts: RunOptions, recorder: Any) -> None:
         self.recorder = recorder
-        self.every = int(cfg.checkpoint.every)
-        self.keep_best = bool(cfg.checkpoint.get("keep_best", False))
-        self.deploy_stats = bool(cfg.evaluation.deploy_stats)  # every level's statistics after the last round
-        self.ask_early = str(cfg.evaluation.bn_stats) != "federated"
+        self.every = opts.checkpoint.every
+        self.keep_best = opts.checkpoint.keep_best
+        self.deploy_stats = opts.evaluation.deploy_stats  # every level's statistics after the last round
+        self.ask_early = opts.evaluation.bn_stats != "federated"
         self._early: deployment.DeploymentQuery | None = None
 
     def trained(self, end: RoundEnd) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from flwr.app import ConfigRecord
 
+from fedhm_flwr.config.options.run import Distill
 from fedhm_flwr.core.protocol import DATA_SPEC, LEVEL, LEVEL_INDEX, METHOD, MODEL_SPEC, SEED, SERVER_ROUND, TRAIN
 from fedhm_flwr.core.wire_arrays import array_record, wire_array
 from fedhm_flwr.server.transport import wire_config
@@ -92,15 +93,9 @@ class Payload:
         return self._expected
 
 
-def train_options(distill: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The train options of ``train.distill = {enabled, temperature, weight}`` (none: off)."""
-    if distill is None:
-        return {}
-    return {
-        "distill": bool(distill["enabled"]),
-        "distill_temperature": float(distill["temperature"]),
-        "distill_weight": float(distill["weight"]),
-    }
+def train_options(distill: Distill) -> dict[str, Any]:
+    """The train options of ``train.distill = {enabled, temperature, weight}``."""
+    return {"distill": distill.enabled, "distill_temperature": distill.temperature, "distill_weight": distill.weight}
 
 
 class TaskConfigs:

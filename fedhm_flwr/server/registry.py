@@ -1,7 +1,7 @@
 """Server strategies on Flower's Message API: one shared round (:class:`HeteroStrategy`) and one
 Flower-free method per algorithm (:class:`fedhm_flwr.server.methods.method.Method`: ``FedHM``, ``HeteroFL``, ...).
 
-``<Method>Strategy`` binds a method to the round (``FedHMStrategy(cfg, model_spec, evaluate_fn,
+``<Method>Strategy`` binds a method to the round (``FedHMStrategy(opts, model_spec, evaluate_fn,
 outputs)`` runs FedHM); :data:`STRATEGIES` maps ``method.name`` to those bindings, :data:`METHODS`
 to the methods themselves. A method is registered by its one entry in :data:`METHODS`; its binding
 follows from it.
@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from omegaconf import DictConfig
-
+from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.server.methods.fedavg import FedAvg
 from fedhm_flwr.server.methods.fedhm import FedHM
 from fedhm_flwr.server.methods.fedlora import FedLoRA
@@ -26,7 +25,7 @@ from fedhm_flwr.server.methods.prism import PriSM
 from fedhm_flwr.server.strategy import HeteroStrategy
 
 #: ``method.name`` -> the method (a class, or FedAvg's builder picking its family's class)
-METHODS: dict[str, Callable[[DictConfig, dict[str, Any]], Method]] = {
+METHODS: dict[str, Callable[[RunOptions, dict[str, Any]], Method]] = {
     "fedhm": FedHM,
     "heterofl": HeteroFL,
     "fedrolex": FedRolex,
@@ -38,8 +37,9 @@ METHODS: dict[str, Callable[[DictConfig, dict[str, Any]], Method]] = {
 }
 
 
-def _binding(name: str, method: Callable[[DictConfig, dict[str, Any]], Method]) -> type[HeteroStrategy]:
-    """The round bound to one method: ``<Name>Strategy(cfg, model_spec, evaluate_fn, outputs)``."""
+def _binding(name: str, method: Callable[[RunOptions, dict[str, Any]], Method]) -> type[HeteroStrategy]:
+    """The round bound to one method: ``<Name>Strategy(opts, model_spec, evaluate_fn, outputs)``
+    (``opts``: the run's :class:`~fedhm_flwr.config.options.RunOptions`)."""
     return type(
         name,
         (HeteroStrategy,),

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
-from omegaconf import DictConfig
 
+from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.core.protocol import ARRAYS, METRICS
 from fedhm_flwr.data.catalog import DATASETS
@@ -54,17 +54,17 @@ TRAIN_METRICS: dict[str, tuple[type, ...]] = {
 OPTIONAL_METRICS = frozenset({wire.RAY_NODE})
 
 
-def examples_cap(cfg: DictConfig) -> int | None:
+def examples_cap(opts: RunOptions) -> int | None:
     """The most training examples a reply's weight may count: ``aggregation.max_examples`` when set,
     else the training-set size the data spec names when the project knows it (no node holds more
     than the whole training set), else None (only the node's own join-time count bounds it)."""
-    configured = cfg.aggregation.get("max_examples")
+    configured = opts.aggregation.max_examples
     if configured is not None:
-        return int(configured)
-    info = DATASETS.get(str(cfg.dataset.name))
+        return configured
+    info = DATASETS.get(opts.dataset.name)
     if info is None:
         return None
-    limit = int(cfg.dataset.get("max_train_examples") or 0)
+    limit = opts.dataset.max_train_examples
     return min(info.num_train, limit) if limit > 0 else info.num_train
 
 
@@ -208,10 +208,8 @@ def sort_replies(
     return out
 
 
-def round_deadline(cfg: DictConfig, timeout: float | None = None) -> Deadline:
+def round_deadline(opts: RunOptions, timeout: float | None = None) -> Deadline:
     """When a round's exchange stops waiting (``stragglers.*``, never after ``timeout``, default the
-    config's): :class:`fedhm_flwr.server.transport.Deadline`."""
-    s = cfg.stragglers
-    return Deadline(
-        float(cfg.timeout if timeout is None else timeout), float(s.quorum), float(s.factor), float(s.min_seconds)
-    )
+    run's): :class:`fedhm_flwr.server.transport.Deadline`."""
+    s = opts.stragglers
+    return Deadline(float(opts.timeout if timeout is None else timeout), s.quorum, s.factor, s.min_seconds)

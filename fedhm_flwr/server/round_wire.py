@@ -15,23 +15,23 @@ from collections.abc import Callable
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message
-from omegaconf import DictConfig
 
-from fedhm_flwr.config import data_spec, lr_schedule
+from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.math import levels as lv
 from fedhm_flwr.server import replies as reply_checks
 from fedhm_flwr.server.methods.method import Cut, Method, Reply, State
 from fedhm_flwr.server.nodes import NodeRegistry
 from fedhm_flwr.server.payloads import ArrayCache, Payload, TaskConfigs, train_options
-from fedhm_flwr.server.untrusted import Attacks, Untrusted
+from fedhm_flwr.server.simulated_attacks import Attacks
+from fedhm_flwr.server.untrusted import Untrusted
 
 
 class RoundWire:
     """Payloads out, replies checked (see the module docstring); the strategy it is part of holds
     the method, the node registry, the attacks, the defences and what was sent this round."""
 
-    cfg: DictConfig
+    opts: RunOptions
     method: Method
     name: str
     levels: list[float]
@@ -42,14 +42,14 @@ class RoundWire:
     untrusted: Untrusted
     node_label: Callable[[int], str]
 
-    def init_wire(self, cfg: DictConfig) -> None:
-        self.wire_dtype = str(cfg.get("wire", {}).get("dtype", "float32"))  # arrays both ways (wire.dtype)
+    def init_wire(self, opts: RunOptions) -> None:
+        self.wire_dtype = opts.wire.dtype  # arrays both ways
         self.array_cache = ArrayCache()
         self.tasks = TaskConfigs()
         self._fixed_options: dict[str, Any] | None = None  # the train options but the round's lr
-        self._lr = lr_schedule(cfg)  # the round's lr (the config read once)
+        self._lr = opts.lr_schedule()  # the round's lr
         self._global_record: ArrayRecord | None = None  # the record last made of self.global_state
-        self._examples_cap = reply_checks.examples_cap(cfg)  # the most examples a reply's weight counts
+        self._examples_cap = reply_checks.examples_cap(opts)  # the most examples a reply's weight counts
 
     def wire_arrays(self, state: State) -> dict[str, Any]:
         """A model the server sends (payload, evaluation), as Arrays in the wire dtype."""
@@ -89,17 +89,17 @@ class RoundWire:
         return level_payloads[level_index]
 
     def _train_options(self, server_round: int) -> dict[str, Any]:
-        if self._fixed_options is None:  # read once: a config lookup costs more than a small layer's work
-            train = self.cfg.train
+        if self._fixed_options is None:  # built once: the same every round
+            train = self.opts.train
             self._fixed_options = {
-                "local_epochs": int(train.local_epochs),
-                "batch_size": int(train.batch_size),
-                "momentum": float(train.momentum),
-                "weight_decay": float(train.weight_decay),
-                "masked_ce": bool(train.masked_ce),
-                "grad_clip": float(train.grad_clip),
-                "threads": max(1, int(math.floor(float(self.cfg.simulation.num_cpus)))),
-                **train_options(train.get("distill")),
+                "local_epochs": train.local_epochs,
+                "batch_size": train.batch_size,
+                "momentum": train.momentum,
+                "weight_decay": train.weight_decay,
+                "masked_ce": train.masked_ce,
+                "grad_clip": train.grad_clip,
+                "threads": max(1, int(math.floor(self.opts.simulation.num_cpus))),
+                **train_options(train.distill),
             }
         return {"lr": self._lr(server_round), **self._fixed_options}
 
@@ -112,7 +112,7 @@ class RoundWire:
             payload,
             lambda: self._train_options(server_round),
             self.registry.nodes[node_id].num_partitions,
-            lambda n: data_spec(self.cfg, n),
+            self.opts.data_spec,
             lv.client_seed(self.attacks.seed, server_round, self.registry.key(node_id)),
             self.wire_dtype,
         )

@@ -28,9 +28,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
-from omegaconf import DictConfig
 
-from fedhm_flwr.config import level_proportions
+from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.core.protocol import ARRAYS, CONFIG
 from fedhm_flwr.math import levels as lv
@@ -41,8 +40,9 @@ from fedhm_flwr.server.outputs import RoundEnd, RoundOutputs
 from fedhm_flwr.server.payloads import Payload
 from fedhm_flwr.server.report import RoundLog, progress_line, round_row, train_metrics
 from fedhm_flwr.server.round_wire import RoundWire
+from fedhm_flwr.server.simulated_attacks import Attacks
 from fedhm_flwr.server.transport import NODE_UNAVAILABLE, collect, content_bytes, exchange, push, wire_config
-from fedhm_flwr.server.untrusted import Attacks, Untrusted
+from fedhm_flwr.server.untrusted import Untrusted
 
 __all__ = ["HeteroStrategy", "Payload", "Reply", "RoundLog", "State", "content_bytes", "progress_line"]
 
@@ -51,11 +51,11 @@ class HeteroStrategy(RoundWire, Strategy):
     """The round of every method (see the module docstring)."""
 
     #: the method a binding runs (``FedHMStrategy.method_class = FedHM``)
-    method_class: Callable[[DictConfig, dict[str, Any]], Method] | None = None
+    method_class: Callable[[RunOptions, dict[str, Any]], Method] | None = None
 
     def __init__(
         self,
-        cfg: DictConfig,
+        opts: RunOptions,
         model_spec: dict[str, Any],
         evaluate_fn: Callable[..., dict[str, float]] | None = None,
         outputs: RoundOutputs | None = None,
@@ -63,14 +63,14 @@ class HeteroStrategy(RoundWire, Strategy):
     ) -> None:
         if method is None:
             assert self.method_class is not None, "HeteroStrategy needs a method (or use a method's binding)"
-            method = self.method_class(cfg, model_spec)
+            method = self.method_class(opts, model_spec)
         self.method = method
-        self.cfg = method.cfg  # the config as the method runs it (FedAvg: its family's, one level)
+        self.opts = method.opts  # the options as the method runs them (FedAvg: its family's, one level)
         self.name = method.name
         self.levels = method.levels
         self.evaluate_fn = evaluate_fn
         self.outputs = outputs  # what the run keeps of each round (the ServerApp's: rows, checkpoints)
-        self.registry = NodeRegistry(self.cfg, self.levels, method.costs)
+        self.registry = NodeRegistry(self.opts, self.levels, method.costs)
         self.startup_info: dict[str, Any] = {}  # what the start-up before round 1 took (NodeRegistry.startup)
         self.global_state: State | None = None
         self.sent: dict[int, tuple[int, Payload]] = {}  # node id -> (level index, payload) this round
@@ -82,10 +82,10 @@ class HeteroStrategy(RoundWire, Strategy):
         self._federated: ev.FederatedEvaluation | None = None  # this round's client-side evaluation
         self.federated_row: dict[str, Any] = {}
         self._bn: ev.BnUse | None = None  # the last server evaluation's norm statistics (federated sums)
-        self.attacks = Attacks(self.cfg)  # failures.attack: which nodes attack
+        self.attacks = Attacks(self.opts)  # failures.attack: which nodes attack
         self.untrusted = Untrusted(method, self.history)  # the merge, defended / private (aggregation, dp)
         self._late_ids: list[str] = []  # the last round's messages it stopped waiting for (their answers: late)
-        self.init_wire(self.cfg)
+        self.init_wire(self.opts)
 
     # ------------------------------------------------------------------ Flower's Strategy API
 
@@ -95,15 +95,15 @@ class HeteroStrategy(RoundWire, Strategy):
             "\t├──> Method: %s, levels %s, proportions %s, %s assignment",
             self.name,
             self.levels,
-            level_proportions(self.cfg),
-            self.cfg.levels.assignment,
+            self.opts.levels.shares,
+            self.opts.levels.assignment,
         )
         log(
             INFO,
             "\t└──> Sampling: fraction %.2f (min %d), seed %d",
-            self.cfg.fraction_train,
-            self.cfg.min_train_nodes,
-            self.cfg.seed,
+            self.opts.fraction_train,
+            self.opts.min_train_nodes,
+            self.opts.seed,
         )
         for level, fmt, args in self.method.summary_lines():
             log(level, fmt, *args)
@@ -136,7 +136,7 @@ class HeteroStrategy(RoundWire, Strategy):
             config, config_bytes = self._train_config(server_round, node_id, index, payload)
             if node_id in injected:
                 config[wire.INJECT] = injected[node_id]
-                config[wire.INJECT_SECONDS] = float(self.cfg.failures.slow_seconds)
+                config[wire.INJECT_SECONDS] = self.opts.failures.slow_seconds
             if node_id in attackers:
                 config.update(self.attacks.train_config())
             content = RecordDict({ARRAYS: payload.record(), CONFIG: config})  # (fresh record, shared Arrays)
@@ -198,7 +198,7 @@ class HeteroStrategy(RoundWire, Strategy):
     ) -> Iterable[Message]:
         """Federated evaluation (``evaluation.where`` clients or both): the nodes sampled for
         training this round evaluate the global model at their own level."""
-        if self.cfg.evaluation.where == "server":
+        if self.opts.evaluation.where == "server":
             self._federated = None
             return []
         self._federated = ev.FederatedEvaluation(
@@ -252,7 +252,7 @@ class HeteroStrategy(RoundWire, Strategy):
                     collect(
                         grid,
                         pushed,
-                        reply_checks.round_deadline(self.cfg, timeout),
+                        reply_checks.round_deadline(self.opts, timeout),
                         max_poll=0.5,
                         arrivals=arrivals,
                         also=[*self.registry.ahead.ids(), *self._late_ids],
@@ -275,13 +275,13 @@ class HeteroStrategy(RoundWire, Strategy):
                 self.outputs.trained(end)
             if self._evaluation_due(server_round, num_rounds):
                 t_eval = time.perf_counter()
-                if self.cfg.evaluation.where != "clients":
+                if self.opts.evaluation.where != "clients":
                     row.update(self.evaluate_levels(self.state_of(arrays)))
-                    row.setdefault("bn_stats", self.cfg.evaluation.bn_stats)
+                    row.setdefault("bn_stats", self.opts.evaluation.bn_stats)
                     result.evaluate_metrics_serverapp[server_round] = MetricRecord(ev.numeric(row, ("acc", "loss")))
                 messages = list(self.configure_evaluate(server_round, arrays, evaluate_config or ConfigRecord(), grid))
                 if messages:
-                    replies = exchange(grid, messages, reply_checks.round_deadline(self.cfg, timeout), max_poll=0.5)
+                    replies = exchange(grid, messages, reply_checks.round_deadline(self.opts, timeout), max_poll=0.5)
                     result.evaluate_metrics_clientapp[server_round] = self.aggregate_evaluate(server_round, replies)
                     row.update(self.federated_row)
                 row["eval_seconds"] = time.perf_counter() - t_eval
@@ -322,7 +322,7 @@ class HeteroStrategy(RoundWire, Strategy):
     def _view(self) -> ev.RoundView:
         """What the evaluation is given of this round (never the strategy itself)."""
         return ev.RoundView(
-            self.cfg,
+            self.opts,
             self.method,
             self.evaluate_fn,
             self._grid,
@@ -338,7 +338,7 @@ class HeteroStrategy(RoundWire, Strategy):
         return ev.evaluate_levels(self._view(), global_state, self._bn)
 
     def _evaluation_due(self, server_round: int, num_rounds: int) -> bool:
-        return server_round == num_rounds or server_round % int(self.cfg.evaluation.every) == 0
+        return server_round == num_rounds or server_round % self.opts.evaluation.every == 0
 
     def checkpoint_state(self, server_round: int) -> dict[str, Any]:
         return {

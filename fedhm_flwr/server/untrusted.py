@@ -1,4 +1,5 @@
-"""Untrusted clients in the shared round: attack injection, defences and client-level DP.
+"""Untrusted clients in the shared round: the defences and client-level DP (the attacks the round
+asks nodes to simulate are apart: :mod:`fedhm_flwr.server.simulated_attacks`).
 
 A wrapper around the method's merge, the way Flower wraps a strategy for DP
 (``flwr.serverapp.strategy.DifferentialPrivacyServerSideFixedClipping``): :class:`Untrusted` holds
@@ -6,9 +7,8 @@ the method and offers the same ``merge(server_round, global_state, replies)``, d
 private as configured, falling back to the method's own merge when nothing is. It never reaches
 into the round: the replies carry what it needs (their node's label, the payload they were sent),
 and what it refuses or measures it keeps (:attr:`Untrusted.rejected`, :attr:`Untrusted.columns`)
-for the round to record. :class:`Attacks` says which nodes attack (the round adds it to their
-task config). The math is in :mod:`fedhm_flwr.math.robust` (defences), :mod:`fedhm_flwr.math.attacks` (what
-a malicious client does) and :mod:`fedhm_flwr.math.privacy` (the accountant).
+for the round to record. The math is in :mod:`fedhm_flwr.math.robust` (defences) and
+:mod:`fedhm_flwr.math.privacy` (the accountant).
 
 Every reply first passes :meth:`Untrusted.screen` (in the reply checks of ``aggregate_train``): a
 floating tensor holding NaN/inf, or of L2 norm above ``aggregation.max_norm`` (1e6), is refused
@@ -47,95 +47,20 @@ training figures, ``dp_clipped``, failure reasons), which are computed from indi
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import traceback
-from functools import lru_cache
 from logging import ERROR, WARNING
 from typing import Any
 
-import numpy as np
 import torch
 from flwr.app import ArrayRecord
 from flwr.supercore import log
-from omegaconf import DictConfig
 
 from fedhm_flwr.core import protocol as wire
-from fedhm_flwr.math import levels as lv, privacy, robust
+from fedhm_flwr.math import privacy, robust
 from fedhm_flwr.math.privacy import RdpAccountant
 from fedhm_flwr.server.methods.method import Method, Reply, State
-
-#: random-stream id of the attackers' draw (levels.round_rng uses 0-3 elsewhere)
-ATTACK_STREAM = 4451
-
-
-@lru_cache(maxsize=64)
-def attacker_partitions(num_partitions: int, fraction: float, seed: int) -> frozenset[int]:
-    """The malicious partitions of a run: ``round(fraction · num_partitions)`` of them, drawn by a
-    seeded permutation (a constant of the run, whoever is connected)."""
-    count = int(math.floor(fraction * num_partitions + 0.5))
-    order = np.random.default_rng([int(seed), ATTACK_STREAM]).permutation(int(num_partitions))
-    return frozenset(int(p) for p in order[:count])
-
-
-def hashed_attacker(identity: str, fraction: float, seed: int) -> bool:
-    """A node known only by a name is malicious with probability ``fraction`` (seeded hash)."""
-    digest = hashlib.sha256(f"{int(seed)}:attack:{identity}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64 < fraction
-
-
-class Attacks:
-    """Which nodes attack (``failures.attack``) and what their task config adds; which nodes the
-    seeded failure injection makes crash or dawdle (``failures.*_probability``)."""
-
-    def __init__(self, cfg: DictConfig) -> None:
-        self.failures = cfg.failures
-        self.attack = cfg.failures.attack
-        self.seed = int(cfg.seed)
-        # read once, asked per node
-        self._no_attack = str(self.attack.kind) == "none" or float(self.attack.fraction) <= 0
-        self._attack_kind = str(self.attack.kind)
-        self._no_failures = not (self.failures.crash_probability or self.failures.slow_probability)
-        self.columns: dict[str, Any] = {}
-
-    def is_attacker(self, info: Any, key: int, node_id: int) -> bool:
-        """``info``: the node's :class:`fedhm_flwr.core.protocol.NodeInfo` (None: unknown); ``key``: its stable key."""
-        if self._no_attack:
-            return False
-        fraction = float(self.attack.fraction)
-        if info is not None and info.partition_id is not None and info.num_partitions and key == info.partition_id:
-            return info.partition_id in attacker_partitions(int(info.num_partitions), fraction, self.seed)
-        return hashed_attacker(info.identity() if info is not None else f"node:{node_id}", fraction, self.seed)
-
-    def begin_round(self, attackers: list[str]) -> None:
-        """The round's columns: the sampled nodes that attack (their labels, in key order)."""
-        self.columns = {}
-        if self._attack_kind != "none":
-            self.columns.update({"attackers": json.dumps(attackers), "attackers_count": len(attackers)})
-
-    def train_config(self) -> dict[str, Any]:
-        """What the server adds to a malicious node's train config."""
-        out = {wire.ATTACK: str(self.attack.kind), wire.ATTACK_SCALE: float(self.attack.scale)}
-        if self._attack_kind == "malformed":
-            out[wire.ATTACK_MALFORMED] = str(self.attack.malformed)
-        return out
-
-    def injected_failures(self, server_round: int, node_ids: list[int]) -> dict[int, str]:
-        """Seeded failure injection (``failures.*``): node -> 'crash' or 'slow' for this round
-        (``node_ids`` in key order)."""
-        fail = self.failures
-        if self._no_failures:
-            return {}
-        rng = lv.round_rng(self.seed, server_round, stream=2)
-        out = {}
-        for node_id in node_ids:
-            crash, slow = rng.random(), rng.random()
-            if crash < float(fail.crash_probability):
-                out[node_id] = "crash"
-            elif slow < float(fail.slow_probability):
-                out[node_id] = "slow"
-        return out
 
 
 class Untrusted:
@@ -143,15 +68,15 @@ class Untrusted:
 
     def __init__(self, method: Method, history: list[dict[str, Any]]) -> None:
         self.method = method
-        cfg = method.cfg
-        self.cfg = cfg
-        self.attack = cfg.failures.attack
-        self.agg = cfg.aggregation
-        self.dp = cfg.dp
-        self._max_norm = float(self.agg.max_norm)  # read once, asked per reply
-        self._active = self.agg.robust != "none" or float(self.agg.outlier_z) > 0 or bool(self.dp.enabled)
+        opts = method.opts
+        self.opts = opts
+        self.attack = opts.failures.attack
+        self.agg = opts.aggregation
+        self.dp = opts.dp
+        self._max_norm = self.agg.max_norm
+        self._active = self.agg.robust != "none" or self.agg.outlier_z > 0 or self.dp.enabled
         self.history = history  # the run's rows (a resumed run's accountant replays them; the summary)
-        self.wire_dtype = str(cfg.get("wire", {}).get("dtype", "float32"))
+        self.wire_dtype = opts.wire.dtype
         self.accountant = RdpAccountant() if self.dp.enabled else None
         self.columns: dict[str, Any] = {}
         self.rejected: list[tuple[int, str]] = []  # this round's replies refused here (node id, why)
@@ -175,7 +100,7 @@ class Untrusted:
     @property
     def expected_clients(self) -> float:
         """DP's fixed denominator ``m``: the expected number of Poisson-sampled clients."""
-        return float(self.cfg.fraction_train) * int(self.cfg.num_clients)
+        return self.opts.fraction_train * self.opts.num_clients
 
     def begin_round(self) -> None:
         """Reset the round's columns and refusals."""
@@ -261,26 +186,26 @@ class Untrusted:
             return self._dp_merge(server_round, global_state, values)
         if not replies:
             return global_state
-        if float(self.agg.outlier_z) > 0:
-            keep = robust.outlier_keep(norms, float(self.agg.outlier_z))
+        if self.agg.outlier_z > 0:
+            keep = robust.outlier_keep(norms, self.agg.outlier_z)
             dropped = [r.label for r, k in zip(replies, keep) if not k]
             self.columns.update({"robust_rejected": len(dropped), "robust_rejected_nodes": json.dumps(dropped)})
             replies, values, coverages, refs, updates = (
                 [x for x, k in zip(seq, keep) if k] for seq in (replies, values, coverages, refs, updates)
             )
             norms = norms[keep]
-        mode = str(self.agg.robust)
+        mode = self.agg.robust
         if mode == "none":
             return s.merge(server_round, global_state, replies)
         if mode == "krum":
             keys = [k for k, v in global_state.items() if v.is_floating_point()]
             vectors = torch.stack([robust.flatten(v, keys) for v in values])
-            f = math.ceil(float(self.agg.krum_fraction) * len(replies) - 1e-9)  # the assumed attackers among them
+            f = math.ceil(self.agg.krum_fraction * len(replies) - 1e-9)  # the assumed attackers among them
             picked = robust.krum_select(vectors, f, min(int(self.agg.krum_m), len(replies)))
             self.columns["krum_selected"] = json.dumps([replies[i].label for i in picked])
             return s.merge(server_round, global_state, [replies[i] for i in picked]) if picked else global_state
         if mode == "clip":
-            bound = float(self.agg.clip_norm) or robust.quantile_bound(norms, float(self.agg.clip_quantile))
+            bound = self.agg.clip_norm or robust.quantile_bound(norms, self.agg.clip_quantile)
             scales = robust.clip_scales(norms, max(bound, 1e-12))
             self.columns.update({"clip_bound": bound, "clipped": int((scales < 1).sum())})
             values = [_shifted(v, ref, u, a) for v, ref, u, a in zip(values, refs, updates, scales)]
@@ -290,18 +215,17 @@ class Untrusted:
         ]
         rule = "mean" if mode == "clip" else mode
         weights = s.reply_weights(replies) if rule == "mean" else None
-        return robust.combine(global_state, values, masks, rule, weights, float(self.agg.trim_fraction))
+        return robust.combine(global_state, values, masks, rule, weights, self.agg.trim_fraction)
 
     def _dp_merge(self, server_round: int, global_state: State, values: list[State]) -> State:
         """DP-FedAvg (:func:`privacy.dp_mean`): whole recovered models minus the global, clipped to
         C, summed over ``m`` (fixed), plus Gaussian noise σ·C/m from a secret stream."""
-        clip, sigma, m = float(self.dp.clip), float(self.dp.noise_multiplier), self.expected_clients
+        clip, sigma, m = self.dp.clip, self.dp.noise_multiplier, self.expected_clients
         new, scales = privacy.dp_mean(global_state, values, clip, m)
         std = privacy.noise_std(sigma, clip, m)
-        seed = self.dp.get("seed")
-        new = privacy.add_noise(new, std, privacy.noise_generator(None if seed is None else int(seed), server_round))
+        new = privacy.add_noise(new, std, privacy.noise_generator(self.dp.seed, server_round))
         self._replay(server_round)
-        q = float(self.cfg.fraction_train)
+        q = self.opts.fraction_train
         assert self.accountant is not None
         self.accountant.step(q, sigma)
         self.columns.update(
@@ -311,7 +235,7 @@ class Untrusted:
                 "dp_q": q,
                 "dp_sigma": sigma,
                 "dp_expected_clients": m,
-                "dp_epsilon": self.accountant.epsilon(float(self.dp.delta)),
+                "dp_epsilon": self.accountant.epsilon(self.dp.delta),
             }
         )
         return new
@@ -328,26 +252,26 @@ class Untrusted:
         """What the run's summary adds: attack and defence totals, final ε."""
         rows = self.history
         out: dict[str, Any] = {}
-        if str(self.attack.kind) != "none":
+        if self.attack.kind != "none":
             out.update(
                 {
-                    "attack": str(self.attack.kind),
-                    "attack_fraction": float(self.attack.fraction),
+                    "attack": self.attack.kind,
+                    "attack_fraction": self.attack.fraction,
                     "attackers_sampled": int(sum(r.get("attackers_count", 0) for r in rows)),
                 }
             )
         if self.active:
             out.update(
-                {"robust": str(self.agg.robust), "robust_rejected": int(sum(r.get("robust_rejected", 0) for r in rows))}
+                {"robust": self.agg.robust, "robust_rejected": int(sum(r.get("robust_rejected", 0) for r in rows))}
             )
         if self.dp.enabled:
             eps = [r["dp_epsilon"] for r in rows if r.get("dp_epsilon") is not None]
             out.update(
                 {
                     "dp_epsilon": eps[-1] if eps else 0.0,
-                    "dp_delta": float(self.dp.delta),
-                    "dp_noise_multiplier": float(self.dp.noise_multiplier),
-                    "dp_clip": float(self.dp.clip),
+                    "dp_delta": self.dp.delta,
+                    "dp_noise_multiplier": self.dp.noise_multiplier,
+                    "dp_clip": self.dp.clip,
                 }
             )
         return out

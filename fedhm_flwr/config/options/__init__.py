@@ -12,8 +12,11 @@ torch and the config check must not (the launcher checks a config before importi
 method layer. The families: :mod:`~fedhm_flwr.config.options.factorized` (FedHM, PriSM),
 :mod:`~fedhm_flwr.config.options.width` (HeteroFL, FedRolex, FjORD),
 :mod:`~fedhm_flwr.config.options.fedavg` (FedAvg), :mod:`~fedhm_flwr.config.options.transformer`
-(FedLoRA, HeteroTune); :mod:`~fedhm_flwr.config.options.base` holds the base class and the
-registry.
+(FedLoRA, HeteroTune); :mod:`~fedhm_flwr.config.options.base` holds the base class, the
+registry and the parser. A ``MethodOptions`` class is also a frozen dataclass: an instance is the
+method's typed ``method`` group (its fields the keys of ``conf/method/<name>.yaml``), part of the
+run's :class:`~fedhm_flwr.config.options.run.RunOptions` (:mod:`~fedhm_flwr.config.options.run`: every
+section the server reads, parsed once).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from omegaconf import DictConfig
 from fedhm_flwr.config.options.base import OPTIONS, MethodOptions, supported_pairs
 from fedhm_flwr.config.options.factorized import FedHMOptions, PriSMOptions
 from fedhm_flwr.config.options.fedavg import FedAvgOptions
+from fedhm_flwr.config.options.run import RunOptions, run_options
 from fedhm_flwr.config.options.transformer import FedLoRAOptions, HeteroTuneOptions, TransformerOptions
 from fedhm_flwr.config.options.width import FedRolexOptions, FjORDOptions, HeteroFLOptions, WidthOptions
 
@@ -39,9 +43,11 @@ __all__ = [
     "HeteroTuneOptions",
     "MethodOptions",
     "PriSMOptions",
+    "RunOptions",
     "TransformerOptions",
     "WidthOptions",
     "method_key",
+    "run_options",
     "supported_pairs",
 ]
 

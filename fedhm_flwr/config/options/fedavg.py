@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
@@ -11,6 +12,7 @@ from fedhm_flwr.config.checks import choice, flags, num_in
 from fedhm_flwr.config.options.base import BY_WIDTH, CONV_ARCHS, MethodOptions, check_rho
 
 
+@dataclass(frozen=True)
 class FedAvgOptions(MethodOptions):
     """Homogeneous FedAvg: the full model, or the smallest level of FedHM or HeteroFL; with
     ``method.family=heterofl`` it runs on HeteroFL's models (pair key ``fedavg/heterofl``)."""
@@ -20,6 +22,13 @@ class FedAvgOptions(MethodOptions):
     needs = "an image classifier (cnn, resnet18, resnet34, vit, or a model.target)"
     heterofl_models = CONV_ARCHS
     heterofl_needs = BY_WIDTH + "method.family=heterofl slices widths"
+
+    variant: str
+    family: str
+    rho: int | None
+    frobenius_decay: bool
+    scaler: bool
+    grad_clip: float
 
     @classmethod
     def check(cls, cfg: DictConfig) -> None:

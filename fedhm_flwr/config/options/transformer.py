@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -11,11 +12,15 @@ from fedhm_flwr.config.checks import choice, flags, int_at_least, is_int, is_num
 from fedhm_flwr.config.options.base import MethodOptions, check_tau, supported_pairs
 
 
+@dataclass(frozen=True)
 class TransformerOptions(MethodOptions):
     """FedLoRA / HeteroTune: a transformer over a frozen pre-trained (or seeded random) backbone,
     trained by the client's own optimizer."""
 
     models = ("minilm", "vit")
+
+    optimizer: str
+    lr: float | None
 
     @classmethod
     def check(cls, cfg: DictConfig) -> None:
@@ -50,11 +55,17 @@ class TransformerOptions(MethodOptions):
         require(lr is None or (is_num(lr) and 0 < lr < math.inf), "method.lr", lr, "null (train.lr) or a number > 0")
 
 
+@dataclass(frozen=True)
 class FedLoRAOptions(TransformerOptions):
     """FedLoRA: LoRA ranks per level (or full fine-tuning), FedHM's softmax(gamma/tau) weights."""
 
     name = "fedlora"
     needs = "a transformer with LoRA targets (minilm, vit)"
+
+    mode: str
+    max_rank: int
+    tau: float
+    weight_by_samples: bool
 
     @classmethod
     def check(cls, cfg: DictConfig) -> None:
@@ -65,11 +76,19 @@ class FedLoRAOptions(TransformerOptions):
         flags(cfg, "method.weight_by_samples")
 
 
+@dataclass(frozen=True)
 class HeteroTuneOptions(TransformerOptions):
     """HeteroTune: model types by depth or width, DeMA bottleneck, bank and CMGA switches."""
 
     name = "heterotune"
     needs = "a transformer with DeMA slots (minilm, vit)"
+
+    scale: str
+    bottleneck: int
+    bank: bool
+    cmga: bool
+    cmga_eps: float
+    cmga_scale: float | None
 
     @classmethod
     def check(cls, cfg: DictConfig) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -11,10 +12,15 @@ from fedhm_flwr.config.checks import flags, is_num, num_in, require
 from fedhm_flwr.config.options.base import BY_WIDTH, CONV_ARCHS, MethodOptions
 
 
+@dataclass(frozen=True)
 class WidthOptions(MethodOptions):
     """HeteroFL / FedRolex: levels are width rates in (0, 1] (checked with ``levels``)."""
 
     models = CONV_ARCHS
+
+    scaler: bool
+    grad_clip: float
+    weight_by_samples: bool
 
     @classmethod
     def check(cls, cfg: DictConfig) -> None:
@@ -23,16 +29,19 @@ class WidthOptions(MethodOptions):
         flags(cfg, "method.weight_by_samples")
 
 
+@dataclass(frozen=True)
 class HeteroFLOptions(WidthOptions):
     name = "heterofl"
     needs = BY_WIDTH + "HeteroFL slices channel widths"
 
 
+@dataclass(frozen=True)
 class FedRolexOptions(WidthOptions):
     name = "fedrolex"
     needs = BY_WIDTH + "FedRolex rolls channel windows"
 
 
+@dataclass(frozen=True)
 class FjORDOptions(MethodOptions):
     """FjORD: levels are p_max widths; the widths P drawn per batch (``method.p_values``, null:
     the levels' own), knowledge distillation, clipping, weights by sample count."""
@@ -40,6 +49,11 @@ class FjORDOptions(MethodOptions):
     name = "fjord"
     models = CONV_ARCHS
     needs = BY_WIDTH + "FjORD trains nested channel widths"
+
+    p_values: tuple[float, ...] | None
+    distill: bool
+    grad_clip: float
+    weight_by_samples: bool
 
     @classmethod
     def check(cls, cfg: DictConfig) -> None:

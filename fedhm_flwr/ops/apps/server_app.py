@@ -21,7 +21,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 from omegaconf import DictConfig, OmegaConf
 
-from fedhm_flwr.config import load_config, model_spec, resume_config, to_yaml
+from fedhm_flwr.config import load_config, model_spec, resume_config, run_options, to_yaml
 from fedhm_flwr.math.train import pick_device
 from fedhm_flwr.models import build_model
 from fedhm_flwr.ops.apps.superlink_watch import runtime_address, stop_with_superlink, watch_superlink
@@ -104,9 +104,10 @@ def _run(
     recorder = RunRecorder(out_dir, tracker=open_tracker(cfg.get("tracking"), out_dir))
     recorder.write_config(to_yaml(cfg))
     spec = model_spec(cfg)
+    opts = run_options(cfg)  # the options the server's parts read, parsed once
     # a deployment's server may hold no test set: with evaluation.where=clients none is loaded
-    evaluator = None if cfg.evaluation.where == "clients" else make_evaluator(cfg, pick_device())
-    strategy = STRATEGIES[cfg.method.name](cfg, spec, evaluator, RunOutputs(cfg, recorder))
+    evaluator = None if cfg.evaluation.where == "clients" else make_evaluator(opts, pick_device())
+    strategy = STRATEGIES[cfg.method.name](opts, spec, evaluator, RunOutputs(opts, recorder))
     for line in size_warnings(cfg):  # FedHM levels that do not shrink the model, before round 1
         log(WARNING, "warning: %s", line)
     state = strategy.method.initial_state(int(cfg.seed))

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fedhm_flwr.config import ConfigError, load_config, model_spec
+from fedhm_flwr.config import ConfigError, load_config, model_spec, run_options
 from fedhm_flwr.models import build_model, count_parameters, shape_device
 from fedhm_flwr.models.matching import fedhm_level_params
 from fedhm_flwr.models.rules import select_layers
@@ -37,9 +37,9 @@ def level_rows(overrides: list[str]) -> tuple[Any, list[dict[str, Any]]]:
     cfg = load_config(overrides)
     spec = model_spec(cfg)
     if cfg.method.name not in SHAPE_ONLY:  # payloads that depend on values
-        return cfg, _rows(cfg, spec, STRATEGIES[cfg.method.name](cfg, spec).method)
+        return cfg, _rows(cfg, spec, STRATEGIES[cfg.method.name](run_options(cfg), spec).method)
     with shape_device(spec):  # shapes only: no weight allocated, no SVD (meta; else the CPU)
-        return cfg, _rows(cfg, spec, STRATEGIES[cfg.method.name](cfg, spec).method)
+        return cfg, _rows(cfg, spec, STRATEGIES[cfg.method.name](run_options(cfg), spec).method)
 
 
 def _rows(cfg: Any, spec: dict[str, Any], method: Method) -> list[dict[str, Any]]:
@@ -73,7 +73,7 @@ def plan_rows(cfg: Any) -> list[dict[str, Any]] | None:
     """
     spec = model_spec(cfg)
     with shape_device(spec):
-        inner = STRATEGIES[cfg.method.name](cfg, spec).method  # FedAvg of FedHM's family is a FedHM too
+        inner = STRATEGIES[cfg.method.name](run_options(cfg), spec).method  # FedAvg of FedHM's family is a FedHM too
         if not isinstance(inner, FedHM):
             return None
         model = build_model(spec, spectral_init=False)

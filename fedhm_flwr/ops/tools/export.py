@@ -34,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import load as load_safetensors, save as save_safetensors
 from torch import nn
 
-from fedhm_flwr.config import ConfigError, data_spec, model_spec, resume_config, to_yaml
+from fedhm_flwr.config import ConfigError, data_spec, model_spec, resume_config, run_options, to_yaml
 from fedhm_flwr.data import class_names, client_dataset, source_info, test_dataset
 from fedhm_flwr.math.bn_stats import batch_statistics_layers, bn_sums, norm_layers
 from fedhm_flwr.math.train import evaluate
@@ -71,7 +71,7 @@ def deployable_model(
     final deployable accuracy is scored with (:func:`fedhm_flwr.models.deployable_network`)."""
     cfg = resume_config(run_dir)
     state, saved = load_checkpoint(run_dir)
-    strategy = STRATEGIES[cfg.method.name](cfg, model_spec(cfg))
+    strategy = STRATEGIES[cfg.method.name](run_options(cfg), model_spec(cfg))
     strategy.restore(saved)
     index = parse_level(level, strategy.levels)
     spec, level_state = strategy.method.deployable(index, state)

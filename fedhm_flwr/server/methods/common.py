@@ -15,6 +15,7 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
+from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.math.aggregation import level_weights
 from fedhm_flwr.models import build_model, input_shape, shape_device
 from fedhm_flwr.models.adapters import trainable_state
@@ -66,7 +67,7 @@ def trained_costs(model: nn.Module, head_keys: list[str]) -> Costs:
 
 def level_costs(
     spec: dict[str, Any] | None,
-    cfg: Any,
+    opts: RunOptions,
     *,
     frozen_backbone: bool,
     head_keys: list[str],
@@ -85,5 +86,5 @@ def level_costs(
         return extra(model, trained_costs(model, head_keys))
     with shape_device(spec):  # shapes only (meta; CPU for a model the meta device cannot build)
         model = build_model(spec, spectral_init=False)
-        costs = model_costs(model, input_shape(spec), int(cfg.train.batch_size), float(cfg.train.momentum))
+        costs = model_costs(model, input_shape(spec), opts.train.batch_size, opts.train.momentum)
         return extra(model, costs)

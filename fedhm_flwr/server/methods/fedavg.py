@@ -15,46 +15,39 @@ full-shape state beyond its channels is never trained, so ``acc/global`` reports
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
-from fedhm_flwr.config.methods import FedAvgOptions
+from fedhm_flwr.config.methods import FedAvgOptions, FedHMOptions, HeteroFLOptions
+from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.server.methods.fedhm import FedHM
 from fedhm_flwr.server.methods.heterofl import HeteroFL
 from fedhm_flwr.server.methods.method import Method, State
 
 
-def _one_level_config(cfg: DictConfig, level: float, method: dict[str, Any]) -> DictConfig:
-    """A copy of ``cfg`` with the single level ``level`` and the given method group."""
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    plain["levels"] = {**plain["levels"], "ratios": [level], "proportions": [1], "default": None}
-    plain["method"] = method
-    return OmegaConf.create(plain)
-
-
-def family_config(cfg: DictConfig) -> DictConfig:
-    """The run's config as the family's method sees it: one level (1, or the smallest of
-    ``levels.ratios``) and the family's method group (FedHM at ``tau = inf`` weighted by samples,
+def family_options(opts: RunOptions) -> RunOptions:
+    """The run's options as the family's method sees them: one level (1, or the smallest of
+    ``levels.ratios``) and the family's method options (FedHM at ``tau = inf`` weighted by samples,
     or HeteroFL weighted by samples) with ``method.*``'s client options."""
-    m = cfg.method
-    level = 1.0 if str(m.variant) == "full" else min(float(r) for r in cfg.levels.ratios)
-    if str(m.family) == "fedhm":
-        inner = {
-            "name": "fedhm",
-            "tau": float("inf"),
-            "weight_by_samples": True,
-            "rho": m.rho,
-            "frobenius_decay": bool(m.frobenius_decay),
-        }
+    m = opts.method
+    assert isinstance(m, FedAvgOptions)
+    level = 1.0 if m.variant == "full" else min(opts.levels.ratios)
+    inner: FedHMOptions | HeteroFLOptions
+    if m.family == "fedhm":
+        inner = FedHMOptions(
+            tau=math.inf,
+            weight_by_samples=True,
+            rho=m.rho,
+            frobenius_decay=m.frobenius_decay,
+            svd_tolerance=None,
+            official_weights=False,
+            add_previous_global=False,
+        )
     else:
-        inner = {
-            "name": "heterofl",
-            "scaler": bool(m.scaler),
-            "grad_clip": float(m.grad_clip),
-            "weight_by_samples": True,
-        }
-    return _one_level_config(cfg, level, inner)
+        inner = HeteroFLOptions(scaler=m.scaler, grad_clip=m.grad_clip, weight_by_samples=True)
+    levels = dataclasses.replace(opts.levels, ratios=(level,), proportions=(1.0,), default=None)
+    return dataclasses.replace(opts, levels=levels, method=inner)
 
 
 class FedAvgFedHM(FedHM):
@@ -63,9 +56,10 @@ class FedAvgFedHM(FedHM):
     name = "fedavg"
     options = FedAvgOptions
 
-    def __init__(self, cfg: DictConfig, model_spec: dict[str, Any]) -> None:
-        self.variant, self.family = str(cfg.method.variant), str(cfg.method.family)
-        super().__init__(family_config(cfg), model_spec)
+    def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:
+        assert isinstance(opts.method, FedAvgOptions)
+        self.variant, self.family = opts.method.variant, opts.method.family
+        super().__init__(family_options(opts), model_spec)
 
 
 class FedAvgHeteroFL(HeteroFL):
@@ -75,9 +69,10 @@ class FedAvgHeteroFL(HeteroFL):
     name = "fedavg"
     options = FedAvgOptions
 
-    def __init__(self, cfg: DictConfig, model_spec: dict[str, Any]) -> None:
-        self.variant, self.family = str(cfg.method.variant), str(cfg.method.family)
-        super().__init__(family_config(cfg), model_spec)
+    def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:
+        assert isinstance(opts.method, FedAvgOptions)
+        self.variant, self.family = opts.method.variant, opts.method.family
+        super().__init__(family_options(opts), model_spec)
 
     def global_model(self, global_state: State) -> tuple[dict[str, Any], State]:
         if self.levels[0] < 1.0:
@@ -86,17 +81,13 @@ class FedAvgHeteroFL(HeteroFL):
 
 
 class FedAvg:
-    """The FedAvg method ``method.family`` names: ``FedAvg(cfg, model_spec)`` builds a
+    """The FedAvg method ``method.family`` names: ``FedAvg(opts, model_spec)`` builds a
     :class:`FedAvgFedHM` or a :class:`FedAvgHeteroFL`. It declares the validation both share, as a
     :class:`~fedhm_flwr.server.methods.method.Method` does."""
 
     name = "fedavg"
     options = FedAvgOptions
 
-    def __new__(cls, cfg: DictConfig, model_spec: dict[str, Any]) -> Method:  # type: ignore[misc]
-        return (FedAvgFedHM if str(cfg.method.family) == "fedhm" else FedAvgHeteroFL)(cfg, model_spec)
-
-    @classmethod
-    def check_config(cls, cfg: DictConfig) -> None:
-        """Refuse a bad ``method`` group of ``cfg`` (what :func:`fedhm_flwr.config.load_config` runs)."""
-        cls.options.check(cfg)
+    def __new__(cls, opts: RunOptions, model_spec: dict[str, Any]) -> Method:  # type: ignore[misc]
+        assert isinstance(opts.method, FedAvgOptions)
+        return (FedAvgFedHM if opts.method.family == "fedhm" else FedAvgHeteroFL)(opts, model_spec)

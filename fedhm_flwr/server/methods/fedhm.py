@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from fedhm_flwr.config.methods import FedHMOptions
+from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.math.aggregation import average_hybrid, level_weights, official_code_weights
 from fedhm_flwr.math.lowrank import (
     SVD_TOLERANCE,
@@ -44,23 +45,23 @@ class FedHM(Method):
     name = "fedhm"
     options = FedHMOptions
 
-    def __init__(self, cfg, model_spec) -> None:
-        super().__init__(cfg, model_spec)
+    def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:
+        super().__init__(opts, model_spec)
+        m = opts.method
+        assert isinstance(m, FedHMOptions)
         model = build_model(self.spec)
-        rho = cfg.method.rho
+        rho = m.rho
         self.ranks: list[dict[str, int]] = [plan_ranks(model, g, rho) for g in self.levels]
         self.factorized = sorted({name for ranks in self.ranks for name in ranks})
         self.classifier_keys = classifier_keys(model)
-        self.tau = float(cfg.method.tau)
-        self.frobenius_decay = bool(cfg.method.frobenius_decay)
+        self.tau = m.tau
+        self.frobenius_decay = m.frobenius_decay
         self.layer_ranks = {name: sorted({r[name] for r in self.ranks if name in r}) for name in self.factorized}
-        tolerance = cfg.method.get("svd_tolerance")  # (absent from configs saved before it existed)
-        self.svd_tolerance = SVD_TOLERANCE if tolerance is None else float(tolerance)
-        # the merge's switches, read once (a config lookup costs more than a small layer's average)
-        self.weight_by_samples = bool(cfg.method.get("weight_by_samples", False))
-        self.add_previous_global = bool(cfg.method.get("add_previous_global", False))
-        self.official_weights = bool(cfg.method.get("official_weights", False))
-        self.dynamic = cfg.levels.assignment == "dynamic"
+        self.svd_tolerance = SVD_TOLERANCE if m.svd_tolerance is None else m.svd_tolerance
+        self.weight_by_samples = m.weight_by_samples
+        self.add_previous_global = m.add_previous_global
+        self.official_weights = m.official_weights
+        self.dynamic = opts.levels.assignment == "dynamic"
         # layer -> (weight its SVD was computed from, that weight's version counter: an in-place change
         # voids it, the SVD's factors up to the layer's top rank in the wire layout)
         self._factor_cache: dict[str, tuple[torch.Tensor, int, WireFactors]] = {}

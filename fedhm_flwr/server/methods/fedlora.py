@@ -16,8 +16,8 @@ replies are averaged with the same weights (levels do not change the model then;
 ``levels.ratios=[1] levels.proportions=[1]``). Homogeneous LoRA at rank ``r``: one level,
 e.g. ``levels.ratios=[0.25] levels.proportions=[1]`` for rank 4.
 
-The helpers :func:`transformer_spec` and :func:`type_spec` (backbone references from
-``cfg.model``) are shared with HeteroTune.
+The helpers :func:`transformer_spec` and :func:`type_spec` (backbone references from the run's
+``model`` options) are shared with HeteroTune.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
 
-from fedhm_flwr.config import backbone_choice, learning_rate
 from fedhm_flwr.config.methods import FedLoRAOptions
+from fedhm_flwr.config.options import RunOptions, TransformerOptions
+from fedhm_flwr.config.options.run import ModelOptions
 from fedhm_flwr.math.aggregation import average_states
 from fedhm_flwr.math.lora import (
     LORA_DELTA,
@@ -54,21 +54,21 @@ TRANSFORMER_ARCHS = ("minilm", "vit")
 # ------------------------------------------------------------------------------------ specs
 
 
-def transformer_spec(cfg: DictConfig, spec: dict[str, Any]) -> dict[str, Any]:
-    """The model spec of ``cfg.model`` over its backbone (package weights, a ``make pretrain``
+def transformer_spec(model: ModelOptions, spec: dict[str, Any]) -> dict[str, Any]:
+    """The model spec of the run's ``model`` over its backbone (package weights, a ``make pretrain``
     checkpoint named by its cache path, or a seeded random init), without adaptation keys."""
-    m = cfg.model
     out = dict(spec)
-    backbone = backbone_choice(cfg)
-    out["backbone_seed"] = int(m.get("backbone_seed", 0) or 0)
+    backbone = model.backbone
+    out["backbone_seed"] = model.backbone_seed
     if spec["arch"] == "minilm":
         for key in ("depth", "heads", "intermediate"):
-            if m.get(key) is not None:
-                out[key] = int(m[key])
+            value = getattr(model, key)
+            if value is not None:
+                out[key] = int(value)
         out["backbone"] = PACKAGE_BACKBONE if backbone == "pretrained" else "random"
     elif spec["arch"] == "vit":
         for key in DEFAULTS:
-            out[key] = int(m.get(key) or DEFAULTS[key])
+            out[key] = int(getattr(model, key) or DEFAULTS[key])
         out["backbone"] = checkpoint_ref(arch_of(out)) if backbone == "pretrained" else "random"
     else:
         raise ValueError(f"model.arch={spec['arch']!r} is not a transformer; allowed: {list(TRANSFORMER_ARCHS)}")
@@ -93,13 +93,14 @@ def type_spec(spec: dict[str, Any], gamma: float, scale: str) -> dict[str, Any]:
     return out
 
 
-def client_options(cfg: DictConfig, server_round: int) -> dict[str, Any]:
+def client_options(opts: RunOptions, server_round: int) -> dict[str, Any]:
     """Train options of the transformer track: ``method.optimizer`` and, when ``method.lr`` is set,
     that learning rate under ``train.lr_schedule`` (``method.lr × schedule(round) / train.lr``)."""
-    m = cfg.method
-    out: dict[str, Any] = {"optimizer": str(m.optimizer)}
-    if m.get("lr") is not None:
-        out["lr"] = float(m.lr) * learning_rate(cfg, max(1, server_round)) / float(cfg.train.lr)
+    m = opts.method
+    assert isinstance(m, TransformerOptions)
+    out: dict[str, Any] = {"optimizer": m.optimizer}
+    if m.lr is not None:
+        out["lr"] = m.lr * opts.lr_schedule()(max(1, server_round)) / opts.train.lr
     return out
 
 
@@ -112,13 +113,15 @@ class FedLoRA(Method):
     name = "fedlora"
     options = FedLoRAOptions
 
-    def __init__(self, cfg, model_spec) -> None:
-        super().__init__(cfg, model_spec)
-        m = cfg.method
-        self.mode = str(m.mode)
-        self.max_rank = int(m.max_rank)
-        self.tau = float(m.tau)
-        self.base_spec = transformer_spec(cfg, dict(model_spec))
+    def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:
+        super().__init__(opts, model_spec)
+        m = opts.method
+        assert isinstance(m, FedLoRAOptions)
+        self.mode = m.mode
+        self.max_rank = m.max_rank
+        self.tau = m.tau
+        self.weight_by_samples = m.weight_by_samples
+        self.base_spec = transformer_spec(opts.model, dict(model_spec))
         if self.mode == "full":
             self.spec = {**self.base_spec, "train_backbone": True}
             self.ranks = [None] * len(self.levels)
@@ -154,7 +157,7 @@ class FedLoRA(Method):
         """One SVD per adapted layer per round, and the round's seeded start rows (shared by all ranks)."""
         cached = self._round
         if cached is None or cached[1] is not global_state:
-            gen = torch.Generator().manual_seed(int(self.cfg.seed) * 1_000_003 + server_round)
+            gen = torch.Generator().manual_seed(self.opts.seed * 1_000_003 + server_round)
             rows = {t: random_rows(self.max_rank, self.in_features[t], gen) for t in self.targets}
             svds = {t: layer_svd(global_state[f"{t}.{LORA_DELTA}"]) for t in self.targets}
             self._round = cached = (server_round, global_state, svds, rows)
@@ -166,7 +169,7 @@ class FedLoRA(Method):
             self._prepare(server_round, global_state)
 
     def level_payload(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State, dict[str, Any]]:
-        options = client_options(self.cfg, self.server_round)
+        options = client_options(self.opts, self.server_round)
         if self.mode == "full":
             return self.level_spec(level_index), dict(global_state), options
         server_round = self._round[0] if self._round is not None and self._round[1] is global_state else 0
@@ -185,7 +188,7 @@ class FedLoRA(Method):
 
     def reply_weights(self, replies: list[Reply]) -> np.ndarray:
         """FedHM's ``softmax(γ/τ)`` weights (times the sample counts with ``method.weight_by_samples``)."""
-        return gamma_weights(replies, self.tau, bool(self.cfg.method.weight_by_samples))
+        return gamma_weights(replies, self.tau, self.weight_by_samples)
 
     def recovered(self, reply: Reply, global_state: State) -> tuple[State, None]:
         """LoRA replies as ``L.lora_delta = B·A`` (full shape) and the head; full mode as it is."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from fedhm_flwr.config.methods import FjORDOptions
+from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.math import fjord, width
 from fedhm_flwr.server.methods.heterofl import HeteroFL
 from fedhm_flwr.server.methods.method import State
@@ -34,16 +35,18 @@ class FjORD(HeteroFL):
     options = FjORDOptions
     mode = "static"
 
-    def __init__(self, cfg, model_spec) -> None:
-        super().__init__(cfg, model_spec)
+    def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:
+        super().__init__(opts, model_spec)
+        m = opts.method
+        assert isinstance(m, FjORDOptions)
         self.scaler = False  # one model trains several widths: no per-rate Scaler
-        p_values = cfg.method.get("p_values")
+        p_values = m.p_values
         #: the widths P drawn per batch, ascending (null: the levels' widths, matched ones included)
         self.p_values = sorted({float(p) for p in (self.rates if p_values is None else p_values)})
         missing = [r for r in self.rates if r not in self.p_values]
         if missing:
             raise ValueError(f"method.p_values {self.p_values} lacks the level widths {missing}")
-        self.distill = bool(cfg.method.get("distill", False))
+        self.distill = m.distill
         self._width_plans: dict[float, width.Plan] = {}
 
     def width_plan(self, p: float) -> width.Plan:

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhm_flwr.config.methods import HeteroFLOptions
+from fedhm_flwr.config.methods import FjORDOptions, HeteroFLOptions
+from fedhm_flwr.config.options import RunOptions, WidthOptions
 from fedhm_flwr.math import width
 from fedhm_flwr.models import build_model, matching
 from fedhm_flwr.server.methods.common import class_holds, classifier_keys
@@ -39,25 +40,27 @@ class HeteroFL(Method):
     #: how a level's channels are chosen: "static" (first k) or "rolling" (FedRolex's window)
     mode = "static"
 
-    def __init__(self, cfg, model_spec) -> None:
-        super().__init__(cfg, model_spec)
+    def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:
+        super().__init__(opts, model_spec)
+        m = opts.method
+        assert isinstance(m, (WidthOptions, FjORDOptions))
         self.spec = width.full_spec(self.spec)
         with torch.device("meta"):  # shapes only
             self._shapes_model = build_model(self.spec)
         self.classifier_keys = classifier_keys(self._shapes_model)
-        self.scaler = bool(cfg.method.get("scaler", False))  # FjORD has none
-        self.grad_clip = float(cfg.method.grad_clip)
-        self.weight_by_samples = bool(cfg.method.get("weight_by_samples", False))
+        self.scaler = isinstance(m, WidthOptions) and m.scaler  # FjORD has none
+        self.grad_clip = m.grad_clip
+        self.weight_by_samples = m.weight_by_samples
         #: each level's width rate: the level itself, or the rate matching FedHM's level on one resource
         self.rates, self.fedhm_costs = list(self.levels), None
-        self.match = str(cfg.levels.get("match", "none"))
+        self.match = opts.levels.match
         if self.match != "none":
             self.rates, self.fedhm_costs = matching.matched_rates(
                 self.spec,
                 self.levels,
                 resource=self.match.removeprefix("fedhm_"),
-                batch_size=int(cfg.train.batch_size),
-                momentum=float(cfg.train.momentum),
+                batch_size=opts.train.batch_size,
+                momentum=opts.train.momentum,
             )
         self.current_round = 1
         self._plans: dict[tuple[int, int], width.Plan] = {}

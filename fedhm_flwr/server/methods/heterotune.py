@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from fedhm_flwr.config.methods import HeteroTuneOptions
+from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.math.aggregation import average_states
 from fedhm_flwr.math.cmga import cmga
 from fedhm_flwr.models import build_model
@@ -73,16 +74,17 @@ class HeteroTune(Method):
     name = "heterotune"
     options = HeteroTuneOptions
 
-    def __init__(self, cfg, model_spec) -> None:
-        super().__init__(cfg, model_spec)
-        m = cfg.method
-        self.h = int(m.bottleneck)
-        self.bank = bool(m.bank)
-        self.use_cmga = bool(m.cmga) and self.bank
-        self.cmga_eps = float(m.cmga_eps)
-        self.cmga_scale = None if m.get("cmga_scale") is None else float(m.cmga_scale)
-        base = transformer_spec(cfg, dict(model_spec))
-        scale = str(m.scale)
+    def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:
+        super().__init__(opts, model_spec)
+        m = opts.method
+        assert isinstance(m, HeteroTuneOptions)
+        self.h = m.bottleneck
+        self.bank = m.bank
+        self.use_cmga = m.cmga and self.bank
+        self.cmga_eps = m.cmga_eps
+        self.cmga_scale = m.cmga_scale
+        base = transformer_spec(opts.model, dict(model_spec))
+        scale = m.scale
         if scale == "auto":
             scale = "depth" if base["arch"] == "minilm" else "width"
         self.scale = scale
@@ -147,7 +149,7 @@ class HeteroTune(Method):
                     for site in SITES:
                         key = f"adapters.{k}.share_{site}.{j}"
                         state[key] = global_state[key]
-        return self.train_spec(i), state, client_options(self.cfg, self.server_round)
+        return self.train_spec(i), state, client_options(self.opts, self.server_round)
 
     def reply_keys(self, level_index: int, spec: dict[str, Any], state: State) -> list[str]:
         """Everything received but the other types' (frozen) share-adapters."""

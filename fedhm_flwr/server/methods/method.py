@@ -16,9 +16,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
 
 from fedhm_flwr.config.methods import MethodOptions
+from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.server.methods import common
 
 State = dict[str, torch.Tensor]
@@ -67,7 +67,7 @@ class LevelCosts(Sequence):
             m = self._method
             self._cache[index] = common.level_costs(
                 m.cost_spec(index),
-                m.cfg,
+                m.opts,
                 frozen_backbone=m.frozen_backbone,
                 head_keys=m.classifier_keys,
                 extra=lambda model, costs: m.extra_costs(index, model, costs),
@@ -86,17 +86,12 @@ class Method(ABC):
     #: the clients train part of a frozen model (the transformer track): costs count what they train
     frozen_backbone = False
 
-    def __init__(self, cfg: DictConfig, model_spec: dict[str, Any]) -> None:
-        self.cfg = cfg
+    def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:
+        self.opts = opts  # the run's options (FedAvg: as its family's method runs them)
         self.spec = dict(model_spec)
-        self.levels: list[float] = [float(x) for x in cfg.levels.ratios]
+        self.levels: list[float] = list(opts.levels.ratios)
         self.classifier_keys: list[str] = []
         self.costs = LevelCosts(self)
-
-    @classmethod
-    def check_config(cls, cfg: DictConfig) -> None:
-        """Refuse a bad ``method`` group of ``cfg`` (what :func:`fedhm_flwr.config.load_config` runs)."""
-        cls.options.check(cfg)
 
     # ------------------------------------------------------------------ per round
 

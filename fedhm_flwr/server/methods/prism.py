@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from fedhm_flwr.config.methods import PriSMOptions
+from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.math import prism
 from fedhm_flwr.math.aggregation import average_states
 from fedhm_flwr.models import build_model, input_shape
@@ -54,9 +55,10 @@ class PriSM(Method):
     name = "prism"
     options = PriSMOptions
 
-    def __init__(self, cfg, model_spec) -> None:
-        super().__init__(cfg, model_spec)
-        method = cfg.method
+    def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:
+        super().__init__(opts, model_spec)
+        method = opts.method
+        assert isinstance(method, PriSMOptions)
         with torch.device("meta"):  # shapes only
             model = build_model(self.spec, spectral_init=False)
         rho = int(model.default_rho) if method.rho is None else int(method.rho)
@@ -120,7 +122,7 @@ class PriSM(Method):
         own generator (seed, round, partition)."""
         if self.sampling == "orthdrop" and not (self.u_subset and self.u_rows == "random"):
             return self.top_k(level_index)
-        rng = np.random.default_rng([int(self.cfg.seed), int(server_round), DRAW_STREAM, int(partition_key)])
+        rng = np.random.default_rng([self.opts.seed, int(server_round), DRAW_STREAM, int(partition_key)])
         out = {}
         for name, count in self.counts[level_index].items():
             R = self.kernels[name]
@@ -209,7 +211,7 @@ class PriSM(Method):
     def extra_costs(self, level_index: int, model: Any, costs: dict[str, float]) -> dict[str, float]:
         """Also ``activations``: the bytes of activations of one training batch (float32; outputs
         of every leaf module, ``Conv_U``'s counted at the channels it computes)."""
-        batch = int(self.cfg.train.batch_size)
+        batch = self.opts.train.batch_size
         return {**costs, "activations": float(4 * batch * activation_elements(model, input_shape(self.spec)))}
 
     def strategy_state(self) -> dict[str, Any]:
