@@ -31,7 +31,11 @@ REASONS = {
     "frobenius_decay": "FedHM's: decay on each factorized pair's product instead of weight decay on its factors "
     "(`method.frobenius_decay`, docs/METHODS.md#client-training)",
     "distill": "the ablation itself: self-distillation towards the received model (`train.distill`)",
+    "hook": "FjORD's ordered dropout: each batch trains a width drawn from the client's nested widths up to its "
+    "p_max (the client hook `fedhm_flwr.math.fjord`, docs/METHODS.md#fjord)",
 }
+#: options whose value is a description too long for a table cell: the table names what it holds instead
+SUMMARISED = {"hook_options": "per level: the widths drawn per batch and each width's layer shapes"}
 
 
 def use_deployable(rows: list[dict[str, Any]]) -> bool:
@@ -139,7 +143,7 @@ def recipe_lines(methods: Mapping[str, str]) -> list[str]:
         for options in client_options(overrides)[1]:
             for key, value in options.items():
                 if key not in base or base[key] != value:
-                    differ.setdefault(key, set()).add(repr(value))
+                    differ.setdefault(key, set()).add(SUMMARISED.get(key, repr(value)))
         for key, values in sorted(differ.items()):
             common_value = repr(base[key]) if key in base else "(not in the common recipe)"
             reason = next((r for k, r in REASONS.items() if key.startswith(k)), "")

@@ -37,9 +37,10 @@ VARIANTS = {
     "fedhm_distill": "method=fedhm train.distill.enabled=true",
     "heterofl_memory": "method=heterofl levels.match=fedhm_memory",
     "fedrolex_memory": "method=fedrolex levels.match=fedhm_memory",
+    "fjord": "method=fjord",
 }
 #: a variant no other study has run stands in for by the one it differs from in its widths only
-STAND_IN = {"heterofl_memory": "heterofl", "fedrolex_memory": "fedrolex"}
+STAND_IN = {"heterofl_memory": "heterofl", "fedrolex_memory": "fedrolex", "fjord": "heterofl"}
 #: the methods of the first two studies (they predate the memory-matched ones)
 FIRST_VARIANTS = ("fedhm", "heterofl", "fedrolex", "fedavg", "fedavg_smallest", "fedhm_distill")
 LABELS = {
@@ -48,6 +49,7 @@ LABELS = {
     "fedrolex": "FedRolex (matched)",
     "heterofl_memory": "HeteroFL (memory-matched)",
     "fedrolex_memory": "FedRolex (memory-matched)",
+    "fjord": "FjORD (matched)",
     "fedavg": "FedAvg, full model",
     "fedavg_smallest": "FedAvg, smallest FedHM model",
     "fedhm_distill": "FedHM + self-distillation",
@@ -112,7 +114,16 @@ FULL_COMMON = (
     "tracking.tensorboard=false"
 )
 FULL_CIFAR_COMMON = FULL_COMMON.replace("dataset=fashion_mnist model=cnn", "dataset=cifar10 model=resnet18")
-FULL_VARIANTS = ("fedhm", "heterofl", "fedrolex", "heterofl_memory", "fedrolex_memory", "fedavg", "fedavg_smallest")
+FULL_VARIANTS = (
+    "fedhm",
+    "heterofl",
+    "fedrolex",
+    "heterofl_memory",
+    "fedrolex_memory",
+    "fedavg",
+    "fedavg_smallest",
+    "fjord",
+)
 #: the study of real size (#42): its own probe, in results/full/rounds3/, sized its rounds
 FULL = Study(
     "full",
