@@ -52,16 +52,39 @@ def config_costs(run_dir: Path) -> dict[str, dict[str, float]]:
     saved = (Path(run_dir) / "config.yaml").read_text()
     key = re.sub(r"(?m)^seed: .*$", "", saved)
     if key not in _COUNTED:
-        from fedhm_flwr.config import model_spec, resume_config
+        from fedhm_flwr.config import model_spec, run_options
         from fedhm_flwr.server.registry import METHODS
 
-        cfg = resume_config(run_dir)
-        method = METHODS[cfg.method.name](cfg, model_spec(cfg))
+        cfg = _cost_config(Path(run_dir))
+        method = METHODS[cfg.method.name](run_options(cfg), model_spec(cfg))
         _COUNTED[key] = {f"{level:g}": method.level_cost(i) for i, level in enumerate(method.levels)}
     return {k: dict(v) for k, v in _COUNTED[key].items()}
 
 
 _COUNTED: dict[str, dict[str, dict[str, float]]] = {}
+#: the sections a level's costs depend on
+_COST_SECTIONS = ("model", "dataset", "levels", "method", "train")
+
+
+def _cost_config(run_dir: Path) -> Any:
+    """The run's saved config reduced to what its costs depend on, over today's defaults: a key removed
+    since the run was saved (today's config check refuses it) changes no cost and is left out."""
+    from omegaconf import OmegaConf
+
+    from fedhm_flwr.config import base_defaults, method_defaults, validate
+
+    saved = OmegaConf.load(run_dir / "config.yaml")
+    today = OmegaConf.merge(base_defaults(), {"method": method_defaults(str(saved.method.name))})
+    kept: dict[str, Any] = {}
+    for section in _COST_SECTIONS:
+        if section in saved:
+            values = OmegaConf.to_container(saved[section])
+            assert isinstance(values, dict)
+            known = values if section in ("model", "dataset") else today[section]  # a group's keys: its own
+            kept[section] = {k: v for k, v in values.items() if k in known}
+    cfg = OmegaConf.merge(today, kept)
+    validate(cfg)
+    return cfg
 
 
 def recount(rows: list[dict[str, Any]]) -> dict[str, int]:
