@@ -52,6 +52,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from bench.estimates import plan
 from bench.studies import (
@@ -204,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(plan(args.runs, missing(args.runs, studies), args.jobs)))
         return 0
     if not args.no_run:
-        run_missing(args.runs, studies, args.jobs)
+        # the nodes read their data where their node config says, $FEDHM_DATA_DIR on this machine: the same folder
+        with mock.patch.dict(os.environ, {"FEDHM_DATA_DIR": args.data_dir} if args.data_dir else {}):
+            run_missing(args.runs, studies, args.jobs)
     from bench.results_page import write_page
 
     shown = {st.key: st for st in chosen(args, seeds=False)} if args.rounds is not None else {}

@@ -159,7 +159,8 @@ def test_full_study_on_a_fake_cifar10_folder_in_one_command(tmp_path: Path):
         cifar.check_integrity = lambda *args, **kwargs: True
         """)
     )
-    env = {**os.environ, "PYTHONPATH": f"{shim}{os.pathsep}{REPO}", "FEDHM_DATA_DIR": str(tmp_path / "nowhere")}
+    env = {k: v for k, v in os.environ.items() if k != "FEDHM_DATA_DIR"}  # the command's --data-dir alone
+    env["PYTHONPATH"] = f"{shim}{os.pathsep}{REPO}"
     command = [sys.executable, "-m", "bench.results", "--study", "full_cifar10", "--data-dir", str(folder)]
     shrink = ["--seeds", "0", "--settings", "dir0.5", "--variants", "fedhm", "--rounds", "1", "--jobs", "1"]
     where = ["--runs", str(tmp_path / "runs"), "--page", str(tmp_path / "RESULTS.md"), "--figures", str(tmp_path / "f")]
@@ -168,5 +169,7 @@ def test_full_study_on_a_fake_cifar10_folder_in_one_command(tmp_path: Path):
     run = tmp_path / "runs" / "full_cifar10" / "rounds1" / "dir0.5" / "fedhm" / "seed0"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["dataset"] == "cifar10" and summary["rounds_completed"] == 1
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["replies"] > 0 and rows[0]["failures"] == 0, done.stderr[-2000:]  # the nodes trained
     page = (tmp_path / "RESULTS.md").read_text()
     assert "## Study `full_cifar10`" in page and "| full_cifar10 | dir0.5 | fedhm | 0 | grid |" in page
