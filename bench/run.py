@@ -23,14 +23,18 @@ Figures (each in one process, compared things on the same machine state, medians
 8. the whole job (``fedhm run``, process start to exit) part by part (start-up by part, training, server
    work, evaluation, messaging, the final statistics query) against an independent bare loop doing the
    same training and evaluations, for the default job and a 100-client job; a two-job sweep with one
-   shared Ray instance and with one per job.
+   shared Ray instance and with one per job;
+9. the final statistics query's sample (``evaluation.bn_clients`` × ``evaluation.bn_examples``): the
+   seconds it adds to the last round against each level's deployable accuracy, for the default, the
+   previous default and every node's every example, on the same fixed-seed job.
 
 Writes ``bench/reports/bench.json`` and ``bench/reports/bench.md``. ``--quick`` shrinks every
 figure (for a smoke test); ``--only 1,3`` runs some figures; ``--scale-clients 10000`` adds the
 10,000-client run to figure 5 (kept in ``bench/scale/``, shown by every later report).
 
 The figures live by subject: :mod:`bench.server` (1, 2), :mod:`bench.training` (3, 4),
-:mod:`bench.scale` (5), :mod:`bench.jobs` (6, 7), :mod:`bench.whole_job` (8); their floors in :mod:`bench.floors`,
+:mod:`bench.scale` (5), :mod:`bench.jobs` (6, 7), :mod:`bench.whole_job` (8),
+:mod:`bench.deploy_sample` (9); their floors in :mod:`bench.floors`,
 :mod:`bench.engine_floor` (5) and :mod:`bench.whole_job_floor` (8).
 """
 
@@ -48,6 +52,7 @@ from typing import Any
 
 import torch
 
+from bench.deploy_sample import deploy_sample_markdown, figure_deploy_sample
 from bench.jobs import checkpoint_markdown, figure_checkpoint, figure_wire, wire_markdown
 from bench.scale import figure_scale
 from bench.scale_report import scale_markdown
@@ -67,6 +72,7 @@ FIGURES: dict[str, tuple[str, Callable[..., dict[str, Any]], Callable[[dict[str,
     "6": ("6_wire", figure_wire, wire_markdown),
     "7": ("7_checkpoint", figure_checkpoint, checkpoint_markdown),
     "8": ("8_whole_job", figure_whole_job, whole_job_markdown),
+    "9": ("9_deploy_sample", figure_deploy_sample, deploy_sample_markdown),
 }
 
 

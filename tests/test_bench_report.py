@@ -81,7 +81,7 @@ def test_save_writes_the_figure_and_its_section(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "argv, needle", [(["--only", "1,9"], "--only"), (["--scale-clients", "50"], "--scale-clients")]
+    "argv, needle", [(["--only", "1,10"], "--only"), (["--scale-clients", "50"], "--scale-clients")]
 )
 def test_bad_arguments_are_refused_before_any_figure(argv, needle, capsys, monkeypatch):
     monkeypatch.setattr(run, "FIGURES", {k: (n, _fail, md) for k, (n, _, md) in run.FIGURES.items()})
@@ -224,3 +224,31 @@ def test_the_sweeps_final_models_are_compared_by_tensor_not_by_file_bytes(tmp_pa
     other["w"][1, 2] = torch.nextafter(other["w"][1, 2], torch.tensor(100.0))
     save_file(other, tmp_path / "c.safetensors")
     assert not same_tensors(tmp_path / "a.safetensors", tmp_path / "c.safetensors")
+
+
+def test_the_statistics_sample_figure_reports_each_levels_gap_and_voids_itself_when_models_differ():
+    """Figure 9: the gaps are the largest per-level accuracy differences in points, over the models
+    both settings scored; the section says the figure is void when the runs' final models differ."""
+    from bench.deploy_sample import BEFORE, REFERENCE, deploy_sample_markdown, max_gap
+
+    ref = {"global": 0.8348, "level_0.5": 0.8329, "level_0.125": 0.8217}
+    new = {"global": 0.8366, "level_0.5": 0.8338, "level_0.125": 0.8204, "level_0.25": 0.5}
+    assert max_gap(new, ref) == pytest.approx(0.18)  # level_0.25 is not in both: not compared
+    assert max_gap(ref, ref) == 0.0
+
+    def setting(acc, seconds):
+        return {
+            "overrides": ["rounds=2", "evaluation.bn_clients=0"],
+            "query_past_evaluation_seconds": seconds,
+            "last_round_ratio": 1.2,
+            "deployable_acc": acc,
+            "gap_to_reference_points": max_gap(acc, ref),
+            "gap_to_before_points": max_gap(acc, ref),
+        }
+
+    figure = {"base": ["rounds=2"], "same_final_models": True, "settings": {REFERENCE: setting(ref, 9.5)}}
+    figure["settings"][BEFORE] = setting(new, 1.25)
+    text = "\n".join(deploy_sample_markdown(figure))
+    assert "| previous default | `evaluation.bn_clients=0` | 1.25 | 1.20 | 0.8366 | 0.8204 | 0.8338 | 0.18 |" in text
+    assert "the same, tensor by tensor" in text and "void" not in text
+    assert "void" in "\n".join(deploy_sample_markdown({**figure, "same_final_models": False}))
