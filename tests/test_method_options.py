@@ -38,3 +38,19 @@ def test_a_bad_method_field_is_refused_naming_it(name, override, field):
     with pytest.raises(ConfigError) as by_method:
         METHODS[name].options.check(compose_config(override))
     assert str(by_method.value) == str(by_load.value)
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_a_method_built_from_another_methods_options_is_refused_naming_both(name):
+    """A method reads its options as its own class (``method_options``), a TypeError otherwise: a
+    HeteroFL run's options handed to another method do not pass silently (under ``python -O`` too)."""
+    from fedhm_flwr.config.options import run_options
+    from fedhm_flwr.server.methods.method import method_options
+
+    other = "heterofl" if name != "heterofl" else "fedhm"
+    opts = run_options(load_config(f"method={other}"))
+    if isinstance(opts.method, METHODS[name].options):
+        pytest.skip(f"{other}'s options are also {name}'s")
+    with pytest.raises(TypeError, match=f"{METHODS[name].options.__name__} expected, got {type(opts.method).__name__}"):
+        method_options(opts, METHODS[name].options)
+    assert method_options(run_options(load_config(f"method={name}")), METHODS[name].options) is not None

@@ -23,15 +23,14 @@ from fedhm_flwr.config.methods import FedAvgOptions, FedHMOptions, HeteroFLOptio
 from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.server.methods.fedhm import FedHM
 from fedhm_flwr.server.methods.heterofl import HeteroFL
-from fedhm_flwr.server.methods.method import Method, State
+from fedhm_flwr.server.methods.method import Method, State, method_options
 
 
 def family_options(opts: RunOptions) -> RunOptions:
     """The run's options as the family's method sees them: one level (1, or the smallest of
     ``levels.ratios``) and the family's method options (FedHM at ``tau = inf`` weighted by samples,
     or HeteroFL weighted by samples) with ``method.*``'s client options."""
-    m = opts.method
-    assert isinstance(m, FedAvgOptions)
+    m = method_options(opts, FedAvgOptions)
     level = 1.0 if m.variant == "full" else min(opts.levels.ratios)
     inner: FedHMOptions | HeteroFLOptions
     if m.family == "fedhm":
@@ -57,8 +56,8 @@ class FedAvgFedHM(FedHM):
     options = FedAvgOptions
 
     def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:
-        assert isinstance(opts.method, FedAvgOptions)
-        self.variant, self.family = opts.method.variant, opts.method.family
+        m = method_options(opts, FedAvgOptions)
+        self.variant, self.family = m.variant, m.family
         super().__init__(family_options(opts), model_spec)
 
 
@@ -70,8 +69,8 @@ class FedAvgHeteroFL(HeteroFL):
     options = FedAvgOptions
 
     def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:
-        assert isinstance(opts.method, FedAvgOptions)
-        self.variant, self.family = opts.method.variant, opts.method.family
+        m = method_options(opts, FedAvgOptions)
+        self.variant, self.family = m.variant, m.family
         super().__init__(family_options(opts), model_spec)
 
     def global_model(self, global_state: State) -> tuple[dict[str, Any], State]:
@@ -89,5 +88,5 @@ class FedAvg:
     options = FedAvgOptions
 
     def __new__(cls, opts: RunOptions, model_spec: dict[str, Any]) -> Method:  # type: ignore[misc]
-        assert isinstance(opts.method, FedAvgOptions)
-        return (FedAvgFedHM if opts.method.family == "fedhm" else FedAvgHeteroFL)(opts, model_spec)
+        fedhm_family = method_options(opts, FedAvgOptions).family == "fedhm"
+        return (FedAvgFedHM if fedhm_family else FedAvgHeteroFL)(opts, model_spec)

@@ -36,7 +36,7 @@ from fedhm_flwr.math.lowrank import (
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.rules import plan_ranks
 from fedhm_flwr.server.methods.common import class_holds, classifier_keys, gamma_weights
-from fedhm_flwr.server.methods.method import Method, Reply, State
+from fedhm_flwr.server.methods.method import Method, Reply, State, method_options
 
 
 class FedHM(Method):
@@ -47,8 +47,7 @@ class FedHM(Method):
 
     def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:
         super().__init__(opts, model_spec)
-        m = opts.method
-        assert isinstance(m, FedHMOptions)
+        m = method_options(opts, FedHMOptions)
         model = build_model(self.spec)
         rho = m.rho
         self.ranks: list[dict[str, int]] = [plan_ranks(model, g, rho) for g in self.levels]

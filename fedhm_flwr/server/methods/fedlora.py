@@ -46,7 +46,7 @@ from fedhm_flwr.models.adapters import federated_keys
 from fedhm_flwr.models.text import PACKAGE_BACKBONE, package_config
 from fedhm_flwr.models.vit import DEFAULTS, arch_of, checkpoint_ref
 from fedhm_flwr.server.methods.common import class_holds, classifier_keys, gamma_weights
-from fedhm_flwr.server.methods.method import Method, Reply, State
+from fedhm_flwr.server.methods.method import Method, Reply, State, method_options
 
 TRANSFORMER_ARCHS = ("minilm", "vit")
 
@@ -96,8 +96,7 @@ def type_spec(spec: dict[str, Any], gamma: float, scale: str) -> dict[str, Any]:
 def client_options(opts: RunOptions, server_round: int) -> dict[str, Any]:
     """Train options of the transformer track: ``method.optimizer`` and, when ``method.lr`` is set,
     that learning rate under ``train.lr_schedule`` (``method.lr × schedule(round) / train.lr``)."""
-    m = opts.method
-    assert isinstance(m, TransformerOptions)
+    m = method_options(opts, TransformerOptions)
     out: dict[str, Any] = {"optimizer": m.optimizer}
     if m.lr is not None:
         out["lr"] = m.lr * opts.lr_schedule()(max(1, server_round)) / opts.train.lr
@@ -115,8 +114,7 @@ class FedLoRA(Method):
 
     def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:
         super().__init__(opts, model_spec)
-        m = opts.method
-        assert isinstance(m, FedLoRAOptions)
+        m = method_options(opts, FedLoRAOptions)
         self.mode = m.mode
         self.max_rank = m.max_rank
         self.tau = m.tau

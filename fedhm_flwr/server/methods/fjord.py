@@ -25,7 +25,7 @@ from fedhm_flwr.config.methods import FjORDOptions
 from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.math import fjord, width
 from fedhm_flwr.server.methods.heterofl import HeteroFL
-from fedhm_flwr.server.methods.method import State
+from fedhm_flwr.server.methods.method import State, method_options
 
 
 class FjORD(HeteroFL):
@@ -37,8 +37,7 @@ class FjORD(HeteroFL):
 
     def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:
         super().__init__(opts, model_spec)
-        m = opts.method
-        assert isinstance(m, FjORDOptions)
+        m = method_options(opts, FjORDOptions)
         self.scaler = False  # one model trains several widths: no per-rate Scaler
         p_values = m.p_values
         #: the widths P drawn per batch, ascending (null: the levels' widths, matched ones included)

@@ -29,7 +29,7 @@ from fedhm_flwr.config.options import RunOptions, WidthOptions
 from fedhm_flwr.math import width
 from fedhm_flwr.models import build_model, matching
 from fedhm_flwr.server.methods.common import class_holds, classifier_keys
-from fedhm_flwr.server.methods.method import Method, Reply, State
+from fedhm_flwr.server.methods.method import Method, Reply, State, method_options
 
 
 class HeteroFL(Method):
@@ -42,8 +42,7 @@ class HeteroFL(Method):
 
     def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:
         super().__init__(opts, model_spec)
-        m = opts.method
-        assert isinstance(m, (WidthOptions, FjORDOptions))
+        m = method_options(opts, (WidthOptions, FjORDOptions))
         self.spec = width.full_spec(self.spec)
         with torch.device("meta"):  # shapes only
             self._shapes_model = build_model(self.spec)

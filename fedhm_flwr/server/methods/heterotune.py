@@ -50,7 +50,7 @@ from fedhm_flwr.models.adapters import federated_keys, merge_dema
 from fedhm_flwr.models.text import package_config
 from fedhm_flwr.server.methods.common import class_holds, classifier_keys, record_bytes
 from fedhm_flwr.server.methods.fedlora import client_options, transformer_spec, type_spec
-from fedhm_flwr.server.methods.method import Method, Reply, State
+from fedhm_flwr.server.methods.method import Method, Reply, State, method_options
 
 SITES = ("pre", "post")
 
@@ -76,8 +76,7 @@ class HeteroTune(Method):
 
     def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:
         super().__init__(opts, model_spec)
-        m = opts.method
-        assert isinstance(m, HeteroTuneOptions)
+        m = method_options(opts, HeteroTuneOptions)
         self.h = m.bottleneck
         self.bank = m.bank
         self.use_cmga = m.cmga and self.bank

@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
@@ -22,6 +22,17 @@ from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.server.methods import common
 
 State = dict[str, torch.Tensor]
+OptionsT = TypeVar("OptionsT", bound=MethodOptions)
+
+
+def method_options(opts: RunOptions, kind: type[OptionsT] | tuple[type[OptionsT], ...]) -> OptionsT:
+    """``opts.method`` as the method's own options class ``kind`` (or one of several): a run built
+    for another method is refused with a TypeError naming both (an ``assert`` would vanish under
+    ``python -O``)."""
+    if not isinstance(opts.method, kind):
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise TypeError(f"method options: {names} expected, got {type(opts.method).__name__}")
+    return opts.method
 
 
 @dataclass

@@ -43,7 +43,7 @@ from fedhm_flwr.math.aggregation import average_states
 from fedhm_flwr.models import build_model, input_shape
 from fedhm_flwr.models.costs import activation_elements
 from fedhm_flwr.server.methods.common import class_holds, classifier_keys
-from fedhm_flwr.server.methods.method import Cut, Method, Reply, State
+from fedhm_flwr.server.methods.method import Cut, Method, Reply, State, method_options
 
 #: random-stream id of the kernel draws (the base uses 0: node sampling, 1: levels, 2: failures)
 DRAW_STREAM = 3
@@ -57,8 +57,7 @@ class PriSM(Method):
 
     def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:
         super().__init__(opts, model_spec)
-        method = opts.method
-        assert isinstance(method, PriSMOptions)
+        method = method_options(opts, PriSMOptions)
         with torch.device("meta"):  # shapes only
             model = build_model(self.spec, spectral_init=False)
         rho = int(model.default_rho) if method.rho is None else int(method.rho)
