@@ -152,7 +152,8 @@ def _direct_sums(queries, cfg):
     return out
 
 
-LEVELS4 = "rounds=1 levels.ratios=[1,0.5,0.25,0.125] evaluation.bn_clients=4"
+# every example of a node (bn_examples=0), so that the sums can be recomputed over its whole partition
+LEVELS4 = "rounds=1 levels.ratios=[1,0.5,0.25,0.125] evaluation.bn_clients=4 evaluation.bn_examples=0"
 
 
 def test_deployment_statistics_of_every_level_travel_in_one_message_per_node(toy_cfg, tmp_path):
