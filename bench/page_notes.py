@@ -8,6 +8,9 @@
 * :func:`code_lines`: the code versions of a study's runs (``code_commit``/``code_dirty``
   recorded when the run started; older runs: the ``commit`` recorded when they finished), flagged
   when they span several versions or uncommitted code.
+* :func:`archive_reasons`: why a study does not meet the main results page's standard (a run
+  without its deployable accuracy, runs not all on one clean commit); such a study goes to the
+  archive page (:mod:`bench.results_archive`).
 * :func:`recipe_lines`: the training options each method's clients get that differ from the
   common recipe (``train.*``), from the composed configs through the server's own task options.
 """
@@ -89,26 +92,50 @@ def run_version(row: Mapping[str, Any]) -> str:
     return f"{row.get('commit') or 'unknown'} (recorded when the run finished)"
 
 
-def code_lines(rows: list[dict[str, Any]]) -> tuple[list[str], bool]:
-    """(the page's lines on the code versions of ``rows``, whether the study is flagged: its runs
-    span several commits, or uncommitted or unknown code)."""
+def code_problems(rows: list[dict[str, Any]]) -> list[str]:
+    """What keeps the runs of ``rows`` off one clean commit: several commits, uncommitted or unknown
+    code (empty: one clean commit, or no run)."""
     versions = Counter(run_version(r) for r in rows)
     commits = {v.split()[0] for v in versions}
     dirty = sum(n for v, n in versions.items() if "uncommitted" in v)
     unknown = sum(n for v, n in versions.items() if v.startswith("unknown"))
-    flagged = len(commits) > 1 or dirty > 0 or unknown > 0
+    why = [
+        f"{len(commits)} commits" if len(commits) > 1 else "",
+        f"{dirty} run(s) on uncommitted code" if dirty else "",
+        f"{unknown} run(s) of unknown code" if unknown else "",
+    ]
+    return [w for w in why if w]
+
+
+def code_lines(rows: list[dict[str, Any]]) -> tuple[list[str], bool]:
+    """(the page's lines on the code versions of ``rows``, whether the study is flagged: its runs
+    span several commits, or uncommitted or unknown code)."""
+    versions = Counter(run_version(r) for r in rows)
     line = "- code versions: " + ("; ".join(f"`{v}`: {n} run(s)" for v, n in sorted(versions.items())) or "–")
-    if flagged:
-        why = [
-            f"{len(commits)} commits" if len(commits) > 1 else "",
-            f"{dirty} run(s) on uncommitted code" if dirty else "",
-            f"{unknown} run(s) of unknown code" if unknown else "",
-        ]
+    if problems := code_problems(rows):
         line += (
-            " — **flagged: the runs span " + ", ".join(w for w in why if w) + "; their outputs may differ for "
+            " — **flagged: the runs span " + ", ".join(problems) + "; their outputs may differ for "
             "that reason alone, so this study is to be re-run on one clean commit**"
         )
-    return [line], flagged
+    return [line], bool(problems)
+
+
+def archive_reasons(rows: list[dict[str, Any]]) -> list[str]:
+    """Why a study whose finished runs' ``summary.json`` are ``rows`` does not meet the main results
+    page's standard (every run recorded its deployable accuracy, all on one clean commit); empty when
+    it does (a study without a finished run does too)."""
+    lacking = sum(1 for r in rows if f"{DEPLOYABLE}global" not in r)
+    reasons = (
+        [
+            f"{lacking} of its {len(rows)} runs recorded no deployable accuracy (`{DEPLOYABLE}*`), so its "
+            "accuracies normalise batch norm with each test batch's own statistics, which a deployed model cannot do"
+        ]
+        if lacking
+        else []
+    )
+    if problems := code_problems(rows):
+        reasons.append("its runs span " + ", ".join(problems))
+    return reasons
 
 
 def client_options(overrides: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -14,6 +14,11 @@ Its studies, each its own folder of runs (:data:`bench.studies.STUDIES`):
 * ``full_cifar10`` (``results/full_cifar10/``, only with ``--study full_cifar10``): the full study on
   the user's CIFAR-10 (``--data-dir``) with ResNet-18.
 
+A study whose runs do not all record the deployable accuracy on one clean commit (such as
+``cheap`` and ``capacity``, whose runs predate it and span several code versions) is shown on the archive page
+``docs/RESULTS_ARCHIVE.md`` instead of ``docs/RESULTS.md``, and runs only when named with
+``--study`` (:mod:`bench.results_archive`).
+
 ``--rounds N`` shortens every selected run to N rounds, evaluated after each (with ``--seeds``,
 ``--settings`` and ``--variants`` to pick runs): a try-out or a probe, kept apart in
 ``<study>/rounds<N>/`` and never counted as the study's runs; its seconds per round estimate the
@@ -55,6 +60,7 @@ from typing import Any
 from unittest import mock
 
 from bench.estimates import plan
+from bench.results_archive import archive_page, archived
 from bench.studies import (
     ALPHAS,
     FIGURES,
@@ -200,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", type=Path, default=ROOT / "README.md", help="README whose results block to update")
     parser.add_argument("--no-readme", dest="readme", action="store_const", const=None, help="leave the README alone")
     args = parser.parse_args(argv)
+    if args.study is None:  # an archived study runs only when named: topping it up cannot bring it to the standard
+        skip = archived(args.runs, studies_with_seeds())
+        args.study = [k for k, st in STUDIES.items() if st.default and k not in skip]
+        if skip:
+            print(f"make results: not running the archived studies {', '.join(skip)} (name them with --study)")
     studies = chosen(args)
     if args.plan:
         print("\n".join(plan(args.runs, missing(args.runs, studies), args.jobs)))
@@ -212,7 +223,10 @@ def main(argv: list[str] | None = None) -> int:
 
     shown = {st.key: st for st in chosen(args, seeds=False)} if args.rounds is not None else {}
     write_page(args.runs, args.page, args.figures, args.readme, shown)
-    print(f"make results: wrote {args.page}" + (f" and the results block of {args.readme}" if args.readme else ""))
+    print(
+        f"make results: wrote {args.page}, {archive_page(args.page)}"
+        + (f" and the results block of {args.readme}" if args.readme else "")
+    )
     return 0
 
 

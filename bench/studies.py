@@ -198,8 +198,8 @@ class Job(NamedTuple):
 
 
 def studies_with_seeds(keys: list[str] | None = None, seeds: tuple[int, ...] | None = None) -> list[Study]:
-    """The studies named (all by default), with their seeds replaced by ``seeds`` when given."""
-    chosen = [STUDIES[k] for k in (keys or [k for k, s in STUDIES.items() if s.default])]
+    """The studies named (``None``: the default ones), with their seeds replaced by ``seeds`` when given."""
+    chosen = [STUDIES[k] for k in (keys if keys is not None else [k for k, s in STUDIES.items() if s.default])]
     return [s if seeds is None else dataclasses.replace(s, seeds=seeds, setting_seeds=()) for s in chosen]
 
 

@@ -150,9 +150,9 @@ def test_the_command_writes_the_page_with_the_new_sections(tmp_path: Path):
 
     page, figures = tmp_path / "x.md", tmp_path / "xfig"
     assert main(["--no-run", "--no-readme", "--page", str(page), "--figures", str(figures)]) == 0
-    text = page.read_text()
-    # every (study, setting) with a finished tracked run: the cheap and capacity studies' 2 settings each, and
-    # whichever settings of the later studies have runs
+    text = page.read_text() + (tmp_path / "x_ARCHIVE.md").read_text()
+    # every (study, setting) with a finished tracked run, on the page or its archive: the cheap and capacity
+    # studies' 2 settings each, and whichever settings of the later studies have runs
     with_runs = [
         str(Path(study.folder) / setting)
         for study in STUDIES.values()
