@@ -123,7 +123,9 @@ def test_a_client_given_an_unknown_train_option_replies_an_error_and_the_round_g
 
     handlers[MessageType.TRAIN] = tampered
     strategy, grid = FedHMStrategy(run_options(cfg), spec), LocalGrid(6, handlers)
-    msgs = list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(initial_state(cfg.seed, spec)), None, grid))
+    msgs = list(
+        strategy.configure_train(1, ArrayRecord.from_torch_state_dict(initial_state(cfg.seed, spec)), None, grid)
+    )
     replies = list(grid.send_and_receive(msgs))
     refused = [r for r in replies if r.has_error()]
     assert len(refused) == 1 and "unknown train option 'bogus'" in refused[0].error.reason

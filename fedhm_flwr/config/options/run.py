@@ -248,7 +248,10 @@ def run_options(cfg: DictConfig) -> RunOptions:
         arch=str(model["arch"]),
         backbone=backbone_choice(cfg),
         backbone_seed=int(model.get("backbone_seed") or 0),
-        **{k: model.get(k) for k in ("width", "depth", "heads", "intermediate", "patch", "mlp_ratio", "target", "kwargs")},
+        **{
+            k: model.get(k)
+            for k in ("width", "depth", "heads", "intermediate", "patch", "mlp_ratio", "target", "kwargs")
+        },
     )
     sections["dataset"] = DatasetOptions(
         str(dataset["name"]), int(dataset["max_train_examples"]), dataset.get("data_dir")

@@ -136,9 +136,7 @@ def _run(
         opts.rounds,
         recorder.out_dir,
     )
-    strategy.start(
-        grid, ArrayRecord.from_torch_state_dict(state), num_rounds=opts.rounds, timeout=opts.timeout
-    )
+    strategy.start(grid, ArrayRecord.from_torch_state_dict(state), num_rounds=opts.rounds, timeout=opts.timeout)
     costs = {f"{level:g}": strategy.method.level_cost(i) for i, level in enumerate(strategy.levels)}
     summary = summarize(
         recorder.rows,
