@@ -88,7 +88,7 @@ class Federation:
         spec = model_spec(cfg)
         strategy = STRATEGIES[cfg.method.name](run_options(cfg), spec)
         grid = LocalGrid(int(cfg.num_clients), client_handlers())
-        arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg, spec))
+        arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg.seed, spec))
         threads = torch.get_num_threads()
         try:
             messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))

@@ -166,7 +166,7 @@ def server_state_per_node(counts: tuple[int, ...], per_round: int = 100, rounds:
         cfg = load_config([f"num_clients={n}", f"fraction_train={per_round / n}", "availability.query=all"])
         spec = model_spec(cfg)
         grid = LocalGrid(n, {MessageType.TRAIN: echo, MessageType.QUERY: identity_query})
-        arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg, spec))
+        arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg.seed, spec))
         gc.collect()
         tracemalloc.start()
         strategy = STRATEGIES["fedhm"](run_options(cfg), spec)

@@ -49,7 +49,7 @@ def figure_server_time(quick: bool) -> dict[str, Any]:
             spec = model_spec(cfg)
             strategy = STRATEGIES[method](run_options(cfg), spec)
             grid = LocalGrid(replies_n, {MessageType.TRAIN: echo, MessageType.QUERY: identity_query})
-            state = initial_state(cfg, spec)
+            state = initial_state(cfg.seed, spec)
             arrays = ArrayRecord.from_torch_state_dict(state)
             held: dict[str, Any] = {}
             configure = partial(_configure, held, iter(range(1, 10_000)), strategy, arrays, grid)
@@ -220,7 +220,7 @@ def figure_bytes(quick: bool) -> dict[str, Any]:
         strategy = STRATEGIES["fedhm"](run_options(cfg), spec)
         grid = LocalGrid(8, {MessageType.QUERY: identity_query})
         msgs = list(
-            strategy.configure_train(1, ArrayRecord.from_torch_state_dict(initial_state(cfg, spec)), None, grid)
+            strategy.configure_train(1, ArrayRecord.from_torch_state_dict(initial_state(cfg.seed, spec)), None, grid)
         )
         rows = {}
         for msg in msgs:

@@ -100,4 +100,4 @@ def load_model(run_dir: str | Path, level: str | float = 1) -> Any:
     on the batch (docs/METHODS.md#deployable-statistics)."""
     from fedhm_flwr.ops.tools.export import deployable_model  # torch: only where a model is asked for
 
-    return deployable_model(Path(run_dir).expanduser().resolve(), level)[3]
+    return deployable_model(Path(run_dir).expanduser().resolve(), level)[4]

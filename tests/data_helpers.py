@@ -28,7 +28,7 @@ def train_messages(cfg, grid):
     from fedhm_flwr.server.registry import FedHMStrategy
 
     strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
-    state = ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.method.spec))
+    state = ArrayRecord.from_torch_state_dict(initial_state(cfg.seed, strategy.method.spec))
     return list(strategy.configure_train(1, state, None, grid))
 
 

@@ -48,7 +48,7 @@ def test_bare_pytorch_fedavg_equals_the_flower_run(toy_cfg, tmp_path):
     different = {k: float((bare[k] - flower[k]).abs().max()) for k in bare}
     assert max(different.values()) <= 1e-6, f"bare loop and Flower differ: {different}"
     # and training moved the model (the comparison is not between two initial models)
-    start = initial_state(cfg, flower_spec(cfg))
+    start = initial_state(cfg.seed, flower_spec(cfg))
     assert all(not torch.equal(start[k], bare[k]) for k in ("conv1.weight", "fc.weight"))
 
 

@@ -94,7 +94,7 @@ def test_bad_values_refused_naming_the_field(toy_cfg, override, field):
 def test_heterofl_nodes_receive_their_levels_first_channels(toy_cfg):
     cfg = toy_cfg("method=heterofl")
     strategy = _strategy(cfg)
-    state = initial_state(cfg, strategy.method.spec)
+    state = initial_state(cfg.seed, strategy.method.spec)
     seen = set()
     for msg in _configure(strategy, LocalGrid(6, client_handlers()), state):
         config = msg.content["config"]
@@ -116,7 +116,7 @@ def test_heterofl_nodes_receive_their_levels_first_channels(toy_cfg):
 def test_fedrolex_payload_follows_the_rounds_window(toy_cfg):
     cfg = toy_cfg("method=fedrolex levels.ratios=[0.5] levels.proportions=[1]")
     strategy = _strategy(cfg)
-    state = initial_state(cfg, strategy.method.spec)
+    state = initial_state(cfg.seed, strategy.method.spec)
     grid = LocalGrid(6, client_handlers())
     for rnd in (1, 3, 8):
         msg = _configure(strategy, grid, state, rnd)[0]
@@ -145,7 +145,7 @@ def _plus_one_handler(counts_by_pid):
 def test_fedrolex_round_updates_exactly_the_rounds_window(toy_cfg):
     cfg = toy_cfg("method=fedrolex levels.ratios=[0.5,0.25] levels.proportions=[1,1]")
     strategy = _strategy(cfg)
-    state = initial_state(cfg, strategy.method.spec)
+    state = initial_state(cfg.seed, strategy.method.spec)
     handlers = client_handlers()
     handlers["train"] = _plus_one_handler({p: [5] * 10 for p in range(6)})
     grid = LocalGrid(6, handlers)
@@ -175,7 +175,7 @@ def test_full_rate_heterofl_round_equals_fedavg_on_identical_replies(toy_cfg, by
     )
     fedavg = _strategy(toy_cfg("method=fedavg"))
     assert fedavg.levels == [1.0]
-    state = initial_state(toy_cfg(), heterofl.method.spec)
+    state = initial_state(toy_cfg().seed, heterofl.method.spec)
     states = [_noisy(state) for _ in range(3)]
     counts = [20, 20, 20] if not by_samples else [10, 30, 60]
     holds = [[3, 0, 1, 0, 5, 5, 5, 5, 5, 0], [0, 2, 2, 2, 2, 2, 2, 2, 2, 0], [1] * 9 + [0]]
@@ -190,7 +190,7 @@ def test_full_rate_heterofl_round_equals_fedavg_on_identical_replies(toy_cfg, by
 
 def test_fedavg_variants_train_the_right_model(toy_cfg):
     full = _strategy(toy_cfg("method=fedavg"))
-    state = initial_state(toy_cfg(), full.method.spec)
+    state = initial_state(toy_cfg().seed, full.method.spec)
     spec, payload, _ = full.method.level_payload(0, state)
     assert spec == full.method.spec and all(torch.equal(payload[k], state[k]) for k in state)
 
@@ -222,7 +222,7 @@ def test_rho_zero_factorizes_everything_factorizable(toy_cfg):
     index = default.levels.index(0.5)
     assert set(no_hybrid.method.ranks[index]) == set(model.factorizable_layers()) == {"conv2", "conv3", "conv4"}
     assert set(default.method.ranks[index]) == {"conv3", "conv4"}  # conv2 kept full by default (rho = 1)
-    state = initial_state(toy_cfg(), default.method.spec)
+    state = initial_state(toy_cfg().seed, default.method.spec)
     for s in (default, no_hybrid):
         s.method.begin_round(1, state)
     assert "conv2.weight" in default.method.level_payload(index, state)[1]
@@ -235,7 +235,7 @@ def test_rho_zero_factorizes_everything_factorizable(toy_cfg):
 
 def test_frobenius_decay_off_means_weight_decay_on_everything(toy_cfg):
     on, off = _strategy(toy_cfg()), _strategy(toy_cfg("method.frobenius_decay=false"))
-    state = initial_state(toy_cfg(), on.method.spec)
+    state = initial_state(toy_cfg().seed, on.method.spec)
     index = on.levels.index(0.5)
     for s in (on, off):
         s.method.begin_round(1, state)
@@ -278,7 +278,7 @@ def test_tau_inf_parses_and_gives_uniform_weights(toy_cfg):
     assert run_options(toy_cfg("method.tau=inf")).method.tau == math.inf
     levels = "levels.ratios=[1,0.5] levels.proportions=[1,1]"
     soft, uniform = _strategy(toy_cfg(levels)), _strategy(toy_cfg(f"{levels} method.tau=.inf"))
-    state = initial_state(toy_cfg(), soft.method.spec)
+    state = initial_state(toy_cfg().seed, soft.method.spec)
     states, replies = _two_level_replies(soft, state, [10, 10])
     uniform.method.begin_round(1, state)
     rec = [recover_state(states[0], soft.method.ranks[0]), recover_state(states[1], soft.method.ranks[1])]
@@ -293,7 +293,7 @@ def test_tau_inf_parses_and_gives_uniform_weights(toy_cfg):
 def test_weight_by_samples_multiplies_by_the_sample_counts(toy_cfg):
     base = "levels.ratios=[1,0.5] levels.proportions=[1,1] method.tau=inf"
     plain, by_n = _strategy(toy_cfg(base)), _strategy(toy_cfg(f"{base} method.weight_by_samples=true"))
-    state = initial_state(toy_cfg(), plain.method.spec)
+    state = initial_state(toy_cfg().seed, plain.method.spec)
     states, replies = _two_level_replies(plain, state, [10, 30])
     by_n.method.begin_round(1, state)
     rec = [recover_state(states[0], plain.method.ranks[0]), recover_state(states[1], plain.method.ranks[1])]

@@ -201,7 +201,7 @@ def test_the_server_figures_echo_clients_are_accepted_so_aggregation_is_what_is_
         spec = model_spec(cfg)
         strategy = STRATEGIES[method](run_options(cfg), spec)
         grid = LocalGrid(4, {MessageType.TRAIN: echo, MessageType.QUERY: identity_query})
-        arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg, spec))
+        arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg.seed, spec))
         replies = grid.send_and_receive(list(strategy.configure_train(1, arrays, None, grid)))
         _, metrics = strategy.aggregate_train(1, replies)
         assert strategy.round_log.rejected == [] and metrics["replies"] == 4

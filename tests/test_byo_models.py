@@ -50,7 +50,7 @@ def _every_level_trains_as_a_client(overrides: list[str], head: str) -> list[int
     cfg, rows = level_rows(overrides)
     params = [r["params"] for r in rows]
     assert all(p < params[0] for p in params[1:]), params  # every level smaller than the full model
-    plan = plan_rows(cfg)
+    plan = plan_rows(run_options(cfg), model_spec(cfg))
     assert plan and head not in {row["layer"] for row in plan}  # the head stays full at every level
     spec = model_spec(cfg)
     with shape_device(spec):  # what the server sends each level, from shapes (as `fedhm inspect`)

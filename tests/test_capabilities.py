@@ -70,7 +70,7 @@ def test_declared_budgets_map_to_the_largest_fitting_level_and_silence_to_the_de
     grid = LocalGrid(5, client_handlers(), node_config=lambda i: declared[i])
     msgs = list(
         strategy.configure_train(
-            1, ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.method.spec)), None, grid
+            1, ArrayRecord.from_torch_state_dict(initial_state(cfg.seed, strategy.method.spec)), None, grid
         )
     )
     got = {strategy.nodes[m.metadata.dst_node_id].partition_id: m.content["config"]["level"] for m in msgs}

@@ -94,7 +94,7 @@ def test_distill_options_travel_in_the_train_message(toy_cfg):
     cfg = toy_cfg("train.distill.enabled=true train.distill.temperature=3 train.distill.weight=0.25")
     strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     grid = LocalGrid(6, client_handlers())
-    state = initial_state(cfg, strategy.method.spec)
+    state = initial_state(cfg.seed, strategy.method.spec)
     messages = list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(state), None, grid))
     for msg in messages:
         train = json.loads(msg.content["config"]["train"])

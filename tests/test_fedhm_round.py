@@ -35,7 +35,7 @@ def test_one_svd_per_factorizable_layer_per_round_whatever_the_levels(toy_cfg, m
     real = lowrank.layer_svd
     monkeypatch.setattr(lowrank, "layer_svd", lambda w, *a: calls.append(tuple(w.shape)) or real(w, *a))
     grid = LocalGrid(12, client_handlers())
-    messages = _configure(strategy, grid, initial_state(cfg, strategy.method.spec))
+    messages = _configure(strategy, grid, initial_state(cfg.seed, strategy.method.spec))
     levels_sent = {json.loads(m.content["config"]["model-spec"]).get("ranks") is not None for m in messages}
     assert levels_sent == {True, False}  # full and factorized levels in this round
     assert len(calls) == len(strategy.method.factorized) > 0
@@ -45,7 +45,7 @@ def test_each_node_receives_its_levels_hybrid_model(toy_cfg):
     cfg = toy_cfg()
     strategy = _strategy(cfg)
     grid = LocalGrid(6, client_handlers())
-    state = initial_state(cfg, strategy.method.spec)
+    state = initial_state(cfg.seed, strategy.method.spec)
     for msg in _configure(strategy, grid, state):
         config = msg.content["config"]
         spec = json.loads(config["model-spec"])
@@ -87,7 +87,7 @@ def test_aggregation_recovers_and_weights_by_softmax_gamma(toy_cfg):
     handlers = client_handlers()
     handlers[MessageType.TRAIN] = _shift_handler(shift, counts)
     grid = LocalGrid(6, handlers)
-    state = initial_state(cfg, strategy.method.spec)
+    state = initial_state(cfg.seed, strategy.method.spec)
     messages = _configure(strategy, grid, state)
     replies = grid.send_and_receive(messages)
     new_arrays, metrics = strategy.aggregate_train(1, replies)
@@ -139,7 +139,7 @@ def test_all_replies_failing_keeps_the_global_model(toy_cfg):
     handlers = client_handlers()
     handlers[MessageType.TRAIN] = lambda msg, ctx: (_ for _ in ()).throw(RuntimeError("boom"))
     grid = LocalGrid(6, handlers)
-    state = initial_state(cfg, strategy.method.spec)
+    state = initial_state(cfg.seed, strategy.method.spec)
     replies = grid.send_and_receive(_configure(strategy, grid, state))
     arrays, metrics = strategy.aggregate_train(1, replies)
     assert arrays is None and metrics["replies"] == 0
@@ -151,7 +151,7 @@ def test_level_assignment_modes(toy_cfg, assignment):
     cfg = toy_cfg(f"levels.assignment={assignment} num_clients=12 fraction_train=1.0")
     strategy = _strategy(cfg)
     grid = LocalGrid(12, client_handlers())
-    state = initial_state(cfg, strategy.method.spec)
+    state = initial_state(cfg.seed, strategy.method.spec)
     per_round = []
     for rnd in (1, 2, 3):
         msgs = _configure(strategy, grid, state, rnd)
@@ -169,7 +169,7 @@ def test_declared_capabilities_override_the_assignment(toy_cfg):
     strategy = _strategy(cfg)
     declared = {0: {"capability-level": 0.25}, 1: {"capability-params": 0.6 * strategy.method.level_cost(0)["params"]}}
     grid = LocalGrid(6, client_handlers(), node_config=lambda i: declared.get(i, {}))
-    msgs = _configure(strategy, grid, initial_state(cfg, strategy.method.spec))
+    msgs = _configure(strategy, grid, initial_state(cfg.seed, strategy.method.spec))
     by_pid = {strategy.nodes[m.metadata.dst_node_id].partition_id: m.content["config"]["level"] for m in msgs}
     assert by_pid[0] == 0.25
     # the largest level whose parameter count fits 60 % of the full model's
@@ -185,7 +185,7 @@ def test_nodes_sharing_a_partition_id_are_all_kept(toy_cfg):
     cfg = toy_cfg("fraction_train=1.0")
     strategy = _strategy(cfg)
     grid = LocalGrid(6, client_handlers(), node_config=lambda i: {"partition-id": min(i, 3)})  # 3, 4, 5 -> "3"
-    msgs = _configure(strategy, grid, initial_state(cfg, strategy.method.spec))
+    msgs = _configure(strategy, grid, initial_state(cfg.seed, strategy.method.spec))
     assert len({m.metadata.dst_node_id for m in msgs}) == 6
     keys = {strategy.registry.key(n) for n in strategy.nodes}
     assert len(keys) == 6
@@ -195,7 +195,7 @@ def test_client_evaluate_handler_scores_the_received_model_on_local_data(toy_cfg
     cfg = toy_cfg("evaluation.where=both evaluation.holdout=0.2")
     strategy = _strategy(cfg)
     grid = LocalGrid(6, client_handlers())
-    (train_msg, *_) = _configure(strategy, grid, initial_state(cfg, strategy.method.spec))
+    (train_msg, *_) = _configure(strategy, grid, initial_state(cfg.seed, strategy.method.spec))
     content = RecordDict({"arrays": train_msg.content["arrays"], "config": train_msg.content["config"]})
     msg = Message(content=content, dst_node_id=train_msg.metadata.dst_node_id, message_type=MessageType.EVALUATE)
     (reply,) = grid.send_and_receive([msg])
@@ -232,7 +232,7 @@ def test_start_honours_flowers_evaluate_fn_before_the_first_round_and_after_each
     is kept in ``evaluate_metrics_serverapp`` and joins the round's row."""
     cfg = toy_cfg("rounds=2 evaluation.levels=false")
     strategy = _strategy(cfg)
-    initial = ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.method.spec))
+    initial = ArrayRecord.from_torch_state_dict(initial_state(cfg.seed, strategy.method.spec))
     seen = []
 
     def evaluate_fn(server_round, arrays):

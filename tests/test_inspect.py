@@ -14,7 +14,8 @@ def _allocating_rows(overrides: list[str]):
     """The previous path: real weights, real SVDs, payloads built from values."""
     cfg = load_config(overrides)
     spec = model_spec(cfg)
-    return _rows(cfg, spec, STRATEGIES[cfg.method.name](run_options(cfg), spec).method)
+    opts = run_options(cfg)
+    return _rows(opts, spec, STRATEGIES[opts.method.name](opts, spec).method)
 
 
 @pytest.mark.parametrize(

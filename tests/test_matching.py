@@ -81,7 +81,7 @@ def test_matched_strategy_sends_the_matched_width_and_reports_both_counts(toy_cf
         assert cost["params"] == matching.submodel_params(strategy.method.spec, strategy.method.rates[index])
         if index:  # matched widths differ from the unmatched width = gamma
             assert strategy.method.rates[index] != strategy.levels[index]
-    state = initial_state(cfg, strategy.method.spec)
+    state = initial_state(cfg.seed, strategy.method.spec)
     grid = LocalGrid(6, client_handlers())
     for msg in strategy.configure_train(1, ArrayRecord.from_torch_state_dict(state), None, grid):
         index = msg.content["config"]["level-index"]
@@ -98,7 +98,7 @@ def test_match_leaves_fedhm_alone(toy_cfg):
     a, b = toy_cfg(), toy_cfg("levels.match=fedhm_params")
     sa, sb = FedHMStrategy(run_options(a), model_spec(a)), FedHMStrategy(run_options(b), model_spec(b))
     assert sa.method.ranks == sb.method.ranks
-    state = initial_state(a, sa.method.spec)
+    state = initial_state(a.seed, sa.method.spec)
     sa.method.begin_round(1, state), sb.method.begin_round(1, state)
     _, pa, _ = sa.method.level_payload(2, state)
     _, pb, _ = sb.method.level_payload(2, state)

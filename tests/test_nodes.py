@@ -18,7 +18,7 @@ from fedhm_flwr.server.registry import FedHMStrategy
 
 
 def _round(strategy, grid, rnd):
-    arrays = ArrayRecord.from_torch_state_dict(initial_state(strategy.opts, strategy.method.spec))
+    arrays = ArrayRecord.from_torch_state_dict(initial_state(strategy.opts.seed, strategy.method.spec))
     msgs = list(strategy.configure_train(rnd, arrays, None, grid))
     return {strategy.node_label(m.metadata.dst_node_id): m.content["config"]["level"] for m in msgs}
 
@@ -150,7 +150,7 @@ def test_each_node_reports_the_examples_it_trains_on_and_they_add_up(toy_cfg):
     grid = LocalGrid(6, client_handlers())
     strategy.registry.startup(grid, 1)
     told = {n: info.examples for n, info in strategy.nodes.items()}
-    arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.method.spec))
+    arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg.seed, strategy.method.spec))
     trained = {
         m.metadata.src_node_id: int(m.content["metrics"]["num-examples"])
         for m in grid.send_and_receive(list(strategy.configure_train(1, arrays, None, grid)))

@@ -32,7 +32,7 @@ def test_official_weights_fixed_are_uniform_and_sample_counts_multiply():
 def _setup(toy_cfg, extra):
     cfg = toy_cfg(f"levels.ratios=[1,0.5,0.25] {extra}")
     strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
-    state = initial_state(cfg, strategy.method.spec)
+    state = initial_state(cfg.seed, strategy.method.spec)
     strategy.method.begin_round(1, state)
     return cfg, strategy, state
 

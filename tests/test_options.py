@@ -103,6 +103,24 @@ def test_parsing_normalises_without_rewriting_the_config():
     assert run_options(load_config("levels.ratios=[1,0.5]")).levels.ratios == (1.0, 0.5)  # floats, a tuple
 
 
+def test_a_user_model_is_put_in_place_where_the_config_is_composed_and_the_check_changes_nothing():
+    """``model.target`` makes ``model.arch`` custom and ``model.width`` null once, when the config is
+    composed; a config holding a target but not yet normalised (as Hydra composes a sweep's job) is
+    checked as if it were (the same error) and left as it is."""
+    target = "model.target=torchvision.models:nope"
+    composed = compose_config("model.target=tests.tv_models:grey model.kwargs.name=mobilenet_v3_small")
+    assert composed.model.arch == "custom" and composed.model.width is None
+    raw = OmegaConf.merge(compose_config(), {"model": {"target": "torchvision.models:nope"}})
+    assert raw.model.arch == "cnn" and raw.model.width is not None  # not normalised
+    before = OmegaConf.to_yaml(raw)
+    with pytest.raises(ConfigError) as checked:
+        validate(raw)
+    assert OmegaConf.to_yaml(raw) == before
+    with pytest.raises(ConfigError) as loaded:
+        load_config(target)
+    assert checked.value.field == loaded.value.field == "model.target" and str(checked.value) == str(loaded.value)
+
+
 def test_train_options_refuse_an_unknown_key_naming_it():
     assert TrainOptions.from_dict({"lr": 0.1, "batch_size": 4}) == TrainOptions(lr=0.1, batch_size=4)
     with pytest.raises(ValueError, match=r"unknown train option 'bogus'; allowed: \['lr', 'local_epochs'"):
@@ -123,7 +141,9 @@ def test_a_client_given_an_unknown_train_option_replies_an_error_and_the_round_g
 
     handlers[MessageType.TRAIN] = tampered
     strategy, grid = FedHMStrategy(run_options(cfg), spec), LocalGrid(6, handlers)
-    msgs = list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(initial_state(cfg, spec)), None, grid))
+    msgs = list(
+        strategy.configure_train(1, ArrayRecord.from_torch_state_dict(initial_state(cfg.seed, spec)), None, grid)
+    )
     replies = list(grid.send_and_receive(msgs))
     refused = [r for r in replies if r.has_error()]
     assert len(refused) == 1 and "unknown train option 'bogus'" in refused[0].error.reason

@@ -238,7 +238,7 @@ def _round(cfg, handler=None, rnd=1):
     if handler is not None:
         handlers[MessageType.TRAIN] = handler
     grid = LocalGrid(6, handlers)
-    state = initial_state(cfg, strategy.method.spec)
+    state = initial_state(cfg.seed, strategy.method.spec)
     messages = list(strategy.configure_train(rnd, ArrayRecord.from_torch_state_dict(state), None, grid))
     replies = grid.send_and_receive(messages)
     new, _ = strategy.aggregate_train(rnd, replies)
@@ -298,7 +298,7 @@ def test_merge_averages_each_kernel_over_its_samplers_through_the_round():
 
     handlers[MessageType.TRAIN] = shifted
     grid = LocalGrid(6, handlers)
-    state = initial_state(cfg, strategy.method.spec)
+    state = initial_state(cfg.seed, strategy.method.spec)
     before = prism.decompose(state["conv3.weight"])
     messages = list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(state), None, grid))
     new, _ = strategy.aggregate_train(1, grid.send_and_receive(messages))
@@ -329,7 +329,7 @@ def test_u_subset_changes_memory_not_the_layer_definition():
     off = PriSMStrategy(run_options(_cfg(levels)), model_spec(_cfg())).method
     cfg_on = _cfg(f"{levels} method.u_subset=true")
     on = PriSMStrategy(run_options(cfg_on), model_spec(cfg_on)).method
-    state = initial_state(cfg_on, on.spec)
+    state = initial_state(cfg_on.seed, on.spec)
     for index in range(4):  # memory (and Conv_U's parameters) go down
         c_on, c_off = on.level_cost(index), off.level_cost(index)
         assert c_on["activations"] < c_off["activations"] and c_on["params"] < c_off["params"]
@@ -379,7 +379,7 @@ def test_inspect_prints_params_macs_and_activation_memory_per_keep_ratio():
         values = [r[key] for r in rows]
         assert values == sorted(values, reverse=True) and len(set(values)) == 4, key
     assert all(r["payload_bytes"] == 4 * r["params"] for r in rows)  # parameters sent = the payload
-    table = format_table(cfg, rows)
+    table = format_table(run_options(cfg), rows)
     assert "activations" in table.splitlines()[1]
 
 

@@ -80,7 +80,7 @@ def _strategy(overrides):
     spec = model_spec(cfg)
     strategy = STRATEGIES[cfg.method.name](run_options(cfg), spec)
     state = strategy.method.initial_state(int(cfg.seed))
-    state = initial_state(cfg, spec) if state is None else state
+    state = initial_state(cfg.seed, spec) if state is None else state
     strategy.global_state = state
     return cfg, strategy, state
 

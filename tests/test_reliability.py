@@ -69,7 +69,7 @@ def test_the_order_replies_arrive_in_changes_neither_the_model_nor_the_round_s_f
     take the replies in node order. Losses of very different sizes make any other order show."""
     cfg = toy_cfg()
     spec = model_spec(cfg)
-    state = initial_state(cfg, spec)
+    state = initial_state(cfg.seed, spec)
     losses = {0: 1e16, 1: 1.0, 2: -1e16, 3: 1.0, 4: 0.5, 5: 0.25}
     handlers = client_handlers()
     real = handlers[MessageType.TRAIN]
@@ -161,7 +161,7 @@ def test_bytes_moved_count_configs_queries_and_rejected_replies(toy_cfg):
     cfg = toy_cfg()
     strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     grid = LocalGrid(6, client_handlers())
-    arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.method.spec))
+    arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg.seed, strategy.method.spec))
     msgs = list(strategy.configure_train(1, arrays, None, grid))
     assert strategy.round_log.sent_bytes == sum(content_bytes(m.content) for m in msgs)
     assert strategy.round_log.sent_bytes > sum(m.content["arrays"].count_bytes() for m in msgs)  # configs count

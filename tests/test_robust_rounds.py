@@ -37,7 +37,7 @@ def _trained_round(cfg, num_nodes=None):
     spec = model_spec(cfg)
     strategy = STRATEGIES[cfg.method.name](run_options(cfg), spec)
     state = strategy.method.initial_state(int(cfg.seed))
-    state = initial_state(cfg, spec) if state is None else state
+    state = initial_state(cfg.seed, spec) if state is None else state
     grid = LocalGrid(num_nodes or int(cfg.num_clients), client_handlers())
     messages = list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(state), None, grid))
     return strategy, state, grid, messages, list(grid.send_and_receive(messages))

@@ -190,7 +190,7 @@ NODE_SCRIPT = textwrap.dedent("""
     strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     # the nodes are given their shard only (LocalGrid's partition-id is not what they read)
     grid = LocalGrid(len(folders), client_handlers(), node_config=lambda i: {"data-dir": folders[i]})
-    state = ArrayRecord.from_torch_state_dict(initial_state(cfg, strategy.method.spec))
+    state = ArrayRecord.from_torch_state_dict(initial_state(cfg.seed, strategy.method.spec))
     msgs = list(strategy.configure_train(1, state, None, grid))
     replies = grid.send_and_receive(msgs)
     evals = [Message(RecordDict({"arrays": m.content["arrays"], "config": m.content["config"]}),

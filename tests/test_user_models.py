@@ -378,9 +378,10 @@ def test_inspect_counts_the_vit_levels_from_shapes_as_the_allocating_path_does()
     overrides = ["method=fedhm", "model=vit", "model.backbone=random", "model.width=16", "model.depth=2"]
     cfg, rows = level_rows(overrides)
     spec = model_spec(cfg)
-    assert rows == _rows(cfg, spec, STRATEGIES["fedhm"](run_options(cfg), spec).method)
+    opts = run_options(cfg)
+    assert rows == _rows(opts, spec, STRATEGIES["fedhm"](opts, spec).method)
     assert rows[0]["params"] == count_parameters(build_model(spec))
-    plan = plan_rows(cfg)
+    plan = plan_rows(opts, spec)
     saved = [sum(p["params"] - lp for p in plan for lp in [p["level_params"][i]]) for i in range(len(rows))]
     assert [rows[0]["params"] - r["params"] for r in rows] == saved  # the plan explains every level's count
     assert all(p["ranks"][-1] is None for p in plan[:6]) and all(p["ranks"][-1] == 2 for p in plan[6:])

@@ -20,7 +20,7 @@ from fedhm_flwr.server.registry import FedHMStrategy
 
 
 def _start(cfg):
-    return ArrayRecord.from_torch_state_dict(initial_state(cfg, model_spec(cfg)))
+    return ArrayRecord.from_torch_state_dict(initial_state(cfg.seed, model_spec(cfg)))
 
 
 def test_the_server_serializes_each_global_model_once_and_never_reads_it_back(toy_cfg, monkeypatch):

@@ -100,7 +100,7 @@ def test_records_share_the_payloads_arrays_but_not_their_keys():
 def test_a_levels_cut_follows_the_global_state_in_place_changes_included(toy_cfg):
     cfg = toy_cfg("")
     strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
-    state = initial_state(cfg, strategy.method.spec)
+    state = initial_state(cfg.seed, strategy.method.spec)
     level = next(i for i, ranks in enumerate(strategy.method.ranks) if ranks)
     name = sorted(strategy.method.ranks[level])[0]
     first = strategy.method.level_payload(level, state)[1]

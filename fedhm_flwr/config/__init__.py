@@ -50,6 +50,7 @@ from fedhm_flwr.config.methods import (
     supported_pairs,
     validate_pair,
     validate_user_model,
+    with_user_model,
 )
 from fedhm_flwr.config.options import RunOptions, run_options
 from fedhm_flwr.config.specs import (
@@ -104,6 +105,7 @@ __all__ = [  # the re-exported names of the submodules and this module's own
     "validate_common",
     "validate_pair",
     "validate_user_model",
+    "with_user_model",
 ]
 
 CONF_DIR = Path(os.environ.get("FEDHM_CONF_DIR", Path(__file__).resolve().parents[2] / "conf"))
@@ -125,7 +127,8 @@ def _open_kwargs(item: str) -> str:
 
 
 def compose_config(overrides: str | Sequence[str] | None = None) -> DictConfig:
-    """Compose ``conf/config.yaml`` with Hydra overrides (no validation)."""
+    """Compose ``conf/config.yaml`` with Hydra overrides (no validation; a ``model.target`` put in
+    place of the group's model, :func:`~fedhm_flwr.config.methods.with_user_model`)."""
     override_list = [_open_kwargs(o) for o in split_overrides(overrides)]
     if not CONF_DIR.is_dir():
         raise FileNotFoundError(f"Hydra config tree not found at {CONF_DIR} (set FEDHM_CONF_DIR)")
@@ -137,7 +140,7 @@ def compose_config(overrides: str | Sequence[str] | None = None) -> DictConfig:
                 cfg = compose(config_name="config", overrides=override_list)
     except (HydraException, OmegaConfBaseException) as err:
         raise _override_error(err, override_list) from None
-    return cfg
+    return with_user_model(cfg)
 
 
 def _override_error(err: Exception, overrides: list[str]) -> ConfigError:
@@ -206,13 +209,17 @@ def resume_config(run_dir: str | Path, overrides: str | Sequence[str] | None = N
         except OmegaConfBaseException as err:
             raise ConfigError("overrides", " ".join(items), f"key=value pairs of existing keys ({err})") from None
     assert isinstance(cfg, DictConfig)
+    cfg = with_user_model(cfg)  # an override may name a model.target
     validate(cfg)
     return cfg
 
 
 def validate(cfg: DictConfig) -> None:
     """Refuse the first invalid value, or a key no section knows, with a :class:`ConfigError` naming
-    the field (:func:`run_options` parses what is checked here; the server builds its options with it)."""
+    the field (:func:`run_options` parses what is checked here; the server builds its options with it).
+    Changes nothing in ``cfg``: a config whose ``model.target`` is not yet in place (one Hydra composed
+    for a sweep's job) is checked as :func:`with_user_model` puts it."""
+    cfg = with_user_model(cfg)
     choice(cfg, "method.name", OPTIONS)
     validate_user_model(cfg)
     OPTIONS[cfg.method.name].check(cfg)

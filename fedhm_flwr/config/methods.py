@@ -11,6 +11,8 @@ function, only on that path. These are the only imports inside functions of the 
 
 from __future__ import annotations
 
+import copy
+
 from omegaconf import DictConfig, OmegaConf
 
 from fedhm_flwr.config.checks import ROBUST, choice, require
@@ -52,18 +54,34 @@ __all__ = [  # the options re-exported (the methods import their class from here
     "supported_pairs",
     "validate_pair",
     "validate_user_model",
+    "with_user_model",
 ]
 
 
+def with_user_model(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with the user's model in place of the group's: where ``model.target`` is set, a copy
+    whose ``model.arch`` is ``custom`` and ``model.width`` null (the model is the factory's, not a
+    built-in one's width); else ``cfg`` itself. Applied once where a config is composed or resumed
+    (:func:`fedhm_flwr.config.compose_config`, :func:`~fedhm_flwr.config.resume_config`), so that
+    the saved ``config.yaml`` says what ran; the checks read a config through it and change nothing."""
+    model = cfg.get("model")
+    if model is None or OmegaConf.select(cfg, "model.target", default=None) is None:
+        return cfg
+    if model.get("arch") == "custom" and "width" in model and model.width is None:
+        return cfg
+    out = copy.deepcopy(cfg)
+    OmegaConf.update(out, "model.arch", "custom")
+    OmegaConf.update(out, "model.width", None, force_add=True)
+    return out
+
+
 def validate_user_model(cfg: DictConfig) -> None:
-    """``model.target`` (any model group): the user's model replaces the group's arch
-    (``model.arch`` becomes ``custom``); ``model.kwargs``, ``model.static_bn``, ``model.factorize``."""
+    """``model.target`` (any model group; the user's model replaces the group's arch, see
+    :func:`with_user_model`): ``model=custom`` needs one; ``model.kwargs``, ``model.static_bn``,
+    ``model.factorize``. Changes nothing in ``cfg``."""
     target = OmegaConf.select(cfg, "model.target", default=None)
     arch = OmegaConf.select(cfg, "model.arch")
-    if target is not None:
-        OmegaConf.update(cfg, "model.arch", "custom")
-        OmegaConf.update(cfg, "model.width", None, force_add=True)
-    elif arch == "custom":
+    if target is None and arch == "custom":
         require(
             False,
             "model.target",

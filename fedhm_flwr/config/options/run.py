@@ -162,8 +162,8 @@ class Tracking:
 @dataclass(frozen=True)
 class ModelOptions:
     """What the server reads of the ``model`` group: the architecture, the backbone as used
-    (:func:`~fedhm_flwr.config.specs.backbone_choice`) and a transformer's sizes (None: the
-    architecture's default)."""
+    (:func:`~fedhm_flwr.config.specs.backbone_choice`), a transformer's sizes (None: the
+    architecture's default) and a user's model (``target``, its factory's ``kwargs``; ``arch`` custom)."""
 
     arch: str
     backbone: str
@@ -174,6 +174,8 @@ class ModelOptions:
     intermediate: int | None = None
     patch: int | None = None
     mlp_ratio: int | None = None
+    target: str | None = None
+    kwargs: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -246,7 +248,10 @@ def run_options(cfg: DictConfig) -> RunOptions:
         arch=str(model["arch"]),
         backbone=backbone_choice(cfg),
         backbone_seed=int(model.get("backbone_seed") or 0),
-        **{k: model.get(k) for k in ("width", "depth", "heads", "intermediate", "patch", "mlp_ratio")},
+        **{
+            k: model.get(k)
+            for k in ("width", "depth", "heads", "intermediate", "patch", "mlp_ratio", "target", "kwargs")
+        },
     )
     sections["dataset"] = DatasetOptions(
         str(dataset["name"]), int(dataset["max_train_examples"]), dataset.get("data_dir")

@@ -7,6 +7,7 @@ checkpoint the run continues from).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import os
 import sys
@@ -21,7 +22,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 from omegaconf import DictConfig, OmegaConf
 
-from fedhm_flwr.config import load_config, model_spec, resume_config, run_options, to_yaml
+from fedhm_flwr.config import RunOptions, load_config, model_spec, resume_config, run_options, to_yaml
 from fedhm_flwr.math.train import pick_device
 from fedhm_flwr.models import build_model
 from fedhm_flwr.ops.apps.superlink_watch import runtime_address, stop_with_superlink, watch_superlink
@@ -46,43 +47,47 @@ from fedhm_flwr.server.registry import STRATEGIES
 app = ServerApp()
 
 
-def default_output_dir(cfg: DictConfig) -> Path:
+def default_output_dir(method: str) -> Path:
     """``$FEDHM_OUTPUT_ROOT`` (else ``~/fedhm-outputs``) / date / time-method."""
     root = Path(os.environ.get("FEDHM_OUTPUT_ROOT", Path.home() / "fedhm-outputs")).expanduser()
     now = dt.datetime.now()
-    return (root / now.strftime("%Y-%m-%d") / f"{now.strftime('%H-%M-%S-%f')}-{cfg.method.name}").resolve()
+    return (root / now.strftime("%Y-%m-%d") / f"{now.strftime('%H-%M-%S-%f')}-{method}").resolve()
 
 
-def initial_state(cfg: DictConfig, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The seeded initial global model."""
-    torch.manual_seed(int(cfg.seed))
+def initial_state(seed: int, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The initial global model of the run's ``seed``."""
+    torch.manual_seed(int(seed))
     return {k: v.detach().clone() for k, v in build_model(spec).state_dict().items()}
 
 
-def run(grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None = None) -> dict[str, Any]:
-    """One whole run on a grid; returns the summary (also written to ``out_dir``). The run
+def run(
+    grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None = None, opts: RunOptions | None = None
+) -> dict[str, Any]:
+    """One whole run of the validated config ``cfg`` (saved as the run's ``config.yaml``; ``opts``: its
+    parsed options, parsed here when not given) on a grid; returns the summary (also written to ``out_dir``). The run
     directory is locked for the run (a second run into it is refused); under the launcher or
     deploy-local, which hold the lock already, the process carries their tag and goes in.
     When the SuperLink stops under it, the ServerApp records that and exits within seconds
     (:mod:`fedhm_flwr.ops.apps.superlink_watch`), freeing the lock for a resume."""
+    opts = run_options(cfg) if opts is None else opts  # the options every part reads, parsed once
     lock = RunLock(out_dir, tag=os.environ.get(TAG_VAR)).acquire()
     address = runtime_address(sys.argv)
     if address is not None:
         watch_superlink(
-            address, lambda: stop_with_superlink(out_dir, int(cfg.rounds), _rounds_done(out_dir), address, lock)
+            address, lambda: stop_with_superlink(out_dir, opts.rounds, _rounds_done(out_dir), address, lock)
         )
     try:
         code = code_version()  # the code this run starts with (git may be absent: "unknown")
-        write_status(out_dir, "running", rounds=int(cfg.rounds), resumed=str(resume) if resume else None, **code)
+        write_status(out_dir, "running", rounds=opts.rounds, resumed=str(resume) if resume else None, **code)
         try:
-            summary = _run(grid, cfg, out_dir, resume, code)
+            summary = _run(grid, cfg, opts, out_dir, resume, code)
         except BaseException as exc:
             reason = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
             write_status(
-                out_dir, "failed", error=reason[:2000], rounds=int(cfg.rounds), round=_rounds_done(out_dir), **code
+                out_dir, "failed", error=reason[:2000], rounds=opts.rounds, round=_rounds_done(out_dir), **code
             )
             raise
-        write_status(out_dir, "completed", rounds=int(cfg.rounds), round=summary.get("rounds_completed"), **code)
+        write_status(out_dir, "completed", rounds=opts.rounds, round=summary.get("rounds_completed"), **code)
         return summary
     finally:
         lock.release()
@@ -96,23 +101,27 @@ def _rounds_done(out_dir: Path) -> int:
 
 
 def _run(
-    grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None, code: dict[str, Any] | None = None
+    grid: Grid,
+    cfg: DictConfig,
+    opts: RunOptions,
+    out_dir: Path,
+    resume: Path | None,
+    code: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     t0, started_at = time.perf_counter(), time.time()
     if resume is None:
         refuse_existing_run(out_dir)
-    recorder = RunRecorder(out_dir, tracker=open_tracker(cfg.get("tracking"), out_dir))
-    recorder.write_config(to_yaml(cfg))
+    recorder = RunRecorder(out_dir, tracker=open_tracker(dataclasses.asdict(opts.tracking), out_dir))
+    recorder.write_config(to_yaml(cfg))  # the run's config as saved; everything else reads opts
     spec = model_spec(cfg)
-    opts = run_options(cfg)  # the options the server's parts read, parsed once
     # a deployment's server may hold no test set: with evaluation.where=clients none is loaded
-    evaluator = None if cfg.evaluation.where == "clients" else make_evaluator(opts, pick_device())
-    strategy = STRATEGIES[cfg.method.name](opts, spec, evaluator, RunOutputs(opts, recorder))
-    for line in size_warnings(cfg):  # FedHM levels that do not shrink the model, before round 1
+    evaluator = None if opts.evaluation.where == "clients" else make_evaluator(opts, pick_device())
+    strategy = STRATEGIES[opts.method.name](opts, spec, evaluator, RunOutputs(opts, recorder))
+    for line in size_warnings(opts, spec):  # FedHM levels that do not shrink the model, before round 1
         log(WARNING, "warning: %s", line)
-    state = strategy.method.initial_state(int(cfg.seed))
+    state = strategy.method.initial_state(opts.seed)
     if state is None:
-        state = initial_state(cfg, spec)
+        state = initial_state(opts.seed, spec)
     if resume is not None:
         state, saved = load_checkpoint(resume)
         strategy.restore(saved)
@@ -121,30 +130,28 @@ def _run(
     log(
         INFO,
         "fedhm-flwr: %s on %s/%s, %d rounds, outputs in %s",
-        cfg.method.name,
-        cfg.model.arch,
-        cfg.dataset.name,
-        cfg.rounds,
+        opts.method.name,
+        opts.model.arch,
+        opts.dataset.name,
+        opts.rounds,
         recorder.out_dir,
     )
-    strategy.start(
-        grid, ArrayRecord.from_torch_state_dict(state), num_rounds=int(cfg.rounds), timeout=float(cfg.timeout)
-    )
+    strategy.start(grid, ArrayRecord.from_torch_state_dict(state), num_rounds=opts.rounds, timeout=opts.timeout)
     costs = {f"{level:g}": strategy.method.level_cost(i) for i, level in enumerate(strategy.levels)}
     summary = summarize(
         recorder.rows,
         {
-            "method": cfg.method.name,
-            "model": cfg.model.arch,
-            "dataset": cfg.dataset.name,
+            "method": opts.method.name,
+            "model": opts.model.arch,
+            "dataset": opts.dataset.name,
             "levels": strategy.levels,
             "level_costs": costs,
             # what the last evaluation normalised with (final_acc/*; a running-statistics model: running_averaged)
             "bn_stats": next(
-                (r["bn_stats"] for r in reversed(recorder.rows) if "bn_stats" in r), cfg.evaluation.bn_stats
+                (r["bn_stats"] for r in reversed(recorder.rows) if "bn_stats" in r), opts.evaluation.bn_stats
             ),
             # final_deployable_acc/*: the statistics the exported models carry, or why there is no such figure
-            **deployable_label(cfg, recorder.rows[-1] if recorder.rows else {}),
+            **deployable_label(opts, recorder.rows[-1] if recorder.rows else {}),
             **(code or {}),  # code_commit, code_dirty: the code the run started with
             "wall_seconds": time.perf_counter() - t0,
             "started_at": started_at,
@@ -156,7 +163,7 @@ def _run(
         },
     )
     recorder.write_summary(summary)
-    recorder.plot(title=f"{cfg.method.name} · {cfg.model.arch} · {cfg.dataset.name}")
+    recorder.plot(title=f"{opts.method.name} · {opts.model.arch} · {opts.dataset.name}")
     log(
         INFO,
         "fedhm-flwr: done; final accuracy: server test set %s, clients %s; outputs in %s",
@@ -167,7 +174,7 @@ def _run(
     return summary
 
 
-def deployable_label(cfg: DictConfig, last: dict[str, Any]) -> dict[str, Any]:
+def deployable_label(opts: RunOptions, last: dict[str, Any]) -> dict[str, Any]:
     """``deployable_bn_stats``: the statistics behind the summary's ``final_deployable_acc/*`` (those
     the exported models carry, docs/METHODS.md#deployable-statistics), or ``not measured: <why>``."""
     if "deployable_bn_stats" in last:
@@ -175,9 +182,9 @@ def deployable_label(cfg: DictConfig, last: dict[str, Any]) -> dict[str, Any]:
     why = (
         "evaluation.where=clients: the server holds no test set (the deployment statistics are saved; "
         "fedhm export scores the exported model where the test set is)"
-        if cfg.evaluation.where == "clients"
+        if opts.evaluation.where == "clients"
         else "evaluation.deploy_stats=false: no deployment statistics after the last round"
-        if not cfg.evaluation.deploy_stats
+        if not opts.evaluation.deploy_stats
         else "the run did not reach its last round in this session"
     )
     return {"deployable_bn_stats": f"not measured: {why}"}
@@ -192,7 +199,9 @@ def main(grid: Grid, context: Context) -> None:
     if resume:
         load_checkpoint_state(resume)  # FileNotFoundError naming the folder before anything is written there
     cfg = resume_config(resume, overrides) if resume else load_config(overrides)
-    out = resume or str(run_config.get("output-dir", "") or "") or cfg.output_dir
-    out_dir = Path(out).expanduser().resolve() if out else default_output_dir(cfg)
-    OmegaConf.update(cfg, "output_dir", str(out_dir))
-    run(grid, cfg, out_dir, Path(resume).expanduser().resolve() if resume else None)
+    opts = run_options(cfg)
+    out = resume or str(run_config.get("output-dir", "") or "") or opts.output_dir
+    out_dir = Path(out).expanduser().resolve() if out else default_output_dir(opts.method.name)
+    OmegaConf.update(cfg, "output_dir", str(out_dir))  # the saved config names where the run is
+    opts = dataclasses.replace(opts, output_dir=str(out_dir))
+    run(grid, cfg, out_dir, Path(resume).expanduser().resolve() if resume else None, opts)

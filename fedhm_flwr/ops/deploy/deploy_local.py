@@ -50,7 +50,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedhm_flwr.config import ConfigError, load_config, resume_config, split_overrides
+from fedhm_flwr.config import ConfigError, load_config, resume_config, run_options, split_overrides
 from fedhm_flwr.ops.deploy.credentials import DEFAULT_SANS, create_credentials
 from fedhm_flwr.ops.deploy.loopback import LocalDeployment, node_config, parse_capability, say
 from fedhm_flwr.ops.job.launch import check_data, default_run_dir
@@ -92,10 +92,11 @@ def deploy(
         require_checkpoint(resume.resolve())  # a resume without a checkpoint is refused at once, naming the folder
     cfg = resume_config(resume, overrides) if resume is not None else load_config(overrides)
     check_data(cfg, simulation=False)  # each node checks its own shard when it first answers
-    levels = [float(x) for x in cfg.levels.ratios]
+    opts = run_options(cfg)
+    levels = list(opts.levels.ratios)
     specs = list(capabilities) if capabilities else [f"level={levels[i % len(levels)]:g}" for i in range(num_nodes)]
     caps = [parse_capability(specs[i % len(specs)]) for i in range(num_nodes)]
-    run_dir = (resume or run_dir or default_run_dir(f"{cfg.method.name}-deploy")).resolve()
+    run_dir = (resume or run_dir or default_run_dir(f"{opts.method.name}-deploy")).resolve()
     command = list(command or [*fedhm_program(), "deploy-local", "--nodes", str(num_nodes)])
     commands = Commands((*command, "--resume"), tuple(command))
     names = [f"node-{i}" for i in range(num_nodes)]

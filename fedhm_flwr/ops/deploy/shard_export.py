@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from fedhm_flwr.config import data_spec, load_config
+from fedhm_flwr.config import load_config, run_options
 from fedhm_flwr.core.errors import ConfigError, ShardError
 from fedhm_flwr.data import shards
 
@@ -37,8 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides, out = _parse_args(sys.argv[1:] if argv is None else argv)
         if not out:
             raise ConfigError("out", None, "a folder to write the shards into (out=DIR or --out DIR)")
-        cfg = load_config(overrides)
-        shards.export_shards(data_spec(cfg), out, cfg.dataset.data_dir)
+        opts = run_options(load_config(overrides))
+        shards.export_shards(opts.data_spec(), out, opts.dataset.data_dir)
     except (ConfigError, ShardError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

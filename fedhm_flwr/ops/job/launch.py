@@ -43,7 +43,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from fedhm_flwr.config import compose_config, load_config, resume_config, split_overrides
+from fedhm_flwr.config import RunOptions, compose_config, load_config, resume_config, run_options, split_overrides
 from fedhm_flwr.data.files import check_data_available
 from fedhm_flwr.ops.job.flower_job import ErrorScan, FlowerJob, run_flower_job
 from fedhm_flwr.ops.job.outcome import (
@@ -144,10 +144,11 @@ def run_job(
         check_data(compose_config(overrides))
     cfg = resume_config(resume, overrides) if resume is not None else load_config(overrides)
     check_data(cfg)  # (FedHM levels that do not shrink the model: warned by the ServerApp, which has torch)
+    opts = run_options(cfg)
     marks["checked_at"] = time.time()
     if resume is not None:
         run_dir = resume
-    run_dir = (run_dir or (Path(cfg.output_dir) if cfg.output_dir else default_run_dir(cfg.method.name))).resolve()
+    run_dir = (run_dir or (Path(opts.output_dir) if opts.output_dir else default_run_dir(opts.method.name))).resolve()
     tag = new_tag()
     with on_signals():
         try:
@@ -157,7 +158,7 @@ def run_job(
                 else:
                     require_checkpoint(run_dir)
                 with Processes(tag, keep_fds=[lock.fd] if lock.fd is not None else []) as procs:
-                    summary = _run(procs, cfg, overrides, run_dir, resume, quiet, commands, on_error, marks)
+                    summary = _run(procs, opts, overrides, run_dir, resume, quiet, commands, on_error, marks)
                 marks["cleaned_up_at"] = time.time()  # every process the job started has ended
                 (run_dir / TIMINGS_FILE).write_text(json.dumps(marks, indent=1) + "\n")
                 return summary
@@ -167,7 +168,7 @@ def run_job(
 
 def _run(
     procs: Processes,
-    cfg: DictConfig,
+    opts: RunOptions,
     overrides: list[str],
     run_dir: Path,
     resume: Path | None,
@@ -180,13 +181,13 @@ def _run(
     flwr_home = run_dir / ".flwr"
     run_config = write_run_config(flwr_home / "run_config.toml", overrides, run_dir, resume)
     federation = (
-        f'num-supernodes={int(cfg.num_clients)} backend="ray" '
-        f"client-resources-num-cpus={max(1, int(cfg.simulation.num_cpus))} "
-        f"client-resources-num-gpus={float(cfg.simulation.num_gpus)} "
+        f'num-supernodes={opts.num_clients} backend="ray" '
+        f"client-resources-num-cpus={max(1, int(opts.simulation.num_cpus))} "
+        f"client-resources-num-gpus={opts.simulation.num_gpus} "
         'init-args-logging-level="ERROR" init-args-log-to-driver=true'
     )
     # the config's cluster, else the sweep's shared Ray instance (ops/sweeps/shared_ray.py), else a private one
-    ray_address = cfg.simulation.get("ray_address") or os.environ.get(SHARED_RAY_VAR) or None
+    ray_address = opts.simulation.ray_address or os.environ.get(SHARED_RAY_VAR) or None
     env = start_simulation_superlink(procs, flwr_home, run_dir / "superlink.log", ray_address=ray_address)
     marks["superlink_ready_at"] = time.time()
     app = stage_app(flwr_home / "app")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from fedhm_flwr.config import load_config, resume_config
+from fedhm_flwr.config import load_config, resume_config, run_options
 from fedhm_flwr.ops.job.launch import default_run_dir, run_job
 from fedhm_flwr.ops.job.outcome import checkpoint_round, require_checkpoint
 from fedhm_flwr.reporting.results import METRICS_JSONL
@@ -176,15 +176,15 @@ def run_with_progress(
     ``commands``: the terms of the resume command its RunInterrupted / RunFailed carry."""
     if resume is not None:
         require_checkpoint(resume.resolve())  # refused before anything else
-    cfg = resume_config(resume, overrides) if resume is not None else load_config(overrides)
+    opts = run_options(resume_config(resume, overrides) if resume is not None else load_config(overrides))
     if resume is not None:
         run_dir = resume
-    run_dir = (run_dir or (Path(cfg.output_dir) if cfg.output_dir else default_run_dir(cfg.method.name))).resolve()
+    run_dir = (run_dir or (Path(opts.output_dir) if opts.output_dir else default_run_dir(opts.method.name))).resolve()
     out = stream or sys.stdout
     out.write(
-        f"{label}{cfg.method.name} on {cfg.model.arch}/{cfg.dataset.name}, {cfg.rounds} rounds; "
+        f"{label}{opts.method.name} on {opts.model.arch}/{opts.dataset.name}, {opts.rounds} rounds; "
         f"outputs in {run_dir} (Flower's log: flwr_run.log)\n"
     )
     done = checkpoint_round(run_dir) if resume is not None else None
-    with Follower(run_dir, int(cfg.rounds), out, label=label, done=done) as follower:
+    with Follower(run_dir, opts.rounds, out, label=label, done=done) as follower:
         return run_job(overrides, run_dir=run_dir, resume=resume, quiet=True, commands=commands, on_error=follower.say)

@@ -19,8 +19,10 @@ import sys
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 
-from fedhm_flwr.config import ConfigError, load_config, model_spec, run_options
+from fedhm_flwr.config import ConfigError, RunOptions, load_config, model_spec, run_options
+from fedhm_flwr.config.options import FedHMOptions
 from fedhm_flwr.models import build_model, count_parameters, shape_device
 from fedhm_flwr.models.matching import fedhm_level_params
 from fedhm_flwr.models.rules import select_layers
@@ -32,21 +34,25 @@ from fedhm_flwr.server.registry import STRATEGIES  # the strategies define what 
 SHAPE_ONLY = frozenset({"fedhm", "heterofl", "fedrolex", "fedavg"})
 
 
-def level_rows(overrides: list[str]) -> tuple[Any, list[dict[str, Any]]]:
+def level_rows(overrides: list[str]) -> tuple[DictConfig, list[dict[str, Any]]]:
     """(config, one dict per level: level, params, macs, payload_bytes)."""
     cfg = load_config(overrides)
-    spec = model_spec(cfg)
-    if cfg.method.name not in SHAPE_ONLY:  # payloads that depend on values
-        return cfg, _rows(cfg, spec, STRATEGIES[cfg.method.name](run_options(cfg), spec).method)
+    return cfg, table_rows(run_options(cfg), model_spec(cfg))
+
+
+def table_rows(opts: RunOptions, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """One dict per level of the run ``opts`` of the model ``spec`` (see :func:`level_rows`)."""
+    if opts.method.name not in SHAPE_ONLY:  # payloads that depend on values
+        return _rows(opts, spec, STRATEGIES[opts.method.name](opts, spec).method)
     with shape_device(spec):  # shapes only: no weight allocated, no SVD (meta; else the CPU)
-        return cfg, _rows(cfg, spec, STRATEGIES[cfg.method.name](run_options(cfg), spec).method)
+        return _rows(opts, spec, STRATEGIES[opts.method.name](opts, spec).method)
 
 
-def _rows(cfg: Any, spec: dict[str, Any], method: Method) -> list[dict[str, Any]]:
-    torch.manual_seed(int(cfg.seed))
-    state = method.initial_state(int(cfg.seed)) or build_model(spec).state_dict()  # FedLoRA/HeteroTune keep their own
+def _rows(opts: RunOptions, spec: dict[str, Any], method: Method) -> list[dict[str, Any]]:
+    torch.manual_seed(opts.seed)
+    state = method.initial_state(opts.seed) or build_model(spec).state_dict()  # FedLoRA/HeteroTune keep their own
     method.begin_round(1, state)
-    full = count_parameters(build_model(spec, spectral_init=False)) if cfg.method.name in SHAPE_ONLY else None
+    full = count_parameters(build_model(spec, spectral_init=False)) if opts.method.name in SHAPE_ONLY else None
     rows = []
     for index, level in enumerate(method.levels):
         cost = method.level_cost(index)
@@ -64,16 +70,15 @@ def _rows(cfg: Any, spec: dict[str, Any], method: Method) -> list[dict[str, Any]
     return rows
 
 
-def plan_rows(cfg: Any) -> list[dict[str, Any]] | None:
+def plan_rows(opts: RunOptions, spec: dict[str, Any]) -> list[dict[str, Any]] | None:
     """FedHM's plan: one dict per selected layer (layer, type, shape, params, ranks, level_params:
     one entry per level, rank None = full), or None for a method that factorizes nothing.
 
     A factorized layer's weight is ``A (rows × r)`` and ``B (r × cols)`` of its layer matrix
     (conv ``(n·k, m·k)``, linear ``(out, in)``): ``r · (rows + cols)`` parameters.
     """
-    spec = model_spec(cfg)
     with shape_device(spec):
-        inner = STRATEGIES[cfg.method.name](run_options(cfg), spec).method  # FedAvg of FedHM's family is a FedHM too
+        inner = STRATEGIES[opts.method.name](opts, spec).method  # FedAvg of FedHM's family is a FedHM too
         if not isinstance(inner, FedHM):
             return None
         model = build_model(spec, spectral_init=False)
@@ -96,7 +101,7 @@ def plan_rows(cfg: Any) -> list[dict[str, Any]] | None:
     return rows
 
 
-def format_plan(cfg: Any, levels: list[float], plan: list[dict[str, Any]]) -> str:
+def format_plan(levels: list[float], plan: list[dict[str, Any]]) -> str:
     """The plan as a Markdown table: a level's cell is ``full`` or ``r=<rank> (<params>)``."""
     cols = ["layer", "type", "weight shape", "full params"] + [f"g{i + 1} ({g:g})" for i, g in enumerate(levels)]
     factorized = sum(any(r is not None for r in row["ranks"]) for row in plan)
@@ -117,14 +122,14 @@ def format_plan(cfg: Any, levels: list[float], plan: list[dict[str, Any]]) -> st
     return "\n".join(lines)
 
 
-def size_warnings(cfg: Any) -> list[str]:
+def size_warnings(opts: RunOptions, spec: dict[str, Any]) -> list[str]:
     """FedHM levels that do not shrink the model: one line per level below 1 whose model is not
     strictly smaller than the full one (e.g. a rule that selects only the stem), naming the
     ``model.factorize`` keys that change it. Counted from shapes (no weight, no SVD)."""
-    if cfg.method.name != "fedhm":
+    if not isinstance(opts.method, FedHMOptions):
         return []
-    gammas = [float(g) for g in cfg.levels.ratios]
-    full, *params = fedhm_level_params(model_spec(cfg), [1.0, *gammas], cfg.method.get("rho"))
+    gammas = list(opts.levels.ratios)
+    full, *params = fedhm_level_params(spec, [1.0, *gammas], opts.method.rho)
     fix = "select more layers with model.factorize (include, exclude, types, pointwise, head, keep_first) or method.rho"
     small = [(g, p) for g, p in zip(gammas, params) if g < 1]
     if small and all(p >= full for _, p in small):
@@ -146,13 +151,10 @@ def _human(n: float) -> str:
     return f"{n:.0f}"
 
 
-def format_table(cfg: Any, rows: list[dict[str, Any]]) -> str:
-    model = (
-        f"{cfg.model.target} {dict(cfg.model.get('kwargs') or {})}"
-        if cfg.model.arch == "custom"
-        else f"{cfg.model.arch} (width {cfg.model.get('width')})"
-    )
-    head = f"method {cfg.method.name} | model {model} | dataset {cfg.dataset.name}"
+def format_table(opts: RunOptions, rows: list[dict[str, Any]]) -> str:
+    m = opts.model
+    model = f"{m.target} {dict(m.kwargs or {})}" if m.arch == "custom" else f"{m.arch} (width {m.width})"
+    head = f"method {opts.method.name} | model {model} | dataset {opts.dataset.name}"
     extra = [k for k in rows[0] if k not in ("level", "ratio", "params", "macs", "payload_bytes", "of_full")]
     cols = ["level", "ratio", "parameters", "params (M)", "of full model", "MACs / input", "payload bytes"] + extra
     lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -181,17 +183,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON rows")
     args = parser.parse_args(argv)
     try:
-        cfg, rows = level_rows(args.overrides)
+        cfg = load_config(args.overrides)
+        opts, spec = run_options(cfg), model_spec(cfg)
+        rows = table_rows(opts, spec)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(rows, indent=1) if args.json else format_table(cfg, rows))
+    print(json.dumps(rows, indent=1) if args.json else format_table(opts, rows))
     if not args.json:
-        plan = plan_rows(cfg)
+        plan = plan_rows(opts, spec)
         if plan:
             print()
-            print(format_plan(cfg, [r["ratio"] for r in rows], plan))
-    for line in size_warnings(cfg):
+            print(format_plan([r["ratio"] for r in rows], plan))
+    for line in size_warnings(opts, spec):
         print(f"warning: {line}", file=sys.stderr)
     return 0
 

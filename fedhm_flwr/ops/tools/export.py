@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 from safetensors import safe_open
 from safetensors.torch import load as load_safetensors, save as save_safetensors
 from torch import nn
 
-from fedhm_flwr.config import ConfigError, data_spec, model_spec, resume_config, run_options, to_yaml
+from fedhm_flwr.config import ConfigError, RunOptions, model_spec, resume_config, run_options, to_yaml
 from fedhm_flwr.data import class_names, client_dataset, source_info, test_dataset
 from fedhm_flwr.math.bn_stats import batch_statistics_layers, bn_sums, norm_layers
 from fedhm_flwr.math.train import evaluate
@@ -64,26 +65,32 @@ def parse_level(text: str | float, levels: list[float]) -> int:
 
 def deployable_model(
     run_dir: Path, level: str | float
-) -> tuple[Any, float, dict[str, Any], nn.Module, dict[str, Any], dict[str, str]]:
-    """(config, level, spec, model with the level's weights and fixed normalisation statistics,
-    strategy state, which statistics) from a run's checkpoint. The model predicts in eval mode
+) -> tuple[DictConfig, RunOptions, float, dict[str, Any], nn.Module, dict[str, Any], dict[str, str]]:
+    """(config, its parsed options, level, spec, model with the level's weights and fixed
+    normalisation statistics, strategy state, which statistics) from a run's checkpoint. The model predicts in eval mode
     independently of the batch (:func:`fix_statistics`); it is built by the function the run's
     final deployable accuracy is scored with (:func:`fedhm_flwr.models.deployable_network`)."""
     cfg = resume_config(run_dir)
+    opts = run_options(cfg)
     state, saved = load_checkpoint(run_dir)
-    strategy = STRATEGIES[cfg.method.name](run_options(cfg), model_spec(cfg))
+    strategy = STRATEGIES[opts.method.name](opts, model_spec(cfg))
     strategy.restore(saved)
     index = parse_level(level, strategy.levels)
     spec, level_state = strategy.method.deployable(index, state)
     sums, statistics = fix_statistics(
-        run_dir, cfg, spec, level_state, strategy.levels[index], int(saved.get("round", 0))
+        run_dir, opts, spec, level_state, strategy.levels[index], int(saved.get("round", 0))
     )
     spec, model = deployable_network(spec, level_state, sums)
-    return cfg, strategy.levels[index], spec, model, saved, statistics
+    return cfg, opts, strategy.levels[index], spec, model, saved, statistics
 
 
 def fix_statistics(
-    run_dir: Path, cfg: Any, spec: dict[str, Any], state: dict[str, torch.Tensor], level: float, checkpoint_round: int
+    run_dir: Path,
+    opts: RunOptions,
+    spec: dict[str, Any],
+    state: dict[str, torch.Tensor],
+    level: float,
+    checkpoint_round: int,
 ) -> tuple[dict[str, torch.Tensor] | None, dict[str, str]]:
     """(the sBN sums to install as the fixed normalisation statistics of ``spec``'s static norm
     layers, so that it predicts in eval mode independently of the batch, or None when it needs
@@ -118,7 +125,7 @@ def fix_statistics(
                 f"round {checkpoint_round}{examples} (sBN sums; no data left them)",
             }
     try:
-        train = client_dataset({**data_spec(cfg, 1), "scheme": "iid", "holdout": 0.0}, 0, cfg.dataset.get("data_dir"))
+        train = client_dataset({**opts.data_spec(1), "scheme": "iid", "holdout": 0.0}, 0, opts.dataset.data_dir)
     except (OSError, ValueError) as err:
         raise ConfigError(
             "run",
@@ -126,7 +133,7 @@ def fix_statistics(
             "a run whose last round saved its deployment statistics "
             f"(evaluation.deploy_stats=true), or its training data on this machine ({err})",
         ) from None
-    return bn_sums(model, train, int(cfg.evaluation.batch_size), torch.device("cpu")), {
+    return bn_sums(model, train, opts.evaluation.batch_size, torch.device("cpu")), {
         "statistics": "training_data",
         "data": f"the training set on the exporting machine ({len(train)} examples): the checkpoint of round "
         f"{checkpoint_round} holds no federated statistics",
@@ -161,18 +168,18 @@ def export_level(run_dir: str | Path, level: str | float, out: str | Path | None
     run_dir = Path(run_dir).expanduser().resolve()
     if not (run_dir / CONFIG_FILE).is_file():
         raise ConfigError("run", str(run_dir), "a run directory holding config.yaml and checkpoint/")
-    cfg, level_value, spec, model, saved, statistics = deployable_model(run_dir, level)
+    cfg, opts, level_value, spec, model, saved, statistics = deployable_model(run_dir, level)
     out_dir = Path(out).expanduser().resolve() if out else run_dir / "export" / f"level_{level_value:g}"
     blobs: dict[str, bytes] = {}  # file name -> content, written once every check has passed
     notes: list[str] = []
 
     tensors = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-    metadata = {SPEC_KEY: json.dumps(spec), "fedhm.level": f"{level_value:g}", "fedhm.method": cfg.method.name}
+    metadata = {SPEC_KEY: json.dumps(spec), "fedhm.level": f"{level_value:g}", "fedhm.method": opts.method.name}
     blobs["model.safetensors"] = save_safetensors(tensors, metadata=metadata)
     exported = _model(metadata[SPEC_KEY], load_safetensors(blobs["model.safetensors"]))  # the file, read back
 
     image = "image_size" in spec
-    test = _test_logits(cfg, exported) if image else None
+    test = _test_logits(opts, exported) if image else None
     onnx_check = None
     if image:
         program = None
@@ -211,11 +218,11 @@ def export_level(run_dir: str | Path, level: str | float, out: str | Path | None
     if image and test is None:
         notes.append("no test accuracy of the exported model: the run's test set is not on this machine")
 
-    pre = preprocessing(cfg, spec) if image else None
+    pre = preprocessing(opts, spec) if image else None
     card = {
-        "method": cfg.method.name,
-        "model": cfg.model.arch,
-        "dataset": cfg.dataset.name,
+        "method": opts.method.name,
+        "model": opts.model.arch,
+        "dataset": opts.dataset.name,
         "level": level_value,
         "checkpoint_round": int(saved.get("round", 0)),
         "parameters": count_parameters(model),
@@ -253,24 +260,24 @@ def export_level(run_dir: str | Path, level: str | float, out: str | Path | None
     return {**card, "out_dir": str(out_dir)}
 
 
-def _test_logits(cfg: Any, model: nn.Module, batch_size: int = 256) -> dict[str, Any] | None:
+def _test_logits(opts: RunOptions, model: nn.Module, batch_size: int = 256) -> dict[str, Any] | None:
     """The run's test images, labels, the exported model's logits for them and its accuracy, or
     None when the test set is not on this machine."""
     try:
-        test = test_dataset(data_spec(cfg), data_dir=cfg.dataset.get("data_dir"))
+        test = test_dataset(opts.data_spec(), data_dir=opts.dataset.data_dir)
     except (OSError, ValueError):
         return None
     images, labels = test.images, test.labels
     with torch.inference_mode():
         logits = torch.cat([model(images[i : i + batch_size]) for i in range(0, len(images), batch_size)])
     # the accuracy as the run's evaluation scores it (the summary's final_deployable_acc/level_<γ>)
-    scored = evaluate(model, test, int(cfg.evaluation.batch_size), torch.device("cpu"))
+    scored = evaluate(model, test, opts.evaluation.batch_size, torch.device("cpu"))
     return {"images": images, "labels": labels, "logits": logits, "accuracy": scored["accuracy"]}
 
 
-def preprocessing(cfg: Any, spec: dict[str, Any]) -> dict[str, Any]:
+def preprocessing(opts: RunOptions, spec: dict[str, Any]) -> dict[str, Any]:
     """What a device does to a raw image before the model: size, channels, normalisation, classes."""
-    info = source_info(data_spec(cfg), cfg.dataset.get("data_dir"))
+    info = source_info(opts.data_spec(), opts.dataset.data_dir)
     channels = int(spec["in_channels"])
     return {
         "image_size": int(spec["image_size"]),
@@ -281,7 +288,7 @@ def preprocessing(cfg: Any, spec: dict[str, Any]) -> dict[str, Any]:
         "mean": list(info.mean),
         "std": list(info.std),
         "layout": "NCHW float32, (x / 255 - mean) / std per channel",
-        "class_names": class_names(data_spec(cfg), cfg.dataset.get("data_dir")),
+        "class_names": class_names(opts.data_spec(), opts.dataset.data_dir),
     }
 
 
