@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m bench.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
-    parser.add_argument("--only", default="1,2,3,4,5,6,7,8", help="comma-separated figure numbers")
+    parser.add_argument("--only", default=",".join(FIGURES), help="comma-separated figure numbers")
     parser.add_argument("--out", type=Path, default=REPORT_DIR)
     parser.add_argument(
         "--scale-clients",
