@@ -11,9 +11,10 @@ the final statistics query). The bare loop (``python -m bench.whole_job_floor``,
 and evaluations on the same data: the job hands it only data, the partitions' indices and each round's
 (partition, level) pairs from its rows.
 
-Then the start-up a sweep pays per job: a two-job sweep of 2-round jobs (``fedhm sweep``), with one shared
-Ray instance (``FEDHM_SHARED_RAY=1``, :mod:`fedhm_flwr.ops.sweeps.shared_ray`) and with a Ray instance per job
-(the default), each job's wall time, and whether the two sweeps' final models are identical.
+Then the start-up a sweep pays per job: a two-job sweep of 2-round jobs (``fedhm sweep``) with a SuperLink and
+a Ray instance per job, with one shared SuperLink (the default, :mod:`fedhm_flwr.ops.sweeps.shared_superlink`),
+and with a shared SuperLink and Ray instance (``FEDHM_SHARED_RAY=1``, :mod:`fedhm_flwr.ops.sweeps.shared_ray`):
+each job's wall time, its SuperLink's start, and whether every sweep's final models are the first one's.
 """
 
 from __future__ import annotations
@@ -203,16 +204,25 @@ def run_whole_job(overrides: list[str], tmp: Path, name: str) -> dict[str, Any]:
     }
 
 
+#: the sweeps of the comparison: label -> (FEDHM_SHARED_SUPERLINK, FEDHM_SHARED_RAY); the first is the reference
+SWEEP_ARMS = {
+    "one SuperLink and one Ray instance per job": ("0", "0"),
+    "one shared SuperLink (the default)": ("1", "0"),
+    "one shared SuperLink and Ray instance": ("1", "1"),
+}
+
+
 def run_sweep_pair(overrides: list[str], tmp: Path) -> dict[str, Any]:
-    """A two-job sweep (seed=0,1) with a shared Ray instance and with one per job: each job's wall time
-    (its process tree's, from the launcher's marks), the sweep's, and whether the final models match."""
-    out: dict[str, Any] = {"overrides": [*overrides, "seed=0,1"], "sweeps": {}}
-    for label, switch in (("one Ray instance per job", "0"), ("one shared Ray instance", "1")):
-        sweep_dir = tmp / f"sweep-{switch}"
+    """A two-job sweep (seed=0,1) per arm of :data:`SWEEP_ARMS` (what its jobs share): each job's wall time
+    (its process tree's, from the launcher's marks), the sweep's, and whether every arm's final models are
+    those of the first arm, tensor by tensor."""
+    out: dict[str, Any] = {"overrides": [*overrides, "seed=0,1"], "sweeps": {}, "identical_final_models": True}
+    for arm, (label, (link, ray)) in enumerate(SWEEP_ARMS.items()):
+        sweep_dir = tmp / f"sweep-{arm}"
         started, ended = _spawn(
             [sys.executable, "-m", "fedhm_flwr", "sweep", *overrides, "seed=0,1", f"hydra.sweep.dir={sweep_dir}"],
-            tmp / f"sweep-{switch}.log",
-            {"FEDHM_SHARED_RAY": switch},
+            tmp / f"sweep-{arm}.log",
+            {"FEDHM_SHARED_SUPERLINK": link, "FEDHM_SHARED_RAY": ray},
         )
         jobs = []
         for job in ("job0", "job1"):
@@ -222,12 +232,14 @@ def run_sweep_pair(overrides: list[str], tmp: Path) -> dict[str, Any]:
                 {
                     "job_seconds": marks["cleaned_up_at"] - marks["launcher_started_at"],
                     "startup_seconds": summary["rounds_started_at"] - marks["launcher_started_at"],
+                    "superlink_seconds": marks["superlink_ready_at"] - marks["checked_at"],
                     "node_queries_seconds": summary["startup_seconds"],
                 }
             )
+            reference = tmp / "sweep-0" / job / "checkpoint" / "global_model.safetensors"
+            model = sweep_dir / job / "checkpoint" / "global_model.safetensors"
+            out["identical_final_models"] &= same_tensors(reference, model)
         out["sweeps"][label] = {"sweep_seconds": ended - started, "jobs": jobs}
-    a, b = (tmp / f"sweep-{s}" / "job1" / "checkpoint" / "global_model.safetensors" for s in ("0", "1"))
-    out["identical_final_models"] = same_tensors(a, b)
     return out
 
 
@@ -304,17 +316,19 @@ def whole_job_markdown(f8: dict[str, Any]) -> list[str]:
         f"**A sweep's jobs** (`fedhm sweep {' '.join(s['overrides'])}`): each job's wall time (launcher start "
         "to its clean-up), its start-up (to round 1) and its node queries (Ray starts meanwhile).",
         "",
-        "| Ray | sweep s | job 0 s (start-up, queries) | job 1 s (start-up, queries) |",
+        "| shared | sweep s | job 0 s (start-up, SuperLink, queries) | job 1 s (start-up, SuperLink, queries) |",
         "|---|---|---|---|",
     ]
     for label, r in s["sweeps"].items():
         jobs = " | ".join(
-            f"{j['job_seconds']:.1f} ({j['startup_seconds']:.1f}, {j['node_queries_seconds']:.1f})" for j in r["jobs"]
+            f"{j['job_seconds']:.1f} ({j['startup_seconds']:.1f}, {j.get('superlink_seconds', float('nan')):.1f}, "
+            f"{j['node_queries_seconds']:.1f})"
+            for j in r["jobs"]
         )
         L.append(f"| {label} | {r['sweep_seconds']:.1f} | {jobs} |")
     L += [
         "",
-        "Final models of the two sweeps identical, tensor by tensor, bit for bit: "
+        "Final models of every sweep identical to the first's, job by job, tensor by tensor, bit for bit: "
         f"**{'yes' if s['identical_final_models'] else 'NO'}**.",
         "",
     ]

@@ -168,7 +168,10 @@ def test_the_whole_job_breakdown_adds_up_to_the_jobs_wall_time_and_reaches_the_r
         "sweeps": {
             "one shared Ray instance": {
                 "sweep_seconds": 40.0,
-                "jobs": [{"job_seconds": 18.0, "startup_seconds": 8.0, "node_queries_seconds": 1.0}] * 2,
+                "jobs": [
+                    {"job_seconds": 18.0, "startup_seconds": 8.0, "superlink_seconds": 0.0, "node_queries_seconds": 1.0}
+                ]
+                * 2,
             }
         },
     }

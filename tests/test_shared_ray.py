@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from fedhm_flwr.config import load_config, run_options
 from fedhm_flwr.ops.job import launch
 from fedhm_flwr.ops.sweeps import multirun, shared_ray
 from fedhm_flwr.ops.sweeps.shared_ray import SHARED_RAY_VAR
@@ -64,7 +63,6 @@ def test_the_launcher_gives_flower_the_configured_address_else_the_shared_one(
         raise _Stop(ray_address)
 
     monkeypatch.setattr(launch, "start_simulation_superlink", superlink)
-    cfg = load_config(TINY + ([f"simulation.ray_address={configured}"] if configured else []))
     with pytest.raises(_Stop) as stop:
-        launch._run(None, run_options(cfg), [], tmp_path, None, True, launch.LAUNCH_COMMANDS)
+        launch.run_job(TINY + ([f"simulation.ray_address={configured}"] if configured else []), tmp_path / "run")
     assert stop.value.args[0] == expected

@@ -105,8 +105,11 @@ class FlowerJob:
         log_file: Path,
         echo: bool = True,
         on_error: Callable[[str], None] | None = None,
+        run_tag: str | None = None,
     ) -> None:
         self.procs, self.env, self.connection, self.log_file, self.echo = procs, env, connection, log_file, echo
+        # the tag of the processes that host the run: the job's own, or a sweep's shared SuperLink's
+        self.run_tag = run_tag or procs.tag
         self.run_id: int | None = None
         self.record_path: Path | None = None  # where the run is recorded (:data:`FLOWER_RUN_FILE`), if anywhere
         self.timed_out = False  # flwr run was killed for taking longer than its timeout
@@ -220,7 +223,7 @@ class FlowerJob:
         """Stop the run: kill the ServerApp at once (it keeps its last checkpoint and records
         nothing more), then ``flwr stop <run id>``, best effort within ``timeout`` s, so the
         SuperLink marks the run stopped. True if the SuperLink confirmed."""
-        kill_serverapp(self.procs.tag)
+        kill_serverapp(self.run_tag)
         if self.run_id is None:
             return False
         stopped = bool(self.cli("stop", str(self.run_id), timeout=timeout).get("success"))

@@ -8,7 +8,9 @@
    run is using is refused (exit 2), naming the directory and the live PID;
 3. starts a watchdog (``fedhm_flwr.ops.job.procs``) and a private SuperLink in simulation mode on a free
    loopback port, with its own ``FLWR_HOME`` inside the run directory and runtime dependency
-   installation disabled; every process started carries the job's tag;
+   installation disabled; every process started carries the job's tag. A job of a sweep joins the
+   SuperLink its sweep hands down instead (:mod:`fedhm_flwr.ops.sweeps.shared_superlink`) and stops
+   its own run's processes there when it ends;
 4. stages the app's own files (packages, Hydra tree, metadata) next to the run and runs
    ``flwr run <staged app> <connection> --stream`` with the overrides and the absolute run
    directory as run-config, and ``num-supernodes`` / client resources from the config;
@@ -74,6 +76,7 @@ from fedhm_flwr.ops.job.superlink import (
     write_run_config,
 )
 from fedhm_flwr.ops.sweeps.shared_ray import SHARED_RAY_VAR
+from fedhm_flwr.ops.sweeps.shared_superlink import HandedDown, end_run, handed_down
 from fedhm_flwr.reporting.results import refuse_existing_run
 
 #: names other modules and tests import from here (the launcher's public face)
@@ -150,15 +153,22 @@ def run_job(
         run_dir = resume
     run_dir = (run_dir or (Path(opts.output_dir) if opts.output_dir else default_run_dir(opts.method.name))).resolve()
     tag = new_tag()
+    # the config's cluster, else the sweep's shared Ray instance (ops/sweeps/shared_ray.py), else a private one
+    ray_address = opts.simulation.ray_address or os.environ.get(SHARED_RAY_VAR) or None
+    shared = handed_down(ray_address)  # the sweep's SuperLink (ops/sweeps/shared_superlink.py), if it serves it
     with on_signals():
         try:
-            with RunLock(run_dir, tag) as lock:  # before anything starts; refuses a directory in use
+            # before anything starts; refuses a directory in use. The ServerApp runs under the job's tag,
+            # or under the shared SuperLink's: both may enter
+            with RunLock(run_dir, tag, guests=(shared.tag,) if shared else ()) as lock:
                 if resume is None:
                     refuse_existing_run(run_dir)
                 else:
                     require_checkpoint(run_dir)
                 with Processes(tag, keep_fds=[lock.fd] if lock.fd is not None else []) as procs:
-                    summary = _run(procs, opts, overrides, run_dir, resume, quiet, commands, on_error, marks)
+                    summary = _run(
+                        procs, opts, overrides, run_dir, resume, quiet, commands, on_error, marks, ray_address, shared
+                    )
                 marks["cleaned_up_at"] = time.time()  # every process the job started has ended
                 (run_dir / TIMINGS_FILE).write_text(json.dumps(marks, indent=1) + "\n")
                 return summary
@@ -176,7 +186,11 @@ def _run(
     commands: Commands,
     on_error: Callable[[str], None] | None = None,
     marks: dict[str, float] | None = None,
+    ray_address: str | None = None,
+    shared: HandedDown | None = None,
 ) -> dict[str, Any]:
+    """The job's Flower side: a SuperLink (its own, or ``shared``, the sweep's), ``flwr run``, its outcome.
+    Its clients run on the Ray cluster at ``ray_address`` (None: a private Ray instance)."""
     marks = {} if marks is None else marks
     flwr_home = run_dir / ".flwr"
     run_config = write_run_config(flwr_home / "run_config.toml", overrides, run_dir, resume)
@@ -186,25 +200,39 @@ def _run(
         f"client-resources-num-gpus={opts.simulation.num_gpus} "
         'init-args-logging-level="ERROR" init-args-log-to-driver=true'
     )
-    # the config's cluster, else the sweep's shared Ray instance (ops/sweeps/shared_ray.py), else a private one
-    ray_address = opts.simulation.ray_address or os.environ.get(SHARED_RAY_VAR) or None
-    env = start_simulation_superlink(procs, flwr_home, run_dir / "superlink.log", ray_address=ray_address)
+    if shared is None:
+        env = start_simulation_superlink(procs, flwr_home, run_dir / "superlink.log", ray_address=ray_address)
+    else:
+        env = shared.connect(flwr_home)
     marks["superlink_ready_at"] = time.time()
     app = stage_app(flwr_home / "app")
     marks["app_staged_at"] = time.time()
-    job = FlowerJob(procs, env, SIMULATION_CONNECTION, run_dir / "flwr_run.log", echo=not quiet, on_error=on_error)
+    job = FlowerJob(
+        procs,
+        env,
+        SIMULATION_CONNECTION,
+        run_dir / "flwr_run.log",
+        echo=not quiet,
+        on_error=on_error,
+        run_tag=shared.tag if shared else None,
+    )
+    ended = False
     try:
-        return run_flower_job(
+        summary = run_flower_job(
             job,
             app,
             run_config,
             run_dir,
             ["--federation-config", federation],
-            see=f" and {run_dir}/superlink.log",
+            see=f" and {run_dir}/superlink.log" if shared is None else "",
             commands=commands,
         )
+        ended = True
+        return summary
     finally:
         marks.update(job.marks)
+        if shared is not None:  # the run's processes on the shared SuperLink are this job's to stop
+            end_run(shared.tag, settle=10.0 if ended else 0.0)
 
 
 def main(argv: list[str] | None = None) -> int:

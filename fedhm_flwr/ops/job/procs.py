@@ -152,19 +152,26 @@ def kill_serverapp(tag: str, timeout: float = 3.0) -> list[int]:
     return pids
 
 
-def kill_tagged(tag: str, grace: float = 3.0, settle: float = 0.0, limit: float = 30.0) -> list[int]:
+def kill_tagged(
+    tag: str, grace: float = 3.0, settle: float = 0.0, limit: float = 30.0, spare: Sequence[str] = ()
+) -> list[int]:
     """Stop every tagged process: the ServerApp first (:func:`kill_serverapp`), then SIGTERM to
     the rest and SIGKILL to each one still there ``grace`` s later; returns what was found.
 
     ``settle`` > 0 first waits up to that long for tagged processes to exit on their own (a
     detached SuperExec notices its SuperLink is gone). Scans until none is left (a dying tree
-    can still spawn: Ray restarts workers), for at most ``limit`` s."""
+    can still spawn: Ray restarts workers), for at most ``limit`` s. Processes running a command named
+    in ``spare`` are left alone (a sweep's shared SuperLink, :mod:`fedhm_flwr.ops.sweeps.shared_superlink`)."""
+
+    def scan() -> list[int]:
+        return [p for p in tagged_pids(tag) if not spare or command_name(p) not in spare]
+
     found = kill_serverapp(tag)
     end = time.monotonic() + settle
-    pids = tagged_pids(tag)
+    pids = scan()
     while pids and time.monotonic() < end:
         time.sleep(0.2)
-        pids = tagged_pids(tag)
+        pids = scan()
     termed: dict[int, float] = {}
     end = time.monotonic() + limit
     while pids and time.monotonic() < end:
@@ -176,7 +183,7 @@ def kill_tagged(tag: str, grace: float = 3.0, settle: float = 0.0, limit: float 
             elif now - termed[pid] > grace:
                 _signal_all([pid], signal.SIGKILL)
         time.sleep(0.1)
-        pids = tagged_pids(tag)
+        pids = scan()
     return sorted({*found, *termed})
 
 

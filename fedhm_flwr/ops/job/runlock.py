@@ -28,13 +28,16 @@ class RunLock:
     every descriptor of it is closed, i.e. when the holder (and the watchdog it handed the
     descriptor to) has exited: a lock file left by a dead process never blocks. A process of the
     holder's own job (same ``FEDHM_RUN_TAG`` in its environment, e.g. the ServerApp started by
-    the launcher) is let in without locking: ``RunLock(out_dir, tag=os.environ.get(TAG_VAR))``.
+    the launcher) is let in without locking: ``RunLock(out_dir, tag=os.environ.get(TAG_VAR))``; so is
+    one carrying a tag the holder names in ``guests`` (the ServerApp a sweep's shared SuperLink starts
+    for the job holding the lock, :mod:`fedhm_flwr.ops.sweeps.shared_superlink`).
     """
 
-    def __init__(self, run_dir: str | Path, tag: str | None = None) -> None:
+    def __init__(self, run_dir: str | Path, tag: str | None = None, guests: tuple[str, ...] = ()) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_FILE
         self.tag = tag
+        self.guests = guests
         self.fd: int | None = None
 
     def holder(self) -> dict[str, Any]:
@@ -51,7 +54,7 @@ class RunLock:
         except BlockingIOError:
             os.close(fd)
             holder = self.holder()
-            if self.tag and holder.get("tag") == self.tag:
+            if self.tag and (holder.get("tag") == self.tag or self.tag in (holder.get("guests") or [])):
                 return self  # the run's own launcher holds it
             pid = holder.get("pid")
             if isinstance(pid, int) and alive(pid):
@@ -64,7 +67,7 @@ class RunLock:
                 "or choose another run directory"
             ) from None
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "tag": self.tag}).encode())
+        os.write(fd, json.dumps({"pid": os.getpid(), "tag": self.tag, "guests": list(self.guests)}).encode())
         self.fd = fd
         return self
 

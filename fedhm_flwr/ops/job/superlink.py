@@ -132,11 +132,12 @@ def start_superlink(
     supernode_auth: bool = False,
     cwd: Path | None = None,
     timeout: float = 60,
+    wait: bool = True,
 ) -> subprocess.Popen[bytes]:
     """``flower-superlink`` on ``127.0.0.1:port`` (all its APIs), runtime dependency installation
     disabled, started through ``procs`` (tagged, own session); returns once its ``/health`` answers
-    (over TLS, checking its certificate against ``tls.ca``). ``simulation``: Flower's simulation
-    engine in a subprocess; ``supernode_auth``: only registered SuperNode keys may connect."""
+    (:func:`await_health`), or at once without ``wait``. ``simulation``: Flower's simulation engine in a
+    subprocess; ``supernode_auth``: only registered SuperNode keys may connect."""
     cmd = [bin_path("flower-superlink")]
     if tls is None:
         cmd.append("--insecure")
@@ -156,11 +157,27 @@ def start_superlink(
         "--disable-runtime-dependency-installation",
     ]
     proc = procs.start("superlink", cmd, env, log_file, cwd=cwd)
+    if wait:
+        await_health(port, log_file, tls=tls, proc=proc, timeout=timeout)
+    return proc
+
+
+def await_health(
+    port: int,
+    log_file: Path,
+    *,
+    tls: Tls | None = None,
+    proc: subprocess.Popen[bytes] | None = None,
+    timeout: float = 60,
+) -> None:
+    """Return once the SuperLink on ``127.0.0.1:port`` answers ``/health`` (over TLS, checking its
+    certificate against ``tls.ca``); raises, with the end of its log, when it does not within ``timeout`` s
+    or when ``proc`` (the SuperLink, where this process started it) ends first."""
     context = ssl.create_default_context(cafile=str(tls.ca)) if tls is not None else None
     url = f"{'https' if tls is not None else 'http'}://127.0.0.1:{port}/health"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise RuntimeError(
                 f"flower-superlink ended during its start ({exit_status(proc.returncode)}); the last "
                 f"lines of {log_file}:\n{log_tail(log_file)}"
@@ -168,7 +185,7 @@ def start_superlink(
         try:
             with urllib.request.urlopen(url, timeout=2, context=context) as r:
                 if r.status == 200:
-                    return proc
+                    return
         except OSError:
             time.sleep(0.3)
     raise RuntimeError(f"flower-superlink not ready in {timeout:.0f} s:\n{log_tail(log_file)}")
@@ -205,13 +222,27 @@ def superlink_env(flwr_home: Path, port: int, ray_address: str | None = None) ->
     return env
 
 
-def start_simulation_superlink(
-    procs: Processes, flwr_home: Path, log_file: Path, timeout: float = 60, ray_address: str | None = None
-) -> dict[str, str]:
-    """A private simulation SuperLink on a free loopback port; returns the CLI's environment.
-    Its simulations run their clients on the Ray cluster at ``ray_address`` (see :func:`superlink_env`)."""
-    port = free_port()
+def connect_simulation_superlink(flwr_home: Path, port: int) -> dict[str, str]:
+    """The CLI's environment for the simulation SuperLink on ``127.0.0.1:port``: its ``config.toml``
+    in ``flwr_home`` names it as :data:`SIMULATION_CONNECTION`."""
     write_connection(flwr_home, SIMULATION_CONNECTION, f"127.0.0.1:{port}")
+    return superlink_env(flwr_home, port)
+
+
+def start_simulation_superlink(
+    procs: Processes,
+    flwr_home: Path,
+    log_file: Path,
+    timeout: float = 60,
+    ray_address: str | None = None,
+    port: int | None = None,
+    wait: bool = True,
+) -> dict[str, str]:
+    """A simulation SuperLink on ``port`` (default: a free loopback port); returns the CLI's environment
+    once it answers (at once without ``wait``: :func:`await_health` then waits for it).
+    Its simulations run their clients on the Ray cluster at ``ray_address`` (see :func:`superlink_env`)."""
+    port = port or free_port()
+    connect_simulation_superlink(flwr_home, port)
     env = superlink_env(flwr_home, port, ray_address)
-    start_superlink(procs, port, flwr_home / "state.db", env, log_file, simulation=True, timeout=timeout)
+    start_superlink(procs, port, flwr_home / "state.db", env, log_file, simulation=True, timeout=timeout, wait=wait)
     return env

@@ -28,6 +28,11 @@ from fedhm_flwr.config import ConfigError, split_overrides
 from fedhm_flwr.ops.job.outcome import fedhm_program
 from fedhm_flwr.ops.job.signals import SIGNALS
 from fedhm_flwr.ops.sweeps.shared_ray import SHARED_RAY_VAR, enabled as shared_ray_enabled, shared_ray
+from fedhm_flwr.ops.sweeps.shared_superlink import (
+    SHARED_SUPERLINK_VAR,
+    enabled as shared_superlink_enabled,
+    shared_superlink,
+)
 from fedhm_flwr.reporting.summary import main as summary_main
 
 #: `fedhm compare` (`make compare`): the baselines on the same work, every method on every seed,
@@ -126,6 +131,24 @@ def sweep_ray(overrides: list[str]) -> Iterator[dict[str, str]]:
         yield {SHARED_RAY_VAR: address}
 
 
+@contextlib.contextmanager
+def sweep_services(overrides: list[str]) -> Iterator[dict[str, str]]:
+    """What the jobs of a sweep (or of every sweep of a comparison) share, started here and stopped when
+    the block ends: the environment handing it down. A Ray instance where :func:`sweep_ray` says so; one
+    SuperLink (:mod:`fedhm_flwr.ops.sweeps.shared_superlink`) unless ``FEDHM_SHARED_SUPERLINK=0``, the
+    overrides name ``simulation.ray_address`` or a Hydra launcher (jobs side by side), or one is handed down."""
+    with sweep_ray(overrides) as ray_env:
+        if (
+            not shared_superlink_enabled()
+            or os.environ.get(SHARED_SUPERLINK_VAR)
+            or any(_key(o) in ("simulation.ray_address", "hydra/launcher") for o in overrides)
+        ):
+            yield ray_env
+            return
+        with shared_superlink(ray_env.get(SHARED_RAY_VAR) or os.environ.get(SHARED_RAY_VAR) or None) as link_env:
+            yield {**ray_env, **link_env}
+
+
 def _sweep_continuation(sweep_dir: Path) -> list[str]:
     """The overrides that run the sweep stored in ``sweep_dir`` again, into the same directory:
     its task overrides and its Hydra overrides (launcher, ...) from Hydra's ``multirun.yaml``."""
@@ -165,10 +188,10 @@ def cmd_sweep(argv: list[str], parser: argparse.ArgumentParser) -> int:
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        with sweep_ray(overrides) as ray_env:
-            return _hydra_sweep(overrides, {CONTINUE_VAR: "1", **ray_env})
-    with sweep_ray(argv) as ray_env:
-        return _hydra_sweep(argv, ray_env)
+        with sweep_services(overrides) as shared:
+            return _hydra_sweep(overrides, {CONTINUE_VAR: "1", **shared})
+    with sweep_services(argv) as shared:
+        return _hydra_sweep(argv, shared)
 
 
 def _key(override: str) -> str:
@@ -260,8 +283,8 @@ def cmd_compare(argv: list[str], parser: argparse.ArgumentParser) -> int:
         )
     print(f"fedhm compare: {matched}, seeds {seeds}, {len(sweeps)} sweep(s), outputs in {root}", flush=True)
     again = {CONTINUE_COMMAND_VAR: shlex.join([*fedhm_program(), "compare", "--continue", root])}
-    with sweep_ray([o for overrides in sweeps for o in overrides]) as ray_env:  # one Ray instance for every sweep
-        code = _compare_sweeps(sweeps, args.cont is not None, {**again, **ray_env})
+    with sweep_services([o for overrides in sweeps for o in overrides]) as shared:  # for every sweep
+        code = _compare_sweeps(sweeps, args.cont is not None, {**again, **shared})
     if code != 0:
         return code
     code = summary_main([root, "--out", root, "--reference", "fedhm"])

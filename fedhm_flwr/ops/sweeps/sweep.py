@@ -10,9 +10,11 @@ multirun ends, the :class:`SweepSummary` callback collects every job into ``summ
 ``summary.csv``, plots, and the statistics over seeds (``seed=0,1,2`` sweeps the seed like any
 key), in the sweep directory (``python -m fedhm_flwr.reporting.summary`` does the same on demand).
 
-Jobs run one after another (Hydra's basic launcher). Each job starts its own SuperLink on free ports;
-with ``FEDHM_SHARED_RAY=1``, the jobs of ``fedhm sweep`` / ``fedhm compare`` share one Ray instance
-(:mod:`fedhm_flwr.ops.sweeps.shared_ray`, handed down in ``FEDHM_SHARED_RAY_ADDRESS``), else each starts its own.
+Jobs run one after another (Hydra's basic launcher). Under ``fedhm sweep`` / ``fedhm compare`` they share
+one SuperLink (:mod:`fedhm_flwr.ops.sweeps.shared_superlink`, handed down in ``FEDHM_SHARED_SUPERLINK_ADDRESS``;
+``FEDHM_SHARED_SUPERLINK=0``: each starts its own on free ports); with ``FEDHM_SHARED_RAY=1`` also one Ray
+instance (:mod:`fedhm_flwr.ops.sweeps.shared_ray`, handed down in ``FEDHM_SHARED_RAY_ADDRESS``), else each
+starts its own.
 Jobs may also run side by side with a parallel Hydra launcher (see the README).
 """
 
