@@ -1,13 +1,13 @@
 """One Ray instance for all the jobs of a sweep or a comparison (``fedhm sweep``, ``fedhm compare``).
 
-Every job of a sweep starts its own SuperLink and, without this, its own Ray instance: seconds of
-start-up per job (bench figure 8 measures both). :func:`shared_ray` starts one local Ray instance
-for the whole sweep in a supervisor process (``python -m fedhm_flwr.ops.sweeps.ray_supervisor``: ``ray.init``,
-then it waits), hands its address to the jobs in :data:`SHARED_RAY_VAR` (the launcher passes it on
-as ``simulation.ray_address`` does; an address set in the config wins) and stops it at the end,
-also on failure or Ctrl-C: the supervisor is ended by its own process id (its ``ray.shutdown``
-stops the Ray processes it started, and only those), and it also ends when the sweep's process
-dies (``PR_SET_PDEATHSIG``) or its stdin closes.
+Every job of a sweep starts, without this, its own Ray instance (its SuperLink is the sweep's,
+:mod:`fedhm_flwr.ops.sweeps.shared_superlink`): seconds of start-up per job (bench figure 8 measures both).
+:func:`shared_ray` starts one local Ray instance for the whole sweep in a supervisor process (``python -m
+fedhm_flwr.ops.sweeps.ray_supervisor``: ``ray.init``, then it waits), hands its address to the jobs in
+:data:`SHARED_RAY_VAR` (the launcher passes it on as ``simulation.ray_address`` does; an address set in the
+config wins) and stops it at the end, also on failure or Ctrl-C: the supervisor is ended by its own process id
+(its ``ray.shutdown`` stops the Ray processes it started, and only those), and it also ends when the sweep's
+process dies (``PR_SET_PDEATHSIG``) or its stdin closes.
 
 Off unless ``FEDHM_SHARED_RAY=1``: in bench figure 8 (a two-job sweep of 2-round jobs) it saved
 5-8 s of each job's start-up but not the sweep's wall time. A job's final model is the same, tensor

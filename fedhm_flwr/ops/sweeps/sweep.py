@@ -3,7 +3,7 @@
     python -m fedhm_flwr.ops.sweeps.sweep -m levels.ratios=[1,0.5,0.25,0.125],[1,0.25] method.tau=1,inf
 
 Each job validates its configuration, then runs exactly what ``python -m fedhm_flwr.ops.job.launch``
-runs (a private SuperLink, ``flwr run``, a status check, cleanup), writing its outputs into its
+runs (``flwr run`` on the sweep's SuperLink or its own, a status check, cleanup), writing its outputs into its
 Hydra job directory (``outputs/multirun/<date>/<time>/job<N>/``), Flower's output into the job's
 ``flwr_run.log``, a progress line per job on the console (:mod:`fedhm_flwr.ops.job.progress`). When the
 multirun ends, the :class:`SweepSummary` callback collects every job into ``summary.md``,
