@@ -3,23 +3,49 @@ Ray cluster of two nodes are the jobs of the sweep in tests/test_sweep.py (slow)
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
 import pytest
 
-from fedhm_flwr.ops.job.launch import free_port
 from fedhm_flwr.ops.job.procs import Processes
 
 RAY = str(Path(sys.executable).parent / "ray")
 
 
+#: every port handed to a ``ray start`` of this session (one node's worker ports are not bound until its
+#: workers start: another node must not be given them)
+_GIVEN: set[int] = set()
+
+
+def distinct_ports(n: int, taken: set[int]) -> list[int]:
+    """``n`` free loopback ports, distinct from each other, from ``taken`` and from every port given before
+    (``free_port`` closes its socket at once, so two calls may return the same port: here every socket stays
+    bound until all ``n`` are found)."""
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            held.append(s)
+            port = int(s.getsockname()[1])
+            if port not in taken and port not in _GIVEN:
+                ports.append(port)
+    finally:
+        for s in held:
+            s.close()
+    _GIVEN.update(ports)
+    return ports
+
+
 def ray_start(procs: Processes, temp_dir: str, *args: str) -> None:
-    """``ray start`` one node of the test's cluster: every port its own free one, its workers' too
-    (other sessions on this machine may run Ray too: with Ray's default worker range a worker can
+    """``ray start`` one node of the test's cluster: every port its own free one, its workers' too, all
+    distinct (other sessions on this machine may run Ray too: with Ray's default worker range a worker can
     find its port taken by another instance's, crash, and hold the job up for a minute), CPU count 1,
     its files under ``temp_dir``."""
-    ports = [
+    flags = [
         "--dashboard-agent-listen-port",
         "--dashboard-agent-grpc-port",
         "--runtime-env-agent-port",
@@ -34,12 +60,12 @@ def ray_start(procs: Processes, temp_dir: str, *args: str) -> None:
         "--disable-usage-stats",
         *args,
     ]
-    for flag in ports:
-        cmd += [flag, str(free_port())]
-    workers: set[int] = set()
-    while len(workers) < 16:
-        workers.add(free_port())
-    cmd.append(f"--worker-port-list={','.join(map(str, sorted(workers)))}")
+    named = {int(a.rsplit("=", 1)[1]) for a in args if a.rsplit("=", 1)[-1].isdigit()}
+    _GIVEN.update(named)
+    ports = distinct_ports(len(flags) + 16, named)
+    for flag, port in zip(flags, ports):
+        cmd += [flag, str(port)]
+    cmd.append(f"--worker-port-list={','.join(map(str, sorted(ports[len(flags) :])))}")
     env = {**procs.env(), "RAY_USAGE_STATS_ENABLED": "0"}
     done = procs.run(cmd, env, timeout=90)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

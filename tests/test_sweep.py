@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-from test_ray_cluster import RAY, ray_start
+from test_ray_cluster import RAY, distinct_ports, ray_start
 
-from fedhm_flwr.ops.job.launch import free_port
 from fedhm_flwr.ops.job.procs import Processes, tagged_pids
 from fedhm_flwr.reporting.summary import write_summary
 
@@ -34,7 +33,7 @@ def test_a_sweep_on_a_two_node_ray_cluster_has_one_row_per_job(tmp_path):
     if not Path(RAY).exists():
         pytest.skip("no `ray` executable next to this Python")
     temp_dir = tempfile.mkdtemp(prefix="fedhm-ray-", dir="/tmp")  # short: Ray's socket paths must fit
-    gcs = free_port()
+    gcs, dashboard, client_server = distinct_ports(3, set())
     procs = Processes()  # the cluster's processes carry this tag: stopped by it, and only they
     sweep_dir = tmp_path / "sweep"
     try:
@@ -44,8 +43,8 @@ def test_a_sweep_on_a_two_node_ray_cluster_has_one_row_per_job(tmp_path):
             "--head",
             f"--port={gcs}",
             "--include-dashboard=false",
-            f"--dashboard-port={free_port()}",
-            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-port={dashboard}",
+            f"--ray-client-server-port={client_server}",
         )
         ray_start(procs, temp_dir, f"--address=127.0.0.1:{gcs}")
         cmd = [
