@@ -80,9 +80,10 @@ def stat_field(pid: int, index: int) -> int | None:
         return None
 
 
-def tagged_pids(tag: str) -> list[int]:
+def tagged_pids(tag: str, spare: Sequence[str] = ()) -> list[int]:
     """Live processes of the job ``tag`` (Linux ``/proc``; else []): those whose environment carries
-    ``FEDHM_RUN_TAG=<tag>``, and every process in a session one of them was seen in.
+    ``FEDHM_RUN_TAG=<tag>``, and every process in a session one of them was seen in; but those running a
+    command named in ``spare`` (:func:`command_name`).
 
     The sessions matter because a process may overwrite its environment block: Ray's agents and
     workers set their process title (``ray::DashboardAgent``) over it. Every session a tagged
@@ -113,7 +114,7 @@ def tagged_pids(tag: str) -> list[int]:
         else:
             others[pid] = sid
     found |= {pid for pid, sid in others.items() if sid in sessions}
-    return sorted(found)
+    return sorted(pid for pid in found if not spare or command_name(pid) not in spare)
 
 
 def _signal_all(pids: Sequence[int], sig: int) -> None:
@@ -162,16 +163,12 @@ def kill_tagged(
     detached SuperExec notices its SuperLink is gone). Scans until none is left (a dying tree
     can still spawn: Ray restarts workers), for at most ``limit`` s. Processes running a command named
     in ``spare`` are left alone (a sweep's shared SuperLink, :mod:`fedhm_flwr.ops.sweeps.shared_superlink`)."""
-
-    def scan() -> list[int]:
-        return [p for p in tagged_pids(tag) if not spare or command_name(p) not in spare]
-
     found = kill_serverapp(tag)
     end = time.monotonic() + settle
-    pids = scan()
+    pids = tagged_pids(tag, spare)
     while pids and time.monotonic() < end:
         time.sleep(0.2)
-        pids = scan()
+        pids = tagged_pids(tag, spare)
     termed: dict[int, float] = {}
     end = time.monotonic() + limit
     while pids and time.monotonic() < end:
@@ -183,7 +180,7 @@ def kill_tagged(
             elif now - termed[pid] > grace:
                 _signal_all([pid], signal.SIGKILL)
         time.sleep(0.1)
-        pids = scan()
+        pids = tagged_pids(tag, spare)
     return sorted({*found, *termed})
 
 

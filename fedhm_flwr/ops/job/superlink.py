@@ -242,7 +242,7 @@ def start_simulation_superlink(
     once it answers (at once without ``wait``: :func:`await_health` then waits for it).
     Its simulations run their clients on the Ray cluster at ``ray_address`` (see :func:`superlink_env`)."""
     port = port or free_port()
-    connect_simulation_superlink(flwr_home, port)
+    write_connection(flwr_home, SIMULATION_CONNECTION, f"127.0.0.1:{port}")
     env = superlink_env(flwr_home, port, ray_address)
     start_superlink(procs, port, flwr_home / "state.db", env, log_file, simulation=True, timeout=timeout, wait=wait)
     return env

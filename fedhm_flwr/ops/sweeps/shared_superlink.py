@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedhm_flwr.ops.job.procs import Processes, command_name, kill_tagged, tagged_pids
+from fedhm_flwr.ops.job.procs import Processes, kill_tagged, tagged_pids
 from fedhm_flwr.ops.job.superlink import (
     await_health,
     connect_simulation_superlink,
@@ -93,7 +93,7 @@ def handed_down(ray_address: str | None, environ: dict[str, str] | None = None) 
 def run_pids(tag: str) -> list[int]:
     """The processes of the run on the shared SuperLink ``tag``: every tagged one but the SuperLink and
     its SuperExec (in a sweep whose jobs run one after another, they are the running job's)."""
-    return [pid for pid in tagged_pids(tag) if command_name(pid) not in SUPERLINK_COMMANDS]
+    return tagged_pids(tag, SUPERLINK_COMMANDS)
 
 
 def end_run(tag: str, settle: float = 10.0) -> list[int]:
