@@ -69,10 +69,11 @@ def test_a_diverged_model_ends_with_exit_1_and_a_hint(tmp_path):
     # a loss recorded as not finite (metrics.jsonl writes NaN as null)
     _run_dir(tmp_path, [_row(1, **{"loss/global": None})])
     assert judge(tmp_path).problem.startswith("the model diverged: loss/global is not finite in round 1")
-    # refusals of another kind in a round do not say divergence; under an attack refusals are expected
+    # refusals of another kind in a round do not say divergence (but that no node trained there);
+    # under an attack refusals are expected
     other = json.dumps([["p1", "num-examples 900 exceeds the 30 training examples"]])
     _run_dir(tmp_path, [_row(1), _row(2, replies=0, rejected=1, failure_reasons=other)])
-    assert judge(tmp_path).problem is None
+    assert judge(tmp_path).problem.startswith("no node trained in round 2 (4 sampled, 1 refused)")
     attacked = _run_dir(tmp_path, rows, "dataset=cifar10 failures.attack.kind=malformed failures.attack.fraction=0.5")
     assert final_line(attacked)[0] == 0
 

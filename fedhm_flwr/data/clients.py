@@ -10,42 +10,11 @@ import numpy as np
 import torch
 
 from fedhm_flwr.data import text
-from fedhm_flwr.data.cache import readonly
 from fedhm_flwr.data.catalog import EXTERNAL_DATASETS
-from fedhm_flwr.data.partitioning import (
-    STREAM_TEST_SUBSET,
-    STREAM_TRAIN_SUBSET,
-    holdout_split,
-    partition,
-    seeded_subset,
-)
-from fedhm_flwr.data.sources import source_arrays, source_info
+from fedhm_flwr.data.partitioning import STREAM_TEST_SUBSET, holdout_split, seeded_subset
+from fedhm_flwr.data.sources import partition_indices, source_arrays, source_info
 from fedhm_flwr.data.spec import check_client_split, check_data_spec, check_partition_id
 from fedhm_flwr.data.tensors import ImageTensorDataset, image_dataset, to_normalised_tensor
-
-
-def partition_indices(data_spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = None) -> list[np.ndarray]:
-    """Indices into the *full* training arrays, one sorted array per partition.
-
-    Applies ``max_train_examples`` (seeded subset) first, then :func:`partition`.
-    """
-    spec = check_data_spec(data_spec)
-    _, labels = source_arrays(spec, "train", data_dir)
-    subset = seeded_subset(len(labels), spec["max_train_examples"], spec["seed"], STREAM_TRAIN_SUBSET)
-    sub_labels = labels if subset is None else labels[subset]
-    parts = partition(
-        sub_labels,
-        spec["num_partitions"],
-        spec["scheme"],
-        spec["seed"],
-        alpha=spec["alpha"],
-        classes_per_partition=spec["classes_per_partition"],
-        class_assignment=spec["class_assignment"],
-        min_partition_size=spec["min_partition_size"],
-    )
-    if subset is None:
-        return parts
-    return [readonly(subset[p]) for p in parts]
 
 
 def client_indices(

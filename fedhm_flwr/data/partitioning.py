@@ -1,4 +1,5 @@
-"""Partitions (flwr-datasets' partitioners), seeded subsets and the per-partition held-out split."""
+"""Partitions (flwr-datasets' partitioners), seeded subsets and the per-partition held-out split; the
+check that a run's nodes can each be given a partition (:func:`partition_problem`)."""
 
 from __future__ import annotations
 
@@ -155,10 +156,9 @@ def partition(
     except ValueError as exc:
         if scheme == "dirichlet":
             raise ValueError(
-                f"partition.alpha={alpha} with partition.num_partitions={n} could not "
-                f"give every partition >= {min_size} examples (min_partition_size) "
-                f"in 10 tries; raise alpha, lower num_partitions or "
-                f"min_partition_size ({exc})"
+                f"partition.alpha={alpha:g} could not give each of {n} partitions at least {min_size} "
+                f"of {len(labels)} examples in 10 tries: raise partition.alpha, use fewer partitions "
+                "(num_clients) or more examples"
             ) from exc
         raise
     if not all(isinstance(r, np.ndarray) for r in rows):  # pragma: no cover
@@ -171,6 +171,52 @@ def partition(
     with LOCK:
         PARTITION_CACHE[key] = out
     return list(out)
+
+
+def subset_partition(labels: np.ndarray, spec: dict[str, Any]) -> list[np.ndarray]:
+    """The partitions of a validated data spec over a whole training split's ``labels``, as every node
+    computes them: the seeded subset (``max_train_examples``) first, then :func:`partition`; one sorted,
+    read-only array of indices into ``labels`` per partition."""
+    subset = seeded_subset(len(labels), spec["max_train_examples"], spec["seed"], STREAM_TRAIN_SUBSET)
+    sub_labels = labels if subset is None else labels[subset]
+    parts = partition(
+        sub_labels,
+        spec["num_partitions"],
+        spec["scheme"],
+        spec["seed"],
+        alpha=spec["alpha"],
+        classes_per_partition=spec["classes_per_partition"],
+        class_assignment=spec["class_assignment"],
+        min_partition_size=spec["min_partition_size"],
+    )
+    return parts if subset is None else [readonly(subset[p]) for p in parts]
+
+
+def partition_problem(labels: np.ndarray, spec: dict[str, Any]) -> str | None:
+    """Why the nodes of a validated data spec cannot each be given a partition holding an example
+    (:func:`subset_partition` fails, or leaves a partition empty); None when they can."""
+    try:
+        parts = subset_partition(labels, spec)
+    except ValueError as exc:
+        return str(exc)
+    empty = [pid for pid, part in enumerate(parts) if len(part) == 0]
+    if empty:
+        return f"{len(empty)} of the {len(parts)} partitions would hold no example (partition-id {empty[0]} first)"
+    return None
+
+
+def most_partitions(labels: np.ndarray, spec: dict[str, Any]) -> int | None:
+    """The largest number of partitions below ``spec["num_partitions"]`` that :func:`partition_problem`
+    accepts, searched by halving (the partitioners' outcome grows worse with the count); None when
+    not even one partition can be made."""
+    lo, hi = 0, spec["num_partitions"] - 1  # lo: known to work (0: none yet); hi: the largest untried
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if partition_problem(labels, {**spec, "num_partitions": mid}) is None:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo or None
 
 
 def seeded_subset(n: int, k: int, seed: int, stream: int) -> np.ndarray | None:

@@ -1,7 +1,9 @@
 """What a data source reads, whichever it is: :func:`dataset_info`, :func:`load_arrays`, which reads a
 whole split of a built-in dataset (``idx``, ``cifar``), and :func:`source_arrays` /
 :func:`source_info` / :func:`class_names`, which do the same from a data spec, for the built-in
-datasets and the folder sources (``imagefolder``, ``hf_disk``) alike. The facts themselves are in
+datasets and the folder sources (``imagefolder``, ``hf_disk``) alike; the nodes' partitions of a
+spec (:func:`partition_indices`) and the launcher's check that they can be made
+(:func:`check_partitions`). The facts themselves are in
 :mod:`fedhm_flwr.data.catalog`, the caches in :mod:`fedhm_flwr.data.cache`."""
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from fedhm_flwr.core.errors import ConfigError
 from fedhm_flwr.data import hf_disk, imagefolder
 from fedhm_flwr.data.cache import ARRAY_CACHE, INFO_CACHE, LOCK, readonly
 from fedhm_flwr.data.catalog import (
@@ -28,6 +31,7 @@ from fedhm_flwr.data.cifar import load_cifar
 from fedhm_flwr.data.files import DATA_DIR_ENV
 from fedhm_flwr.data.idx import load_fashion_mnist
 from fedhm_flwr.data.layouts import folder_source_layout
+from fedhm_flwr.data.partitioning import most_partitions, partition_problem, subset_partition
 from fedhm_flwr.data.spec import SOURCE_DEFAULTS, check_data_spec
 
 __all__ = [
@@ -36,9 +40,11 @@ __all__ = [
     "EXTERNAL_DATASETS",
     "SPLITS",
     "DatasetInfo",
+    "check_partitions",
     "class_names",
     "dataset_info",
     "load_arrays",
+    "partition_indices",
     "source_arrays",
     "source_info",
 ]
@@ -183,3 +189,56 @@ def class_names(spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = 
         names = getattr(layout["features"].get(spec["label_column"]), "names", None)  # hf_disk: a ClassLabel's
         return [str(c) for c in names] if names else None
     return list(CLASS_NAMES[name]) if name in CLASS_NAMES else None
+
+
+# --------------------------------------------------------------------------- the nodes' partitions
+
+
+def partition_indices(data_spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = None) -> list[np.ndarray]:
+    """Indices into the *full* training arrays, one sorted array per partition, as every node
+    computes them (:func:`~fedhm_flwr.data.partitioning.subset_partition`: ``max_train_examples``'
+    seeded subset first, then the partitioner)."""
+    spec = check_data_spec(data_spec)
+    return subset_partition(source_arrays(spec, "train", data_dir)[1], spec)
+
+
+def check_partitions(data_spec: dict[str, Any]) -> None:
+    """Refuse, before a simulation starts, data its nodes cannot learn from: a dataset of fewer than
+    2 classes, and partitions that cannot be made from the examples and nodes given, computed as the
+    simulated nodes compute them (:func:`partition_indices`, on the data they read). One
+    :class:`~fedhm_flwr.core.errors.ConfigError` naming the fields and what would be allowed. The
+    text datasets are not checked here (their labels come with the tokenizer's torch module)."""
+    spec = check_data_spec(data_spec)
+    name = spec["name"]
+    if name in EXTERNAL_DATASETS:
+        return
+    classes = dataset_info(name, spec)["num_classes"]
+    if classes < 2:
+        field, value, what = (
+            ("dataset.label_column", spec["label_column"], "distinct labels")
+            if name == "hf_disk"
+            else ("dataset.path", spec["path"], "class sub-folders")
+        )
+        raise ConfigError(
+            field, value, f"data of at least 2 classes ({what}): it holds {classes} {class_names(spec) or ''}".strip()
+        )
+    labels = source_arrays(spec, "train", None)[1]
+    problem = partition_problem(labels, spec)
+    if problem is None:
+        return
+    count = spec["num_partitions"]
+    examples = len(labels) if not 0 < spec["max_train_examples"] < len(labels) else spec["max_train_examples"]
+    works = most_partitions(labels, spec)
+    scheme = f"partition.scheme={spec['scheme']}" + (
+        f" (partition.alpha={spec['alpha']:g})" if spec["scheme"] == "dirichlet" else ""
+    )
+    more = "more training examples (dataset.max_train_examples" + (", 0: all)" if spec["max_train_examples"] else ")")
+    if spec["scheme"] == "dirichlet":
+        more += " or a larger partition.alpha"
+    fewer = f"num_clients={works} can (computed as the nodes do)" if works else "no number of nodes can"
+    raise ConfigError(
+        "num_clients",
+        count,
+        f"a number of nodes that {scheme} can each give a partition of the {examples} training examples: "
+        f"{count} cannot ({problem}); {fewer}; or {more}",
+    )

@@ -31,13 +31,7 @@ from torch.utils.data import Dataset
 
 from fedhm_flwr.data.catalog import TEXT_DATASETS, TextDatasetInfo, text_dataset_info, text_info
 from fedhm_flwr.data.files import corpus_path
-from fedhm_flwr.data.partitioning import (
-    STREAM_TEST_SUBSET,
-    STREAM_TRAIN_SUBSET,
-    holdout_split,
-    partition,
-    seeded_subset,
-)
+from fedhm_flwr.data.partitioning import STREAM_TEST_SUBSET, holdout_split, seeded_subset, subset_partition
 from fedhm_flwr.data.spec import check_client_split, check_data_spec, check_partition_id
 from fedhm_flwr.models.text import PAD_ID, package_dir
 
@@ -186,20 +180,7 @@ class TokenDataset(Dataset):
 def partition_indices(data_spec: dict[str, Any]) -> list[np.ndarray]:
     """Positions in the train split, one sorted array per partition (subset first, then partition)."""
     spec = check_data_spec(data_spec)
-    labels = split_labels(spec["name"], "train")
-    subset = seeded_subset(len(labels), spec["max_train_examples"], spec["seed"], STREAM_TRAIN_SUBSET)
-    sub_labels = labels if subset is None else labels[subset]
-    parts = partition(
-        sub_labels,
-        spec["num_partitions"],
-        spec["scheme"],
-        spec["seed"],
-        alpha=spec["alpha"],
-        classes_per_partition=spec["classes_per_partition"],
-        class_assignment=spec["class_assignment"],
-        min_partition_size=spec["min_partition_size"],
-    )
-    return parts if subset is None else [subset[p] for p in parts]
+    return subset_partition(split_labels(spec["name"], "train"), spec)
 
 
 def _dataset(name: str, split: str, positions: np.ndarray | None) -> TokenDataset:

@@ -26,10 +26,11 @@ from fedhm_flwr.config import RunOptions, load_config, model_spec, resume_config
 from fedhm_flwr.math.train import pick_device
 from fedhm_flwr.models import build_model
 from fedhm_flwr.ops.apps.superlink_watch import runtime_address, stop_with_superlink, watch_superlink
+from fedhm_flwr.ops.job.health import judge
 from fedhm_flwr.ops.job.procs import TAG_VAR
 from fedhm_flwr.ops.job.runlock import RunLock
 from fedhm_flwr.ops.tools.cost_table import size_warnings
-from fedhm_flwr.reporting.provenance import code_version
+from fedhm_flwr.reporting.provenance import code_version, recorded_version
 from fedhm_flwr.reporting.results import (
     METRICS_JSONL,
     RunRecorder,
@@ -61,10 +62,16 @@ def initial_state(seed: int, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def run(
-    grid: Grid, cfg: DictConfig, out_dir: Path, resume: Path | None = None, opts: RunOptions | None = None
+    grid: Grid,
+    cfg: DictConfig,
+    out_dir: Path,
+    resume: Path | None = None,
+    opts: RunOptions | None = None,
+    code: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One whole run of the validated config ``cfg`` (saved as the run's ``config.yaml``; ``opts``: its
-    parsed options, parsed here when not given) on a grid; returns the summary (also written to ``out_dir``). The run
+    parsed options, parsed here when not given) on a grid; returns the summary (also written to ``out_dir``);
+    ``code``: the code version it records (default: git's of the running code). The run
     directory is locked for the run (a second run into it is refused); under the launcher or
     deploy-local, which hold the lock already, the process carries their tag and goes in.
     When the SuperLink stops under it, the ServerApp records that and exits within seconds
@@ -77,7 +84,7 @@ def run(
             address, lambda: stop_with_superlink(out_dir, opts.rounds, _rounds_done(out_dir), address, lock)
         )
     try:
-        code = code_version()  # the code this run starts with (git may be absent: "unknown")
+        code = code or code_version()  # the code this run starts with (git may be absent: "unknown")
         write_status(out_dir, "running", rounds=opts.rounds, resumed=str(resume) if resume else None, **code)
         try:
             summary = _run(grid, cfg, opts, out_dir, resume, code)
@@ -87,7 +94,12 @@ def run(
                 out_dir, "failed", error=reason[:2000], rounds=opts.rounds, round=_rounds_done(out_dir), **code
             )
             raise
-        write_status(out_dir, "completed", rounds=opts.rounds, round=summary.get("rounds_completed"), **code)
+        health = judge(out_dir)  # what the run learned: a run in which nothing trained is a failure
+        ended = summary.get("rounds_completed")
+        if health.fatal:
+            write_status(out_dir, "failed", error=health.error, rounds=opts.rounds, round=ended, **code)
+        else:
+            write_status(out_dir, "completed", rounds=opts.rounds, round=ended, **code)
         return summary
     finally:
         lock.release()
@@ -204,4 +216,5 @@ def main(grid: Grid, context: Context) -> None:
     out_dir = Path(out).expanduser().resolve() if out else default_output_dir(opts.method.name)
     OmegaConf.update(cfg, "output_dir", str(out_dir))  # the saved config names where the run is
     opts = dataclasses.replace(opts, output_dir=str(out_dir))
-    run(grid, cfg, out_dir, Path(resume).expanduser().resolve() if resume else None, opts)
+    resumed = Path(resume).expanduser().resolve() if resume else None
+    run(grid, cfg, out_dir, resumed, opts, recorded_version(dict(run_config)))  # the version staged with the app

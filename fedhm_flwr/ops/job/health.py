@@ -7,18 +7,25 @@ the last line a command prints and its exit code.
   stopped learning there;
 * **nothing accepted** (exit 1): not one reply of the whole run was accepted (every one failed or
   was refused), so the global model is the initial one;
+* **a round without training** (exit 1): a round in which no node trained (no reply accepted: every
+  node sat out, failed, was late or was refused), so the global model skipped that round; said with
+  the round's first client error;
 * **collapsed** (exit 0, said in the last line): the final test loss is ``ln C`` (uniform outputs
   over ``C`` classes) or the final accuracy is at chance (``1/C``, what predicting one class
   everywhere gives on the built-in balanced test sets).
 
-With ``failures.attack`` configured, refused replies are the attack's and the defence's doing: only
-the losses and the collapse are judged. Nothing here needs torch.
+With ``failures.attack`` configured, refused replies are the attack's and the defence's doing: a
+round whose replies were all refused is not judged (the losses and the collapse are). The ServerApp
+judges its run here too: a run ending in a failure is ``failed`` in ``status.json``
+(``fedhm status``). Nothing here needs torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +45,10 @@ CHANCE_MARGIN = 0.01
 NON_FINITE = ("not finite", "NaN", "Inf", "above the bound")
 #: recorded losses judged finite or not (the training replies', the server's and the clients' test figures)
 LOSSES = ("train_loss", "loss/", "fed_loss/")
+#: the client's own message inside a simulated node's wrapped error (Ray's actor error and traceback)
+CLIENT_MESSAGE = re.compile(r"Exception \w+ occurred\. Message: (.+?)'?>?\s*$", re.S)
+#: a traceback line naming an exception with a message: ``ValueError: ...``, ``flwr.x.Error: ...``
+RAISED_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)\b: \S.*$", re.M)
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,11 @@ class Health:
     code: int = 0
     problem: str | None = None
     fatal: bool = False
+
+    @property
+    def error(self) -> str:
+        """The failure in one line, as ``error:`` lines and ``status.json`` say it."""
+        return f"the run ended, but {self.problem}"
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -123,6 +139,64 @@ def _collapse(rows: list[dict[str, Any]], classes: int | None) -> str | None:
     return None
 
 
+def _one_line(reason: str) -> str:
+    """A recorded client error in one line: the client's own message out of a simulated node's
+    wrapped error (Ray's actor error with its traceback), else the last exception line, else the text."""
+    text = str(reason)
+    found = CLIENT_MESSAGE.search(text)
+    if found is None:
+        lines = RAISED_LINE.findall(text)
+        found_text = lines[-1] if lines else text
+    else:
+        found_text = found.group(1)
+    return " ".join(found_text.split())[:400]
+
+
+def _reasons(row: Mapping[str, Any]) -> list[str]:
+    """The round's recorded client errors: the failures and refusals, then the nodes that sat out."""
+    out: list[str] = []
+    with contextlib.suppress(ValueError, TypeError):
+        out += [str(why) for _, why in json.loads(row.get("failure_reasons") or "[]")]
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        out += [str(why) for why in json.loads(row.get("excluded") or "{}").values()]
+    return out
+
+
+def _first_error(rows: list[dict[str, Any]]) -> str:
+    """``; the first client error: ...`` of the first row that recorded one ("" when none did)."""
+    for row in rows:
+        reasons = _reasons(row)
+        if reasons:
+            return f"; the first client error: {_one_line(reasons[0])}"
+    return ""
+
+
+def _round_without_training(rows: list[dict[str, Any]], attacked: bool) -> str | None:
+    """The problem of the first round in which no node trained (no reply accepted), None if none.
+    Under an attack, a round whose replies came back and were all refused is the defence's doing."""
+    for row in rows:
+        if row.get("replies", 0):
+            continue
+        if attacked and row.get("rejected", 0):
+            continue
+        counts = {
+            "sampled": int(row.get("sampled", 0)),
+            "failed": int(row.get("failures", 0)),
+            "refused": int(row.get("rejected", 0)),
+            "late": int(row.get("late", 0)),
+        }
+        sat_out = len(json.loads(row["excluded"])) if row.get("excluded") else 0
+        said = ", ".join(f"{n} {what}" for what, n in counts.items() if n or what == "sampled")
+        said += f"; {sat_out} sat out after a failed node-info query" if sat_out else ""
+        never = not any(r.get("replies", 0) for r in rows)
+        return (
+            f"no node trained in round {int(row.get('round', 0))} ({said}), so the global model "
+            + ("is the initial one" if never else "was not updated there")
+            + (_first_error([row]) or "; no client error was recorded")
+        )
+    return None
+
+
 def judge(run_dir: str | Path) -> Health:
     """The :class:`Health` of the finished run in ``run_dir`` (see the module docstring)."""
     run_dir = Path(run_dir)
@@ -148,9 +222,12 @@ def judge(run_dir: str | Path) -> Health:
         return Health(
             1,
             f"no reply of the whole run was accepted ({sent} failed or refused; metrics.jsonl's "
-            "failure_reasons say why), so the global model is the initial one",
+            f"failure_reasons say why{_first_error(rows)}), so the global model is the initial one",
             True,
         )
+    idle = _round_without_training(rows, attacked)
+    if idle is not None:
+        return Health(1, idle, True)
     collapsed = _collapse(rows, None if cfg is None else _num_classes(cfg))
     if collapsed:
         return Health(0, f"the model collapsed: {collapsed}; {_lr_hint(cfg)}, or check the data and the model")
@@ -168,5 +245,5 @@ def final_line(summary: Mapping[str, Any]) -> tuple[int, str]:
     if health.problem is None:
         return 0, line
     if health.fatal:
-        return health.code, f"error: the run ended, but {health.problem}; outputs in {out}"
+        return health.code, f"error: {health.error}; outputs in {out}"
     return health.code, f"{line}; but {health.problem}"

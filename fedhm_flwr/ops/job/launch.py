@@ -45,8 +45,17 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from fedhm_flwr.config import RunOptions, compose_config, load_config, resume_config, run_options, split_overrides
+from fedhm_flwr.config import (
+    RunOptions,
+    compose_config,
+    data_spec,
+    load_config,
+    resume_config,
+    run_options,
+    split_overrides,
+)
 from fedhm_flwr.data.files import check_data_available
+from fedhm_flwr.data.sources import check_partitions
 from fedhm_flwr.ops.job.flower_job import ErrorScan, FlowerJob, run_flower_job
 from fedhm_flwr.ops.job.outcome import (
     Commands,
@@ -122,6 +131,12 @@ def check_data(cfg: DictConfig, simulation: bool = True) -> None:
     check_data_available(cfg, simulation=simulation)
 
 
+def check_training_data(cfg: DictConfig) -> None:
+    """The simulated nodes can learn from the validated config's data: at least 2 classes, and a
+    partition for every node, computed as the nodes compute it (ConfigError naming the fields)."""
+    check_partitions(data_spec(cfg))
+
+
 def run_job(
     overrides: list[str],
     run_dir: Path | None = None,
@@ -129,6 +144,7 @@ def run_job(
     quiet: bool = False,
     commands: Commands | None = None,
     on_error: Callable[[str], None] | None = None,
+    on_checked: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Validate, run through ``flwr run``, verify; returns the run's summary.
 
@@ -136,7 +152,8 @@ def run_job(
     :class:`RunFailed` when the run fails and :class:`RunInterrupted` (after the cleanup) on
     SIGINT / SIGTERM / SIGHUP; their resume command is in ``commands``' terms (default:
     ``python -m fedhm_flwr.ops.job.launch --resume DIR``). ``on_error`` is told the run's first ServerApp
-    error and first client error (one line each) as soon as Flower's output shows them."""
+    error and first client error (one line each) as soon as Flower's output shows them; ``on_checked``
+    is called once the config and the data are accepted, before anything starts."""
     commands = commands or LAUNCH_COMMANDS
     marks = {"launcher_started_at": time.time()}  # (timings.json; measurement only)
     if resume is not None:
@@ -147,8 +164,11 @@ def run_job(
         check_data(compose_config(overrides))
     cfg = resume_config(resume, overrides) if resume is not None else load_config(overrides)
     check_data(cfg)  # (FedHM levels that do not shrink the model: warned by the ServerApp, which has torch)
+    check_training_data(cfg)  # reads the labels and partitions them: after the cheap checks
     opts = run_options(cfg)
     marks["checked_at"] = time.time()
+    if on_checked is not None:
+        on_checked()
     if resume is not None:
         run_dir = resume
     run_dir = (run_dir or (Path(opts.output_dir) if opts.output_dir else default_run_dir(opts.method.name))).resolve()

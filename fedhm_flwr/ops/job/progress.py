@@ -181,10 +181,18 @@ def run_with_progress(
         run_dir = resume
     run_dir = (run_dir or (Path(opts.output_dir) if opts.output_dir else default_run_dir(opts.method.name))).resolve()
     out = stream or sys.stdout
-    out.write(
+    header = (
         f"{label}{opts.method.name} on {opts.model.arch}/{opts.dataset.name}, {opts.rounds} rounds; "
         f"outputs in {run_dir} (Flower's log: flwr_run.log)\n"
     )
     done = checkpoint_round(run_dir) if resume is not None else None
     with Follower(run_dir, opts.rounds, out, label=label, done=done) as follower:
-        return run_job(overrides, run_dir=run_dir, resume=resume, quiet=True, commands=commands, on_error=follower.say)
+        return run_job(
+            overrides,
+            run_dir=run_dir,
+            resume=resume,
+            quiet=True,
+            commands=commands,
+            on_error=follower.say,
+            on_checked=lambda: out.write(header),  # once the run is accepted: a refusal is its one line
+        )

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from fedhm_flwr.ops.job.outcome import exit_status
 from fedhm_flwr.ops.job.procs import Processes
+from fedhm_flwr.reporting.provenance import code_version, stamp_app
 
 APP_DIR = Path(__file__).resolve().parents[3]
 
@@ -37,7 +38,9 @@ def stage_app(dest: Path) -> Path:
 
     ``flwr run <dir>`` walks the whole folder to build the app bundle: in a checkout that is also
     the virtualenv (GBs) and every earlier output, seconds of work per run. A staged copy holds
-    only what the bundle needs (and is exactly what ran, kept with the run's outputs)."""
+    only what the bundle needs (and is exactly what ran, kept with the run's outputs). The copy's run
+    config carries the clone's git commit (:func:`~fedhm_flwr.reporting.provenance.stamp_app`): the
+    ServerApp runs from Flower's installed copy, outside the clone, and records it from there."""
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
@@ -48,6 +51,7 @@ def stage_app(dest: Path) -> Path:
             shutil.copytree(src, dest / name, ignore=ignore)
         elif src.is_file():
             shutil.copy2(src, dest / name)
+    stamp_app(dest / "pyproject.toml", code_version(APP_DIR))
     return dest
 
 
