@@ -28,6 +28,7 @@ SUBCOMMANDS = [
     "summary",
     "shards",
     "supernode",
+    "superlink",
     "export",
     "bench",
 ]

@@ -4,8 +4,7 @@ Stand-ins play Flower's programs (small Python scripts in a temporary folder, no
 ``flower-supernode`` does at each start what the next word of its plan says (die by SIGKILL, give up
 with a Flower exit code, serve until stopped ...), after starting a ``flower-superexec`` that starts a
 ``flwr-clientapp`` which ignores SIGTERM (as a ClientApp busy in a message may), each with
-``--parent-pid`` as Flower passes it. The units in docs/DEPLOY.md are checked against the real
-programs' options.
+``--parent-pid`` as Flower passes it. (The units in docs/DEPLOY.md: tests/test_deploy_units.py.)
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import importlib
 import inspect
 import os
 import re
-import shlex
 import signal
 import socket
 import subprocess
@@ -26,6 +24,7 @@ import pytest
 
 from fedhm_flwr.ops.deploy import supernode as sn
 from fedhm_flwr.ops.deploy.link_watch import DEFAULT_SUPERLINK
+from fedhm_flwr.ops.deploy.node_output import Quiet
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -296,66 +295,60 @@ def test_the_supernode_wrapper_waits_out_a_refused_activation_once(tmp_path, cap
     assert sn.supervise([], 0, str(stub)) == 1 and len(runs.read_text().splitlines()) == 1
 
 
-# --------------------------------------------------------------------------- the systemd units in docs/DEPLOY.md
+def test_a_supernode_that_never_connects_is_stopped_with_one_line_and_exit_1(tmp_path, capsys, monkeypatch):
+    """Flower's SuperNode whose start failed (flower-superexec not on PATH: a traceback, the process kept up by
+    its Runtime API server) is stopped within seconds; one that stays silent while its SuperLink's port answers,
+    after --connect-timeout. Neither is started again (systemd's unit restarts the wrapper later)."""
+    stub, runs = tmp_path / "flower-supernode", tmp_path / "runs"
+    stub.write_text(
+        f"#!/bin/sh\necho start >> {runs}\n"
+        'if [ "$1" = crash ]; then echo "Traceback (most recent call last):"; echo "  File \\"x.py\\", line 1"; '
+        "echo \"FileNotFoundError: [Errno 2] No such file or directory: 'flower-superexec'\"; fi\n"
+        "exec sleep 60\n"
+    )
+    stub.chmod(0o755)
+    t0 = time.monotonic()
+    assert sn.supervise(["crash", "--superlink", f"127.0.0.1:{_closed_port()}"], binary=str(stub)) == 1
+    assert time.monotonic() - t0 < 15 and runs.read_text().count("start") == 1
+    err = capsys.readouterr().err
+    (line,) = [ln for ln in err.splitlines() if "never connected" in ln]
+    assert "'flower-superexec'" in line and "bin/ on PATH" in line, err
+    monkeypatch.setattr(sn, "LINK_UP_FOR", 0.0)
+    with socket.socket() as link:  # the SuperLink's port answers, the SuperNode never says it was activated
+        link.bind(("127.0.0.1", 0))
+        link.listen()
+        runs.unlink()
+        t0 = time.monotonic()
+        code = sn.supervise(
+            ["quiet", "--superlink", f"127.0.0.1:{link.getsockname()[1]}"], binary=str(stub), connect_timeout=1.0
+        )
+    assert code == 1 and time.monotonic() - t0 < 15 and runs.read_text().count("start") == 1
+    assert re.search(
+        r"never connected: it has not connected in \d+ s although the SuperLink at 127\.0\.0\.1:\d+ answers",
+        capsys.readouterr().err,
+    )
 
 
-def _units() -> dict[str, list[str]]:
-    """The ExecStart command of each ```ini unit in docs/DEPLOY.md, split as systemd splits it."""
-    text = (ROOT / "docs" / "DEPLOY.md").read_text()
-    units = {}
-    for block in re.findall(r"```ini\n(.*?)```", text, flags=re.S):
-        joined = re.sub(r"\\\n\s*", " ", block)  # systemd's line continuation
-        (exec_start,) = re.findall(r"^ExecStart=(.+)$", joined, flags=re.M)
-        argv = shlex.split(exec_start)
-        units[Path(argv[0]).name] = argv
-        assert "Restart=on-failure" in block and "[Install]" in block
-        if Path(argv[0]).name == "fedhm":
-            assert "KillMode=mixed" in block  # the wrapper stops the SuperNode and its ClientApps itself
-    return units
-
-
-def _options(help_text: str) -> dict[str, bool]:
-    """The options an argparse help lists: {option: whether it takes a value}."""
-    found = {}
-    for name, value in re.findall(r"^\s+(?:-\w+(?: \S+)?, )?(--[a-z][a-z0-9-]*)( [A-Z{\[]|=)?", help_text, flags=re.M):
-        found[name] = bool(value)
-    return found
-
-
-def _check(argv: list[str], options: dict[str, bool]) -> None:
-    """Every option is known and gets a value exactly when it takes one; no stray argument."""
-    i = 0
-    while i < len(argv):
-        name, eq, _ = argv[i].partition("=")
-        assert name in options, f"unknown option {argv[i]!r} in {argv}"
-        if options[name] and not eq:
-            assert i + 1 < len(argv) and not argv[i + 1].startswith("--"), f"{name} needs a value: {argv}"
-            i += 1
-        i += 1
-
-
-def test_the_systemd_units_in_deploy_md_run_real_commands_with_real_options(capsys):
-    units = _units()
-    assert set(units) == {"fedhm", "flower-superlink"}
-    device, server = units["fedhm"], units["flower-superlink"]
-    assert device[1] == "supernode"
-    with pytest.raises(SystemExit):
-        sn.main(["--help"])
-    wrapper = _options(capsys.readouterr().out)
-    bin_dir = Path(sys.executable).parent
-
-    def help_of(program: str) -> dict[str, bool]:
-        done = subprocess.run([str(bin_dir / program), "--help"], capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
-        return _options(done.stdout)
-
-    flower_supernode, flower_superlink = help_of("flower-supernode"), help_of("flower-superlink")
-    # the parse of the help can fail: these are known to take a value, these not
-    assert wrapper["--restart-wait"] and flower_supernode["--superlink"] and flower_supernode["--node-config"]
-    assert not flower_supernode["--insecure"] and not flower_superlink["--enable-supernode-auth"]
-    _check(device[2:], {**flower_supernode, **wrapper})
-    _check(server[1:], flower_superlink)
-    with pytest.raises(AssertionError):
-        _check(["--superlink"], flower_supernode)
-    with pytest.raises(AssertionError):
-        _check(["--root-certificate", "ca.pem"], flower_supernode)
+def test_the_wrapper_reads_a_start_and_leaves_out_only_the_traceback_of_a_clean_exit():
+    ended = sn.Ended()
+    for line in ("Traceback (most recent call last):", "  File 'a'", "ValueError: boom", "INFO : SuperNode ID: 42"):
+        ended.read(line.encode() + b"\n")
+    assert ended.crash == "ValueError: boom" and ended.connected
+    clean = [
+        "INFO : SuperNode terminated gracefully.",
+        "Exception ignored in: <module 'threading' from '/usr/lib/python3.11/threading.py'>",
+        "Traceback (most recent call last):",
+        '  File "/usr/lib/python3.11/threading.py", line 1590, in _shutdown',
+        "    lock.acquire()",
+        "SystemExit: 0",
+        "INFO : SuperExec terminated gracefully.",
+    ]
+    quiet = Quiet()
+    shown = [out for ln in clean for out in quiet.feed(ln.encode() + b"\n", leaving=True)]
+    assert [s.decode().strip() for s in shown] == [clean[0], clean[-1]] and quiet.dropped == 1
+    other = [clean[1], clean[2], "    x()", "RuntimeError: not a clean exit"]
+    quiet = Quiet()
+    assert [o for ln in other for o in quiet.feed(ln.encode() + b"\n", leaving=True)] == [
+        ln.encode() + b"\n" for ln in other
+    ]
+    assert Quiet().feed(clean[1].encode(), leaving=False) == [clean[1].encode()]  # before the goodbye: all shown

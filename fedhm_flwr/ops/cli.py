@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedhm_flwr.config import ConfigError, split_overrides
+from fedhm_flwr.ops.deploy.device_run import resume_refusal
 from fedhm_flwr.ops.job.launch import run_job
 from fedhm_flwr.ops.job.outcome import fedhm_commands, report_finished, report_stop
 from fedhm_flwr.ops.job.procs import Interrupted, on_signals
@@ -79,6 +80,9 @@ def cmd_resume(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="plain key=value overrides, e.g. rounds=20 to extend it")
     parser.add_argument("--no-progress", action="store_true", help="Flower's own output instead of the progress line")
     args = parser.parse_args(argv)
+    if refusal := resume_refusal(args.run_dir.resolve()):  # a device run resumes on its devices, not here
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
     return _run_job(split_overrides(args.overrides), None, args.run_dir.resolve(), not args.no_progress)
 
 
@@ -253,6 +257,18 @@ COMMANDS: dict[str, Command] = {
         _delegate("supernode"),
         "fedhm_flwr.ops.deploy.supernode",
         "flower-supernode kept running, its ClientApps ended with it (a device's SuperNode)",
+    ),
+    "superlink": Command(
+        "flower-superlink with the same arguments, that says so and exits 1 when its helper flower-superexec "
+        "(which starts every ServerApp) has died or never started, instead of staying up without it; for the "
+        "server (docs/DEPLOY.md).",
+        (
+            "fedhm superlink --ssl-ca-certfile ca.pem --ssl-certfile server.pem --ssl-keyfile server.key "
+            "--enable-supernode-auth --database state.db",
+        ),
+        _delegate("superlink"),
+        "fedhm_flwr.ops.deploy.link_guard",
+        "flower-superlink that exits 1 when its flower-superexec died (the server's SuperLink)",
     ),
     "export": Command(
         "A level's deployable model from a run's checkpoint: safetensors (spec in the metadata), "

@@ -26,6 +26,7 @@ from fedhm_flwr.config import RunOptions, load_config, model_spec, resume_config
 from fedhm_flwr.math.train import pick_device
 from fedhm_flwr.models import build_model
 from fedhm_flwr.ops.apps.superlink_watch import runtime_address, stop_with_superlink, watch_superlink
+from fedhm_flwr.ops.deploy.device_run import note_superlink
 from fedhm_flwr.ops.job.health import judge
 from fedhm_flwr.ops.job.procs import TAG_VAR
 from fedhm_flwr.ops.job.runlock import RunLock
@@ -79,6 +80,7 @@ def run(
     opts = run_options(cfg) if opts is None else opts  # the options every part reads, parsed once
     lock = RunLock(out_dir, tag=os.environ.get(TAG_VAR)).acquire()
     address = runtime_address(sys.argv)
+    note_superlink(out_dir, sys.argv, address)  # a run on devices says so: `fedhm resume` refuses it (#51)
     if address is not None:
         watch_superlink(
             address, lambda: stop_with_superlink(out_dir, opts.rounds, _rounds_done(out_dir), address, lock)

@@ -52,6 +52,7 @@ from typing import Any
 
 from fedhm_flwr.config import ConfigError, load_config, resume_config, run_options, split_overrides
 from fedhm_flwr.ops.deploy.credentials import DEFAULT_SANS, create_credentials
+from fedhm_flwr.ops.deploy.device_run import note_command
 from fedhm_flwr.ops.deploy.loopback import LocalDeployment, node_config, parse_capability, say
 from fedhm_flwr.ops.job.launch import check_data, default_run_dir
 from fedhm_flwr.ops.job.outcome import (
@@ -108,6 +109,7 @@ def deploy(
                     refuse_existing_run(run_dir)
                 else:
                     require_checkpoint(run_dir)
+                note_command(run_dir, (*commands.resume, str(run_dir)))  # `fedhm resume` refuses it, naming this
                 with LocalDeployment(run_dir / "deploy", port=port, tag=tag, keep_fds=[lock.fd]) as dep:
                     try:
                         dep.make_credentials(names, sans)

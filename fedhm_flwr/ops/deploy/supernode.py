@@ -25,12 +25,16 @@ wrapper adds (Flower 1.42), and why:
   has marked this node offline and failed its messages. Either way their work is lost, and the
   SuperNode is started afresh, its ClientApps ended. No probe where an HTTPS proxy is set for that
   host (the SuperNode's path would differ).
+* **A start that never connects** is stopped, and the wrapper exits 1 (systemd's ``Restart=`` starts it later):
+  one whose start failed (a traceback before it connected, e.g. ``flower-superexec`` not on ``PATH``: its
+  Runtime API server keeps the process up), or one not activated ``--connect-timeout`` s after its start
+  while the SuperLink's port answers. The SuperNode gets this environment's ``bin`` first on ``PATH``.
 * **Stopping.** SIGTERM / SIGINT / SIGHUP: the SuperNode gets SIGTERM (its clean stop; SIGKILL after
   15 s) unless the signal reached it too (Ctrl-C, a signal to the process group), then all its
   processes are ended; exit 0.
 
 Linux (``/proc``). Standard library only, so that it starts at once: nothing of the app or of
-Flower is imported (tests check the constants below against Flower's).
+Flower is imported (tests check its constants against Flower's).
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -47,7 +50,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from fedhm_flwr.ops.deploy.link_watch import (
@@ -58,13 +60,10 @@ from fedhm_flwr.ops.deploy.link_watch import (
     probe,
     superlink_address,
 )
+from fedhm_flwr.ops.deploy.node_output import ACTIVATION_FAILED, LEAVING, Ended, Quiet, hint
 
-#: Flower's values (tests compare them; the SuperLink's in :mod:`fedhm_flwr.ops.deploy.link_watch`): the code of a
-#: refused activation (``ApiErrorCode``), the line of a SuperNode's clean stop, of an error exit
-ACTIVATION_FAILED = "[code: 2004]"
-LEAVING = "SuperNode terminated gracefully"
-FLOWER_EXIT = re.compile(r"Exit Code: (\d+)")
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
+__all__ = ["ACTIVATION_FAILED", "LEAVING", "Ended", "Supervisor", "main", "supervise"]
+
 #: the wait after the window: a round's pull loop must see the old session gone before it is back
 MARGIN = 5.0
 TAG_VAR = "FEDHM_SUPERNODE_TAG"  # marks every process of one SuperNode start
@@ -74,6 +73,9 @@ HEALTHY_RUN = 300.0  # a start that ran this long resets the back-off
 KILL_GRACE = 3.0  # SIGTERM, then SIGKILL this much later (the SuperNode's processes)
 STOP_GRACE = 15.0  # the SuperNode's own clean stop (Flower forces its exit after 5 s)
 FORWARD_AFTER = 1.0  # a stop signal goes on to a SuperNode not leaving by itself this much later
+CONNECT_TIMEOUT = 120.0  # a SuperNode not activated this long while its SuperLink answers is stopped for good
+CRASH_GRACE = 3.0  # a start that printed a traceback and has not connected this much later: it failed
+LINK_UP_FOR = 45.0  # ... and one whose SuperLink's port answered this long (Flower retries every <= 20 s)
 
 
 def _say(message: str) -> None:
@@ -161,39 +163,6 @@ def _named(pids: list[int]) -> str:
 # --------------------------------------------------------------------------- one SuperNode start
 
 
-@dataclass
-class Ended:
-    """One SuperNode start, as its output (:meth:`read`) and its exit tell it."""
-
-    code: int = 0  # its exit status (negative: killed by that signal)
-    seconds: float = 0.0  # how long it ran
-    refused: bool = False  # the SuperLink refused its activation (code 2004)
-    flower_code: int | None = None  # Flower's own error exit code ("Exit Code: N"), when it printed one
-    last_line: str = ""  # its last line of output
-    leaving: bool = False  # it said it stops cleanly
-    exited: bool = False  # later lines are its children's (as "SuperExec terminated gracefully.")
-    afresh: bool = False  # stopped by the wrapper to drop the work of a SuperLink that is gone: start again now
-    lines: int = 0  # lines read
-    code_line: int = 0  # the number of the last "Exit Code" line
-
-    def read(self, raw: bytes) -> None:
-        line = ANSI.sub("", raw.decode(errors="replace")).strip()
-        self.lines += 1
-        self.refused |= ACTIVATION_FAILED in line  # follows Flower's "Exit Code: 305" line
-        self.leaving |= LEAVING in line
-        if match := FLOWER_EXIT.search(line):
-            self.flower_code, self.code_line = int(match.group(1)), self.lines
-        self.last_line = line[-300:] if line and not self.exited else self.last_line
-
-    def close(self, code: int, seconds: float) -> Ended:
-        """Its exit. Flower's own error exit prints its code, a few lines, and exits with status 1: an
-        "Exit Code" line further up was a ClientApp's (they write to the same output)."""
-        self.code, self.seconds = code, seconds
-        if not (code > 0 and self.lines - self.code_line < 20):
-            self.flower_code = None
-        return self
-
-
 class Supervisor:
     """Runs ``command`` (``flower-supernode ...``) again and again: :meth:`run`."""
 
@@ -204,8 +173,10 @@ class Supervisor:
         sleep: Callable[[float], object] | None = None,
         watch: Callable[[], LinkWatch] = LinkWatch,
         probe_every: tuple[float, float] = PROBE_EVERY,
+        connect_timeout: float = CONNECT_TIMEOUT,
     ) -> None:
         self.command, self.refused_wait, self.watch, self.probe_every = command, refused_wait, watch, probe_every
+        self.connect_timeout = connect_timeout
         self.stopping = threading.Event()
         self.sigterm_at: float | None = None  # when the SuperNode is due a SIGTERM (unless it is leaving)
         self.sleep = sleep or self.stopping.wait  # a stop cuts a wait short
@@ -235,6 +206,8 @@ class Supervisor:
             ended = self.start()
             if self.stopping.is_set() or ended.afresh:  # a stop ends the loop; a fresh start follows at once
                 continue
+            if ended.stuck:  # said when it was stopped
+                return 1
             if ended.refused and (refused_before or self.refused_wait <= 0):
                 if refused_before:
                     _say(
@@ -245,9 +218,11 @@ class Supervisor:
             if ended.refused:
                 refused_before, delay = True, self.refused_wait
                 _say(
-                    f"the SuperLink refused to activate this node ({ACTIVATION_FAILED}): after a kill it keeps the "
-                    f"node's old session online until its heartbeats lapse ({HEARTBEAT_WINDOW:g} s); starting again "
-                    f"in {delay:g} s (an unregistered key fails the same way: see `flwr supernode ls`)"
+                    f"the SuperLink refused to activate this node ({ACTIVATION_FAILED}): its key is not registered "
+                    "with this SuperLink (`flwr supernode ls`, `flwr supernode register`), or this node was killed "
+                    "less than a heartbeat window ago and the SuperLink still holds its old session (it lapses "
+                    f"{HEARTBEAT_WINDOW:g} s after the last heartbeat); starting it once more in {delay:g} s "
+                    "to tell the two apart"
                 )
             elif ended.flower_code is not None:
                 _say(
@@ -271,16 +246,16 @@ class Supervisor:
         stops it); then every process it started is ended."""
         tag, t0, ended, done = uuid.uuid4().hex, time.monotonic(), Ended(), threading.Event()
         self.sigterm_at = time.monotonic() if self.stopping.is_set() else None  # a stop during the start
-        proc = subprocess.Popen(
-            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, TAG_VAR: tag}
-        )
+        proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=supernode_env(tag))
+        quiet = Quiet()
 
         def pass_through() -> None:
             assert proc.stdout is not None
             for raw in proc.stdout:
                 ended.read(raw)
                 try:
-                    sys.stdout.buffer.write(raw)
+                    for line in quiet.feed(raw, ended.leaving):
+                        sys.stdout.buffer.write(line)
                     sys.stdout.buffer.flush()
                 except OSError:  # our own output is gone: keep draining the SuperNode's
                     pass
@@ -289,6 +264,7 @@ class Supervisor:
         reader.start()
         if self.address is not None:
             threading.Thread(target=self._watch_link, args=(tag, proc.pid, ended, done), daemon=True).start()
+        threading.Thread(target=self._watch_connect, args=(t0, ended, done), daemon=True).start()
         code = self._wait(proc, ended)
         ended.exited = True
         done.set()
@@ -296,6 +272,8 @@ class Supervisor:
             _say(f"ending what the SuperNode started: {_named(left)}")
             stop(left)
         reader.join(timeout=2.0)  # its last lines (its children held the pipe open: ended first)
+        if quiet.dropped:
+            _say("(Python's traceback of Flower's exit from a thread after the goodbye, SystemExit: 0, left out)")
         return ended.close(code, time.monotonic() - t0)
 
     def _wait(self, proc: subprocess.Popen[bytes], ended: Ended) -> int:
@@ -317,6 +295,30 @@ class Supervisor:
                     proc.kill()
                     killed = True
 
+    def _watch_connect(self, t0: float, ended: Ended, done: threading.Event) -> None:
+        """A start that never connects is stopped for good (``ended.stuck``, exit 1; see the module's
+        docstring); the port must have answered :data:`LINK_UP_FOR` s (a SuperLink that is down is waited for)."""
+        crash_seen = up_since = None
+        next_probe = t0
+        while not done.wait(0.5):
+            if ended.connected or ended.leaving or self.stopping.is_set():
+                return
+            now, why = time.monotonic(), ""
+            crash_seen = now if ended.crash and crash_seen is None else crash_seen
+            if self.address is not None and now >= next_probe:
+                next_probe, up = now + 5.0, probe(self.address, timeout=2.0) == "up"
+                up_since = (up_since or now) if up else None
+            linked = self.address is None or (up_since is not None and now - up_since >= LINK_UP_FOR)
+            if crash_seen is not None and now - crash_seen >= CRASH_GRACE:
+                why = f"its start failed ({ended.crash}){hint(ended.crash)}"
+            elif now - t0 >= self.connect_timeout and linked:
+                where = "" if self.address is None else " although the SuperLink at {}:{} answers".format(*self.address)
+                why = f"it has not connected in {now - t0:.0f} s{where} (its last line: {ended.last_line or 'none'})"
+            if why and not done.is_set():
+                ended.stuck, self.sigterm_at = why, now
+                _say(f"flower-supernode never connected: {why}; stopping it (exit 1: a restart cannot fix that)")
+                return
+
     def _watch_link(self, tag: str, supernode: int, ended: Ended, done: threading.Event) -> None:
         """While ClientApps run (anything marked but the SuperNode and its SuperExec), probe the SuperLink.
         When :class:`LinkWatch` says its runs are over, the SuperNode is started afresh: ending only the
@@ -337,6 +339,14 @@ class Supervisor:
                 )
                 ended.afresh, self.sigterm_at = True, time.monotonic()
                 return
+
+
+def supernode_env(tag: str) -> dict[str, str]:
+    """The SuperNode's environment: this one with the start's tag, and this Python environment's ``bin`` first on
+    ``PATH`` (the SuperNode starts ``flower-superexec`` and that ``flwr-clientapp`` by name, also where no
+    virtualenv is activated: a systemd unit)."""
+    path = os.pathsep.join(p for p in (str(Path(sys.executable).parent), os.environ.get("PATH", "")) if p)
+    return {**os.environ, TAG_VAR: tag, "PATH": path}
 
 
 def supervise(
@@ -369,12 +379,21 @@ def main(argv: list[str] | None = None) -> int:
         f"(default {HEARTBEAT_WINDOW + MARGIN:g}: the heartbeat window plus {MARGIN:g} s; 0: no)",
     )
     parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=CONNECT_TIMEOUT,
+        metavar="SECONDS",
+        help="stop the SuperNode and exit 1 when it has not connected this long after a start while its SuperLink "
+        f"answers (default {CONNECT_TIMEOUT:g}); one whose start failed (a traceback before it connected) at once",
+    )
+    parser.add_argument(
         "--flower-supernode",
         metavar="PROGRAM",
         help="the program to run (default: flower-supernode of this Python environment)",
     )
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    return supervise(rest[1:] if rest[:1] == ["--"] else rest, args.restart_wait, args.flower_supernode)
+    command = rest[1:] if rest[:1] == ["--"] else rest
+    return supervise(command, args.restart_wait, args.flower_supernode, connect_timeout=args.connect_timeout)
 
 
 if __name__ == "__main__":
