@@ -115,6 +115,10 @@ def test_onnx_runtime_one_image_at_a_time_has_the_cards_accuracy(clients_run, ex
     assert figures["predictions_agreeing"] == int(np.sum(logits.argmax(1) == reference.argmax(1)))
     md = (folder / "model_card.md").read_text()
     assert f"{figures['accuracy']:.4f} ({len(y)} images" in md and "one image at a time" in md
+    # which test set: the dataset, its split, how many of its images (dataset.max_test_examples=200 of 10,000)
+    which = "the fashion_mnist test split, 200 of its 10,000 images, a seeded subset (dataset.max_test_examples=200"
+    assert card["test_set"].startswith(which) and f"| test set | {which}" in md
+    assert f"200 images of {which}" in md and "the run's test set" not in md
 
 
 def test_the_card_reports_the_clients_federated_accuracy(clients_run, exported):

@@ -146,14 +146,33 @@ def compose_config(overrides: str | Sequence[str] | None = None) -> DictConfig:
 def _override_error(err: Exception, overrides: list[str]) -> ConfigError:
     """Turn Hydra's override errors into a ConfigError naming the offending key."""
     text = str(err).splitlines()[0]
-    for item in overrides:
+    for item in sorted(overrides, key=lambda o: -len(o.split("=", 1)[0])):  # dataset.channels before dataset
         key = item.lstrip("+~").split("=", 1)[0]
         if key and key in str(err):
             group = key.split(".")[0]
             options = _group_options(group)
             allowed = f"one of {options}" if options else "an existing key of conf/config.yaml"
+            if "." in key and options:  # a key of a group's choice (dataset.channels), not the choice
+                allowed = _group_key_allowed(key, overrides)
             return ConfigError(key, item.split("=", 1)[-1], f"{allowed} ({text})")
     return ConfigError("overrides", " ".join(overrides), f"valid Hydra overrides ({text})")
+
+
+def _group_key_allowed(key: str, overrides: list[str]) -> str:
+    """What is allowed in place of ``group.name`` that the chosen option of ``group`` lacks: that
+    option's keys, and which options of the group take ``name``."""
+    group, name = key.split(".")[0], key.split(".")[1]
+    chosen = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == group), None)
+    if chosen is None:
+        defaults = OmegaConf.load(CONF_DIR / "config.yaml").get("defaults", [])
+        chosen = next((str(d[group]) for d in defaults if isinstance(d, DictConfig) and group in d), None)
+    keys = {o: set(OmegaConf.load(CONF_DIR / group / f"{o}.yaml")) for o in _group_options(group)}
+    if chosen not in keys:
+        return f"a key of the {group} group's options {sorted(keys)}"
+    takers = sorted(o for o, has in keys.items() if name in has)
+    return f"a key of {group}={chosen}: {', '.join(sorted(keys[chosen]))}" + (
+        f" ({name} is a key of {group}={'|'.join(takers)} only)" if takers else ""
+    )
 
 
 def _group_options(group: str) -> list[str]:

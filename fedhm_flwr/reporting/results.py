@@ -14,6 +14,7 @@ import json
 import math
 import os
 import secrets
+import shlex
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -104,8 +105,9 @@ def refuse_existing_run(out_dir: str | Path) -> None:
     taken = [name for name in (METRICS_JSONL, SUMMARY_FILE, CHECKPOINT_DIR) if (folder / name).exists()]
     if taken:
         raise FileExistsError(
-            f"{folder} already holds a run ({', '.join(taken)}); resume it "
-            "(run-config resume=<dir>, launcher --resume <dir>) or choose another output directory"
+            f"{folder} already holds a run ({', '.join(taken)}); resume it with "
+            f"`fedhm resume {shlex.quote(str(folder))}` (under `flwr run`: run-config resume=<dir>), "
+            "or choose another run directory (--run-dir)"
         )
 
 

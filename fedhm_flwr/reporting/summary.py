@@ -223,6 +223,73 @@ def markdown_table(rows: list[dict[str, Any]], skip: tuple[str, ...] = ("dir",))
     return "\n".join(lines) + "\n"
 
 
+#: the widest a cell of the console tables gets (the files hold every value whole)
+CELL_WIDTH = 32
+
+
+def _plain_table(header: list[str], body: list[list[str]]) -> str:
+    """Columns aligned with two spaces, numbers to the right, every cell at most :data:`CELL_WIDTH`."""
+    cut = [[c if len(c) <= CELL_WIDTH else c[: CELL_WIDTH - 1] + "…" for c in row] for row in [header, *body]]
+    widths = [max(len(row[i]) for row in cut) for i in range(len(header))]
+    numeric = [
+        all(r[i].replace(".", "").replace(",", "").isdigit() or not r[i] for r in cut[1:]) for i in range(len(header))
+    ]
+    lines = [
+        "  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)).rstrip() for row in cut
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def console_report(rows: list[dict[str, Any]], out: Path) -> str:
+    """What ``fedhm summary`` and ``fedhm compare`` print, once, readable in a terminal: per run its
+    method (with the ablation options it turned on), seed, other swept values, final accuracy of the
+    global model and of each level, megabytes moved and wall time; per configuration the mean final
+    accuracy of the global model over its seeds with the 95 % CI; and where the full tables are."""
+    columns = _columns(rows)
+    swept = [c for c in columns[: columns.index("method")] if c != "run" and not c.startswith(METHOD_OPTIONS)]
+    accs = [c for c in columns if c.startswith("final_acc/")]
+    names = [
+        "method",
+        "seed",
+        *[c for c in swept if c != "seed"],
+        *[c.replace("final_acc/", "acc ").replace("level_", "") for c in accs],
+        "MB",
+        "seconds",
+    ]
+
+    def number(value: Any, digits: str) -> str:
+        return "" if value is None else format(value, digits)
+
+    body = [
+        [str(r.get("method")), str(r.get("seed"))]
+        + [str(r.get(c, "")) for c in swept if c != "seed"]
+        + [number(r.get(c), ".4f") for c in accs]
+        + [
+            number(None if r.get("bytes_total") is None else r["bytes_total"] / 1e6, ",.1f"),
+            number(r.get("wall_seconds"), ",.0f"),
+        ]
+        for r in rows
+    ]
+    text = f"{len(rows)} run(s), final accuracy on the server's test set:\n" + _plain_table(names, body)
+    stats_file = out / "statistics.csv"
+    stats = list(csv.DictReader(io.StringIO(stats_file.read_text()))) if stats_file.is_file() else []
+    over = [s for s in stats if s.get("model") == "global" and int(s.get("n") or 0) > 1]
+    if over:
+        keys = [k for k in stats[0] if k not in ("model", "n") and not k.startswith(METHOD_OPTIONS)]
+        keys = keys[: keys.index("seeds")] if "seeds" in keys else keys
+        lines = [
+            [
+                *(str(s[k]) for k in keys),
+                s["n"],
+                f"{float(s['final_mean']):.4f}",
+                f"[{float(s['final_ci_low']):.4f}, {float(s['final_ci_high']):.4f}]",
+            ]
+            for s in over
+        ]
+        text += "\nover seeds, final global accuracy:\n" + _plain_table([*keys, "seeds", "mean", "95 % CI"], lines)
+    return text + f"\nevery column: {out / 'summary.md'}\nover seeds and paired: {out / 'statistics.md'}\n"
+
+
 def write_summary(paths: list[Path], out: Path, reference: str = "fedhm") -> list[dict[str, Any]]:
     """Collect the finished runs under ``paths`` and write the per-run table, the statistics over
     seeds, the paired differences against ``reference`` and the plots into ``out``."""
@@ -261,8 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(markdown_table(rows))
-    print((out / "statistics.md").read_text())
+    print(console_report(rows, out), end="")
     return 0
 
 

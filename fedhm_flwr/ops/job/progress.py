@@ -21,6 +21,10 @@ from fedhm_flwr.ops.job.launch import default_run_dir, run_job
 from fedhm_flwr.ops.job.outcome import checkpoint_round, require_checkpoint
 from fedhm_flwr.reporting.results import METRICS_JSONL
 
+#: what the ETA names, unmeasured, while the last round is to come: the deployment statistics query
+#: of the last round (``evaluation.deploy_stats``), whose cost is known only once it has run
+FINAL_STATISTICS = "the final statistics query"
+
 
 def eta_seconds(
     elapsed: float, done: int, remaining: int, since_first: float | None = None, round_seconds: float | None = None
@@ -66,12 +70,20 @@ def progress_text(
     done: int,
     label: str = "",
     since_first: float | None = None,
+    last_extra: str = "",
 ) -> str:
     """The progress line after ``rows`` (all of the run's rows; ``done`` of them in this session,
-    the first of which ended ``since_first`` seconds ago)."""
+    the first of which ended ``since_first`` seconds ago). ``last_extra``: the work the last round
+    does past a round (the final statistics query), which the ETA names instead of guessing it: its
+    cost is known only once it has run."""
     current = int(rows[-1]["round"]) if rows else 0
     eta = eta_seconds(elapsed, done, total - current, since_first, rows[-1].get("seconds") if rows else None)
-    parts = [f"{label}round {current}/{total}", f"elapsed {format_seconds(elapsed)}", f"ETA {format_seconds(eta)}"]
+    more = f" + {last_extra}" if last_extra and current < total else ""
+    parts = [
+        f"{label}round {current}/{total}",
+        f"elapsed {format_seconds(elapsed)}",
+        f"ETA {format_seconds(eta)}{more}",
+    ]
     accs = [r["acc/global"] for r in rows if r.get("acc/global") is not None]
     parts.append(f"acc {accs[-1]:.4f}" if accs else "acc -")
     parts.append(f"failures {sum(int(r.get('failures', 0) or 0) + int(r.get('rejected', 0) or 0) for r in rows)}")
@@ -90,9 +102,10 @@ class Follower:
         label: str = "",
         clock: Callable[[], float] = time.monotonic,
         done: int | None = None,
+        last_extra: str = "",
     ) -> None:
         self.path = Path(run_dir) / METRICS_JSONL
-        self.total, self.label, self.clock = total, label, clock
+        self.total, self.label, self.clock, self.last_extra = total, label, clock, last_extra
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
         self.start = clock()
@@ -135,12 +148,15 @@ class Follower:
         since = None if self.first_done_at is None else now - self.first_done_at
         if self.tty:
             self.stream.write(
-                "\r" + progress_text(rows, self.total, elapsed, len(rows) - self.first, self.label, since) + "\x1b[K"
+                "\r"
+                + progress_text(rows, self.total, elapsed, len(rows) - self.first, self.label, since, self.last_extra)
+                + "\x1b[K"
             )
         else:
             for n in range(self.seen + 1, len(rows) + 1):
                 self.stream.write(
-                    progress_text(rows[:n], self.total, elapsed, n - self.first, self.label, since) + "\n"
+                    progress_text(rows[:n], self.total, elapsed, n - self.first, self.label, since, self.last_extra)
+                    + "\n"
                 )
         self.seen = max(self.seen, len(rows))
         self.stream.flush()
@@ -186,7 +202,8 @@ def run_with_progress(
         f"outputs in {run_dir} (Flower's log: flwr_run.log)\n"
     )
     done = checkpoint_round(run_dir) if resume is not None else None
-    with Follower(run_dir, opts.rounds, out, label=label, done=done) as follower:
+    extra = FINAL_STATISTICS if opts.evaluation.deploy_stats else ""
+    with Follower(run_dir, opts.rounds, out, label=label, done=done, last_extra=extra) as follower:
         return run_job(
             overrides,
             run_dir=run_dir,

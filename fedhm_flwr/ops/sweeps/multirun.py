@@ -61,6 +61,9 @@ COMPARE_ABLATIONS = ("train.distill.enabled=true", "method.official_weights=true
 CONTINUE_VAR = "FEDHM_SWEEP_CONTINUE"
 #: what an interrupted sweep prints as the command that continues it (compare: ``fedhm compare --continue``)
 CONTINUE_COMMAND_VAR = "FEDHM_CONTINUE_COMMAND"
+#: set for the sweeps of a comparison: a sweep names its tables without printing them (the comparison
+#: prints its own, once, over every sweep)
+QUIET_SUMMARY_VAR = "FEDHM_SWEEP_QUIET_SUMMARY"
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -282,7 +285,10 @@ def cmd_compare(argv: list[str], parser: argparse.ArgumentParser) -> int:
             json.dumps({"root": root, "sweeps": sweeps, "matched": matched, "seeds": seeds}, indent=1)
         )
     print(f"fedhm compare: {matched}, seeds {seeds}, {len(sweeps)} sweep(s), outputs in {root}", flush=True)
-    again = {CONTINUE_COMMAND_VAR: shlex.join([*fedhm_program(), "compare", "--continue", root])}
+    again = {
+        CONTINUE_COMMAND_VAR: shlex.join([*fedhm_program(), "compare", "--continue", root]),
+        QUIET_SUMMARY_VAR: "1",
+    }
     with sweep_services([o for overrides in sweeps for o in overrides]) as shared:  # for every sweep
         code = _compare_sweeps(sweeps, args.cont is not None, {**again, **shared})
     if code != 0:

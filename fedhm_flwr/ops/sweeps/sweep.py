@@ -45,9 +45,13 @@ from fedhm_flwr.ops.job.outcome import (
 )
 from fedhm_flwr.ops.job.progress import run_with_progress
 from fedhm_flwr.ops.job.signals import on_signals
-from fedhm_flwr.ops.sweeps.multirun import CONTINUE_COMMAND_VAR, CONTINUE_VAR  # set by `fedhm sweep|compare --continue`
+from fedhm_flwr.ops.sweeps.multirun import (  # set by `fedhm sweep|compare --continue`; by compare for its sweeps
+    CONTINUE_COMMAND_VAR,
+    CONTINUE_VAR,
+    QUIET_SUMMARY_VAR,
+)
 from fedhm_flwr.reporting.results import METRICS_CSV, METRICS_JSONL, SUMMARY_FILE
-from fedhm_flwr.reporting.summary import markdown_table, write_summary
+from fedhm_flwr.reporting.summary import console_report, write_summary
 
 
 def continue_command(sweep_dir: Path) -> str:
@@ -149,10 +153,11 @@ class SweepSummary(Callback):
             return
         print(
             f"\nSweep summary ({len(rows)} jobs) in {sweep_dir}/summary.md, statistics over seeds in "
-            f"{sweep_dir}/statistics.md\n"
+            f"{sweep_dir}/statistics.md\n",
+            flush=True,
         )
-        print(markdown_table(rows))
-        print((sweep_dir / "statistics.md").read_text())
+        if not os.environ.get(QUIET_SUMMARY_VAR):  # a comparison prints its own tables, once
+            print(console_report(rows, sweep_dir), end="", flush=True)
 
 
 if __name__ == "__main__":

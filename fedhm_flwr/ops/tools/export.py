@@ -40,7 +40,7 @@ from fedhm_flwr.data import class_names, client_dataset, source_info, test_datas
 from fedhm_flwr.math.bn_stats import batch_statistics_layers, bn_sums, norm_layers
 from fedhm_flwr.math.train import evaluate
 from fedhm_flwr.models import build_model, count_macs, count_parameters, deployable_network, input_shape
-from fedhm_flwr.ops.tools.model_card import model_card_markdown, run_accuracy
+from fedhm_flwr.ops.tools.model_card import model_card_markdown, run_accuracy, test_set_words
 from fedhm_flwr.ops.tools.onnx_model import OnnxCheckFailed, check_onnx, missing_packages, onnx_bytes, ort_snippet
 from fedhm_flwr.reporting.results import CONFIG_FILE, atomic_write, load_bn_statistics, load_checkpoint
 from fedhm_flwr.server.registry import STRATEGIES
@@ -202,7 +202,9 @@ def export_level(run_dir: str | Path, level: str | float, out: str | Path | None
                 notes.append(f"ONNX not written: the conversion failed: {type(err).__name__}: {err}"[:500])
         if "model.onnx" in blobs:
             if test is not None:
-                onnx_check = check_onnx(blobs["model.onnx"], test["images"], test["logits"], test["labels"])
+                onnx_check = check_onnx(
+                    blobs["model.onnx"], test["images"], test["logits"], test["labels"], test["described"]
+                )
             else:  # no test set here: the same comparison on seeded random inputs
                 x = example_input(spec, 64)
                 with torch.inference_mode():
@@ -230,6 +232,7 @@ def export_level(run_dir: str | Path, level: str | float, out: str | Path | None
         # the exported file itself on the run's test set, eval mode, fixed statistics (any batch size)
         "test_accuracy": None if test is None else test["accuracy"],
         "test_examples": None if test is None else len(test["labels"]),
+        "test_set": None if test is None else test["described"],  # name, split and size
         # model.onnx in ONNX Runtime, one image at a time, against the PyTorch model (onnx_model.check_onnx)
         "onnx_runtime": onnx_check,
         "onnx_snippet": ort_snippet(pre) if onnx_check else None,
@@ -272,7 +275,16 @@ def _test_logits(opts: RunOptions, model: nn.Module, batch_size: int = 256) -> d
         logits = torch.cat([model(images[i : i + batch_size]) for i in range(0, len(images), batch_size)])
     # the accuracy as the run's evaluation scores it (the summary's final_deployable_acc/level_<γ>)
     scored = evaluate(model, test, opts.evaluation.batch_size, torch.device("cpu"))
-    return {"images": images, "labels": labels, "logits": logits, "accuracy": scored["accuracy"]}
+    spec = opts.data_spec()
+    total = source_info(spec, opts.dataset.data_dir).num_test
+    described = test_set_words(spec["name"], len(labels), total, spec["max_test_examples"], spec["seed"])
+    return {
+        "images": images,
+        "labels": labels,
+        "logits": logits,
+        "accuracy": scored["accuracy"],
+        "described": described,
+    }
 
 
 def preprocessing(opts: RunOptions, spec: dict[str, Any]) -> dict[str, Any]:

@@ -41,6 +41,16 @@ def run_accuracy(run_dir: Path, level: float) -> dict[str, Any]:
     }
 
 
+def test_set_words(dataset: str, examples: int, total: int, max_examples: int, seed: int) -> str:
+    """Which test set a figure is on, in words: the dataset, its split and how many of its images."""
+    if 0 < max_examples < total:
+        part = f"{examples:,} of its {total:,} images, a seeded subset "
+        part += f"(dataset.max_test_examples={max_examples}, seed={seed})"
+    else:
+        part = f"all {examples:,} images"
+    return f"the {dataset} test split, {part}"
+
+
 def _num(x: float | None) -> str:
     return "not recorded" if x is None else f"{x:.4f}"
 
@@ -83,6 +93,7 @@ def model_card_markdown(card: dict[str, Any]) -> str:
         "|---|---|",
         f"| parameters | {card['parameters']:,} |",
         f"| MACs per input | {'-' if macs is None else f'{macs:,}'} |",
+        f"| test set | {card.get('test_set') or 'not on the exporting machine'} |",
         f"| accuracy of this exported model on the test set (PyTorch) | {_num(card['test_accuracy'])} "
         f"({card['test_examples'] or 0:,} images, any batch size) |",
     ]
