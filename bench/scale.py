@@ -21,6 +21,7 @@ from typing import Any
 
 from bench.common import echo, identity_query
 from bench.engine_floor import engine_rounds
+from bench.scale_report import middle_rounds, saved_markdown
 from fedhm_flwr.config import load_config, model_spec, run_options
 
 #: where ``--scale-clients`` keeps its figure (tracked, unlike bench/reports)
@@ -273,11 +274,6 @@ def figure_scale(quick: bool, scale_clients: int | None = None) -> dict[str, Any
     return out
 
 
-def middle_rounds(seconds: list[float]) -> float:
-    """The median of the rounds between the first and the last (see :data:`LARGE_ROUNDS`)."""
-    return statistics.median(seconds[1:-1])
-
-
 def engine_floor(reference: dict[str, Any], small: int, large: int, per_round: int) -> dict[str, Any]:
     """Flower's engine alone with the same traffic (:mod:`bench.engine_floor`, nothing from the
     project) at ``small`` and ``large`` nodes: its client spends ``work_ms`` of CPU per training
@@ -312,7 +308,6 @@ def save_large(figure: dict[str, Any], clients: int) -> Path:
     reference included), with the machine, commit, date and command, and its section of the report as
     ``scale-N.md`` beside it."""
     from bench.results import commit, machine
-    from bench.scale_report import saved_markdown
 
     SCALE_DIR.mkdir(exist_ok=True)
     saved = {

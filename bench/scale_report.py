@@ -3,9 +3,13 @@ alone, the large run against its reference, the engine floor, and the saved larg
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
-from bench.scale import middle_rounds
+
+def middle_rounds(seconds: list[float]) -> float:
+    """The median of the rounds between the first and the last (``bench.scale.LARGE_ROUNDS``)."""
+    return statistics.median(seconds[1:-1])
 
 
 def scale_markdown(f5: dict[str, Any]) -> list[str]:

@@ -1,11 +1,12 @@
 """The import layering of docs/ARCHITECTURE.md, checked on the source (AST, nothing imported).
 
-Every module of ``fedhm_flwr/``, ``strategies/`` and ``clients/`` lies in a layer's folder
+Every module of ``fedhm_flwr/``, ``strategies/``, ``clients/`` and ``bench/`` lies in a layer's folder
 (:data:`LAYERS`); a module may import its own layer and the layers below, never one above. The
 test also refuses import circles (imports inside functions counted), imports inside functions
-(except optional or heavy third-party packages and the config check's torch-free path) and
-files over 400 lines in the package, ``scripts/``, ``bench/`` and ``tests/`` (except pure math), and
-modules named like the standard library's or like one another (except a family's parts in each layer).
+(except optional or heavy third-party packages and the config check's torch-free path; the
+benchmarks, scripts run by hand, are exempt) and files over 400 lines in the package, ``scripts/``,
+``bench/`` and ``tests/`` (except pure math), and modules of the package named like the standard
+library's or like one another (except a family's parts in each layer).
 An exception listed here must still occur (a test fails when one no longer does), so the lists
 only shrink.
 """
@@ -20,13 +21,28 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("fedhm_flwr", "strategies", "clients")
+PACKAGES = ("fedhm_flwr", "strategies", "clients", "bench")
+#: the layers exempt from the rules on imports inside functions and on module names (scripts run by hand)
+EXEMPT_LAYERS = ("bench",)
 MAX_LINES = 400
 #: folders beside the packages whose files are held to MAX_LINES too
 LINE_LIMITED = ("scripts", "bench", "tests")
 
 #: the layers, bottom first (docs/ARCHITECTURE.md, "Rooms"); a module imports its layer and below
-ORDER = ("base", "math", "models", "data", "config", "reporting", "method", "round", "client", "operations", "faces")
+ORDER = (
+    "base",
+    "math",
+    "models",
+    "data",
+    "config",
+    "reporting",
+    "method",
+    "round",
+    "client",
+    "operations",
+    "faces",
+    "bench",
+)
 #: layers of the same height that must not import each other (the server's round and the client)
 SIBLINGS = {("round", "client"), ("client", "round")}
 
@@ -61,6 +77,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
     # the design card's top-level names, re-exporting the server and the client for users' scripts
     "faces": ("strategies", "clients"),
+    # the benchmarks (`make bench`, bench/run.py): above everything, imported by nothing of the package
+    "bench": ("bench",),
 }
 
 
@@ -242,20 +260,29 @@ def _optional(name: str) -> bool:
 
 
 def _bad_inner() -> set[tuple[str, str]]:
-    return {(m, t) for m, t in INNER if not _optional(t) and (m, t) not in TORCH_FREE_PATH}
+    return {
+        (m, t)
+        for m, t in INNER
+        if not _optional(t) and (m, t) not in TORCH_FREE_PATH and layer_of(m) not in EXEMPT_LAYERS
+    }
+
+
+def _named_modules() -> dict[str, Path]:
+    """The modules the name rules cover: the package's and the faces' (not the benchmarks')."""
+    return {m: p for m, p in MODULES.items() if layer_of(m) not in EXEMPT_LAYERS}
 
 
 def _shared_names() -> set[str]:
     """Module names (the file's, ``__init__`` aside) that more than one module of the packages carries."""
     seen: dict[str, int] = defaultdict(int)
-    for path in MODULES.values():
+    for path in _named_modules().values():
         seen[path.stem] += path.stem != "__init__"
     return {name for name, count in seen.items() if count > 1}
 
 
 def _stdlib_names() -> set[str]:
     """Modules named like a module of the standard library (``import inspect`` beside one reads it)."""
-    return {m for m, path in MODULES.items() if path.stem in sys.stdlib_module_names}
+    return {m for m, path in _named_modules().items() if path.stem in sys.stdlib_module_names}
 
 
 def _long_files() -> set[str]:
@@ -344,3 +371,10 @@ def test_the_checks_see_a_violation(rule, monkeypatch):
     monkeypatch.setitem(EDGES, "fedhm_flwr.core.errors", EDGES["fedhm_flwr.core.errors"] | {"fedhm_flwr.ops.cli"})
     monkeypatch.setattr(sys.modules[__name__], "INNER", [*INNER, ("fedhm_flwr.core.errors", "fedhm_flwr.ops.cli")])
     assert rule() != before
+
+
+def test_the_circle_check_covers_the_benchmarks(monkeypatch):
+    """``bench/`` is scanned: its report module importing back the module that measures it is a circle."""
+    assert "bench.scale" in EDGES["bench.run"] and "bench.scale_report" in EDGES["bench.scale"]
+    monkeypatch.setitem(EDGES, "bench.scale_report", EDGES["bench.scale_report"] | {"bench.scale"})
+    assert frozenset({"bench.scale", "bench.scale_report"}) in _circles()
