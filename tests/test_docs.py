@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -142,3 +144,15 @@ def test_the_reference_checks_see_a_stale_name():
     assert not (ROOT / files[0]).is_file()
     stale = rooms_table("| operations | `ops/tools/` (`inspect`, `export`) | everything below | tools |")
     assert table_mismatches(stale)["ops/tools"] == (["cost_table", "model_card", "onnx_model", "pretrain"], ["inspect"])
+
+
+def test_the_light_imports_the_architecture_page_names_are_light():
+    """docs/ARCHITECTURE.md: ``import fedhm_flwr.data.catalog`` loads no numpy and no torch, and
+    ``import fedhm_flwr.data.files`` (the launcher's data check) no torch."""
+    code = (
+        "import sys\nimport fedhm_flwr.data.catalog\n"
+        "assert not {'numpy', 'torch'} & set(sys.modules), 'data.catalog loaded numpy or torch'\n"
+        "import fedhm_flwr.data.files\nassert 'torch' not in sys.modules, 'data.files loaded torch'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

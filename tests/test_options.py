@@ -14,7 +14,7 @@ from flwr.app import ArrayRecord, MessageType
 from omegaconf import OmegaConf
 
 from fedhm_flwr.config import ConfigError, compose_config, load_config, model_spec, resume_config, run_options, validate
-from fedhm_flwr.config.options import FedHMOptions
+from fedhm_flwr.config.options.factorized import FedHMOptions
 from fedhm_flwr.core import protocol
 from fedhm_flwr.math.train import TrainOptions
 from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers

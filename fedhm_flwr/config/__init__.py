@@ -42,17 +42,20 @@ from fedhm_flwr.config.checks import (
 )
 from fedhm_flwr.config.methods import (
     ARCH_NAMES,
-    OPTIONS,
-    SUPPORTED_MODELS,
-    MethodOptions,
-    method_key,
     robust_modes,
-    supported_pairs,
     validate_pair,
     validate_user_model,
     with_user_model,
 )
-from fedhm_flwr.config.options import RunOptions, run_options
+from fedhm_flwr.config.options import (
+    OPTIONS,
+    SUPPORTED_MODELS,
+    MethodOptions,
+    RunOptions,
+    method_key,
+    run_options,
+    supported_pairs,
+)
 from fedhm_flwr.config.specs import (
     backbone_choice,
     data_spec,

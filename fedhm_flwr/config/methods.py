@@ -1,7 +1,7 @@
 """The (method, model) pairs a run accepts (:func:`validate_pair`), the user-model checks
 (``model.target``) and the robust aggregations each method accepts; the per-method options
 themselves are in :mod:`fedhm_flwr.config.options` (one ``MethodOptions`` class per method,
-grouped by family), re-exported here as the methods import them.
+grouped by family; a method imports its class from the family's module).
 
 The config check's torch-free path: the launcher checks a config before importing torch, and
 ``fedhm_flwr.models`` imports torch, so the few checks that need a model (a ``model.factorize``
@@ -16,42 +16,14 @@ import copy
 from omegaconf import DictConfig, OmegaConf
 
 from fedhm_flwr.config.checks import ROBUST, choice, require
-from fedhm_flwr.config.options import (
-    NEEDS,
-    OPTIONS,
-    SUPPORTED_MODELS,
-    FedAvgOptions,
-    FedHMOptions,
-    FedLoRAOptions,
-    FedRolexOptions,
-    FjORDOptions,
-    HeteroFLOptions,
-    HeteroTuneOptions,
-    MethodOptions,
-    PriSMOptions,
-    method_key,
-    supported_pairs,
-)
+from fedhm_flwr.config.options import NEEDS, SUPPORTED_MODELS, method_key, supported_pairs
 from fedhm_flwr.config.specs import backbone_choice, model_spec
 from fedhm_flwr.core.errors import ConfigError
 from fedhm_flwr.data.sources import dataset_info
 
-__all__ = [  # the options re-exported (the methods import their class from here) and this module's own
+__all__ = [
     "ARCH_NAMES",
-    "OPTIONS",
-    "SUPPORTED_MODELS",
-    "FedAvgOptions",
-    "FedHMOptions",
-    "FedLoRAOptions",
-    "FedRolexOptions",
-    "FjORDOptions",
-    "HeteroFLOptions",
-    "HeteroTuneOptions",
-    "MethodOptions",
-    "PriSMOptions",
-    "method_key",
     "robust_modes",
-    "supported_pairs",
     "validate_pair",
     "validate_user_model",
     "with_user_model",

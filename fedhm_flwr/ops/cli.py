@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedhm_flwr.config import ConfigError, split_overrides
+from fedhm_flwr.config import OPTIONS, ConfigError, split_overrides
 from fedhm_flwr.ops.deploy.device_run import resume_refusal
 from fedhm_flwr.ops.job.launch import run_job
 from fedhm_flwr.ops.job.outcome import fedhm_commands, report_finished, report_stop
@@ -305,6 +305,8 @@ def usage() -> str:
         lines.append(f"  {name:<{width}}  {cmd.short or cmd.summary}")
         lines.append(f"  {'':<{width}}    e.g. {cmd.examples[0]}")
     lines += [
+        "",
+        f"Methods (method=<name>, docs/METHODS.md): {', '.join(OPTIONS)}",
         "",
         "`fedhm <command> --help` for a command's options and examples. The same overrides work with",
         "`make run ARGS=...` and `python -m fedhm_flwr.ops.job.launch ...`; Python: fedhm_flwr.api.run([...]).",

@@ -1,10 +1,13 @@
 """Server strategies on Flower's Message API: one shared round (:class:`HeteroStrategy`) and one
 Flower-free method per algorithm (:class:`fedhm_flwr.server.methods.method.Method`: ``FedHM``, ``HeteroFL``, ...).
 
-``<Method>Strategy`` binds a method to the round (``FedHMStrategy(opts, model_spec, evaluate_fn,
-outputs)`` runs FedHM); :data:`STRATEGIES` maps ``method.name`` to those bindings, :data:`METHODS`
-to the methods themselves. A method is registered by its one entry in :data:`METHODS`; its binding
-follows from it.
+A method is registered once, by naming its class in :data:`REGISTERED`; everything else follows
+from that entry and from what the class declares (``name``, ``options``): :data:`METHODS`
+(``method.name`` -> the method), :data:`STRATEGIES` (``method.name`` -> the round bound to it),
+the ``<Method>Strategy`` names of this module (``FedHMStrategy(opts, model_spec, evaluate_fn, outputs)``
+runs FedHM), the ``strategies`` face and the checks that the config's table of options
+(:data:`fedhm_flwr.config.options.OPTIONS`, the list ``fedhm --help`` shows) names the same methods
+(``tests/test_registry.py``).
 """
 
 from __future__ import annotations
@@ -24,17 +27,21 @@ from fedhm_flwr.server.methods.method import Method
 from fedhm_flwr.server.methods.prism import PriSM
 from fedhm_flwr.server.strategy import HeteroStrategy
 
-#: ``method.name`` -> the method (a class, or FedAvg's builder picking its family's class)
-METHODS: dict[str, Callable[[RunOptions, dict[str, Any]], Method]] = {
-    "fedhm": FedHM,
-    "heterofl": HeteroFL,
-    "fedrolex": FedRolex,
-    "fedavg": FedAvg,
-    "fedlora": FedLoRA,
-    "heterotune": HeteroTune,
-    "prism": PriSM,  # also OrthDrop and the ablations: method.sampling
-    "fjord": FjORD,
-}
+#: every method, each once (a class, or FedAvg's builder picking its family's class); the order of
+#: :data:`METHODS`
+REGISTERED: tuple[type[Method] | type[FedAvg], ...] = (
+    FedHM,
+    HeteroFL,
+    FedRolex,
+    FedAvg,
+    FedLoRA,
+    HeteroTune,
+    PriSM,  # also OrthDrop and the ablations: method.sampling
+    FjORD,
+)
+
+#: ``method.name`` -> the method (the ``name`` each declares)
+METHODS: dict[str, Callable[[RunOptions, dict[str, Any]], Method]] = {m.name: m for m in REGISTERED}
 
 
 def _binding(name: str, method: Callable[[RunOptions, dict[str, Any]], Method]) -> type[HeteroStrategy]:
@@ -56,25 +63,16 @@ STRATEGIES: dict[str, type[HeteroStrategy]] = {
     name: _binding(f"{method.__name__}Strategy", method) for name, method in METHODS.items()
 }
 
-FedHMStrategy = STRATEGIES["fedhm"]
-HeteroFLStrategy = STRATEGIES["heterofl"]
-FedRolexStrategy = STRATEGIES["fedrolex"]
-FedAvgStrategy = STRATEGIES["fedavg"]
-FedLoRAStrategy = STRATEGIES["fedlora"]
-HeteroTuneStrategy = STRATEGIES["heterotune"]
-PriSMStrategy = STRATEGIES["prism"]
+#: the ``<Method>Strategy`` names this module answers (``from fedhm_flwr.server.registry import FedHMStrategy``)
+STRATEGY_NAMES: dict[str, type[HeteroStrategy]] = {s.__name__: s for s in STRATEGIES.values()}
 
-__all__ = [
-    "METHODS",
-    "STRATEGIES",
-    "FedAvgStrategy",
-    "FedHM",
-    "FedHMStrategy",
-    "FedLoRAStrategy",
-    "FedRolexStrategy",
-    "HeteroFLStrategy",
-    "HeteroStrategy",
-    "HeteroTuneStrategy",
-    "Method",
-    "PriSMStrategy",
-]
+
+def __getattr__(name: str) -> type[HeteroStrategy]:
+    """A ``<Method>Strategy`` of :data:`STRATEGY_NAMES` (PEP 562)."""
+    try:
+        return STRATEGY_NAMES[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+__all__ = ["METHODS", "REGISTERED", "STRATEGIES", "STRATEGY_NAMES", "HeteroStrategy", "Method", *STRATEGY_NAMES]

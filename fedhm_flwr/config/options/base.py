@@ -1,10 +1,11 @@
 """The base of every method's options (:class:`MethodOptions`), the checks several methods share
-(``method.tau``, ``method.rho``), the registry the supported pairs are read from, and
+(``method.tau``, ``method.rho``, ``method.grad_clip``), the table of every method's options, and
 :func:`parse_options`: a section of the config as a frozen dataclass, unknown keys refused.
 
-:data:`OPTIONS` is filled, in the order of the supported pairs in error messages, by
-:mod:`fedhm_flwr.config.options`; it lives here so that a method's check can list the supported
-pairs (:func:`supported_pairs`) without importing the package that imports it.
+:data:`OPTIONS` fills itself: a subclass of :class:`MethodOptions` that sets its own ``name`` is
+that method's options and is added under that name when its class statement runs (a base of a
+family, without a name of its own, is not). It lives here so that a method's check can list the
+supported pairs (:func:`supported_pairs`) without importing the package that imports it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, ClassVar, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
-from fedhm_flwr.config.checks import is_int, is_num, require
+from fedhm_flwr.config.checks import is_int, is_num, num_in, require
 from fedhm_flwr.core.errors import ConfigError
 
 T = TypeVar("T")
@@ -48,6 +49,22 @@ def check_tau(cfg: DictConfig) -> None:
 def check_rho(cfg: DictConfig, default: str = "null (the model's default) or an integer >= 0") -> None:
     rho = OmegaConf.select(cfg, "method.rho")
     require(rho is None or (is_int(rho) and rho >= 0), "method.rho", rho, default)
+
+
+def check_grad_clip(cfg: DictConfig, used: bool = True) -> None:
+    """``method.grad_clip`` >= 0 (0: off). Where the method clips with it (``used``), its clients clip
+    at ``method.grad_clip`` in place of ``train.grad_clip``: the method's key takes precedence, so a
+    ``train.grad_clip`` > 0 that differs from it (it would be ignored) is refused, naming both keys."""
+    num_in(cfg, "method.grad_clip", 0.0, math.inf, high_open=True)
+    method_clip = OmegaConf.select(cfg, "method.grad_clip")
+    train_clip = OmegaConf.select(cfg, "train.grad_clip", default=0.0)
+    if used and is_num(train_clip) and train_clip > 0 and train_clip != method_clip:
+        raise ConfigError(
+            "train.grad_clip",
+            train_clip,
+            f"0 or {method_clip}: method={cfg.method.name} clips at method.grad_clip={method_clip}, which takes "
+            f"precedence over train.grad_clip (set method.grad_clip={train_clip} instead)",
+        )
 
 
 def parse_options(cls: type[T], values: Any, section: str) -> T:
@@ -98,6 +115,13 @@ def _convert(hint: Any, value: Any, field: str) -> Any:
     return value
 
 
+#: ``method.name`` -> its options class, filled by the classes themselves (see
+#: :meth:`MethodOptions.__init_subclass__`), in the order their modules are imported
+#: (:mod:`fedhm_flwr.config.options`): the order of the method list and of the supported pairs in
+#: messages. The method declares the same class as ``Method.options``.
+OPTIONS: dict[str, type[MethodOptions]] = {}
+
+
 @dataclasses.dataclass(frozen=True)
 class MethodOptions:
     """What a method accepts of a config: its ``method`` group (:meth:`check`) and the models it
@@ -112,6 +136,16 @@ class MethodOptions:
     models: ClassVar[tuple[str, ...]] = ()
     #: what the method needs from a model (said when it refuses one)
     needs: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass naming a method (its own ``name``) is that method's options: it joins
+        :data:`OPTIONS`; a second class of the same name is refused."""
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if name:
+            if name in OPTIONS:
+                raise TypeError(f"method.name {name!r}: {cls.__name__} and {OPTIONS[name].__name__} both declare it")
+            OPTIONS[name] = cls
 
     @classmethod
     def check(cls, cfg: DictConfig) -> None:
@@ -137,10 +171,6 @@ class MethodOptions:
 
 
 M = TypeVar("M", bound=MethodOptions)
-
-#: ``method.name`` -> its options (every method adds itself in :mod:`fedhm_flwr.config.options` and
-#: declares them as ``Method.options``); this order is the order of the supported pairs in error messages.
-OPTIONS: dict[str, type[MethodOptions]] = {}
 
 
 def supported_pairs() -> str:

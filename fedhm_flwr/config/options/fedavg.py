@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from fedhm_flwr.config.checks import choice, flags, num_in
-from fedhm_flwr.config.options.base import BY_WIDTH, CONV_ARCHS, MethodOptions, check_rho
+from fedhm_flwr.config.checks import choice, flags
+from fedhm_flwr.config.options.base import BY_WIDTH, CONV_ARCHS, MethodOptions, check_grad_clip, check_rho
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class FedAvgOptions(MethodOptions):
         choice(cfg, "method.family", ("fedhm", "heterofl"))
         check_rho(cfg)
         flags(cfg, "method.frobenius_decay", "method.scaler")
-        num_in(cfg, "method.grad_clip", 0.0, math.inf, high_open=True)
+        check_grad_clip(cfg, used=cfg.method.get("family") == "heterofl")  # family fedhm: train.grad_clip
 
     @classmethod
     def pairs(cls) -> dict[str, tuple[tuple[str, ...], str]]:

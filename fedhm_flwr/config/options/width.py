@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from fedhm_flwr.config.checks import flags, is_num, num_in, require
-from fedhm_flwr.config.options.base import BY_WIDTH, CONV_ARCHS, MethodOptions
+from fedhm_flwr.config.checks import flags, is_num, require
+from fedhm_flwr.config.options.base import BY_WIDTH, CONV_ARCHS, MethodOptions, check_grad_clip
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,7 @@ class WidthOptions(MethodOptions):
     @classmethod
     def check(cls, cfg: DictConfig) -> None:
         flags(cfg, "method.scaler")
-        num_in(cfg, "method.grad_clip", 0.0, math.inf, high_open=True)
+        check_grad_clip(cfg)
         flags(cfg, "method.weight_by_samples")
 
 
@@ -57,7 +56,7 @@ class FjORDOptions(MethodOptions):
 
     @classmethod
     def check(cls, cfg: DictConfig) -> None:
-        num_in(cfg, "method.grad_clip", 0.0, math.inf, high_open=True)
+        check_grad_clip(cfg)
         flags(cfg, "method.weight_by_samples", "method.distill")
         p_values = OmegaConf.select(cfg, "method.p_values")
         if p_values is None:

@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig
 
 from fedhm_flwr.config import ConfigError, RunOptions, load_config, model_spec, run_options
-from fedhm_flwr.config.options import FedHMOptions
+from fedhm_flwr.config.options.factorized import FedHMOptions
 from fedhm_flwr.models import build_model, count_parameters, shape_device
 from fedhm_flwr.models.matching import fedhm_level_params
 from fedhm_flwr.models.rules import select_layers

@@ -19,8 +19,10 @@ import dataclasses
 import math
 from typing import Any
 
-from fedhm_flwr.config.methods import FedAvgOptions, FedHMOptions, HeteroFLOptions
 from fedhm_flwr.config.options import RunOptions
+from fedhm_flwr.config.options.factorized import FedHMOptions
+from fedhm_flwr.config.options.fedavg import FedAvgOptions
+from fedhm_flwr.config.options.width import HeteroFLOptions
 from fedhm_flwr.server.methods.fedhm import FedHM
 from fedhm_flwr.server.methods.heterofl import HeteroFL
 from fedhm_flwr.server.methods.method import Method, State, method_options

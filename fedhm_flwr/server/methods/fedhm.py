@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhm_flwr.config.methods import FedHMOptions
 from fedhm_flwr.config.options import RunOptions
+from fedhm_flwr.config.options.factorized import FedHMOptions
 from fedhm_flwr.math.aggregation import average_hybrid, level_weights, official_code_weights
 from fedhm_flwr.math.lowrank import (
     SVD_TOLERANCE,

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhm_flwr.config.methods import FedLoRAOptions
-from fedhm_flwr.config.options import RunOptions, TransformerOptions
+from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.config.options.run import ModelOptions
+from fedhm_flwr.config.options.transformer import FedLoRAOptions, TransformerOptions
 from fedhm_flwr.math.aggregation import average_states
 from fedhm_flwr.math.lora import (
     LORA_DELTA,

@@ -10,7 +10,7 @@ the round just trained (the model its clients would hold).
 
 from __future__ import annotations
 
-from fedhm_flwr.config.methods import FedRolexOptions
+from fedhm_flwr.config.options.width import FedRolexOptions
 from fedhm_flwr.server.methods.heterofl import HeteroFL
 
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedhm_flwr.config.methods import FjORDOptions
 from fedhm_flwr.config.options import RunOptions
+from fedhm_flwr.config.options.width import FjORDOptions
 from fedhm_flwr.math import fjord, width
 from fedhm_flwr.server.methods.heterofl import HeteroFL
 from fedhm_flwr.server.methods.method import State, method_options
@@ -33,6 +33,7 @@ class FjORD(HeteroFL):
 
     name = "fjord"
     options = FjORDOptions
+    reads = FjORDOptions
     mode = "static"
 
     def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:

@@ -19,17 +19,27 @@ MACs, training memory) is the closest to FedHM's level of the same ratio on the 
 from __future__ import annotations
 
 from logging import INFO
-from typing import Any
+from typing import Any, ClassVar, Protocol, cast
 
 import numpy as np
 import torch
 
-from fedhm_flwr.config.methods import FjORDOptions, HeteroFLOptions
-from fedhm_flwr.config.options import RunOptions, WidthOptions
+from fedhm_flwr.config.options import MethodOptions, RunOptions
+from fedhm_flwr.config.options.width import HeteroFLOptions, WidthOptions
 from fedhm_flwr.math import width
 from fedhm_flwr.models import build_model, matching
 from fedhm_flwr.server.methods.common import class_holds, classifier_keys
 from fedhm_flwr.server.methods.method import Method, Reply, State, method_options
+
+
+class SliceOptions(Protocol):
+    """What HeteroFL reads of its options, whichever class :attr:`HeteroFL.reads` names."""
+
+    @property
+    def grad_clip(self) -> float: ...
+
+    @property
+    def weight_by_samples(self) -> bool: ...
 
 
 class HeteroFL(Method):
@@ -37,17 +47,20 @@ class HeteroFL(Method):
 
     name = "heterofl"
     options = HeteroFLOptions
+    #: the options class :meth:`__init__` reads (FedRolex's and FedAvg's family runs are WidthOptions);
+    #: a subclass whose options are another class declares that class here
+    reads: ClassVar[type[MethodOptions]] = WidthOptions
     #: how a level's channels are chosen: "static" (first k) or "rolling" (FedRolex's window)
     mode = "static"
 
     def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:
         super().__init__(opts, model_spec)
-        m = method_options(opts, (WidthOptions, FjORDOptions))
+        m = cast(SliceOptions, method_options(opts, self.reads))
         self.spec = width.full_spec(self.spec)
         with torch.device("meta"):  # shapes only
             self._shapes_model = build_model(self.spec)
         self.classifier_keys = classifier_keys(self._shapes_model)
-        self.scaler = isinstance(m, WidthOptions) and m.scaler  # FjORD has none
+        self.scaler = isinstance(m, WidthOptions) and m.scaler
         self.grad_clip = m.grad_clip
         self.weight_by_samples = m.weight_by_samples
         #: each level's width rate: the level itself, or the rate matching FedHM's level on one resource

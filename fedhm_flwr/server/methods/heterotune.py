@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhm_flwr.config.methods import HeteroTuneOptions
 from fedhm_flwr.config.options import RunOptions
+from fedhm_flwr.config.options.transformer import HeteroTuneOptions
 from fedhm_flwr.math.aggregation import average_states
 from fedhm_flwr.math.cmga import cmga
 from fedhm_flwr.models import build_model

@@ -17,8 +17,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import torch
 
-from fedhm_flwr.config.methods import MethodOptions
-from fedhm_flwr.config.options import RunOptions
+from fedhm_flwr.config.options import MethodOptions, RunOptions
 from fedhm_flwr.server.methods import common
 
 State = dict[str, torch.Tensor]

@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhm_flwr.config.methods import PriSMOptions
 from fedhm_flwr.config.options import RunOptions
+from fedhm_flwr.config.options.factorized import PriSMOptions
 from fedhm_flwr.math import prism
 from fedhm_flwr.math.aggregation import average_states
 from fedhm_flwr.models import build_model, input_shape
