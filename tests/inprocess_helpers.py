@@ -5,7 +5,10 @@ handlers, without Flower's start-up (~20 s a run here).
 The client handlers set torch's thread count (``simulation.num_cpus``, as in a ClientApp process); the
 in-process grid puts the server's back after each (:class:`LocalGrid`), and the run here computes on
 torch's default count, a ServerApp process's: the run is bit-identical to a `fedhm run` of the job
-(checked: the CNN job of tests/test_lifecycle.py, the shufflenet job of tests/test_deployable.py)."""
+(checked: the CNN job of tests/test_lifecycle.py, the shufflenet job of tests/test_deployable.py).
+That default is the machine's core count (or ``OMP_NUM_THREADS``), and the server's SVDs and
+reductions round differently with it: a test whose numbers must not depend on the machine fixes the
+server's count (``server_threads``)."""
 
 from __future__ import annotations
 
@@ -23,12 +26,16 @@ from fedhm_flwr.ops.apps.server_app import run
 SERVER_THREADS = torch.get_num_threads()
 
 
-def run_in_process(cfg: DictConfig, run_dir: Path, handlers: dict[str, Handler] | None = None) -> dict[str, Any]:
-    """Run the job ``cfg`` (``cfg.num_clients`` nodes) into ``run_dir``; its summary. This process's
-    thread count is put back afterwards."""
+def run_in_process(
+    cfg: DictConfig, run_dir: Path, handlers: dict[str, Handler] | None = None, server_threads: int | None = None
+) -> dict[str, Any]:
+    """Run the job ``cfg`` (``cfg.num_clients`` nodes) into ``run_dir``; its summary. The server's
+    side computes on ``server_threads`` threads (default :data:`SERVER_THREADS`: this machine's
+    `fedhm run`; a fixed count: the same numbers on every machine with the same kernels, whatever
+    its core count). This process's thread count is put back afterwards."""
     grid = LocalGrid(int(cfg.num_clients), handlers or client_handlers())
     before = torch.get_num_threads()
-    torch.set_num_threads(SERVER_THREADS)
+    torch.set_num_threads(SERVER_THREADS if server_threads is None else server_threads)
     try:
         return run(grid, cfg, run_dir)
     finally:
