@@ -18,9 +18,11 @@ from typing import Any
 from bench.estimates import plan
 from bench.page_notes import DEPLOYABLE, code_lines, recipe_lines, run_version, statistics_line, use_deployable
 from bench.results_archive import archive_head, archive_page, archived, main_head
-from bench.results_pareto import add_costs, pareto_section, smallest_level_table
+from bench.results_pareto import INTERPOLATION, _cost, add_costs, pareto_section
 from bench.results_progress import progress_lines
-from bench.results_tables import fedhm_vs_heterofl, headline, level_table, paired_table, verdict_table
+from bench.results_rounds import gap_section
+from bench.results_tables import fedhm_vs_heterofl, headline, level_table, paired_table
+from bench.results_verdicts import LAST_K, RULE_K, resource_table, verdict_table
 from bench.studies import (
     FIGURES,
     LABELS,
@@ -45,6 +47,7 @@ def variant_rows(root: Path, study: Study, setting: str) -> list[dict[str, Any]]
     named by its variant (``fedavg_smallest`` rather than ``fedavg method.variant=smallest``), with
     the run's commit, machine, finishing time and transport."""
     from fedhm_flwr.reporting.summary import collect
+    from fedhm_flwr.reporting.summary_stats import last_evaluations, read_metrics
 
     dirs = [
         run_dir(study, setting, v, k, root)
@@ -62,6 +65,7 @@ def variant_rows(root: Path, study: Study, setting: str) -> list[dict[str, Any]]
         row.update({k: info.get(k) for k in ("commit", "machine", "finished_at", "bn_stats", "deployable_bn_stats")})
         row.update({k: v for k, v in info.items() if k.startswith((DEPLOYABLE, "code_"))})
         row["transport"] = info.get("transport", "grid")
+        row.update(last_evaluations(read_metrics(path), LAST_K))
     return rows
 
 
@@ -153,9 +157,11 @@ def adopted(root: Path, candidate: str) -> int:
     )
 
 
-def setting_section(rows: list[dict[str, Any]], title: str, out: Path, page: Path) -> list[str]:
+def setting_section(rows: list[dict[str, Any]], key: tuple[str, str], out: Path, page: Path) -> list[str]:
+    """The section of study and setting ``key``."""
     from fedhm_flwr.reporting.summary_plots import write_plots
 
+    title = TITLES[key[1]]
     if not rows:
         return [f"### {title}", "", "No finished run yet.", ""]
     write_plots(["method", "seed"], rows, out, costs=False)
@@ -181,7 +187,8 @@ def setting_section(rows: list[dict[str, Any]], title: str, out: Path, page: Pat
         "",
         f"![accuracy against bytes moved]({rel}/accuracy_vs_bytes.png)",
         "",
-        *pareto_section(rows, title, out, page),
+        *gap_section(rows, title, out, page),
+        *pareto_section(rows, key, out, page),
     ]
 
 
@@ -245,11 +252,15 @@ def render(
         "## Verdicts",
         "",
         f"Rule (`fedhm_flwr/reporting/verdicts.py`): {RULE}. The smallest level is the smallest γ present in the runs "
-        f"(γ = {smallest_level(runs)}).",
+        f"(γ = {smallest_level(runs)}). {RULE_K}",
         "",
-        *verdict_table(all_rows),
+        *verdict_table(all_rows, {st.key: st.variants for st in studies}),
         "",
-        *smallest_level_table(all_rows),
+        "Per resource (parameters, MACs, training memory; their units and meaning in each setting's section), "
+        "FedHM's smallest level against each baseline family at equal cost: against the family's runs matched "
+        f"on that resource, level by level; where none was, *interpolated*: {INTERPOLATION}",
+        "",
+        *resource_table(all_rows, _cost),
         "",
     ]
     for st in studies:
@@ -274,7 +285,7 @@ def render(
         lines += progress_lines(root, st)
         for s in st.settings:
             out = figures / st.folder / s
-            lines += setting_section(rows_of[s], TITLES[s], out, page)
+            lines += setting_section(rows_of[s], (st.key, s), out, page)
     todo = missing(root, studies)
     lines += [
         "## Missing runs",
