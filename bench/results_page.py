@@ -16,8 +16,19 @@ from pathlib import Path
 from typing import Any
 
 from bench.estimates import plan
-from bench.page_notes import DEPLOYABLE, code_lines, recipe_lines, run_version, statistics_line, use_deployable
+from bench.page_notes import (
+    DEPLOYABLE,
+    SHOWN,
+    aggregation_lines,
+    bn_sample_line,
+    code_lines,
+    recipe_lines,
+    run_version,
+    statistics_line,
+    use_deployable,
+)
 from bench.results_archive import archive_head, archive_page, archived, main_head
+from bench.results_choice import choice_section
 from bench.results_pareto import INTERPOLATION, _cost, add_costs, pareto_section
 from bench.results_progress import progress_lines
 from bench.results_rounds import gap_section
@@ -187,6 +198,10 @@ def setting_section(rows: list[dict[str, Any]], key: tuple[str, str], out: Path,
         "",
         f"![accuracy against bytes moved]({rel}/accuracy_vs_bytes.png)",
         "",
+        "#### Which method for which constraint",
+        "",
+        *choice_section(rows),
+        "",
         *gap_section(rows, title, out, page),
         *pareto_section(rows, key, out, page),
     ]
@@ -272,12 +287,19 @@ def render(
             "",
             f"- work: `{st.common}` with `partition.alpha` 0.5 and 0.1 (Dirichlet over labels), i.e. {st.work}",
             statistics_line(study_runs),
+            *(
+                [bn_sample_line(study_runs)]
+                if study_runs and all(r.get(SHOWN) == "deployable" for r in study_runs)
+                else []
+            ),
             *code,
             transport_line(st, study_runs, flagged),
             "",
             "### Training recipe",
             "",
             *recipe_lines({LABELS[v]: st.overrides(st.settings[0], v, st.seeds[0]) for v in st.variants}),
+            "",
+            *aggregation_lines({LABELS[v]: st.overrides(st.settings[0], v, st.seeds[0]) for v in st.variants}),
             "",
         ]
         if st.key == "capacity":
@@ -322,12 +344,23 @@ def readme_block(root: Path, studies: list[Study] | None = None) -> str:
     headline table."""
     lines = [README_START, ""]
     for st in shown_studies(root) if studies is None else studies:
-        for setting, rows in study_rows(root, st).items():
+        rows_of = study_rows(root, st)
+        lines += [
+            f"**{st.key}**: finished runs per setting: "
+            + "; ".join(
+                f"{TITLES[s]} {len(rows_of[s])} of {sum(1 for x in st.runs() if x[0] == s)}" for s in st.settings
+            )
+            + " (the others are listed with their estimated time on the page).",
+            "",
+        ]
+        for setting, rows in rows_of.items():
             if rows:
                 lines += [
                     f"**{st.key}, {TITLES[setting]}**: {fedhm_vs_heterofl(rows).replace('**', '')}",
                     "",
                     *headline(rows),
+                    "",
+                    *choice_section(rows, smallest_only=True),
                     "",
                 ]
     lines += [

@@ -76,7 +76,7 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95) -> Estimate:
 
 def resolution_p(est: Estimate, margin: float = 0.0) -> float:
     """The smallest ``alpha`` at which the two-sided ``1 − alpha`` Student-t interval of ``est`` resolves
-    a claim with ``margin`` (docs/METHODS.md#verdicts): for ``margin = 0`` (A beats B) the interval
+    a claim with ``margin`` (the results page's paired rule): for ``margin = 0`` (A beats B) the interval
     excludes 0, which is the two-sided t-test's p-value; for ``margin > 0`` (A is within ``margin`` of
     B) the interval lies inside ``(−margin, +margin)`` or wholly outside it. ``q`` is the largest t
     multiplier at which one of those holds, ``p = 2 · (1 − T_{n−1}(q))``; NaN below 2 values."""
