@@ -138,6 +138,73 @@ def archive_reasons(rows: list[dict[str, Any]]) -> list[str]:
     return reasons
 
 
+def bn_sample_line(rows: list[dict[str, Any]]) -> str:
+    """Which clients and how many examples each summed the deployable statistics of ``rows`` (their saved
+    configs' ``evaluation.bn_clients`` and ``evaluation.bn_examples``), beside today's defaults."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from fedhm_flwr.config import base_defaults
+
+    def sample(cfg: Any) -> str:
+        clients, examples = (
+            OmegaConf.select(cfg, "evaluation.bn_clients"),
+            OmegaConf.select(cfg, "evaluation.bn_examples"),
+        )
+        return (
+            f"{'every connected client' if not clients else f'a seeded sample of {clients} clients'} × "
+            f"{'all their training examples' if not examples else f'at most {examples} training examples each'}"
+        )
+
+    used = Counter(sample(OmegaConf.load(Path(r["dir"]) / "config.yaml")) for r in rows if r.get("dir"))
+    return (
+        "- deployable statistics' sample: "
+        + "; ".join(f"{what}: {n} run(s)" for what, n in sorted(used.items()))
+        + f" (`evaluation.bn_clients`, `evaluation.bn_examples` in each run's config; today's default: "
+        f"{sample(base_defaults())})"
+    )
+
+
+def aggregation_lines(methods: Mapping[str, str]) -> list[str]:
+    """How each method weighs its clients' replies when it aggregates, and whether it uses HeteroFL's
+    Scaler, read from the method the server builds under each method's overrides (label -> overrides)."""
+    rows = []
+    for label, overrides in methods.items():
+        weights, scaler = _aggregation(overrides)
+        rows.append(f"| {label} | {weights} | {scaler} |")
+    return [
+        "How each method weighs its clients' replies and whether it rescales activations by the width "
+        "(HeteroFL's Scaler), read from the method the server builds (`bench/page_notes.py`; "
+        "docs/METHODS.md):",
+        "",
+        "| method | a reply's weight in the aggregate | Scaler |",
+        "|---|---|---|",
+        *rows,
+    ]
+
+
+@functools.lru_cache(maxsize=64)
+def _aggregation(overrides: str) -> tuple[str, str]:
+    import math
+
+    from fedhm_flwr.config import load_config, model_spec, run_options
+    from fedhm_flwr.server.registry import STRATEGIES
+
+    cfg = load_config(overrides)
+    method = STRATEGIES[cfg.method.name](run_options(cfg), model_spec(cfg)).method
+    by_samples = bool(getattr(method, "weight_by_samples", False))
+    tau = getattr(method, "tau", None)
+    if tau is None:
+        weights = "its sample count" if by_samples else "1 (a plain mean over the clients holding each element)"
+    elif math.isinf(tau):
+        weights = "its sample count" if by_samples else "1 (uniform)"
+    else:
+        weights = f"softmax(γ/τ) over the round's clients, τ = {tau:g}" + (", × its sample count" if by_samples else "")
+    scaler = getattr(method, "scaler", None)
+    return weights, "–" if scaler is None else "yes" if scaler else "no"
+
+
 def client_options(overrides: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(the common recipe: the ``train.*`` options the server sends every client, the learning rate
     aside; the options the clients of each level get, the method's own on top) under ``overrides``:

@@ -16,11 +16,24 @@ from pathlib import Path
 from typing import Any
 
 from bench.estimates import plan
-from bench.page_notes import DEPLOYABLE, code_lines, recipe_lines, run_version, statistics_line, use_deployable
+from bench.page_notes import (
+    DEPLOYABLE,
+    SHOWN,
+    aggregation_lines,
+    bn_sample_line,
+    code_lines,
+    recipe_lines,
+    run_version,
+    statistics_line,
+    use_deployable,
+)
 from bench.results_archive import archive_head, archive_page, archived, main_head
-from bench.results_pareto import add_costs, pareto_section, smallest_level_table
+from bench.results_choice import choice_section
+from bench.results_pareto import INTERPOLATION, _cost, add_costs, pareto_section
 from bench.results_progress import progress_lines
-from bench.results_tables import fedhm_vs_heterofl, headline, level_table, paired_table, verdict_table
+from bench.results_rounds import gap_section
+from bench.results_tables import fedhm_vs_heterofl, headline, level_table, paired_table
+from bench.results_verdicts import LAST_K, RULE_K, resource_table, verdict_table
 from bench.studies import (
     FIGURES,
     LABELS,
@@ -45,6 +58,7 @@ def variant_rows(root: Path, study: Study, setting: str) -> list[dict[str, Any]]
     named by its variant (``fedavg_smallest`` rather than ``fedavg method.variant=smallest``), with
     the run's commit, machine, finishing time and transport."""
     from fedhm_flwr.reporting.summary import collect
+    from fedhm_flwr.reporting.summary_stats import last_evaluations, read_metrics
 
     dirs = [
         run_dir(study, setting, v, k, root)
@@ -62,6 +76,7 @@ def variant_rows(root: Path, study: Study, setting: str) -> list[dict[str, Any]]
         row.update({k: info.get(k) for k in ("commit", "machine", "finished_at", "bn_stats", "deployable_bn_stats")})
         row.update({k: v for k, v in info.items() if k.startswith((DEPLOYABLE, "code_"))})
         row["transport"] = info.get("transport", "grid")
+        row.update(last_evaluations(read_metrics(path), LAST_K))
     return rows
 
 
@@ -153,9 +168,11 @@ def adopted(root: Path, candidate: str) -> int:
     )
 
 
-def setting_section(rows: list[dict[str, Any]], title: str, out: Path, page: Path) -> list[str]:
+def setting_section(rows: list[dict[str, Any]], key: tuple[str, str], out: Path, page: Path) -> list[str]:
+    """The section of study and setting ``key``."""
     from fedhm_flwr.reporting.summary_plots import write_plots
 
+    title = TITLES[key[1]]
     if not rows:
         return [f"### {title}", "", "No finished run yet.", ""]
     write_plots(["method", "seed"], rows, out, costs=False)
@@ -181,7 +198,12 @@ def setting_section(rows: list[dict[str, Any]], title: str, out: Path, page: Pat
         "",
         f"![accuracy against bytes moved]({rel}/accuracy_vs_bytes.png)",
         "",
-        *pareto_section(rows, title, out, page),
+        "#### Which method for which constraint",
+        "",
+        *choice_section(rows),
+        "",
+        *gap_section(rows, title, out, page),
+        *pareto_section(rows, key, out, page),
     ]
 
 
@@ -245,11 +267,15 @@ def render(
         "## Verdicts",
         "",
         f"Rule (`fedhm_flwr/reporting/verdicts.py`): {RULE}. The smallest level is the smallest γ present in the runs "
-        f"(γ = {smallest_level(runs)}).",
+        f"(γ = {smallest_level(runs)}). {RULE_K}",
         "",
-        *verdict_table(all_rows),
+        *verdict_table(all_rows, {st.key: st.variants for st in studies}),
         "",
-        *smallest_level_table(all_rows),
+        "Per resource (parameters, MACs, training memory; their units and meaning in each setting's section), "
+        "FedHM's smallest level against each baseline family at equal cost: against the family's runs matched "
+        f"on that resource, level by level; where none was, *interpolated*: {INTERPOLATION}",
+        "",
+        *resource_table(all_rows, _cost),
         "",
     ]
     for st in studies:
@@ -261,6 +287,11 @@ def render(
             "",
             f"- work: `{st.common}` with `partition.alpha` 0.5 and 0.1 (Dirichlet over labels), i.e. {st.work}",
             statistics_line(study_runs),
+            *(
+                [bn_sample_line(study_runs)]
+                if study_runs and all(r.get(SHOWN) == "deployable" for r in study_runs)
+                else []
+            ),
             *code,
             transport_line(st, study_runs, flagged),
             "",
@@ -268,13 +299,15 @@ def render(
             "",
             *recipe_lines({LABELS[v]: st.overrides(st.settings[0], v, st.seeds[0]) for v in st.variants}),
             "",
+            *aggregation_lines({LABELS[v]: st.overrides(st.settings[0], v, st.seeds[0]) for v in st.variants}),
+            "",
         ]
         if st.key == "capacity":
             lines += ["### Why this setting", "", *probe_section(root), ""]
         lines += progress_lines(root, st)
         for s in st.settings:
             out = figures / st.folder / s
-            lines += setting_section(rows_of[s], TITLES[s], out, page)
+            lines += setting_section(rows_of[s], (st.key, s), out, page)
     todo = missing(root, studies)
     lines += [
         "## Missing runs",
@@ -311,12 +344,23 @@ def readme_block(root: Path, studies: list[Study] | None = None) -> str:
     headline table."""
     lines = [README_START, ""]
     for st in shown_studies(root) if studies is None else studies:
-        for setting, rows in study_rows(root, st).items():
+        rows_of = study_rows(root, st)
+        lines += [
+            f"**{st.key}**: finished runs per setting: "
+            + "; ".join(
+                f"{TITLES[s]} {len(rows_of[s])} of {sum(1 for x in st.runs() if x[0] == s)}" for s in st.settings
+            )
+            + " (the others are listed with their estimated time on the page).",
+            "",
+        ]
+        for setting, rows in rows_of.items():
             if rows:
                 lines += [
                     f"**{st.key}, {TITLES[setting]}**: {fedhm_vs_heterofl(rows).replace('**', '')}",
                     "",
                     *headline(rows),
+                    "",
+                    *choice_section(rows, smallest_only=True),
                     "",
                 ]
     lines += [

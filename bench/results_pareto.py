@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.page_notes import SHOWN
+from bench.results_verdicts import RULE_K, resource_table
 from bench.studies import LABELS, TITLES, VARIANTS
 from fedhm_flwr.core.errors import ConfigError
 from fedhm_flwr.math.stats import mean_ci
-from fedhm_flwr.reporting.pareto import RESOURCES, level_costs, levels_of, resource_verdicts
+from fedhm_flwr.reporting.pareto import RESOURCES, level_costs, levels_of
 from fedhm_flwr.reporting.verdicts import matched_label
 
-BASELINES = ("heterofl", "fedrolex")
+BASELINES = ("heterofl", "heterofl_memory", "fedrolex", "fedrolex_memory", "fjord")
 #: resource -> (the plots' axis, the value shown from the recorded cost, the unit in tables)
 AXES: dict[str, tuple[str, Callable[[float], float], str]] = {
     "params": (
@@ -36,7 +37,7 @@ AXES: dict[str, tuple[str, Callable[[float], float], str]] = {
     "memory": ("estimated peak training memory, MiB = 2²⁰ bytes (log)", lambda b: b / 2**20, "MiB"),
 }
 INTERPOLATION = (
-    "At each FedHM level, the baseline's accuracy at FedHM's cost on that resource is interpolated linearly in "
+    "at each FedHM level, the baseline's accuracy at FedHM's cost on that resource is interpolated linearly in "
     "log-cost between the baseline's two neighbouring levels (an assumption: accuracy between measured widths "
     "was not measured), seed by seed from that seed's own runs; outside the baseline's measured range of costs "
     "the level is *not comparable*. Per seed d = FedHM's accuracy − the baseline's interpolated accuracy; "
@@ -208,33 +209,6 @@ def cost_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _ci(est: Any) -> tuple[str, str]:
-    if est is None:
-        return "", ""
-    ci = "n/a (one seed)" if est.n < 2 else f"[{est.low * 100:+.2f}, {est.high * 100:+.2f}]"
-    return f"{est.mean * 100:+.2f}", ci
-
-
-def resource_table(rows: list[dict[str, Any]]) -> list[str]:
-    """Every FedHM level against each matched baseline at equal cost, per resource."""
-    lines = [
-        "| baseline (its widths) | resource | FedHM level γ | FedHM's cost | baseline's measured range | n | "
-        "FedHM − baseline at equal cost (pt) | 95 % CI | FedHM's accuracy against the baseline's at equal cost |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for b in BASELINES:
-        for resource in RESOURCES:
-            for v in resource_verdicts(rows, b, resource):
-                diff, ci = _ci(v["estimate"]) if v["verdict"] != "not comparable" else ("", "")
-                lo, hi = v["range"]
-                lines.append(
-                    f"| {LABELS[b].split()[0]} ({matched_label(rows, b)}) | {RESOURCES[resource]} | {v['level']} | "
-                    f"{_cost(resource, v['cost'])} | {_cost(resource, lo)} – {_cost(resource, hi)} | {v['n']} | "
-                    f"{diff} | {ci} | **{v['verdict']}** |"
-                )
-    return lines
-
-
 def resources_text(rows: list[dict[str, Any]]) -> str:
     """What each resource means and in which unit, with the runs' batch size and momentum."""
     batch = sorted({str(r.get("train.batch_size")) for r in rows})
@@ -281,8 +255,10 @@ def recount_line(rows: list[dict[str, Any]]) -> str:
     )
 
 
-def pareto_section(rows: list[dict[str, Any]], title: str, out: Path, page: Path) -> list[str]:
-    """The setting's section: what the baselines were matched on, the costs, the plots, the verdicts."""
+def pareto_section(rows: list[dict[str, Any]], key: tuple[str, str], out: Path, page: Path) -> list[str]:
+    """The section of study and setting ``key``: what the baselines were matched on, the costs, the plots,
+    the verdicts."""
+    title = TITLES[key[1]]
     if not any(r["method"] == "fedhm" for r in rows):
         return []
     names = write_pareto_plots(rows, title, out)
@@ -315,33 +291,9 @@ def pareto_section(rows: list[dict[str, Any]], title: str, out: Path, page: Path
         "",
         " ".join(f"![accuracy per level against {RESOURCES[n[7:-4]]}]({rel}/{n})" for n in names),
         "",
-        f"Per resource, FedHM's level against each baseline at equal cost. {INTERPOLATION}",
+        f"Per resource, FedHM's level against each baseline family at equal cost: against the family's runs "
+        f"matched on that resource, level by level; where none was, *interpolated*: {INTERPOLATION} {RULE_K}",
         "",
-        *resource_table(rows),
+        *resource_table({key: rows}, _cost, smallest_only=False),
         "",
-    ]
-
-
-def smallest_level_table(all_rows: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
-    """The Verdicts section's lines per resource: FedHM's smallest level against each baseline at equal cost."""
-    lines = [
-        "| claim | study | setting | baseline's widths | n | difference (pt) | 95 % CI | verdict |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for (study, setting), rows in all_rows.items():
-        small = levels_of(rows, "fedhm")[-1:] if rows else []
-        for b in BASELINES:
-            for resource in RESOURCES:
-                for v in (v for v in resource_verdicts(rows, b, resource) if v["level"] in small):
-                    diff, ci = _ci(v["estimate"]) if v["verdict"] != "not comparable" else ("", "")
-                    lines.append(
-                        f"| FedHM's smallest level (γ = {v['level']}) above {LABELS[b].split()[0]} at equal "
-                        f"{RESOURCES[resource]} | {study} | {TITLES[setting]} | {matched_label(rows, b)} | {v['n']} | "
-                        f"{diff} | {ci} | **{v['verdict']}** |"
-                    )
-    return [
-        "Per resource (parameters, MACs, training memory; their units and meaning in each setting's section): "
-        + INTERPOLATION,
-        "",
-        *lines,
     ]

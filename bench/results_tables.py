@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.studies import LABELS, TITLES, VARIANTS
+from bench.results_verdicts import LAST_K
+from bench.studies import LABELS, VARIANTS
 from fedhm_flwr.math.stats import mean_ci
-from fedhm_flwr.reporting.verdicts import judge, matched_label
+from fedhm_flwr.reporting.verdicts import matched_label
 
 
 def _pct(est: Any) -> str:
@@ -28,13 +29,14 @@ def paired(rows: list[dict[str, Any]], method: str, reference: str, column: str 
 
 
 def headline(rows: list[dict[str, Any]]) -> list[str]:
-    """The headline table of one setting: per method, final and last-10 % global accuracy over
-    seeds, the smallest level's accuracy and size, bytes moved and wall time per run."""
+    """The headline table of one setting: per method, final global accuracy and its mean over the last
+    :data:`~bench.results_verdicts.LAST_K` evaluations over seeds, the smallest level's accuracy and size,
+    bytes moved and wall time per run."""
     smallest = min(
         (k.rsplit("_", 1)[1] for r in rows for k in r if k.startswith("final_acc/level_")), key=float, default=None
     )
     lines = [
-        "| method | n | final accuracy (%) | 95 % CI | last 10 % of rounds (%) | "
+        f"| method | n | final accuracy (%) | 95 % CI | last {LAST_K} evaluations (%) | "
         f"smallest level (γ = {smallest}): accuracy (%) | its parameters | MB moved | minutes per run |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -43,7 +45,7 @@ def headline(rows: list[dict[str, Any]]) -> list[str]:
         if not runs:
             continue
         final = mean_ci([float(r["final_acc/global"]) for r in runs])
-        tail = mean_ci([float(r["tail_acc/global"]) for r in runs])
+        tail = mean_ci([float(r["lastk_acc/global"]) for r in runs])
         small = [
             float(r[f"final_acc/level_{smallest}"]) for r in runs if r.get(f"final_acc/level_{smallest}") is not None
         ]
@@ -90,13 +92,14 @@ def level_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def paired_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| method − FedHM | n | final accuracy (pt) | 95 % CI | last 10 % (pt) | 95 % CI | per seed (pt) |",
+        f"| method − FedHM | n | final accuracy (pt) | 95 % CI | last {LAST_K} evaluations (pt) | 95 % CI | "
+        "per seed, final (pt) |",
         "|---|---|---|---|---|---|---|",
     ]
     for variant in VARIANTS:
         if variant == "fedhm":
             continue
-        final, tail = paired(rows, variant, "fedhm"), paired(rows, variant, "fedhm", "tail_acc/global")
+        final, tail = paired(rows, variant, "fedhm"), paired(rows, variant, "fedhm", "lastk_acc/global")
         if final is None:
             continue
         ref = {r["seed"]: float(r["final_acc/global"]) for r in rows if r["method"] == "fedhm"}
@@ -130,19 +133,3 @@ def fedhm_vs_heterofl(rows: list[dict[str, Any]]) -> str:
         f"**FedHM − HeteroFL ({matched}), final global accuracy: {est.mean * 100:+.2f} pt, 95 % CI "
         f"[{est.low * 100:+.2f}, {est.high * 100:+.2f}] over {est.n} paired seeds** ({verdict})."
     )
-
-
-def verdict_table(all_rows: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
-    """One line per claim, study and setting (see :data:`fedhm_flwr.reporting.verdicts.RULE`)."""
-    lines = ["| claim | study | setting | n | difference (pt) | 95 % CI | verdict |", "|---|---|---|---|---|---|---|"]
-    for (study, setting), rows in all_rows.items():
-        if not rows:
-            continue
-        for j in judge(rows):
-            est = j["estimate"]
-            diff = "" if est is None else f"{est.mean * 100:+.2f}"
-            ci = "" if est is None else _pct_ci(est, "+")
-            lines.append(
-                f"| {j['claim']} | {study} | {TITLES[setting]} | {j['n']} | {diff} | {ci} | **{j['verdict']}** |"
-            )
-    return lines

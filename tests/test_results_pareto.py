@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from bench import results_page as page_mod, studies
-from bench.results_pareto import add_costs, config_costs, pareto_section, recount, smallest_level_table
+from bench.results_pareto import _cost, add_costs, config_costs, pareto_section, recount
+from bench.results_verdicts import resource_table
 from bench.studies import STUDIES, finished
 from fedhm_flwr.reporting.pareto import interpolate, level_costs, resource_verdicts
 from fedhm_flwr.reporting.verdicts import matched_label
@@ -121,7 +122,7 @@ def test_the_cheap_runs_memory_was_counted_before_pool_came_before_relu():
 
 def test_the_section_renders_from_the_tracked_runs(tmp_path: Path):
     rows = page_mod.study_rows(TRACKED, CHEAP)["dir0.5"]
-    lines = pareto_section(rows, "Dirichlet α = 0.5", tmp_path / "fig", tmp_path / "RESULTS.md")
+    lines = pareto_section(rows, ("cheap", "dir0.5"), tmp_path / "fig", tmp_path / "RESULTS.md")
     text = "\n".join(lines)
     for resource in ("params", "macs", "memory"):
         assert (tmp_path / "fig" / f"pareto_{resource}.png").stat().st_size > 10_000
@@ -138,10 +139,20 @@ def test_the_section_renders_from_the_tracked_runs(tmp_path: Path):
     assert "batch size 32 and momentum 0.9" in text and "in MiB (2²⁰ bytes)" in text
     assert "Every cost here was recorded by its run." in text
     assert "parameters and MACs agree in every run; training memory differs in 18 of 18 runs" in text
-    assert "| HeteroFL (matched on parameters) | MACs | 0.125 |" in text
-    summary = "\n".join(smallest_level_table({("cheap", "dir0.5"): rows}))
-    for resource in ("parameters", "MACs", "training memory"):
-        assert f"FedHM's smallest level (γ = 0.125) above HeteroFL at equal {resource} | cheap |" in summary
+    # no run of the cheap study was matched on MACs: interpolated, and said so in the verdict's own line
+    assert (
+        "| FedHM's level γ = 0.125 against HeteroFL at equal MACs | cheap | Dirichlet α = 0.5 | *interpolated*: "
+        "HeteroFL matched on parameters, at FedHM's MACs |" in text
+    )
+    summary = "\n".join(resource_table({("cheap", "dir0.5"): rows}, _cost))
+    assert (
+        "| FedHM's level γ = 0.125 against HeteroFL at equal parameters | cheap | Dirichlet α = 0.5 | HeteroFL "
+        "matched on parameters, the same level |" in summary
+    )
+    for resource in ("MACs", "training memory"):
+        assert f"FedHM's level γ = 0.125 against HeteroFL at equal {resource} | cheap |" in summary
+        assert f"*interpolated*: HeteroFL matched on parameters, at FedHM's {resource} |" in summary
+    assert "γ = 0.5 against" not in summary  # the smallest level only
 
 
 @pytest.mark.slow

@@ -198,3 +198,49 @@ def test_an_ablation_sweep_is_paired_with_the_plain_method(tmp_path):
     assert set(paired) == {"heterofl", "fedhm train.distill.enabled=True"}
     diffs = [a - b for a, b in zip([0.85, 0.87, 0.86], FINAL["fedhm"])]
     assert paired["fedhm train.distill.enabled=True"]["mean"] == pytest.approx(sum(diffs) / 3)
+
+
+def test_resolution_p_is_the_alpha_at_which_the_interval_resolves_the_claim():
+    from fedhm_flwr.math.stats import resolution_p
+
+    # differences 1, 2, 3: t = 2 / (1 / sqrt 3); df 2: F(t) = 1/2 + t / (2 sqrt(2 + t²)), two-sided p by hand
+    t = 2 * math.sqrt(3)
+    est = mean_ci([1.0, 2.0, 3.0])
+    assert resolution_p(est) == pytest.approx(1 - t / math.sqrt(2 + t * t), rel=1e-12)
+    # at that alpha the 1 − alpha interval just touches 0 (resolved below it, not above it)
+    p = resolution_p(est)
+    assert mean_ci([1.0, 2.0, 3.0], 1 - p * 1.001).low > 0 > mean_ci([1.0, 2.0, 3.0], 1 - p * 0.999).low
+    # within a margin: the interval inside (−m, m) at 1 − p, and wholly outside it for a far mean
+    near, far = mean_ci([0.1, 0.2, 0.3]), mean_ci([5.0, 6.0, 7.0])
+    q = resolution_p(near, margin=1.0)
+    assert -1 < mean_ci([0.1, 0.2, 0.3], 1 - q * 1.001).low and mean_ci([0.1, 0.2, 0.3], 1 - q * 1.001).high < 1
+    assert mean_ci([0.1, 0.2, 0.3], 1 - q * 0.999).high > 1
+    assert mean_ci([5.0, 6.0, 7.0], 1 - resolution_p(far, 1.0) * 1.001).low > 1
+    assert math.isnan(resolution_p(mean_ci([1.0])))
+
+
+def test_holm_steps_down_and_stops_at_the_first_kept_hypothesis():
+    from fedhm_flwr.math.stats import holm
+
+    # sorted 0.005, 0.01, 0.03, 0.04 of m = 4: 0.02, 0.03, 0.06, 0.06 (a running maximum of (m − i) · p)
+    out = holm([0.04, 0.005, 0.03, math.nan, 0.01])
+    assert [round(a, 12) if not math.isnan(a) else a for a, _ in out[:3]] == [0.06, 0.02, 0.06]
+    assert [r for _, r in out] == [False, True, False, False, True]
+    assert math.isnan(out[3][0])  # no test: left out of the family, never rejected
+    assert holm([0.01] * 5) == [(0.05, False)] * 5  # 5 × 0.01 is not below 0.05
+    assert holm([]) == []
+
+
+def test_last_evaluations_average_the_last_k_evaluated_rounds():
+    from fedhm_flwr.reporting.summary_stats import last_evaluations
+
+    metrics = [{"round": r, "loss": 1.0} for r in range(1, 11)]
+    for r in (5, 10):  # evaluated rounds only; the level is evaluated at round 10 alone
+        metrics[r - 1]["acc/global"] = r / 10
+    metrics[9]["acc/level_0.5"] = 0.7
+    metrics.append({"round": 11, "acc/global": 0.2})
+    out = last_evaluations(metrics, 2)
+    assert out == {"lastk_acc/global": pytest.approx(0.6), "lastk_rounds": [10, 11], "lastk_acc/level_0.5": 0.7}
+    assert last_evaluations(metrics, 3)["lastk_rounds"] == [5, 10, 11]
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        last_evaluations(metrics, 0)

@@ -72,3 +72,31 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95) -> Estimate:
     std = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (n - 1))
     half = t_quantile((1 + confidence) / 2, n - 1) * std / math.sqrt(n)
     return Estimate(n, mean, std, mean - half, mean + half, confidence)
+
+
+def resolution_p(est: Estimate, margin: float = 0.0) -> float:
+    """The smallest ``alpha`` at which the two-sided ``1 − alpha`` Student-t interval of ``est`` resolves
+    a claim with ``margin`` (the results page's paired rule): for ``margin = 0`` (A beats B) the interval
+    excludes 0, which is the two-sided t-test's p-value; for ``margin > 0`` (A is within ``margin`` of
+    B) the interval lies inside ``(−margin, +margin)`` or wholly outside it. ``q`` is the largest t
+    multiplier at which one of those holds, ``p = 2 · (1 − T_{n−1}(q))``; NaN below 2 values."""
+    if est.n < 2 or not est.std > 0:
+        return math.nan if est.n < 2 else (0.0 if abs(est.mean) != margin else 1.0)
+    se = est.std / math.sqrt(est.n)
+    inside = min(margin - est.mean, margin + est.mean) / se
+    outside = (abs(est.mean) - margin) / se
+    return 2 * (1 - t_cdf(max(inside, outside), est.n - 1))
+
+
+def holm(pvalues: Sequence[float], alpha: float = 0.05) -> list[tuple[float, bool]]:
+    """Holm's step-down correction of a family of tests: per p-value (in the given order) its
+    adjusted p-value ``max_{j ≤ i} min(1, (m − j + 1) · p_(j))`` over the sorted p-values and whether
+    it is rejected at family-wise level ``alpha`` (adjusted p < ``alpha``). NaN (no test) is left out
+    of the family and never rejected."""
+    order = sorted((p, i) for i, p in enumerate(pvalues) if not math.isnan(p))
+    m, running = len(order), 0.0
+    out: list[tuple[float, bool]] = [(math.nan, False)] * len(pvalues)
+    for rank, (p, i) in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p))
+        out[i] = (running, running < alpha)
+    return out

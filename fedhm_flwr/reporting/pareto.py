@@ -2,8 +2,10 @@
 
 HeteroFL's and FedRolex's widths are matched to FedHM's levels on one resource (``levels.match``:
 parameters, MACs or training memory; docs/METHODS.md#heterofl); on the two others the "matched"
-models differ. To compare on any resource without new runs, FedHM's level ``γ`` of cost ``c`` on
-resource ``r`` is set against the baseline's accuracy **at equal cost**: the baseline's per-level
+models differ. On a resource some runs of a baseline were matched on, FedHM's level ``γ`` is set
+against those runs' level ``γ`` directly (:func:`same_level_verdicts`, :func:`resource_comparison`).
+On a resource no run was matched on, FedHM's level ``γ`` of cost ``c`` on resource ``r`` is set
+against the baseline's accuracy **at equal cost**, labelled *interpolated*: the baseline's per-level
 accuracies interpolated linearly in ``log r`` (:func:`interpolate`), only inside the baseline's
 measured range ``[min, max]`` of its levels' costs: outside it the baseline was not measured at that
 cost and the level is **not comparable**.
@@ -23,11 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from fedhm_flwr.math.stats import Estimate, mean_ci
+from fedhm_flwr.math.stats import Estimate, mean_ci, resolution_p
 from fedhm_flwr.reporting.verdicts import CONTRADICTED, SUPPORTED, verdict
 
 #: the resources a level costs (``<resource>/level_<g>`` in a row) -> their name on the page
 RESOURCES = {"params": "parameters", "macs": "MACs", "memory": "training memory"}
+#: ``levels.match`` -> the resource a baseline's widths were matched to FedHM's on
+MATCH_RESOURCE = {"fedhm_params": "params", "fedhm_macs": "macs", "fedhm_memory": "memory"}
 ABOVE, BELOW, NOT_COMPARABLE = "above", "below", "not comparable"
 
 
@@ -70,21 +74,70 @@ def level_costs(rows: Iterable[Mapping[str, Any]], method: str, resource: str) -
     return out
 
 
-def per_seed(rows: Iterable[Mapping[str, Any]], method: str) -> dict[Any, dict[str, float]]:
-    """Seed -> level -> ``method``'s final accuracy of that level."""
+def per_seed(rows: Iterable[Mapping[str, Any]], method: str, prefix: str = "final_acc/") -> dict[Any, dict[str, float]]:
+    """Seed -> level -> ``method``'s accuracy ``<prefix>level_<g>`` of that level (``final_acc/``: the final
+    evaluation; ``lastk_acc/``: the mean of the last evaluations)."""
     out: dict[Any, dict[str, float]] = {}
     for r in rows:
         if r["method"] == method:
             out[r["seed"]] = {
-                k.rsplit("_", 1)[1]: float(v)
-                for k, v in r.items()
-                if k.startswith("final_acc/level_") and v is not None
+                k.rsplit("_", 1)[1]: float(v) for k, v in r.items() if k.startswith(f"{prefix}level_") and v is not None
             }
     return out
 
 
+def _judged(entry: dict[str, Any], diffs: list[tuple[Any, float]]) -> dict[str, Any]:
+    """``entry`` with the paired ``per_seed`` differences, their ``estimate``, ``n``, ``p``
+    (:func:`~fedhm_flwr.math.stats.resolution_p`) and the ``verdict`` (above / below / not resolved)."""
+    est: Estimate | None = mean_ci([d for _, d in diffs]) if diffs else None
+    word = {SUPPORTED: ABOVE, CONTRADICTED: BELOW}.get(verdict(est), verdict(est))
+    p = math.nan if est is None else resolution_p(est)
+    return {**entry, "n": len(diffs), "per_seed": diffs, "estimate": est, "verdict": word, "p": p}
+
+
+def matched_on(rows: Iterable[Mapping[str, Any]], method: str) -> str | None:
+    """The resource ``method``'s widths were matched to FedHM's on (every run's ``levels.match`` one of
+    :data:`MATCH_RESOURCE`'s), else None."""
+    values = {str(r.get("levels.match")) for r in rows if r["method"] == method}
+    return MATCH_RESOURCE.get(values.pop()) if len(values) == 1 else None
+
+
+def same_level_verdicts(
+    rows: list[Mapping[str, Any]], reference: str, resource: str, method: str = "fedhm", prefix: str = "final_acc/"
+) -> list[dict[str, Any]]:
+    """Per level of ``method`` that ``reference`` also has (largest first): ``method − reference`` at that
+    level, seed by seed, as in :func:`resource_verdicts` but with no interpolation (``how``: ``matched``):
+    for a reference whose widths were matched to ``method``'s on ``resource``, its level costs what
+    ``method``'s does (``cost`` and ``ref_cost``: both recorded costs)."""
+    own, ref = level_costs(rows, method, resource), level_costs(rows, reference, resource)
+    ours, theirs = per_seed(rows, method, prefix), per_seed(rows, reference, prefix)
+    out = []
+    for level, cost in own.items():
+        if level not in ref:
+            continue
+        seeds = sorted(set(ours) & set(theirs), key=str)
+        diffs = [(k, ours[k][level] - theirs[k][level]) for k in seeds if level in ours[k] and level in theirs[k]]
+        entry = {"level": level, "cost": cost, "ref_cost": ref[level], "how": "matched", "reference": reference}
+        out.append(_judged(entry, diffs))
+    return out
+
+
+def resource_comparison(
+    rows: list[Mapping[str, Any]], family: Sequence[str], resource: str, prefix: str = "final_acc/"
+) -> list[dict[str, Any]]:
+    """FedHM's levels against one baseline family (its variants, e.g. HeteroFL matched on parameters and on
+    training memory) on ``resource``: against the variant whose widths were matched on ``resource``, level
+    by level (:func:`same_level_verdicts`); where the family has none, the first variant with runs
+    interpolated at FedHM's cost (:func:`resource_verdicts`, ``how``: ``interpolated``)."""
+    present = [v for v in family if any(r["method"] == v for r in rows)]
+    matched = [v for v in present if matched_on(rows, v) == resource]
+    if matched:
+        return same_level_verdicts(rows, matched[0], resource, prefix=prefix)
+    return resource_verdicts(rows, present[0], resource, prefix=prefix) if present else []
+
+
 def resource_verdicts(
-    rows: list[Mapping[str, Any]], reference: str, resource: str, method: str = "fedhm"
+    rows: list[Mapping[str, Any]], reference: str, resource: str, method: str = "fedhm", prefix: str = "final_acc/"
 ) -> list[dict[str, Any]]:
     """Per level of ``method`` (largest first): ``level``, its ``cost`` on ``resource``, the
     reference's measured ``range`` (min, max), the paired ``per_seed`` differences
@@ -93,10 +146,16 @@ def resource_verdicts(
     own, ref = level_costs(rows, method, resource), level_costs(rows, reference, resource)
     if not own or not ref:
         return []
-    ours, theirs = per_seed(rows, method), per_seed(rows, reference)
+    ours, theirs = per_seed(rows, method, prefix), per_seed(rows, reference, prefix)
     out = []
     for level, cost in own.items():
-        entry: dict[str, Any] = {"level": level, "cost": cost, "range": (min(ref.values()), max(ref.values()))}
+        entry: dict[str, Any] = {
+            "level": level,
+            "cost": cost,
+            "range": (min(ref.values()), max(ref.values())),
+            "how": "interpolated",
+            "reference": reference,
+        }
         diffs: list[tuple[Any, float]] = []
         for seed in sorted(set(ours) & set(theirs), key=str):
             accs = theirs[seed]
@@ -106,10 +165,8 @@ def resource_verdicts(
             at = interpolate([ref[g] for g in measured], [accs[g] for g in measured], cost)
             if at is not None:
                 diffs.append((seed, ours[seed][level] - at))
-        est: Estimate | None = mean_ci([d for _, d in diffs]) if diffs else None
+        judged = _judged(entry, diffs)
         if not entry["range"][0] <= cost <= entry["range"][1]:
-            word = NOT_COMPARABLE
-        else:
-            word = {SUPPORTED: ABOVE, CONTRADICTED: BELOW}.get(verdict(est), verdict(est))
-        out.append({**entry, "n": len(diffs), "per_seed": diffs, "estimate": est, "verdict": word})
+            judged.update(verdict=NOT_COMPARABLE, p=math.nan)
+        out.append(judged)
     return out

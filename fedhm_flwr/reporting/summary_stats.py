@@ -223,3 +223,19 @@ def tail_accuracies(metrics: list[dict[str, Any]], fraction: float = TAIL_FRACTI
         tail = [v for rnd, v in series if rnd > last - window] or [series[-1][1]]
         out[f"tail_acc/{key.split('/', 1)[1]}"] = math.fsum(tail) / len(tail)
     return out
+
+
+def last_evaluations(metrics: list[dict[str, Any]], k: int) -> dict[str, Any]:
+    """``lastk_acc/<model>``: the mean accuracy of each model over its last ``k`` evaluations (the
+    rounds whose row holds ``acc/<model>``; fewer when the run has fewer), and ``lastk_rounds``: the
+    rounds of the global model's last ``k`` evaluations. Empty without metrics."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    out: dict[str, Any] = {}
+    for key in sorted({key for r in metrics for key in r if key.startswith("acc/")}):
+        series = [(int(r["round"]), float(r[key])) for r in metrics if r.get(key) is not None][-k:]
+        if series:
+            out[f"lastk_acc/{key.split('/', 1)[1]}"] = math.fsum(v for _, v in series) / len(series)
+            if key == "acc/global":
+                out["lastk_rounds"] = [rnd for rnd, _ in series]
+    return out

@@ -14,11 +14,12 @@ Student-t confidence interval ``[low, high]`` of the mean of the ``d_k`` (:func:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fedhm_flwr.math.stats import Estimate, mean_ci
+from fedhm_flwr.math.stats import Estimate, mean_ci, resolution_p
 
 SUPPORTED, CONTRADICTED = "supported", "contradicted"
 RULE = (
@@ -62,6 +63,16 @@ class Claim:
     margin: float = 0.0
 
 
+#: the baselines FedHM is set against, level by level: the results' method name -> the name a claim gives it
+#: (a baseline's widths, matched on one resource, are named by :func:`matched_label` from its runs)
+BASELINES = {
+    "heterofl": "HeteroFL",
+    "heterofl_memory": "HeteroFL",
+    "fedrolex": "FedRolex",
+    "fedrolex_memory": "FedRolex",
+    "fjord": "FjORD",
+}
+
 #: the claims the results page judges (accuracies are fractions: 0.01 = 1 pt)
 CLAIMS = (
     Claim(
@@ -71,33 +82,16 @@ CLAIMS = (
         "fedavg_smallest",
         "final_acc/global",
     ),
-    Claim(
-        "FedHM beats HeteroFL ({matched}), global model",
-        "fedhm",
-        "final_acc/global",
-        "heterofl",
-        "final_acc/global",
-    ),
-    Claim(
-        "FedHM beats HeteroFL ({matched}), smallest level",
-        "fedhm",
-        "final_acc/level_{smallest}",
-        "heterofl",
-        "final_acc/level_{smallest}",
-    ),
-    Claim(
-        "FedHM beats FedRolex ({matched}), global model",
-        "fedhm",
-        "final_acc/global",
-        "fedrolex",
-        "final_acc/global",
-    ),
-    Claim(
-        "FedHM beats FedRolex ({matched}), smallest level",
-        "fedhm",
-        "final_acc/level_{smallest}",
-        "fedrolex",
-        "final_acc/level_{smallest}",
+    *(
+        Claim(
+            f"FedHM beats {name} ({{matched}}), {model}",
+            "fedhm",
+            f"final_acc/{column}",
+            baseline,
+            f"final_acc/{column}",
+        )
+        for baseline, name in BASELINES.items()
+        for model, column in (("global model", "global"), ("smallest level", "level_{smallest}"))
     ),
     Claim(
         "FedHM's smallest level is within 1 pt of FedHM's global model",
@@ -154,13 +148,20 @@ def paired(
     return diffs, (mean_ci([d for _, d in diffs]) if diffs else None)
 
 
-def judge(rows: list[Mapping[str, Any]], claims: Iterable[Claim] = CLAIMS) -> list[dict[str, Any]]:
-    """One dict per claim: ``claim``, ``n``, ``per_seed``, the ``estimate`` (or None) and the ``verdict``."""
+def judge(
+    rows: list[Mapping[str, Any]], claims: Iterable[Claim] = CLAIMS, prefix: str = "final_acc/"
+) -> list[dict[str, Any]]:
+    """One dict per claim: ``claim``, ``n``, ``per_seed``, the ``estimate`` (or None), the ``verdict`` and
+    ``p`` (:func:`~fedhm_flwr.math.stats.resolution_p`, NaN without an interval), on the accuracies
+    ``prefix<model>`` (``final_acc/``: the final evaluation; ``lastk_acc/``: the mean of the last
+    evaluations, :func:`fedhm_flwr.reporting.summary_stats.last_evaluations`)."""
     small = smallest_level(rows)
     out = []
     for c in claims:
         text = c.text.replace("{matched}", matched_label(rows, c.reference))
-        column, ref_column = (col.replace("{smallest}", str(small)) for col in (c.column, c.ref_column))
+        column, ref_column = (
+            col.replace("{smallest}", str(small)).replace("final_acc/", prefix, 1) for col in (c.column, c.ref_column)
+        )
         diffs, est = paired(rows, c.method, column, c.reference, ref_column)
         out.append(
             {
@@ -169,6 +170,7 @@ def judge(rows: list[Mapping[str, Any]], claims: Iterable[Claim] = CLAIMS) -> li
                 "per_seed": diffs,
                 "estimate": est,
                 "verdict": verdict(est, c.kind, c.margin),
+                "p": math.nan if est is None else resolution_p(est, c.margin),
                 "kind": c.kind,
                 "margin": c.margin,
             }
