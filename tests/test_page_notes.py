@@ -42,7 +42,8 @@ def test_a_study_whose_runs_all_recorded_it_is_shown_with_the_deployable_accurac
     # FedHM's final global accuracies 80, 82, 84 -> deployable 70, 72, 74: mean 72, sd 2
     assert "| FedHM | 3 | 72.00 ± 2.00 |" in page and "| FedHM | 3 | 82.00" not in page
     assert "every accuracy below is **deployable**" in page and "`federated`: 18 run(s)" in page
-    assert "- code versions: `abc1234`: 18 run(s)" in page and "flagged" not in page.split("## Study")[1]
+    code = [line for line in page.split("## Study")[1].splitlines() if line.startswith("- code versions:")]
+    assert code == ["- code versions: `abc1234`: 18 run(s)"]  # one clean commit: not flagged
     assert "the transport is the only difference" in page
 
 
