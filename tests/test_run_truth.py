@@ -145,6 +145,9 @@ def test_a_round_in_which_no_node_trained_fails_the_run_naming_the_first_client_
     refused = {**idle, "sampled": 2, "rejected": 2, "failure_reasons": json.dumps([["p1", "norm above the bound"]] * 2)}
     _rows(tmp_path, [trained, refused], "failures.attack.kind=scale failures.attack.fraction=0.5")
     assert judge(tmp_path).fatal is False
+    # a round that asked no node (a DP round's Poisson sample may be empty) is no failure of the nodes
+    _rows(tmp_path, [trained, idle, {**trained, "round": 3}])
+    assert judge(tmp_path).fatal is False
 
 
 def test_the_serverapp_records_a_run_without_training_as_failed(toy_cfg, tmp_path):

@@ -186,6 +186,8 @@ def _round_without_training(rows: list[dict[str, Any]], attacked: bool) -> str |
             "late": int(row.get("late", 0)),
         }
         sat_out = len(json.loads(row["excluded"])) if row.get("excluded") else 0
+        if not counts["sampled"] and not sat_out and not counts["failed"]:
+            continue  # nothing was asked to train: a DP round's Poisson sample may be empty
         said = ", ".join(f"{n} {what}" for what, n in counts.items() if n or what == "sampled")
         said += f"; {sat_out} sat out after a failed node-info query" if sat_out else ""
         never = not any(r.get("replies", 0) for r in rows)
