@@ -20,9 +20,10 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Mapping
 from logging import WARNING
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -131,10 +132,11 @@ def wire_dtype(msg: Message) -> str:
 def received_state(msg: Message, record: str = ARRAYS) -> dict[str, torch.Tensor]:
     """The arrays of the message's record ``record`` in float32 (clients train in float32 whatever
     the wire dtype)."""
-    return protocol.from_wire(msg.content[record].to_torch_state_dict(), wire_dtype(msg))
+    arrays = cast(ArrayRecord, msg.content[record])  # the server puts arrays under every record name asked for
+    return protocol.from_wire(arrays.to_torch_state_dict(), wire_dtype(msg))
 
 
-def local_dataset(config: ConfigRecord, context: Context, augment: bool = True, split: str = "train") -> Any:
+def local_dataset(config: Mapping[str, Any], context: Context, augment: bool = True, split: str = "train") -> Any:
     """One split ("train" | "heldout") of this node's data: its shard when ``data-dir`` is one, else its
     partition of the dataset the message's data spec names."""
     data_spec = json.loads(str(config[protocol.DATA_SPEC]))
@@ -159,7 +161,7 @@ class InjectedFailure(RuntimeError):
     """A failure the server asked for (``failures.*`` in the config), to test robustness."""
 
 
-def obey_injection(config: ConfigRecord) -> None:
+def obey_injection(config: Mapping[str, Any]) -> None:
     """Crash or stall when the server's failure injection says so."""
     what = str(config.get(protocol.INJECT, ""))
     if what == "crash":
@@ -178,7 +180,7 @@ def ray_node_id() -> str | None:
 
 def handle_train(msg: Message, context: Context) -> Message:
     """Train the received model on the node's partition and reply with arrays and metrics."""
-    config = msg.content[CONFIG]
+    config: Mapping[str, Any] = msg.content[CONFIG]  # a ConfigRecord: the values the server wrote
     obey_injection(config)
     options = TrainOptions.from_dict(json.loads(str(config[protocol.TRAIN])))
     torch.set_num_threads(max(1, int(options.threads)))
@@ -241,7 +243,8 @@ def handle_evaluate(msg: Message, context: Context) -> Message:
             )
     except NodeDataError as exc:
         return data_error(msg, exc)
-    stats = evaluate(model, dataset, int(msg.content[CONFIG].get(protocol.BATCH_SIZE, 256)), device)
+    config: Mapping[str, Any] = msg.content[CONFIG]  # a ConfigRecord: the values the server wrote
+    stats = evaluate(model, dataset, int(config.get(protocol.BATCH_SIZE, 256)), device)
     metrics = protocol.eval_metrics(stats[protocol.NUM_EXAMPLES], stats["loss"], stats["accuracy"])
     return Message(RecordDict({METRICS: metrics}), reply_to=msg)
 
@@ -297,7 +300,7 @@ def bn_statistics(msg: Message, context: Context) -> RecordDict:
     query's ``bn-examples`` of them, a subset drawn with its seed), the data loaded once: model i
     (spec ``model-specs[i]``, arrays in record ``arrays.i``) -> its sums in the reply's record
     ``arrays.i`` (:func:`fedhm_flwr.core.bn_wire.bn_record`)."""
-    config = msg.content[CONFIG]
+    config: Mapping[str, Any] = msg.content[CONFIG]  # a ConfigRecord: the values the server wrote
     specs = [json.loads(str(spec)) for spec in config[protocol.MODEL_SPECS]]
     dataset = local_dataset(config, context, augment=False)
     cap = int(config.get(protocol.BN_EXAMPLES, 0))

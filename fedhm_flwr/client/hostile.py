@@ -15,10 +15,11 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app.typing import ConfigRecordValues
 
 from fedhm_flwr.core.attack_kinds import MALFORMED_KINDS
 from fedhm_flwr.core.protocol import (
@@ -36,6 +37,26 @@ from fedhm_flwr.core.protocol import (
 Mutation = Callable[[RecordDict, np.random.Generator], RecordDict]
 
 
+def _arrays_of(content: RecordDict) -> ArrayRecord:
+    """The reply's arrays record (an honest reply's: the handlers built it)."""
+    return cast(ArrayRecord, content[ARRAYS])
+
+
+def _metrics_of(content: RecordDict) -> MetricRecord:
+    """The reply's metrics record (an honest reply's: the handlers built it)."""
+    return cast(MetricRecord, content[METRICS])
+
+
+def _metric(content: RecordDict, key: str) -> float:
+    """A scalar metric of the honest reply (num-examples, level)."""
+    return cast(float, content[METRICS][key])
+
+
+def _class_counts(content: RecordDict) -> list[float]:
+    """The honest reply's class counts."""
+    return cast("list[float]", content[METRICS][CLASS_COUNTS])
+
+
 def _npy(values: np.ndarray, version: tuple[int, int] = (1, 0), fortran: bool = False) -> bytes:
     buffer = io.BytesIO()
     np.lib.format.write_array(buffer, np.asfortranarray(values) if fortran else values, version=version)
@@ -44,7 +65,12 @@ def _npy(values: np.ndarray, version: tuple[int, int] = (1, 0), fortran: bool = 
 
 def _array(values: np.ndarray, **lie: Any) -> Array:
     """An Array of ``values`` as np.save writes it, with any field replaced by ``lie``."""
-    fields = {"dtype": str(values.dtype), "shape": tuple(values.shape), "stype": "numpy.ndarray", "data": _npy(values)}
+    fields: dict[str, Any] = {
+        "dtype": str(values.dtype),
+        "shape": tuple(values.shape),
+        "stype": "numpy.ndarray",
+        "data": _npy(values),
+    }
     fields.update(lie)
     return Array(**fields)
 
@@ -61,7 +87,7 @@ def _with(content: RecordDict, **records: Any) -> RecordDict:
 def _arrays(
     content: RecordDict, change: Callable[[dict[str, Array], np.random.Generator], None], rng: np.random.Generator
 ) -> RecordDict:
-    arrays = dict(content[ARRAYS].items())
+    arrays = dict(_arrays_of(content).items())
     change(arrays, rng)
     record = ArrayRecord()
     for key, array in arrays.items():
@@ -71,7 +97,7 @@ def _arrays(
 
 def _metrics(content: RecordDict, **values: Any) -> RecordDict:
     """A copy with these metrics set (a value of None: the metric removed)."""
-    metrics = {k: v for k, v in content[METRICS].items() if k not in values}
+    metrics = {k: v for k, v in _metrics_of(content).items() if k not in values}
     metrics.update({k: v for k, v in values.items() if v is not None})
     return _with(content, **{METRICS: MetricRecord(metrics)})
 
@@ -218,7 +244,7 @@ def _reordered(arrays: dict[str, Array], rng: np.random.Generator) -> None:
 
 
 def _counts(content: RecordDict, rng: np.random.Generator, kind: str) -> RecordDict:
-    counts = list(content[METRICS][CLASS_COUNTS])
+    counts = list(_class_counts(content))
     if kind == "nan":
         counts = [math.nan] * len(counts)
     elif kind == "short":
@@ -267,13 +293,11 @@ MUTATIONS: dict[str, tuple[str, Mutation]] = {
     "fractional-examples": ("num-examples = 0.5", lambda c, r: _metrics(c, **{NUM_EXAMPLES: 0.5})),
     "float-examples": (
         "num-examples as a float of its own value",
-        lambda c, r: _metrics(c, **{NUM_EXAMPLES: float(c[METRICS][NUM_EXAMPLES])}),
+        lambda c, r: _metrics(c, **{NUM_EXAMPLES: float(_metric(c, NUM_EXAMPLES))}),
     ),
     "huge-examples": (
         "num-examples = 10^9 (class counts to match)",
-        lambda c, r: _metrics(
-            c, **{NUM_EXAMPLES: 10**9, CLASS_COUNTS: [10**9] + [0] * (len(c[METRICS][CLASS_COUNTS]) - 1)}
-        ),
+        lambda c, r: _metrics(c, **{NUM_EXAMPLES: 10**9, CLASS_COUNTS: [10**9] + [0] * (len(_class_counts(c)) - 1)}),
     ),
     "zero-examples": ("num-examples = 0", lambda c, r: _metrics(c, **{NUM_EXAMPLES: 0})),
     "negative-examples": ("num-examples = -30", lambda c, r: _metrics(c, **{NUM_EXAMPLES: -30})),
@@ -289,7 +313,7 @@ MUTATIONS: dict[str, tuple[str, Mutation]] = {
     "accuracy-above-1": ("train-accuracy = 1.5", lambda c, r: _metrics(c, **{TRAIN_ACCURACY: 1.5})),
     "other-level": (
         "a level other than the one sent",
-        lambda c, r: _metrics(c, **{LEVEL: float(c[METRICS][LEVEL]) + 0.25}),
+        lambda c, r: _metrics(c, **{LEVEL: float(_metric(c, LEVEL)) + 0.25}),
     ),
     "extra-metric": ("a metric the protocol does not have", lambda c, r: _metrics(c, **{"weight": 1e9})),
     "extra-record": (
@@ -300,7 +324,9 @@ MUTATIONS: dict[str, tuple[str, Mutation]] = {
     "missing-arrays": ("no arrays record", lambda c, r: _with(c, **{ARRAYS: None})),
     "metrics-as-config": (
         "the metrics sent as a ConfigRecord",
-        lambda c, r: _with(c, **{METRICS: ConfigRecord(dict(c[METRICS].items()))}),
+        lambda c, r: _with(
+            c, **{METRICS: ConfigRecord(cast("dict[str, ConfigRecordValues]", dict(_metrics_of(c).items())))}
+        ),
     ),
     # benign: how an honest reply may be written; must be accepted
     "header-v2": ("every array's .npy header in format 2.0 (benign)", lambda c, r: _arrays(c, _header_v2, r)),

@@ -126,7 +126,7 @@ class NodeInfo:
 
 
 def train_metrics(
-    num_examples: int,
+    num_examples: float,  # a count; training's statistics hold it as a float
     loss: float,
     accuracy: float,
     seconds: float,
@@ -154,7 +154,7 @@ def ray_node_number(node_id: str) -> int:
     return int(node_id[:12], 16)
 
 
-def eval_metrics(num_examples: int, loss: float, accuracy: float) -> MetricRecord:
+def eval_metrics(num_examples: float, loss: float, accuracy: float) -> MetricRecord:
     """An evaluation reply's metrics (the node's held-out examples)."""
     return MetricRecord({NUM_EXAMPLES: int(num_examples), EVAL_LOSS: float(loss), EVAL_ACCURACY: float(accuracy)})
 

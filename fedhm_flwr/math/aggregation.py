@@ -68,7 +68,7 @@ def official_code_weights(
 def average_states(
     previous: Mapping[str, torch.Tensor],
     states: Sequence[Mapping[str, torch.Tensor]],
-    weights: Sequence[float],
+    weights: Sequence[float] | np.ndarray,
     class_holds: np.ndarray | None = None,
     classifier_keys: Sequence[str] = (),
 ) -> State:
@@ -144,7 +144,7 @@ def average_hybrid(
     previous: Mapping[str, torch.Tensor],
     states: Sequence[Mapping[str, torch.Tensor]],
     ranks: Sequence[Mapping[str, int]],
-    weights: Sequence[float],
+    weights: Sequence[float] | np.ndarray,
     class_holds: np.ndarray | None = None,
     classifier_keys: Sequence[str] = (),
 ) -> State:

@@ -160,7 +160,7 @@ def combine(
     values: Sequence[Mapping[str, Tensor]],
     coverages: Sequence[Coverage],
     rule: str = "mean",
-    weights: Sequence[float] | None = None,
+    weights: Sequence[float] | np.ndarray | None = None,
     trim: float = 0.0,
 ) -> State:
     """The new state: every element over the clients covering it (see the module docstring).

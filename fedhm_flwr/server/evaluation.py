@@ -241,9 +241,9 @@ def evaluate_models(
     ]
     found: dict[int, dict[str, torch.Tensor] | None] = {}
     if federated:
-        sums, nbytes = federated_bn_sums(view, [models[i] for i in federated])
+        answers, nbytes = federated_bn_sums(view, [models[i] for i in federated])
         bn.bytes += nbytes
-        found = dict(zip(federated, sums))
+        found = dict(zip(federated, answers))
     chosen: list[tuple[dict[str, Any], State, dict[str, torch.Tensor] | None]] = []
     for i, (spec, state) in enumerate(models):
         sums = found.get(i)

@@ -20,13 +20,13 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from logging import INFO, WARNING
-from typing import Any
+from typing import Any, cast
 
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedhm_flwr.config.options import RunOptions
-from fedhm_flwr.core.protocol import NodeInfo
+from fedhm_flwr.core.protocol import NodeInfo as NodeInfo  # re-exported for the strategy
 from fedhm_flwr.math import levels as lv
 from fedhm_flwr.server.ahead import AheadQueries
 from fedhm_flwr.server.node_levels import PoissonDraws, declared_level, log_joined, stable_level
@@ -335,11 +335,12 @@ class NodeRegistry:
         if index is not None:
             self.declared[node_id] = index
         elif self.opts.levels.default is not None:
-            index = lv.level_index_of(self.opts.levels.default, self.levels)
-            self.declared[node_id] = index  # type: ignore[assignment]
+            # the config check admits only a default among levels.ratios: it has an index
+            index = cast(int, lv.level_index_of(self.opts.levels.default, self.levels))
+            self.declared[node_id] = index
         else:
             index = stable_level(info, self.keys[node_id], self.proportions, self.seed, self.opts.num_clients)
-        self.levels_of[node_id] = index  # type: ignore[assignment]
+        self.levels_of[node_id] = index
         identity = info.identity()
         before = self.seen.get(identity)
         if before is not None:
@@ -351,8 +352,8 @@ class NodeRegistry:
                 node_id,
                 self.levels[index],
                 self.levels[before],
-            )  # type: ignore[index]
-        self.seen[identity] = index  # type: ignore[assignment]
+            )
+        self.seen[identity] = index
         return before is None
 
     def _joined_line(self, node_id: int) -> str:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,7 +128,8 @@ def check_train_reply(
     problem = _metric_problem(metrics, level, num_classes)
     if problem:
         return None, problem
-    n = metrics[wire.NUM_EXAMPLES]
+    checked: Mapping[str, Any] = metrics  # of the forms _metric_problem checked
+    n: int = checked[wire.NUM_EXAMPLES]
     if joined is not None and n > joined:
         return None, f"num-examples {n} exceeds the {joined} training examples the node reported when it joined"
     expected, got = payload.expected_keys(), record.keys()
@@ -146,8 +147,8 @@ def check_train_reply(
     if refused:
         return None, refused
     weight = min([n, *(bound for bound in (joined, cap) if bound is not None)])
-    scalars = {k: float(v) for k, v in metrics.items() if k != wire.CLASS_COUNTS}
-    return (state, weight, np.asarray(metrics[wire.CLASS_COUNTS], dtype=np.int64), scalars), ""
+    scalars = {k: float(v) for k, v in checked.items() if k != wire.CLASS_COUNTS}
+    return (state, weight, np.asarray(checked[wire.CLASS_COUNTS], dtype=np.int64), scalars), ""
 
 
 @dataclass
@@ -163,7 +164,7 @@ class Sorted:
 
 
 def sort_replies(
-    messages: Iterable[Message],
+    messages: Sequence[Message],
     replies: Iterable[Message],
     validate: Callable[[int, Message], tuple[Any, str]],
     earlier: Iterable[str] = (),

@@ -20,11 +20,12 @@ A strategy runs one method (``method=...``) or a method's binding (:data:`strate
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
-from typing import Any
+from typing import Any, cast
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app.typing import MetricRecordValues
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
@@ -183,7 +184,7 @@ class HeteroStrategy(RoundWire, Strategy):
         if not valid and not self.untrusted.merges_empty:  # DP: a round without replies still adds noise
             log(WARNING, "round %d: no valid reply; the global model stays as it was", server_round)
             rl.server_seconds += time.perf_counter() - t0
-            return None, MetricRecord(metrics)
+            return None, MetricRecord(_metric_values(metrics))
         assert self.global_state is not None
         new_state = self.untrusted.guarded_merge(server_round, self.global_state, valid)  # the method's, wrapped
         if self.untrusted.rejected:  # (refused in the merge: their figures go too)
@@ -191,7 +192,7 @@ class HeteroStrategy(RoundWire, Strategy):
             metrics = train_metrics([r for r in valid if r.node_id not in {n for n, _ in self.untrusted.rejected}])
         self.global_state = new_state
         rl.server_seconds += time.perf_counter() - t0
-        return self.global_record(new_state), MetricRecord(metrics)
+        return self.global_record(new_state), MetricRecord(_metric_values(metrics))
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -211,7 +212,7 @@ class HeteroStrategy(RoundWire, Strategy):
         if self._federated is None:
             return None
         self.federated_row = self._federated.collect(replies)
-        return MetricRecord(ev.numeric(self.federated_row, ("fed_",)))
+        return MetricRecord(_metric_values(ev.numeric(self.federated_row, ("fed_",))))
 
     def start(
         self,
@@ -278,11 +279,15 @@ class HeteroStrategy(RoundWire, Strategy):
                 if self.opts.evaluation.where != "clients":
                     row.update(self.evaluate_levels(self.state_of(arrays)))
                     row.setdefault("bn_stats", self.opts.evaluation.bn_stats)
-                    result.evaluate_metrics_serverapp[server_round] = MetricRecord(ev.numeric(row, ("acc", "loss")))
+                    result.evaluate_metrics_serverapp[server_round] = MetricRecord(
+                        _metric_values(ev.numeric(row, ("acc", "loss")))
+                    )
                 messages = list(self.configure_evaluate(server_round, arrays, evaluate_config or ConfigRecord(), grid))
                 if messages:
                     replies = exchange(grid, messages, reply_checks.round_deadline(self.opts, timeout), max_poll=0.5)
-                    result.evaluate_metrics_clientapp[server_round] = self.aggregate_evaluate(server_round, replies)
+                    # messages went out, so federated evaluation is on and its figures are a record
+                    figures = cast(MetricRecord, self.aggregate_evaluate(server_round, replies))
+                    result.evaluate_metrics_clientapp[server_round] = figures
                     row.update(self.federated_row)
                 row["eval_seconds"] = time.perf_counter() - t_eval
             if evaluate_fn is not None:
@@ -312,7 +317,7 @@ class HeteroStrategy(RoundWire, Strategy):
             server_round,
             self._lr(server_round),
             self.round_log,
-            metrics,
+            cast("Mapping[str, float] | None", metrics),  # the record aggregate_train made of train_metrics' floats
             {**self.attacks.columns, **self.untrusted.columns},
             self.node_label,
         )
@@ -366,3 +371,8 @@ class HeteroStrategy(RoundWire, Strategy):
     def node_label(self, node_id: int) -> str:
         """How outputs name a node: ``p<partition id>``, else its node-name, else ``n<node id>``."""
         return self.registry.label(node_id)
+
+
+def _metric_values(metrics: dict[str, float]) -> dict[str, MetricRecordValues]:
+    """``metrics`` as MetricRecord's parameter type (flwr types it as an invariant dict; it only reads it)."""
+    return cast("dict[str, MetricRecordValues]", metrics)

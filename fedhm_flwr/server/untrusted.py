@@ -50,8 +50,9 @@ import dataclasses
 import json
 import math
 import traceback
+from collections.abc import Iterable, Sequence
 from logging import ERROR, WARNING
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from flwr.app import ArrayRecord
@@ -177,7 +178,11 @@ class Untrusted:
             for r in (r for r, ok in zip(replies, finite) if not ok):
                 self.rejected.append((r.node_id, "recovered update holds NaN or Inf"))
             replies, values, coverages, refs, updates = (
-                [x for x, k in zip(seq, finite) if k] for seq in (replies, values, coverages, refs, updates)
+                _kept(replies, finite),
+                _kept(values, finite),
+                _kept(coverages, finite),
+                _kept(refs, finite),
+                _kept(updates, finite),
             )
         norms = robust.update_norms(updates, coverages)
         if len(norms):
@@ -191,7 +196,11 @@ class Untrusted:
             dropped = [r.label for r, k in zip(replies, keep) if not k]
             self.columns.update({"robust_rejected": len(dropped), "robust_rejected_nodes": json.dumps(dropped)})
             replies, values, coverages, refs, updates = (
-                [x for x, k in zip(seq, keep) if k] for seq in (replies, values, coverages, refs, updates)
+                _kept(replies, keep),
+                _kept(values, keep),
+                _kept(coverages, keep),
+                _kept(refs, keep),
+                _kept(updates, keep),
             )
             norms = norms[keep]
         mode = self.agg.robust
@@ -293,3 +302,11 @@ def _shifted(value: State, reference: State, update: State, scale: float) -> Sta
         moved = reference[key].to(torch.float64) + (float(scale) * delta if scale > 0 else 0.0)
         out[key] = moved.to(value[key].dtype)
     return out
+
+
+_T = TypeVar("_T")
+
+
+def _kept(items: Sequence[_T], keep: Iterable[object]) -> list[_T]:
+    """The items whose flag in ``keep`` is true."""
+    return [x for x, k in zip(items, keep) if k]

@@ -17,12 +17,12 @@ replies) when no full-rank client's reply is in the round.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from fedhm_flwr.config.options import RunOptions
+from fedhm_flwr.config.options import MethodOptions, RunOptions
 from fedhm_flwr.config.options.factorized import FedHMOptions
 from fedhm_flwr.math.aggregation import average_hybrid, level_weights, official_code_weights
 from fedhm_flwr.math.lowrank import (
@@ -43,7 +43,7 @@ class FedHM(Method):
     """Levels are rank ratios gamma; level 1 is the full model."""
 
     name = "fedhm"
-    options = FedHMOptions
+    options: ClassVar[type[MethodOptions]] = FedHMOptions
 
     def __init__(self, opts: RunOptions, model_spec: dict[str, Any]) -> None:
         super().__init__(opts, model_spec)

@@ -23,10 +23,11 @@ The helpers :func:`transformer_spec` and :func:`type_spec` (backbone references 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
+from torch import nn
 
 from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.config.options.run import ModelOptions
@@ -106,6 +107,10 @@ def client_options(opts: RunOptions, server_round: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ strategy
 
 
+class _Adaptable(Protocol):
+    def lora_targets(self) -> list[str]: ...
+
+
 class FedLoRA(Method):
     """Levels are LoRA ranks ``max(1, round(γ · max_rank))``; the global model holds the dense ΔW."""
 
@@ -122,15 +127,17 @@ class FedLoRA(Method):
         self.base_spec = transformer_spec(opts.model, dict(model_spec))
         if self.mode == "full":
             self.spec = {**self.base_spec, "train_backbone": True}
-            self.ranks = [None] * len(self.levels)
+            self.ranks: list[int | None] = [None] * len(self.levels)
         else:
             self.spec = {**self.base_spec, "lora": {"rank": None}, "trainable_only": True}
             self.ranks = [lora_rank(g, self.max_rank) for g in self.levels]
         model = build_model(self.spec)
-        self.targets = model.lora_targets()
-        self.in_features = {t: model.get_submodule(t).in_features for t in self.targets}
-        self.max_allowed = min(min(model.get_submodule(t).weight.shape) for t in self.targets)
-        if self.mode == "lora" and max(self.ranks) > self.max_allowed:
+        # a transformer (ViT, text) whose LoRA targets are linear layers (torch types a module's own
+        # attributes as Tensor | Module)
+        self.targets = cast(_Adaptable, model).lora_targets()
+        self.in_features = {t: cast(nn.Linear, model.get_submodule(t)).in_features for t in self.targets}
+        self.max_allowed = min(min(cast(nn.Linear, model.get_submodule(t)).weight.shape) for t in self.targets)
+        if self.mode == "lora" and max(cast("list[int]", self.ranks)) > self.max_allowed:  # lora: every rank an int
             raise ValueError(f"method.max_rank={self.max_rank} exceeds the projections' size {self.max_allowed}")
         self.classifier_keys = classifier_keys(model)
         self._round: tuple[int, State, dict[str, SVD], dict[str, torch.Tensor]] | None = None
@@ -172,7 +179,7 @@ class FedLoRA(Method):
             return self.level_spec(level_index), dict(global_state), options
         server_round = self._round[0] if self._round is not None and self._round[1] is global_state else 0
         svds, rows = self._prepare(server_round, global_state)
-        state = handout_state(global_state, self.ranks[level_index], rows, svds)
+        state = handout_state(global_state, cast(int, self.ranks[level_index]), rows, svds)  # lora: an int
         return self.level_spec(level_index), state, options
 
     def merge(self, server_round: int, global_state: State, replies: list[Reply]) -> State:

@@ -46,7 +46,7 @@ class HeteroFL(Method):
     """Levels are width rates; level 1 is the full model."""
 
     name = "heterofl"
-    options = HeteroFLOptions
+    options: ClassVar[type[MethodOptions]] = HeteroFLOptions
     #: the options class :meth:`__init__` reads (FedRolex's and FedAvg's family runs are WidthOptions);
     #: a subclass whose options are another class declares that class here
     reads: ClassVar[type[MethodOptions]] = WidthOptions

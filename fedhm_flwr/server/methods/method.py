@@ -59,7 +59,7 @@ class Reply:
     sent: Any = None  # what the node was sent (the round's payload; the defences recover it)
 
 
-class LevelCosts(Sequence):
+class LevelCosts(Sequence[dict[str, float]]):
     """A method's per-level costs as data (level index -> costs), each counted once, when first read:
     what the node registry maps declared budgets with, ``inspect`` and the summary report."""
 

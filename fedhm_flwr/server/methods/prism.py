@@ -31,10 +31,11 @@ row (what a client of that keep ratio could run for inference).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.config.options.factorized import PriSMOptions
@@ -49,6 +50,14 @@ from fedhm_flwr.server.methods.method import Cut, Method, Reply, State, method_o
 DRAW_STREAM = 3
 
 
+class _Layered(Protocol):
+    """What PriSM reads of its model (the CNN, ResNet and ViT models)."""
+
+    default_rho: int
+
+    def factorizable_layers(self) -> list[str]: ...
+
+
 class PriSM(Method):
     """Levels are keep ratios; every client trains a sub-model of sampled principal kernels."""
 
@@ -60,9 +69,10 @@ class PriSM(Method):
         method = method_options(opts, PriSMOptions)
         with torch.device("meta"):  # shapes only
             model = build_model(self.spec, spectral_init=False)
-        rho = int(model.default_rho) if method.rho is None else int(method.rho)
-        self.layers: list[str] = list(model.factorizable_layers())[rho:]
-        self.shapes = {name: tuple(model.get_submodule(name).weight.shape) for name in self.layers}
+        layered = cast(_Layered, model)  # (torch types a module's own attributes as Tensor | Module)
+        rho = int(layered.default_rho) if method.rho is None else int(method.rho)
+        self.layers: list[str] = list(layered.factorizable_layers())[rho:]
+        self.shapes = {name: tuple(cast(Tensor, model.get_submodule(name).weight).shape) for name in self.layers}
         self.kernels = {name: prism.num_kernels(shape) for name, shape in self.shapes.items()}
         self.counts = [{name: prism.keep_count(R, keep) for name, R in self.kernels.items()} for keep in self.levels]
         self.classifier_keys = classifier_keys(model)
