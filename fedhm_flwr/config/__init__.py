@@ -20,6 +20,7 @@ import os
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -82,6 +83,7 @@ __all__ = [  # the re-exported names of the submodules and this module's own
     "RAY_ADDRESS",
     "ROBUST",
     "SUPPORTED_MODELS",
+    "ConfigError",
     "MethodOptions",
     "RunOptions",
     "backbone_choice",
@@ -167,7 +169,7 @@ def _group_key_allowed(key: str, overrides: list[str]) -> str:
     group, name = key.split(".")[0], key.split(".")[1]
     chosen = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == group), None)
     if chosen is None:
-        defaults = OmegaConf.load(CONF_DIR / "config.yaml").get("defaults", [])
+        defaults = cast(DictConfig, OmegaConf.load(CONF_DIR / "config.yaml")).get("defaults", [])  # a mapping
         chosen = next((str(d[group]) for d in defaults if isinstance(d, DictConfig) and group in d), None)
     keys = {o: set(OmegaConf.load(CONF_DIR / group / f"{o}.yaml")) for o in _group_options(group)}
     if chosen not in keys:

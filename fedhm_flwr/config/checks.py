@@ -39,8 +39,8 @@ ROBUST = ("none", "clip", "median", "trimmed_mean", "krum")
 # --------------------------------------------------------------------------- field rules
 
 
-def require(ok: bool, field: str, value: Any, allowed: str) -> None:
-    """Raise :class:`ConfigError` (``field``, ``value``, what is ``allowed``) unless ``ok``."""
+def require(ok: object, field: str, value: Any, allowed: str) -> None:
+    """Raise :class:`ConfigError` (``field``, ``value``, what is ``allowed``) unless ``ok`` (is true)."""
     if not ok:
         raise ConfigError(field, value, allowed)
 

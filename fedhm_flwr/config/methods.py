@@ -12,6 +12,7 @@ function, only on that path. These are the only imports inside functions of the 
 from __future__ import annotations
 
 import copy
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -73,7 +74,7 @@ def validate_user_model(cfg: DictConfig) -> None:
     rule = OmegaConf.select(cfg, "model.factorize", default=None)
     if rule is not None:
         require(OmegaConf.is_dict(rule), "model.factorize", rule, "a mapping (include, exclude, types, ...)")
-        values = OmegaConf.to_container(rule, resolve=True)
+        values = cast("dict[str, Any]", OmegaConf.to_container(rule, resolve=True))  # a mapping (just required)
         if all(v is None for v in values.values()):  # the model's defaults: nothing to check (and no torch import)
             return
         from fedhm_flwr.models.rules import rule_problem  # torch-free path: only a factorize rule imports the models

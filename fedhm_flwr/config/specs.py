@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -43,7 +43,12 @@ def model_spec(cfg: DictConfig) -> dict[str, Any]:
         spec["target"] = str(cfg.model.target)
         spec["kwargs"] = OmegaConf.to_container(cfg.model.kwargs, resolve=True) if cfg.model.get("kwargs") else {}
     rule = cfg.model.get("factorize")
-    rule = {k: v for k, v in OmegaConf.to_container(rule, resolve=True).items() if v is not None} if rule else {}
+    # (a mapping: the config check admits only one; omegaconf types any container's conversion)
+    rule = (
+        {k: v for k, v in cast("dict[str, Any]", OmegaConf.to_container(rule, resolve=True)).items() if v is not None}
+        if rule
+        else {}
+    )
     if rule:
         spec["factorize"] = rule
     if cfg.model.arch == "custom" and cfg.model.get("static_bn", False):  # built-in models are always sBN

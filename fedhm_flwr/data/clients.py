@@ -102,7 +102,7 @@ def client_dataset(
     partition_id: int,
     data_dir: str | os.PathLike[str] | None = None,
     split: str = "train",
-) -> ImageTensorDataset:
+) -> ImageTensorDataset | text.TokenDataset:
     """One split of partition ``partition_id`` as a torch Dataset.
 
     ``split`` is "train" (what the node trains on) or "heldout" (the seeded fraction
@@ -119,7 +119,9 @@ def client_dataset(
     return image_dataset(images, labels, source_info(spec, data_dir), spec["augment"])
 
 
-def test_dataset(data_spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = None) -> ImageTensorDataset:
+def test_dataset(
+    data_spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = None
+) -> ImageTensorDataset | text.TokenDataset:
     """The test split (normalised, no augmentation), seeded subset if ``max_test_examples``."""
     spec = check_data_spec(data_spec)
     if spec["name"] in EXTERNAL_DATASETS:

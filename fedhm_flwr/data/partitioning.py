@@ -143,7 +143,7 @@ def partition(
             num_partitions=n,
             partition_by="label",
             num_classes_per_partition=cpp,
-            class_assignment_mode=class_assignment,  # type: ignore[arg-type]
+            class_assignment_mode=class_assignment,
             shuffle=True,
             seed=seed,
         )

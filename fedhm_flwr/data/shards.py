@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from fedhm_flwr.core.errors import ShardError
+from fedhm_flwr.core.errors import ShardError as ShardError  # re-exported for the client
 from fedhm_flwr.data.catalog import DATASETS, EXTERNAL_DATASETS, FOLDER_SOURCES, DatasetInfo
 from fedhm_flwr.data.clients import client_arrays
 from fedhm_flwr.data.sources import source_info

@@ -147,8 +147,8 @@ def source_arrays(
     with LOCK:
         if (key, split) not in ARRAY_CACHE:
             for part, (images, labels) in FOLDER_LOADERS[name].load_splits(spec, data_dir).items():
-                ARRAY_CACHE[(key, part)] = (readonly(images), readonly(labels))  # type: ignore[index]
-        return ARRAY_CACHE[(key, split)]  # type: ignore[index]
+                ARRAY_CACHE[(key, part)] = (readonly(images), readonly(labels))
+        return ARRAY_CACHE[(key, split)]
 
 
 def source_info(spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = None) -> DatasetInfo:

@@ -31,13 +31,13 @@ def _train_augmentation(info: DatasetInfo) -> Callable[[torch.Tensor], torch.Ten
     fill = [float(-m / s) for m, s in zip(info.mean, info.std)]
     return v2.Compose(
         [
-            v2.RandomCrop(info.image_size, padding=max(1, info.image_size // 8), fill=fill),  # type: ignore[arg-type]
+            v2.RandomCrop(info.image_size, padding=max(1, info.image_size // 8), fill=fill),
             v2.RandomHorizontalFlip(),
         ]
     )
 
 
-class ImageTensorDataset(Dataset):
+class ImageTensorDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """In-memory image classification dataset.
 
     Attributes: ``images`` (float32 NCHW, normalised), ``labels`` (int64, shape (N,)),

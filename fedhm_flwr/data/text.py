@@ -152,7 +152,7 @@ def split_labels(name: str, split: str) -> np.ndarray:
     return load_corpus(name)[1][split_indices(name, split)]
 
 
-class TokenDataset(Dataset):
+class TokenDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Token ids and labels in memory; items are ``(ids (max_len,) int64, label 0-dim int64)``.
 
     Same interface as :class:`fedhm_flwr.data.ImageTensorDataset` (``labels``, ``num_classes``,

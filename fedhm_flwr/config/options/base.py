@@ -15,7 +15,7 @@ import math
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -94,13 +94,14 @@ def parse_options(cls: type[T], values: Any, section: str) -> T:
 
 
 def _field_names(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    return [f.name for f in dataclasses.fields(cls)]
 
 
 def _convert(hint: Any, value: Any, field: str) -> Any:
     """``value`` as the type ``hint`` says (see :func:`parse_options`)."""
     if dataclasses.is_dataclass(hint):
-        return value if isinstance(value, hint) else parse_options(hint, value, field)
+        kind = cast("type[Any]", hint)  # a field's type hint: a dataclass type, never an instance
+        return value if isinstance(value, kind) else parse_options(kind, value, field)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None:
