@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from fedhm_flwr.config import OPTIONS, ConfigError, split_overrides
 from fedhm_flwr.ops.deploy.device_run import resume_refusal
@@ -139,7 +140,7 @@ def _delegate(name: str) -> Callable[[list[str]], int]:
     return handler
 
 
-def _import(module: str):
+def _import(module: str) -> ModuleType:
     if module.startswith("bench."):  # the benchmarks live in the repository, not in the package
         root = str(Path(__file__).resolve().parents[2])
         if root not in sys.path:

@@ -218,7 +218,7 @@ class RunRecorder:
             keys += sorted(
                 {k for r in self.rows for k in r if k.startswith(prefix)}, key=lambda k: -float(k.split("_")[-1])
             )
-        colours = {}  # one colour per level (and one for global/all), shared by the two sources
+        colours: dict[str | None, str] = {}  # one colour per level (and one for global/all), shared by the two sources
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for key in keys:
             pts = [(r["round"], r[key]) for r in self.rows if r.get(key) is not None]
@@ -237,7 +237,8 @@ class RunRecorder:
             )
         ax.set_xlabel("round")
         ax.set_ylabel("accuracy (top-1)")
-        ax.xaxis.get_major_locator().set_params(integer=True)
+        # matplotlib types the locator as the base Locator (it is a MaxNLocator, which takes integer=)
+        ax.xaxis.get_major_locator().set_params(integer=True)  # type: ignore[call-arg]
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()

@@ -34,8 +34,9 @@ import csv
 import io
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import OmegaConf
 
@@ -102,8 +103,9 @@ def _hydra_overrides(run_dir: Path) -> dict[str, str] | None:
     path = run_dir / ".hydra" / "overrides.yaml"
     if not path.is_file():
         return None
-    items = OmegaConf.to_container(OmegaConf.load(path))
-    return dict(str(item).lstrip("+~").split("=", 1) for item in items if "=" in str(item))  # type: ignore[union-attr]
+    items = cast("list[Any]", OmegaConf.to_container(OmegaConf.load(path)))  # overrides.yaml holds a list
+    pairs = (str(item).lstrip("+~").split("=", 1) for item in items if "=" in str(item))
+    return dict(cast("Iterable[tuple[str, str]]", pairs))  # [key, value] lists: dict takes any pair
 
 
 def collect(run_dirs: list[Path]) -> tuple[list[str], list[dict[str, Any]]]:

@@ -69,7 +69,8 @@ def write_plots(swept: list[str], rows: list[dict[str, Any]], out: Path, costs: 
                 alpha=0.2,
             )
     ax.set_xlabel("round")
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    # matplotlib types the locator as the base Locator (it is a MaxNLocator, which takes integer=)
+    ax.xaxis.get_major_locator().set_params(integer=True)  # type: ignore[call-arg]
     ax.set_ylabel("global model test accuracy (mean, 95 % CI band)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -118,9 +119,9 @@ def write_plots(swept: list[str], rows: list[dict[str, Any]], out: Path, costs: 
             points = []
             for model in models_of(members)[1:]:
                 acc = column_values(members, f"final_acc/{model}")
-                x = members[0].get(f"{cost}/{model}")
-                if acc and x:
-                    points.append((float(x), math.fsum(acc) / len(acc), _half(acc)))
+                spent = members[0].get(f"{cost}/{model}")
+                if acc and spent:
+                    points.append((float(spent), math.fsum(acc) / len(acc), _half(acc)))
             if points:
                 points.sort()
                 ax.errorbar(

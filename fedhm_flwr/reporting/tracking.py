@@ -82,8 +82,9 @@ class TensorBoardTracker(Tracker):
 
         hp = flat_config(yaml.safe_load(yaml_text) or {})
         # written into this run's own event file (SummaryWriter.add_hparams would start a sub-run)
-        for item in hparams(hp, {name: 0.0 for name in HPARAM_METRICS}):
-            self.writer.file_writer.add_summary(item)
+        # (torch leaves hparams untyped, and types file_writer by the None it starts as)
+        for item in hparams(hp, {name: 0.0 for name in HPARAM_METRICS}):  # type: ignore[no-untyped-call]
+            self.writer.file_writer.add_summary(item)  # type: ignore[attr-defined]
         self.writer.add_text("config", "```\n" + yaml_text + "\n```")
         self.writer.flush()
 

@@ -26,7 +26,8 @@ from fedhm_flwr.ops.job.runlock import RunLock
 from fedhm_flwr.reporting.results import write_status
 
 #: the ServerApp process's argument naming its SuperLink's Runtime API (``flwr-serverapp``, ``flwr-simulation``)
-RUNTIME_ADDRESS_ARG = TASK_TYPE_TO_APPIO_API_ADDRESS_ARG[TaskType.SERVER_APP]
+# (flwr types the map's keys as TaskType; its members are plain str, the keys)
+RUNTIME_ADDRESS_ARG = TASK_TYPE_TO_APPIO_API_ADDRESS_ARG[TaskType.SERVER_APP]  # type: ignore[index]
 
 
 def runtime_address(argv: Sequence[str]) -> tuple[str, int] | None:

@@ -16,10 +16,15 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.types import (
+    CertificateIssuerPrivateKeyTypes,
+    CertificateIssuerPublicKeyTypes,
+)
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 #: names and addresses the SuperLink's certificate is always valid for
@@ -89,7 +94,10 @@ def create_server_certificate(
     ``flwr`` CLI) must reach the SuperLink under one of these names.
     """
     ca = x509.load_pem_x509_certificate(ca_cert.read_bytes())
-    signer = serialization.load_pem_private_key(ca_key.read_bytes(), password=None)
+    # a CA's key (create_ca's EC key): one that signs certificates, which the loader's type does not say
+    signer = cast(
+        CertificateIssuerPrivateKeyTypes, serialization.load_pem_private_key(ca_key.read_bytes(), password=None)
+    )
     key = ec.generate_private_key(ec.SECP384R1())
     names: list[x509.GeneralName] = []
     for san in dict.fromkeys(sans):
@@ -109,7 +117,10 @@ def create_server_certificate(
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(cast(CertificateIssuerPublicKeyTypes, ca.public_key())),
+            critical=False,
+        )
         .sign(signer, hashes.SHA256())
     )
     directory.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from fedhm_flwr.config import ConfigError, load_config, resume_config, run_options, split_overrides
 from fedhm_flwr.ops.deploy.credentials import DEFAULT_SANS, create_credentials
@@ -110,7 +110,8 @@ def deploy(
                 else:
                     require_checkpoint(run_dir)
                 note_command(run_dir, (*commands.resume, str(run_dir)))  # `fedhm resume` refuses it, naming this
-                with LocalDeployment(run_dir / "deploy", port=port, tag=tag, keep_fds=[lock.fd]) as dep:
+                # (the lock is held: its descriptor is open)
+                with LocalDeployment(run_dir / "deploy", port=port, tag=tag, keep_fds=[cast(int, lock.fd)]) as dep:
                     try:
                         dep.make_credentials(names, sans)
                         dep.start_superlink()

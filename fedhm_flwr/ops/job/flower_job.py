@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from fedhm_flwr.ops.job.outcome import Commands, RunFailed, exit_status, resume_hint
 from fedhm_flwr.ops.job.procs import Processes, kill_serverapp, killpg_quietly
@@ -71,7 +71,8 @@ class ErrorScan:
             elif match := NODE_ERROR.search(text):
                 found = match.group(1)
                 if WRAPPED.search(found):  # Ray's "<class 'ray.exceptions.RayTaskError(...)'>:<..." + traceback
-                    self._client_head, self._client_lines = found[: found.index(WRAPPED.search(found).group(0))], 0
+                    wrapper = cast("re.Match[str]", WRAPPED.search(found)).group(0)  # (it just matched)
+                    self._client_head, self._client_lines = found[: found.index(wrapper)], 0
                 else:
                     self._tell_client(found)
         if self.server is None:

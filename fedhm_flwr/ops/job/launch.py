@@ -144,7 +144,7 @@ def run_job(
     quiet: bool = False,
     commands: Commands | None = None,
     on_error: Callable[[str], None] | None = None,
-    on_checked: Callable[[], None] | None = None,
+    on_checked: Callable[[], object] | None = None,
 ) -> dict[str, Any]:
     """Validate, run through ``flwr run``, verify; returns the run's summary.
 

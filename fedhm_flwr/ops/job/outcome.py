@@ -16,9 +16,12 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fedhm_flwr.config import ConfigError
-from fedhm_flwr.ops.deploy.supernode import exit_status  # noqa: F401  (a process's exit in words; the wrapper imports nothing)
+from fedhm_flwr.ops.deploy.supernode import (  # a process's exit in words; the wrapper imports nothing
+    exit_status as exit_status,
+)
 from fedhm_flwr.ops.job.health import final_line
 from fedhm_flwr.ops.job.signals import Interrupted, on_signals
 from fedhm_flwr.reporting.results import (
@@ -213,7 +216,7 @@ def report_stop(stop: KeyboardInterrupt) -> int:
     return stop.exit_code if isinstance(stop, Interrupted) else 130
 
 
-def finished(summary: Mapping) -> tuple[int, str]:
+def finished(summary: Mapping[str, Any]) -> tuple[int, str]:
     """(exit code, the line a command ends a finished run with): the final accuracy and where the
     outputs are, with what the run's records say of its model (:mod:`fedhm_flwr.ops.job.health`): a
     collapse is said after it (exit 0); a diverged run, or one that accepted no reply, ends
@@ -221,7 +224,7 @@ def finished(summary: Mapping) -> tuple[int, str]:
     return final_line(summary)
 
 
-def report_finished(summary: Mapping, prefix: str = "", suffix: str = "") -> int:
+def report_finished(summary: Mapping[str, Any], prefix: str = "", suffix: str = "") -> int:
     """Print :func:`finished`'s line (stdout; stderr for an error) between ``prefix`` and ``suffix``;
     return its exit code."""
     code, line = finished(summary)
@@ -230,9 +233,9 @@ def report_finished(summary: Mapping, prefix: str = "", suffix: str = "") -> int
 
 
 def run_command(
-    job: Callable[[], Mapping],
+    job: Callable[[], Mapping[str, Any]],
     refused: tuple[type[Exception], ...] = (ConfigError, FileExistsError),
-) -> tuple[int, Mapping | None]:
+) -> tuple[int, Mapping[str, Any] | None]:
     """A command's job under the one signal handler, as (exit code, its summary or None): 0 when it
     ended; 2 when it was refused before anything ran (``refused``: a bad config, a used or locked run
     directory); 1 when it failed (:class:`RunFailed`, ending with the line that says why); 128 + the

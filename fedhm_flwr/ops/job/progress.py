@@ -12,7 +12,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -64,7 +64,7 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def progress_text(
-    rows: list[Mapping[str, Any]],
+    rows: Sequence[Mapping[str, Any]],
     total: int,
     elapsed: float,
     done: int,

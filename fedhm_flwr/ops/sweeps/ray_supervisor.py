@@ -20,10 +20,21 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the superv
     num_cpus = int((argv if argv is not None else sys.argv[1:])[0])
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())  # the sweep's Ctrl-C: ended by the sweep, after its job
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(  # (ray types logging_level as an int; it takes a level's name too)
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        logging_level="ERROR",  # type: ignore[arg-type]
+        log_to_driver=False,
+    )
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # after ray.init, which sets its own
     print(f"{READY}{ray.get_runtime_context().gcs_address}", flush=True)
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+
+    def stdin_ended() -> None:
+        sys.stdin.read()
+        stop.set()
+
+    threading.Thread(target=stdin_ended, daemon=True).start()
     while not stop.wait(0.5):
         pass
     ray.shutdown()

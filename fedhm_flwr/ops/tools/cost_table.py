@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig
+from torch import Tensor
 
 from fedhm_flwr.config import ConfigError, RunOptions, load_config, model_spec, run_options
 from fedhm_flwr.config.options.factorized import FedHMOptions
@@ -53,7 +54,7 @@ def _rows(opts: RunOptions, spec: dict[str, Any], method: Method) -> list[dict[s
     state = method.initial_state(opts.seed) or build_model(spec).state_dict()  # FedLoRA/HeteroTune keep their own
     method.begin_round(1, state)
     full = count_parameters(build_model(spec, spectral_init=False)) if opts.method.name in SHAPE_ONLY else None
-    rows = []
+    rows: list[dict[str, Any]] = []
     for index, level in enumerate(method.levels):
         cost = method.level_cost(index)
         _, payload, _ = method.level_payload(index, state)
@@ -85,7 +86,8 @@ def plan_rows(opts: RunOptions, spec: dict[str, Any]) -> list[dict[str, Any]] | 
     rows = []
     for name in select_layers(model):
         module = model.get_submodule(name)
-        shape = tuple(module.weight.shape)
+        weight = cast(Tensor, module.weight)  # (torch types a module's own attributes as Tensor | Module)
+        shape = tuple(weight.shape)
         rows_, cols = (shape[0] * shape[2], shape[1] * shape[3]) if len(shape) == 4 else shape
         ranks = [r.get(name) for r in inner.ranks]
         rows.append(
@@ -93,9 +95,9 @@ def plan_rows(opts: RunOptions, spec: dict[str, Any]) -> list[dict[str, Any]] | 
                 "layer": name,
                 "type": type(module).__name__,
                 "shape": list(shape),
-                "params": int(module.weight.numel()),
+                "params": int(weight.numel()),
                 "ranks": ranks,
-                "level_params": [int(module.weight.numel()) if r is None else int(r * (rows_ + cols)) for r in ranks],
+                "level_params": [int(weight.numel()) if r is None else int(r * (rows_ + cols)) for r in ranks],
             }
         )
     return rows

@@ -27,7 +27,7 @@ import json
 import sys
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig
@@ -235,7 +235,7 @@ def export_level(run_dir: str | Path, level: str | float, out: str | Path | None
         "test_set": None if test is None else test["described"],  # name, split and size
         # model.onnx in ONNX Runtime, one image at a time, against the PyTorch model (onnx_model.check_onnx)
         "onnx_runtime": onnx_check,
-        "onnx_snippet": ort_snippet(pre) if onnx_check else None,
+        "onnx_snippet": ort_snippet(cast("dict[str, Any]", pre)) if onnx_check else None,  # (checked: an image model)
         "normalisation": statistics,
         "preprocessing": pre,
         # the run's own figures: the server's test set (with the statistics its evaluation used,
@@ -357,7 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     except OnnxCheckFailed as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    ort, acc = card["onnx_runtime"], lambda x: "-" if x is None else f"{x:.4f}"
+    ort = card["onnx_runtime"]
+
+    def acc(x: float | None) -> str:
+        return "-" if x is None else f"{x:.4f}"
+
     print(
         f"level {card['level']:g}: {card['parameters']:,} parameters; wrote {', '.join(card['files'].values())} "
         f"and model_card.md/.json to {card['out_dir']}"

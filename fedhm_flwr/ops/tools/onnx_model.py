@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import warnings
 from importlib.util import find_spec
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -64,7 +64,7 @@ def onnx_bytes(source: nn.Module | torch.export.ExportedProgram, example: torch.
             external_data=False,
             verbose=False,
         )
-    proto = program.model_proto
+    proto = cast("torch.onnx.ONNXProgram", program).model_proto  # the dynamo exporter (the default) returns one
     # the program names its batch dimension s<N>: call it `batch` in the file's signature
     first = proto.graph.input[0].type.tensor_type.shape.dim[0].dim_param
     if first:

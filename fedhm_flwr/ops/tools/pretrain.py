@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -95,7 +95,7 @@ def pretrain_vit(
             logits = model(x[idx])
             loss = F.cross_entropy(logits, y[idx])
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward untyped
             opt.step()
             sched.step()
             total += float(loss.detach()) * len(idx)
@@ -140,11 +140,16 @@ def _accuracy(model: nn.Module, x: Tensor, y: Tensor, batch: int = 1000) -> floa
 # ------------------------------------------------------------------------------------ probes
 
 
+class _Featured(Protocol):
+    def features(self, x: Tensor) -> Tensor: ...
+
+
 @torch.no_grad()
 def features(model: nn.Module, x: Tensor, batch: int = 500) -> Tensor:
     """Frozen features (``model.features``) of ``x``, in batches."""
     model.eval()
-    return torch.cat([model.features(x[i : i + batch]) for i in range(0, len(x), batch)])
+    backbone = cast(_Featured, model)  # a ViT or text model (torch types a module's own attributes as Tensor | Module)
+    return torch.cat([backbone.features(x[i : i + batch]) for i in range(0, len(x), batch)])
 
 
 def linear_probe(
@@ -165,10 +170,10 @@ def linear_probe(
     def closure() -> Tensor:
         opt.zero_grad()
         loss = F.cross_entropy(head(a), train_y) + weight_decay * head.weight.pow(2).sum()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward untyped
         return loss
 
-    opt.step(closure)
+    opt.step(closure)  # type: ignore[no-untyped-call]  # torch leaves LBFGS.step untyped
     with torch.no_grad():
         return float((head(b).argmax(1) == test_y).float().mean())
 
