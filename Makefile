@@ -54,7 +54,7 @@ test: setup data  ## every test, the slow end-to-end ones included; ends with th
 test-fast: setup data  ## the tests without the slow end-to-end runs
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-lint: setup  ## ruff (lint + format check) and mypy (strict on core/, math/, models/), as configured in pyproject.toml
+lint: setup  ## ruff (lint + format check) and mypy (strict on all of fedhm_flwr/), as configured in pyproject.toml
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
