@@ -5,7 +5,7 @@ FedHM's level against the baseline are computed here from ``results/full/**/summ
 and ``metrics.jsonl`` alone (no bench code, no ``fedhm_flwr.reporting``): against the variant whose widths
 were matched on that resource (its ``levels.match``), level by level; where none was (MACs), the baseline's
 accuracy interpolated linearly in log-cost between its two neighbouring levels. The mean and the 95 %
-Student-t interval use a t table's quantiles. docs/RESULTS.md must show those numbers in each verdict's
+Student-t interval use a t table's quantiles (one paired seed: the mean alone). docs/RESULTS.md must show those numbers in each verdict's
 line, final and last-3 alike, and name how the baseline was set against FedHM."""
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def runs(setting: str, variant: str) -> dict[int, dict]:
 
 def interval(diffs: list[float]) -> str:
     mean = statistics.fmean(diffs)
+    if len(diffs) == 1:
+        return f"| 1 | {mean:+.2f} | n/a (one seed) |"
     half = T_975[len(diffs) - 1] * statistics.stdev(diffs) / math.sqrt(len(diffs))
     return f"| {len(diffs)} | {mean:+.2f} | [{mean - half:+.2f}, {mean + half:+.2f}] |"
 
@@ -112,7 +114,7 @@ def test_each_resource_verdict_shows_the_paired_differences_of_the_runs(setting:
                     if b is not None:
                         diffs.append((fedhm[k][kind][level] - b) * 100)
                 how = "*interpolated*"
-            if len(diffs) < 2:
+            if not diffs:
                 continue
             numbers = interval(diffs)  # "| n | mean | [low, high] |"; the last-3 columns come without n
             shown = numbers if kind == "final" else numbers[numbers.index("| ", 2) :]
