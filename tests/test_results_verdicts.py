@@ -5,8 +5,9 @@ FedHM's level against the baseline are computed here from ``results/full/**/summ
 and ``metrics.jsonl`` alone (no bench code, no ``fedhm_flwr.reporting``): against the variant whose widths
 were matched on that resource (its ``levels.match``), level by level; where none was (MACs), the baseline's
 accuracy interpolated linearly in log-cost between its two neighbouring levels. The mean and the 95 %
-Student-t interval use a t table's quantiles (one paired seed: the mean alone). docs/RESULTS.md must show those numbers in each verdict's
-line, final and last-3 alike, and name how the baseline was set against FedHM."""
+Student-t interval use a t table's quantiles (one paired seed: the mean alone). docs/RESULTS.md must show
+those numbers in each verdict's line, final and last-3 alike, and name how the baseline was set against
+FedHM."""
 
 from __future__ import annotations
 
