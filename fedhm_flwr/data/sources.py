@@ -16,7 +16,7 @@ import numpy as np
 
 from fedhm_flwr.core.errors import ConfigError
 from fedhm_flwr.data import hf_disk, imagefolder
-from fedhm_flwr.data.cache import ARRAY_CACHE, INFO_CACHE, LOCK, readonly
+from fedhm_flwr.data.cache import ARRAY_CACHE, INFO_CACHE, LOCK, WORK, readonly
 from fedhm_flwr.data.catalog import (
     CLASS_NAMES,
     DATASETS,
@@ -117,6 +117,7 @@ def load_arrays(
             raise ValueError(f"{name}/{split}: unexpected image shape {images.shape}")
         out = (readonly(images), readonly(labels))
         ARRAY_CACHE[key] = out
+        WORK["decode"] += 1
         return out
 
 
@@ -148,6 +149,7 @@ def source_arrays(
         if (key, split) not in ARRAY_CACHE:
             for part, (images, labels) in FOLDER_LOADERS[name].load_splits(spec, data_dir).items():
                 ARRAY_CACHE[(key, part)] = (readonly(images), readonly(labels))
+                WORK["decode"] += 1
         return ARRAY_CACHE[(key, split)]
 
 
