@@ -92,7 +92,8 @@ def test_a_supernode_killed_mid_round_is_that_rounds_failure_not_late(tmp_path):
         dep.wait_online(names)
         runner = threading.Thread(target=job, daemon=True)
         runner.start()
-        _until("node-1's training message", lambda: "Receiving: train message" in log("node-1"), 400, lambda: result.get("error"))
+        took = lambda: "Receiving: train message" in log("node-1")  # noqa: E731
+        _until("node-1's training message", took, 400, lambda: result.get("error"))
         killed = _flower_supernode(dep.supernodes["node-1"].pid)
         os.kill(killed, signal.SIGKILL)  # kill -9 <pid of flower-supernode>: no goodbye
         t_kill = time.monotonic()

@@ -43,7 +43,8 @@ def test_late_verdicts_fail_only_the_nodes_the_superlink_reports_unavailable():
     a, b, c, other = _sent(11, "ma"), _sent(12, "mb"), _sent(13, "mc"), _sent(14, "mx")
     answer = Message(RecordDict({"config": ConfigRecord({"x": 1})}), reply_to=b)
     crash = Message(Error(code=0, reason="ValueError: boom"), reply_to=c)
-    lost, answered = late_verdicts({"ma": 11, "mb": 12, "mc": 13}, [_unavailable(a), answer, crash, _unavailable(other)])
+    came = [_unavailable(a), answer, crash, _unavailable(other)]
+    lost, answered = late_verdicts({"ma": 11, "mb": 12, "mc": 13}, came)
     assert lost == [(11, NODE_UNAVAILABLE)]  # matched to the node asked, not to the SuperLink that answered
     assert answered == [answer, crash]  # answers after the deadline (a reply or the node's own error): late
     assert late_verdicts({"ma": 11}, []) == ([], [])
