@@ -273,3 +273,16 @@ def test_fedhm_resume_refuses_a_device_run_with_the_command_that_resumes_it_ther
         assert err.count("\n") == 1 and err.startswith("error: ") and err.rstrip().endswith(command), err
     monkeypatch.setenv("FLWR_HOME", str(tmp_path))  # no connection known: the placeholder, said so
     assert "<connection> --stream" in device_run.resume_refusal(flwr_run)
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_the_python_api_refuses_to_resume_a_device_run_as_fedhm_resume_does(tmp_path, progress):
+    from fedhm_flwr import api
+    from fedhm_flwr.config import ConfigError
+
+    deployed = tmp_path / "deploy-local"
+    device_run.note_command(deployed, ["fedhm", "deploy-local", "--nodes", "3", "--resume", str(deployed)])
+    with pytest.raises(ConfigError) as info:
+        api.resume(deployed, progress=progress)
+    assert info.value.field == "resume" and "ran on devices" in str(info.value)
+    assert str(info.value).endswith(f"Resume it on its devices with: fedhm deploy-local --nodes 3 --resume {deployed}")
