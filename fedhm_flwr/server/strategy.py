@@ -233,6 +233,7 @@ class HeteroStrategy(RoundWire, Strategy):
         self.startup_info = {
             "startup_started_at": time.time(),  # the set-up done: the node-info queries start (#53)
             **self.registry.startup(grid, self.start_round),  # before the first round's clock
+            "startup_marks": self.registry.marks,  # the first nodes' marks (#53)
             "rounds_started_at": time.time(),
         }  # wall clock: the bench's whole-job figure (8)
         arrays = initial_arrays
