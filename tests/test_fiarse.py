@@ -267,13 +267,35 @@ def test_costs_count_the_full_shape_tensors_a_device_holds():
     with shape_device(method.spec):  # as the costs are counted: shapes only
         model = build_model(method.spec, spectral_init=False)
         dense = model_costs(model, input_shape(method.spec), method.opts.train.batch_size, method.opts.train.momentum)
-    masked = sum(p.numel() for k, p in model.named_parameters() if k in official_masked_keys(model))
+    keys = official_masked_keys(model)
+    masked = sum(p.numel() for k, p in model.named_parameters() if k in keys)
+    weights = sum(p.numel() for k, p in model.named_parameters() if k in keys and k.endswith(".weight"))
     for level, size in enumerate(method.levels):
         cost = method.level_cost(level)
         assert cost["params"] == dense["params"] and cost["macs"] == dense["macs"]  # dense kernels skip nothing
         assert cost["bytes"] == dense["bytes"]  # full-shape arrays on the wire
-        assert cost["memory"] == dense["memory"] + 5 * masked  # + float32 masked weights and bool masks
+        # + what autograd keeps of the masked forward: each masked weight in float32 (the conv or linear
+        # saves it) and every mask as bool (test_the_masked_forward_keeps_what_the_memory_counts)
+        assert cost["memory"] == dense["memory"] + 4 * weights + masked
         assert cost["kept_params"] == dense["params"] - masked + int(masked * size)
+
+
+def test_the_masked_forward_keeps_what_the_memory_counts():
+    """Beyond the input (an activation, counted with the dense model), autograd keeps each masked
+    weight in float32 and each mask as bool; nothing of full size in float32 besides."""
+    conv, x = nn.Conv2d(3, 4, 3), torch.randn(2, 3, 8, 8)
+    saved = []
+
+    def pack(tensor):
+        saved.append((tensor.dtype, tuple(tensor.shape)))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fiarse.masked_forward(conv, x, ["weight", "bias"], 0.1, "masked")
+    weight, bias = (4, 3, 3, 3), (4,)
+    assert sorted(saved, key=str) == sorted(
+        [(torch.bool, weight), (torch.bool, bias), (torch.float32, weight), (torch.float32, (2, 3, 8, 8))], key=str
+    )
 
 
 def test_bad_fiarse_options_are_refused_naming_them():

@@ -29,9 +29,9 @@ from fedhm_flwr.models import build_model
 from fedhm_flwr.server.methods.common import classifier_keys
 from fedhm_flwr.server.methods.method import Method, Reply, State, method_options
 
-#: bytes the masked forward keeps per masked element for the backward: the masked weight (float32)
-#: and its boolean mask
-MASKED_BYTES = 4 + 1
+#: bytes the masked forward keeps for the backward per masked weight element (the masked weight in
+#: float32, which the conv or linear saves, and its boolean mask) and per masked bias element (its mask)
+WEIGHT_BYTES, BIAS_BYTES = 4 + 1, 1
 
 
 class FIARSE(Method):
@@ -50,7 +50,10 @@ class FIARSE(Method):
         self.classifier_keys = classifier_keys(shapes_model)
         #: the state keys masked (the weights and biases of every Conv2d and Linear)
         self.keys = fiarse.masked_keys(shapes_model)
-        self.masked_numel = sum(shapes_model.state_dict()[k].numel() for k in self.keys)
+        sizes = {k: shapes_model.state_dict()[k].numel() for k in self.keys}
+        self.masked_numel = sum(sizes.values())
+        #: what the masked forward keeps for the backward beyond the dense model's training memory
+        self.mask_bytes = sum((BIAS_BYTES if k.endswith("bias") else WEIGHT_BYTES) * n for k, n in sizes.items())
 
     def threshold(self, level_index: int, global_state: State) -> float:
         """``θ`` of the level's size on ``global_state``."""
@@ -81,6 +84,6 @@ class FIARSE(Method):
         kept = fiarse.kept_count(self.masked_numel, self.levels[level_index])
         return {
             **costs,
-            "memory": costs["memory"] + MASKED_BYTES * self.masked_numel,
+            "memory": costs["memory"] + self.mask_bytes,
             "kept_params": float(costs["params"] - self.masked_numel + kept),
         }
