@@ -17,7 +17,7 @@ from flwr.app import Context, RecordDict
 from fedhm_flwr.client import handlers
 from fedhm_flwr.config import data_spec, load_config
 from fedhm_flwr.data import cache
-from fedhm_flwr.data.sources import partition_indices
+from fedhm_flwr.data.sources import check_partitions, partition_indices
 
 NODES = 8
 OVERRIDES = f"num_clients={NODES} dataset.max_train_examples=3000 partition.scheme=dirichlet"
@@ -120,3 +120,17 @@ def test_a_process_that_finds_the_partitions_on_disk_imports_no_flwr_datasets(ow
     assert imported(env) == [[], NODES]
     # where the disk holds nothing, the same process computes them with flwr-datasets
     assert imported({**env, cache.CACHE_ENV: str(own_cache.parent / "empty")}) == [["datasets", "flwr_datasets"], NODES]
+
+
+@needs_fmnist
+def test_the_launchers_check_decodes_no_image_and_leaves_the_partitions_for_the_nodes(own_cache):
+    spec = _spec()
+    before = dict(cache.WORK)
+    check_partitions(spec)  # the launcher, before anything starts
+    assert cache.WORK["decode"] == before.get("decode", 0)  # the labels' file only
+    assert cache.WORK["partition"] == before.get("partition", 0) + 1
+    cache.clear_caches()  # a simulation worker: another process
+    before = dict(cache.WORK)
+    _query_every_node(spec)
+    work = {k: cache.WORK[k] - before.get(k, 0) for k in ("decode", "partition", "partition-read")}
+    assert work == {"decode": 1, "partition": 0, "partition-read": 1}
