@@ -106,6 +106,17 @@ def test_fedhm_run_refuses_them_in_one_line_before_anything_starts(tmp_path, cas
     assert status.returncode == 2 and "not a run directory" in status.stderr
 
 
+def test_fedhm_deploy_local_refuses_partitions_its_nodes_cannot_make_before_anything_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    case = ["--nodes", "20", "dataset.max_train_examples=40", "rounds=1"]
+    proc = _fedhm("deploy-local", *case, "--run-dir", str(run_dir))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr
+    assert proc.stderr.startswith("error: invalid config: num_clients=20; "), proc.stderr
+    assert "computed as the nodes do" in proc.stderr
+    assert "SuperLink" not in proc.stdout and not run_dir.exists()  # no credentials, no process, nothing written
+
+
 # --------------------------------------------------------------------------- judged after the end
 
 
