@@ -28,19 +28,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fedhm_flwr.config.checks import (
-    ASSIGNMENTS,
-    ATTACKS,
-    BN_STATS,
-    EVALUATION_WHERE,
-    LEVEL_MATCH,
-    LR_SCHEDULES,
-    PARTITION_SCHEMES,
-    RAY_ADDRESS,
-    ROBUST,
-    choice,
-    validate_common,
-)
+from fedhm_flwr.config.checks import choice, validate_groups
 from fedhm_flwr.config.methods import (
     ARCH_NAMES,
     robust_modes,
@@ -56,6 +44,17 @@ from fedhm_flwr.config.options import (
     method_key,
     run_options,
     supported_pairs,
+)
+from fedhm_flwr.config.options.sections import (
+    ASSIGNMENTS,
+    ATTACKS,
+    BN_STATS,
+    EVALUATION_WHERE,
+    LEVEL_MATCH,
+    LR_SCHEDULES,
+    PARTITION_SCHEMES,
+    RAY_ADDRESS,
+    ROBUST,
 )
 from fedhm_flwr.config.specs import (
     backbone_choice,
@@ -107,7 +106,7 @@ __all__ = [  # the re-exported names of the submodules and this module's own
     "supported_pairs",
     "to_yaml",
     "validate",
-    "validate_common",
+    "validate_groups",
     "validate_pair",
     "validate_user_model",
     "with_user_model",
@@ -249,8 +248,8 @@ def validate(cfg: DictConfig) -> None:
     OPTIONS[cfg.method.name].check(cfg)
     choice(cfg, "model.arch", ARCH_NAMES)
     validate_pair(cfg)
-    validate_common(cfg, robust_modes(cfg))
-    run_options(cfg)  # a key no section knows is refused here, where every entry point checks a config
+    validate_groups(cfg)
+    run_options(cfg)  # every section parsed against its declaration, a key no section knows refused
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -16,8 +16,8 @@ from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from fedhm_flwr.config.checks import ROBUST, choice, require
-from fedhm_flwr.config.options import NEEDS, SUPPORTED_MODELS, method_key, supported_pairs
+from fedhm_flwr.config.checks import choice, require
+from fedhm_flwr.config.options import NEEDS, OPTIONS, SUPPORTED_MODELS, method_key, supported_pairs
 from fedhm_flwr.config.specs import backbone_choice, model_spec
 from fedhm_flwr.core.errors import ConfigError
 from fedhm_flwr.data.sources import dataset_info
@@ -187,18 +187,9 @@ def validate_pair(cfg: DictConfig) -> None:
 
 
 def robust_modes(cfg: DictConfig) -> tuple[str, ...]:
-    """The ``aggregation.robust`` values a method accepts. Clipping, median and trimmed mean need
-    a merge that is an element-wise (weighted) mean over the clients covering an element; Krum
-    (and DP) need replies that all cover the whole model, as FedHM's recovered updates do."""
-    name = cfg.method.name
-    full_model = name in ("fedhm", "fedlora") or (
-        name == "fedavg" and (cfg.method.variant == "full" or cfg.method.family == "fedhm")
-    )
-    if full_model:
-        return ROBUST
-    if name in ("heterofl", "fedrolex", "fedavg"):
-        return ("none", "clip", "median", "trimmed_mean")
-    return ("none",)  # prism, heterotune: the norm filter (aggregation.outlier_z) only
+    """The ``aggregation.robust`` values ``cfg``'s method accepts
+    (:meth:`~fedhm_flwr.config.options.base.MethodOptions.robust_modes`)."""
+    return OPTIONS[str(cfg.method.name)].parse(cfg.method).robust_modes()
 
 
 #: the keys of ``fedhm_flwr.models.ARCHS``, named here so that checking a config imports no torch

@@ -9,7 +9,10 @@ on. A class that sets its own ``name`` adds itself to :data:`OPTIONS` (``method.
 when its module is imported, and this package imports every such module; :data:`SUPPORTED_MODELS`
 is derived from it, and the server's method registry (``server.registry.METHODS``) is checked
 against it (``tests/test_registry.py``).
-The checks are written here rather than in the method modules because a method module imports
+Each option is declared once, as a field of a frozen pydantic dataclass
+(:mod:`~fedhm_flwr.config.options.declare`: type, default, allowed values, meaning; the shared
+sections in :mod:`~fedhm_flwr.config.options.sections`); ``conf/`` holds the same defaults.
+The declarations are written here rather than in the method modules because a method module imports
 torch and the config check must not (the launcher checks a config before importing torch;
 ``tests/test_shards.py`` and ``tests/test_user_models.py`` assert it), and config sits below the
 method layer. The families: :mod:`~fedhm_flwr.config.options.factorized` (FedHM, PriSM),
