@@ -1,14 +1,14 @@
-"""The config check's field rules and the sections every method shares (levels, data source,
-training, evaluation, simulation, failures, robust aggregation, DP, tracking).
+"""What the config check still reads by path: the ``model`` and ``dataset`` groups' keys (width,
+dataset name, a folder source's options, the example limits) and the rules :func:`require` and
+:func:`choice` that :mod:`fedhm_flwr.config.methods` uses for a user's model. Every other option is
+declared once in :mod:`fedhm_flwr.config.options` and checked there.
 
 Torch-free (the launcher checks a config before importing torch): this module imports the data
-catalog and specs only. The rules (:func:`require`, :func:`choice`, :func:`int_at_least`,
-:func:`num_in`) are public: every method's own validation uses them.
+catalog and specs only.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,37 +31,15 @@ def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def is_num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def choice(cfg: DictConfig, field: str, allowed: Iterable[str]) -> None:
     value = OmegaConf.select(cfg, field)
     allowed = tuple(allowed)
     require(value in allowed, field, value, f"one of {list(allowed)}")
 
 
-def flags(cfg: DictConfig, *fields: str) -> None:
-    """Each field must be a boolean."""
-    for field in fields:
-        value = OmegaConf.select(cfg, field)
-        require(isinstance(value, bool), field, value, "true or false")
-
-
 def int_at_least(cfg: DictConfig, field: str, low: int) -> None:
     value = OmegaConf.select(cfg, field)
     require(is_int(value) and value >= low, field, value, f"an integer >= {low}")
-
-
-def num_in(
-    cfg: DictConfig, field: str, low: float, high: float, low_open: bool = False, high_open: bool = False
-) -> None:
-    value = OmegaConf.select(cfg, field)
-    ok = is_num(value) and not math.isnan(value)
-    if ok:
-        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-    lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
-    require(ok, field, value, f"a number in {lo}{low}, {high}{hi}")
 
 
 def _validate_source(cfg: DictConfig) -> None:
