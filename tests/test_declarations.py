@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from fedhm_flwr.config import CONF_DIR, OPTIONS, ConfigError, load_config
 from fedhm_flwr.config.options.declare import declared
+from fedhm_flwr.config.options.groups import DATASET_GROUPS, MODEL_GROUPS, DatasetGroup, ModelGroup
 from fedhm_flwr.config.options.run import RunOptions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,10 +46,32 @@ def _plain(path: Path) -> dict:
 
 def test_config_yaml_holds_the_declared_keys_with_the_declared_defaults():
     yaml = _plain(CONF_DIR / "config.yaml")
-    for key in ("defaults", "hydra", "model"):  # Hydra's; the model group's shared keys: not yet declared
+    for key in ("defaults", "hydra", "model"):  # Hydra's; the model group's shared keys (below)
         yaml.pop(key)
     declared_defaults = {k: v for k, v in _defaults(RunOptions).items() if k not in NOT_IN_CONFIG_YAML}
     assert yaml == declared_defaults
+
+
+GROUPS = {"model": (MODEL_GROUPS, ModelGroup, "arch"), "dataset": (DATASET_GROUPS, DatasetGroup, "name")}
+
+
+@pytest.mark.parametrize(
+    "group, path",
+    [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))],
+    ids=lambda x: x,
+)
+def test_each_model_and_dataset_yaml_holds_its_declared_keys(group, path):
+    """A group file (with conf/config.yaml's keys of the group) holds exactly its declaration's keys,
+    each with the declared default but those the group sets for itself (``per_group``)."""
+    kinds, base, key = GROUPS[group]
+    values = {**_plain(CONF_DIR / "config.yaml").get(group, {}), **_plain(CONF_DIR / group / f"{path}.yaml")}
+    kind = kinds.get(values[key], base)
+    assert set(values) == set(declared(kind))
+    defaults = _defaults(kind)
+    assert {k: v for k, v in values.items() if k not in kind.per_group} == {
+        k: v for k, v in defaults.items() if k not in kind.per_group
+    }
+    assert values[key] == path  # the group file is named by its architecture or dataset
 
 
 def _method_groups():
@@ -77,6 +100,9 @@ def _declarations() -> dict[str, type]:
                 walk(inner, f"{path}.{name}".lstrip("."))
 
     walk(RunOptions, "")
+    for kinds, base, _ in GROUPS.values():
+        for cls in {base, *kinds.values()}:
+            walk(cls, f"{base.__name__}[{cls.__name__}]")
     for options in OPTIONS.values():
         for cls in options.__mro__:
             if "__pydantic_fields__" in vars(cls):
@@ -113,19 +139,7 @@ def test_every_declared_option_says_what_it_means():
 #: the string-path checks of the raw config (``helper(cfg, "a.b", ...)``)
 PATH_CHECKS = {"num_in", "int_at_least", "flags", "choice", "require"}
 #: (file, first dotted path) -> why it still checks by path; it must still occur, so the list only shrinks
-REMAINING = {
-    ("fedhm_flwr/config/checks.py", "model.width"): "the model and dataset groups are not yet declared",
-    ("fedhm_flwr/config/checks.py", "dataset.name"): "the model and dataset groups are not yet declared",
-    ("fedhm_flwr/config/checks.py", "dataset.data_dir"): "the model and dataset groups are not yet declared",
-    ("fedhm_flwr/config/methods.py", "model.target"): "the model and dataset groups are not yet declared",
-    ("fedhm_flwr/config/methods.py", "model.kwargs"): "the model and dataset groups are not yet declared",
-    ("fedhm_flwr/config/methods.py", "model.static_bn"): "the model and dataset groups are not yet declared",
-    ("fedhm_flwr/config/methods.py", "model.factorize"): "the model and dataset groups are not yet declared",
-    ("fedhm_flwr/config/methods.py", "dataset.name"): "the model and dataset groups are not yet declared",
-    ("fedhm_flwr/config/methods.py", "model.backbone"): "the model and dataset groups are not yet declared",
-    ("fedhm_flwr/config/__init__.py", "method.name"): "the method's name picks its declaration",
-    ("fedhm_flwr/config/__init__.py", "model.arch"): "the model and dataset groups are not yet declared",
-}
+REMAINING: dict[tuple[str, str], str] = {}
 
 
 def path_checks(source: str) -> set[str]:
@@ -153,6 +167,7 @@ def test_no_option_is_checked_by_a_string_path_in_config():
         found |= {(rel, key) for key in path_checks(path.read_text())}
     assert found - set(REMAINING) == set()
     assert set(REMAINING) - found == set(), "a remaining exception no longer occurs: drop it from REMAINING"
+    assert not any((ROOT / "fedhm_flwr" / "config").rglob("checks.py"))  # the helpers' module is gone
 
 
 def test_a_declared_option_is_refused_with_its_declared_range():
