@@ -98,10 +98,10 @@ def option(
 
 
 class Refused(ValueError):
-    """Raised by a declaration's validator: its own field ``field`` (a dotted path relative to the
-    declaration) holds a value that is not ``allowed``; :func:`parse` names the full path."""
+    """Raised by a declaration's validator: its own field ``field`` holds a value that is not
+    ``allowed`` (None: what the field's declaration allows); :func:`parse` names the full path."""
 
-    def __init__(self, field: str, allowed: str) -> None:
+    def __init__(self, field: str, allowed: str | None = None) -> None:
         self.field, self.allowed = field, allowed
         super().__init__(f"{field}: {allowed}")
 
@@ -204,9 +204,10 @@ def _config_error(cls: type, values: Any, where: str, err: ValidationError) -> C
     if isinstance(cause, ConfigError):  # a rule across sections names its keys itself
         return cause
     names, info, holder = _locate(cls, loc)
-    if isinstance(cause, Refused):  # a model validator's rule on its own fields
-        field = [*names, *cause.field.split(".")]
-        return ConfigError(where + ".".join(field), _value(values, field), cause.allowed)
+    if isinstance(cause, Refused):  # a model validator's rule on a field of its own
+        field = [*names, cause.field]
+        text = cause.allowed or allowed(declared(holder)[cause.field])
+        return ConfigError(where + ".".join(field), _value(values, field), text)
     path = where + ".".join(names)
     if first["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
         parent = path.rstrip(".")

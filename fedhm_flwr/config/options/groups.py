@@ -33,10 +33,6 @@ _SIZE = "null (the architecture's default) or an integer >= 1"
 _BACKBONES = ("auto", "pretrained", "random")
 
 
-def _positive(value: int | None) -> bool:
-    return value is None or value >= 1
-
-
 @dataclass(frozen=True, config=DECLARED)
 class ModelGroup:
     """``model``: the architecture and the keys every model group shares (a user's model among them)."""
@@ -45,7 +41,7 @@ class ModelGroup:
     per_group: ClassVar[tuple[str, ...]] = ("arch", "width")
 
     arch: Annotated[Text, OneOf(ARCH_NAMES)] = option("custom", "the architecture (custom: model.target's)")
-    width: Int | None = option(None, "the model's width (null: the architecture's default)", allowed=_SIZE)
+    width: Int | None = option(None, "the model's width (null: the architecture's default)", allowed=_SIZE, ge=1)
     target: Text | None = option(None, "package.module:factory of a user's nn.Module (null: the built-in arch)")
     kwargs: dict[str, Any] | None = option(
         {}, "keyword arguments of the factory", allowed="a mapping of the factory's keyword arguments"
@@ -65,8 +61,6 @@ class ModelGroup:
                 "'package.module:factory' with model=custom, "
                 "e.g. model.target=torchvision.models:resnet18 model.kwargs.num_classes=10",
             )
-        if not _positive(self.width):
-            raise Refused("width", _SIZE)
         return self
 
 
@@ -76,19 +70,12 @@ class TransformerModel(ModelGroup):
 
     per_group: ClassVar[tuple[str, ...]] = ("arch", "width", "depth", "heads", "backbone")
 
-    depth: Int | None = option(None, "leading encoder layers kept (null: all)", allowed=_SIZE)
-    heads: Int | None = option(None, "attention heads (null: the architecture's default)", allowed=_SIZE)
+    depth: Int | None = option(None, "leading encoder layers kept (null: all)", allowed=_SIZE, ge=1)
+    heads: Int | None = option(None, "attention heads (null: the architecture's default)", allowed=_SIZE, ge=1)
     backbone: Annotated[Text, OneOf(_BACKBONES)] = option(
         "pretrained", "pretrained: the packaged or `make pretrain`'s weights | random: seeded init | auto"
     )
     backbone_seed: Int = option(0, "the seed of a random backbone", ge=0)
-
-    @model_validator(mode="after")
-    def _layers(self) -> Self:
-        for key in ("depth", "heads"):
-            if not _positive(getattr(self, key)):
-                raise Refused(key, _SIZE)
-        return self
 
 
 @dataclass(frozen=True, config=DECLARED)

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Strict, model_validator
+from pydantic import model_validator
 from pydantic.dataclasses import dataclass
 from typing_extensions import Self
 
@@ -31,10 +31,6 @@ EVALUATION_WHERE = ("server", "clients", "both")
 RAY_ADDRESS = re.compile(r"auto|[A-Za-z0-9][A-Za-z0-9.-]*:[0-9]{1,5}")  # simulation.ray_address (not null)
 ATTACKS = attack_kinds.KINDS
 ROBUST = ("none", "clip", "median", "trimmed_mean", "krum")
-
-
-def one_of(values: tuple[str, ...]) -> OneOf:
-    return OneOf(values)
 
 
 _RAY = (
@@ -63,18 +59,18 @@ class Availability:
 
     min_nodes: Int = option(0, "a round waits until this many nodes are connected (0: min_train_nodes)", ge=0)
     wait_seconds: Num = option(300.0, "for at most this long, logging the wait", ge=0.0, lt=math.inf)
-    on_timeout: Annotated[Text, one_of(("continue", "stop"))] = option(
+    on_timeout: Annotated[Text, OneOf(("continue", "stop"))] = option(
         "continue", "continue: go on with the nodes present; stop: end the run"
     )
     poll_seconds: Num = option(1.0, "how often the connected nodes are counted", gt=0.0, lt=math.inf)
-    query: Annotated[Text, one_of(("all", "sampled"))] = option(
+    query: Annotated[Text, OneOf(("all", "sampled"))] = option(
         "all", "node-info query: every node when it connects, or only the nodes a round samples"
     )
 
 
 @dataclass(frozen=True, config=DECLARED)
 class Wire:
-    dtype: Annotated[Text, one_of(WIRE_DTYPES)] = option("float32", "the arrays' dtype on the wire, both directions")
+    dtype: Annotated[Text, OneOf(WIRE_DTYPES)] = option("float32", "the arrays' dtype on the wire, both directions")
 
 
 @dataclass(frozen=True, config=DECLARED)
@@ -89,13 +85,13 @@ class Levels:
         "relative share of clients per level (null: equal shares)",
         allowed="null (equal shares) or one non-negative number per level with a positive sum",
     )
-    assignment: Annotated[Text, one_of(ASSIGNMENTS)] = option(
+    assignment: Annotated[Text, OneOf(ASSIGNMENTS)] = option(
         "fixed", "fixed: one level per client for the run; dynamic: drawn per round"
     )
     default: Num | None = option(
         None, "level for nodes that declare nothing (null: the assignment rule)", allowed="null or one of levels.ratios"
     )
-    match: Annotated[Text, one_of(LEVEL_MATCH)] = option(
+    match: Annotated[Text, OneOf(LEVEL_MATCH)] = option(
         "none", "heterofl/fedrolex: none (ratios are width rates) or the FedHM resource each width matches"
     )
 
@@ -108,7 +104,7 @@ class Levels:
     def _rules(self) -> Self:
         ratios = list(self.ratios)
         if not ratios or not all(0 < r <= 1 for r in ratios):
-            raise Refused("ratios", _RATIOS)
+            raise Refused("ratios")
         if not all(a > b for a, b in itertools.pairwise(ratios)):
             raise Refused("ratios", "distinct levels listed largest first, e.g. [1, 0.5, 0.25, 0.125]")
         props = self.shares
@@ -124,7 +120,7 @@ class Levels:
 
 @dataclass(frozen=True, config=DECLARED)
 class Partition:
-    scheme: Annotated[Text, one_of(PARTITION_SCHEMES)] = option(
+    scheme: Annotated[Text, OneOf(PARTITION_SCHEMES)] = option(
         "dirichlet", "how the training set is split among clients"
     )
     alpha: Num = option(0.5, "Dirichlet concentration (FedHM: 0.5 'IID', 0.1 non-IID)", gt=0.0, lt=math.inf)
@@ -145,8 +141,8 @@ class Train:
     local_epochs: Int = option(1, "epochs of local training per round", ge=1)
     batch_size: Int = option(32, "local training batch size", ge=1)
     lr: Num = option(0.05, "client learning rate", gt=0.0, lt=math.inf)
-    lr_schedule: Annotated[Text, one_of(LR_SCHEDULES)] = option("constant", "the learning rate over rounds")
-    lr_step_rounds: tuple[Annotated[float, Strict()], ...] = option(
+    lr_schedule: Annotated[Text, OneOf(LR_SCHEDULES)] = option("constant", "the learning rate over rounds")
+    lr_step_rounds: tuple[Num, ...] = option(
         (0.5, 0.75),
         "step schedule: fractions of the run where lr is multiplied by lr_gamma",
         allowed="a list of fractions of the run in (0, 1)",
@@ -166,7 +162,7 @@ class Train:
     @model_validator(mode="after")
     def _steps(self) -> Self:
         if not all(0 < s < 1 for s in self.lr_step_rounds):
-            raise Refused("lr_step_rounds", "a list of fractions of the run in (0, 1)")
+            raise Refused("lr_step_rounds")
         return self
 
 
@@ -174,14 +170,14 @@ class Train:
 class Evaluation:
     every: Int = option(1, "evaluate every N rounds (and always after the last)", ge=1)
     batch_size: Int = option(500, "evaluation batch size", ge=1)
-    bn_stats: Annotated[Text, one_of(BN_STATS)] = option(
+    bn_stats: Annotated[Text, OneOf(BN_STATS)] = option(
         "test_batch", "test_batch: test-batch statistics; federated: clients' sums (sBN)"
     )
     bn_clients: Int = option(10, "how many clients the bn-stats query asks (0: all connected)", ge=0)
     bn_examples: Int = option(128, "the most training examples each asked client sums statistics over (0: all)", ge=0)
     deploy_stats: Flag = option(True, "after the last round, ask the clients for every level's fixed norm statistics")
     levels: Flag = option(True, "also evaluate each level's deployable model")
-    where: Annotated[Text, one_of(EVALUATION_WHERE)] = option(
+    where: Annotated[Text, OneOf(EVALUATION_WHERE)] = option(
         "server", "server's test set, the sampled nodes' held-out examples, or both"
     )
     holdout: Num = option(0.1, "fraction of each node's examples held out for client-side evaluation", ge=0.0, lt=1.0)
@@ -206,7 +202,7 @@ class Simulation:
     @model_validator(mode="after")
     def _address(self) -> Self:
         if self.ray_address is not None and RAY_ADDRESS.fullmatch(self.ray_address) is None:
-            raise Refused("ray_address", _RAY)
+            raise Refused("ray_address")
         return self
 
 
@@ -220,10 +216,10 @@ class Checkpoint:
 class Attack:
     """Malicious clients (a seeded, fixed set for the whole run)."""
 
-    kind: Annotated[Text, one_of(ATTACKS)] = option("none", "the attack")
+    kind: Annotated[Text, OneOf(ATTACKS)] = option("none", "the attack")
     fraction: Num = option(0.0, "share of the nodes (partitions) that attack", ge=0.0, le=1.0)
     scale: Num = option(100.0, "scale: the update sent is scale x (trained - received)", gt=-math.inf, lt=math.inf)
-    malformed: Annotated[Text, one_of(("random", *attack_kinds.MALFORMED_KINDS))] = option(
+    malformed: Annotated[Text, OneOf(("random", *attack_kinds.MALFORMED_KINDS))] = option(
         "random", "malformed: the class of malformed reply sent (random: one drawn per reply)"
     )
 
@@ -242,7 +238,7 @@ class Failures:
 class Aggregation:
     """Defences on the recovered full-shape updates (the method's allowed modes: a rule across sections)."""
 
-    robust: Annotated[Text, one_of(ROBUST)] = option("none", "the robust aggregation")
+    robust: Annotated[Text, OneOf(ROBUST)] = option("none", "the robust aggregation")
     clip_norm: Num = option(
         0.0, "clip: fixed bound on each update's L2 norm (0: adaptive, clip_quantile)", ge=0.0, lt=math.inf
     )
@@ -256,17 +252,12 @@ class Aggregation:
         0.0, "drop replies whose update norm has a robust z-score above this (0: off)", ge=0.0, lt=math.inf
     )
     max_norm: Num = option(1.0e6, "a reply holding a tensor of L2 norm above this is rejected", gt=0.0, le=1e15)
-    max_examples: Annotated[int, Strict()] | None = option(
+    max_examples: Int | None = option(
         None,
         "the most training examples one reply's weight counts",
         allowed="null (the training set's size when known) or an integer >= 1",
+        ge=1,
     )
-
-    @model_validator(mode="after")
-    def _examples(self) -> Self:
-        if self.max_examples is not None and self.max_examples < 1:
-            raise Refused("max_examples", "null (the training set's size when known) or an integer >= 1")
-        return self
 
 
 @dataclass(frozen=True, config=DECLARED)
@@ -279,19 +270,12 @@ class DP:
         1.0, "sigma: noise std = sigma x C / (fraction_train x num_clients)", gt=0.0, lt=math.inf
     )
     delta: Num = option(1.0e-5, "epsilon is reported for this delta", gt=0.0, lt=1.0)
-    seed: Annotated[int, Strict()] | None = option(
+    seed: Int | None = option(
         None,
         "null: OS entropy; an int: reproducible, not private",
         allowed="null (OS entropy: the private setting) or an integer >= 0 (reproducible, not private)",
+        ge=0,
     )
-
-    @model_validator(mode="after")
-    def _seed(self) -> Self:
-        if self.seed is not None and self.seed < 0:
-            raise Refused(
-                "seed", "null (OS entropy: the private setting) or an integer >= 0 (reproducible, not private)"
-            )
-        return self
 
 
 @dataclass(frozen=True, config=DECLARED)
@@ -308,7 +292,7 @@ class Tracking:
     @model_validator(mode="after")
     def _uri(self) -> Self:
         if self.mlflow_uri == "":
-            raise Refused("mlflow_uri", "null (a file store in <run dir>/mlruns) or an MLflow tracking URI")
+            raise Refused("mlflow_uri")
         return self
 
 

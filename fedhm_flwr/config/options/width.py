@@ -76,7 +76,7 @@ class FjORDOptions(MethodOptions):
     @model_validator(mode="after")
     def _widths(self) -> Self:
         if self.p_values is not None and not (self.p_values and all(0 < p <= 1 for p in self.p_values)):
-            raise Refused("p_values", _P_VALUES)
+            raise Refused("p_values")
         return self
 
     def across(self, config: Mapping[str, Any]) -> None:
