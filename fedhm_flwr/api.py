@@ -82,7 +82,9 @@ def run(
 
 def resume(run_dir: str | Path, overrides: str | Sequence[str] | None = None, progress: bool = False) -> Summary:
     """Continue the run stored in ``run_dir`` (``rounds=N`` extends it); refused with a
-    ConfigError naming the folder when it holds no checkpoint. Raises as :func:`run` does."""
+    ConfigError naming the folder when it holds no checkpoint, or when it ran on devices (``fedhm
+    deploy-local``, ``flwr run`` on a federation: the error names the command that resumes it on its
+    devices; as ``fedhm resume``). Raises as :func:`run` does."""
     return _launch(split_overrides(overrides), None, Path(run_dir).expanduser().resolve(), progress)
 
 

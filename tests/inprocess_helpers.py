@@ -18,8 +18,20 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from fedhm_flwr.config import load_config
 from fedhm_flwr.ops.apps.local_grid import Handler, LocalGrid, client_handlers
 from fedhm_flwr.ops.apps.server_app import run
+
+#: a small job, the methods' short runs: 4 nodes, every node training in each of 2 rounds, iid
+#: partitions, a width-8 model
+SMALL_JOB = (
+    "num_clients=4",
+    "fraction_train=1.0",
+    "rounds=2",
+    "model.width=8",
+    "train.batch_size=32",
+    "partition.scheme=iid",
+)
 
 #: torch's thread count in a fresh process (read when the tests are collected, before any test ran a
 #: client handler in this process): what a ServerApp process computes with
@@ -40,3 +52,12 @@ def run_in_process(
         return run(grid, cfg, run_dir)
     finally:
         torch.set_num_threads(before)
+
+
+def small_run(run_dir: Path, *overrides: str) -> dict[str, Any]:
+    """The summary of :data:`SMALL_JOB` with ``overrides`` (the method, its levels, the data's sizes),
+    run here (:func:`run_in_process`); every round must have completed."""
+    cfg = load_config([*SMALL_JOB, *overrides])
+    summary = run_in_process(cfg, run_dir)
+    assert summary["rounds_completed"] == int(cfg.rounds), summary
+    return summary

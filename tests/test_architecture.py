@@ -136,6 +136,7 @@ TORCH_FREE_PATH = {
 SHARED_NAMES: dict[str, str] = {
     "fedavg": "the method (server/methods/) and its options (config/options/)",
     "fjord": "the method (server/methods/) and its math (math/)",
+    "fiarse": "the method (server/methods/), its math (math/) and its options (config/options/)",
     "prism": "the method (server/methods/) and its math (math/)",
     "width": "the width-slicing math (math/) and the options of the width family (config/options/)",
     "transformer": "the transformer models (models/) and their options (config/options/)",

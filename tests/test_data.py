@@ -214,7 +214,8 @@ def _assert_disjoint(parts: list[np.ndarray]) -> np.ndarray:
 
 @needs_fmnist
 @pytest.mark.parametrize("scheme", ["iid", "dirichlet"])
-def test_iid_dirichlet_cover_disjoint_and_seeded(scheme: str) -> None:
+def test_iid_dirichlet_cover_disjoint_and_seeded(scheme: str, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FEDHM_CACHE", str(tmp_path / "first"))
     y = train_labels()
     parts = D.partition(y, 10, scheme, seed=3, alpha=0.5)
     assert len(parts) == 10
@@ -223,7 +224,8 @@ def test_iid_dirichlet_cover_disjoint_and_seeded(scheme: str) -> None:
     assert all(len(p) >= 2 for p in parts)
     if scheme == "iid":
         assert {len(p) for p in parts} == {6000}
-    D.clear_caches()  # recompute, not just a cache hit
+    D.clear_caches()  # recompute, not just a cache hit (in memory or on disk)
+    monkeypatch.setenv("FEDHM_CACHE", str(tmp_path / "again"))
     again = D.partition(D.load_arrays("fashion_mnist", "train")[1], 10, scheme, seed=3)
     for a, b in zip(parts, again):
         np.testing.assert_array_equal(a, b)

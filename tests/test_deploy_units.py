@@ -273,3 +273,37 @@ def test_fedhm_resume_refuses_a_device_run_with_the_command_that_resumes_it_ther
         assert err.count("\n") == 1 and err.startswith("error: ") and err.rstrip().endswith(command), err
     monkeypatch.setenv("FLWR_HOME", str(tmp_path))  # no connection known: the placeholder, said so
     assert "<connection> --stream" in device_run.resume_refusal(flwr_run)
+
+
+def test_the_launchers_superlink_runs_under_the_guard_and_ends_when_its_helper_died(tmp_path, monkeypatch):
+    """start_superlink (the launcher's, deploy-local's) starts flower-superlink under `fedhm superlink`: a
+    SuperLink whose helper died ends (exit 1, said in its log) instead of staying up with no run possible."""
+    from fedhm_flwr.ops.job import superlink as job_superlink
+    from fedhm_flwr.ops.job.procs import new_tag
+
+    for name, code in (("flower-superlink", SUPERLINK), ("flower-superexec", SUPEREXEC)):
+        (tmp_path / name).write_text(f"#!{sys.executable}\n{code}")
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setattr(job_superlink, "bin_path", lambda name: str(tmp_path / name))
+    procs, log = Processes(new_tag()), tmp_path / "superlink.log"
+    try:
+        proc = job_superlink.start_superlink(procs, free_port(), tmp_path / "state.db", {}, log, wait=False)
+        assert proc.wait(timeout=30) == 1
+    finally:
+        procs.close()
+    text = log.read_text()
+    assert "SuperLink up" in text and "[fedhm superlink]" in text and "has ended" in text, text
+    assert "no run can start; stopping the SuperLink (exit 1)" in text, text
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_the_python_api_refuses_to_resume_a_device_run_as_fedhm_resume_does(tmp_path, progress):
+    from fedhm_flwr import api
+    from fedhm_flwr.config import ConfigError
+
+    deployed = tmp_path / "deploy-local"
+    device_run.note_command(deployed, ["fedhm", "deploy-local", "--nodes", "3", "--resume", str(deployed)])
+    with pytest.raises(ConfigError) as info:
+        api.resume(deployed, progress=progress)
+    assert info.value.field == "resume" and "ran on devices" in str(info.value)
+    assert str(info.value).endswith(f"Resume it on its devices with: fedhm deploy-local --nodes 3 --resume {deployed}")

@@ -245,23 +245,8 @@ def test_bad_fjord_options_and_hooks_are_refused_naming_them():
 
 @pytest.mark.slow
 def test_fjord_runs_in_process_and_learns(tmp_path):
-    from inprocess_helpers import run_in_process
+    from inprocess_helpers import small_run
 
-    cfg = load_config(
-        [
-            "method=fjord",
-            "num_clients=4",
-            "fraction_train=1.0",
-            "rounds=2",
-            "dataset.max_train_examples=1600",
-            "dataset.max_test_examples=400",
-            "model.width=8",
-            "train.batch_size=32",
-            "evaluation.batch_size=400",
-            "levels.ratios=[1,0.5,0.25]",
-            "partition.scheme=iid",
-        ]
-    )
-    summary = run_in_process(cfg, tmp_path)
-    assert summary["rounds_completed"] == 2
+    examples = ["dataset.max_train_examples=1600", "dataset.max_test_examples=400", "evaluation.batch_size=400"]
+    summary = small_run(tmp_path, "method=fjord", "levels.ratios=[1,0.5,0.25]", *examples)
     assert summary["final_acc/global"] > 0.3, summary  # 10 classes: chance is 0.1

@@ -87,6 +87,23 @@ def test_data_of_one_class_is_refused_two_are_accepted(tmp_path):
     check_partitions({**spec, "path": str(two)})
 
 
+def test_the_text_dataset_is_checked_before_start_as_image_data_is(monkeypatch):
+    from fedhm_flwr.data import sources, text
+
+    spec = make_data_spec("sentiment", 4, scheme="iid")
+    check_partitions(spec)  # the corpus's two classes, four partitions: accepted
+    labels = sources.split_labels("sentiment", "train")
+    assert sorted(np.unique(labels)) == [0, 1] and len(text.partition_indices(spec)) == 4
+    # partitions the nodes cannot make (computed as the nodes compute theirs) are refused
+    with pytest.raises(ConfigError, match=r"num_clients=20; .*computed as the nodes do"):
+        check_partitions(make_data_spec("sentiment", 20, scheme="dirichlet", max_train_examples=40))
+    # a training split of one class is refused, naming the dataset and the class it holds
+    monkeypatch.setattr(sources, "split_labels", lambda name, split: np.zeros_like(labels))
+    with pytest.raises(ConfigError, match=r"at least 2 classes .*it holds 1 \['negative'\]") as info:
+        check_partitions(spec)
+    assert info.value.field == "dataset.name"
+
+
 @pytest.mark.parametrize(
     "case, says",
     [
@@ -104,6 +121,17 @@ def test_fedhm_run_refuses_them_in_one_line_before_anything_starts(tmp_path, cas
     assert proc.stdout == "" and not run_dir.exists()  # nothing started, nothing written
     status = _fedhm("status", str(run_dir))
     assert status.returncode == 2 and "not a run directory" in status.stderr
+
+
+def test_fedhm_deploy_local_refuses_partitions_its_nodes_cannot_make_before_anything_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    case = ["--nodes", "20", "dataset.max_train_examples=40", "rounds=1"]
+    proc = _fedhm("deploy-local", *case, "--run-dir", str(run_dir))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr
+    assert proc.stderr.startswith("error: invalid config: num_clients=20; "), proc.stderr
+    assert "computed as the nodes do" in proc.stderr
+    assert "SuperLink" not in proc.stdout and not run_dir.exists()  # no credentials, no process, nothing written
 
 
 # --------------------------------------------------------------------------- judged after the end

@@ -39,10 +39,14 @@ from fedhm_flwr.math.bn_stats import bn_sums
 from fedhm_flwr.math.train import TrainOptions, evaluate, pick_device, train_local
 from fedhm_flwr.models import build_model
 from fedhm_flwr.models.adapters import load_federated, trainable_state
+from fedhm_flwr.reporting.startup import process_started_at
 
 ARRAYS, CONFIG, METRICS = protocol.ARRAYS, protocol.CONFIG, protocol.METRICS  # the one wire contract
 #: the error code of the replies a node sends when its data cannot serve the request
 NODE_DATA_ERROR = 2  # flwr ErrorCode.CLIENT_APP_RAISED_EXCEPTION, the code of any failing ClientApp
+#: when this process started and when it had imported the ClientApp (this module, torch and the project
+#: with it): a simulated node's start-up marks (:func:`node_info_reply`)
+PROCESS_STARTED_AT, IMPORTED_AT = process_started_at(), time.time()
 
 
 class NodeDataError(ValueError):
@@ -318,8 +322,18 @@ def bn_statistics(msg: Message, context: Context) -> RecordDict:
     return out
 
 
+def node_info_reply(msg: Message, context: Context) -> RecordDict:
+    """The node-info answer; a simulated node (under Ray, on the server's machine and clock) adds its
+    start-up marks as metrics (when its worker process started, imported the ClientApp, answered):
+    the run's summary tells where the seconds before round 1 went (``fedhm_flwr.reporting.startup``)."""
+    reply = RecordDict({CONFIG: node_info(context, query_data_spec(msg))})
+    if ray_node_id() is not None:
+        reply[METRICS] = protocol.worker_marks(PROCESS_STARTED_AT, IMPORTED_AT, time.time())
+    return reply
+
+
 QUERIES = {
-    protocol.NODE_INFO: lambda msg, context: RecordDict({CONFIG: node_info(context, query_data_spec(msg))}),
+    protocol.NODE_INFO: node_info_reply,
     protocol.BN_STATS: bn_statistics,
 }
 

@@ -62,6 +62,9 @@ NUM_EXAMPLES, CLASS_COUNTS, SECONDS = "num-examples", "class-counts", "seconds"
 TRAIN_LOSS, TRAIN_ACCURACY = "train-loss", "train-accuracy"
 EVAL_LOSS, EVAL_ACCURACY = "eval-loss", "eval-accuracy"
 RAY_NODE = "ray-node"  # simulation: the first 12 hex digits of the Ray node id the client ran on, as an int
+#: a simulated node's node-info reply (its metrics record; wall clock, the server's machine): when its
+#: worker process started, finished importing the ClientApp, and answered
+WORKER_STARTED_AT, WORKER_IMPORTED_AT, ANSWERED_AT = "worker-started-at", "worker-imported-at", "answered-at"
 
 
 @dataclass
@@ -162,3 +165,38 @@ def eval_metrics(num_examples: float, loss: float, accuracy: float) -> MetricRec
 def read_eval(metrics: Mapping[str, Any]) -> tuple[Any, Any, Any]:
     """(num-examples, eval-loss, eval-accuracy) of an evaluation reply, None where missing."""
     return metrics.get(NUM_EXAMPLES), metrics.get(EVAL_LOSS), metrics.get(EVAL_ACCURACY)
+
+
+def worker_marks(started: float | None, imported: float, answered: float) -> MetricRecord:
+    """A simulated node's start-up marks, for its node-info reply's metrics record."""
+    marks = {WORKER_IMPORTED_AT: float(imported), ANSWERED_AT: float(answered)}
+    return MetricRecord({**marks, **({WORKER_STARTED_AT: float(started)} if started is not None else {})})
+
+
+#: node-info reply metric -> the start-up mark its earliest value gives (reporting/startup.py)
+FIRST_MARKS = {
+    WORKER_STARTED_AT: "worker_started_at",
+    WORKER_IMPORTED_AT: "worker_imported_at",
+    ANSWERED_AT: "first_answered_at",
+}
+
+
+def first_marks(
+    replies: Sequence[Mapping[str, Any]], marks: Mapping[str, float], arrived: float = math.inf
+) -> dict[str, float]:
+    """``marks`` with each :data:`FIRST_MARKS` mark moved to the earliest value that the metrics of
+    node-info replies (their contents) give (untrusted input: a value that is not a finite float is
+    passed over), and ``first_arrived_at`` to ``arrived`` (when the server pulled the first of them) if
+    that is earlier."""
+    out = dict(marks)
+    if arrived < out.get("first_arrived_at", math.inf):
+        out["first_arrived_at"] = arrived
+    for content in replies:
+        record = content.get(METRICS)
+        if not isinstance(record, Mapping):
+            continue
+        for key, mark in FIRST_MARKS.items():
+            value = record.get(key)
+            if type(value) is float and math.isfinite(value) and value < out.get(mark, math.inf):
+                out[mark] = value
+    return out

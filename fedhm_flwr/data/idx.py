@@ -45,6 +45,15 @@ def read_idx(path: Path) -> np.ndarray:
     return arr.astype(dtype.newbyteorder("="), copy=True)
 
 
+def load_fashion_mnist_labels(split: str, data_dir: str | None) -> np.ndarray:
+    """The labels (int64) of a split, as :func:`load_fashion_mnist` gives them, without its images (the
+    launcher's partition check needs no image)."""
+    found = fashion_files(split, data_dir)
+    if found is None:
+        return load_fashion_mnist(split, data_dir)[1]  # (raises its FileNotFoundError)
+    return read_idx(found[1]).astype(np.int64)
+
+
 def load_fashion_mnist(split: str, data_dir: str | None) -> tuple[np.ndarray, np.ndarray]:
     img_stem, lbl_stem = FASHION_FILES[split]
     found = fashion_files(split, data_dir)

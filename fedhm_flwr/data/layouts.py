@@ -20,6 +20,7 @@ from typing import Any
 
 from fedhm_flwr.core.errors import DataSourceError
 from fedhm_flwr.core.protocol import DATA_DIR
+from fedhm_flwr.data.cache import disk_cache
 
 #: the file endings an image folder's images may have (torchvision's ``IMG_EXTENSIONS``)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -206,7 +207,7 @@ def check_images_decodable(layout: dict[str, Any], field: str = "dataset.path") 
     for path in files:
         st = path.stat()
         listing.update(f"{path}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
-    cache = Path(os.environ.get("FEDHM_CACHE") or Path.home() / ".cache" / "fedhm-flwr") / "checked-images"
+    cache = disk_cache("checked-images")
     marker = cache / listing.hexdigest()
     if marker.is_file():
         return

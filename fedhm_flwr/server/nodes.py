@@ -26,6 +26,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedhm_flwr.config.options import RunOptions
+from fedhm_flwr.core import protocol
 from fedhm_flwr.core.protocol import NodeInfo as NodeInfo  # re-exported for the strategy
 from fedhm_flwr.math import levels as lv
 from fedhm_flwr.server.ahead import AheadQueries
@@ -72,6 +73,7 @@ class NodeRegistry:
         self._waited_for: int | None = None  # the round the start-up waited for nodes for
         self.data_spec = json.dumps(opts.data_spec())  # each node reports its example count for it
         self.ahead = AheadQueries(self.data_spec)  # node-info queries asked ahead (start-up, prefetch)
+        self.marks: dict[str, float] = {}  # the first node-info answers' start-up marks (#53, reporting/startup.py)
         # the round's rules, read once (a config lookup costs more than a round's sampling at 10 nodes)
         self.ask_when_sampled = opts.availability.query == "sampled"
         self.fixed_levels = opts.levels.assignment == "fixed"
@@ -121,11 +123,15 @@ class NodeRegistry:
             by_id.update({mid: n for n, mid in ahead.items()})
             brief = self.opts.stragglers.min_seconds if set(new) <= self.silent else math.inf
             wait = min(self.opts.timeout, brief)
+            arrived: dict[str, float] = {}
+            pulled_at = time.time()  # (#53: the first answers' start-up marks)
             came = {
                 by_id[m.metadata.reply_to_message_id]: m
-                for m in collect(grid, pushed + list(ahead.values()), wait)
+                for m in collect(grid, pushed + list(ahead.values()), wait, arrivals=arrived)
                 if m.metadata.reply_to_message_id in by_id
             }
+            told = [m.content for m in came.values() if m.has_content()]
+            self.marks = protocol.first_marks(told, self.marks, pulled_at + min(arrived.values(), default=math.inf))
             moved += sum(content_bytes(m.content) for m in came.values() if m.has_content())
             answers.update(came)
         for node_id in new:

@@ -20,6 +20,7 @@ from fedhm_flwr.server.methods.fedavg import FedAvg
 from fedhm_flwr.server.methods.fedhm import FedHM
 from fedhm_flwr.server.methods.fedlora import FedLoRA
 from fedhm_flwr.server.methods.fedrolex import FedRolex
+from fedhm_flwr.server.methods.fiarse import FIARSE
 from fedhm_flwr.server.methods.fjord import FjORD
 from fedhm_flwr.server.methods.heterofl import HeteroFL
 from fedhm_flwr.server.methods.heterotune import HeteroTune
@@ -38,6 +39,7 @@ REGISTERED: tuple[type[Method] | type[FedAvg], ...] = (
     HeteroTune,
     PriSM,  # also OrthDrop and the ablations: method.sampling
     FjORD,
+    FIARSE,
 )
 
 #: ``method.name`` -> the method (the ``name`` each declares)

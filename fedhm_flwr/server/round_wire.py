@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from logging import WARNING
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.supercore import log
 
 from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.core import protocol as wire
@@ -23,7 +25,9 @@ from fedhm_flwr.server import replies as reply_checks
 from fedhm_flwr.server.methods.method import Cut, Method, Reply, State
 from fedhm_flwr.server.nodes import NodeRegistry
 from fedhm_flwr.server.payloads import ArrayCache, Payload, TaskConfigs, train_options
+from fedhm_flwr.server.report import RoundLog
 from fedhm_flwr.server.simulated_attacks import Attacks
+from fedhm_flwr.server.transport import content_bytes, settle_late
 from fedhm_flwr.server.untrusted import Untrusted
 
 
@@ -41,6 +45,13 @@ class RoundWire:
     attacks: Attacks
     untrusted: Untrusted
     node_label: Callable[[int], str]
+    round_log: RoundLog
+    _train_messages: list[Message]
+    _late_ids: list[str]
+
+    #: how long a round with late nodes waits for the SuperLink's verdict on them (:meth:`judge_late`): on
+    #: devices the ServerApp sets the heartbeat window plus a margin; 0 (one more pull) in a simulation
+    verdict_wait: float = 0.0
 
     def init_wire(self, opts: RunOptions) -> None:
         self.wire_dtype = opts.wire.dtype  # arrays both ways
@@ -50,6 +61,7 @@ class RoundWire:
         self._lr = opts.lr_schedule()  # the round's lr
         self._global_record: ArrayRecord | None = None  # the record last made of self.global_state
         self._examples_cap = reply_checks.examples_cap(opts)  # the most examples a reply's weight counts
+        self.held_late = (0, 0)  # late answers the verdict pulled (count, bytes): the next round's late arrivals
 
     def wire_arrays(self, state: State) -> dict[str, Any]:
         """A model the server sends (payload, evaluation), as Arrays in the wire dtype."""
@@ -142,3 +154,28 @@ class RoundWire:
 
     def is_attacker(self, node_id: int) -> bool:
         return self.attacks.is_attacker(self.registry.nodes.get(node_id), self.registry.key(node_id), node_id)
+
+    def judge_late(self, grid: Any, server_round: int) -> None:
+        """The SuperLink's verdict on the nodes this round recorded late (docs/DEPLOY.md, "Stopping a
+        device"): a SuperNode killed mid-round says no goodbye, and the SuperLink reports its node
+        unavailable only when its heartbeats lapse, 30-60 s after the kill, often after the round's
+        deadline. The late nodes' training messages are pulled again until each is answered or reported
+        unavailable, at most :attr:`verdict_wait` s (:func:`~fedhm_flwr.server.transport.settle_late`);
+        a node reported unavailable is a failure of this round (``node unavailable``) and leaves, no longer
+        late; an answer pulled meanwhile counts as a late arrival of the next round, as it would have."""
+        rl = self.round_log
+        late = {m.metadata.message_id: m.metadata.dst_node_id for m in self._train_messages if m.metadata.message_id}
+        late = {mid: n for mid, n in late.items() if n in rl.late}
+        if not late:
+            return
+        lost, answered = settle_late(grid, late, self.verdict_wait)
+        gone = {n for n, _ in lost}
+        for node_id, why in lost:
+            label = self.node_label(node_id)
+            log(WARNING, "round %d: node %s failed: %s (its SuperNode was lost)", server_round, label, why)
+            self.registry.forget(node_id, server_round, why)
+        rl.failures += lost
+        rl.late = [n for n in rl.late if n not in gone]
+        resolved = {m.metadata.reply_to_message_id for m in answered} | {m for m, n in late.items() if n in gone}
+        self._late_ids = [m for m in self._late_ids if m not in resolved]  # (pulled: gone from the SuperLink)
+        self.held_late = (len(answered), sum(content_bytes(m.content) for m in answered if m.has_content()))

@@ -159,10 +159,10 @@ class HeteroStrategy(RoundWire, Strategy):
         t0 = time.perf_counter()
         rl = self.round_log
         got = reply_checks.sort_replies(self._train_messages, replies, self._validate, self._late_ids)
-        rl.received_bytes += got.received_bytes
+        rl.received_bytes += got.received_bytes + self.held_late[1]
         rl.failures += got.failures
         rl.rejected += got.rejected
-        rl.late_arrivals = got.late
+        rl.late_arrivals, self.held_late = got.late + self.held_late[0], (0, 0)
         for node_id, why in got.failures:
             log(WARNING, "round %d: node %s failed: %s", server_round, self.node_label(node_id), why)
             if why == NODE_UNAVAILABLE:  # the SuperLink knows it is gone: it is asked again when back
@@ -231,7 +231,9 @@ class HeteroStrategy(RoundWire, Strategy):
         self.summary()
         result = Result()
         self.startup_info = {
+            "startup_started_at": time.time(),  # the set-up done: the node-info queries start (#53)
             **self.registry.startup(grid, self.start_round),  # before the first round's clock
+            "startup_marks": self.registry.marks,  # the first nodes' marks (#53)
             "rounds_started_at": time.time(),
         }  # wall clock: the bench's whole-job figure (8)
         arrays = initial_arrays
@@ -264,6 +266,8 @@ class HeteroStrategy(RoundWire, Strategy):
             )
             self.round_log.train_seconds = time.perf_counter() - t_push  # push to the last reply pulled
             new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+            if self.round_log.late:  # late, or gone? the SuperLink's verdict (judge_late)
+                self.judge_late(grid, server_round)
             self.round_log.arrivals = sorted(arrivals.values())
             if new_arrays is not None:
                 arrays = new_arrays

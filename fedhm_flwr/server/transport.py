@@ -10,13 +10,13 @@ import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.app.typing import ConfigRecordValues
-from flwr.common.constant import ErrorCode
+from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE, ErrorCode
 
 from fedhm_flwr.core.protocol import CONFIG, DATA_SPEC, NODE_INFO, QUERY, WIRE_DTYPE, NodeInfo
 
@@ -25,6 +25,9 @@ from fedhm_flwr.core.protocol import CONFIG, DATA_SPEC, NODE_INFO, QUERY, WIRE_D
 #: the reason recorded for a node the SuperLink answered for: it missed its heartbeats (Flower's
 #: ``NODE_UNAVAILABLE`` error reply, sent by the SuperLink itself, not by the node)
 NODE_UNAVAILABLE = "node unavailable"
+#: seconds after a node's last heartbeat by which the SuperLink reports it unavailable (a SuperNode's default
+#: interval, Flower's patience), plus a margin: how long a round on devices waits for its verdict on a late node
+HEARTBEAT_VERDICT = HEARTBEAT_PATIENCE * HEARTBEAT_DEFAULT_INTERVAL + 2.0
 
 
 def asked_ids(messages: Sequence[Message]) -> tuple[dict[str, int], set[int]]:
@@ -168,6 +171,46 @@ def collect(
         time.sleep(poll)
         poll = min(2 * poll, max_poll)
     return replies
+
+
+def late_verdicts(late: Mapping[str, int], replies: Iterable[Message]) -> tuple[list[tuple[int, str]], list[Message]]:
+    """What a new pull of a round's ``late`` training messages (message id -> the node asked) brought:
+    (the nodes the SuperLink now reports unavailable, each with :data:`NODE_UNAVAILABLE`: their SuperNode
+    was lost during the round; the other replies to them: answers that came after the deadline).
+    A reply to none of them is left out."""
+    lost, answered = [], []
+    for msg in replies:
+        node_id = late.get(msg.metadata.reply_to_message_id)
+        if node_id is None:
+            continue
+        if msg.has_error() and msg.error.code == ErrorCode.NODE_UNAVAILABLE:
+            lost.append((node_id, NODE_UNAVAILABLE))
+        else:
+            answered.append(msg)
+    return lost, answered
+
+
+def settle_late(
+    grid: Any, late: Mapping[str, int], wait: float, poll: float = 1.0
+) -> tuple[list[tuple[int, str]], list[Message]]:
+    """Pull a round's ``late`` training messages (message id -> node) once more and, while some are
+    neither answered nor reported unavailable, again every ``poll`` s for at most ``wait`` s:
+    :func:`late_verdicts` of all that came. A SuperNode killed mid-round says no goodbye; the SuperLink
+    reports its node unavailable only when its heartbeats lapse (``HEARTBEAT_PATIENCE`` ×
+    ``HEARTBEAT_DEFAULT_INTERVAL``, 30-60 s after the kill), often after the round's deadline."""
+    pending, lost, answered = dict(late), [], []
+    end = time.monotonic() + wait
+    while pending:
+        got = list(grid.pull_messages(list(pending)))
+        gone, came = late_verdicts(pending, got)
+        lost += gone
+        answered += came
+        for msg in got:
+            pending.pop(msg.metadata.reply_to_message_id, None)
+        if not pending or time.monotonic() >= end:
+            break
+        time.sleep(min(poll, max(0.0, end - time.monotonic())))
+    return lost, answered
 
 
 def exchange(

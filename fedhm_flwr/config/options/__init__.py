@@ -17,7 +17,8 @@ torch and the config check must not (the launcher checks a config before importi
 ``tests/test_shards.py`` and ``tests/test_user_models.py`` assert it), and config sits below the
 method layer. The families: :mod:`~fedhm_flwr.config.options.factorized` (FedHM, PriSM),
 :mod:`~fedhm_flwr.config.options.width` (HeteroFL, FedRolex, FjORD),
-:mod:`~fedhm_flwr.config.options.fedavg` (FedAvg), :mod:`~fedhm_flwr.config.options.transformer`
+:mod:`~fedhm_flwr.config.options.fedavg` (FedAvg), :mod:`~fedhm_flwr.config.options.fiarse` (FIARSE),
+:mod:`~fedhm_flwr.config.options.transformer`
 (FedLoRA, HeteroTune); :mod:`~fedhm_flwr.config.options.base` holds the base class, the
 table and the parser. A ``MethodOptions`` class is also a frozen dataclass: an instance is the
 method's typed ``method`` group (its fields the keys of ``conf/method/<name>.yaml``), part of the
@@ -31,7 +32,7 @@ from omegaconf import DictConfig
 
 # the modules of method options: importing one adds its methods to OPTIONS (MethodOptions.__init_subclass__),
 # in this order (the order of the method list); a new module of options is imported here
-from fedhm_flwr.config.options import factorized, fedavg, transformer, width  # noqa: F401
+from fedhm_flwr.config.options import factorized, fedavg, fiarse, transformer, width  # noqa: F401
 from fedhm_flwr.config.options.base import OPTIONS, MethodOptions, supported_pairs
 from fedhm_flwr.config.options.run import RunOptions, run_options
 

@@ -26,7 +26,7 @@ from fedhm_flwr.config import RunOptions, load_config, model_spec, resume_config
 from fedhm_flwr.math.train import pick_device
 from fedhm_flwr.models import build_model
 from fedhm_flwr.ops.apps.superlink_watch import runtime_address, stop_with_superlink, watch_superlink
-from fedhm_flwr.ops.deploy.device_run import note_superlink
+from fedhm_flwr.ops.deploy.device_run import note_superlink, on_devices
 from fedhm_flwr.ops.job.health import judge
 from fedhm_flwr.ops.job.procs import TAG_VAR
 from fedhm_flwr.ops.job.runlock import RunLock
@@ -41,12 +41,16 @@ from fedhm_flwr.reporting.results import (
     summarize,
     write_status,
 )
+from fedhm_flwr.reporting.startup import launcher_marks, parts_line, process_started_at, startup_parts
 from fedhm_flwr.reporting.tracking import open_tracker
 from fedhm_flwr.server.evaluation import make_evaluator
 from fedhm_flwr.server.outputs import RunOutputs
 from fedhm_flwr.server.registry import STRATEGIES
+from fedhm_flwr.server.transport import HEARTBEAT_VERDICT
 
 app = ServerApp()
+#: when this process started (under ``flwr run``: the simulation process, which imports this module)
+PROCESS_STARTED_AT = process_started_at()
 
 
 def default_output_dir(method: str) -> Path:
@@ -69,6 +73,7 @@ def run(
     resume: Path | None = None,
     opts: RunOptions | None = None,
     code: dict[str, Any] | None = None,
+    main_at: float | None = None,
 ) -> dict[str, Any]:
     """One whole run of the validated config ``cfg`` (saved as the run's ``config.yaml``; ``opts``: its
     parsed options, parsed here when not given) on a grid; returns the summary (also written to ``out_dir``);
@@ -89,7 +94,7 @@ def run(
         code = code or code_version()  # the code this run starts with (git may be absent: "unknown")
         write_status(out_dir, "running", rounds=opts.rounds, resumed=str(resume) if resume else None, **code)
         try:
-            summary = _run(grid, cfg, opts, out_dir, resume, code)
+            summary = _run(grid, cfg, opts, out_dir, resume, code, main_at)
         except BaseException as exc:
             reason = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
             write_status(
@@ -121,6 +126,7 @@ def _run(
     out_dir: Path,
     resume: Path | None,
     code: dict[str, Any] | None = None,
+    main_at: float | None = None,
 ) -> dict[str, Any]:
     t0, started_at = time.perf_counter(), time.time()
     if resume is None:
@@ -131,6 +137,8 @@ def _run(
     # a deployment's server may hold no test set: with evaluation.where=clients none is loaded
     evaluator = None if opts.evaluation.where == "clients" else make_evaluator(opts, pick_device())
     strategy = STRATEGIES[opts.method.name](opts, spec, evaluator, RunOutputs(opts, recorder))
+    if on_devices(sys.argv, runtime_address(sys.argv)):  # a late device may have died: wait for the verdict
+        strategy.verdict_wait = HEARTBEAT_VERDICT
     for line in size_warnings(opts, spec):  # FedHM levels that do not shrink the model, before round 1
         log(WARNING, "warning: %s", line)
     state = strategy.method.initial_state(opts.seed)
@@ -152,6 +160,7 @@ def _run(
     )
     strategy.start(grid, ArrayRecord.from_torch_state_dict(state), num_rounds=opts.rounds, timeout=opts.timeout)
     costs = {f"{level:g}": strategy.method.level_cost(i) for i, level in enumerate(strategy.levels)}
+    startup = startup_record(out_dir, strategy.startup_info, main_at or started_at)
     summary = summarize(
         recorder.rows,
         {
@@ -171,12 +180,14 @@ def _run(
             "started_at": started_at,
             "finished_at": time.time(),  # wall clock (bench figure 8: the job's parts)
             "checkpoint_seconds": recorder.checkpoint_seconds,  # this session's checkpoint writing (bench figure 7)
-            **strategy.startup_info,  # start-up: nodes learnt before round 1 (seconds, asked, bytes)
+            **startup,  # start-up: nodes learnt before round 1 (seconds, asked, bytes), its marks and parts
             "output_dir": str(recorder.out_dir),
             **strategy.untrusted.summary(),  # attack, defence and DP (epsilon) totals, when configured
         },
     )
     recorder.write_summary(summary)
+    if summary["startup_parts"]:
+        log(INFO, "fedhm-flwr: start-up: %s", parts_line(summary["startup_parts"]))
     recorder.plot(title=f"{opts.method.name} · {opts.model.arch} · {opts.dataset.name}")
     log(
         INFO,
@@ -186,6 +197,24 @@ def _run(
         recorder.out_dir,
     )
     return summary
+
+
+def startup_record(out_dir: Path, info: dict[str, Any], main_at: float) -> dict[str, Any]:
+    """The summary's start-up entries: the strategy's (seconds, nodes asked, bytes), ``startup_marks``
+    (this process's start under a launcher, the ServerApp's start, its set-up's end, the first nodes'
+    marks, round 1's start) and ``startup_parts`` (:func:`fedhm_flwr.reporting.startup.startup_parts`,
+    with the launcher's marks when a launcher started the run)."""
+    info = dict(info)
+    launcher = launcher_marks(out_dir)
+    marks = {
+        **({"simulation_started_at": PROCESS_STARTED_AT} if launcher and PROCESS_STARTED_AT else {}),
+        "serverapp_main_at": main_at,
+        "startup_started_at": info.pop("startup_started_at", None),
+        **info.pop("startup_marks", {}),
+        "rounds_started_at": info.get("rounds_started_at"),
+    }
+    marks = {k: v for k, v in marks.items() if v is not None}
+    return {**info, "startup_marks": marks, "startup_parts": startup_parts({**launcher, **marks})}
 
 
 def deployable_label(opts: RunOptions, last: dict[str, Any]) -> dict[str, Any]:
@@ -207,6 +236,7 @@ def deployable_label(opts: RunOptions, last: dict[str, Any]) -> dict[str, Any]:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Entry point of ``flwr run``."""
+    main_at = time.time()  # the start-up's mark: the ServerApp starts (reporting/startup.py)
     run_config = context.run_config
     overrides = str(run_config.get("overrides", "") or "")
     resume = str(run_config.get("resume", "") or "") or None
@@ -219,4 +249,6 @@ def main(grid: Grid, context: Context) -> None:
     OmegaConf.update(cfg, "output_dir", str(out_dir))  # the saved config names where the run is
     opts = dataclasses.replace(opts, output_dir=str(out_dir))
     resumed = Path(resume).expanduser().resolve() if resume else None
-    run(grid, cfg, out_dir, resumed, opts, recorded_version(dict(run_config)))  # the version staged with the app
+    run(
+        grid, cfg, out_dir, resumed, opts, recorded_version(dict(run_config)), main_at
+    )  # the version staged with the app

@@ -5,6 +5,9 @@
 does what an operator does for a federation of real devices, with every machine replaced by a
 process on the loopback interface (:class:`fedhm_flwr.ops.deploy.loopback.LocalDeployment`):
 
+0. **checks**, before anything starts: the config, the server's test set and, without ``--data-dir``
+   (the nodes cut their partitions from this machine's copy), data of at least 2 classes and a partition
+   for every node, computed as the nodes compute it (as ``fedhm run``); one ``error:`` line, exit 2;
 1. **credentials** (``<work>/ca``, ``<work>/superlink``, ``<work>/supernodes/node-<i>``,
    :mod:`fedhm_flwr.ops.deploy.credentials`): a certificate authority, a TLS certificate for the
    SuperLink signed by it (valid for ``localhost``, ``127.0.0.1``, ``::1`` and every ``--san``), and
@@ -14,7 +17,7 @@ process on the loopback interface (:class:`fedhm_flwr.ops.deploy.loopback.LocalD
    ``openssl`` alone cannot write; docs/DEPLOY.md gives the equivalent ``openssl`` /
    ``ssh-keygen`` commands for real machines;
 2. **SuperLink**: ``flower-superlink`` (started as the launcher starts its own:
-   :func:`fedhm_flwr.ops.job.superlink.start_superlink`) with ``--ssl-*`` (TLS) and
+   :func:`fedhm_flwr.ops.job.superlink.start_superlink`, under ``fedhm superlink``'s guard) with ``--ssl-*`` (TLS) and
    ``--enable-supernode-auth`` (only SuperNodes whose public key was registered may connect), on one free loopback port
    that serves the Fleet, Control and Runtime APIs; runtime dependency installation disabled;
 3. **registration**: ``flwr supernode register node-<i>/node.pub <connection>`` per SuperNode;
@@ -54,7 +57,7 @@ from fedhm_flwr.config import ConfigError, load_config, resume_config, run_optio
 from fedhm_flwr.ops.deploy.credentials import DEFAULT_SANS, create_credentials
 from fedhm_flwr.ops.deploy.device_run import note_command
 from fedhm_flwr.ops.deploy.loopback import LocalDeployment, node_config, parse_capability, say
-from fedhm_flwr.ops.job.launch import check_data, default_run_dir
+from fedhm_flwr.ops.job.launch import check_data, check_training_data, default_run_dir
 from fedhm_flwr.ops.job.outcome import (
     Commands,
     fedhm_program,
@@ -93,6 +96,8 @@ def deploy(
         require_checkpoint(resume.resolve())  # a resume without a checkpoint is refused at once, naming the folder
     cfg = resume_config(resume, overrides) if resume is not None else load_config(overrides)
     check_data(cfg, simulation=False)  # each node checks its own shard when it first answers
+    if data_dir is None:  # the nodes cut their partitions from this machine's copy, as `fedhm run`'s nodes do
+        check_training_data(cfg)  # at least 2 classes, a partition for every node (computed as they do)
     opts = run_options(cfg)
     levels = list(opts.levels.ratios)
     specs = list(capabilities) if capabilities else [f"level={levels[i % len(levels)]:g}" for i in range(num_nodes)]

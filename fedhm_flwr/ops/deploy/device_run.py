@@ -38,9 +38,15 @@ def _update(run_dir: Path, **entries: Any) -> None:
     tmp.replace(path)
 
 
+def on_devices(argv: Sequence[str], address: tuple[str, int] | None) -> bool:
+    """Whether this ServerApp process (its command line, its SuperLink's address) runs on a SuperLink's
+    devices (``flwr-serverapp``), not in Flower's simulation."""
+    return address is not None and bool(argv) and Path(argv[0]).name == SERVERAPP
+
+
 def note_superlink(run_dir: Path, argv: Sequence[str], address: tuple[str, int] | None) -> None:
     """The ServerApp's record: the SuperLink whose devices run it (nothing in a simulation)."""
-    if address is not None and argv and Path(argv[0]).name == SERVERAPP:
+    if address is not None and on_devices(argv, address):  # (address: for mypy)
         _update(run_dir, superlink=f"{address[0]}:{address[1]}")
 
 

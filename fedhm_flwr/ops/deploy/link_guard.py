@@ -9,7 +9,9 @@ and line through, and watches the helper (the process started with ``--parent-pi
 it has ended, or has not appeared :data:`HELPER_WAIT` s after the start, it says so in one line (with the
 helper's last error and what to do), stops the SuperLink (SIGTERM, SIGKILL after :data:`STOP_GRACE` s)
 and exits 1, so that the service manager sees the failure. A SuperLink that exits by itself: its status,
-with its last error. SIGTERM / SIGINT / SIGHUP go on to the SuperLink (its clean stop); exit 0.
+with its last error. SIGTERM / SIGINT / SIGHUP go on to the SuperLink (its clean stop) unless it has stopped
+:data:`FORWARD_AFTER` s later (the signal reached it too: its process group); exit 0. ``fedhm run``'s
+launcher and ``fedhm deploy-local`` start their SuperLink under this guard too.
 
 The SuperLink gets this Python environment's ``bin`` first on ``PATH`` (Flower starts ``flower-superexec``
 and ``flwr-serverapp`` by name). Standard library only, as ``fedhm supernode``.
@@ -32,6 +34,7 @@ from fedhm_flwr.ops.deploy.supernode import alive, children, exit_status, progra
 HELPER = "flower-superexec"
 HELPER_WAIT = 30.0  # a SuperLink that has not started its helper this long after its own start
 STOP_GRACE = 15.0
+FORWARD_AFTER = 1.5  # a stop signal goes on to a SuperLink still running this much later
 CERT_HINT = (
     ": the SuperLink's certificate must also name the address its helper connects to (localhost, 127.0.0.1: "
     "subjectAltName, docs/DEPLOY.md)"
@@ -70,10 +73,18 @@ def guard(command: list[str], helper_wait: float = HELPER_WAIT) -> int:
             except OSError:
                 pass
 
+    def forward() -> None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
     def on_signal(signum: int, _frame: object) -> None:
+        if stopping.is_set():
+            return
         stopping.set()
         _say(f"{signal.Signals(signum).name} received: stopping the SuperLink")
-        proc.send_signal(signal.SIGTERM)
+        # a signal to the process group (the launcher's stop, Ctrl-C) reached the SuperLink too: a second one
+        # would cut its clean stop short (Flower restores the default handlers at the first)
+        threading.Timer(FORWARD_AFTER, forward).start()
 
     reader = threading.Thread(target=pass_through, daemon=True)
     reader.start()

@@ -69,6 +69,7 @@ from fedhm_flwr.ops.job.outcome import (
     report_finished,
     report_stop,
     require_checkpoint,
+    require_local_run,
     resume_hint,
     run_command,
 )
@@ -87,6 +88,7 @@ from fedhm_flwr.ops.job.superlink import (
 from fedhm_flwr.ops.sweeps.shared_ray import SHARED_RAY_VAR
 from fedhm_flwr.ops.sweeps.shared_superlink import HandedDown, end_run, handed_down
 from fedhm_flwr.reporting.results import refuse_existing_run
+from fedhm_flwr.reporting.startup import TIMINGS_FILE, process_started_at, startup_parts
 
 #: names other modules and tests import from here (the launcher's public face)
 __all__ = [
@@ -109,11 +111,14 @@ __all__ = [
     "superlink_env",
 ]
 
-#: ``<run dir>/timings.json``: when each part of a launched job's start-up and end happened (wall clock,
-#: ``time.time()``; the ServerApp's own marks are in the summary): bench figure 8 breaks the job's wall time down
-TIMINGS_FILE = "timings.json"
+# ``<run dir>/timings.json`` (TIMINGS_FILE): when each part of a launched job's start-up and end happened (wall
+# clock, ``time.time()``; the ServerApp's own marks are in the summary's ``startup_marks``), and the start-up's
+# parts (``startup_parts``); bench figures 8 and 10 break the job down
 
 LAUNCH = (sys.executable, "-m", "fedhm_flwr.ops.job.launch")
+#: the process's start, a mark of the first job this process launches only (``fedhm run``: Python's start
+#: and the imports are its start-up's first part; the later jobs of a sweep start from their own launch)
+_PROCESS_MARK = {"launcher_process_started_at": process_started_at()}
 LAUNCH_COMMANDS = Commands((*LAUNCH, "--resume"), LAUNCH, APP_DIR)
 
 
@@ -156,8 +161,12 @@ def run_job(
     is called once the config and the data are accepted, before anything starts."""
     commands = commands or LAUNCH_COMMANDS
     marks = {"launcher_started_at": time.time()}  # (timings.json; measurement only)
+    first = {k: v for k, v in _PROCESS_MARK.items() if v is not None}
+    _PROCESS_MARK.clear()
+    marks = {**first, **marks}
     if resume is not None:
         resume = resume.resolve()
+        require_local_run(resume)  # a run on devices resumes there, not here
         require_checkpoint(resume)  # before anything else: a resume without a checkpoint is refused at once
     # refuse missing data and bad values before anything starts (the data check first: it needs no torch)
     if resume is None:
@@ -190,7 +199,8 @@ def run_job(
                         procs, opts, overrides, run_dir, resume, quiet, commands, on_error, marks, ray_address, shared
                     )
                 marks["cleaned_up_at"] = time.time()  # every process the job started has ended
-                (run_dir / TIMINGS_FILE).write_text(json.dumps(marks, indent=1) + "\n")
+                parts = startup_parts({**marks, **summary.get("startup_marks", {})})
+                (run_dir / TIMINGS_FILE).write_text(json.dumps({**marks, "startup_parts": parts}, indent=1) + "\n")
                 return summary
         except Interrupted as stop:
             raise interrupted(stop, run_dir, commands, overrides if resume is None else []) from None
@@ -227,6 +237,7 @@ def _run(
     marks["superlink_ready_at"] = time.time()
     app = stage_app(flwr_home / "app")
     marks["app_staged_at"] = time.time()
+    (run_dir / TIMINGS_FILE).write_text(json.dumps(marks, indent=1) + "\n")  # the ServerApp reads them
     job = FlowerJob(
         procs,
         env,

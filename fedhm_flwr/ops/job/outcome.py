@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fedhm_flwr.config import ConfigError
+from fedhm_flwr.ops.deploy.device_run import resume_refusal
 from fedhm_flwr.ops.deploy.supernode import (  # a process's exit in words; the wrapper imports nothing
     exit_status as exit_status,
 )
@@ -171,6 +172,14 @@ def interrupted(stop: Interrupted, run_dir: Path, commands: Commands, overrides:
     """The :class:`RunInterrupted` of a run whose processes are all stopped."""
     hint, command, saved = resume_hint(run_dir, commands, overrides)
     return RunInterrupted(stop.signum, run_dir, hint, command, saved)
+
+
+def require_local_run(run_dir: Path) -> None:
+    """A run that ran on devices is resumed on its devices, never finished here as a local simulation on
+    this machine's data: refused (ConfigError naming the folder and the command that resumes it on its
+    devices, :func:`fedhm_flwr.ops.deploy.device_run.resume_refusal`) before anything starts."""
+    if refusal := resume_refusal(run_dir):
+        raise ConfigError("resume", str(run_dir), f"a run of a simulation on this machine: {refusal}")
 
 
 def require_checkpoint(run_dir: Path) -> None:

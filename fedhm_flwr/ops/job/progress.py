@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from fedhm_flwr.config import load_config, resume_config, run_options
 from fedhm_flwr.ops.job.launch import default_run_dir, run_job
-from fedhm_flwr.ops.job.outcome import checkpoint_round, require_checkpoint
+from fedhm_flwr.ops.job.outcome import checkpoint_round, require_checkpoint, require_local_run
 from fedhm_flwr.reporting.results import METRICS_JSONL
 
 #: what the ETA names, unmeasured, while the last round is to come: the deployment statistics query
@@ -191,6 +191,7 @@ def run_with_progress(
     """One job through the launcher (``run_job(..., quiet=True)``) with a progress line; its summary.
     ``commands``: the terms of the resume command its RunInterrupted / RunFailed carry."""
     if resume is not None:
+        require_local_run(resume.resolve())  # a run on devices resumes there, not here
         require_checkpoint(resume.resolve())  # refused before anything else
     opts = run_options(resume_config(resume, overrides) if resume is not None else load_config(overrides))
     if resume is not None:

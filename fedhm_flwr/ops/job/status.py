@@ -20,12 +20,14 @@ The last complete checkpoint's round is named when the run did not complete.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
 
 from fedhm_flwr.ops.job.runlock import RunLock
 from fedhm_flwr.reporting.results import SUMMARY_FILE, load_checkpoint_state, read_status
+from fedhm_flwr.reporting.startup import parts_line
 
 COMPLETED, FAILED, NOT_A_RUN, RUNNING = 0, 1, 2, 3
 
@@ -40,7 +42,7 @@ def run_status(run_dir: Path) -> tuple[int, str]:
     state = status.get("status")
     rounds = status.get("rounds")
     if state == "completed":
-        return COMPLETED, f"{run_dir}: completed ({status.get('round')}/{rounds} rounds)"
+        return COMPLETED, f"{run_dir}: completed ({status.get('round')}/{rounds} rounds){_startup(run_dir)}"
     saved = _checkpoint_round(run_dir)
     where = f"; last checkpoint: round {saved}" if saved is not None else "; no checkpoint"
     if state == "running":
@@ -51,6 +53,15 @@ def run_status(run_dir: Path) -> tuple[int, str]:
             f"stopped) after {_rounds(run_dir)}/{rounds} rounds{where}"
         )
     return FAILED, f"{run_dir}: failed after {status.get('round')}/{rounds} rounds{where}: {status.get('error')}"
+
+
+def _startup(run_dir: Path) -> str:
+    """``; <the start-up before round 1, by part>`` from the run's summary (empty when it has none)."""
+    try:
+        parts = json.loads((run_dir / SUMMARY_FILE).read_text()).get("startup_parts")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f"; {parts_line(parts)}" if isinstance(parts, dict) and parts else ""
 
 
 def _checkpoint_round(run_dir: Path) -> int | None:

@@ -124,6 +124,10 @@ class Tls:
     key: Path
 
 
+#: how long a SuperLink the launcher or deploy-local starts may take to start its helper (a loaded machine)
+GUARD_HELPER_WAIT = 90.0
+
+
 def start_superlink(
     procs: Processes,
     port: int,
@@ -141,8 +145,12 @@ def start_superlink(
     """``flower-superlink`` on ``127.0.0.1:port`` (all its APIs), runtime dependency installation
     disabled, started through ``procs`` (tagged, own session); returns once its ``/health`` answers
     (:func:`await_health`), or at once without ``wait``. ``simulation``: Flower's simulation engine in a
-    subprocess; ``supernode_auth``: only registered SuperNode keys may connect."""
-    cmd = [bin_path("flower-superlink")]
+    subprocess; ``supernode_auth``: only registered SuperNode keys may connect. It runs under ``fedhm
+    superlink`` (:mod:`fedhm_flwr.ops.deploy.link_guard`): a SuperLink whose ``flower-superexec`` died
+    (or never started) cannot start a run, and would stay up silently; the guard then says why in its
+    log, stops it and exits 1, so that the process watching it (the launcher, ``deploy-local``) sees it end."""
+    guard = [sys.executable, "-m", "fedhm_flwr.ops.deploy.link_guard", "--helper-wait", f"{GUARD_HELPER_WAIT:g}"]
+    cmd = [*guard, "--flower-superlink", bin_path("flower-superlink"), "--"]
     if tls is None:
         cmd.append("--insecure")
     else:
@@ -160,6 +168,8 @@ def start_superlink(
         str(database),
         "--disable-runtime-dependency-installation",
     ]
+    # `python -m fedhm_flwr...` of this checkout, also where another one is installed
+    env = {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(APP_DIR), env.get("PYTHONPATH", "")) if p)}
     proc = procs.start("superlink", cmd, env, log_file, cwd=cwd)
     if wait:
         await_health(port, log_file, tls=tls, proc=proc, timeout=timeout)
