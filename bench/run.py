@@ -26,7 +26,10 @@ Figures (each in one process, compared things on the same machine state, medians
    shared Ray instance and with one per job;
 9. the final statistics query's sample (``evaluation.bn_clients`` × ``evaluation.bn_examples``): the
    seconds it adds to the last round against each level's deployable accuracy, for the default, the
-   previous default and every node's every example, on the same fixed-seed job.
+   previous default and every node's every example, on the same fixed-seed job;
+10. each job's time outside its rounds, part by part, against an independent start-up floor (server
+   imports, ``ray.init``, two actors importing torch and decoding the data) measured in the same run, for
+   the default job and the jobs of a 2-round sweep.
 
 Writes ``bench/reports/bench.json`` and ``bench/reports/bench.md``. ``--quick`` shrinks every
 figure (for a smoke test); ``--only 1,3`` runs some figures; ``--scale-clients 10000`` adds the
@@ -34,8 +37,8 @@ figure (for a smoke test); ``--only 1,3`` runs some figures; ``--scale-clients 1
 
 The figures live by subject: :mod:`bench.server` (1, 2), :mod:`bench.training` (3, 4),
 :mod:`bench.scale` (5), :mod:`bench.jobs` (6, 7), :mod:`bench.whole_job` (8),
-:mod:`bench.deploy_sample` (9); their floors in :mod:`bench.floors`,
-:mod:`bench.engine_floor` (5) and :mod:`bench.whole_job_floor` (8).
+:mod:`bench.deploy_sample` (9), :mod:`bench.startup` (10); their floors in :mod:`bench.floors`,
+:mod:`bench.engine_floor` (5), :mod:`bench.whole_job_floor` (8) and :mod:`bench.startup_floor` (10).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from bench.jobs import checkpoint_markdown, figure_checkpoint, figure_wire, wire
 from bench.scale import figure_scale
 from bench.scale_report import scale_markdown
 from bench.server import bytes_markdown, figure_bytes, figure_server_time, server_time_markdown
+from bench.startup import figure_startup, startup_markdown
 from bench.training import figure_throughput, figure_train_step, throughput_markdown, train_step_markdown
 from bench.whole_job import figure_whole_job, whole_job_markdown
 
@@ -73,6 +77,7 @@ FIGURES: dict[str, tuple[str, Callable[..., dict[str, Any]], Callable[[dict[str,
     "7": ("7_checkpoint", figure_checkpoint, checkpoint_markdown),
     "8": ("8_whole_job", figure_whole_job, whole_job_markdown),
     "9": ("9_deploy_sample", figure_deploy_sample, deploy_sample_markdown),
+    "10": ("10_startup", figure_startup, startup_markdown),
 }
 
 

@@ -119,3 +119,21 @@ def test_an_in_process_run_records_its_start_up_by_part_and_status_says_it(toy_c
     assert math.isclose(sum(parts.values()), marks["rounds_started_at"] - marks["serverapp_main_at"], abs_tol=1e-6)
     code, line = run_status(run_dir)
     assert code == 0 and line.startswith(f"{run_dir}: completed (1/1 rounds); ") and "s before round 1: " in line
+
+
+def test_a_simulated_worker_tells_its_marks_in_its_first_node_info_answer_only(monkeypatch):
+    from types import SimpleNamespace
+
+    from fedhm_flwr.client import handlers
+
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    # (a Message needs a run to be made in: the handler reads only its content)
+    query = SimpleNamespace(content=RecordDict({protocol.CONFIG: ConfigRecord({protocol.QUERY: protocol.NODE_INFO})}))
+    monkeypatch.setattr(handlers, "_MARKS_TOLD", [])
+    assert protocol.METRICS not in handlers.node_info_reply(query, context)  # not under Ray: a deployment's node
+    monkeypatch.setattr(handlers, "ray_node_id", lambda: "a-ray-node")
+    first, second = (handlers.node_info_reply(query, context) for _ in range(2))
+    marks = protocol.first_marks([first], {})
+    assert set(marks) == {"worker_started_at", "worker_imported_at", "first_answered_at"}
+    assert marks["worker_started_at"] <= marks["worker_imported_at"] <= marks["first_answered_at"] <= time.time()
+    assert protocol.METRICS not in second

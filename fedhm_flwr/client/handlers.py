@@ -322,13 +322,19 @@ def bn_statistics(msg: Message, context: Context) -> RecordDict:
     return out
 
 
+#: whether this process told its start-up marks already (the first answer of a worker process does)
+_MARKS_TOLD: list[bool] = []
+
+
 def node_info_reply(msg: Message, context: Context) -> RecordDict:
     """The node-info answer; a simulated node (under Ray, on the server's machine and clock) adds its
-    start-up marks as metrics (when its worker process started, imported the ClientApp, answered):
-    the run's summary tells where the seconds before round 1 went (``fedhm_flwr.reporting.startup``)."""
+    start-up marks as metrics (when its worker process started, imported the ClientApp, answered), the
+    first answer of each worker process only: the run's summary tells where the seconds before round 1
+    went (``fedhm_flwr.reporting.startup``)."""
     reply = RecordDict({CONFIG: node_info(context, query_data_spec(msg))})
-    if ray_node_id() is not None:
+    if not _MARKS_TOLD and ray_node_id() is not None:
         reply[METRICS] = protocol.worker_marks(PROCESS_STARTED_AT, IMPORTED_AT, time.time())
+        _MARKS_TOLD.append(True)
     return reply
 
 
