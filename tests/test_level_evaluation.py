@@ -1,5 +1,6 @@
 """A round's level evaluation (fedhm_flwr/server/evaluation.py ``evaluate_levels``) against an independent
-recomputation, its max pooling against ``max_pool2d``, and its caches against a changed global state (#53)."""
+recomputation, its max pooling against ``max_pool2d``, its test-set batches against a DataLoader's, and its
+caches against a changed global state (#53)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from fedhm_flwr.config import run_options
 from fedhm_flwr.config.specs import model_spec
+from fedhm_flwr.data.tensors import ImageTensorDataset
 from fedhm_flwr.math.train import evaluate
 from fedhm_flwr.models import build_model, deployable_network
 from fedhm_flwr.models.batched import max_pool_tiles, merge_networks
+from fedhm_flwr.server import evaluation as ev
 from fedhm_flwr.server.evaluation import RoundView, evaluate_levels, make_evaluator
 from fedhm_flwr.server.registry import METHODS
 
@@ -111,3 +115,13 @@ def test_a_changed_global_state_is_never_served_an_earlier_factorization(toy_cfg
     assert evaluate_levels(view, second) == evaluate_levels(_view(cfg), second)
     again = {k: v.clone() for k, v in first.items()}  # the first state's values in new tensors
     assert evaluate_levels(view, again) == figures_first
+
+
+def test_the_test_set_is_cut_into_a_dataloaders_batches():
+    images, labels = torch.randn(23, 1, 4, 4), torch.arange(23) % 3
+    for test in (ImageTensorDataset(images, labels, 3), TensorDataset(images, labels)):
+        scorer = ev.TestSetScorer(test, 5, torch.device("cpu"))
+        loader = list(DataLoader(test, batch_size=5, shuffle=False))
+        assert len(scorer.batches) == len(loader) == 5
+        for (x, y), (lx, ly) in zip(scorer.batches, loader, strict=True):
+            assert torch.equal(x, lx) and torch.equal(y, ly) and x.dtype == lx.dtype and x.is_contiguous()
