@@ -14,6 +14,8 @@ from fedhm_flwr.core.errors import ConfigError
 
 #: the gradient rules of a masked weight (:data:`fedhm_flwr.math.fiarse.GRADIENTS`; config stays torch-free)
 GRADIENTS = ("masked", "bern")
+#: levels.match values FIARSE takes: the levels as sizes, or sizes keeping FedHM's parameter count
+MATCHES = ("none", "fedhm_params")
 
 
 @dataclass(frozen=True, config=DECLARED)
@@ -33,12 +35,14 @@ class FIARSEOptions(MethodOptions):
     )
 
     def across(self, config: Mapping[str, Any]) -> None:
-        """A level is the fraction kept by magnitude: no width to match to FedHM's levels."""
+        """A level is the fraction kept by magnitude: it can match FedHM's level on the parameters it
+        keeps (``fedhm_params``); a masked sub-model computes and holds dense tensors, so MACs and
+        training memory have nothing to match."""
         match = (config.get("levels") or {}).get("match") or "none"
-        if match != "none":
+        if match not in MATCHES:
             raise ConfigError(
                 "levels.match",
                 match,
-                "none for method=fiarse (a level is the fraction kept by magnitude, no width to match to FedHM's "
-                "levels; fedhm compare --match none)",
+                f"one of {list(MATCHES)} for method=fiarse (a level is the fraction kept by magnitude: it matches "
+                "FedHM's parameters kept; its MACs and training memory are the dense model's at every size)",
             )
