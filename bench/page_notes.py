@@ -34,11 +34,19 @@ REASONS = {
     "frobenius_decay": "FedHM's: decay on each factorized pair's product instead of weight decay on its factors "
     "(`method.frobenius_decay`, docs/METHODS.md#client-training)",
     "distill": "the ablation itself: self-distillation towards the received model (`train.distill`)",
-    "hook": "FjORD's ordered dropout: each batch trains a width drawn from the client's nested widths up to its "
-    "p_max (the client hook `fedhm_flwr.math.fjord`, docs/METHODS.md#fjord)",
 }
-#: options whose value is a description too long for a table cell: the table names what it holds instead
-SUMMARISED = {"hook_options": "per level: the widths drawn per batch and each width's layer shapes"}
+#: why a method's clients train through a client hook (``hook``, ``hook_options``), by the hook's name
+HOOK_REASONS = {
+    "fjord": "FjORD's ordered dropout: each batch trains a width drawn from the client's nested widths up to its "
+    "p_max (the client hook `fedhm_flwr.math.fjord`, docs/METHODS.md#fjord)",
+    "fiarse": "FIARSE's masked training: the forward uses w·1[|w| ≥ θ] with the level's threshold θ, taken again "
+    "on the current weights at every forward (the client hook `fedhm_flwr.math.fiarse`, docs/METHODS.md#fiarse)",
+}
+#: ``hook_options`` is too long for a table cell: the table names what it holds, by the hook's name
+HOOK_OPTIONS = {
+    "fjord": "per level: the widths drawn per batch and each width's layer shapes",
+    "fiarse": "per level: its threshold θ and the gradient rule of the masked weights",
+}
 
 
 def use_deployable(rows: list[dict[str, Any]]) -> bool:
@@ -194,8 +202,13 @@ def _aggregation(overrides: str) -> tuple[str, str]:
     cfg = load_config(overrides)
     method = STRATEGIES[cfg.method.name](run_options(cfg), model_spec(cfg)).method
     by_samples = bool(getattr(method, "weight_by_samples", False))
-    tau = getattr(method, "tau", None)
-    if tau is None:
+    tau, server_lr = getattr(method, "tau", None), getattr(method, "server_lr", None)
+    if server_lr is not None:  # FIARSE: w - server_lr * (sum of the updates) / (clients whose update is non-zero)
+        weights = (
+            f"1 (a mean over the clients whose update of each element is non-zero, × the server's learning "
+            f"rate {server_lr:g})"
+        )
+    elif tau is None:
         weights = "its sample count" if by_samples else "1 (a plain mean over the clients holding each element)"
     elif math.isinf(tau):
         weights = "its sample count" if by_samples else "1 (uniform)"
@@ -234,13 +247,17 @@ def recipe_lines(methods: Mapping[str, str]) -> list[str]:
     rows = []
     for label, overrides in methods.items():
         differ: dict[str, set[str]] = {}
+        hook = ""
         for options in client_options(overrides)[1]:
+            hook = str(options.get("hook", hook))
             for key, value in options.items():
                 if key not in base or base[key] != value:
-                    differ.setdefault(key, set()).add(SUMMARISED.get(key, repr(value)))
+                    shown = HOOK_OPTIONS.get(hook, repr(value)) if key == "hook_options" else repr(value)
+                    differ.setdefault(key, set()).add(shown)
         for key, values in sorted(differ.items()):
             common_value = repr(base[key]) if key in base else "(not in the common recipe)"
-            reason = next((r for k, r in REASONS.items() if key.startswith(k)), "")
+            reasons = {**REASONS, "hook": HOOK_REASONS.get(hook, "")}
+            reason = next((r for k, r in reasons.items() if key.startswith(k)), "")
             rows.append(f"| {label} | `{key}` | {', '.join(sorted(values))} | {common_value} | {reason} |")
     shared = ", ".join(f"`{k}` = {v!r}" for k, v in sorted(base.items()))
     return [

@@ -29,7 +29,9 @@ Figures (each in one process, compared things on the same machine state, medians
    previous default and every node's every example, on the same fixed-seed job;
 10. each job's time outside its rounds, part by part, against an independent start-up floor (server
    imports, ``ray.init``, two actors importing torch and decoding the data) measured in the same run, for
-   the default job and the jobs of a 2-round sweep.
+   the default job and the jobs of a 2-round sweep;
+11. level evaluation's share of the default job's round time (``eval_seconds`` ÷ ``seconds`` of each round,
+   median over the rounds) against its target.
 
 Writes ``bench/reports/bench.json`` and ``bench/reports/bench.md``. ``--quick`` shrinks every
 figure (for a smoke test); ``--only 1,3`` runs some figures; ``--scale-clients 10000`` adds the
@@ -37,8 +39,9 @@ figure (for a smoke test); ``--only 1,3`` runs some figures; ``--scale-clients 1
 
 The figures live by subject: :mod:`bench.server` (1, 2), :mod:`bench.training` (3, 4),
 :mod:`bench.scale` (5), :mod:`bench.jobs` (6, 7), :mod:`bench.whole_job` (8),
-:mod:`bench.deploy_sample` (9), :mod:`bench.startup` (10); their floors in :mod:`bench.floors`,
-:mod:`bench.engine_floor` (5), :mod:`bench.whole_job_floor` (8) and :mod:`bench.startup_floor` (10).
+:mod:`bench.deploy_sample` (9), :mod:`bench.startup` (10), :mod:`bench.eval_share` (11); their floors in
+:mod:`bench.floors`, :mod:`bench.engine_floor` (5), :mod:`bench.whole_job_floor` (8) and
+:mod:`bench.startup_floor` (10).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from typing import Any
 import torch
 
 from bench.deploy_sample import deploy_sample_markdown, figure_deploy_sample
+from bench.eval_share import eval_share_markdown, figure_eval_share
 from bench.jobs import checkpoint_markdown, figure_checkpoint, figure_wire, wire_markdown
 from bench.scale import figure_scale
 from bench.scale_report import scale_markdown
@@ -78,6 +82,7 @@ FIGURES: dict[str, tuple[str, Callable[..., dict[str, Any]], Callable[[dict[str,
     "8": ("8_whole_job", figure_whole_job, whole_job_markdown),
     "9": ("9_deploy_sample", figure_deploy_sample, deploy_sample_markdown),
     "10": ("10_startup", figure_startup, startup_markdown),
+    "11": ("11_eval_share", figure_eval_share, eval_share_markdown),
 }
 
 

@@ -38,9 +38,11 @@ VARIANTS = {
     "heterofl_memory": "method=heterofl levels.match=fedhm_memory",
     "fedrolex_memory": "method=fedrolex levels.match=fedhm_memory",
     "fjord": "method=fjord",
+    "fiarse": "method=fiarse",
 }
-#: a variant no other study has run stands in for by the one it differs from in its widths only
-STAND_IN = {"heterofl_memory": "heterofl", "fedrolex_memory": "fedrolex", "fjord": "heterofl"}
+#: a variant no other study has run stands in for by the one it differs from in its widths only, or
+#: (FIARSE: every client trains the full-shape model, masked) by the one whose clients train the same model
+STAND_IN = {"heterofl_memory": "heterofl", "fedrolex_memory": "fedrolex", "fjord": "heterofl", "fiarse": "fedavg"}
 #: the methods of the first two studies (they predate the memory-matched ones)
 FIRST_VARIANTS = ("fedhm", "heterofl", "fedrolex", "fedavg", "fedavg_smallest", "fedhm_distill")
 LABELS = {
@@ -50,6 +52,7 @@ LABELS = {
     "heterofl_memory": "HeteroFL (memory-matched)",
     "fedrolex_memory": "FedRolex (memory-matched)",
     "fjord": "FjORD (matched)",
+    "fiarse": "FIARSE (parameter-matched)",
     "fedavg": "FedAvg, full model",
     "fedavg_smallest": "FedAvg, smallest FedHM model",
     "fedhm_distill": "FedHM + self-distillation",
@@ -123,6 +126,7 @@ FULL_VARIANTS = (
     "fedavg",
     "fedavg_smallest",
     "fjord",
+    "fiarse",
 )
 #: the study of real size (#42): its own probe, in results/full/rounds3/, sized its rounds
 FULL = Study(

@@ -280,6 +280,26 @@ def test_costs_count_the_full_shape_tensors_a_device_holds():
         assert cost["kept_params"] == dense["params"] - masked + int(masked * size)
 
 
+def test_parameter_matched_sizes_keep_fedhms_parameters_at_each_rank_ratio():
+    gammas = "[1.0,0.5,0.25,0.125]"
+    cfg = load_config(f"method=fiarse model=cnn model.width=8 levels.ratios={gammas} levels.match=fedhm_params".split())
+    method = METHODS["fiarse"](run_options(cfg), model_spec(cfg))
+    fedhm_cfg = load_config(f"method=fedhm model=cnn model.width=8 levels.ratios={gammas}".split())
+    fedhm = METHODS["fedhm"](run_options(fedhm_cfg), model_spec(fedhm_cfg))  # FedHM's own count of its levels
+    with shape_device(method.spec):
+        model = build_model(method.spec, spectral_init=False)
+    masked = sum(p.numel() for k, p in model.named_parameters() if k in official_masked_keys(model))
+    for level in range(4):
+        target = fedhm.level_cost(level)["params"]
+        cost = method.level_cost(level)
+        assert cost["fedhm_params"] == target
+        # the kept count misses FedHM's by less than one masked element (int() rounds the size's share down)
+        assert target - 1 <= cost["kept_params"] <= target, (level, cost["kept_params"], target)
+        assert cost["params"] == method.level_cost(0)["params"]  # still dense on the device
+    assert method.sizes[0] == 1.0 and method.sizes == sorted(method.sizes, reverse=True) and method.sizes[-1] < 0.25
+    assert int(masked * method.sizes[1]) < masked
+
+
 def test_the_masked_forward_keeps_what_the_memory_counts():
     """Beyond the input (an activation, counted with the dense model), autograd keeps each masked
     weight in float32 and each mask as bool; nothing of full size in float32 besides."""
@@ -302,7 +322,8 @@ def test_bad_fiarse_options_are_refused_naming_them():
     for override, field in [
         ("method.gradient=straight", "method.gradient"),
         ("method.server_lr=0", "method.server_lr"),
-        ("levels.match=fedhm_params", "levels.match"),
+        ("levels.match=fedhm_macs", "levels.match"),
+        ("levels.match=fedhm_memory", "levels.match"),
         ("model=vit", "model.arch"),
     ]:
         with pytest.raises(ConfigError) as err:

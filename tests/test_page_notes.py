@@ -86,6 +86,19 @@ def test_the_recipe_table_states_each_methods_clipping_as_its_config_sets_it():
     assert f"`grad_clip` = {float(common)!r}" in table[0]
 
 
+def test_each_hook_and_aggregation_is_described_as_its_own_method_does_it():
+    methods = {"FjORD": "method=fjord model.width=8", "FIARSE": "method=fiarse model.width=8"}
+    rows = [line for line in notes.recipe_lines(methods) if line.startswith("| F")]
+    for label, doc in (("FjORD", "#fjord"), ("FIARSE", "#fiarse")):
+        mine = [r for r in rows if r.startswith(f"| {label} |")]
+        assert mine and all(doc in r for r in mine), mine  # not another method's description
+    hook_options = [r for r in rows if "`hook_options`" in r]
+    assert len(hook_options) == 2 and "threshold" in hook_options[1] and "widths" in hook_options[0]
+    aggregation = {line.split("|")[1].strip(): line for line in notes.aggregation_lines(methods) if "|" in line}
+    assert "server's learning rate 1" in aggregation["FIARSE"] and "non-zero" in aggregation["FIARSE"]
+    assert "learning rate" not in aggregation["FjORD"]
+
+
 def test_the_capacity_probe_refuses_seeds_of_a_study():
     from bench import capacity_probe as probe
 

@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from fedhm_flwr.ops.job.procs import TAG_VAR, new_tag
+from fedhm_flwr.ops.job.procs import TAG_VAR, command_name, new_tag
 from fedhm_flwr.ops.job.runlock import RunDirectoryBusy, RunLock
+from fedhm_flwr.ops.job.superlink import GUARD_MODULE
 from fedhm_flwr.ops.sweeps import multirun, shared_superlink
 from fedhm_flwr.ops.sweeps.shared_superlink import SHARED_SUPERLINK_SWITCH, SHARED_SUPERLINK_VAR, handed_down
 
@@ -96,9 +97,24 @@ def _tagged(tmp_path, name, tag):
     return subprocess.Popen([sys.executable, str(script)], env={**os.environ, TAG_VAR: tag}, start_new_session=True)
 
 
+def _guard(tmp_path, tag):
+    """A process whose command line is the SuperLink guard's (``python -m <GUARD_MODULE> ...``): a stand-in
+    package first on its path, so that the module sleeps."""
+    root = tmp_path / "guard"
+    module = root.joinpath(*GUARD_MODULE.split("."))
+    for package in [root.joinpath(*GUARD_MODULE.split(".")[:i]) for i in range(1, GUARD_MODULE.count(".") + 1)]:
+        package.mkdir(parents=True, exist_ok=True)
+        (package / "__init__.py").touch()
+    module.with_suffix(".py").write_text("import time\ntime.sleep(120)\n")
+    env = {**os.environ, TAG_VAR: tag, "PYTHONPATH": str(root)}
+    args = [sys.executable, "-m", GUARD_MODULE, "--helper-wait", "90"]
+    return subprocess.Popen(args, env=env, start_new_session=True)
+
+
 def test_a_job_stops_what_is_left_of_its_run_and_spares_the_superlink(tmp_path):
     tag = new_tag()
     link, exe = _tagged(tmp_path, "flower-superlink", tag), _tagged(tmp_path, "flower-superexec", tag)
+    guard = _guard(tmp_path, tag)  # the SuperLink runs under it: stopping it would stop the sweep's SuperLink
     run = [_tagged(tmp_path, "flwr-simulation", tag), _tagged(tmp_path, "raylet", tag)]
     try:
         time.sleep(0.5)  # each process's command line is readable
@@ -108,9 +124,10 @@ def test_a_job_stops_what_is_left_of_its_run_and_spares_the_superlink(tmp_path):
         assert set(stopped) == {p.pid for p in run} and time.monotonic() - t0 < 10
         for proc in run:
             assert proc.wait(timeout=10) is not None
-        assert link.poll() is None and exe.poll() is None
+        assert link.poll() is None and exe.poll() is None and guard.poll() is None
+        assert command_name(guard.pid) == GUARD_MODULE
         assert shared_superlink.run_pids(tag) == []
     finally:
-        for proc in (link, exe, *run):
+        for proc in (link, exe, guard, *run):
             proc.kill()
             proc.wait()

@@ -137,3 +137,16 @@ def test_a_simulated_worker_tells_its_marks_in_its_first_node_info_answer_only(m
     assert set(marks) == {"worker_started_at", "worker_imported_at", "first_answered_at"}
     assert marks["worker_started_at"] <= marks["worker_imported_at"] <= marks["first_answered_at"] <= time.time()
     assert protocol.METRICS not in second
+
+
+def test_fedhm_run_prints_the_start_up_line_before_its_last_line(monkeypatch, capsys):
+    from fedhm_flwr.ops import cli
+
+    summary = {"startup_parts": {"config and data check": 1.0, "SuperLink start": 2.0}}
+    monkeypatch.setattr(cli, "run_with_progress", lambda *a, **k: summary)
+    monkeypatch.setattr(cli, "report_finished", lambda s: print("run complete") or 0)
+    assert cli._run_job([], None, None, progress=True) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "start-up: 3.0 s before round 1: SuperLink start 2.0 s; config and data check 1.0 s",
+        "run complete",
+    ]

@@ -6,8 +6,8 @@ Every entry point (the ServerApp, ``launch``, ``sweep``, ``inspect``) goes throu
 expensive work (Ray, data loading, training) starts. No Flower import here, and no torch import
 on the way to a valid config of a built-in model (the launcher checks a config first).
 
-The pieces: :mod:`fedhm_flwr.config.checks` (field rules, the shared sections),
-:mod:`fedhm_flwr.config.options` (per-method validation, one ``MethodOptions`` class per method
+The pieces: :mod:`fedhm_flwr.config.options` (every option declared once: the shared sections,
+the model and dataset groups, per-method validation, one ``MethodOptions`` class per method
 that the method declares as ``Method.options``, and the supported (method, model) pairs),
 :mod:`fedhm_flwr.config.methods` (the pair and user-model checks),
 :mod:`fedhm_flwr.config.specs` (model and data specs derived from a config). Their public names
@@ -20,7 +20,7 @@ import os
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -28,21 +28,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fedhm_flwr.config.checks import (
-    ASSIGNMENTS,
-    ATTACKS,
-    BN_STATS,
-    EVALUATION_WHERE,
-    LEVEL_MATCH,
-    LR_SCHEDULES,
-    PARTITION_SCHEMES,
-    RAY_ADDRESS,
-    ROBUST,
-    choice,
-    validate_common,
-)
 from fedhm_flwr.config.methods import (
-    ARCH_NAMES,
     robust_modes,
     validate_pair,
     validate_user_model,
@@ -56,6 +42,18 @@ from fedhm_flwr.config.options import (
     method_key,
     run_options,
     supported_pairs,
+)
+from fedhm_flwr.config.options.groups import ARCH_NAMES, parse_dataset
+from fedhm_flwr.config.options.sections import (
+    ASSIGNMENTS,
+    ATTACKS,
+    BN_STATS,
+    EVALUATION_WHERE,
+    LEVEL_MATCH,
+    LR_SCHEDULES,
+    PARTITION_SCHEMES,
+    RAY_ADDRESS,
+    ROBUST,
 )
 from fedhm_flwr.config.specs import (
     backbone_choice,
@@ -88,7 +86,6 @@ __all__ = [  # the re-exported names of the submodules and this module's own
     "RunOptions",
     "backbone_choice",
     "base_defaults",
-    "choice",
     "compose_config",
     "data_spec",
     "holdout_fraction",
@@ -107,7 +104,6 @@ __all__ = [  # the re-exported names of the submodules and this module's own
     "supported_pairs",
     "to_yaml",
     "validate",
-    "validate_common",
     "validate_pair",
     "validate_user_model",
     "with_user_model",
@@ -244,13 +240,14 @@ def validate(cfg: DictConfig) -> None:
     Changes nothing in ``cfg``: a config whose ``model.target`` is not yet in place (one Hydra composed
     for a sweep's job) is checked as :func:`with_user_model` puts it."""
     cfg = with_user_model(cfg)
-    choice(cfg, "method.name", OPTIONS)
-    validate_user_model(cfg)
-    OPTIONS[cfg.method.name].check(cfg)
-    choice(cfg, "model.arch", ARCH_NAMES)
+    name = OmegaConf.select(cfg, "method.name")
+    if name not in OPTIONS:  # the method's name picks its declaration
+        raise ConfigError("method.name", name, f"one of {list(OPTIONS)}")
+    validate_user_model(cfg)  # the model group
+    OPTIONS[name].check(cfg)
     validate_pair(cfg)
-    validate_common(cfg, robust_modes(cfg))
-    run_options(cfg)  # a key no section knows is refused here, where every entry point checks a config
+    parse_dataset(cast("dict[str, Any]", OmegaConf.to_container(cfg.dataset, resolve=True)))  # a mapping: composed
+    run_options(cfg)  # every section parsed against its declaration, a key no section knows refused
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -16,8 +16,8 @@ from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from fedhm_flwr.config.checks import ROBUST, choice, require
-from fedhm_flwr.config.options import NEEDS, SUPPORTED_MODELS, method_key, supported_pairs
+from fedhm_flwr.config.options import NEEDS, OPTIONS, SUPPORTED_MODELS, method_key, supported_pairs
+from fedhm_flwr.config.options.groups import ARCH_NAMES, ModelGroup, parse_model
 from fedhm_flwr.config.specs import backbone_choice, model_spec
 from fedhm_flwr.core.errors import ConfigError
 from fedhm_flwr.data.sources import dataset_info
@@ -48,41 +48,23 @@ def with_user_model(cfg: DictConfig) -> DictConfig:
     return out
 
 
-def validate_user_model(cfg: DictConfig) -> None:
-    """``model.target`` (any model group; the user's model replaces the group's arch, see
-    :func:`with_user_model`): ``model=custom`` needs one; ``model.kwargs``, ``model.static_bn``,
-    ``model.factorize``. Changes nothing in ``cfg``."""
-    target = OmegaConf.select(cfg, "model.target", default=None)
-    arch = OmegaConf.select(cfg, "model.arch")
-    if target is None and arch == "custom":
-        require(
-            False,
-            "model.target",
-            None,
-            "'package.module:factory' with model=custom, "
-            "e.g. model.target=torchvision.models:resnet18 model.kwargs.num_classes=10",
-        )
-    kwargs = OmegaConf.select(cfg, "model.kwargs", default={})
-    require(
-        kwargs is None or OmegaConf.is_dict(kwargs) or isinstance(kwargs, dict),
-        "model.kwargs",
-        kwargs,
-        "a mapping of the factory's keyword arguments",
-    )
-    value = OmegaConf.select(cfg, "model.static_bn", default=False)
-    require(isinstance(value, bool), "model.static_bn", value, "true or false")
-    rule = OmegaConf.select(cfg, "model.factorize", default=None)
-    if rule is not None:
-        require(OmegaConf.is_dict(rule), "model.factorize", rule, "a mapping (include, exclude, types, ...)")
-        values = cast("dict[str, Any]", OmegaConf.to_container(rule, resolve=True))  # a mapping (just required)
-        if all(v is None for v in values.values()):  # the model's defaults: nothing to check (and no torch import)
-            return
-        from fedhm_flwr.models.rules import rule_problem  # torch-free path: only a factorize rule imports the models
+def validate_user_model(cfg: DictConfig) -> ModelGroup:
+    """The ``model`` group against its declaration (:func:`~fedhm_flwr.config.options.groups.parse_model`:
+    ``model=custom`` needs a ``model.target``; ``model.kwargs``, ``model.static_bn``, ``model.factorize``),
+    and a ``model.factorize`` rule's entries against the models' rules (the torch path: only when a
+    rule is set). Changes nothing in ``cfg``."""
+    plain = OmegaConf.to_container(cfg.model, resolve=True)
+    model = parse_model(cast("dict[str, Any]", plain))  # a mapping: the group composed
+    rule = model.factorize
+    if rule is None or all(v is None for v in rule.values()):  # the model's defaults: nothing to check, no torch
+        return model
+    from fedhm_flwr.models.rules import rule_problem  # torch-free path: only a factorize rule imports the models
 
-        problem = rule_problem(values)
-        if problem is not None:
-            key, bad, allowed = problem
-            raise ConfigError(f"model.factorize.{key}", bad, allowed)
+    problem = rule_problem(rule)
+    if problem is not None:
+        key, bad, allowed = problem
+        raise ConfigError(f"model.factorize.{key}", bad, allowed)
+    return model
 
 
 def _check_custom_output(cfg: DictConfig) -> None:
@@ -166,40 +148,26 @@ def validate_pair(cfg: DictConfig) -> None:
             resolve_target(cfg.model.target)
         except ValueError as err:
             raise ConfigError("model.target", cfg.model.target, str(err).split("; allowed: ", 1)[-1]) from None
-        require(
-            cfg.dataset.name != "sentiment", "dataset.name", cfg.dataset.name, "an image dataset with a model.target"
-        )
+        if cfg.dataset.name == "sentiment":
+            raise ConfigError("dataset.name", cfg.dataset.name, "an image dataset with a model.target")
         _check_custom_output(cfg)
     if arch == "vit" and key in ("fedhm", "fedavg"):
-        choice(cfg, "model.backbone", ("auto", "pretrained", "random"))
         if backbone_choice(cfg) == "pretrained":  # the server builds the initial model from it
             from fedhm_flwr.models.vit import DEFAULTS, arch_of, checkpoint_ref, resolve_ref  # torch-free path
 
             info = {k: cfg.model.get(k) or v for k, v in DEFAULTS.items()}
             path = resolve_ref(checkpoint_ref(arch_of({**info, **dataset_info(cfg.dataset.name)})))
-            require(
-                path.is_file(),
-                "model.backbone",
-                "pretrained",
-                f"random (FedHM from scratch), or pretrained once `make pretrain` wrote {path}",
-            )
-        require(cfg.dataset.name != "sentiment", "dataset.name", cfg.dataset.name, "an image dataset with model=vit")
+            if not path.is_file():
+                raise ConfigError(
+                    "model.backbone",
+                    "pretrained",
+                    f"random (FedHM from scratch), or pretrained once `make pretrain` wrote {path}",
+                )
+        if cfg.dataset.name == "sentiment":
+            raise ConfigError("dataset.name", cfg.dataset.name, "an image dataset with model=vit")
 
 
 def robust_modes(cfg: DictConfig) -> tuple[str, ...]:
-    """The ``aggregation.robust`` values a method accepts. Clipping, median and trimmed mean need
-    a merge that is an element-wise (weighted) mean over the clients covering an element; Krum
-    (and DP) need replies that all cover the whole model, as FedHM's recovered updates do."""
-    name = cfg.method.name
-    full_model = name in ("fedhm", "fedlora") or (
-        name == "fedavg" and (cfg.method.variant == "full" or cfg.method.family == "fedhm")
-    )
-    if full_model:
-        return ROBUST
-    if name in ("heterofl", "fedrolex", "fedavg"):
-        return ("none", "clip", "median", "trimmed_mean")
-    return ("none",)  # prism, heterotune: the norm filter (aggregation.outlier_z) only
-
-
-#: the keys of ``fedhm_flwr.models.ARCHS``, named here so that checking a config imports no torch
-ARCH_NAMES = ("cnn", "resnet18", "resnet34", "minilm", "vit", "custom")
+    """The ``aggregation.robust`` values ``cfg``'s method accepts
+    (:meth:`~fedhm_flwr.config.options.base.MethodOptions.robust_modes`)."""
+    return OPTIONS[str(cfg.method.name)].parse(cfg.method).robust_modes()

@@ -60,6 +60,13 @@ def kept_count(numel: int, size: float) -> int:
     return max(1, int(numel * size))
 
 
+def matched_size(target_params: float, params: int, masked_numel: int) -> float:
+    """The size whose sub-model keeps ``target_params`` parameters: the unmasked parameters (norm
+    layers) kept whole, the rest of the target from the ``masked_numel`` masked elements; in (0, 1]."""
+    size = (target_params - (params - masked_numel)) / masked_numel
+    return min(1.0, max(size, 1.0 / masked_numel))
+
+
 def threshold(state: Mapping[str, Tensor], keys: Sequence[str], size: float) -> float:
     """The global threshold ``θ`` of size ``size``: the ``k``-th largest ``|w|`` over every element
     of ``keys`` together (:func:`kept_count`)."""

@@ -24,7 +24,7 @@ import copy
 import importlib
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, cast
 
@@ -269,17 +269,24 @@ def evaluate(model: nn.Module, dataset: Dataset[Any], batch_size: int, device: t
     return evaluate_each(model, dataset, batch_size, device, outputs=0)[0]
 
 
-@torch.no_grad()
 def evaluate_each(
     model: nn.Module, dataset: Dataset[Any], batch_size: int, device: torch.device, outputs: int
 ) -> list[dict[str, float]]:
     """:func:`evaluate` of each of the ``outputs`` logits a model's forward returns as a tuple (several
     networks run as one, ``fedhm_flwr.models.batched``); ``outputs=0``: a model returning one tensor."""
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
+    return evaluate_batches(model, DataLoader(dataset, batch_size=batch_size, shuffle=False), device, outputs)
+
+
+@torch.no_grad()
+def evaluate_batches(
+    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device, outputs: int
+) -> list[dict[str, float]]:
+    """:func:`evaluate_each` over given ``(inputs, labels)`` batches (a test set cut once and scored
+    every round: the batches a DataLoader over it gives, the same figures)."""
     model.to(device).eval()
     sums = [[0.0, 0] for _ in range(max(1, outputs))]  # per output: summed loss, correct
     seen = 0
-    for x, y in loader:
+    for x, y in batches:
         x, y = x.to(device), y.to(device)
         logits_each = model(x) if outputs else (model(x),)
         for total, logits in zip(sums, logits_each, strict=True):

@@ -24,6 +24,7 @@ from fedhm_flwr.ops.job.progress import run_with_progress
 from fedhm_flwr.ops.job.status import main as status_main
 from fedhm_flwr.ops.sweeps import multirun
 from fedhm_flwr.ops.sweeps.multirun import COMPARE_OVERRIDES, compare_plan  # noqa: F401  (compare_plan: tests import it here)
+from fedhm_flwr.reporting.startup import parts_line
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ def _run_job(overrides: list[str], run_dir: Path | None, resume: Path | None, pr
     except RuntimeError as err:  # RunFailed: its last line says why (the first ServerApp / client error)
         print(f"error: {err}", file=sys.stderr)
         return 1
+    if progress and summary.get("startup_parts"):  # (without the progress line, the ServerApp's log says it)
+        print(f"start-up: {parts_line(summary['startup_parts'])}", flush=True)
     return report_finished(summary)  # exit 1 when the model diverged or no reply was accepted
 
 

@@ -34,13 +34,15 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.supercore import log
+from torch.utils.data import DataLoader
 
 from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.core import protocol as wire
 from fedhm_flwr.core.protocol import ARRAYS, CONFIG, METRICS, read_eval
 from fedhm_flwr.data import test_dataset
+from fedhm_flwr.data.tensors import ImageTensorDataset
 from fedhm_flwr.math.bn_stats import norm_layers
-from fedhm_flwr.math.train import evaluate, evaluate_each
+from fedhm_flwr.math.train import evaluate, evaluate_batches
 from fedhm_flwr.models import build_model, deployable_network, shape_device
 from fedhm_flwr.models.batched import merge_networks
 from fedhm_flwr.server.bn_query import federated_bn_sums, spec_key
@@ -114,7 +116,8 @@ def make_evaluator(opts: RunOptions, device: torch.device) -> TestSetScorer:
 
 class TestSetScorer:
     """Scores models on the server's test set: one (:meth:`__call__`), or several in one pass over it
-    (:meth:`many`: the networks run as one, their equal prefix computed once, ``fedhm_flwr.models.batched``)."""
+    (:meth:`many`: the networks run as one, their equal prefix computed once, ``fedhm_flwr.models.batched``,
+    over the test set's batches cut once per run, :attr:`batches`)."""
 
     def __init__(self, test: Any, batch_size: int, device: torch.device) -> None:
         self.test, self.batch_size, self.device = test, batch_size, device
@@ -125,15 +128,30 @@ class TestSetScorer:
         # with federated sBN sums: fixed statistics, as the exported model carries; else test-batch statistics
         return evaluate(deployable_network(spec, state, bn_sums)[1], self.test, self.batch_size, self.device)
 
+    @functools.cached_property
+    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches a DataLoader over the test set gives (the same tensors, bit for bit), cut once:
+        an in-memory image set without a transform as views of its tensors (no copy), any other set
+        as the DataLoader's batches (held for the run)."""
+        test, size = self.test, self.batch_size
+        if (
+            isinstance(test, ImageTensorDataset)
+            and test.transform is None
+            and test.images.is_contiguous()
+            and test.labels.is_contiguous()
+        ):
+            return [(test.images[i : i + size], test.labels[i : i + size]) for i in range(0, len(test), size)]
+        return list(DataLoader(test, batch_size=size, shuffle=False))
+
     def many(
         self, models: Sequence[tuple[dict[str, Any], State, dict[str, torch.Tensor] | None]]
     ) -> list[dict[str, float]]:
         """Each model's figures, equal to :meth:`__call__`'s bit for bit (tested)."""
         networks = [deployable_network(spec, state, sums)[1].to(self.device).eval() for spec, state, sums in models]
-        merged = merge_networks(networks) if len(networks) > 1 else None
+        merged = merge_networks(networks) if networks else None
         if merged is None:
-            return [evaluate(n, self.test, self.batch_size, self.device) for n in networks]
-        return evaluate_each(merged, self.test, self.batch_size, self.device, outputs=len(networks))
+            return [evaluate_batches(n, self.batches, self.device, outputs=0)[0] for n in networks]
+        return evaluate_batches(merged, self.batches, self.device, outputs=len(networks))
 
 
 @dataclass

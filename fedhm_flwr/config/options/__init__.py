@@ -9,7 +9,12 @@ on. A class that sets its own ``name`` adds itself to :data:`OPTIONS` (``method.
 when its module is imported, and this package imports every such module; :data:`SUPPORTED_MODELS`
 is derived from it, and the server's method registry (``server.registry.METHODS``) is checked
 against it (``tests/test_registry.py``).
-The checks are written here rather than in the method modules because a method module imports
+Each option is declared once, as a field of a frozen pydantic dataclass
+(:mod:`~fedhm_flwr.config.options.declare`: type, default, allowed values, meaning; the shared
+sections in :mod:`~fedhm_flwr.config.options.sections`, the model and dataset groups in
+:mod:`~fedhm_flwr.config.options.groups`); ``conf/`` holds the same defaults
+(``tests/test_declarations.py``).
+The declarations are written here rather than in the method modules because a method module imports
 torch and the config check must not (the launcher checks a config before importing torch;
 ``tests/test_shards.py`` and ``tests/test_user_models.py`` assert it), and config sits below the
 method layer. The families: :mod:`~fedhm_flwr.config.options.factorized` (FedHM, PriSM),
@@ -17,7 +22,8 @@ method layer. The families: :mod:`~fedhm_flwr.config.options.factorized` (FedHM,
 :mod:`~fedhm_flwr.config.options.fedavg` (FedAvg), :mod:`~fedhm_flwr.config.options.fiarse` (FIARSE),
 :mod:`~fedhm_flwr.config.options.transformer`
 (FedLoRA, HeteroTune); :mod:`~fedhm_flwr.config.options.base` holds the base class, the
-table and the parser. A ``MethodOptions`` class is also a frozen dataclass: an instance is the
+table and the option types several methods share. A ``MethodOptions`` class is a frozen pydantic
+dataclass: an instance is the
 method's typed ``method`` group (its fields the keys of ``conf/method/<name>.yaml``), part of the
 run's :class:`~fedhm_flwr.config.options.run.RunOptions` (:mod:`~fedhm_flwr.config.options.run`: every
 section the server reads, parsed once).

@@ -1,6 +1,6 @@
-"""The base of every method's options (:class:`MethodOptions`), the checks several methods share
-(``method.tau``, ``method.rho``, ``method.grad_clip``), the table of every method's options, and
-:func:`parse_options`: a section of the config as a frozen dataclass, unknown keys refused.
+"""The base of every method's options (:class:`MethodOptions`), the option types several methods
+share (``method.tau``, ``method.rho``, ``method.grad_clip``, ...: declared once here, their default
+per method), and the table of every method's options.
 
 :data:`OPTIONS` fills itself: a subclass of :class:`MethodOptions` that sets its own ``name`` is
 that method's options and is added under that name when its class statement runs (a base of a
@@ -10,19 +10,18 @@ supported pairs (:func:`supported_pairs`) without importing the package that imp
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import types
-import typing
 from collections.abc import Mapping
-from typing import Any, ClassVar, TypeVar, cast
+from typing import Annotated, Any, ClassVar, TypeVar, cast
 
 from omegaconf import DictConfig, OmegaConf
+from pydantic import AfterValidator, Strict, ValidationInfo, model_validator
+from pydantic.dataclasses import dataclass
+from typing_extensions import Self
 
-from fedhm_flwr.config.checks import is_int, is_num, num_in, require
+from fedhm_flwr.config.options.declare import DECLARED, InfNum, option, parse
+from fedhm_flwr.config.options.sections import ROBUST
 from fedhm_flwr.core.errors import ConfigError
-
-T = TypeVar("T")
 
 #: the built-in conv nets, built by width
 CONV_ARCHS = ("cnn", "resnet18", "resnet34")
@@ -33,87 +32,41 @@ BY_WIDTH = (
 )
 
 
-def yaml_number(value: Any) -> Any:
-    """YAML's ``.inf`` (a string to Hydra's override grammar) as infinity; any other value as it is."""
-    if isinstance(value, str) and value.strip().lower() in (".inf", "+.inf"):
-        return math.inf
+def _at_least_zero(value: int | None) -> int | None:
+    if value is not None and value < 0:
+        raise ValueError("negative")
     return value
 
 
-def check_tau(cfg: DictConfig) -> None:
-    """``method.tau`` > 0; YAML's ``.inf`` means infinity (the parsed options hold ``math.inf``)."""
-    tau = yaml_number(OmegaConf.select(cfg, "method.tau"))
-    require(is_num(tau) and tau > 0, "method.tau", tau, "a number > 0 (inf or .inf for uniform weights)")
+# the option types several methods declare (each with its own default): type, range, allowed text
+TAU = "a number > 0 (inf or .inf for uniform weights)"
+#: ``method.tau``: softmax(gamma / tau) aggregation weights; YAML's ``.inf`` means infinity
+Tau = InfNum
+#: ``method.rho``: leading factorizable layers kept full rank (null: the model's default)
+Rho = Annotated[Annotated[int, Strict()] | None, AfterValidator(_at_least_zero)]
+RHO = "null (the model's default) or an integer >= 0"
 
 
-def check_rho(cfg: DictConfig, default: str = "null (the model's default) or an integer >= 0") -> None:
-    rho = OmegaConf.select(cfg, "method.rho")
-    require(rho is None or (is_int(rho) and rho >= 0), "method.rho", rho, default)
+def tau(default: float) -> Any:
+    return option(default, "softmax(gamma / tau) aggregation weights; inf = uniform", allowed=TAU, gt=0.0, le=math.inf)
 
 
-def check_grad_clip(cfg: DictConfig, used: bool = True) -> None:
-    """``method.grad_clip`` >= 0 (0: off). Where the method clips with it (``used``), its clients clip
-    at ``method.grad_clip`` in place of ``train.grad_clip``: the method's key takes precedence, so a
-    ``train.grad_clip`` > 0 that differs from it (it would be ignored) is refused, naming both keys."""
-    num_in(cfg, "method.grad_clip", 0.0, math.inf, high_open=True)
-    method_clip = OmegaConf.select(cfg, "method.grad_clip")
-    train_clip = OmegaConf.select(cfg, "train.grad_clip", default=0.0)
-    if used and is_num(train_clip) and train_clip > 0 and train_clip != method_clip:
-        raise ConfigError(
-            "train.grad_clip",
-            train_clip,
-            f"0 or {method_clip}: method={cfg.method.name} clips at method.grad_clip={method_clip}, which takes "
-            f"precedence over train.grad_clip (set method.grad_clip={train_clip} instead)",
-        )
+def rho(default: int | None, allowed: str = RHO) -> Any:
+    return option(default, "leading factorizable layers kept full rank (null: the model's default)", allowed=allowed)
 
 
-def parse_options(cls: type[T], values: Any, section: str) -> T:
-    """The frozen dataclass ``cls`` of the config section ``values`` (a mapping; ``section``: its
-    dotted name, "" for the config's top level). A key that is not a field of ``cls`` is refused
-    with a :class:`ConfigError` naming it and the allowed keys; a missing key takes the field's
-    default (none: refused too). Values are converted to the fields' types: a nested dataclass is
-    parsed the same way, a list becomes a tuple, an integer a float where the field is a float
-    (YAML's ``.inf`` too)."""
-    if not isinstance(values, Mapping):
-        raise ConfigError(section, values, f"a mapping of the keys {_field_names(cls)}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    where = f"{section}." if section else ""
-    for key in values:
-        if key not in known:
-            raise ConfigError(
-                f"{where}{key}", values[key], f"a key of {section or 'the config'}: one of {_field_names(cls)}"
-            )
-    out = {}
-    for name, f in known.items():
-        if name in values:
-            out[name] = _convert(hints[name], values[name], f"{where}{name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{where}{name}", None, f"a value: every key of {_field_names(cls)} is needed")
-    return cls(**out)
+def grad_clip(default: float) -> Any:
+    """``method.grad_clip`` >= 0 (0: off): its clients clip at it in place of ``train.grad_clip``
+    (see :meth:`MethodOptions.clips`)."""
+    return option(default, "clients clip the gradient norm at this value (0 = off)", ge=0.0, lt=math.inf)
 
 
-def _field_names(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
+def weight_by_samples(default: bool) -> Any:
+    return option(default, "weight each reply by its client's sample count")
 
 
-def _convert(hint: Any, value: Any, field: str) -> Any:
-    """``value`` as the type ``hint`` says (see :func:`parse_options`)."""
-    if dataclasses.is_dataclass(hint):
-        kind = cast("type[Any]", hint)  # a field's type hint: a dataclass type, never an instance
-        return value if isinstance(value, kind) else parse_options(kind, value, field)
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(inner, value, field)
-    if origin is tuple and isinstance(value, (list, tuple)):
-        return tuple(_convert(args[0], v, field) for v in value)
-    if hint is float:
-        value = yaml_number(value)
-        return float(value) if is_int(value) else value
-    return value
+def frobenius_decay(default: bool) -> Any:
+    return option(default, "lambda/2 ||AB||_F^2 on factorized pairs instead of weight decay")
 
 
 #: ``method.name`` -> its options class, filled by the classes themselves (see
@@ -123,13 +76,13 @@ def _convert(hint: Any, value: Any, field: str) -> Any:
 OPTIONS: dict[str, type[MethodOptions]] = {}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True, config=DECLARED)
 class MethodOptions:
     """What a method accepts of a config: its ``method`` group (:meth:`check`) and the models it
     runs on (:attr:`models`; :attr:`needs` says what a refused model lacks). One subclass per
     method, registered in :data:`OPTIONS` and declared by the method as ``Method.options``; an
-    instance is the method's parsed, typed ``method`` group (:meth:`parse`), its fields the keys of
-    ``conf/method/<name>.yaml`` (where their defaults are)."""
+    instance is the method's parsed, typed ``method`` group (:meth:`parse`), its fields the
+    declarations of the keys of ``conf/method/<name>.yaml`` (which holds the same defaults)."""
 
     #: ``method.name``
     name: ClassVar[str] = ""
@@ -137,6 +90,9 @@ class MethodOptions:
     models: ClassVar[tuple[str, ...]] = ()
     #: what the method needs from a model (said when it refuses one)
     needs: ClassVar[str] = ""
+    #: ``conf/method/<preset>.yaml`` files of this method other than ``<name>.yaml``, with the
+    #: values in which they differ from the declared defaults
+    presets: ClassVar[dict[str, dict[str, Any]]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A subclass naming a method (its own ``name``) is that method's options: it joins
@@ -150,15 +106,59 @@ class MethodOptions:
 
     @classmethod
     def check(cls, cfg: DictConfig) -> None:
-        """Refuse the first invalid value of the ``method`` group with a :class:`ConfigError`."""
+        """Refuse the first invalid value of the ``method`` group with a :class:`ConfigError` (the
+        rules across sections read the rest of ``cfg``)."""
+        plain = OmegaConf.to_container(cfg, resolve=True)
+        assert isinstance(plain, dict)
+        cls.parse(plain["method"], cast("dict[str, Any]", plain))
 
     @classmethod
-    def parse(cls: type[M], section: Any) -> M:
-        """The typed ``method`` group (``name`` is the class's own; every other key must be a field)."""
+    def parse(cls, section: Any, config: Mapping[str, Any] | None = None) -> Self:
+        """The typed ``method`` group (``name`` is the class's own; every other key must be a field);
+        with the whole ``config``, its rules across sections are checked too."""
         values = dict(section)
         name = values.pop("name", cls.name)
-        require(name == cls.name, "method.name", name, f"{cls.name!r} for {cls.__name__}")
-        return parse_options(cls, values, "method")
+        if name != cls.name:
+            raise ConfigError("method.name", name, f"{cls.name!r} for {cls.__name__}")
+        return parse(cls, values, "method", context=config)
+
+    @model_validator(mode="after")
+    def _across(self, info: ValidationInfo) -> Self:
+        """The method's rules across sections, where a config is parsed (its plain values: the
+        context): :meth:`across`, and a ``train.grad_clip`` that :meth:`clips` would ignore."""
+        if info.context:
+            self.across(info.context)
+            self._grad_clip_precedence(info.context)
+        return self
+
+    def across(self, config: Mapping[str, Any]) -> None:
+        """Refuse a value of another section that this method's options rule out (none here)."""
+
+    def clips(self) -> float | None:
+        """The gradient norm this method's clients clip at in place of ``train.grad_clip`` (None:
+        they clip at ``train.grad_clip``)."""
+        return None
+
+    def _grad_clip_precedence(self, config: Mapping[str, Any]) -> None:
+        """The method's ``grad_clip`` takes precedence over ``train.grad_clip``: a ``train.grad_clip``
+        > 0 that differs from it (it would be ignored) is refused, naming both keys."""
+        method_clip = self.clips()
+        train_clip = (config.get("train") or {}).get("grad_clip", 0.0)
+        if method_clip is None or not isinstance(train_clip, (int, float)) or isinstance(train_clip, bool):
+            return
+        if train_clip > 0 and train_clip != method_clip:
+            raise ConfigError(
+                "train.grad_clip",
+                train_clip,
+                f"0 or {method_clip}: method={self.name} clips at method.grad_clip={method_clip}, which takes "
+                f"precedence over train.grad_clip (set method.grad_clip={train_clip} instead)",
+            )
+
+    def robust_modes(self) -> tuple[str, ...]:
+        """The ``aggregation.robust`` values the method's merge allows. Clipping, median and trimmed
+        mean need a merge that is an element-wise (weighted) mean over the clients covering an
+        element; Krum (and DP) need replies that all cover the whole model."""
+        return ("none",)  # the norm filter (aggregation.outlier_z) only
 
     @classmethod
     def pairs(cls) -> dict[str, tuple[tuple[str, ...], str]]:
@@ -177,3 +177,7 @@ M = TypeVar("M", bound=MethodOptions)
 def supported_pairs() -> str:
     """The supported (method, model) pairs of :data:`OPTIONS`, as error messages list them."""
     return "; ".join(f"{m}: {list(a)}" for o in OPTIONS.values() for m, (a, _) in o.pairs().items())
+
+
+#: the robust aggregations of an element-wise merge over the clients covering an element (no Krum)
+ELEMENTWISE_MODES = tuple(m for m in ROBUST if m != "krum")

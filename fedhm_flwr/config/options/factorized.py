@@ -4,44 +4,54 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import Annotated
 
-from omegaconf import DictConfig, OmegaConf
+from pydantic.dataclasses import dataclass
 
-from fedhm_flwr.config.checks import choice, flags, num_in
-from fedhm_flwr.config.options.base import CONV_ARCHS, MethodOptions, check_rho, check_tau
+from fedhm_flwr.config.options.base import (
+    CONV_ARCHS,
+    MethodOptions,
+    Rho,
+    Tau,
+    frobenius_decay,
+    rho,
+    tau,
+    weight_by_samples,
+)
+from fedhm_flwr.config.options.declare import DECLARED, Flag, Num, OneOf, Text, option
+from fedhm_flwr.config.options.sections import ROBUST
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=DECLARED)
 class FedHMOptions(MethodOptions):
     name = "fedhm"
     models = (*CONV_ARCHS, "vit", "custom")
     needs = "Conv2d/Linear layers to factorize (cnn, resnet18, resnet34, vit, or a model.target)"
 
-    tau: float
-    weight_by_samples: bool
-    rho: int | None
-    frobenius_decay: bool
-    svd_tolerance: float | None  # None: fedhm_flwr.math.lowrank.SVD_TOLERANCE (FedAvg of FedHM's family)
-    official_weights: bool
-    add_previous_global: bool
+    tau: Tau = tau(1.0)
+    weight_by_samples: Flag = weight_by_samples(False)
+    rho: Rho = rho(None)
+    frobenius_decay: Flag = frobenius_decay(True)
+    # None: fedhm_flwr.math.lowrank.SVD_TOLERANCE (FedAvg of FedHM's family)
+    svd_tolerance: Num | None = option(
+        1.0e-3,
+        "a hand-out is the exact SVD truncation of a weight within this relative distance",
+        allowed="a number in (0.0, 1.0)",
+        gt=0.0,
+        lt=1.0,
+    )
+    official_weights: Flag = option(
+        False, "official code: weights softmax(-(1/gamma) / tau) with levels.assignment=dynamic, uniform with fixed"
+    )
+    add_previous_global: Flag = option(
+        False, "official code: a round without a full-rank reply adds the previous global model at gamma = 1"
+    )
 
-    @classmethod
-    def check(cls, cfg: DictConfig) -> None:
-        check_tau(cfg)
-        check_rho(cfg)
-        flags(
-            cfg,
-            "method.weight_by_samples",
-            "method.frobenius_decay",
-            "method.official_weights",
-            "method.add_previous_global",
-        )
-        if OmegaConf.select(cfg, "method.svd_tolerance") is not None:  # null: the method's own default
-            num_in(cfg, "method.svd_tolerance", 0.0, 1.0, low_open=True, high_open=True)
+    def robust_modes(self) -> tuple[str, ...]:
+        return ROBUST  # recovered full-shape updates: every mode, Krum and DP too
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=DECLARED)
 class PriSMOptions(MethodOptions):
     """PriSM / OrthDrop: kernel selection rule, kappa, rho, the U-subset option (levels: keep ratios)."""
 
@@ -49,17 +59,13 @@ class PriSMOptions(MethodOptions):
     models = CONV_ARCHS
     needs = "the built-in conv nets' kernel layout (cnn/resnet18/resnet34), since PriSM samples conv kernels"
 
-    sampling: str
-    kappa: float
-    rho: int | None
-    u_subset: bool
-    u_subset_rows: str
-    frobenius_decay: bool
-
-    @classmethod
-    def check(cls, cfg: DictConfig) -> None:
-        choice(cfg, "method.sampling", ("prism", "orthdrop", "uniform", "softmax"))
-        num_in(cfg, "method.kappa", 0.0, math.inf, high_open=True)
-        check_rho(cfg, "null (the model's FedHM default) or an integer >= 0 (0: every factorizable layer)")
-        flags(cfg, "method.u_subset", "method.frobenius_decay")
-        choice(cfg, "method.u_subset_rows", ("first", "random"))
+    sampling: Annotated[Text, OneOf(("prism", "orthdrop", "uniform", "softmax"))] = option(
+        "prism", "prism: p ~ sigma^kappa | orthdrop: top-k kernels | uniform | softmax: p = softmax(sigma)"
+    )
+    kappa: Num = option(2.5, "smoothing exponent of p ~ sigma^kappa", ge=0.0, lt=math.inf)
+    rho: Rho = rho(0, "null (the model's FedHM default) or an integer >= 0 (0: every factorizable layer)")
+    u_subset: Flag = option(False, "memory option: Conv_U computes only r of the layer's output channels")
+    u_subset_rows: Annotated[Text, OneOf(("first", "random"))] = option(
+        "first", "which ones: first (the paper's u_i(1:r)) | random (per client and round)"
+    )
+    frobenius_decay: Flag = frobenius_decay(True)

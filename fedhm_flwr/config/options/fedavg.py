@@ -3,15 +3,26 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar
 
 from omegaconf import DictConfig
+from pydantic.dataclasses import dataclass
 
-from fedhm_flwr.config.checks import choice, flags
-from fedhm_flwr.config.options.base import BY_WIDTH, CONV_ARCHS, MethodOptions, check_grad_clip, check_rho
+from fedhm_flwr.config.options.base import (
+    BY_WIDTH,
+    CONV_ARCHS,
+    ELEMENTWISE_MODES,
+    MethodOptions,
+    Rho,
+    frobenius_decay,
+    grad_clip,
+    rho,
+)
+from fedhm_flwr.config.options.declare import DECLARED, Flag, Num, OneOf, Text, option
+from fedhm_flwr.config.options.sections import ROBUST
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=DECLARED)
 class FedAvgOptions(MethodOptions):
     """Homogeneous FedAvg: the full model, or the smallest level of FedHM or HeteroFL; with
     ``method.family=heterofl`` it runs on HeteroFL's models (pair key ``fedavg/heterofl``)."""
@@ -21,21 +32,24 @@ class FedAvgOptions(MethodOptions):
     needs = "an image classifier (cnn, resnet18, resnet34, vit, or a model.target)"
     heterofl_models = CONV_ARCHS
     heterofl_needs = BY_WIDTH + "method.family=heterofl slices widths"
+    presets: ClassVar[dict[str, dict[str, Any]]] = {"fedavg_smallest": {"variant": "smallest"}}
 
-    variant: str
-    family: str
-    rho: int | None
-    frobenius_decay: bool
-    scaler: bool
-    grad_clip: float
+    variant: Annotated[Text, OneOf(("full", "smallest"))] = option(
+        "full", "full: the full model (upper bound) | smallest: the smallest level's model"
+    )
+    family: Annotated[Text, OneOf(("fedhm", "heterofl"))] = option(
+        "fedhm", "whose smallest level: fedhm (low-rank model at min levels.ratios) | heterofl (width sub-model)"
+    )
+    rho: Rho = rho(None)
+    frobenius_decay: Flag = frobenius_decay(True)
+    scaler: Flag = option(True, "family heterofl: Scaler, activations / rate before each norm, in training only")
+    grad_clip: Num = grad_clip(1.0)
 
-    @classmethod
-    def check(cls, cfg: DictConfig) -> None:
-        choice(cfg, "method.variant", ("full", "smallest"))
-        choice(cfg, "method.family", ("fedhm", "heterofl"))
-        check_rho(cfg)
-        flags(cfg, "method.frobenius_decay", "method.scaler")
-        check_grad_clip(cfg, used=cfg.method.get("family") == "heterofl")  # family fedhm: train.grad_clip
+    def clips(self) -> float | None:
+        return self.grad_clip if self.family == "heterofl" else None  # family fedhm: train.grad_clip
+
+    def robust_modes(self) -> tuple[str, ...]:
+        return ROBUST if self.variant == "full" or self.family == "fedhm" else ELEMENTWISE_MODES
 
     @classmethod
     def pairs(cls) -> dict[str, tuple[tuple[str, ...], str]]:

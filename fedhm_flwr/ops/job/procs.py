@@ -128,13 +128,16 @@ SERVERAPP_COMMANDS = ("flwr-simulation", "flwr-serverapp")
 
 
 def command_name(pid: int) -> str:
-    """The program a process runs: ``flwr-simulation`` for ``python .../bin/flwr-simulation ...``."""
+    """The program a process runs: ``flwr-simulation`` for ``python .../bin/flwr-simulation ...``, the
+    module for ``python -m module ...`` (``fedhm_flwr.ops.deploy.link_guard``: the SuperLink's guard)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return ""
     names = [Path(a.decode(errors="replace")).name for a in argv[:2] if a]
     if len(names) == 2 and names[0].startswith("python"):
+        if names[1] == "-m" and len(argv) > 2:
+            return argv[2].decode(errors="replace")
         return names[1]
     return names[0] if names else ""
 

@@ -126,6 +126,8 @@ class Tls:
 
 #: how long a SuperLink the launcher or deploy-local starts may take to start its helper (a loaded machine)
 GUARD_HELPER_WAIT = 90.0
+#: the module the SuperLink runs under (its process's name, as :func:`fedhm_flwr.ops.job.procs.command_name` gives it)
+GUARD_MODULE = "fedhm_flwr.ops.deploy.link_guard"
 
 
 def start_superlink(
@@ -149,7 +151,7 @@ def start_superlink(
     superlink`` (:mod:`fedhm_flwr.ops.deploy.link_guard`): a SuperLink whose ``flower-superexec`` died
     (or never started) cannot start a run, and would stay up silently; the guard then says why in its
     log, stops it and exits 1, so that the process watching it (the launcher, ``deploy-local``) sees it end."""
-    guard = [sys.executable, "-m", "fedhm_flwr.ops.deploy.link_guard", "--helper-wait", f"{GUARD_HELPER_WAIT:g}"]
+    guard = [sys.executable, "-m", GUARD_MODULE, "--helper-wait", f"{GUARD_HELPER_WAIT:g}"]
     cmd = [*guard, "--flower-superlink", bin_path("flower-superlink"), "--"]
     if tls is None:
         cmd.append("--insecure")

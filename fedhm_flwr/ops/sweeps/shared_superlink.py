@@ -32,6 +32,7 @@ from pathlib import Path
 
 from fedhm_flwr.ops.job.procs import Processes, kill_tagged, tagged_pids
 from fedhm_flwr.ops.job.superlink import (
+    GUARD_MODULE,
     await_health,
     connect_simulation_superlink,
     free_port,
@@ -42,8 +43,9 @@ from fedhm_flwr.ops.job.superlink import (
 SHARED_SUPERLINK_VAR = "FEDHM_SHARED_SUPERLINK_ADDRESS"
 #: ``0`` (or ``false``, ``no``, ``off``): each job of a sweep starts its own SuperLink; else they share one
 SHARED_SUPERLINK_SWITCH = "FEDHM_SHARED_SUPERLINK"
-#: the processes that serve every job of the sweep (the rest under its tag belong to the job running)
-SUPERLINK_COMMANDS = ("flower-superlink", "flower-superexec")
+#: the processes that serve every job of the sweep, the SuperLink's guard among them (the rest under its
+#: tag belong to the job running)
+SUPERLINK_COMMANDS = (GUARD_MODULE, "flower-superlink", "flower-superexec")
 
 
 def enabled(environ: dict[str, str] | None = None) -> bool:

@@ -18,6 +18,7 @@ parameters the sub-model keeps (docs/METHODS.md#fiarse says what that saves and 
 
 from __future__ import annotations
 
+from logging import INFO
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ import torch
 from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.config.options.fiarse import FIARSEOptions
 from fedhm_flwr.math import fiarse
-from fedhm_flwr.models import build_model
+from fedhm_flwr.models import build_model, matching
 from fedhm_flwr.server.methods.common import classifier_keys
 from fedhm_flwr.server.methods.method import Method, Reply, State, method_options
 
@@ -54,10 +55,17 @@ class FIARSE(Method):
         self.masked_numel = sum(sizes.values())
         #: what the masked forward keeps for the backward beyond the dense model's training memory
         self.mask_bytes = sum((BIAS_BYTES if k.endswith("bias") else WEIGHT_BYTES) * n for k, n in sizes.items())
+        #: each level's size: the level itself, or (``levels.match=fedhm_params``) the size whose sub-model
+        #: keeps FedHM's parameter count at the level's rank ratio
+        self.sizes, self.fedhm_costs = list(self.levels), None
+        if opts.levels.match == "fedhm_params":
+            params = sum(p.numel() for p in shapes_model.parameters() if p.requires_grad)
+            self.fedhm_costs = matching.fedhm_level_costs(self.spec, self.levels, resource="params")
+            self.sizes = [fiarse.matched_size(t, params, self.masked_numel) for t in self.fedhm_costs]
 
     def threshold(self, level_index: int, global_state: State) -> float:
         """``θ`` of the level's size on ``global_state``."""
-        return fiarse.threshold(global_state, self.keys, self.levels[level_index])
+        return fiarse.threshold(global_state, self.keys, self.sizes[level_index])
 
     def level_payload(self, level_index: int, global_state: State) -> tuple[dict[str, Any], State, dict[str, Any]]:
         theta = self.threshold(level_index, global_state)
@@ -81,9 +89,19 @@ class FIARSE(Method):
         """The dense figures, the training memory with the masked forward's saved tensors, and the
         parameters the sub-model keeps (``kept_params``: its masked elements kept and every other
         parameter)."""
-        kept = fiarse.kept_count(self.masked_numel, self.levels[level_index])
-        return {
+        kept = fiarse.kept_count(self.masked_numel, self.sizes[level_index])
+        out = {
             **costs,
             "memory": costs["memory"] + self.mask_bytes,
             "kept_params": float(costs["params"] - self.masked_numel + kept),
         }
+        if self.fedhm_costs is not None:
+            out["fedhm_params"] = float(self.fedhm_costs[level_index])
+        return out
+
+    def summary_lines(self) -> list[tuple[int, str, tuple[Any, ...]]]:
+        """With ``levels.match=fedhm_params``: each level's size and the parameters it keeps."""
+        if self.fedhm_costs is None:
+            return []
+        sizes = ", ".join(f"level {g:g} -> size {s:.4g}" for g, s in zip(self.levels, self.sizes, strict=True))
+        return [(INFO, "\t└──> Parameter-matched sizes (levels.match=fedhm_params): %s", (sizes,))]
