@@ -135,7 +135,7 @@ def scale_run(clients: int, per_round: int, rounds: int, query: str, extra: tupl
         "bytes_queries": [r.get("bytes_queries", 0) for r in rows],
         "queried": asked,
         "query_seconds_per_node": per_node,
-        # the start-up before round 1 (NodeRegistry.startup): the simulation's workers start on
+        # the start-up before round 1 (NodeDiscovery.startup): the simulation's workers start on
         # their first message (importing torch and the ClientApp) and the nodes find their data
         "startup_seconds": summary.get("startup_seconds"),
         "startup_queried": summary.get("startup_queried"),
@@ -172,7 +172,7 @@ def server_state_per_node(counts: tuple[int, ...], per_round: int = 100, rounds:
         tracemalloc.start()
         strategy = STRATEGIES["fedhm"](run_options(cfg), spec)
         t0 = time.perf_counter()
-        strategy.registry.startup(grid, 1)
+        strategy.discovery.startup(grid, 1)
         startup = time.perf_counter() - t0
         for r in range(1, rounds + 1):
             replies = grid.send_and_receive(list(strategy.configure_train(r, arrays, None, grid)))
@@ -183,9 +183,9 @@ def server_state_per_node(counts: tuple[int, ...], per_round: int = 100, rounds:
         kept = sum(stat.size for stat in snapshot.statistics("filename"))
         rows[str(n)] = {
             "nodes": n,
-            "known": len(strategy.registry.nodes),
+            "known": len(strategy.known.nodes),
             "server_state_bytes": kept,
-            "bytes_per_known_node": kept / max(1, len(strategy.registry.nodes)),
+            "bytes_per_known_node": kept / max(1, len(strategy.known.nodes)),
             "startup_seconds": startup,
         }
         del strategy, grid

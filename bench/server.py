@@ -177,7 +177,7 @@ def fedhm_round_against_floor(
         t2 = clock()
         arrays, _ = strategy.aggregate_train(10_000 + k, replies)
         t3 = clock()
-        merged = strategy.state_of(arrays)  # as the evaluation gets it
+        merged = strategy.wire.state_of(arrays)  # as the evaluation gets it
         for index in range(len(strategy.levels)):
             strategy.method.deployable(index, merged)
         t4 = clock()

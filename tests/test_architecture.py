@@ -379,3 +379,17 @@ def test_the_circle_check_covers_the_benchmarks(monkeypatch):
     assert "bench.scale" in EDGES["bench.run"] and "bench.scale_report" in EDGES["bench.scale"]
     monkeypatch.setitem(EDGES, "bench.scale_report", EDGES["bench.scale_report"] | {"bench.scale"})
     assert frozenset({"bench.scale", "bench.scale_report"}) in _circles()
+
+
+def test_the_strategy_is_one_class_with_no_project_mixin():
+    """``HeteroStrategy`` is one class in one file: its class statement names Flower's ``Strategy``
+    only; what it works with it holds (the wire, the nodes), it does not inherit."""
+    tree = ast.parse((ROOT / "fedhm_flwr" / "server" / "strategy.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "HeteroStrategy"]
+    flower = [
+        a.asname or a.name
+        for n in tree.body
+        if isinstance(n, ast.ImportFrom) and n.module == "flwr.serverapp.strategy"
+        for a in n.names
+    ]
+    assert [ast.unparse(b) for b in cls.bases] == ["Strategy"] and "Strategy" in flower

@@ -96,7 +96,7 @@ def test_aggregation_recovers_and_weights_by_softmax_gamma(toy_cfg):
     pids, levels, recovered = [], [], []
     for msg in replies:
         node = msg.metadata.src_node_id
-        index, _ = strategy.sent[node]
+        index, _ = strategy.wire.sent[node]
         pids.append(strategy.nodes[node].partition_id)
         levels.append(strategy.levels[index])
         recovered.append(
@@ -187,7 +187,7 @@ def test_nodes_sharing_a_partition_id_are_all_kept(toy_cfg):
     grid = LocalGrid(6, client_handlers(), node_config=lambda i: {"partition-id": min(i, 3)})  # 3, 4, 5 -> "3"
     msgs = _configure(strategy, grid, initial_state(cfg.seed, strategy.method.spec))
     assert len({m.metadata.dst_node_id for m in msgs}) == 6
-    keys = {strategy.registry.key(n) for n in strategy.nodes}
+    keys = {strategy.known.key(n) for n in strategy.nodes}
     assert len(keys) == 6
 
 

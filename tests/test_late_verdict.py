@@ -110,7 +110,7 @@ class _Silent(LocalGrid):
 def _two_rounds(toy_cfg, gone: bool, verdict_wait: float) -> list[dict]:
     cfg = toy_cfg("rounds=2 evaluation.where=server evaluation.levels=false evaluation.deploy_stats=false")
     strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
-    strategy.verdict_wait = verdict_wait
+    strategy.wire.verdict_wait = verdict_wait
     grid = _Silent(6, client_handlers(), pid=2, after=1.0, gone=gone)
     arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg.seed, strategy.method.spec))
     strategy.start(grid, arrays, num_rounds=2, timeout=0.4)  # its deadline comes before the reply

@@ -68,8 +68,8 @@ def test_named_nodes_keep_a_hashed_level_whatever_their_node_id(toy_cfg):
         pid = ctx.node_config.pop("partition-id")
         ctx.node_config.pop("num-partitions")
         ctx.node_config["node-name"] = names[pid]
-    strategy.registry.refresh(grid, 1)
-    by_name = {strategy.nodes[n].name: strategy.levels[strategy.registry.levels_of[n]] for n in strategy.nodes}
+    strategy.discovery.refresh(grid, 1)
+    by_name = {strategy.nodes[n].name: strategy.levels[strategy.assignment.levels_of[n]] for n in strategy.nodes}
     expected = {
         name: cfg.levels.ratios[lv.hashed_level(f"name:{name}", [1, 1, 1, 1], int(cfg.seed))] for name in names.values()
     }
@@ -80,8 +80,8 @@ def test_named_nodes_keep_a_hashed_level_whatever_their_node_id(toy_cfg):
     for ctx, name in zip(grid2.contexts.values(), reversed(list(names.values()))):
         ctx.node_config.clear()
         ctx.node_config["node-name"] = name
-    other.registry.refresh(grid2, 1)
-    assert {other.nodes[n].name: other.levels[other.registry.levels_of[n]] for n in other.nodes} == by_name
+    other.discovery.refresh(grid2, 1)
+    assert {other.nodes[n].name: other.levels[other.assignment.levels_of[n]] for n in other.nodes} == by_name
 
 
 def test_hashed_levels_follow_the_proportions():
@@ -148,7 +148,7 @@ def test_each_node_reports_the_examples_it_trains_on_and_they_add_up(toy_cfg):
     cfg = toy_cfg("evaluation.where=both evaluation.holdout=0.2")
     strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     grid = LocalGrid(6, client_handlers())
-    strategy.registry.startup(grid, 1)
+    strategy.discovery.startup(grid, 1)
     told = {n: info.examples for n, info in strategy.nodes.items()}
     arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg.seed, strategy.method.spec))
     trained = {
@@ -170,7 +170,7 @@ def test_a_node_whose_data_cannot_serve_the_run_sits_out_from_the_start(toy_cfg,
     # node 3 claims a partition the run does not have (partition ids 0..5)
     grid = LocalGrid(6, client_handlers(), node_config=lambda i: {"partition-id": 9} if i == 3 else {})
     with caplog.at_level(logging.WARNING):
-        strategy.registry.startup(grid, 1)
+        strategy.discovery.startup(grid, 1)
     assert len(strategy.nodes) == 5 and 9 not in {info.partition_id for info in strategy.nodes.values()}
     assert any("cannot take part" in r.getMessage() and "partition-id" in r.getMessage() for r in caplog.records)
     assert len(_round(strategy, grid, 1)) == 5
@@ -180,14 +180,14 @@ def test_many_nodes_joining_at_once_are_logged_as_level_counts(toy_cfg, caplog):
     cfg = toy_cfg("num_clients=20")
     strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     with caplog.at_level(logging.INFO):
-        strategy.registry.startup(LocalGrid(20, client_handlers()), 1)
+        strategy.discovery.startup(LocalGrid(20, client_handlers()), 1)
     lines = [r.getMessage() for r in caplog.records if "joined" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("round 1: 20 nodes joined -> ")
     counts = {
         float(part.split(": ")[0].removeprefix("level ")): int(part.split(": ")[1])
         for part in lines[0].split(" -> ")[1].split(", ")
     }
-    held = [strategy.levels[i] for i in strategy.registry.levels_of.values()]
+    held = [strategy.levels[i] for i in strategy.assignment.levels_of.values()]
     assert counts == {level: held.count(level) for level in set(held)} and sum(counts.values()) == 20
 
 
@@ -199,7 +199,7 @@ def test_the_start_up_waits_for_round_1_once_and_later_rounds_wait_again(toy_cfg
         return sum("waiting up to 0.2s for at least 8" in r.getMessage() for r in caplog.records)
 
     with caplog.at_level(logging.INFO):
-        strategy.registry.startup(grid, 1)
+        strategy.discovery.startup(grid, 1)
         assert waits() == 1 and len(strategy.nodes) == 6
         assert len(_round(strategy, grid, 1)) == 6 and waits() == 1  # the start-up's wait was round 1's
         assert len(_round(strategy, grid, 2)) == 6 and waits() == 2
@@ -225,7 +225,7 @@ def test_a_node_that_sits_out_is_recorded_and_asked_again_only_when_it_reconnect
     assert summary["excluded"] == json.loads(rows[-1]["excluded"])
     # it leaves and reconnects: asked again, once
     strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
-    strategy.registry.startup(grid, 1)
+    strategy.discovery.startup(grid, 1)
     context = grid.contexts.pop(bad)
     with caplog.at_level(logging.INFO):
         _round(strategy, grid, 1)
@@ -244,7 +244,7 @@ def test_sampling_nodes_not_yet_queried_draws_the_same_sets_and_hashes_each_node
     and a node's key is hashed once however many rounds draw it."""
     import hashlib
 
-    import fedhm_flwr.server.nodes as nodes
+    import fedhm_flwr.server.known_nodes as nodes
 
     cfg = toy_cfg("num_clients=40 fraction_train=0.3 seed=11 availability.query=sampled")
     strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
@@ -254,11 +254,11 @@ def test_sampling_nodes_not_yet_queried_draws_the_same_sets_and_hashes_each_node
     monkeypatch.setattr(nodes.hashlib, "sha256", lambda data: hashed.append(data) or real(data))
     nodes.hashed_key.cache_clear()
     for rnd in (1, 2, 3, 2):
-        strategy.registry.refresh(grid, rnd)
-        assert sorted(strategy.registry.unknown) == sorted(grid.get_node_ids())  # none queried yet
+        strategy.discovery.refresh(grid, rnd)
+        assert sorted(strategy.known.unknown) == sorted(grid.get_node_ids())  # none queried yet
         keys = {(1 << 40) + int(real(f"node:{n}".encode()).hexdigest()[:12], 16): n for n in grid.get_node_ids()}
         expected = np.random.default_rng([11, rnd, 0]).choice(sorted(keys), size=12, replace=False)
-        assert sorted(strategy.registry.sample(rnd)) == sorted(keys[int(k)] for k in expected)
+        assert sorted(strategy.sampler.sample(rnd)) == sorted(keys[int(k)] for k in expected)
     assert len(hashed) == 40  # one hash per node, not one per node and draw
 
 

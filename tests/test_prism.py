@@ -271,7 +271,7 @@ def test_each_node_gets_its_own_draw_and_only_ranks_travel():
     again = PriSMStrategy(run_options(cfg), model_spec(cfg))
     again.method.factored_form(state)
     for node, draws in method.draws.items():
-        same = again.method.sample(1, strategy.registry.key(node), strategy.sent[node][0])
+        same = again.method.sample(1, strategy.known.key(node), strategy.wire.sent[node][0])
         assert all(torch.equal(same[n].kernels, draws[n].kernels) for n in method.layers)
 
 

@@ -159,7 +159,7 @@ def test_the_noise_of_a_dp_round_is_not_reproducible_from_any_seed_a_client_rece
         messages = list(strategy.configure_train(1, ArrayRecord.from_torch_state_dict(state), None, grid))
         assert messages  # Poisson with q = 0.9 over 6 nodes: none sampled has probability 1e-6
         replies = list(grid.send_and_receive(messages))
-        valid = [r for r in (strategy._validate(m.metadata.src_node_id, m)[0] for m in replies) if r is not None]
+        valid = [r for r in (strategy.wire.validate(m.metadata.src_node_id, m)[0] for m in replies) if r is not None]
         noisy = strategy.aggregate_train(1, replies)[0].to_torch_state_dict()
         std = strategy.untrusted.columns["dp_noise_std"]
         mean, _ = privacy.dp_mean(
@@ -198,8 +198,8 @@ def test_dp_sampling_is_poisson_from_a_secret_stream():
         for _ in range(2):
             _, strategy, _ = _strategy(f"dp.enabled=true fraction_train=0.5 num_clients=12 {overrides}")
             grid = LocalGrid(12, client_handlers())
-            strategy.registry.refresh(grid, 1)
-            out.append([tuple(strategy.registry.by_key(strategy.registry.sample(r))) for r in range(1, 9)])
+            strategy.discovery.refresh(grid, 1)
+            out.append([tuple(strategy.known.by_key(strategy.sampler.sample(r))) for r in range(1, 9)])
         return out
 
     secret, seeded = samples(""), samples("dp.seed=3")

@@ -60,7 +60,7 @@ def scaled_round():
     """FedHM, 6 clients of 4 levels, one of them (20 %) sending 100 x its update."""
     cfg = load_config(f"{TOY} failures.attack.kind=scale failures.attack.fraction=0.2")
     strategy, state, grid, _, replies = _trained_round(cfg)
-    attackers = {n for n in strategy.sent if strategy.is_attacker(n)}
+    attackers = {n for n in strategy.wire.sent if strategy.wire.is_attacker(n)}
     return cfg, state, grid, replies, attackers
 
 
@@ -75,7 +75,7 @@ def test_an_attack_changes_exactly_the_chosen_clients_replies_in_the_chosen_way(
     cfg = load_config(f"{TOY} failures.attack.kind={kind} failures.attack.fraction=0.34 failures.attack.scale=7")
     clean = clean_replies
     strategy, _, _, messages, attacked = _trained_round(cfg)
-    attackers = {n for n in strategy.sent if strategy.is_attacker(n)}
+    attackers = {n for n in strategy.wire.sent if strategy.wire.is_attacker(n)}
     assert len(attackers) == 2  # round(0.34 * 6) partitions, fixed for the run
     assert json.loads(strategy.attacks.columns["attackers"]) == sorted(
         (strategy.node_label(n) for n in attackers), key=lambda s: int(s[1:])
@@ -189,7 +189,7 @@ def test_dp_adds_calibrated_noise_to_the_clipped_mean_and_reports_epsilon(tmp_pa
     _, state, grid, messages, replies = _trained_round(cfg)
     assert messages  # Poisson sampling, q = 0.9 over 6 nodes
     noisy_strategy, noisy = _aggregate(cfg, state, grid, replies)
-    valid = [noisy_strategy._validate(m.metadata.src_node_id, m)[0] for m in replies]
+    valid = [noisy_strategy.wire.validate(m.metadata.src_node_id, m)[0] for m in replies]
     mean, scales = privacy.dp_mean(state, [noisy_strategy.method.recovered(r, state)[0] for r in valid], 0.5, 0.9 * 6)
     noise = torch.cat([(noisy[k].double() - mean[k].double()).flatten() for k in state if state[k].is_floating_point()])
     columns = noisy_strategy.untrusted.columns
@@ -255,7 +255,7 @@ def test_a_reply_of_huge_factors_is_rejected_and_counted_and_every_defence_stays
     if mode == "none":
         return
     # past the screen (a method whose recovery could overflow): the merge refuses the update itself
-    valid = [strategy._validate(m.metadata.src_node_id, m)[0] for m in replies if m.metadata.src_node_id != bad]
+    valid = [strategy.wire.validate(m.metadata.src_node_id, m)[0] for m in replies if m.metadata.src_node_id != bad]
     broken = dataclasses.replace(valid[0], state={k: v.clone() for k, v in valid[0].state.items()})
     next(v for v in broken.state.values() if v.is_floating_point()).view(-1)[0] = math.inf
     strategy.untrusted.rejected.clear()

@@ -30,7 +30,7 @@ def test_the_server_serializes_each_global_model_once_and_never_reads_it_back(to
     real = ArrayRecord.to_torch_state_dict
 
     def spy(self, *args, **kwargs):
-        if strategy._global_record is not None and self is strategy._global_record:
+        if strategy.wire._global_record is not None and self is strategy.wire._global_record:
             reads.append(True)
         return real(self, *args, **kwargs)
 
@@ -41,7 +41,7 @@ def test_the_server_serializes_each_global_model_once_and_never_reads_it_back(to
     # (initial, after round 1, after round 2), each serialised once for the merged record, every
     # level's payload and the clients' evaluation alike
     for key in ("conv1.weight", "fc.weight", "fc.bias", "bn1.weight"):
-        assert strategy.array_cache.serialized[key] == 3, key
+        assert strategy.wire.array_cache.serialized[key] == 3, key
     assert reads == []  # the next round and the evaluation take the state itself
 
 
@@ -88,13 +88,13 @@ def test_sampled_queries_ask_only_the_round_s_nodes_and_levels_stay_put(toy_cfg)
         strategy, grid = FedHMStrategy(run_options(cfg), model_spec(cfg)), LocalGrid(20, client_handlers())
         asked_per_round, trained_per_round, before = [], [], 0
         if startup:  # as start() does before round 1: its queries are the start-up's, not the round's
-            strategy.registry.startup(grid, 1)
+            strategy.discovery.startup(grid, 1)
             asked_per_round.append({n for n, kind in grid.delivered if kind == MessageType.QUERY})
             before = len(grid.delivered)
         for rnd in range(1, count + 1):
             msgs = list(strategy.configure_train(rnd, _start(cfg), None, grid))
             if prefetch and rnd < count:  # as start() does once a round is handed out: next round's new nodes
-                strategy.registry.prefetch(grid, rnd + 1)
+                strategy.discovery.prefetch(grid, rnd + 1)
             asked_per_round.append({n for n, kind in grid.delivered[before:] if kind == MessageType.QUERY})
             trained_per_round.append({m.metadata.dst_node_id for m in msgs})
             before = len(grid.delivered)
@@ -109,7 +109,7 @@ def test_sampled_queries_ask_only_the_round_s_nodes_and_levels_stay_put(toy_cfg)
         assert asked[rnd] == trained[rnd] - set().union(*trained[:rnd])
     assert sampled.nodes  # a node's level is its own, whoever was asked first
     for node_id in sampled.nodes:
-        assert sampled.registry.levels_of[node_id] == everyone.registry.levels_of[node_id]
+        assert sampled.assignment.levels_of[node_id] == everyone.assignment.levels_of[node_id]
     # asked ahead (behind the previous round's training): the same samples, each node asked once,
     # the asking done before the round that trains it
     _, ahead, trained_ahead = rounds(toy_cfg(f"{common} availability.query=sampled"), 4, prefetch=True)
@@ -121,7 +121,7 @@ def test_sampled_queries_ask_only_the_round_s_nodes_and_levels_stay_put(toy_cfg)
     assert trained_started == trained
     cfg = toy_cfg(f"{common} availability.query=sampled")  # round 1 counts no node the start-up asked
     strategy, grid = FedHMStrategy(run_options(cfg), model_spec(cfg)), LocalGrid(20, client_handlers())
-    assert strategy.registry.startup(grid, 1)["startup_queried"] == 5
+    assert strategy.discovery.startup(grid, 1)["startup_queried"] == 5
     list(strategy.configure_train(1, _start(cfg), None, grid))
     assert strategy.round_log.queried == 0 and strategy.round_log.query_bytes == 0
     assert ahead == [asked[0], asked[1], asked[2], asked[3], set()]  # each round pushes the next one's

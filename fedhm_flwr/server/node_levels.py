@@ -1,5 +1,6 @@
-"""A node's level for the run, and a DP round's Poisson sample: what the node registry
-(:class:`fedhm_flwr.server.nodes.NodeRegistry`) decides about a node from its node info.
+"""A node's level: for the run, decided when the node joins from its node info alone
+(:class:`LevelAssignment`, which also keeps, for checkpoints, the level each identity had), and each
+round's (drawn per round with ``levels.assignment = dynamic``).
 
 A node's level depends only on that node (issue "levels that stay put"):
 
@@ -21,12 +22,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from logging import INFO, WARNING
+from typing import Any, cast
 
 from flwr.supercore import log
 
+from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.core.protocol import CAPABILITY_BUDGETS, CAPABILITY_LEVEL, NodeInfo
 from fedhm_flwr.math import levels as lv
-from fedhm_flwr.math.privacy import poisson_sample, secret_uniform
+from fedhm_flwr.server.known_nodes import KnownNodes
 
 #: more nodes than this joining at once are logged as one line (level counts), not one line each
 _JOIN_LINES = 10
@@ -90,18 +93,75 @@ def log_joined(
         log(INFO, "round %d: node %s", server_round, line(node_id))
 
 
-class PoissonDraws:
-    """DP runs: each key in with probability ``fraction`` (no minimum), drawn once per round and key
-    (:func:`fedhm_flwr.math.privacy.secret_uniform`; kept, so that the prefetch and the round see the
-    same draw)."""
+class LevelAssignment:
+    """Each node's level: fixed for the run when it joins, drawn per round when dynamic."""
 
-    def __init__(self, fraction: float, seed: int | None) -> None:
-        self.fraction, self.seed = fraction, seed
-        self._draws: dict[int, dict[int, float]] = {}  # round -> key -> its secret uniform draw
+    def __init__(
+        self, opts: RunOptions, levels: list[float], costs: Sequence[Mapping[str, float]], known: KnownNodes
+    ) -> None:
+        self.opts, self.levels, self.known = opts, levels, known
+        self.costs = costs  # level index -> its costs (what a declared budget is compared with)
+        self.levels_of: dict[int, int] = {}  # node id -> level index for the run (fixed/declared)
+        self.declared: dict[int, int] = {}  # node id -> level the node itself declared (or the default)
+        self.seen: dict[str, int] = {}  # identity -> level index it had (survives leaving)
+        self.fixed = opts.levels.assignment == "fixed"
+        self.seed, self.proportions = opts.seed, opts.levels.shares
 
-    def sample(self, server_round: int, keys: list[int]) -> list[int]:
-        for old in [r for r in self._draws if r < server_round - 1]:
-            del self._draws[old]
-        mine = self._draws.setdefault(server_round, {})
-        uniform = secret_uniform(self.seed, server_round)
-        return poisson_sample(keys, self.fraction, lambda k: mine[k] if k in mine else mine.setdefault(k, uniform(k)))
+    def settle(self, server_round: int, new: list[int]) -> None:
+        """Fix the level of each of these newly answered nodes for the run; log the ones that joined
+        (and each returning node's)."""
+        joined = [n for n in new if self._settle(n, server_round)]
+        log_joined(server_round, joined, lambda n: self.levels[self.levels_of[n]], self._joined_line)
+
+    def _settle(self, node_id: int, server_round: int) -> bool:
+        """Fix a newly connected node's level for the run (and log a returning node's); True when
+        the node is new to the run."""
+        info, label = self.known.nodes[node_id], self.known.label
+        index = declared_level(info, self.levels, self.costs, label(node_id))
+        if index is not None:
+            self.declared[node_id] = index
+        elif self.opts.levels.default is not None:
+            # the config check admits only a default among levels.ratios: it has an index
+            index = cast(int, lv.level_index_of(self.opts.levels.default, self.levels))
+            self.declared[node_id] = index
+        else:
+            index = stable_level(info, self.known.key(node_id), self.proportions, self.seed, self.opts.num_clients)
+        self.levels_of[node_id] = index
+        identity = info.identity()
+        before = self.seen.get(identity)
+        if before is not None:
+            log(
+                INFO,
+                "round %d: node %s is back (node id %d) -> level %g (was %g)",
+                server_round,
+                label(node_id),
+                node_id,
+                self.levels[index],
+                self.levels[before],
+            )
+        self.seen[identity] = index
+        return before is None
+
+    def _joined_line(self, node_id: int) -> str:
+        examples = self.known.nodes[node_id].examples
+        level = self.levels[self.levels_of[node_id]]
+        return f"{self.known.label(node_id)} joined (node id {node_id}) -> level {level:g}" + (
+            "" if examples is None else f", {examples} training examples"
+        )
+
+    def assign(self, server_round: int, node_ids: list[int]) -> dict[int, int]:
+        """Level index of each sampled node this round (fixed: the node's own; dynamic: drawn)."""
+        if self.fixed:
+            return {n: self.levels_of[n] for n in node_ids}
+        rng = lv.round_rng(self.seed, server_round, stream=1)
+        drawn = lv.dynamic_levels(len(node_ids), self.proportions, rng)
+        out = dict(zip(node_ids, drawn))
+        out.update({n: self.declared[n] for n in node_ids if n in self.declared})
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the level each identity had."""
+        return {"levels_by_identity": dict(self.seen)}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.seen = {str(k): int(v) for k, v in state.get("levels_by_identity", {}).items()}

@@ -1,36 +1,37 @@
-"""The node registry: who is connected, what each node declared, and its level for the run (decided
-from the node alone: :mod:`fedhm_flwr.server.node_levels`).
+"""Node discovery: who is connected, and what each new node declares (its node-info answer).
 
-The registry queries a node's node config once (``node-info`` query, carrying the run's data
-spec: the node answers with its number of training examples), when the node is new or
-reconnects, and caches it: all new nodes in one push and one pull loop. The start-up before round
-1 (:meth:`NodeRegistry.startup`) asks the nodes round 1 will use, so that no round pays for the
+One job: learn the nodes. Each round it forgets the nodes gone and asks the new ones for their node
+config once (``node-info`` query, carrying the run's data spec: the node answers with its number of
+training examples), when the node is new or reconnects, and caches the answer
+(:class:`~fedhm_flwr.server.known_nodes.KnownNodes`): all new nodes in one push and one pull loop;
+a node answering with an error sits out until it reconnects. The start-up before round 1
+(:meth:`NodeDiscovery.startup`) asks the nodes round 1 will use, so that no round pays for the
 first contact (under the simulation engine, the workers' start). With ``availability.query =
 sampled`` a new node is asked only when a round first samples it (a node not yet asked is sampled by
-a hash of its node id, then by its stable key): no round pays for nodes that are not in it, at the
-price of a first-contact sample that follows node ids (which the simulation engine draws anew).
+a hash of its node id, then by its stable key: :mod:`~fedhm_flwr.server.sampling`): no round pays
+for nodes that are not in it, at the price of a first-contact sample that follows node ids (which
+the simulation engine draws anew). A new node's level is settled as it answers
+(:class:`~fedhm_flwr.server.node_levels.LevelAssignment`). What the queries took is counted per round
+(``query_seconds``, ``queried``, ``excluded``: the round's row).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import math
 import time
-from collections.abc import Mapping, Sequence
 from logging import INFO, WARNING
-from typing import Any, cast
+from typing import Any
 
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.core import protocol
-from fedhm_flwr.core.protocol import NodeInfo as NodeInfo  # re-exported for the strategy
-from fedhm_flwr.math import levels as lv
 from fedhm_flwr.server.ahead import AheadQueries
-from fedhm_flwr.server.node_levels import PoissonDraws, declared_level, log_joined, stable_level
+from fedhm_flwr.server.known_nodes import KnownNodes
+from fedhm_flwr.server.node_levels import LevelAssignment
+from fedhm_flwr.server.sampling import RoundSampler
 from fedhm_flwr.server.transport import (
     NODE_UNAVAILABLE,
     collect,
@@ -40,50 +41,24 @@ from fedhm_flwr.server.transport import (
     push,
 )
 
-#: keys of nodes without a unique partition id start here (partition ids stay below)
-_HASHED_KEY_BASE = 1 << 40
 
+class NodeDiscovery:
+    """Connected nodes learnt and asked for their node info (see the module docstring)."""
 
-@functools.lru_cache(maxsize=1 << 17)  # each node's key hashed once, not at every draw (bounded)
-def hashed_key(identity: str) -> int:
-    """A stable integer key for an identity string (above every partition id)."""
-    return _HASHED_KEY_BASE + int(hashlib.sha256(identity.encode()).hexdigest()[:12], 16)
-
-
-class NodeRegistry:
-    """Connected nodes, their cached node info, stable keys and levels."""
-
-    def __init__(self, opts: RunOptions, levels: list[float], costs: Sequence[Mapping[str, float]]) -> None:
-        self.opts = opts
-        self.levels = levels
-        self.costs = costs  # level index -> its costs (what a declared budget is compared with)
-        self.nodes: dict[int, NodeInfo] = {}
-        self.keys: dict[int, int] = {}  # node id -> stable key (sorting, seeds, sampling)
-        self.levels_of: dict[int, int] = {}  # node id -> level index for the run (fixed/declared)
-        self.declared: dict[int, int] = {}  # node id -> level the node itself declared (or the default)
-        self.seen: dict[str, int] = {}  # identity -> level index it had (survives leaving)
-        self.unknown: list[int] = []  # connected nodes not queried yet (availability.query = sampled)
+    def __init__(self, opts: RunOptions, known: KnownNodes, levels: LevelAssignment, sampler: RoundSampler) -> None:
+        self.opts, self.known, self.levels, self.sampler = opts, known, levels, sampler
         #: connected nodes that sit out (their node-info answer was an error, e.g. a broken shard) ->
         #: why; asked again only once they were seen gone and reconnect
         self.excluded: dict[int, str] = {}
         self.silent: set[int] = set()  # nodes that left a node-info query unanswered (then waited for briefly)
-        self._former: dict[int, str] = {}  # node id -> label of a node that left (its failures keep its name)
         self.query_seconds = 0.0  # this round's wall time in node-info queries
         self.queried = 0  # nodes asked this round
         self._waited_for: int | None = None  # the round the start-up waited for nodes for
         self.data_spec = json.dumps(opts.data_spec())  # each node reports its example count for it
         self.ahead = AheadQueries(self.data_spec)  # node-info queries asked ahead (start-up, prefetch)
         self.marks: dict[str, float] = {}  # the first node-info answers' start-up marks (#53, reporting/startup.py)
-        # the round's rules, read once (a config lookup costs more than a round's sampling at 10 nodes)
         self.ask_when_sampled = opts.availability.query == "sampled"
-        self.fixed_levels = opts.levels.assignment == "fixed"
-        self.seed, self.dp = opts.seed, opts.dp.enabled
-        self.fraction, self.min_train = opts.fraction_train, opts.min_train_nodes
-        self.min_nodes = opts.availability.min_nodes or self.min_train
-        self.proportions = opts.levels.shares
-        self.poisson = PoissonDraws(self.fraction, opts.dp.seed)  # DP: the round's sample
-
-    # ------------------------------------------------------------------ discovery
+        self.min_nodes = opts.availability.min_nodes or opts.min_train_nodes
 
     def refresh(self, grid: Grid, server_round: int) -> int:
         """Learn the connected nodes: forget the ones gone, query the new ones (``availability.query
@@ -94,16 +69,17 @@ class NodeRegistry:
             connected = self.wait_for_nodes(grid, server_round)
         else:
             connected = set(grid.get_node_ids())
-        for node_id in sorted(set(self.nodes) - connected):
-            self.forget(node_id, server_round)
+        known = self.known
+        for node_id in sorted(set(known.nodes) - connected):
+            known.forget(node_id, server_round)
         for node_id in sorted(set(self.excluded) - connected):  # asked again when it reconnects
             log(INFO, "round %d: node %d, which sat out, left", server_round, node_id)
             del self.excluded[node_id]
-        new = sorted(connected - set(self.nodes) - set(self.excluded))
+        new = sorted(connected - set(known.nodes) - set(self.excluded))
         if self.ask_when_sampled:
-            self.unknown = new
+            known.unknown = new
             return 0
-        self.unknown = []
+        known.unknown = []
         return self.query(grid, server_round, new)
 
     def query(self, grid: Grid, server_round: int, new: list[int]) -> int:
@@ -157,12 +133,11 @@ class NodeRegistry:
                     info.error,
                 )
                 continue
-            self.nodes[node_id] = info
+            self.known.nodes[node_id] = info
         asked = set(new)
-        self.unknown = [n for n in self.unknown if n not in asked]
-        self._rekey()
-        joined = [n for n in new if n in self.nodes and self._settle(n, server_round)]
-        log_joined(server_round, joined, lambda n: self.levels[self.levels_of[n]], self._joined_line)
+        self.known.unknown = [n for n in self.known.unknown if n not in asked]
+        self.known.rekey()
+        self.levels.settle(server_round, [n for n in new if n in self.known.nodes])
         self.query_seconds += time.perf_counter() - t0
         self.queried += counted
         return moved
@@ -183,7 +158,7 @@ class NodeRegistry:
         queried, moved = queried + asked, moved + ahead_bytes
         self.query_seconds, self.queried = 0.0, 0
         seconds = time.perf_counter() - t0
-        told = [*self.nodes.values(), *(parse_node_info(n, m) for n, m in self.ahead.answers.items())]
+        told = [*self.known.nodes.values(), *(parse_node_info(n, m) for n, m in self.ahead.answers.items())]
         examples = sorted(info.examples for info in told if info.examples is not None)
         log(
             INFO,
@@ -199,10 +174,10 @@ class NodeRegistry:
         """(the sampled nodes that can train, bytes moved): with ``availability.query = sampled``
         the sampled nodes not yet known are asked now, all at once; a node whose answer is an error
         sits the round out."""
-        ask = [n for n in node_ids if n not in self.nodes]
+        ask = [n for n in node_ids if n not in self.known.nodes]
         moved = self.query(grid, server_round, ask) if ask else 0
         moved += self.ahead.clear()  # what was asked ahead for a sample that did not come stays unread
-        return [n for n in node_ids if n in self.nodes], moved
+        return [n for n in node_ids if n in self.known.nodes], moved
 
     def prefetch(self, grid: Grid, next_round: int) -> None:
         """``availability.query = sampled``: push now the node-info queries of the next round's new
@@ -216,13 +191,9 @@ class NodeRegistry:
             return
         t0 = time.perf_counter()
         connected = set(grid.get_node_ids())
-        nodes, unknown = self.nodes, self.unknown
-        self.nodes = {n: info for n, info in nodes.items() if n in connected}  # as refresh will see them
-        self.unknown = sorted(connected - set(nodes))
-        try:
-            picked = self.sample(next_round)
-        finally:
-            self.nodes, self.unknown = nodes, unknown
+        nodes = self.known.nodes  # the sample as refresh will see them:
+        staying, unknown = [n for n in nodes if n in connected], sorted(connected - set(nodes))
+        picked = self.sampler.sample(next_round, staying, unknown)
         self.ahead.push(grid, [n for n in picked if n not in nodes])
         self.ahead.seconds += time.perf_counter() - t0
 
@@ -274,125 +245,3 @@ class NodeRegistry:
             float(avail.wait_seconds),
         )
         return connected
-
-    def forget(self, node_id: int, server_round: int, why: str = "") -> None:
-        """A node left (no longer connected, or the SuperLink answered for it: node unavailable):
-        log it and forget it; if it reconnects it is asked again and logged as back."""
-        if node_id not in self.nodes:
-            return
-        self._former[node_id] = self.label(node_id)
-        log(
-            INFO,
-            "round %d: node %s (node id %d) left%s",
-            server_round,
-            self.label(node_id),
-            node_id,
-            f" ({why})" if why else "",
-        )
-        del self.nodes[node_id]
-        self.keys.pop(node_id, None)
-
-    # ------------------------------------------------------------------ keys and labels
-
-    def _rekey(self) -> None:
-        """Node -> key: its partition id when no other node claims the same one, else a stable
-        hash of its name (or node id)."""
-        owners: dict[int, list[int]] = {}
-        for n, info in sorted(self.nodes.items()):
-            if info.partition_id is not None:
-                owners.setdefault(info.partition_id, []).append(n)
-        shared = {pid: ns for pid, ns in owners.items() if len(ns) > 1}
-        if shared:
-            log(
-                WARNING,
-                "nodes %s declare the same partition-id; each node config needs its own "
-                "(they still train, keyed by name or node id)",
-                shared,
-            )
-        self.keys = {}
-        for n, info in self.nodes.items():
-            if info.partition_id is not None and info.partition_id not in shared:
-                self.keys[n] = info.partition_id
-            else:
-                self.keys[n] = hashed_key(f"name:{info.name}" if info.name else f"node:{n}")
-
-    def key(self, node_id: int) -> int:
-        return self.keys[node_id]
-
-    def label(self, node_id: int) -> str:
-        """How outputs name a node: ``p<partition id>``, else its node-name, else ``n<node id>``."""
-        info = self.nodes.get(node_id)
-        if info is None:
-            return self._former.get(node_id, f"n{node_id}")
-        if self.keys.get(node_id) == info.partition_id and info.partition_id is not None:
-            return f"p{info.partition_id}"
-        return info.name or f"n{node_id}"
-
-    def by_key(self, node_ids: list[int]) -> list[int]:
-        return sorted(node_ids, key=self.key)
-
-    # ------------------------------------------------------------------ levels
-
-    def _settle(self, node_id: int, server_round: int) -> bool:
-        """Fix a newly connected node's level for the run (and log a returning node's); True when
-        the node is new to the run."""
-        info = self.nodes[node_id]
-        index = declared_level(info, self.levels, self.costs, self.label(node_id))
-        if index is not None:
-            self.declared[node_id] = index
-        elif self.opts.levels.default is not None:
-            # the config check admits only a default among levels.ratios: it has an index
-            index = cast(int, lv.level_index_of(self.opts.levels.default, self.levels))
-            self.declared[node_id] = index
-        else:
-            index = stable_level(info, self.keys[node_id], self.proportions, self.seed, self.opts.num_clients)
-        self.levels_of[node_id] = index
-        identity = info.identity()
-        before = self.seen.get(identity)
-        if before is not None:
-            log(
-                INFO,
-                "round %d: node %s is back (node id %d) -> level %g (was %g)",
-                server_round,
-                self.label(node_id),
-                node_id,
-                self.levels[index],
-                self.levels[before],
-            )
-        self.seen[identity] = index
-        return before is None
-
-    def _joined_line(self, node_id: int) -> str:
-        examples = self.nodes[node_id].examples
-        return f"{self.label(node_id)} joined (node id {node_id}) -> level {self.levels[self.levels_of[node_id]]:g}" + (
-            "" if examples is None else f", {examples} training examples"
-        )
-
-    def assign(self, server_round: int, node_ids: list[int]) -> dict[int, int]:
-        """Level index of each sampled node this round (fixed: the node's own; dynamic: drawn)."""
-        if self.fixed_levels:
-            return {n: self.levels_of[n] for n in node_ids}
-        rng = lv.round_rng(self.seed, server_round, stream=1)
-        drawn = lv.dynamic_levels(len(node_ids), self.proportions, rng)
-        out = dict(zip(node_ids, drawn))
-        out.update({n: self.declared[n] for n in node_ids if n in self.declared})
-        return out
-
-    def sample(self, server_round: int) -> list[int]:
-        """The nodes that train this round (seeded by round, over the stable keys; a node not yet
-        queried (``availability.query = sampled``) takes part by a hash of its node id)."""
-        keys = {self.key(n): n for n in self.nodes}
-        keys.update({hashed_key(f"node:{n}"): n for n in self.unknown})
-        if self.dp:  # the accountant's Poisson sampling, from a stream no client knows
-            return [keys[k] for k in self.poisson.sample(server_round, list(keys))]
-        picked = lv.sample_clients(
-            list(keys), self.fraction, self.min_train, lambda: lv.round_rng(self.seed, server_round, stream=0)
-        )
-        return [keys[k] for k in picked]
-
-    def state(self) -> dict[str, Any]:
-        """What a checkpoint keeps: the level each identity had."""
-        return {"levels_by_identity": dict(self.seen)}
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        self.seen = {str(k): int(v) for k, v in state.get("levels_by_identity", {}).items()}

@@ -1,29 +1,32 @@
-"""The strategy's wire: what one node is sent each round and how its reply is checked (a part of
-:class:`fedhm_flwr.server.strategy.HeteroStrategy`, apart by topic).
+"""The round's wire: what each node is sent and how its reply is checked against it (a collaborator
+of :class:`fedhm_flwr.server.strategy.HeteroStrategy`, which holds one).
 
 A payload is the node's own cut when the method makes one (PriSM), else its level's, cut once per
 level per round and shared; it travels in ``wire.dtype`` (:mod:`~fedhm_flwr.server.payloads`:
 the Arrays serialised once per model version, the task config once per level). A reply is checked
 against what that node was sent (:func:`fedhm_flwr.server.replies.check_train_reply`) before the
-method sees it.
+method sees it. The wire keeps what it sent this round (``sent``, ``messages``) and the messages the
+round stopped waiting for (``late_ids``: their answers count as late arrivals).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Iterable
 from logging import WARNING
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.core import protocol as wire
+from fedhm_flwr.core.protocol import ARRAYS, CONFIG
 from fedhm_flwr.math import levels as lv
 from fedhm_flwr.server import replies as reply_checks
+from fedhm_flwr.server.known_nodes import KnownNodes
 from fedhm_flwr.server.methods.method import Cut, Method, Reply, State
-from fedhm_flwr.server.nodes import NodeRegistry
 from fedhm_flwr.server.payloads import ArrayCache, Payload, TaskConfigs, train_options
 from fedhm_flwr.server.report import RoundLog
 from fedhm_flwr.server.simulated_attacks import Attacks
@@ -32,36 +35,28 @@ from fedhm_flwr.server.untrusted import Untrusted
 
 
 class RoundWire:
-    """Payloads out, replies checked (see the module docstring); the strategy it is part of holds
-    the method, the node registry, the attacks, the defences and what was sent this round."""
+    """Payloads out, replies checked (see the module docstring)."""
 
-    opts: RunOptions
-    method: Method
-    name: str
-    levels: list[float]
-    registry: NodeRegistry
-    global_state: State | None
-    sent: dict[int, tuple[int, Payload]]
-    attacks: Attacks
-    untrusted: Untrusted
-    node_label: Callable[[int], str]
-    round_log: RoundLog
-    _train_messages: list[Message]
-    _late_ids: list[str]
-
-    #: how long a round with late nodes waits for the SuperLink's verdict on them (:meth:`judge_late`): on
-    #: devices the ServerApp sets the heartbeat window plus a margin; 0 (one more pull) in a simulation
-    verdict_wait: float = 0.0
-
-    def init_wire(self, opts: RunOptions) -> None:
+    def __init__(
+        self, opts: RunOptions, method: Method, known: KnownNodes, attacks: Attacks, untrusted: Untrusted
+    ) -> None:
+        self.opts, self.method, self.known, self.attacks, self.untrusted = opts, method, known, attacks, untrusted
+        self.levels = method.levels
         self.wire_dtype = opts.wire.dtype  # arrays both ways
         self.array_cache = ArrayCache()
         self.tasks = TaskConfigs()
         self._fixed_options: dict[str, Any] | None = None  # the train options but the round's lr
-        self._lr = opts.lr_schedule()  # the round's lr
-        self._global_record: ArrayRecord | None = None  # the record last made of self.global_state
+        self.lr = opts.lr_schedule()  # the round's lr
+        self._global_record: ArrayRecord | None = None  # the record last made of the global state
+        self._global_state: State | None = None  # (that state)
         self._examples_cap = reply_checks.examples_cap(opts)  # the most examples a reply's weight counts
+        self.sent: dict[int, tuple[int, Payload]] = {}  # node id -> (level index, payload) this round
+        self.messages: list[Message] = []  # this round's training messages (their ids: who was asked)
+        self.late_ids: list[str] = []  # the last round's messages it stopped waiting for (their answers: late)
         self.held_late = (0, 0)  # late answers the verdict pulled (count, bytes): the next round's late arrivals
+        #: how long a round with late nodes waits for the SuperLink's verdict on them (:meth:`judge_late`): on
+        #: devices the ServerApp sets the heartbeat window plus a margin; 0 (one more pull) in a simulation
+        self.verdict_wait = 0.0
 
     def wire_arrays(self, state: State) -> dict[str, Any]:
         """A model the server sends (payload, evaluation), as Arrays in the wire dtype."""
@@ -70,13 +65,14 @@ class RoundWire:
     def global_record(self, state: State) -> ArrayRecord:
         """The global state as the round's ArrayRecord (float32: the server keeps float32)."""
         self._global_record = wire.array_record(self.array_cache.arrays(state, "float32"))
+        self._global_state = state
         return self._global_record
 
     def state_of(self, arrays: ArrayRecord) -> State:
         """The state an ArrayRecord holds: the global state itself when the record was made of it
         (no second deserialisation), else the record's tensors in float32."""
-        if arrays is self._global_record and self.global_state is not None:
-            return self.global_state
+        if arrays is self._global_record and self._global_state is not None:
+            return self._global_state
         return arrays.to_torch_state_dict()
 
     def _payload(self, cut: Cut) -> Payload:
@@ -93,7 +89,7 @@ class RoundWire:
     ) -> Payload:
         """The payload sent to one node this round: the node's own cut when the method makes one
         (PriSM), else its level's, cut once per level per round and shared (``level_payloads``)."""
-        cut = self.method.node_cut(node_id, self.registry.key(node_id), level_index, global_state)
+        cut = self.method.node_cut(node_id, self.known.key(node_id), level_index, global_state)
         if cut is not None:
             return self._payload(cut)
         if level_index not in level_payloads:
@@ -113,28 +109,74 @@ class RoundWire:
                 "threads": max(1, int(math.floor(self.opts.simulation.num_cpus))),
                 **train_options(train.distill),
             }
-        return {"lr": self._lr(server_round), **self._fixed_options}
+        return {"lr": self.lr(server_round), **self._fixed_options}
 
     def _train_config(self, server_round: int, node_id: int, index: int, payload: Payload) -> tuple[ConfigRecord, int]:
         return self.tasks.train(
             server_round,
-            self.name,
+            self.method.name,
             self.levels[index],
             index,
             payload,
             lambda: self._train_options(server_round),
-            self.registry.nodes[node_id].num_partitions,
+            self.known.nodes[node_id].num_partitions,
             self.opts.data_spec,
-            lv.client_seed(self.attacks.seed, server_round, self.registry.key(node_id)),
+            lv.client_seed(self.attacks.seed, server_round, self.known.key(node_id)),
             self.wire_dtype,
         )
 
-    def _validate(self, node_id: int, msg: Message) -> tuple[Reply | None, str]:
+    def train_messages(
+        self,
+        server_round: int,
+        levels: dict[int, int],
+        global_state: State,
+        injected: dict[int, str],
+        attackers: set[int],
+        rl: RoundLog,
+    ) -> list[Message]:
+        """One fresh training message per node (``levels``: node id -> its level index this round, in
+        the round's order): its payload and task config, with the failure it is asked to simulate
+        (``injected``) or the attack (``attackers``); what it sends is counted in ``rl``."""
+        payloads: dict[int, Payload] = {}
+        self.sent = {}
+        messages = []
+        for node_id, index in levels.items():
+            payload = self.node_payload(node_id, index, global_state, payloads)
+            config, config_bytes = self._train_config(server_round, node_id, index, payload)
+            if node_id in injected:
+                config[wire.INJECT] = injected[node_id]
+                config[wire.INJECT_SECONDS] = self.opts.failures.slow_seconds
+            if node_id in attackers:
+                config.update(self.attacks.train_config())
+            content = RecordDict({ARRAYS: payload.record(), CONFIG: config})  # (fresh record, shared Arrays)
+            rl.sent_bytes += payload.record_bytes() + (  # (content_bytes)
+                config.count_bytes() if node_id in injected or node_id in attackers else config_bytes
+            )
+            self.sent[node_id] = (index, payload)
+            messages.append(Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN))
+        self.messages = messages
+        return messages
+
+    def sort_replies(self, replies: Iterable[Message]) -> reply_checks.Sorted:
+        """This round's replies sorted (:func:`fedhm_flwr.server.replies.sort_replies`), each checked
+        against what its node was sent."""
+        return reply_checks.sort_replies(self.messages, replies, self.validate, self.late_ids)
+
+    def take_held_late(self) -> tuple[int, int]:
+        """The late answers the last verdict pulled (count, bytes), handed once to the round counting them."""
+        held, self.held_late = self.held_late, (0, 0)
+        return held
+
+    def mark_late(self, late: list[int]) -> None:
+        """The round stopped waiting for these nodes: their messages' answers are late arrivals."""
+        self.late_ids = [m.metadata.message_id for m in self.messages if m.metadata.dst_node_id in late]
+
+    def validate(self, node_id: int, msg: Message) -> tuple[Reply | None, str]:
         """Check a reply against what was sent to that node (:func:`fedhm_flwr.server.replies.check_train_reply`)."""
         if node_id not in self.sent:
             return None, "reply from a node that was not sent a task this round"
         index, payload = self.sent[node_id]
-        info = self.registry.nodes.get(node_id)
+        info = self.known.nodes.get(node_id)
         checked, why = reply_checks.check_train_reply(
             msg.content,
             payload,
@@ -149,13 +191,13 @@ class RoundWire:
             return None, why
         state, n, counts, scalars = checked
         return Reply(
-            node_id, index, self.levels[index], state, n, counts, scalars, label=self.node_label(node_id), sent=payload
+            node_id, index, self.levels[index], state, n, counts, scalars, label=self.known.label(node_id), sent=payload
         ), ""
 
     def is_attacker(self, node_id: int) -> bool:
-        return self.attacks.is_attacker(self.registry.nodes.get(node_id), self.registry.key(node_id), node_id)
+        return self.attacks.is_attacker(self.known.nodes.get(node_id), self.known.key(node_id), node_id)
 
-    def judge_late(self, grid: Any, server_round: int) -> None:
+    def judge_late(self, grid: Grid, server_round: int, rl: RoundLog) -> None:
         """The SuperLink's verdict on the nodes this round recorded late (docs/DEPLOY.md, "Stopping a
         device"): a SuperNode killed mid-round says no goodbye, and the SuperLink reports its node
         unavailable only when its heartbeats lapse, 30-60 s after the kill, often after the round's
@@ -163,19 +205,18 @@ class RoundWire:
         unavailable, at most :attr:`verdict_wait` s (:func:`~fedhm_flwr.server.transport.settle_late`);
         a node reported unavailable is a failure of this round (``node unavailable``) and leaves, no longer
         late; an answer pulled meanwhile counts as a late arrival of the next round, as it would have."""
-        rl = self.round_log
-        late = {m.metadata.message_id: m.metadata.dst_node_id for m in self._train_messages if m.metadata.message_id}
+        late = {m.metadata.message_id: m.metadata.dst_node_id for m in self.messages if m.metadata.message_id}
         late = {mid: n for mid, n in late.items() if n in rl.late}
         if not late:
             return
         lost, answered = settle_late(grid, late, self.verdict_wait)
         gone = {n for n, _ in lost}
         for node_id, why in lost:
-            label = self.node_label(node_id)
+            label = self.known.label(node_id)
             log(WARNING, "round %d: node %s failed: %s (its SuperNode was lost)", server_round, label, why)
-            self.registry.forget(node_id, server_round, why)
+            self.known.forget(node_id, server_round, why)
         rl.failures += lost
         rl.late = [n for n in rl.late if n not in gone]
         resolved = {m.metadata.reply_to_message_id for m in answered} | {m for m, n in late.items() if n in gone}
-        self._late_ids = [m for m in self._late_ids if m not in resolved]  # (pulled: gone from the SuperLink)
+        self.late_ids = [m for m in self.late_ids if m not in resolved]  # (pulled: gone from the SuperLink)
         self.held_late = (len(answered), sum(content_bytes(m.content) for m in answered if m.has_content()))

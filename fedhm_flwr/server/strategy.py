@@ -7,11 +7,13 @@ the merge as Flower's DP strategies wrap a strategy), evaluate the global model 
 deployable model, and hand the round to the run's outputs (the ServerApp's :mod:`~fedhm_flwr.server.outputs`:
 rows, checkpoints, the best model, the deployment statistics; the strategy writes nothing). The method
 (:class:`fedhm_flwr.server.methods.method.Method`, ``strategy.method``) is Flower-free and says only how a
-client's model is cut out of the global model and how replies are folded back in. The round's
-collaborators are handed what they need and never reach back into it: the node
-registry (:mod:`~fedhm_flwr.server.nodes`, costs as data), what is sent (:mod:`~fedhm_flwr.server.payloads`;
-each node's payload and the check of its reply: :mod:`~fedhm_flwr.server.round_wire`),
-the replies (:mod:`~fedhm_flwr.server.replies`: untrusted input), the evaluation
+client's model is cut out of the global model and how replies are folded back in. The strategy holds
+only the round's order; its collaborators are handed what they need and never reach back into it:
+the nodes known (:mod:`~fedhm_flwr.server.known_nodes`), learnt and asked
+(:mod:`~fedhm_flwr.server.nodes`), sampled (:mod:`~fedhm_flwr.server.sampling`) and given their
+levels (:mod:`~fedhm_flwr.server.node_levels`, costs as data), the wire (each node's payload, the
+check of its reply, what was sent: :class:`~fedhm_flwr.server.round_wire.RoundWire`), the replies
+(:mod:`~fedhm_flwr.server.replies`: untrusted input), the evaluation
 (:mod:`~fedhm_flwr.server.evaluation`) and the records (:mod:`~fedhm_flwr.server.report`).
 
 A strategy runs one method (``method=...``) or a method's binding (:data:`strategies.STRATEGIES`).
@@ -24,23 +26,25 @@ from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
 from typing import Any, cast
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.app.typing import MetricRecordValues
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
 from fedhm_flwr.config.options import RunOptions
-from fedhm_flwr.core import protocol as wire
-from fedhm_flwr.core.protocol import ARRAYS, CONFIG
+from fedhm_flwr.core.protocol import NodeInfo
 from fedhm_flwr.math import levels as lv
 from fedhm_flwr.server import evaluation as ev, replies as reply_checks
+from fedhm_flwr.server.known_nodes import KnownNodes
 from fedhm_flwr.server.methods.method import Method, Reply, State
-from fedhm_flwr.server.nodes import NodeInfo, NodeRegistry
+from fedhm_flwr.server.node_levels import LevelAssignment
+from fedhm_flwr.server.nodes import NodeDiscovery
 from fedhm_flwr.server.outputs import RoundEnd, RoundOutputs
 from fedhm_flwr.server.payloads import Payload
 from fedhm_flwr.server.report import RoundLog, progress_line, round_row, train_metrics
 from fedhm_flwr.server.round_wire import RoundWire
+from fedhm_flwr.server.sampling import RoundSampler
 from fedhm_flwr.server.simulated_attacks import Attacks
 from fedhm_flwr.server.transport import NODE_UNAVAILABLE, collect, content_bytes, exchange, push, wire_config
 from fedhm_flwr.server.untrusted import Untrusted
@@ -48,7 +52,7 @@ from fedhm_flwr.server.untrusted import Untrusted
 __all__ = ["HeteroStrategy", "Payload", "Reply", "RoundLog", "State", "content_bytes", "progress_line"]
 
 
-class HeteroStrategy(RoundWire, Strategy):
+class HeteroStrategy(Strategy):
     """The round of every method (see the module docstring)."""
 
     #: the method a binding runs (``FedHMStrategy.method_class = FedHM``)
@@ -66,16 +70,15 @@ class HeteroStrategy(RoundWire, Strategy):
             assert self.method_class is not None, "HeteroStrategy needs a method (or use a method's binding)"
             method = self.method_class(opts, model_spec)
         self.method = method
-        self.opts = method.opts  # the options as the method runs them (FedAvg: its family's, one level)
-        self.name = method.name
-        self.levels = method.levels
+        self.opts = opts = method.opts  # the options as the method runs them (FedAvg: its family's, one level)
         self.evaluate_fn = evaluate_fn
         self.outputs = outputs  # what the run keeps of each round (the ServerApp's: rows, checkpoints)
-        self.registry = NodeRegistry(self.opts, self.levels, method.costs)
-        self.startup_info: dict[str, Any] = {}  # what the start-up before round 1 took (NodeRegistry.startup)
+        self.known = KnownNodes()
+        self.assignment = LevelAssignment(opts, method.levels, method.costs, self.known)
+        self.sampler = RoundSampler(opts, self.known)
+        self.discovery = NodeDiscovery(opts, self.known, self.assignment, self.sampler)
+        self.startup_info: dict[str, Any] = {}  # what the start-up before round 1 took (NodeDiscovery.startup)
         self.global_state: State | None = None
-        self.sent: dict[int, tuple[int, Payload]] = {}  # node id -> (level index, payload) this round
-        self._train_messages: list[Message] = []  # this round's training messages (their ids: who was asked)
         self.round_log = RoundLog()
         self.history: list[dict[str, Any]] = []
         self.start_round = 1
@@ -83,10 +86,17 @@ class HeteroStrategy(RoundWire, Strategy):
         self._federated: ev.FederatedEvaluation | None = None  # this round's client-side evaluation
         self.federated_row: dict[str, Any] = {}
         self._bn: ev.BnUse | None = None  # the last server evaluation's norm statistics (federated sums)
-        self.attacks = Attacks(self.opts)  # failures.attack: which nodes attack
+        self.attacks = Attacks(opts)  # failures.attack: which nodes attack
         self.untrusted = Untrusted(method, self.history)  # the merge, defended / private (aggregation, dp)
-        self._late_ids: list[str] = []  # the last round's messages it stopped waiting for (their answers: late)
-        self.init_wire(self.opts)
+        self.wire = RoundWire(opts, method, self.known, self.attacks, self.untrusted)  # payloads out, replies checked
+
+    @property
+    def name(self) -> str:
+        return self.method.name
+
+    @property
+    def levels(self) -> list[float]:
+        return self.method.levels
 
     # ------------------------------------------------------------------ Flower's Strategy API
 
@@ -115,42 +125,28 @@ class HeteroStrategy(RoundWire, Strategy):
         t0 = time.perf_counter()
         self.round_log = RoundLog()
         self._grid = grid
-        self.global_state = self.state_of(arrays)
-        self.round_log.query_bytes = self.registry.refresh(grid, server_round)
-        node_ids, moved = self.registry.query_sampled(grid, server_round, self.registry.sample(server_round))
+        self.global_state = self.wire.state_of(arrays)
+        found = self.discovery
+        self.round_log.query_bytes = found.refresh(grid, server_round)
+        node_ids, moved = found.query_sampled(grid, server_round, self.sampler.sample(server_round))
         self.round_log.query_bytes += moved
-        self.round_log.query_seconds = self.registry.query_seconds
-        self.round_log.queried = self.registry.queried
-        self.round_log.excluded = {self.node_label(n): why for n, why in sorted(self.registry.excluded.items())}
-        assignment = self.registry.assign(server_round, node_ids)
+        self.round_log.query_seconds = found.query_seconds
+        self.round_log.queried = found.queried
+        self.round_log.excluded = {self.node_label(n): why for n, why in sorted(found.excluded.items())}
+        assigned = self.assignment.assign(server_round, node_ids)
         self.method.begin_round(server_round, self.global_state)
-        injected = self.attacks.injected_failures(server_round, self.registry.by_key(node_ids))
+        injected = self.attacks.injected_failures(server_round, self.known.by_key(node_ids))
         self.untrusted.begin_round()
-        attackers = {n for n in node_ids if self.is_attacker(n)}
-        self.attacks.begin_round([self.node_label(n) for n in self.registry.by_key(list(attackers))])
-        payloads: dict[int, Payload] = {}
-        self.sent = {}
-        messages = []
-        for node_id in node_ids:
-            index = assignment[node_id]
-            payload = self.node_payload(node_id, index, self.global_state, payloads)
-            config, config_bytes = self._train_config(server_round, node_id, index, payload)
-            if node_id in injected:
-                config[wire.INJECT] = injected[node_id]
-                config[wire.INJECT_SECONDS] = self.opts.failures.slow_seconds
-            if node_id in attackers:
-                config.update(self.attacks.train_config())
-            content = RecordDict({ARRAYS: payload.record(), CONFIG: config})  # (fresh record, shared Arrays)
-            self.round_log.sent_bytes += payload.record_bytes() + (  # (content_bytes)
-                config.count_bytes() if node_id in injected or node_id in attackers else config_bytes
-            )
-            self.sent[node_id] = (index, payload)
-            messages.append(Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN))
+        attackers = {n for n in node_ids if self.wire.is_attacker(n)}
+        self.attacks.begin_round([self.node_label(n) for n in self.known.by_key(list(attackers))])
+        levels = {n: assigned[n] for n in node_ids}
+        messages = self.wire.train_messages(
+            server_round, levels, self.global_state, injected, attackers, self.round_log
+        )
         self.round_log.sampled = len(messages)
-        self.round_log.level_counts = lv.describe_assignment({n: assignment[n] for n in node_ids}, self.levels)
-        self.round_log.assignments = {self.node_label(n): self.levels[assignment[n]] for n in node_ids}
+        self.round_log.level_counts = lv.describe_assignment(levels, self.levels)
+        self.round_log.assignments = {self.node_label(n): self.levels[index] for n, index in levels.items()}
         self.round_log.server_seconds += time.perf_counter() - t0
-        self._train_messages = messages
         return messages
 
     def aggregate_train(
@@ -158,20 +154,21 @@ class HeteroStrategy(RoundWire, Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         t0 = time.perf_counter()
         rl = self.round_log
-        got = reply_checks.sort_replies(self._train_messages, replies, self._validate, self._late_ids)
-        rl.received_bytes += got.received_bytes + self.held_late[1]
+        got = self.wire.sort_replies(replies)
+        held, held_bytes = self.wire.take_held_late()
+        rl.received_bytes += got.received_bytes + held_bytes
         rl.failures += got.failures
         rl.rejected += got.rejected
-        rl.late_arrivals, self.held_late = got.late + self.held_late[0], (0, 0)
+        rl.late_arrivals = got.late + held
         for node_id, why in got.failures:
             log(WARNING, "round %d: node %s failed: %s", server_round, self.node_label(node_id), why)
             if why == NODE_UNAVAILABLE:  # the SuperLink knows it is gone: it is asked again when back
-                self.registry.forget(node_id, server_round, why)
+                self.known.forget(node_id, server_round, why)
         for node_id, why in got.rejected:
             log(WARNING, "round %d: reply of node %s rejected: %s", server_round, self.node_label(node_id), why)
-        valid = sorted(got.valid, key=lambda r: self.registry.key(r.node_id))  # arrival order must not matter
-        rl.late = sorted(set(self.sent) - got.answered, key=self.registry.key)
-        self._late_ids = [m.metadata.message_id for m in self._train_messages if m.metadata.dst_node_id in rl.late]
+        valid = sorted(got.valid, key=lambda r: self.known.key(r.node_id))  # arrival order must not matter
+        rl.late = sorted(set(self.wire.sent) - got.answered, key=self.known.key)
+        self.wire.mark_late(rl.late)
         for node_id in rl.late:
             log(
                 WARNING,
@@ -192,7 +189,7 @@ class HeteroStrategy(RoundWire, Strategy):
             metrics = train_metrics([r for r in valid if r.node_id not in {n for n, _ in self.untrusted.rejected}])
         self.global_state = new_state
         rl.server_seconds += time.perf_counter() - t0
-        return self.global_record(new_state), MetricRecord(_metric_values(metrics))
+        return self.wire.global_record(new_state), MetricRecord(_metric_values(metrics))
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -203,7 +200,10 @@ class HeteroStrategy(RoundWire, Strategy):
             self._federated = None
             return []
         self._federated = ev.FederatedEvaluation(
-            self._view(), server_round, self.state_of(arrays), {n: index for n, (index, _) in self.sent.items()}
+            self._view(),
+            server_round,
+            self.wire.state_of(arrays),
+            {n: index for n, (index, _) in self.wire.sent.items()},
         )
         return self._federated.messages
 
@@ -232,8 +232,8 @@ class HeteroStrategy(RoundWire, Strategy):
         result = Result()
         self.startup_info = {
             "startup_started_at": time.time(),  # the set-up done: the node-info queries start (#53)
-            **self.registry.startup(grid, self.start_round),  # before the first round's clock
-            "startup_marks": self.registry.marks,  # the first nodes' marks (#53)
+            **self.discovery.startup(grid, self.start_round),  # before the first round's clock
+            "startup_marks": self.discovery.marks,  # the first nodes' marks (#53)
             "rounds_started_at": time.time(),
         }  # wall clock: the bench's whole-job figure (8)
         arrays = initial_arrays
@@ -247,18 +247,18 @@ class HeteroStrategy(RoundWire, Strategy):
             messages = list(self.configure_train(server_round, arrays, train_config or ConfigRecord(), grid))
             t_push, pushed = time.perf_counter(), push(grid, messages)
             if server_round < num_rounds:  # the next round's new nodes answer behind this round's training
-                self.registry.prefetch(grid, server_round + 1)
+                self.discovery.prefetch(grid, server_round + 1)
             # the answers to queries asked ahead are pulled as they come (kept unread for their round)
             arrivals: dict[str, float] = {}
             replies = (
-                self.registry.ahead.take(
+                self.discovery.ahead.take(
                     collect(
                         grid,
                         pushed,
                         reply_checks.round_deadline(self.opts, timeout),
                         max_poll=0.5,
                         arrivals=arrivals,
-                        also=[*self.registry.ahead.ids(), *self._late_ids],
+                        also=[*self.discovery.ahead.ids(), *self.wire.late_ids],
                     )
                 )
                 if pushed
@@ -267,7 +267,7 @@ class HeteroStrategy(RoundWire, Strategy):
             self.round_log.train_seconds = time.perf_counter() - t_push  # push to the last reply pulled
             new_arrays, train_metrics = self.aggregate_train(server_round, replies)
             if self.round_log.late:  # late, or gone? the SuperLink's verdict (judge_late)
-                self.judge_late(grid, server_round)
+                self.wire.judge_late(grid, server_round, self.round_log)
             self.round_log.arrivals = sorted(arrivals.values())
             if new_arrays is not None:
                 arrays = new_arrays
@@ -281,7 +281,7 @@ class HeteroStrategy(RoundWire, Strategy):
             if self._evaluation_due(server_round, num_rounds):
                 t_eval = time.perf_counter()
                 if self.opts.evaluation.where != "clients":
-                    row.update(self.evaluate_levels(self.state_of(arrays)))
+                    row.update(self.evaluate_levels(self.wire.state_of(arrays)))
                     row.setdefault("bn_stats", self.opts.evaluation.bn_stats)
                     result.evaluate_metrics_serverapp[server_round] = MetricRecord(
                         _metric_values(ev.numeric(row, ("acc", "loss")))
@@ -313,13 +313,13 @@ class HeteroStrategy(RoundWire, Strategy):
 
     def _round_end(self, server_round: int, num_rounds: int, arrays: ArrayRecord) -> RoundEnd:
         """What the run's outputs are handed of this round (never the strategy itself)."""
-        state = self.state_of(arrays)
+        state = self.wire.state_of(arrays)
         return RoundEnd(server_round, num_rounds, state, self._view(), lambda: self.checkpoint_state(server_round))
 
     def _round_row(self, server_round: int, metrics: MetricRecord | None) -> dict[str, Any]:
         return round_row(
             server_round,
-            self._lr(server_round),
+            self.wire.lr(server_round),
             self.round_log,
             cast("Mapping[str, float] | None", metrics),  # the record aggregate_train made of train_metrics' floats
             {**self.attacks.columns, **self.untrusted.columns},
@@ -335,9 +335,9 @@ class HeteroStrategy(RoundWire, Strategy):
             self.method,
             self.evaluate_fn,
             self._grid,
-            self.registry,
-            self.wire_arrays,
-            wire_config(self.wire_dtype),
+            self.known,
+            self.wire.wire_arrays,
+            wire_config(self.wire.wire_dtype),
             len(self.history) + 1,
         )
 
@@ -355,7 +355,7 @@ class HeteroStrategy(RoundWire, Strategy):
             "history": self.history,
             "method": self.method.strategy_state(),
             "method_name": self.name,
-            "nodes": self.registry.state(),
+            "nodes": self.assignment.state(),
         }
 
     def restore(self, checkpoint: dict[str, Any]) -> None:
@@ -363,18 +363,18 @@ class HeteroStrategy(RoundWire, Strategy):
         self.start_round = int(checkpoint["round"]) + 1
         self.history[:] = list(checkpoint.get("history", []))  # the same list: the defences read it
         self.method.load_strategy_state(checkpoint.get("method", {}))
-        self.registry.load_state(checkpoint.get("nodes", {}))
+        self.assignment.load_state(checkpoint.get("nodes", {}))
 
     # ------------------------------------------------------------------ nodes and levels
 
     @property
     def nodes(self) -> dict[int, NodeInfo]:
-        """The connected nodes the server knows (see :class:`fedhm_flwr.server.nodes.NodeRegistry`)."""
-        return self.registry.nodes
+        """The connected nodes the server knows (see :class:`fedhm_flwr.server.known_nodes.KnownNodes`)."""
+        return self.known.nodes
 
     def node_label(self, node_id: int) -> str:
         """How outputs name a node: ``p<partition id>``, else its node-name, else ``n<node id>``."""
-        return self.registry.label(node_id)
+        return self.known.label(node_id)
 
 
 def _metric_values(metrics: dict[str, float]) -> dict[str, MetricRecordValues]:

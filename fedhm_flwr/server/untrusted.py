@@ -33,7 +33,7 @@ the node's rank, so the truncation error is not counted as the client's update):
 
 ``dp.enabled`` (DP-FedAvg, client level; the math in :mod:`fedhm_flwr.math.privacy`): the nodes are
 Poisson-sampled with ``q = fraction_train`` from a stream no client knows
-(:meth:`fedhm_flwr.server.nodes.NodeRegistry.sample`); each reply's whole recovered model minus the
+(:meth:`fedhm_flwr.server.sampling.RoundSampler.sample`); each reply's whole recovered model minus the
 global model (not minus its own truncation) is clipped to ``dp.clip`` ``C``, summed, divided by
 the expected number of sampled clients ``m = fraction_train × num_clients`` (fixed in advance: no
 level or example-count weight), and Gaussian noise of standard deviation ``σ · C / m`` is added to

@@ -138,7 +138,7 @@ def _run(
     evaluator = None if opts.evaluation.where == "clients" else make_evaluator(opts, pick_device())
     strategy = STRATEGIES[opts.method.name](opts, spec, evaluator, RunOutputs(opts, recorder))
     if on_devices(sys.argv, runtime_address(sys.argv)):  # a late device may have died: wait for the verdict
-        strategy.verdict_wait = HEARTBEAT_VERDICT
+        strategy.wire.verdict_wait = HEARTBEAT_VERDICT
     for line in size_warnings(opts, spec):  # FedHM levels that do not shrink the model, before round 1
         log(WARNING, "warning: %s", line)
     state = strategy.method.initial_state(opts.seed)
