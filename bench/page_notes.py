@@ -235,7 +235,7 @@ def _client_options(overrides: str) -> tuple[dict[str, Any], tuple[dict[str, Any
     cfg = load_config(overrides)
     strategy = STRATEGIES[cfg.method.name](run_options(cfg), model_spec(cfg))
     state = strategy.method.initial_state(int(cfg.seed)) or initial_state(cfg.seed, model_spec(cfg))
-    common = {k: v for k, v in strategy._train_options(1).items() if k not in ("lr", "threads")}
+    common = {k: v for k, v in strategy.wire.round_train_options(1).items() if k not in ("lr", "threads")}
     return common, tuple({**common, **strategy.method.level_cut(i, state).train} for i in range(len(strategy.levels)))
 
 

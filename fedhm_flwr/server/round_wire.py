@@ -96,7 +96,8 @@ class RoundWire:
             level_payloads[level_index] = self._payload(self.method.level_cut(level_index, global_state))
         return level_payloads[level_index]
 
-    def _train_options(self, server_round: int) -> dict[str, Any]:
+    def round_train_options(self, server_round: int) -> dict[str, Any]:
+        """The ``train.*`` options every client of round ``server_round`` is sent (its learning rate included)."""
         if self._fixed_options is None:  # built once: the same every round
             train = self.opts.train
             self._fixed_options = {
@@ -118,7 +119,7 @@ class RoundWire:
             self.levels[index],
             index,
             payload,
-            lambda: self._train_options(server_round),
+            lambda: self.round_train_options(server_round),
             self.known.nodes[node_id].num_partitions,
             self.opts.data_spec,
             lv.client_seed(self.attacks.seed, server_round, self.known.key(node_id)),
