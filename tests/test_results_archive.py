@@ -122,7 +122,7 @@ def test_make_results_runs_an_archived_study_only_when_named(tmp_path: Path, cap
     assert results.main(["--plan", "--runs", str(root)]) == 0
     out = capsys.readouterr().out
     assert "not running the archived studies cheap (name them with --study)" in out
-    assert "  full dir0.5, seed(s) 0, 1, 2: 18 run(s) missing" in out and "  cheap" not in out
+    assert "  full dir0.5, seed(s) 0, 1, 2: 21 run(s) missing" in out and "  cheap" not in out
     assert results.main(["--plan", "--runs", str(root), "--study", "cheap"]) == 0
     out = capsys.readouterr().out
     assert "  cheap dir0.1: 18 run(s) missing" in out and "not running" not in out

@@ -19,7 +19,17 @@ from test_results_page import fake_run
 from bench import estimates, results, results_page as page_mod, studies
 
 FULL, CHEAP = studies.STUDIES["full"], studies.STUDIES["cheap"]
-METHODS = ("fedhm", "heterofl", "fedrolex", "heterofl_memory", "fedrolex_memory", "fedavg", "fedavg_smallest", "fjord")
+METHODS = (
+    "fedhm",
+    "heterofl",
+    "fedrolex",
+    "heterofl_memory",
+    "fedrolex_memory",
+    "fedavg",
+    "fedavg_smallest",
+    "fjord",
+    "fiarse",
+)
 # hand-picked probe rows: (seconds of each round, evaluation included; seconds of its evaluation), job seconds
 PROBE = {
     "fedhm": ([20.0, 30.0, 60.0], [4.0, 6.0, 30.0], 150.0),  # training 16, 24, 30 -> 24; evaluation 6
@@ -50,7 +60,7 @@ def test_full_study_runs_the_lead_seeds_of_every_method_first(tmp_path: Path):
     lead = [("dir0.5", v, k) for k in (0, 1, 2) for v in METHODS]
     rest = [("dir0.1", v, k) for k in (0, 1, 2) for v in METHODS] + [("dir0.5", v, k) for k in (3, 4) for v in METHODS]
     todo = studies.missing(tmp_path, [FULL])
-    assert [(j.setting, j.variant, j.seed) for j in todo] == lead + rest  # 24 + 24 + 16
+    assert [(j.setting, j.variant, j.seed) for j in todo] == lead + rest  # 27 + 27 + 18
     fake_run(tmp_path, "heterofl", 1, 0.8, 0.7, study=FULL, seconds=60.0)
     left = [(j.setting, j.variant, j.seed) for j in studies.missing(tmp_path, [FULL])]
     assert left == [r for r in lead + rest if r != ("dir0.5", "heterofl", 1)]
@@ -83,19 +93,20 @@ def test_estimates_come_from_the_probe_seconds_per_round(tmp_path: Path):
         "fedavg": (200 * ratio, "cheap × ratio"),
         "fedavg_smallest": (None, "nothing measured"),
         "fjord": (heterofl, "probe (as heterofl's)"),
+        "fiarse": (200 * ratio, "cheap × ratio (as fedavg's)"),
     }
     for variant, (seconds, source) in expected.items():
         got = estimates.estimate(measured, projected, "full", variant)
         assert got[1] == source and (got[0] == pytest.approx(seconds) if seconds else got[0] is None), variant
     lines = estimates.plan(tmp_path, studies.missing(tmp_path, [FULL]), 2)
-    lead = 3 * (fedhm + 3 * heterofl + 2 * 110 * ratio + 200 * ratio)  # fedavg_smallest: not estimated
+    lead = 3 * (fedhm + 3 * heterofl + 2 * 110 * ratio + 2 * 200 * ratio)  # fedavg_smallest: not estimated
     assert lines[0] == (
-        f"  full dir0.5, seed(s) 0, 1, 2: 24 run(s) missing (0 on Ray), estimated {estimates.hours(lead)} of run "
+        f"  full dir0.5, seed(s) 0, 1, 2: 27 run(s) missing (0 on Ray), estimated {estimates.hours(lead)} of run "
         "time + 3 run(s) with nothing measured yet"
     )
     assert lines[1] == (
-        "    estimated from: 6 run(s): cheap × ratio; 3 run(s): cheap × ratio (as fedrolex's); 3 run(s): nothing "
-        "measured; 6 run(s): probe; 6 run(s): probe (as heterofl's)"
+        "    estimated from: 6 run(s): cheap × ratio; 3 run(s): cheap × ratio (as fedavg's); 3 run(s): cheap × ratio "
+        "(as fedrolex's); 3 run(s): nothing measured; 6 run(s): probe; 6 run(s): probe (as heterofl's)"
     )
     assert [line.split(":")[0] for line in lines if line.startswith("  full")] == [
         "  full dir0.5, seed(s) 0, 1, 2",
@@ -103,18 +114,18 @@ def test_estimates_come_from_the_probe_seconds_per_round(tmp_path: Path):
         "  full dir0.5, seed(s) 3, 4",
     ]
     assert f"  [probe]: {estimates.SOURCES['probe']} (2 run(s) in full/rounds3/)" in lines
-    assert lines[-1].startswith("make results: 64 run(s) missing") and lines[-1].endswith("(+ 8 run(s) not estimated)")
+    assert lines[-1].startswith("make results: 72 run(s) missing") and lines[-1].endswith("(+ 8 run(s) not estimated)")
 
 
 def test_page_lists_what_is_finished_and_what_is_missing(tmp_path: Path):
     page = page_mod.render(tmp_path, [FULL], tmp_path / "fig", tmp_path / "RESULTS.md")  # nothing finished
-    assert "0 of 64 runs finished; 64 missing" in page and page.count("No finished run yet.") == 2
+    assert "0 of 72 runs finished; 72 missing" in page and page.count("No finished run yet.") == 2
     assert "| Dirichlet α = 0.1 (strongly non-IID) | FedHM | – | 0, 1, 2 | not estimated |" in page
     fake_probe(tmp_path)
     fake_run(tmp_path, "fedhm", 0, 0.85, 0.8, study=FULL, seconds=1800.0)  # one seed: tables of n = 1
     fake_run(tmp_path, "heterofl", 0, 0.84, 0.7, study=FULL, seconds=900.0)
     page = page_mod.render(tmp_path, [FULL], tmp_path / "fig", tmp_path / "RESULTS.md")
-    assert "2 of 64 runs finished; 62 missing" in page
+    assert "2 of 72 runs finished; 70 missing" in page
     # the probe's figures by hand: medians 24 s (training) and 6 s (evaluation), 150 − 3 × 24 − 3 × 6 = 60 s besides
     assert (
         "`full/rounds3/dir0.5/fedhm/seed0`" in page
@@ -135,8 +146,8 @@ def test_page_lists_what_is_finished_and_what_is_missing(tmp_path: Path):
 def test_plan_command_prints_the_full_study(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     assert results.main(["--plan", "--study", "full", "--runs", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("  full dir0.5, seed(s) 0, 1, 2: 24 run(s) missing")
-    assert out[-1].startswith(f"make results: 64 run(s) missing under {tmp_path}")
+    assert out[0].startswith("  full dir0.5, seed(s) 0, 1, 2: 27 run(s) missing")
+    assert out[-1].startswith(f"make results: 72 run(s) missing under {tmp_path}")
     for bad, message in ((["--rounds", "0"], "--rounds: 0"), (["--data-dir", "a b"], "--data-dir: 'a b'")):
         with pytest.raises(SystemExit, match=message):
             results.main(["--plan", "--study", "full", "--runs", str(tmp_path), *bad])
