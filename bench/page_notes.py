@@ -7,7 +7,8 @@
   with the test-batch figures, and the page says so and that a re-run gives the deployable ones.
 * :func:`code_lines`: the code versions of a study's runs (``code_commit``/``code_dirty``
   recorded when the run started; older runs: the ``commit`` recorded when they finished), flagged
-  when they span several versions or uncommitted code.
+  when they span several versions or uncommitted code. A later commit counts as the study's when a
+  :mod:`bench.equivalence` record certifies it (a method added after the study's commit runs there).
 * :func:`archive_reasons`: why a study does not meet the main results page's standard (a run
   without its deployable accuracy, runs not all on one clean commit); such a study goes to the
   archive page (:mod:`bench.results_archive`).
@@ -100,11 +101,31 @@ def run_version(row: Mapping[str, Any]) -> str:
     return f"{row.get('commit') or 'unknown'} (recorded when the run finished)"
 
 
-def code_problems(rows: list[dict[str, Any]]) -> list[str]:
-    """What keeps the runs of ``rows`` off one clean commit: several commits, uncommitted or unknown
-    code (empty: one clean commit, or no run)."""
+def certified_later(rows: list[dict[str, Any]], known: Mapping[tuple[str, str], Any] | None = None) -> dict[str, str]:
+    """The later commits of ``rows`` certified to train what the study's commit trains (later -> the
+    record's path): the study's commit is the one most of its clean runs ran on, and a later one is
+    certified by a kept :mod:`bench.equivalence` record in which every method both commits have gives
+    the same final model bit for bit."""
+    from bench import equivalence
+
+    clean = Counter(str(r["code_commit"]) for r in rows if r.get("code_dirty") is False)
+    if len(clean) < 2:
+        return {}
+    base = clean.most_common(1)[0][0]
+    known = equivalence.records() if known is None else known
+    return {
+        later: f"results/equivalence/{base}-{later}.json"
+        for later in clean
+        if later != base and (record := known.get((base, later))) is not None and equivalence.certified(record)
+    }
+
+
+def code_problems(rows: list[dict[str, Any]], known: Mapping[tuple[str, str], Any] | None = None) -> list[str]:
+    """What keeps the runs of ``rows`` off one clean commit: several commits (a later commit certified
+    equal to the study's, :func:`certified_later`, counts as the study's), uncommitted or unknown code
+    (empty: one clean commit, or no run)."""
     versions = Counter(run_version(r) for r in rows)
-    commits = {v.split()[0] for v in versions}
+    commits = {v.split()[0] for v in versions} - set(certified_later(rows, known))
     dirty = sum(n for v, n in versions.items() if "uncommitted" in v)
     unknown = sum(n for v, n in versions.items() if v.startswith("unknown"))
     why = [
@@ -115,12 +136,25 @@ def code_problems(rows: list[dict[str, Any]]) -> list[str]:
     return [w for w in why if w]
 
 
-def code_lines(rows: list[dict[str, Any]]) -> tuple[list[str], bool]:
+def code_lines(
+    rows: list[dict[str, Any]], known: Mapping[tuple[str, str], Any] | None = None
+) -> tuple[list[str], bool]:
     """(the page's lines on the code versions of ``rows``, whether the study is flagged: its runs
-    span several commits, or uncommitted or unknown code)."""
+    span several commits not certified equal, or uncommitted or unknown code)."""
     versions = Counter(run_version(r) for r in rows)
-    line = "- code versions: " + ("; ".join(f"`{v}`: {n} run(s)" for v, n in sorted(versions.items())) or "–")
-    if problems := code_problems(rows):
+    later = certified_later(rows, known)
+
+    def shown(version: str, n: int) -> str:
+        commit = version.split()[0]
+        if commit not in later:
+            return f"`{version}`: {n} run(s)"
+        return (
+            f"`{version}`: {n} run(s), certified to train what the study's commit trains (every method both "
+            f"commits have gives the same final model bit for bit: `{later[commit]}`, `python -m bench.equivalence`)"
+        )
+
+    line = "- code versions: " + ("; ".join(shown(v, n) for v, n in sorted(versions.items())) or "–")
+    if problems := code_problems(rows, known):
         line += (
             " — **flagged: the runs span " + ", ".join(problems) + "; their outputs may differ for "
             "that reason alone, so this study is to be re-run on one clean commit**"

@@ -22,7 +22,9 @@ from bench.studies import Study, finished, run_dir
 STANDARD = (
     f"every finished run of a study recorded its deployable accuracy (`{DEPLOYABLE}*` in its `summary.json`: "
     "each model scored with the batch-norm statistics its exported model carries) and all its runs were made "
-    "on one clean commit"
+    "on one clean commit (a method added after the study's commit runs on a later clean commit, which counts as "
+    "the study's once `python -m bench.equivalence <study commit> <later>` finds every method both commits have "
+    "training the same final model bit for bit; the record is kept in `results/equivalence/`)"
 )
 TITLE = "# Results: FedHM against its baselines on Fashion-MNIST"
 ARCHIVE_TITLE = "# Archived results: studies that do not meet the results page's standard"
