@@ -30,6 +30,7 @@ from test_deploy import ROOT, needs_fmnist
 
 from fedhm_flwr.ops.deploy import loopback as dl
 from fedhm_flwr.ops.job.procs import alive, tagged_pids
+from fedhm_flwr.server.transport import HEARTBEAT_VERDICT
 
 # Four devices, 3 rounds. node-3's shard is broken: it sits out from the start (asked once). Round 1:
 # node-0 and node-1 (node-2 starts during it). Round 2: three nodes; node-1 is SIGKILLed (its whole
@@ -57,6 +58,7 @@ JOB = [
     "evaluation.levels=false",
     "evaluation.deploy_stats=false",
     "timeout=70",
+    f"stragglers.verdict_seconds={HEARTBEAT_VERDICT:g}",  # the killed node's round: a failure, not late
     "availability.min_nodes=3",
     "availability.wait_seconds=90",
     "availability.poll_seconds=1",

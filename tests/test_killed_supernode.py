@@ -22,6 +22,7 @@ from test_deploy import needs_fmnist
 from fedhm_flwr.ops.deploy import loopback as dl
 from fedhm_flwr.ops.deploy.supernode import program
 from fedhm_flwr.ops.job.procs import alive, tagged_pids
+from fedhm_flwr.server.transport import HEARTBEAT_VERDICT
 
 JOB = [
     "rounds=1",
@@ -39,6 +40,8 @@ JOB = [
     "stragglers.quorum=0.5",
     "stragglers.factor=1.0",
     "stragglers.min_seconds=0",
+    # ... then wait for the SuperLink's verdict on it (Flower's heartbeat window and a margin; off by default)
+    f"stragglers.verdict_seconds={HEARTBEAT_VERDICT:g}",
 ]
 
 

@@ -14,7 +14,7 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
 from flwr.common.constant import ErrorCode
 
-from fedhm_flwr.config import model_spec, run_options
+from fedhm_flwr.config import ConfigError, model_spec, run_options
 from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.apps.server_app import initial_state
 from fedhm_flwr.server.registry import FedHMStrategy
@@ -133,3 +133,13 @@ def test_a_node_that_answers_after_the_deadline_stays_late(toy_cfg):
     # without a wait (a simulation) the record is the same: late, its answer a late arrival of the next round
     first, second = _two_rounds(toy_cfg, gone=False, verdict_wait=0.0)
     assert first["late"] == 1 and first["failures"] == 0 and second["late_arrivals"] == 1
+
+
+def test_by_default_a_silent_device_costs_a_round_its_deadline_and_no_verdict_wait(toy_cfg):
+    # the wait is opt-in (stragglers.verdict_seconds): a device silent on purpose must not lengthen every round
+    assert run_options(toy_cfg()).stragglers.verdict_seconds == 0.0
+    first, _ = _two_rounds(toy_cfg, gone=True, verdict_wait=run_options(toy_cfg()).stragglers.verdict_seconds)
+    assert first["late"] == 1 and first["failures"] == 0  # the verdict is not awaited: recorded late
+    with pytest.raises(ConfigError) as err:
+        toy_cfg("stragglers.verdict_seconds=-1")
+    assert err.value.field == "stragglers.verdict_seconds"

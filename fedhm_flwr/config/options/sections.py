@@ -51,6 +51,14 @@ class Stragglers:
     min_seconds: Num = option(
         30.0, "but never stop waiting sooner than this after the messages went out", ge=0.0, lt=math.inf
     )
+    verdict_seconds: Num = option(
+        0.0,
+        "on devices: after the deadline, wait up to this long for the SuperLink's verdict on a late node (62: "
+        "Flower's heartbeat window; a node reported unavailable, its SuperNode lost, is a failure, not late); "
+        "every round with a late node, a silent one too, then costs up to this long; 0: no wait",
+        ge=0.0,
+        le=600.0,
+    )
 
 
 @dataclass(frozen=True, config=DECLARED)

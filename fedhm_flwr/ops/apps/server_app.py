@@ -46,7 +46,6 @@ from fedhm_flwr.reporting.tracking import open_tracker
 from fedhm_flwr.server.evaluation import make_evaluator
 from fedhm_flwr.server.outputs import RunOutputs
 from fedhm_flwr.server.registry import STRATEGIES
-from fedhm_flwr.server.transport import HEARTBEAT_VERDICT
 
 app = ServerApp()
 #: when this process started (under ``flwr run``: the simulation process, which imports this module)
@@ -138,7 +137,7 @@ def _run(
     evaluator = None if opts.evaluation.where == "clients" else make_evaluator(opts, pick_device())
     strategy = STRATEGIES[opts.method.name](opts, spec, evaluator, RunOutputs(opts, recorder))
     if on_devices(sys.argv, runtime_address(sys.argv)):  # a late device may have died: wait for the verdict
-        strategy.wire.verdict_wait = HEARTBEAT_VERDICT
+        strategy.wire.verdict_wait = opts.stragglers.verdict_seconds
     for line in size_warnings(opts, spec):  # FedHM levels that do not shrink the model, before round 1
         log(WARNING, "warning: %s", line)
     state = strategy.method.initial_state(opts.seed)
