@@ -86,6 +86,8 @@ class _Silent(LocalGrid):
     own answer, or (``gone``) the SuperLink's ``Node Unavailable``, as for a SuperNode killed mid-round."""
 
     def __init__(self, *args, pid: int, after: float, gone: bool, **kwargs):
+        """``after=math.inf``: the reply comes once round 2's messages went out (after round 1 ended, whatever
+        the machine's speed)."""
         super().__init__(*args, **kwargs)
         self.pid, self.after, self.gone = pid, after, gone
         self.held: dict[str, tuple[float, Message]] = {}
@@ -94,6 +96,8 @@ class _Silent(LocalGrid):
         reply = super()._deliver(msg)
         pid = self.contexts[msg.metadata.dst_node_id].node_config["partition-id"]
         config = msg.content["config"]
+        if config.get("server-round") == 2 and self.after == math.inf:
+            self.held = {m: (-math.inf, held) for m, (_, held) in self.held.items()}  # due at the next pull
         if (config.get("server-round"), msg.metadata.message_type, pid) != (1, MessageType.TRAIN, self.pid):
             return reply
         self.held[msg.metadata.message_id] = (math.inf, _unavailable(msg) if self.gone else reply)
@@ -107,11 +111,11 @@ class _Silent(LocalGrid):
         return [*super().pull_messages(ids), *(self.held.pop(m)[1] for m in due)]
 
 
-def _two_rounds(toy_cfg, gone: bool, verdict_wait: float) -> list[dict]:
+def _two_rounds(toy_cfg, gone: bool, verdict_wait: float, after: float = 2.0) -> list[dict]:
     cfg = toy_cfg("rounds=2 evaluation.where=server evaluation.levels=false evaluation.deploy_stats=false")
     strategy = FedHMStrategy(run_options(cfg), model_spec(cfg))
     strategy.wire.verdict_wait = verdict_wait
-    grid = _Silent(6, client_handlers(), pid=2, after=1.0, gone=gone)
+    grid = _Silent(6, client_handlers(), pid=2, after=after, gone=gone)
     arrays = ArrayRecord.from_torch_state_dict(initial_state(cfg.seed, strategy.method.spec))
     strategy.start(grid, arrays, num_rounds=2, timeout=0.4)  # its deadline comes before the reply
     return strategy.history
@@ -131,14 +135,16 @@ def test_a_node_that_answers_after_the_deadline_stays_late(toy_cfg):
     assert first["late"] == 1 and json.loads(first["late_nodes"]) == ["p2"]
     assert second["late_arrivals"] == 1 and second["failures"] == 0  # its answer, pulled in the wait, counted once
     # without a wait (a simulation) the record is the same: late, its answer a late arrival of the next round
-    first, second = _two_rounds(toy_cfg, gone=False, verdict_wait=0.0)
+    first, second = _two_rounds(toy_cfg, gone=False, verdict_wait=0.0, after=math.inf)  # came during round 2
     assert first["late"] == 1 and first["failures"] == 0 and second["late_arrivals"] == 1
 
 
 def test_by_default_a_silent_device_costs_a_round_its_deadline_and_no_verdict_wait(toy_cfg):
     # the wait is opt-in (stragglers.verdict_seconds): a device silent on purpose must not lengthen every round
     assert run_options(toy_cfg()).stragglers.verdict_seconds == 0.0
-    first, _ = _two_rounds(toy_cfg, gone=True, verdict_wait=run_options(toy_cfg()).stragglers.verdict_seconds)
+    first, _ = _two_rounds(
+        toy_cfg, gone=True, verdict_wait=run_options(toy_cfg()).stragglers.verdict_seconds, after=math.inf
+    )
     assert first["late"] == 1 and first["failures"] == 0  # the verdict is not awaited: recorded late
     with pytest.raises(ConfigError) as err:
         toy_cfg("stragglers.verdict_seconds=-1")
