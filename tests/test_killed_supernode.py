@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from test_deploy import needs_fmnist
+from test_devices import _until
 
 from fedhm_flwr.ops.deploy import loopback as dl
 from fedhm_flwr.ops.deploy.supernode import program
@@ -43,16 +44,6 @@ JOB = [
     # ... then wait for the SuperLink's verdict on it (Flower's heartbeat window and a margin; off by default)
     f"stragglers.verdict_seconds={HEARTBEAT_VERDICT:g}",
 ]
-
-
-def _until(what: str, condition, timeout: float, failed=lambda: None) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if failed():
-            raise AssertionError(f"the run ended while waiting for {what}: {failed()}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def _flower_supernode(wrapper: int) -> int:
