@@ -7,12 +7,14 @@ Flower import.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fedhm_flwr.math.width import full_spec, submodel_spec
 from fedhm_flwr.models import build_model, input_shape, shape_device
-from fedhm_flwr.models.costs import model_costs
+from fedhm_flwr.models.costs import count_parameters, model_costs
 from fedhm_flwr.models.rules import plan_ranks
 
 __all__ = [
@@ -39,8 +41,19 @@ def _check_resource(resource: str) -> None:
 
 
 def _spec_cost(spec: Mapping[str, Any], resource: str, batch_size: int, momentum: float) -> float:
+    return _counted_cost(json.dumps(spec, sort_keys=True, default=str), resource, int(batch_size), float(momentum))
+
+
+@functools.lru_cache(maxsize=4096)
+def _counted_cost(spec_json: str, resource: str, batch_size: int, momentum: float) -> float:
+    """``resource`` of the model ``spec_json`` describes, counted once per process: a bisection asks for the
+    same sub-models again for every level, and every strategy of a run (a study builds one per method) for
+    the same levels. Parameters are counted without a forward pass (:func:`model_costs` runs two)."""
+    spec = json.loads(spec_json)
     with shape_device(spec):
-        model = build_model(dict(spec), spectral_init=False)
+        model = build_model(spec, spectral_init=False)
+        if resource == "params":
+            return float(count_parameters(model))
         return model_costs(model, input_shape(spec), batch_size, momentum)[resource]
 
 
