@@ -140,6 +140,14 @@ class RunRecorder:
         if self.tracker is not None:
             self.tracker.round(self.rows[-1])
 
+    def amend_round(self, server_round: int, row: Mapping[str, Any]) -> None:
+        """Replace round ``server_round``'s row (a verdict that came later amended it) and rewrite the
+        tables, atomically as :meth:`log_round` does; a round not recorded here is left alone."""
+        at = [i for i, r in enumerate(self.rows) if r.get("round") == server_round]
+        if at:
+            self.rows[at[-1]] = {k: _clean(v) for k, v in row.items()}
+            self._write_tables()
+
     def _write_tables(self) -> None:
         jsonl = "".join(json.dumps(r, default=_json_default) + "\n" for r in self.rows)
         atomic_write(self.out_dir / METRICS_JSONL, jsonl)

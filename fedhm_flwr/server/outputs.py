@@ -5,10 +5,11 @@ The strategy (:class:`fedhm_flwr.server.strategy.HeteroStrategy`) orchestrates t
 tells one listener (:class:`RoundOutputs`) three moments of each round, handing it a
 :class:`RoundEnd` (never itself): the model is merged (``trained``), the round is evaluated
 (``evaluated``: its row may still take figures), the row is closed and kept in the history
-(``closed``). :class:`RunOutputs`, which the ServerApp builds, writes the row, the checkpoint
-(``checkpoint.every``, the last round), the best model (``checkpoint.keep_best``) and, after the
-last round, every level's deployment statistics (``evaluation.deploy_stats``,
-docs/METHODS.md#deployable-statistics).
+(``closed``); and, when the SuperLink's verdict on a node an earlier round recorded late comes later
+(:mod:`~fedhm_flwr.server.late`), that round's amended row (``amended``). :class:`RunOutputs`, which
+the ServerApp builds, writes the row (rewritten when amended), the checkpoint (``checkpoint.every``,
+the last round), the best model (``checkpoint.keep_best``) and, after the last round, every level's
+deployment statistics (``evaluation.deploy_stats``, docs/METHODS.md#deployable-statistics).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class RoundOutputs(Protocol):
 
     def closed(self, end: RoundEnd, row: dict[str, Any]) -> None: ...
 
+    def amended(self, server_round: int, row: dict[str, Any]) -> None: ...
+
 
 class RunOutputs:
     """Rows, checkpoints, the best model and the deployment statistics of a run, written by a
@@ -79,6 +82,10 @@ class RunOutputs:
             self.recorder.save_checkpoint(end.state, end.checkpoint_state())
         if self.keep_best:
             self.recorder.save_best(end.state, row)
+
+    def amended(self, server_round: int, row: dict[str, Any]) -> None:
+        """An earlier round's row, amended: the tables are rewritten with it."""
+        self.recorder.amend_round(server_round, row)
 
     def _save_deployment_statistics(self, end: RoundEnd, row: dict[str, Any]) -> None:
         """The fixed norm statistics of every level's deployable model (the clients' sBN sums; asked

@@ -32,7 +32,7 @@ class RoundLog:
     query_seconds: float = 0.0  # wall time of those queries (part of server_seconds)
     queried: int = 0  # nodes asked for their node info this round
     late: list[int] = field(default_factory=list)  # sampled nodes the round stopped waiting for (stragglers)
-    late_arrivals: int = 0  # answers to the previous round's messages that came after it stopped waiting
+    late_arrivals: int = 0  # answers to earlier rounds' messages that came after those rounds stopped waiting
     arrivals: list[float] = field(default_factory=list)  # seconds each answer took after the push (sorted)
     train_seconds: float = 0.0  # wall time from the push of the training messages to the last reply pulled
 

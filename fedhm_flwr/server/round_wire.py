@@ -5,20 +5,21 @@ A payload is the node's own cut when the method makes one (PriSM), else its leve
 level per round and shared; it travels in ``wire.dtype`` (:mod:`~fedhm_flwr.server.payloads`:
 the Arrays serialised once per model version, the task config once per level). A reply is checked
 against what that node was sent (:func:`fedhm_flwr.server.replies.check_train_reply`) before the
-method sees it. The wire keeps what it sent this round (``sent``, ``messages``) and the messages the
-round stopped waiting for (``late_ids``: their answers count as late arrivals).
+method sees it. The wire keeps what it sent this round (``sent``, ``messages``) and, across rounds, the
+messages of nodes recorded late (``pending``, :mod:`~fedhm_flwr.server.late`): pulled with every later
+round's replies, an answer to one is a late arrival, the SuperLink's ``NODE_UNAVAILABLE`` the verdict on its
+round (:meth:`RoundWire.sort_replies`); what is still pending after the last round is settled once
+(:meth:`RoundWire.settle_late`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from logging import WARNING
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
-from flwr.supercore import log
 
 from fedhm_flwr.config.options import RunOptions
 from fedhm_flwr.core import protocol as wire
@@ -26,11 +27,12 @@ from fedhm_flwr.core.protocol import ARRAYS, CONFIG
 from fedhm_flwr.math import levels as lv
 from fedhm_flwr.server import replies as reply_checks
 from fedhm_flwr.server.known_nodes import KnownNodes
+from fedhm_flwr.server.late import Lost, PendingLate
 from fedhm_flwr.server.methods.method import Cut, Method, Reply, State
 from fedhm_flwr.server.payloads import ArrayCache, Payload, TaskConfigs, train_options
 from fedhm_flwr.server.report import RoundLog
 from fedhm_flwr.server.simulated_attacks import Attacks
-from fedhm_flwr.server.transport import content_bytes, settle_late
+from fedhm_flwr.server.transport import late_verdicts, settle_late
 from fedhm_flwr.server.untrusted import Untrusted
 
 
@@ -52,10 +54,9 @@ class RoundWire:
         self._examples_cap = reply_checks.examples_cap(opts)  # the most examples a reply's weight counts
         self.sent: dict[int, tuple[int, Payload]] = {}  # node id -> (level index, payload) this round
         self.messages: list[Message] = []  # this round's training messages (their ids: who was asked)
-        self.late_ids: list[str] = []  # the last round's messages it stopped waiting for (their answers: late)
-        self.held_late = (0, 0)  # late answers the verdict pulled (count, bytes): the next round's late arrivals
-        #: how long a round with late nodes waits for the SuperLink's verdict on them (:meth:`judge_late`): on
-        #: devices the ServerApp sets the heartbeat window plus a margin; 0 (one more pull) in a simulation
+        self.pending = PendingLate()  # the messages of nodes recorded late, any round's, not answered or judged
+        #: how long the run's end waits for the SuperLink's verdict on the nodes still late (:meth:`settle_late`):
+        #: on devices the ServerApp sets ``stragglers.verdict_seconds``; 0 (one more pull) in a simulation
         self.verdict_wait = 0.0
 
     def wire_arrays(self, state: State) -> dict[str, Any]:
@@ -158,19 +159,41 @@ class RoundWire:
         self.messages = messages
         return messages
 
-    def sort_replies(self, replies: Iterable[Message]) -> reply_checks.Sorted:
+    @property
+    def late_ids(self) -> list[str]:
+        """The messages of nodes recorded late and not answered or judged yet: every round pulls them along."""
+        return self.pending.ids()
+
+    def sort_replies(self, replies: Iterable[Message]) -> tuple[reply_checks.Sorted, list[Lost]]:
         """This round's replies sorted (:func:`fedhm_flwr.server.replies.sort_replies`), each checked
-        against what its node was sent."""
-        return reply_checks.sort_replies(self.messages, replies, self.validate, self.late_ids)
+        against what its node was sent, and the SuperLink's verdicts on earlier rounds' late nodes that
+        came with them (its ``NODE_UNAVAILABLE`` answer to one of their messages: that node was lost in
+        its round). Any other answer to such a message is a late arrival of this round. Every message
+        answered or judged leaves the pending ones."""
+        replies, earlier = list(replies), self.late_ids
+        judged, _ = late_verdicts({mid: mid for mid in earlier}, replies)
+        verdict_ids = {mid for mid, _ in judged}
+        lost = self.pending.lost(judged)
+        self.pending.resolve(m.metadata.reply_to_message_id for m in replies)
+        rest = [m for m in replies if m.metadata.reply_to_message_id not in verdict_ids]
+        return reply_checks.sort_replies(self.messages, rest, self.validate, earlier), lost
 
-    def take_held_late(self) -> tuple[int, int]:
-        """The late answers the last verdict pulled (count, bytes), handed once to the round counting them."""
-        held, self.held_late = self.held_late, (0, 0)
-        return held
+    def mark_late(self, server_round: int, late: list[int]) -> None:
+        """The round stopped waiting for these nodes: their messages stay pending (an answer: a late
+        arrival; the SuperLink's ``NODE_UNAVAILABLE``: the verdict on this round)."""
+        sent = {m.metadata.message_id: m.metadata.dst_node_id for m in self.messages}
+        self.pending.add(server_round, {mid: node_id for mid, node_id in sent.items() if node_id in late})
 
-    def mark_late(self, late: list[int]) -> None:
-        """The round stopped waiting for these nodes: their messages' answers are late arrivals."""
-        self.late_ids = [m.metadata.message_id for m in self.messages if m.metadata.dst_node_id in late]
+    def settle_late(self, grid: Grid) -> list[Lost]:
+        """After the last round: the SuperLink's verdicts on the nodes still late, pulling their messages
+        for at most :attr:`verdict_wait` s (:func:`~fedhm_flwr.server.transport.settle_late`; one pull when
+        0). An answer that comes now is no round's: it is dropped. Every message settled leaves the pending."""
+        if not self.pending.messages:
+            return []
+        judged, answered = settle_late(grid, {mid: mid for mid in self.late_ids}, self.verdict_wait)
+        lost = self.pending.lost(judged)
+        self.pending.resolve(m.metadata.reply_to_message_id for m in answered)
+        return lost
 
     def validate(self, node_id: int, msg: Message) -> tuple[Reply | None, str]:
         """Check a reply against what was sent to that node (:func:`fedhm_flwr.server.replies.check_train_reply`)."""
@@ -197,27 +220,3 @@ class RoundWire:
 
     def is_attacker(self, node_id: int) -> bool:
         return self.attacks.is_attacker(self.known.nodes.get(node_id), self.known.key(node_id), node_id)
-
-    def judge_late(self, grid: Grid, server_round: int, rl: RoundLog) -> None:
-        """The SuperLink's verdict on the nodes this round recorded late (docs/DEPLOY.md, "Stopping a
-        device"): a SuperNode killed mid-round says no goodbye, and the SuperLink reports its node
-        unavailable only when its heartbeats lapse, 30-60 s after the kill, often after the round's
-        deadline. The late nodes' training messages are pulled again until each is answered or reported
-        unavailable, at most :attr:`verdict_wait` s (:func:`~fedhm_flwr.server.transport.settle_late`);
-        a node reported unavailable is a failure of this round (``node unavailable``) and leaves, no longer
-        late; an answer pulled meanwhile counts as a late arrival of the next round, as it would have."""
-        late = {m.metadata.message_id: m.metadata.dst_node_id for m in self.messages if m.metadata.message_id}
-        late = {mid: n for mid, n in late.items() if n in rl.late}
-        if not late:
-            return
-        lost, answered = settle_late(grid, late, self.verdict_wait)
-        gone = {n for n, _ in lost}
-        for node_id, why in lost:
-            label = self.known.label(node_id)
-            log(WARNING, "round %d: node %s failed: %s (its SuperNode was lost)", server_round, label, why)
-            self.known.forget(node_id, server_round, why)
-        rl.failures += lost
-        rl.late = [n for n in rl.late if n not in gone]
-        resolved = {m.metadata.reply_to_message_id for m in answered} | {m for m, n in late.items() if n in gone}
-        self.late_ids = [m for m in self.late_ids if m not in resolved]  # (pulled: gone from the SuperLink)
-        self.held_late = (len(answered), sum(content_bytes(m.content) for m in answered if m.has_content()))

@@ -37,6 +37,7 @@ from fedhm_flwr.core.protocol import NodeInfo
 from fedhm_flwr.math import levels as lv
 from fedhm_flwr.server import evaluation as ev, replies as reply_checks
 from fedhm_flwr.server.known_nodes import KnownNodes
+from fedhm_flwr.server.late import Lost, amend_row, verdict_line
 from fedhm_flwr.server.methods.method import Method, Reply, State
 from fedhm_flwr.server.node_levels import LevelAssignment
 from fedhm_flwr.server.nodes import NodeDiscovery
@@ -154,12 +155,11 @@ class HeteroStrategy(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         t0 = time.perf_counter()
         rl = self.round_log
-        got = self.wire.sort_replies(replies)
-        held, held_bytes = self.wire.take_held_late()
-        rl.received_bytes += got.received_bytes + held_bytes
+        got, lost = self.wire.sort_replies(replies)
+        rl.received_bytes += got.received_bytes
         rl.failures += got.failures
         rl.rejected += got.rejected
-        rl.late_arrivals = got.late + held
+        rl.late_arrivals = got.late
         for node_id, why in got.failures:
             log(WARNING, "round %d: node %s failed: %s", server_round, self.node_label(node_id), why)
             if why == NODE_UNAVAILABLE:  # the SuperLink knows it is gone: it is asked again when back
@@ -168,7 +168,8 @@ class HeteroStrategy(Strategy):
             log(WARNING, "round %d: reply of node %s rejected: %s", server_round, self.node_label(node_id), why)
         valid = sorted(got.valid, key=lambda r: self.known.key(r.node_id))  # arrival order must not matter
         rl.late = sorted(set(self.wire.sent) - got.answered, key=self.known.key)
-        self.wire.mark_late(rl.late)
+        self.wire.mark_late(server_round, rl.late)
+        self.amend(lost, server_round, alive={n for n in got.answered if n not in dict(got.failures)})
         for node_id in rl.late:
             log(
                 WARNING,
@@ -266,8 +267,6 @@ class HeteroStrategy(Strategy):
             )
             self.round_log.train_seconds = time.perf_counter() - t_push  # push to the last reply pulled
             new_arrays, train_metrics = self.aggregate_train(server_round, replies)
-            if self.round_log.late:  # late, or gone? the SuperLink's verdict (judge_late)
-                self.wire.judge_late(grid, server_round, self.round_log)
             self.round_log.arrivals = sorted(arrivals.values())
             if new_arrays is not None:
                 arrays = new_arrays
@@ -309,7 +308,24 @@ class HeteroStrategy(Strategy):
             log(INFO, "%s", progress_line(row, num_rounds, self.levels))
             if self.outputs is not None:
                 self.outputs.closed(end, row)
+        self.amend(self.wire.settle_late(grid), None)  # late after the last round: lost? (verdict_wait on devices)
         return result
+
+    def amend(self, lost: list[Lost], server_round: int | None, alive: Iterable[int] = ()) -> None:
+        """The SuperLink's verdicts on nodes earlier rounds recorded late (:mod:`~fedhm_flwr.server.late`),
+        pulled in round ``server_round`` (None: after the last round): each such round's row is amended, in
+        the history and in the run's outputs, and the node is forgotten (asked again when back) unless it
+        answered this round (``alive``: back already, under the same node id)."""
+        when, back = f"round {server_round}" if server_round is not None else "the run's end", set(alive)
+        for verdict in lost:
+            label = self.node_label(verdict.node_id)
+            log(WARNING, "%s", verdict_line(when, label, verdict))
+            if verdict.node_id not in back:
+                self.known.forget(verdict.node_id, server_round or len(self.history), verdict.why)
+            for row in (r for r in self.history if r.get("round") == verdict.server_round):
+                amend_row(row, label, verdict.why, server_round)
+                if self.outputs is not None:
+                    self.outputs.amended(verdict.server_round, row)
 
     def _round_end(self, server_round: int, num_rounds: int, arrays: ArrayRecord) -> RoundEnd:
         """What the run's outputs are handed of this round (never the strategy itself)."""

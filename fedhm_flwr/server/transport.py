@@ -12,7 +12,7 @@ import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.app.typing import ConfigRecordValues
@@ -26,8 +26,11 @@ from fedhm_flwr.core.protocol import CONFIG, DATA_SPEC, NODE_INFO, QUERY, WIRE_D
 #: ``NODE_UNAVAILABLE`` error reply, sent by the SuperLink itself, not by the node)
 NODE_UNAVAILABLE = "node unavailable"
 #: seconds after a node's last heartbeat by which the SuperLink reports it unavailable (a SuperNode's default
-#: interval, Flower's patience), plus a margin: how long a round on devices waits for its verdict on a late node
+#: interval, Flower's patience), plus a margin: how long the run's end waits, on devices, for its verdict on
+#: nodes still late after the last round (``stragglers.verdict_seconds``' default)
 HEARTBEAT_VERDICT = HEARTBEAT_PATIENCE * HEARTBEAT_DEFAULT_INTERVAL + 2.0
+#: what a late message is mapped to (the node asked, or the message id itself)
+T = TypeVar("T")
 
 
 def asked_ids(messages: Sequence[Message]) -> tuple[dict[str, int], set[int]]:
@@ -173,32 +176,35 @@ def collect(
     return replies
 
 
-def late_verdicts(late: Mapping[str, int], replies: Iterable[Message]) -> tuple[list[tuple[int, str]], list[Message]]:
-    """What a new pull of a round's ``late`` training messages (message id -> the node asked) brought:
-    (the nodes the SuperLink now reports unavailable, each with :data:`NODE_UNAVAILABLE`: their SuperNode
-    was lost during the round; the other replies to them: answers that came after the deadline).
-    A reply to none of them is left out."""
-    lost, answered = [], []
+def late_verdicts(late: Mapping[str, T], replies: Iterable[Message]) -> tuple[list[tuple[T, str]], list[Message]]:
+    """What a new pull of ``late`` training messages (message id -> what it stands for: the node asked,
+    or the message id itself) brought: (those the SuperLink now reports unavailable, each with
+    :data:`NODE_UNAVAILABLE`: their SuperNode was lost; the other replies to them: answers that came after
+    the deadline). A reply to none of them is left out."""
+    lost: list[tuple[T, str]] = []
+    answered: list[Message] = []
     for msg in replies:
-        node_id = late.get(msg.metadata.reply_to_message_id)
-        if node_id is None:
+        mid = msg.metadata.reply_to_message_id
+        if mid not in late:
             continue
         if msg.has_error() and msg.error.code == ErrorCode.NODE_UNAVAILABLE:
-            lost.append((node_id, NODE_UNAVAILABLE))
+            lost.append((late[mid], NODE_UNAVAILABLE))
         else:
             answered.append(msg)
     return lost, answered
 
 
 def settle_late(
-    grid: Any, late: Mapping[str, int], wait: float, poll: float = 1.0
-) -> tuple[list[tuple[int, str]], list[Message]]:
-    """Pull a round's ``late`` training messages (message id -> node) once more and, while some are
+    grid: Any, late: Mapping[str, T], wait: float, poll: float = 1.0
+) -> tuple[list[tuple[T, str]], list[Message]]:
+    """Pull ``late`` training messages (message id -> what it stands for) once more and, while some are
     neither answered nor reported unavailable, again every ``poll`` s for at most ``wait`` s:
     :func:`late_verdicts` of all that came. A SuperNode killed mid-round says no goodbye; the SuperLink
     reports its node unavailable only when its heartbeats lapse (``HEARTBEAT_PATIENCE`` ×
     ``HEARTBEAT_DEFAULT_INTERVAL``, 30-60 s after the kill), often after the round's deadline."""
-    pending, lost, answered = dict(late), [], []
+    pending = dict(late)
+    lost: list[tuple[T, str]] = []
+    answered: list[Message] = []
     end = time.monotonic() + wait
     while pending:
         got = list(grid.pull_messages(list(pending)))

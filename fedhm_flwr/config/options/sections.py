@@ -52,10 +52,10 @@ class Stragglers:
         30.0, "but never stop waiting sooner than this after the messages went out", ge=0.0, lt=math.inf
     )
     verdict_seconds: Num = option(
-        0.0,
-        "on devices: after the deadline, wait up to this long for the SuperLink's verdict on a late node (62: "
-        "Flower's heartbeat window; a node reported unavailable, its SuperNode lost, is a failure, not late); "
-        "every round with a late node, a silent one too, then costs up to this long; 0: no wait",
+        62.0,
+        "how long the run's end waits for the SuperLink's verdict on devices still late after the final round "
+        "(62: Flower's heartbeat window and a margin; one reported unavailable, its SuperNode lost, is a failure "
+        "of its round, not late); on devices only, rounds never wait; 0: one pull",
         ge=0.0,
         le=600.0,
     )

@@ -136,8 +136,8 @@ def _run(
     # a deployment's server may hold no test set: with evaluation.where=clients none is loaded
     evaluator = None if opts.evaluation.where == "clients" else make_evaluator(opts, pick_device())
     strategy = STRATEGIES[opts.method.name](opts, spec, evaluator, RunOutputs(opts, recorder))
-    if on_devices(sys.argv, runtime_address(sys.argv)):  # a late device may have died: wait for the verdict
-        strategy.wire.verdict_wait = opts.stragglers.verdict_seconds
+    if on_devices(sys.argv, runtime_address(sys.argv)):  # a device late after the last round may have died:
+        strategy.wire.verdict_wait = opts.stragglers.verdict_seconds  # the run's end waits for the verdict
     for line in size_warnings(opts, spec):  # FedHM levels that do not shrink the model, before round 1
         log(WARNING, "warning: %s", line)
     state = strategy.method.initial_state(opts.seed)
