@@ -235,7 +235,8 @@ def cmd_compare(argv: list[str], parser: argparse.ArgumentParser) -> int:
         "--match",
         default=COMPARE_MATCH,
         type=match_option,
-        help="the resource HeteroFL/FedRolex widths match FedHM's levels on: params (bytes on the "
+        help="the resource HeteroFL/FedRolex/FjORD widths (and, on params, FIARSE's sizes) match FedHM's "
+        "levels on: params (bytes on the "
         "wire), macs (compute), memory (training memory), or none (width rates = levels); "
         "default params (the fedhm_ prefix of levels.match is also accepted)",
     )
@@ -268,8 +269,9 @@ def cmd_compare(argv: list[str], parser: argparse.ArgumentParser) -> int:
             split_overrides(args.overrides), args.seeds, args.match, tuple(args.ablations.split())
         )
         matched = (
-            f"budget-matched comparison (levels.match={args.match}: HeteroFL/FedRolex width rates chosen per "
-            f"level to match FedHM's {MATCH_WORDS[args.match]})"
+            f"budget-matched comparison (levels.match={args.match}: HeteroFL/FedRolex/FjORD width rates chosen "
+            f"per level to match FedHM's {MATCH_WORDS[args.match]}"
+            + (", FIARSE's sizes its parameter count)" if args.match == "params" else "; FIARSE matches params only)")
             if args.match != "none"
             else "unmatched comparison (levels.match=none: width rates = levels)"
         )
