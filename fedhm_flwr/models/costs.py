@@ -28,15 +28,36 @@ def count_macs(model: nn.Module, input_shape: tuple[int, ...]) -> int:
     ``no_grad``; the per-sample count is reported. The model's train/eval mode is restored and
     the hooks removed.
     """
-    total = 0
+    return forward_counts(model, input_shape)[0]
+
+
+def activation_elements(model: Any, input_shape: tuple[int, ...]) -> int:
+    """Values one input leaves for the backward pass: the outputs of every leaf module, summed.
+
+    Counted with forward hooks on a batch of 2 (eval mode, ``no_grad``; hooks and modes are
+    restored); the per-input count is returned.
+    """
+    return forward_counts(model, input_shape)[1]
+
+
+def forward_counts(model: nn.Module, input_shape: tuple[int, ...]) -> tuple[int, int]:
+    """(:func:`count_macs`, :func:`activation_elements`) of one input, from ONE hooked forward pass on a
+    batch of 2 in the dtype and on the device of the model's parameters (a model on the meta device
+    runs every operation through Python decompositions: one pass instead of two halves a cost count)."""
+    macs = activations = 0
 
     def on_conv(module: nn.Conv2d, _inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
-        nonlocal total
-        total += conv_macs(module, output[0].numel())
+        nonlocal macs
+        macs += conv_macs(module, output[0].numel())
 
     def on_linear(module: nn.Linear, _inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
-        nonlocal total
-        total += output[0].numel() * module.in_features
+        nonlocal macs
+        macs += output[0].numel() * module.in_features
+
+    def on_leaf(_module: Any, _inputs: Any, output: Any) -> None:
+        nonlocal activations
+        if isinstance(output, torch.Tensor):
+            activations += output.numel() // 2
 
     hooks = []
     for module in model.modules():
@@ -44,6 +65,8 @@ def count_macs(model: nn.Module, input_shape: tuple[int, ...]) -> int:
             hooks.append(module.register_forward_hook(on_conv))
         elif isinstance(module, nn.Linear):
             hooks.append(module.register_forward_hook(on_linear))
+        if next(module.children(), None) is None:
+            hooks.append(module.register_forward_hook(on_leaf))
     modes = {module: module.training for module in model.modules()}
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
@@ -57,35 +80,7 @@ def count_macs(model: nn.Module, input_shape: tuple[int, ...]) -> int:
             hook.remove()
         for module, training in modes.items():
             module.training = training
-    return total
-
-
-def activation_elements(model: Any, input_shape: tuple[int, ...]) -> int:
-    """Values one input leaves for the backward pass: the outputs of every leaf module, summed.
-
-    Counted with forward hooks on a batch of 2 (eval mode, ``no_grad``; hooks and modes are
-    restored); the per-input count is returned.
-    """
-    total = 0
-
-    def hook(_module: Any, _inputs: Any, output: Any) -> None:
-        nonlocal total
-        if isinstance(output, torch.Tensor):
-            total += output.numel() // 2
-
-    leaves = [m for m in model.modules() if next(m.children(), None) is None]
-    hooks = [m.register_forward_hook(hook) for m in leaves]
-    modes = {m: m.training for m in model.modules()}
-    try:
-        model.eval()
-        with torch.no_grad():
-            model(torch.zeros((2, *input_shape)))
-    finally:
-        for h in hooks:
-            h.remove()
-        for m, training in modes.items():
-            m.training = training
-    return total
+    return macs, activations
 
 
 def training_memory_bytes(
@@ -108,9 +103,10 @@ def model_costs(model: nn.Module, shape: tuple[int, ...], batch_size: int, momen
     ``batch_size``, one optimizer slot with momentum: :func:`training_memory_bytes`)."""
     params = count_parameters(model)
     slots = 1 if float(momentum) > 0 else 0
+    macs, activations = forward_counts(model, shape)
     return {
         "params": float(params),
-        "macs": float(count_macs(model, shape)),
+        "macs": float(macs),
         "bytes": float(4 * params),
-        "memory": float(training_memory_bytes(params, activation_elements(model, shape), int(batch_size), slots)),
+        "memory": float(training_memory_bytes(params, activations, int(batch_size), slots)),
     }
