@@ -12,6 +12,7 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -72,20 +73,21 @@ def query(msg: Message, context: Context) -> Message:
 }
 
 
-def _mine(program: str) -> list[int]:
-    """Live processes of ``program`` that carry a ``fedhm supernode`` tag."""
-    return [
-        p
-        for p in sn._pids()
-        if sn.program(p) == program
-        and sn.alive(p)
-        and any(v.startswith(sn.TAG_VAR.encode()) for v in sn._proc(p, "environ"))
-    ]
+def _mine(program: str, home: Path) -> list[int]:
+    """Live processes of ``program`` that carry a ``fedhm supernode`` tag and this test's Flower home ``home``
+    (other tests' SuperNodes may run beside it: pytest-xdist)."""
+    mark = f"FLWR_HOME={home}".encode()
+
+    def ours(env: list[bytes]) -> bool:
+        return mark in env and any(v.startswith(sn.TAG_VAR.encode()) for v in env)
+
+    return [p for p in sn._pids() if sn.program(p) == program and sn.alive(p) and ours(sn._proc(p, "environ"))]
 
 
 @pytest.mark.slow
 def test_real_clientapps_end_with_their_supernode_and_their_superlink_and_the_device_comes_back(tmp_path, monkeypatch):
     t0 = time.monotonic()
+    home = tmp_path / "node-home"  # the SuperNode's FLWR_HOME: marks this test's processes (_mine)
     app = tmp_path / "sleepy"
     app.mkdir()
     for name, text in APP.items():
@@ -105,7 +107,7 @@ def test_real_clientapps_end_with_their_supernode_and_their_superlink_and_the_de
 
     def operator() -> None:  # what happens to the device, while the wrapper runs in the main thread
         try:
-            (node,) = until("SuperNode up", lambda: _mine("flower-supernode"))
+            (node,) = until("SuperNode up", lambda: _mine("flower-supernode", home))
             cli = tmp_path / "cli"
             write_connection(cli, "t", f"127.0.0.1:{port}")
             run = subprocess.run(
@@ -116,17 +118,17 @@ def test_real_clientapps_end_with_their_supernode_and_their_superlink_and_the_de
                 timeout=60,
             )
             assert run.returncode == 0, run.stdout + run.stderr
-            first = until("ClientApp busy", lambda: _mine("flwr-clientapp"))
+            first = until("ClientApp busy", lambda: _mine("flwr-clientapp", home))
             os.kill(node, signal.SIGKILL)
             until("ClientApp of the killed SuperNode gone", lambda: not any(sn.alive(p) for p in first), 5)
-            until("SuperNode back", lambda: [p for p in _mine("flower-supernode") if p != node], 10)
-            second = until("ClientApp busy again", lambda: [p for p in _mine("flwr-clientapp") if p not in first])
-            (back,) = _mine("flower-supernode")
+            until("SuperNode back", lambda: [p for p in _mine("flower-supernode", home) if p != node], 10)
+            second = until("ClientApp busy again", lambda: [p for p in _mine("flwr-clientapp", home) if p not in first])
+            (back,) = _mine("flower-supernode", home)
             procs.stop_groups([superlink], grace=5.0)
             seen["SuperLink stopped"] = time.monotonic()
             until("ClientApp of the stopped SuperLink gone", lambda: not any(sn.alive(p) for p in second), 10)
             # started afresh (no message of the dead runs left in it), it waits for its SuperLink
-            until("SuperNode afresh", lambda: [p for p in _mine("flower-supernode") if p != back], 10)
+            until("SuperNode afresh", lambda: [p for p in _mine("flower-supernode", home) if p != back], 10)
         except BaseException as err:  # noqa: BLE001  reported by the main thread
             failed.append(err)
         finally:
@@ -137,7 +139,7 @@ def test_real_clientapps_end_with_their_supernode_and_their_superlink_and_the_de
         superlink = start_superlink(
             procs, port, tmp_path / "state.db", flower_env(tmp_path / "link-home"), tmp_path / "superlink.log"
         )
-        for key, value in flower_env(tmp_path / "node-home").items():
+        for key, value in flower_env(home).items():
             monkeypatch.setenv(key, value)  # the SuperNode's environment: the wrapper passes its own on
         thread = threading.Thread(target=operator, daemon=True)
         thread.start()
@@ -153,7 +155,7 @@ def test_real_clientapps_end_with_their_supernode_and_their_superlink_and_the_de
     if failed:
         raise failed[0]
     assert code == 0
-    assert not _mine("flwr-clientapp") and not _mine("flower-superexec") and not _mine("flower-supernode")
+    assert not any(_mine(name, home) for name in ("flwr-clientapp", "flower-superexec", "flower-supernode"))
     marks = {k: round(v - t0, 1) for k, v in seen.items()}
     print(f"[test] {marks}", flush=True)
     assert seen["ClientApp of the stopped SuperLink gone"] - seen["SuperLink stopped"] < 2.0 + 0.5 + 3.0 + 2.0
