@@ -1,15 +1,16 @@
 """The parts of a run's lifecycle, each in seconds with real processes: the run lock (a live
 holder refused, its own job let in, a dead one's file ignored), the watchdog that stops every
-process of a launcher killed outright, refusals before anything starts (CIFAR missing, resume
-without a checkpoint, status of a non-run), the launcher's scan for the ServerApp's exception and
-the ServerApp's watch on its SuperLink. The whole runs interrupted and resumed are in
-tests/test_lifecycle.py.
+process of a launcher killed outright, the cleanup that kills Ray's workers at once, refusals
+before anything starts (CIFAR missing, resume without a checkpoint, status of a non-run), the
+launcher's scan for the ServerApp's exception and the ServerApp's watch on its SuperLink. The
+whole runs interrupted and resumed are in tests/test_lifecycle.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import pytest
 from lifecycle_helpers import ROOT, descendants, fedhm_status, is_alive, process_state
 
 from fedhm_flwr.ops.apps.superlink_watch import runtime_address, watch_superlink
+from fedhm_flwr.ops.job.procs import Processes, kill_tagged
 from fedhm_flwr.ops.job.runlock import RunDirectoryBusy, RunLock
 
 HOLDER = """
@@ -81,6 +83,37 @@ def test_the_watchdog_stops_every_process_of_a_launcher_killed_outright(tmp_path
     while any(is_alive(p) for p in pids):
         assert time.monotonic() - t0 < 10, {p: process_state(p) for p in pids if is_alive(p)}
         time.sleep(0.1)
+
+
+STUBBORN = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(300)"
+)
+POLITE = (
+    "import signal, sys, time\n"
+    "def stop(*_):\n    open(sys.argv[1], 'w').write('SIGTERM')\n    sys.exit(0)\n"
+    "signal.signal(signal.SIGTERM, stop); print('up', flush=True); time.sleep(300)"
+)
+
+
+def test_a_cleanup_kills_rays_workers_at_once_and_asks_every_other_process_to_stop_first(tmp_path):
+    """Ray's agents outlive their raylet and ignore SIGTERM for seconds (``ray::DashboardAgent``): the
+    cleanup kills a tagged process titled ``ray::...`` without a grace period or a settle wait, and
+    still gives any other process SIGTERM first (its handler runs)."""
+    env = dict(os.environ)
+    ray_job, other_job = Processes(watchdog=False), Processes(watchdog=False)
+    agent = ray_job.start(
+        "agent", ["bash", "-c", f'exec -a ray::FakeAgent "{sys.executable}" -c "{STUBBORN}"'], env, None
+    )
+    polite = other_job.start("polite", [sys.executable, "-c", POLITE, str(tmp_path / "termed")], env, None)
+    for proc in (agent, polite):
+        assert proc.stdout.readline().strip() == b"up"
+    assert Path(f"/proc/{agent.pid}/cmdline").read_bytes().startswith(b"ray::FakeAgent\0")
+    t0 = time.monotonic()
+    assert kill_tagged(ray_job.tag, grace=120.0, settle=120.0) == [agent.pid]
+    assert time.monotonic() - t0 < 60  # neither the settle wait nor the grace period was spent on it
+    assert agent.wait(timeout=5) == -signal.SIGKILL
+    assert kill_tagged(other_job.tag, grace=120.0) == [polite.pid]
+    assert polite.wait(timeout=5) == 0 and (tmp_path / "termed").read_text() == "SIGTERM"
 
 
 def test_missing_cifar_fails_at_once_with_one_line_and_starts_nothing(tmp_path):

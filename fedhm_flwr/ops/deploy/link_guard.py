@@ -84,7 +84,9 @@ def guard(command: list[str], helper_wait: float = HELPER_WAIT) -> int:
         _say(f"{signal.Signals(signum).name} received: stopping the SuperLink")
         # a signal to the process group (the launcher's stop, Ctrl-C) reached the SuperLink too: a second one
         # would cut its clean stop short (Flower restores the default handlers at the first)
-        threading.Timer(FORWARD_AFTER, forward).start()
+        timer = threading.Timer(FORWARD_AFTER, forward)
+        timer.daemon = True  # a SuperLink that stopped sooner ends this process at once
+        timer.start()
 
     reader = threading.Thread(target=pass_through, daemon=True)
     reader.start()

@@ -156,6 +156,13 @@ def kill_serverapp(tag: str, timeout: float = 3.0) -> list[int]:
     return pids
 
 
+def _ray_worker(pid: int) -> bool:
+    """Ray's agents and workers (titled ``ray::DashboardAgent``, ``ray::ClientAppActor``): they outlive
+    their raylet for seconds and take SIGTERM slowly, and keep nothing, so a cleanup neither waits for
+    them nor gives them a grace period."""
+    return command_name(pid).startswith("ray::")
+
+
 def kill_tagged(
     tag: str, grace: float = 3.0, settle: float = 0.0, limit: float = 30.0, spare: Sequence[str] = ()
 ) -> list[int]:
@@ -169,7 +176,7 @@ def kill_tagged(
     found = kill_serverapp(tag)
     end = time.monotonic() + settle
     pids = tagged_pids(tag, spare)
-    while pids and time.monotonic() < end:
+    while any(not _ray_worker(p) for p in pids) and time.monotonic() < end:
         time.sleep(0.2)
         pids = tagged_pids(tag, spare)
     termed: dict[int, float] = {}
@@ -178,7 +185,7 @@ def kill_tagged(
         now = time.monotonic()
         for pid in pids:
             if pid not in termed:
-                _signal_all([pid], signal.SIGTERM)
+                _signal_all([pid], signal.SIGKILL if _ray_worker(pid) else signal.SIGTERM)
                 termed[pid] = now
             elif now - termed[pid] > grace:
                 _signal_all([pid], signal.SIGKILL)
