@@ -20,7 +20,7 @@ from flwr.common.constant import ErrorCode
 from fedhm_flwr.config import ConfigError, model_spec, run_options
 from fedhm_flwr.ops.apps.local_grid import LocalGrid, client_handlers
 from fedhm_flwr.ops.apps.server_app import initial_state
-from fedhm_flwr.reporting.results import RunRecorder, summarize
+from fedhm_flwr.reporting.results import RunRecorder, load_checkpoint_state, summarize
 from fedhm_flwr.server.late import amend_row
 from fedhm_flwr.server.outputs import RunOutputs
 from fedhm_flwr.server.registry import FedHMStrategy
@@ -211,6 +211,9 @@ def test_a_verdict_in_the_wait_after_the_last_round_amends_that_round(toy_cfg, t
     assert row["failures"] == 1 and json.loads(row["failure_reasons"]) == [["p2", "node unavailable"]]
     assert "late" not in row and row["amended_at_run_end"] is True and "amended_in_round" not in row
     assert disk == [row] and ended < 10  # it stopped once judged, long before its 30 s
+    saved = load_checkpoint_state(tmp_path / "run")  # the last checkpoint (a resume, `fedhm status`) has it too
+    assert saved["round"] == 1 and saved["history"] == [row], saved["history"]
+    assert json.loads((tmp_path / "run" / "checkpoint" / "strategy_state.json").read_text())["history"] == [row]
 
 
 def test_the_verdict_wait_is_the_heartbeat_window_by_default(toy_cfg):

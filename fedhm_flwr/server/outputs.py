@@ -6,7 +6,8 @@ tells one listener (:class:`RoundOutputs`) three moments of each round, handing 
 :class:`RoundEnd` (never itself): the model is merged (``trained``), the round is evaluated
 (``evaluated``: its row may still take figures), the row is closed and kept in the history
 (``closed``); and, when the SuperLink's verdict on a node an earlier round recorded late comes later
-(:mod:`~fedhm_flwr.server.late`), that round's amended row (``amended``). :class:`RunOutputs`, which
+(:mod:`~fedhm_flwr.server.late`), that round's amended row (``amended``), and, when that happened after
+the last round, the last round once more (``settled``: its checkpoint holds the amended history). :class:`RunOutputs`, which
 the ServerApp builds, writes the row (rewritten when amended), the checkpoint (``checkpoint.every``,
 the last round), the best model (``checkpoint.keep_best``) and, after the last round, every level's
 deployment statistics (``evaluation.deploy_stats``, docs/METHODS.md#deployable-statistics).
@@ -53,6 +54,8 @@ class RoundOutputs(Protocol):
 
     def amended(self, server_round: int, row: dict[str, Any]) -> None: ...
 
+    def settled(self, end: RoundEnd) -> None: ...
+
 
 class RunOutputs:
     """Rows, checkpoints, the best model and the deployment statistics of a run, written by a
@@ -86,6 +89,11 @@ class RunOutputs:
     def amended(self, server_round: int, row: dict[str, Any]) -> None:
         """An earlier round's row, amended: the tables are rewritten with it."""
         self.recorder.amend_round(server_round, row)
+
+    def settled(self, end: RoundEnd) -> None:
+        """Rows were amended after the last round (``end``): its checkpoint, written when the round closed,
+        is written again, so the history it holds (what a resume or ``fedhm status`` reads) is the amended one."""
+        self.recorder.save_checkpoint(end.state, end.checkpoint_state())
 
     def _save_deployment_statistics(self, end: RoundEnd, row: dict[str, Any]) -> None:
         """The fixed norm statistics of every level's deployable model (the clients' sBN sums; asked

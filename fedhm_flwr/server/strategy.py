@@ -243,6 +243,7 @@ class HeteroStrategy(Strategy):
             first = evaluate_fn(self.start_round - 1, arrays)
             if first is not None:
                 result.evaluate_metrics_serverapp[self.start_round - 1] = first
+        end: RoundEnd | None = None
         for server_round in range(self.start_round, num_rounds + 1):
             t_round = time.perf_counter()
             messages = list(self.configure_train(server_round, arrays, train_config or ConfigRecord(), grid))
@@ -308,7 +309,10 @@ class HeteroStrategy(Strategy):
             log(INFO, "%s", progress_line(row, num_rounds, self.levels))
             if self.outputs is not None:
                 self.outputs.closed(end, row)
-        self.amend(self.wire.settle_late(grid), None)  # late after the last round: lost? (verdict_wait on devices)
+        lost = self.wire.settle_late(grid)  # late after the last round: lost? (verdict_wait on devices)
+        self.amend(lost, None)
+        if lost and end is not None and self.outputs is not None:
+            self.outputs.settled(end)  # the last checkpoint again, its history amended too
         return result
 
     def amend(self, lost: list[Lost], server_round: int | None, alive: Iterable[int] = ()) -> None:
