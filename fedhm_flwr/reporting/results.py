@@ -15,6 +15,7 @@ import math
 import os
 import secrets
 import shlex
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -111,6 +112,24 @@ def refuse_existing_run(out_dir: str | Path) -> None:
         )
 
 
+_PYPLOT: list[threading.Thread] = []  # the one import of matplotlib's pyplot in the background
+
+
+def _import_pyplot() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot
+
+
+def _import_pyplot_meanwhile() -> None:
+    """Import pyplot (0.6 s here) in a background thread while the next rounds train, once per process,
+    so the plot after the last round (:meth:`RunRecorder.plot`) does not add it to the run's end."""
+    if not _PYPLOT:
+        _PYPLOT.append(threading.Thread(target=_import_pyplot, name="fedhm-import-pyplot", daemon=True))
+        _PYPLOT[0].start()
+
+
 class RunRecorder:
     """Writes one run's outputs into ``out_dir`` (absolute)."""
 
@@ -139,6 +158,7 @@ class RunRecorder:
         self._write_tables()
         if self.tracker is not None:
             self.tracker.round(self.rows[-1])
+        _import_pyplot_meanwhile()
 
     def amend_round(self, server_round: int, row: Mapping[str, Any]) -> None:
         """Replace round ``server_round``'s row (a verdict that came later amended it) and rewrite the
@@ -217,9 +237,9 @@ class RunRecorder:
         keys = [k for k in ("acc/global", "fed_acc/all") if any(r.get(k) is not None for r in self.rows)]
         if not keys:
             return None
-        import matplotlib
-
-        matplotlib.use("Agg")
+        if _PYPLOT:
+            _PYPLOT[0].join()
+        _import_pyplot()
         import matplotlib.pyplot as plt
 
         for prefix in ("acc/level_", "fed_acc/level_"):

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+from fedhm_flwr.ops.job import control
 from fedhm_flwr.ops.job.outcome import Commands, RunFailed, exit_status, resume_hint
 from fedhm_flwr.ops.job.procs import Processes, kill_serverapp, killpg_quietly
 from fedhm_flwr.ops.job.runlock import RunLock
@@ -118,7 +119,13 @@ class FlowerJob:
         self.marks: dict[str, float] = {}  # when flwr run started, named its run, exited (wall clock: timings.json)
 
     def cli(self, *args: str, timeout: float = 60) -> dict[str, Any]:
-        """A ``flwr`` command with ``--format json`` on this connection; its JSON answer ({} if none)."""
+        """A ``flwr`` command with ``--format json`` on this connection; its JSON answer ({} if none).
+        ``list --run-id ID`` and ``stop ID`` are answered in this process where Flower's CLI parts are
+        there (:mod:`fedhm_flwr.ops.job.control`: the same calls, without a CLI process's start)."""
+        if (args[:2] == ("list", "--run-id") and len(args) == 3) or (args[:1] == ("stop",) and len(args) == 2):
+            answer = control.ask(self.env, self.connection, args[0], int(args[-1]), timeout)
+            if answer is not None:
+                return answer
         try:
             out = self.procs.run(
                 [bin_path("flwr"), *args, self.connection, "--format", "json"], self.env, timeout=timeout, cwd=APP_DIR
@@ -161,6 +168,7 @@ class FlowerJob:
                         self.run_id = int(match.group(1))
                         self.marks["run_started_at"] = time.time()  # the app bundled, sent and the run created
                         self.record(ended=False)
+                        control.warm()  # for the status asked at the end (and a stop on Ctrl-C)
             code = proc.wait()
             self.marks["flwr_run_exited_at"] = time.time()
         finally:
