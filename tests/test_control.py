@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 
-
 from fedhm_flwr.ops.job import control
 from fedhm_flwr.ops.job.flower_job import FlowerJob
 from fedhm_flwr.ops.job.procs import Processes

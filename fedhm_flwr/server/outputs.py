@@ -6,11 +6,12 @@ tells one listener (:class:`RoundOutputs`) three moments of each round, handing 
 :class:`RoundEnd` (never itself): the model is merged (``trained``), the round is evaluated
 (``evaluated``: its row may still take figures), the row is closed and kept in the history
 (``closed``); and, when the SuperLink's verdict on a node an earlier round recorded late comes later
-(:mod:`~fedhm_flwr.server.late`), that round's amended row (``amended``), and, when that happened after
-the last round, the last round once more (``settled``: its checkpoint holds the amended history). :class:`RunOutputs`, which
-the ServerApp builds, writes the row (rewritten when amended), the checkpoint (``checkpoint.every``,
-the last round), the best model (``checkpoint.keep_best``) and, after the last round, every level's
-deployment statistics (``evaluation.deploy_stats``, docs/METHODS.md#deployable-statistics).
+(:mod:`~fedhm_flwr.server.late`), that round's amended row (``amended``), and, when that happened
+after the last round, the last round once more (``settled``: its checkpoint holds the amended
+history). :class:`RunOutputs`, which the ServerApp builds, writes the row (rewritten when amended),
+the checkpoint (``checkpoint.every``, the last round), the best model (``checkpoint.keep_best``)
+and, after the last round, every level's deployment statistics (``evaluation.deploy_stats``,
+docs/METHODS.md#deployable-statistics).
 """
 
 from __future__ import annotations
