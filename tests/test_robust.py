@@ -113,6 +113,11 @@ def test_accountant_reproduces_tensorflow_privacys_published_values():
     orders = list(range(2, 33))
     eps, order = privacy.epsilon_from_rdp(privacy.compute_rdp(0.01, 4, 10000, orders), 1e-5, orders)
     assert eps == pytest.approx(1.258575, abs=1e-5) and order == 20
+    # computed once per (rate, noise, orders), each answer its own array: a caller that changes one
+    # changes no later answer
+    first = privacy.rdp_sampled_gaussian(0.1, 2, [5])
+    first[:] = -1.0
+    assert privacy.compute_rdp(0.1, 2, 10, [5])[0] == pytest.approx(0.07737, abs=1e-5)
 
 
 def test_epsilon_grows_with_rounds_and_shrinks_with_the_noise_multiplier():

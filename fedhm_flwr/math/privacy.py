@@ -31,6 +31,7 @@ replied; the noise std is ``σ`` times that bound. Weights never come from the c
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -72,18 +73,25 @@ def rdp_sampled_gaussian(q: float, sigma: float, orders: Sequence[int] = ORDERS)
         raise ValueError(f"sampling rate q must be in [0, 1], got {q!r}")
     if not sigma > 0:
         raise ValueError(f"noise multiplier must be > 0, got {sigma!r}")
-    out = []
     for alpha in orders:
         if int(alpha) != alpha or alpha < 2:
             raise ValueError(f"orders must be integers >= 2, got {alpha!r}")
-        alpha = int(alpha)
+    return np.asarray(_rdp_at(float(q), float(sigma), tuple(int(a) for a in orders)), dtype=np.float64)
+
+
+@functools.lru_cache(maxsize=64)
+def _rdp_at(q: float, sigma: float, orders: tuple[int, ...]) -> tuple[float, ...]:
+    """:func:`rdp_sampled_gaussian`'s values, computed once per (rate, noise, orders): every DP round of a
+    run asks for the same ones (0.2 s of pure-Python sums at the 255 default orders)."""
+    out = []
+    for alpha in orders:
         if q == 0:
             out.append(0.0)
         elif q == 1.0:
             out.append(alpha / (2 * sigma * sigma))
         else:
             out.append(_log_a_int(q, sigma, alpha) / (alpha - 1))
-    return np.asarray(out, dtype=np.float64)
+    return tuple(out)
 
 
 def compute_rdp(q: float, sigma: float, steps: int, orders: Sequence[int] = ORDERS) -> np.ndarray:
