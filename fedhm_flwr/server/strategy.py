@@ -237,12 +237,9 @@ class HeteroStrategy(Strategy):
             "startup_marks": self.discovery.marks,  # the first nodes' marks (#53)
             "rounds_started_at": time.time(),
         }  # wall clock: the bench's whole-job figure (8)
-        arrays = initial_arrays
-        result.arrays = arrays
-        if evaluate_fn is not None:
-            first = evaluate_fn(self.start_round - 1, arrays)
-            if first is not None:
-                result.evaluate_metrics_serverapp[self.start_round - 1] = first
+        result.arrays = arrays = initial_arrays
+        if evaluate_fn is not None and (first := evaluate_fn(self.start_round - 1, arrays)) is not None:
+            result.evaluate_metrics_serverapp[self.start_round - 1] = first
         end: RoundEnd | None = None
         for server_round in range(self.start_round, num_rounds + 1):
             t_round = time.perf_counter()

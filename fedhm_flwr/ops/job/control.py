@@ -22,31 +22,33 @@ import json
 import os
 import threading
 from collections.abc import Iterator, Mapping
-from types import ModuleType
 from typing import Any
 
+FLWR_HOME = "FLWR_HOME"  # the CLI's home folder (flwr.common.constant.FLWR_HOME; not imported here: the launcher
+# imports no Flower module before its run)
 _LOCK = threading.Lock()  # one ask at a time: FLWR_HOME is read from this process's environment
 _STATE: dict[str, Any] = {"thread": None, "modules": None}
 
 
-def _import() -> dict[str, ModuleType] | None:
+def _import() -> dict[str, Any] | None:
+    """The CLI's parts this module calls (None: one is missing)."""
     try:
         import click
+        import flwr.proto.control_pb2 as control_pb2
         from flwr.cli import flower_config, ls, utils
-        from flwr.common.constant import FLWR_HOME
-        from flwr.proto.control_pb2 import StopRunRequest
 
         for owner, name in (
             (flower_config, "read_superlink_connection"),
             (utils, "init_http_client_from_connection"),
+            (utils, "flwr_cli_exc_handler"),
             (ls, "_display_one_run"),
             (ls, "_to_json"),
+            (control_pb2, "StopRunRequest"),
         ):
             getattr(owner, name)
-        del StopRunRequest, FLWR_HOME
     except (ImportError, AttributeError):
         return None
-    return {"click": click, "flower_config": flower_config, "ls": ls, "utils": utils}
+    return {"click": click, "flower_config": flower_config, "ls": ls, "utils": utils, "control_pb2": control_pb2}
 
 
 def _load() -> None:
@@ -65,8 +67,6 @@ def warm() -> None:
 @contextlib.contextmanager
 def _environment(env: Mapping[str, str]) -> Iterator[None]:
     """This process's ``FLWR_HOME`` as in ``env`` for the block (the CLI reads it from the environment)."""
-    from flwr.common.constant import FLWR_HOME
-
     before = os.environ.get(FLWR_HOME)
     if env.get(FLWR_HOME) is None:
         os.environ.pop(FLWR_HOME, None)
@@ -113,11 +113,8 @@ def _ask(env: Mapping[str, str], connection: str, command: str, run_id: int) -> 
             if command == "list":
                 return dict(json.loads(modules["ls"]._to_json(modules["ls"]._display_one_run(client, run_id))))
             if command == "stop":
-                from flwr.cli.utils import flwr_cli_exc_handler
-                from flwr.proto.control_pb2 import StopRunRequest
-
-                with flwr_cli_exc_handler():
-                    response = client.StopRun(request=StopRunRequest(run_id=run_id))
+                with modules["utils"].flwr_cli_exc_handler():
+                    response = client.StopRun(request=modules["control_pb2"].StopRunRequest(run_id=run_id))
                 if not response.success:
                     raise click.ClickException(f"Run {run_id} couldn't be stopped.")
                 return {"success": True, "run-id": f"{run_id}"}
