@@ -51,7 +51,6 @@ def test_in_process_answers_are_the_commands_and_a_missing_part_falls_back_to_th
 
         # without the in-process parts (another Flower release), the command answers
         monkeypatch.setitem(control._STATE, "modules", {})
-        monkeypatch.setitem(control._STATE, "thread", control._STATE["thread"])
         assert control.ask(env, SIMULATION_CONNECTION, "list", UNKNOWN_RUN) is None
         reference = _command(env, "list", "--run-id", str(UNKNOWN_RUN))
         assert job.cli("list", "--run-id", str(UNKNOWN_RUN)) == reference

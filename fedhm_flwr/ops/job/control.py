@@ -27,6 +27,7 @@ from typing import Any
 FLWR_HOME = "FLWR_HOME"  # the CLI's home folder (flwr.common.constant.FLWR_HOME; not imported here: the launcher
 # imports no Flower module before its run)
 _LOCK = threading.Lock()  # one ask at a time: FLWR_HOME is read from this process's environment
+_IMPORTING = threading.Lock()  # apart: an ask still stuck on an unanswering SuperLink never holds up warm()
 _STATE: dict[str, Any] = {"thread": None, "modules": None}
 
 
@@ -57,7 +58,7 @@ def _load() -> None:
 
 def warm() -> None:
     """Import the CLI's parts in a background thread (once per process)."""
-    with _LOCK:
+    with _IMPORTING:
         if _STATE["thread"] is None:
             thread = threading.Thread(target=_load, name="fedhm-control-import", daemon=True)
             _STATE["thread"] = thread
