@@ -4,11 +4,13 @@ to the network run alone, the shared prefix computed once, and networks that can
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from fedhm_flwr.config import run_options
 from fedhm_flwr.config.specs import model_spec
+from fedhm_flwr.math.train import evaluate_batches
 from fedhm_flwr.models import build_model, deployable_network
 from fedhm_flwr.models.batched import merge_networks
 from fedhm_flwr.server.evaluation import distinct_models, make_evaluator
@@ -104,3 +106,56 @@ def test_networks_writing_in_place_or_untraceable_are_refused_and_scored_one_by_
     expected = [scorer(s, st) for s, st in models]
     monkeypatch.setattr("fedhm_flwr.server.evaluation.merge_networks", lambda nets: None)
     assert scorer.many([(s, st, None) for s, st in models]) == expected
+
+
+def test_batches_scored_side_by_side_in_single_threaded_kernels_give_the_split_kernels_figures(toy_cfg):
+    """The scorer's batches run ``workers`` at a time, each with one torch thread: every figure equal bit for bit
+    to the batches run one by one with every kernel split over the threads, for each model family."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        families = (
+            "model.width=16",
+            "method=heterofl",
+            "model=resnet18 model.width=4",
+            "model=vit model.width=16 model.depth=2",
+        )
+        for extra in families:
+            cfg = toy_cfg(f"{extra} dataset.max_test_examples=300 evaluation.batch_size=40")
+            spec = model_spec(cfg)
+            method = METHODS[str(cfg.method.name)](run_options(cfg), spec)
+            torch.manual_seed(2)
+            models, _ = distinct_models(method, build_model(spec).state_dict())
+            nets = [deployable_network(s, st, None)[1].eval() for s, st in models]
+            scorer = make_evaluator(run_options(cfg), torch.device("cpu"))
+            assert len(scorer.batches) == 8  # 300 images: seven batches of 40 and one of 20
+            for net in nets:
+                split = evaluate_batches(net, scorer.batches, torch.device("cpu"), outputs=0, workers=1)
+                for workers in (2, 3):
+                    assert evaluate_batches(net, scorer.batches, torch.device("cpu"), 0, workers) == split, extra
+                assert torch.get_num_threads() == 2  # the caller's thread count is back
+            # the default: as many batches at once as torch has threads
+            assert scorer.many([(s, st, None) for s, st in models]) == [
+                evaluate_batches(n, scorer.batches, torch.device("cpu"), outputs=0, workers=1)[0] for n in nets
+            ], extra
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_batch_that_fails_fails_the_scoring_and_the_thread_count_is_back():
+    class _FailsOnNegatives(nn.Module):
+        def forward(self, x):
+            if x.min() < 0:
+                raise ValueError("negative input")
+            return x.flatten(1)[:, :3]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batches = [(torch.ones(4, 1, 2, 2), torch.zeros(4, dtype=torch.long)) for _ in range(5)]
+        batches[3] = (-batches[3][0], batches[3][1])
+        with pytest.raises(ValueError, match="negative input"):
+            evaluate_batches(_FailsOnNegatives(), batches, torch.device("cpu"), outputs=0, workers=2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

@@ -24,7 +24,9 @@ import copy
 import importlib
 import re
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, cast
 
@@ -277,22 +279,63 @@ def evaluate_each(
     return evaluate_batches(model, DataLoader(dataset, batch_size=batch_size, shuffle=False), device, outputs)
 
 
-@torch.no_grad()
 def evaluate_batches(
-    model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device, outputs: int
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    outputs: int,
+    workers: int | None = None,
 ) -> list[dict[str, float]]:
     """:func:`evaluate_each` over given ``(inputs, labels)`` batches (a test set cut once and scored
-    every round: the batches a DataLoader over it gives, the same figures)."""
+    every round: the batches a DataLoader over it gives, the same figures).
+
+    On a CPU the batches are scored ``workers`` at a time (default: torch's thread count), each in a
+    thread of its own with one torch thread, instead of one batch at a time with every kernel split
+    over the threads: the same kernels on the same batches, the same values bit for bit (tested), the
+    sums added in batch order as before, and a CPU's threads better used on small batched kernels (a
+    level's convolutions and norms; bench figure 11 gives evaluation's share of a round). The model's
+    forward must not write the model (evaluation mode: the norms read their statistics, none is updated)."""
     model.to(device).eval()
     sums = [[0.0, 0] for _ in range(max(1, outputs))]  # per output: summed loss, correct
     seen = 0
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
+
+    @torch.no_grad()  # (grad mode is per thread)
+    def score(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, list[tuple[float, int]]]:
+        x, y = batch[0].to(device), batch[1].to(device)
         logits_each = model(x) if outputs else (model(x),)
-        for total, logits in zip(sums, logits_each, strict=True):
-            total[0] += float(F.cross_entropy(logits, y, reduction="sum"))
-            total[1] += int((logits.argmax(1) == y).sum())
-        seen += len(y)
+        return len(y), [
+            (float(F.cross_entropy(logits, y, reduction="sum")), int((logits.argmax(1) == y).sum()))
+            for logits in logits_each
+        ]
+
+    workers = torch.get_num_threads() if workers is None else workers
+    for n, figures in _in_order(score, batches, workers if device.type == "cpu" else 1):
+        for total, (loss, correct) in zip(sums, figures, strict=True):
+            total[0] += loss
+            total[1] += correct
+        seen += n
     return [
         {"loss": loss / max(1, seen), "accuracy": correct / max(1, seen), NUM_EXAMPLES: seen} for loss, correct in sums
     ]
+
+
+def _in_order(fn: Callable[[Any], Any], items: Iterable[Any], workers: int) -> Iterator[Any]:
+    """``map(fn, items)``, ``workers`` items at a time in threads each running torch single-threaded
+    (torch's thread count restored after), at most ``2 * workers`` items taken ahead; in the caller's
+    thread when ``workers`` <= 1."""
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            ahead: deque[Future[Any]] = deque()
+            for item in items:
+                ahead.append(pool.submit(fn, item))
+                if len(ahead) >= 2 * workers:
+                    yield ahead.popleft().result()
+            while ahead:
+                yield ahead.popleft().result()
+    finally:
+        torch.set_num_threads(threads)
