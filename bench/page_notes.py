@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fedhm_flwr.reporting.provenance import version_label
+from fedhm_flwr.reporting.summary import saved_config
 
 DEPLOYABLE, TEST_BATCH = "final_deployable_acc/", "test_batch_acc/"
 SHOWN = "shown_accuracy"  # a row's mark: "deployable" once use_deployable moved its figures
@@ -199,7 +200,7 @@ def bn_sample_line(rows: list[dict[str, Any]]) -> str:
             f"{'all their training examples' if not examples else f'at most {examples} training examples each'}"
         )
 
-    used = Counter(sample(OmegaConf.load(Path(r["dir"]) / "config.yaml")) for r in rows if r.get("dir"))
+    used = Counter(sample(saved_config(Path(r["dir"]))) for r in rows if r.get("dir"))
     return (
         "- deployable statistics' sample: "
         + "; ".join(f"{what}: {n} run(s)" for what, n in sorted(used.items()))
@@ -227,14 +228,20 @@ def aggregation_lines(methods: Mapping[str, str]) -> list[str]:
 
 
 @functools.lru_cache(maxsize=64)
-def _aggregation(overrides: str) -> tuple[str, str]:
-    import math
-
+def _strategy(overrides: str) -> tuple[Any, Any]:
+    """(config, the strategy the server builds) under ``overrides``, composed once for the page's tables."""
     from fedhm_flwr.config import load_config, model_spec, run_options
     from fedhm_flwr.server.registry import STRATEGIES
 
     cfg = load_config(overrides)
-    method = STRATEGIES[cfg.method.name](run_options(cfg), model_spec(cfg)).method
+    return cfg, STRATEGIES[cfg.method.name](run_options(cfg), model_spec(cfg))
+
+
+@functools.lru_cache(maxsize=64)
+def _aggregation(overrides: str) -> tuple[str, str]:
+    import math
+
+    method = _strategy(overrides)[1].method
     by_samples = bool(getattr(method, "weight_by_samples", False))
     tau, server_lr = getattr(method, "tau", None), getattr(method, "server_lr", None)
     if server_lr is not None:  # FIARSE: w - server_lr * (sum of the updates) / (clients whose update is non-zero)
@@ -262,12 +269,10 @@ def client_options(overrides: str) -> tuple[dict[str, Any], list[dict[str, Any]]
 
 @functools.lru_cache(maxsize=64)
 def _client_options(overrides: str) -> tuple[dict[str, Any], tuple[dict[str, Any], ...]]:
-    from fedhm_flwr.config import load_config, model_spec, run_options
+    from fedhm_flwr.config import model_spec
     from fedhm_flwr.ops.apps.server_app import initial_state
-    from fedhm_flwr.server.registry import STRATEGIES
 
-    cfg = load_config(overrides)
-    strategy = STRATEGIES[cfg.method.name](run_options(cfg), model_spec(cfg))
+    cfg, strategy = _strategy(overrides)
     state = strategy.method.initial_state(int(cfg.seed)) or initial_state(cfg.seed, model_spec(cfg))
     common = {k: v for k, v in strategy.wire.round_train_options(1).items() if k not in ("lr", "threads")}
     return common, tuple({**common, **strategy.method.level_cut(i, state).train} for i in range(len(strategy.levels)))

@@ -23,6 +23,7 @@ from bench.studies import LABELS, TITLES, VARIANTS
 from fedhm_flwr.core.errors import ConfigError
 from fedhm_flwr.math.stats import mean_ci
 from fedhm_flwr.reporting.pareto import RESOURCES, level_costs, levels_of
+from fedhm_flwr.reporting.summary import saved_config
 from fedhm_flwr.reporting.verdicts import matched_label
 
 BASELINES = ("heterofl", "heterofl_memory", "fedrolex", "fedrolex_memory", "fjord")
@@ -74,7 +75,7 @@ def _cost_config(run_dir: Path) -> Any:
 
     from fedhm_flwr.config import base_defaults, method_defaults, validate
 
-    saved = OmegaConf.load(run_dir / "config.yaml")
+    saved = saved_config(run_dir)
     today = OmegaConf.merge(base_defaults(), {"method": method_defaults(str(saved.method.name))})
     kept: dict[str, Any] = {}
     for section in _COST_SECTIONS:
@@ -114,7 +115,7 @@ def add_costs(rows: list[dict[str, Any]]) -> int:
 
     counted = 0
     for row in rows:
-        cfg = OmegaConf.load(Path(row["dir"]) / "config.yaml")
+        cfg = saved_config(Path(row["dir"]))
         for key in ("levels.match", "train.batch_size", "train.momentum"):
             row.setdefault(key, OmegaConf.select(cfg, key))
         lacking = [

@@ -244,3 +244,24 @@ def test_last_evaluations_average_the_last_k_evaluated_rounds():
     assert last_evaluations(metrics, 3)["lastk_rounds"] == [5, 10, 11]
     with pytest.raises(ValueError, match="k must be >= 1"):
         last_evaluations(metrics, 0)
+
+
+def test_the_t_quantile_is_computed_once_per_argument_and_is_the_same_value():
+    t_quantile.cache_clear()
+    first = t_quantile(0.975, 7)
+    assert t_quantile(0.975, 7) == first and t_quantile.cache_info().hits == 1
+    assert t_quantile(0.975, 7) == t_quantile.__wrapped__(0.975, 7)  # the cache changes no value
+
+
+def test_a_runs_saved_config_is_parsed_once_per_version_of_the_file_and_cannot_be_changed(tmp_path):
+    from omegaconf.errors import ReadonlyConfigError
+
+    from fedhm_flwr.reporting.summary import saved_config
+
+    (tmp_path / "config.yaml").write_text("seed: 1\nmethod:\n  name: fedhm\n")
+    first = saved_config(tmp_path)
+    assert saved_config(tmp_path) is first and first.method.name == "fedhm"
+    with pytest.raises(ReadonlyConfigError):
+        first.seed = 2
+    (tmp_path / "config.yaml").write_text("seed: 22\nmethod:\n  name: heterofl\n")  # rewritten: read again
+    assert saved_config(tmp_path).seed == 22 and saved_config(tmp_path).method.name == "heterofl"

@@ -8,6 +8,7 @@ function), and the quantile is its root, found by bisection to float precision.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,8 +24,11 @@ def t_cdf(t: float, df: float) -> float:
     return float(1 - tail if t >= 0 else tail)
 
 
+@functools.lru_cache(maxsize=1024)
 def t_quantile(p: float, df: float) -> float:
-    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (``0 < p < 1``)."""
+    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (``0 < p < 1``); computed once per
+    ``(p, df)``: a bisection over some 60 incomplete beta functions (mpmath, pure Python), asked
+    thousands of times with the same few arguments by a results page."""
     if not 0 < p < 1:
         raise ValueError(f"p must be in (0, 1), got {p!r}")
     if p == 0.5:

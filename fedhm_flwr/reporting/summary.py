@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
 import json
 import sys
@@ -83,8 +84,24 @@ def _job_number(path: Path) -> int:
     return int(digits) if digits else -1
 
 
+def saved_config(run_dir: Path) -> Any:
+    """A run's saved ``config.yaml`` as a read-only DictConfig, parsed once per version of the file (its path,
+    size and modification time): a results page reads each run's config in several places, and parsing the
+    YAML was a good part of writing the page."""
+    path = (Path(run_dir) / CONFIG_FILE).resolve()
+    stat = path.stat()
+    return _parsed_config(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed_config(path: Path, size: int, mtime_ns: int) -> Any:
+    cfg = OmegaConf.load(path)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
 def _flat_config(run_dir: Path) -> dict[str, Any]:
-    cfg = OmegaConf.load(run_dir / CONFIG_FILE)
+    cfg = saved_config(run_dir)
     flat: dict[str, Any] = {}
 
     def walk(node: Any, prefix: str) -> None:
