@@ -121,14 +121,14 @@ def test_batches_scored_side_by_side_in_single_threaded_kernels_give_the_split_k
             "model=vit model.width=16 model.depth=2",
         )
         for extra in families:
-            cfg = toy_cfg(f"{extra} dataset.max_test_examples=300 evaluation.batch_size=40")
+            cfg = toy_cfg(f"{extra} dataset.max_test_examples=120 evaluation.batch_size=16")
             spec = model_spec(cfg)
             method = METHODS[str(cfg.method.name)](run_options(cfg), spec)
             torch.manual_seed(2)
             models, _ = distinct_models(method, build_model(spec).state_dict())
             nets = [deployable_network(s, st, None)[1].eval() for s, st in models]
             scorer = make_evaluator(run_options(cfg), torch.device("cpu"))
-            assert len(scorer.batches) == 8  # 300 images: seven batches of 40 and one of 20
+            assert len(scorer.batches) == 8  # 120 images: seven batches of 16 and one of 8
             for net in nets:
                 split = evaluate_batches(net, scorer.batches, torch.device("cpu"), outputs=0, workers=1)
                 for workers in (2, 3):
