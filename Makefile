@@ -50,8 +50,8 @@ data:  ## Fashion-MNIST from Debian's package, unless FEDHM_DATA_DIR points at a
 run: setup data  ## the default job (FedHM, Fashion-MNIST, CNN, 4 levels) through `flwr run`; ARGS= Hydra overrides
 	$(FEDHM) run $(ARGS)
 
-test: setup data  ## every test, the slow end-to-end ones included (first, beside the others: TEST_WORKERS); ends with the 25 slowest (--durations)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
+test: setup data  ## every test, the slow end-to-end ones included (first, beside the others: TEST_WORKERS); ends with the 15 that used the most CPU (--cpu-durations, tests/conftest.py) and the 25 slowest (--durations)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --cpu-durations=15 --durations=25 $(PYTEST_ARGS)
 
 test-fast: setup data  ## the tests without the slow end-to-end runs
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)

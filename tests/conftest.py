@@ -4,6 +4,7 @@ the background (``devices_deployment``)."""
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import threading
 from collections.abc import Callable
@@ -82,6 +83,64 @@ class Background:
         if "error" in self._outcome:
             raise self._outcome["error"]
         return self._outcome["value"]
+
+
+#: a test's CPU seconds, from the start of its setup (fixtures included) to its teardown's report
+_CPU_START = pytest.StashKey[float]()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-durations",
+        type=int,
+        default=0,
+        metavar="N",
+        help="list the N tests that used the most CPU time, setup included (the test process's own and its "
+        "reaped child processes': not the daemons a child leaves behind, such as Ray's); 0: none",
+    )
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    item.stash[_CPU_START] = _cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "teardown" and _CPU_START in item.stash:  # (sent to pytest-xdist's controller with it)
+        report.user_properties.append(("cpu_seconds", _cpu_seconds() - item.stash[_CPU_START]))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own --durations list, which ends the output
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """``--cpu-durations``: the suite is CPU-bound on a small machine (``make test``'s workers share its
+    cores), so the tests that use the most CPU matter as much as the slowest."""
+    shown = config.getoption("--cpu-durations")
+    if not shown:
+        return
+    used = sorted(
+        (
+            (value, report.nodeid)
+            for reports in terminalreporter.stats.values()
+            for report in reports
+            if getattr(report, "when", None) == "teardown"
+            for key, value in getattr(report, "user_properties", ())
+            if key == "cpu_seconds"
+        ),
+        reverse=True,
+    )
+    terminalreporter.write_sep("=", f"most CPU {shown} (the test process and its reaped children)")
+    for seconds, nodeid in used[:shown]:
+        terminalreporter.write_line(f"{seconds:8.2f}s cpu  {nodeid}")
+    terminalreporter.write_line(f"{sum(s for s, _ in used) / 60:.1f} CPU-minutes over {len(used)} tests")
 
 
 @pytest.fixture(scope="session")
