@@ -6,11 +6,8 @@ STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 ARGS   ?=
 PYTEST_ARGS ?=
-# pytest-xdist workers of `make test` (a file per worker at a time; 0: one process): two for the CPU-bound
-# files and one for the files that mostly wait (Flower's heartbeat window, deadlines), on its own: tests/xdist_plan.py
-TEST_WORKERS ?= 3
-# ... and of `make test-fast`, whose files do not wait
-FAST_WORKERS ?= 2
+# pytest-xdist workers of `make test` / `make test-fast` (a file per worker at a time; 0: one process)
+TEST_WORKERS ?= 2
 
 # The default sweep: FedHM over rank-ratio sets on Fashion-MNIST (Hydra multirun, jobs in sequence).
 SWEEP_ARGS ?= levels.ratios=[1,0.5,0.25,0.125],[1,0.5],[0.25,0.125] rounds=5 dataset.max_train_examples=20000
@@ -53,11 +50,11 @@ data:  ## Fashion-MNIST from Debian's package, unless FEDHM_DATA_DIR points at a
 run: setup data  ## the default job (FedHM, Fashion-MNIST, CNN, 4 levels) through `flwr run`; ARGS= Hydra overrides
 	$(FEDHM) run $(ARGS)
 
-test: setup data  ## every test, the slow end-to-end ones included (first, beside the others; the waiting ones on a worker of their own: TEST_WORKERS); ends with the 15 that used the most CPU (--cpu-durations, tests/conftest.py) and the 25 slowest (--durations)
+test: setup data  ## every test, the slow end-to-end ones included (first, beside the others: TEST_WORKERS); ends with the 15 that used the most CPU (--cpu-durations, tests/conftest.py) and the 25 slowest (--durations)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --cpu-durations=15 --durations=25 $(PYTEST_ARGS)
 
 test-fast: setup data  ## the tests without the slow end-to-end runs
-	$(BIN)/python -m pytest -q -n $(FAST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 lint: setup  ## ruff (lint + format check) and mypy (strict on all of fedhm_flwr/), as configured in pyproject.toml
 	$(BIN)/ruff check .

@@ -150,9 +150,8 @@ def devices_deployment(request, tmp_path_factory):
     mostly waits on Flower's heartbeat window: tests/test_deploy.py's TLS deployment, which waits on
     one of its own, asks for it, so that the two run side by side (and the tests after the TLS test
     run while it ends); the test of tests/test_devices.py waits for its result. At the end of the
-    session it is stopped if still running (its test was not reached). Under pytest-xdist the two files
-    share a worker in ``make test``'s plan (tests/xdist_plan.py's ``TOGETHER``); under another plan it
-    starts when its own test asks for its result."""
+    session it is stopped if still running (its test was not reached). Under pytest-xdist (``make test``
+    runs two workers) it starts when its own test asks for its result."""
     ours = [item for item in request.session.items if item.path.name == "test_devices.py"]
     if ours:
         from test_devices import DEVICES_TEST, run_deployment  # the test module holds the deployment
@@ -162,29 +161,20 @@ def devices_deployment(request, tmp_path_factory):
         yield None
         return
     background = Background(run_deployment, tmp_path_factory.mktemp("devices"))
-    workerinput = getattr(request.config, "workerinput", None)
-    if workerinput is None or workerinput.get("waiting_apart"):
-        background.start()  # this process runs tests/test_devices.py's test too: start it now, beside the TLS test
-    # (under another pytest-xdist plan another worker may run tests/test_devices.py: its test starts it, beside
-    # the other workers' tests, and a worker that never reaches it never starts it)
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process runs every test: start it now, beside the TLS test
+        background.start()
+    # (under pytest-xdist another worker may run tests/test_devices.py: its test starts it, beside the other
+    # workers' tests, and a worker that never reaches it never starts it)
     yield background
     if background.thread is not None:
         background.stop.set()
         background.thread.join(timeout=120)
 
 
-def pytest_configure(config):
-    """With pytest-xdist: ``--dist loadfile`` (``make test``) spreads the files as tests/xdist_plan.py plans."""
-    if config.pluginmanager.hasplugin("xdist"):
-        from xdist_plan import PlanHooks
-
-        config.pluginmanager.register(PlanHooks(), "fedhm-xdist-plan")
-
-
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``make test``: a file at a time), the files holding slow end-to-end tests go
-    first, in their order: the other files' tests fill the workers beside them instead of one slow file
-    ending the session alone."""
+    """Under pytest-xdist (``make test``: two workers, a file at a time), the files holding slow end-to-end
+    tests go first, in their order: they mostly wait (Flower's start-up, heartbeats, deadlines), and the
+    other files' tests fill the workers beside them instead of one slow file ending the session alone."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
