@@ -262,12 +262,6 @@ def node_info(context: Context, data_spec: dict[str, Any] | None = None) -> Conf
     finds its partition here, so a node whose data cannot serve the run sits out from the start
     (and the data is loaded once, before the first round, not during it). A node with neither
     still answers (identity only); its first training message gets that error."""
-    # torch.optim imports torch._dynamo when it builds its first optimizer (~1.7 s of CPU): importing
-    # it here puts that once-per-process cost at the node's start (its first message) instead of
-    # inside its first training round; a process that only evaluates or sends statistics (on a
-    # SuperNode, one process per message) never pays it.
-    import torch._dynamo  # noqa: F401
-
     node = context.node_config
     folder = node_shard(context) if node.get(protocol.DATA_DIR) or protocol.PARTITION_ID in node else None
     examples = None

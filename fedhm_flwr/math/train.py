@@ -6,8 +6,10 @@
   before the loss (training only).
 * Static batch norm: the models' norms keep no running statistics, so training normalises with
   batch statistics and nothing about the client's data distribution leaks into the weights sent.
-* SGD with momentum, re-created every round at the round's learning rate (``optimizer="adamw"``:
-  AdamW instead, the transformer track's choice for LoRA / adapters; also re-created every round).
+* SGD with momentum, re-created every round at the round's learning rate (on a CPU torch's SGD
+  without its wrappers, :mod:`fedhm_flwr.math.sgd`: bit-identical, and no ``torch._dynamo`` import in
+  the process; ``optimizer="adamw"``: AdamW instead, the transformer track's choice for LoRA /
+  adapters; also re-created every round).
 * Self-distillation (FedHM conference paper, non-IID; ``distill``): the teacher is the received
   model, frozen for the local epochs; the loss is ``CE + weight · T² · KL(teacher_T || student_T)``
   on the unmasked logits softened by ``T`` (the reported train loss is this whole loss).
@@ -36,6 +38,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from fedhm_flwr.core.protocol import NUM_EXAMPLES, SECONDS, TRAIN_ACCURACY, TRAIN_LOSS
+from fedhm_flwr.math.sgd import MomentumSGD, make_sgd
 
 
 @dataclass(frozen=True)
@@ -210,9 +213,9 @@ def train_local(
     model.to(device, memory_format=layout).train()  # type: ignore[call-overload]
     groups = parameter_groups(model, options.weight_decay, options.frobenius_decay)
     if options.optimizer == "adamw":
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=options.lr)
+        optimizer: torch.optim.Optimizer | MomentumSGD = torch.optim.AdamW(groups, lr=options.lr)
     elif options.optimizer == "sgd":
-        optimizer = torch.optim.SGD(groups, lr=options.lr, momentum=options.momentum)
+        optimizer = make_sgd(groups, options.lr, options.momentum, device)  # (torch.optim's without its wrappers)
     else:
         raise ValueError(f"train option optimizer={options.optimizer!r}; allowed: 'sgd', 'adamw'")
     mask = present_classes if options.masked_ce else None

@@ -38,7 +38,7 @@ PARTS: tuple[tuple[str, str], ...] = (
     ("startup_started_at", "ServerApp set-up: config, test set, model, strategy (Ray starts meanwhile)"),
     ("worker_started_at", "Ray start and the first worker process (what is left of it)"),
     ("worker_imported_at", "the worker's imports (Ray worker, torch, flwr, the ClientApp)"),
-    ("first_answered_at", "the first node-info answer: data decoding, partitions, torch._dynamo"),
+    ("first_answered_at", "the first node-info answer: data decoding, partitions"),
     ("first_arrived_at", "its way to the ServerApp"),
     ("rounds_started_at", "the other nodes' node-info answers"),
 )
