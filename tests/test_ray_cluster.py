@@ -71,7 +71,7 @@ def ray_start(procs: Processes, temp_dir: str, *args: str) -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
-def test_ray_address_is_checked_and_reaches_ray_init(tmp_path):
+def test_ray_address_is_checked_and_reaches_ray_init(tmp_path, monkeypatch):
     """A bad address is refused by the config check, naming the field; a good one (or none: a private
     instance, never a cluster found on this machine) is what Flower's ``ray.init`` reads (RAY_ADDRESS)."""
     from fedhm_flwr.config import ConfigError, load_config
@@ -85,3 +85,8 @@ def test_ray_address_is_checked_and_reaches_ray_init(tmp_path):
     assert load_config([]).simulation.ray_address is None
     assert superlink_env(tmp_path, 1, "auto")["RAY_ADDRESS"] == "auto"
     assert superlink_env(tmp_path, 1, None)["RAY_ADDRESS"] == "local"
+    # a job's own Ray instance starts no idle workers ahead (the clients' actors get their own), unless the
+    # caller's environment says otherwise
+    assert superlink_env(tmp_path, 1, None)["RAY_prestart_worker_first_driver"] == "0"
+    monkeypatch.setenv("RAY_prestart_worker_first_driver", "1")
+    assert superlink_env(tmp_path, 1, None)["RAY_prestart_worker_first_driver"] == "1"

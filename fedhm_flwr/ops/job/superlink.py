@@ -214,6 +214,10 @@ def log_tail(path: Path, lines: int = 25) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+#: Ray's settings for a local instance that a job starts: no idle worker processes started ahead for the
+#: first driver (each imports Ray, ~0.7 s of CPU, and the clients run in actors, which get workers of their own)
+RAY_QUIET_START = {"RAY_prestart_worker_first_driver": "0"}
+
 #: name of the private SuperLink in the launcher's FLWR_HOME/config.toml
 SIMULATION_CONNECTION = "job"
 
@@ -235,6 +239,8 @@ def superlink_env(flwr_home: Path, port: int, ray_address: str | None = None) ->
             "RAY_USAGE_STATS_ENABLED": "0",
         }
     )
+    for key, value in RAY_QUIET_START.items():
+        env.setdefault(key, value)  # (a value in the caller's environment wins)
     return env
 
 

@@ -25,6 +25,8 @@ import sys
 import threading
 from collections.abc import Iterator
 
+from fedhm_flwr.ops.job.superlink import RAY_QUIET_START
+
 #: the address of the sweep's shared Ray instance, for its jobs (fedhm_flwr/ops/job/launch.py)
 SHARED_RAY_VAR = "FEDHM_SHARED_RAY_ADDRESS"
 #: ``1`` (or ``true``, ``yes``, ``on``): a sweep's jobs share one Ray instance; else each starts its own
@@ -52,7 +54,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 def shared_ray(num_cpus: int | None = None, timeout: float = 120) -> Iterator[str]:
     """A local Ray instance for the block; yields its address (``HOST:PORT``). Stopped on exit."""
     cmd = [sys.executable, "-m", "fedhm_flwr.ops.sweeps.ray_supervisor", str(num_cpus or os.cpu_count() or 1)]
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**RAY_QUIET_START, **os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
         cmd,
