@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import operator
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -107,37 +108,47 @@ def _frozen(value: Any) -> Hashable:
 
 
 class _Builder:
-    """The merged graph and the modules and constants it calls, each held once."""
+    """The merged graph and the modules and constants it calls.
+
+    A node is shared when an earlier node runs the same operation on the same arguments: the same function or
+    method, or a module (constant) equal to the earlier node's (:func:`_same_module`, :func:`_same_tensor`).
+    Only the earlier nodes with the same arguments (and, for a module, of the same type; for a constant, of the
+    same dtype, shape and device) are compared: a network's hundreds of modules are not each compared with
+    every module held (a torchvision network's levels took seconds to merge that way)."""
 
     def __init__(self) -> None:
         self.root = nn.Module()
         self.graph = fx.Graph()
         self.input = self.graph.placeholder("x")
-        self.modules: list[nn.Module] = []
-        self.constants: list[torch.Tensor] = []
-        self.nodes: dict[Hashable, fx.Node] = {}
+        self.held = 0  # modules and constants registered on the root (m<i>, c<i>)
+        #: (operation, what it calls or holds, arguments) -> the nodes so far, each with its module or constant
+        self.nodes: dict[Hashable, list[tuple[Any, fx.Node]]] = {}
 
-    def module(self, m: nn.Module) -> str:
-        for i, held in enumerate(self.modules):
-            if held is m or _same_module(held, m):
-                return f"m{i}"
-        self.modules.append(m)
-        if hasattr(m, "inplace"):  # a shared value may feed several levels (same values out of place)
-            m = copy.copy(m)
-            setattr(m, "inplace", False)  # noqa: B010 (an nn.Module attribute mypy types as Tensor | Module)
-        self.root.add_module(f"m{len(self.modules) - 1}", m)
-        return f"m{len(self.modules) - 1}"
+    def _node(self, key: Hashable, op: str, target: Any, args: Any, kwargs: Any, same: Any = None) -> fx.Node:
+        """The node of ``key`` whose held object is ``same`` (None: any; a module or constant: an equal one),
+        else a new one, ``target`` (a module or constant: registered on the root)."""
+        candidates = self.nodes.setdefault(key, [])
+        for kept, node in candidates:
+            if same is None or (_same_module(kept, same) if op == "call_module" else _same_tensor(kept, same)):
+                return node
+        name = target
+        if op == "call_module":
+            name = f"m{self.held}"
+            module = copy.copy(same) if hasattr(same, "inplace") else same  # a shared value may feed several levels
+            if module is not same:
+                setattr(module, "inplace", False)  # noqa: B010 (an nn.Module attribute mypy types as Tensor | Module)
+            self.root.add_module(name, module)
+        elif op == "get_attr":
+            name = f"c{self.held}"
+            self.root.register_buffer(name, same.detach())
+        self.held += op in ("call_module", "get_attr")
+        node = self.graph.create_node(op, name, args, kwargs)
+        candidates.append((same, node))
+        return node
 
-    def constant(self, t: torch.Tensor) -> str:
-        for i, held in enumerate(self.constants):
-            if held is t or _same_tensor(held, t):
-                return f"c{i}"
-        self.constants.append(t)
-        self.root.register_buffer(f"c{len(self.constants) - 1}", t.detach())
-        return f"c{len(self.constants) - 1}"
-
-    def add(self, traced: fx.GraphModule) -> Any:
-        """Network ``traced``'s nodes into the graph (the shared ones found); its output argument."""
+    def add(self, network: nn.Module, traced: fx.GraphModule) -> Any:
+        """``network``'s nodes (``traced``: its trace, or one of the same architecture) into the graph (the
+        shared ones found); its output argument."""
         env: dict[fx.Node, fx.Node] = {}
         out: Any = None
         for node in traced.graph.nodes:
@@ -150,22 +161,19 @@ class _Builder:
                 out = args[0]
                 continue
             op, target = node.op, node.target
-            k = _tile_pool(traced.get_submodule(str(target))) if op == "call_module" else None
-            if k is not None and len(args) == 1 and not kwargs:
-                op, target, args = "call_function", max_pool_tiles, (args[0], k)
-            elif op == "call_module":
-                target = self.module(traced.get_submodule(str(node.target)))
-            elif node.op == "get_attr":
-                target = self.constant(_attribute(traced, str(node.target)))
-            key = (
-                op,
-                _frozen(target) if isinstance(target, str) else ("fn", id(target)),
-                _frozen(args),
-                _frozen(kwargs),
-            )
-            if key not in self.nodes:
-                self.nodes[key] = self.graph.create_node(op, target, args, kwargs)
-            env[node] = self.nodes[key]
+            held: nn.Module | torch.Tensor | None = None
+            what: Hashable = _frozen(target) if isinstance(target, str) else ("fn", id(target))
+            if op == "call_module":
+                held = network.get_submodule(str(target))
+                what = ("module", type(held))
+                k = _tile_pool(held)
+                if k is not None and len(args) == 1 and not kwargs:
+                    op, target, args, held, what = "call_function", max_pool_tiles, (args[0], k), None, ("pool", k)
+            elif op == "get_attr":
+                tensor = _attribute(network if _signature(network, str(target)) else traced, str(target))
+                held, what = tensor, ("tensor", tensor.dtype, tuple(tensor.shape), tensor.device)
+            key = (op, what, _frozen(args), _frozen(kwargs))
+            env[node] = self._node(key, op, target, args, kwargs, held)
         return out
 
 
@@ -178,11 +186,53 @@ def _attribute(module: nn.Module, path: str) -> torch.Tensor:
     return value
 
 
-def merge_networks(networks: Sequence[nn.Module]) -> nn.Module | None:
+class Traces:
+    """The graphs of networks traced before, by a key that fixes a network's architecture (the model spec it
+    was built from): a round's levels are rebuilt with new weights every round, their graphs are the same, and
+    tracing a torchvision network's levels took about half a second a round. A graph is reused for a network
+    whose modules and tensors at the graph's targets have the types (tensors: the dtypes and shapes) they had
+    when it was traced; any other network is traced afresh. At most ``size`` graphs are kept."""
+
+    def __init__(self, size: int = 32) -> None:
+        self.size = size
+        self._graphs: OrderedDict[Hashable, tuple[fx.GraphModule, list[tuple[str, Hashable]]]] = OrderedDict()
+
+    def traced(self, network: nn.Module, key: Hashable | None) -> fx.GraphModule:
+        """``network`` traced, or a trace of an earlier network of the same key: its ``graph``'s targets resolve
+        on ``network`` (a tensor the tracer made, which the network lacks: on the trace); raises when it cannot
+        be traced."""
+        kept = self._graphs.get(key) if key is not None else None
+        if kept is not None and all(_signature(network, target) == sig for target, sig in kept[1]):
+            self._graphs.move_to_end(key)
+            return kept[0]
+        traced = fx.symbolic_trace(network)
+        if key is not None and self.size > 0:
+            targets = [str(n.target) for n in traced.graph.nodes if n.op in ("call_module", "get_attr")]
+            self._graphs[key] = (traced, [(t, _signature(network, t)) for t in targets])
+            while len(self._graphs) > self.size:
+                self._graphs.popitem(last=False)
+        return traced
+
+
+def _signature(network: nn.Module, target: str) -> Hashable:
+    """What a graph's target is on ``network``: a module's type, a tensor's dtype and shape (None: missing)."""
+    value: Any = network
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape))
+    return ("module", type(value)) if isinstance(value, nn.Module) else None
+
+
+def merge_networks(
+    networks: Sequence[nn.Module], keys: Sequence[Hashable | None] | None = None, traces: Traces | None = None
+) -> nn.Module | None:
     """One module whose forward returns the tuple of every network's output on the same input, their
-    equal prefix computed once; None when a network cannot be merged (see the module docstring)."""
+    equal prefix computed once; None when a network cannot be merged (see the module docstring). With
+    ``traces``, a network whose key (``keys``) was traced before reuses its graph (:class:`Traces`)."""
+    traces = traces if traces is not None else Traces(0)
     try:
-        traced = [fx.symbolic_trace(n) for n in networks]
+        traced = [traces.traced(n, k) for n, k in zip(networks, keys or [None] * len(networks), strict=True)]
     except Exception:  # noqa: BLE001 (any tracing failure: the networks run one by one)
         return None
     for t in traced:
@@ -190,8 +240,8 @@ def merge_networks(networks: Sequence[nn.Module]) -> nn.Module | None:
             return None
     builder = _Builder()
     try:
-        outputs = tuple(builder.add(t) for t in traced)
-    except TypeError:
+        outputs = tuple(builder.add(n, t) for n, t in zip(networks, traced, strict=True))
+    except (TypeError, AttributeError):
         return None
     builder.graph.output(outputs)
     merged = fx.GraphModule(builder.root, builder.graph)

@@ -44,7 +44,7 @@ from fedhm_flwr.data.tensors import ImageTensorDataset
 from fedhm_flwr.math.bn_stats import norm_layers
 from fedhm_flwr.math.train import evaluate, evaluate_batches
 from fedhm_flwr.models import build_model, deployable_network, shape_device
-from fedhm_flwr.models.batched import merge_networks
+from fedhm_flwr.models.batched import Traces, merge_networks
 from fedhm_flwr.server.bn_query import federated_bn_sums, spec_key
 from fedhm_flwr.server.transport import NODE_UNAVAILABLE, asked_nodes, content_bytes, error_reason
 
@@ -117,10 +117,11 @@ def make_evaluator(opts: RunOptions, device: torch.device) -> TestSetScorer:
 class TestSetScorer:
     """Scores models on the server's test set: one (:meth:`__call__`), or several in one pass over it
     (:meth:`many`: the networks run as one, their equal prefix computed once, ``fedhm_flwr.models.batched``,
-    over the test set's batches cut once per run, :attr:`batches`)."""
+    over the test set's batches cut once per run, :attr:`batches`, each level's network traced once per run)."""
 
     def __init__(self, test: Any, batch_size: int, device: torch.device) -> None:
         self.test, self.batch_size, self.device = test, batch_size, device
+        self.traces = Traces()  # the levels' graphs, traced in the first round and reused
 
     def __call__(
         self, spec: dict[str, Any], state: State, bn_sums: dict[str, torch.Tensor] | None = None
@@ -148,7 +149,8 @@ class TestSetScorer:
     ) -> list[dict[str, float]]:
         """Each model's figures, equal to :meth:`__call__`'s bit for bit (tested)."""
         networks = [deployable_network(spec, state, sums)[1].to(self.device).eval() for spec, state, sums in models]
-        merged = merge_networks(networks) if networks else None
+        keys = [(spec_key(spec), sums is None) for spec, _, sums in models]  # what fixes a network's graph
+        merged = merge_networks(networks, keys, self.traces) if networks else None
         if merged is None:
             return [evaluate_batches(n, self.batches, self.device, outputs=0)[0] for n in networks]
         return evaluate_batches(merged, self.batches, self.device, outputs=len(networks))
