@@ -191,6 +191,16 @@ def test_each_levels_graph_is_traced_once_a_run_and_reused_with_the_new_weights(
     assert len(traced) == 2
     with torch.no_grad():
         assert torch.equal(merged(x)[0], tanh(x))
+    # a kept trace holds nothing of the network it was traced from: that network's weights are freed
+    import gc
+    import weakref
+
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU())
+    weight = weakref.ref(net[0].weight)
+    traces.trace(net, "kept")
+    del net
+    gc.collect()
+    assert weight() is None and traces.trace(nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU()), "kept").graph is not None
 
 
 def test_a_layer_is_compared_only_with_the_layers_already_run_on_the_same_input():

@@ -29,6 +29,7 @@ import copy
 import operator
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -146,7 +147,7 @@ class _Builder:
         candidates.append((same, node))
         return node
 
-    def add(self, network: nn.Module, traced: fx.GraphModule) -> Any:
+    def add(self, network: nn.Module, traced: Trace) -> Any:
         """``network``'s nodes (``traced``: its trace, or one of the same architecture) into the graph (the
         shared ones found); its output argument."""
         env: dict[fx.Node, fx.Node] = {}
@@ -170,7 +171,8 @@ class _Builder:
                 if k is not None and len(args) == 1 and not kwargs:
                     op, target, args, held, what = "call_function", max_pool_tiles, (args[0], k), None, ("pool", k)
             elif op == "get_attr":
-                tensor = _attribute(network if _signature(network, str(target)) else traced, str(target))
+                made = traced.made.get(str(target))
+                tensor = made if made is not None else _attribute(network, str(target))
                 held, what = tensor, ("tensor", tensor.dtype, tuple(tensor.shape), tensor.device)
             key = (op, what, _frozen(args), _frozen(kwargs))
             env[node] = self._node(key, op, target, args, kwargs, held)
@@ -186,32 +188,54 @@ def _attribute(module: nn.Module, path: str) -> torch.Tensor:
     return value
 
 
+@dataclass(frozen=True)
+class Trace:
+    """A network's traced graph, holding no module of it (a graph copy without an owner): ``made``, the tensors the
+    tracer made (``get_attr`` targets the network lacks); ``signature``, what each target was on the network."""
+
+    graph: fx.Graph
+    made: dict[str, torch.Tensor]
+    signature: list[tuple[str, Hashable]]
+
+    @classmethod
+    def of(cls, network: nn.Module) -> Trace:
+        traced = fx.symbolic_trace(network)
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(traced.graph, {}))
+        targets = [str(n.target) for n in graph.nodes if n.op in ("call_module", "get_attr")]
+        signature = [(t, _signature(network, t)) for t in targets]
+        made = {t: _attribute(traced, t) for t, sig in signature if sig is None and _signature(traced, t) is not None}
+        return cls(graph, made, signature)
+
+    def fits(self, network: nn.Module) -> bool:
+        return all(_signature(network, target) == sig for target, sig in self.signature)
+
+
 class Traces:
     """The graphs of networks traced before, by a key that fixes a network's architecture (the model spec it
     was built from): a round's levels are rebuilt with new weights every round, their graphs are the same, and
     tracing a torchvision network's levels took about half a second a round. A graph is reused for a network
     whose modules and tensors at the graph's targets have the types (tensors: the dtypes and shapes) they had
-    when it was traced; any other network is traced afresh. At most ``size`` graphs are kept."""
+    when it was traced; any other network is traced afresh. At most ``size`` graphs are kept, none holding the
+    weights of the network it was traced from."""
 
     def __init__(self, size: int = 32) -> None:
         self.size = size
-        self._graphs: OrderedDict[Hashable, tuple[fx.GraphModule, list[tuple[str, Hashable]]]] = OrderedDict()
+        self._traces: OrderedDict[Hashable, Trace] = OrderedDict()
 
-    def traced(self, network: nn.Module, key: Hashable | None) -> fx.GraphModule:
-        """``network`` traced, or a trace of an earlier network of the same key: its ``graph``'s targets resolve
-        on ``network`` (a tensor the tracer made, which the network lacks: on the trace); raises when it cannot
+    def trace(self, network: nn.Module, key: Hashable | None) -> Trace:
+        """``network``'s trace, or that of an earlier network of the same key that fits it; raises when it cannot
         be traced."""
-        kept = self._graphs.get(key) if key is not None else None
-        if kept is not None and all(_signature(network, target) == sig for target, sig in kept[1]):
-            self._graphs.move_to_end(key)
-            return kept[0]
-        traced = fx.symbolic_trace(network)
+        kept = self._traces.get(key) if key is not None else None
+        if kept is not None and kept.fits(network):
+            self._traces.move_to_end(key)
+            return kept
+        trace = Trace.of(network)
         if key is not None and self.size > 0:
-            targets = [str(n.target) for n in traced.graph.nodes if n.op in ("call_module", "get_attr")]
-            self._graphs[key] = (traced, [(t, _signature(network, t)) for t in targets])
-            while len(self._graphs) > self.size:
-                self._graphs.popitem(last=False)
-        return traced
+            self._traces[key] = trace
+            while len(self._traces) > self.size:
+                self._traces.popitem(last=False)
+        return trace
 
 
 def _signature(network: nn.Module, target: str) -> Hashable:
@@ -232,7 +256,7 @@ def merge_networks(
     ``traces``, a network whose key (``keys``) was traced before reuses its graph (:class:`Traces`)."""
     traces = traces if traces is not None else Traces(0)
     try:
-        traced = [traces.traced(n, k) for n, k in zip(networks, keys or [None] * len(networks), strict=True)]
+        traced = [traces.trace(n, k) for n, k in zip(networks, keys or [None] * len(networks), strict=True)]
     except Exception:  # noqa: BLE001 (any tracing failure: the networks run one by one)
         return None
     for t in traced:
