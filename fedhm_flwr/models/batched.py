@@ -130,7 +130,7 @@ class _Builder:
         else a new one, ``target`` (a module or constant: registered on the root)."""
         candidates = self.nodes.setdefault(key, [])
         for kept, node in candidates:
-            if same is None or (_same_module(kept, same) if op == "call_module" else _same_tensor(kept, same)):
+            if same is None or kept is same or (_same_module if op == "call_module" else _same_tensor)(kept, same):
                 return node
         name = target
         if op == "call_module":
