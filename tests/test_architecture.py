@@ -108,7 +108,7 @@ OPTIONAL_IMPORTS = {
     "onnxruntime": "about 0.3 s to import; only the export's check of model.onnx uses it",
     "matplotlib": "about a second to import; only the plots use it",
     "torch.utils.tensorboard": "imports TensorBoard (seconds); only tracking.tensorboard uses it",
-    "torch._dynamo": "about 1.2 s of CPU; only training (torch.optim) needs it: the node-info handler loads it ahead",
+    "torch._dynamo": "seconds of CPU; torch.optim and meta-device forwards import it (not the project's training)",
     "flwr.cli": "Flower's CLI, about 1.1 s to import: only the launcher's status and stop of a run (ops/job/control)",
     "flwr.proto.control_pb2": "the Control API's messages: only the launcher's stop of its run (ops/job/control.py)",
     "click": "imported by flwr.cli; only the launcher's status and stop of its run catch its exceptions",

@@ -26,9 +26,10 @@ Other keys are passed to the builder untouched.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -230,23 +231,41 @@ def deployable_network(
     return dict(spec), model.eval()
 
 
+#: a model with at most this many parameters is counted on the CPU (built and run on a batch of 2 in
+#: milliseconds); a larger one on the meta device, where every operation runs through torch's Python
+#: decompositions, which import ``torch._dynamo`` at their first call (about 2 s of CPU, once per process)
+SHAPES_ON_CPU_UP_TO = 2_000_000
+
+
 @functools.lru_cache(maxsize=64)
-def _meta_runs(spec_json: str) -> bool:
+def _shape_device(spec_json: str, small_on_cpu: bool) -> str:
     spec = json.loads(spec_json)
     try:
         with torch.device("meta"):
             model = build_model(spec, spectral_init=False)
+            if small_on_cpu and sum(p.numel() for p in model.parameters()) <= SHAPES_ON_CPU_UP_TO:
+                return "cpu"
             if "image_size" in spec:
                 model(torch.empty(2, *input_shape(spec)))
     except Exception:  # noqa: BLE001 - any failure means "not on the meta device"
-        return False
-    return True
+        return "cpu"
+    return "meta"
 
 
-def shape_device(spec: Mapping[str, Any]) -> torch.device:
+@contextlib.contextmanager
+def shape_device(spec: Mapping[str, Any], *, small_on_cpu: bool = True) -> Iterator[torch.device]:
     """Where to build ``spec``'s model when only shapes matter (counting parameters and MACs, the
-    config check): the meta device (no weight allocated) when the model's constructor and forward
-    run there, else the CPU (some constructors initialise weights in ways the meta device cannot
-    run, e.g. torchvision's RegNet). Decided once per spec (a meta build and forward of batch 2)."""
+    config check), as a context: the CPU for a small model (:data:`SHAPES_ON_CPU_UP_TO`; not with
+    ``small_on_cpu=False``, for work that the meta device skips whatever the size: a method's payloads,
+    FedHM's SVDs) or one whose constructor or forward the meta device cannot run (e.g. torchvision's
+    RegNet), else the meta device (no weight allocated). Decided once per spec (a meta build, and a meta
+    forward of batch 2). On the CPU, the random draws of the weights' initialisation are undone on
+    leaving (torch's global generator is as it was), as the meta device draws none: counting leaves a
+    seeded run as it is."""
     plain = {k: v for k, v in spec.items() if k not in ("ranks", "prism")}  # the architecture decides
-    return torch.device("meta") if _meta_runs(json.dumps(plain, sort_keys=True, default=str)) else torch.device("cpu")
+    device = torch.device(_shape_device(json.dumps(plain, sort_keys=True, default=str), small_on_cpu))
+    with contextlib.ExitStack() as stack:
+        if device.type == "cpu":
+            stack.enter_context(torch.random.fork_rng(devices=[]))
+        stack.enter_context(device)
+        yield device

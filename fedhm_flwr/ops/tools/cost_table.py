@@ -45,7 +45,7 @@ def table_rows(opts: RunOptions, spec: dict[str, Any]) -> list[dict[str, Any]]:
     """One dict per level of the run ``opts`` of the model ``spec`` (see :func:`level_rows`)."""
     if opts.method.name not in SHAPE_ONLY:  # payloads that depend on values
         return _rows(opts, spec, STRATEGIES[opts.method.name](opts, spec).method)
-    with shape_device(spec):  # shapes only: no weight allocated, no SVD (meta; else the CPU)
+    with shape_device(spec, small_on_cpu=False):  # shapes only: no weight allocated, no SVD (meta; else the CPU)
         return _rows(opts, spec, STRATEGIES[opts.method.name](opts, spec).method)
 
 
