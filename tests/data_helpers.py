@@ -32,17 +32,19 @@ def train_messages(cfg, grid):
     return list(strategy.configure_train(1, state, None, grid))
 
 
-def fake_cifar10(root: Path, n_per_batch: int = 20) -> Path:
+def fake_cifar10(root: Path, n_per_batch: int = 20, n_test: int | None = None) -> Path:
     """``root/cifar-10-batches-py`` in torchvision's pickle layout (data_batch_1..5, test_batch,
-    batches.meta), ``n_per_batch`` random images per file with labels cycling over the 10 classes."""
+    batches.meta), ``n_per_batch`` random images per file (``n_test`` in test_batch: default
+    ``n_per_batch``) with labels cycling over the 10 classes."""
     folder = root / "cifar-10-batches-py"
     folder.mkdir(parents=True)
     rng = np.random.default_rng(1)
     names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
     for k, fname in enumerate(names):
+        n = n_per_batch if fname != "test_batch" or n_test is None else n_test
         entry = {
-            "data": rng.integers(0, 256, size=(n_per_batch, 3 * 32 * 32), dtype=np.uint8),
-            "labels": [int(v) for v in (np.arange(n_per_batch) + k) % 10],
+            "data": rng.integers(0, 256, size=(n, 3 * 32 * 32), dtype=np.uint8),
+            "labels": [int(v) for v in (np.arange(n) + k) % 10],
         }
         with open(folder / fname, "wb") as f:
             pickle.dump(entry, f)

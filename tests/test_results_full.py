@@ -160,7 +160,8 @@ def test_plan_command_prints_the_full_study(tmp_path: Path, capsys: pytest.Captu
 
 @pytest.mark.slow
 def test_full_study_on_a_fake_cifar10_folder_in_one_command(tmp_path: Path):
-    folder = fake_cifar10(tmp_path / "data", n_per_batch=200)  # 1,000 training images for 50 clients
+    # 1,000 training images for 50 clients; 50 test images (what the run scores: every level, each export)
+    folder = fake_cifar10(tmp_path / "data", n_per_batch=200, n_test=50)
     # the fake files cannot match torchvision's md5 sums: its check is switched off in the subprocess only
     shim = tmp_path / "shim"
     shim.mkdir()
