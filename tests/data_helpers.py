@@ -41,7 +41,7 @@ def fake_cifar10(root: Path, n_per_batch: int = 20, n_test: int | None = None) -
     rng = np.random.default_rng(1)
     names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
     for k, fname in enumerate(names):
-        n = n_per_batch if fname != "test_batch" or n_test is None else n_test
+        n = n_test if fname == "test_batch" and n_test is not None else n_per_batch
         entry = {
             "data": rng.integers(0, 256, size=(n, 3 * 32 * 32), dtype=np.uint8),
             "labels": [int(v) for v in (np.arange(n) + k) % 10],

@@ -264,8 +264,5 @@ def shape_device(spec: Mapping[str, Any], *, small_on_cpu: bool = True) -> Itera
     seeded run as it is."""
     plain = {k: v for k, v in spec.items() if k not in ("ranks", "prism")}  # the architecture decides
     device = torch.device(_shape_device(json.dumps(plain, sort_keys=True, default=str), small_on_cpu))
-    with contextlib.ExitStack() as stack:
-        if device.type == "cpu":
-            stack.enter_context(torch.random.fork_rng(devices=[]))
-        stack.enter_context(device)
+    with torch.random.fork_rng(devices=[]) if device.type == "cpu" else contextlib.nullcontext(), device:
         yield device
